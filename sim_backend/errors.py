@@ -1,0 +1,175 @@
+"""Typed errors for every layer of the simulator.
+
+Every failure the operator can see is one of these, never a bare
+``Exception``, an ``abort()`` or a silent hang (FACTS F6 lists the
+production integration's failures this replaces).
+"""
+
+from __future__ import annotations
+
+
+class CalError(Exception):
+    """Base of all calconsole / sim_backend errors."""
+
+
+# --- bundle / manifest -------------------------------------------------------
+
+class ManifestError(CalError):
+    """A calbin manifest (or other bundle file) is malformed or inconsistent.
+
+    Attributes:
+        file: path of the offending file (str).
+        field: dotted name of the offending field, e.g. ``submodels.prefill.type``.
+    """
+
+    def __init__(self, file: str, field: str, message: str) -> None:
+        self.file = str(file)
+        self.field = field
+        self.message = message
+        super().__init__(f"{self.file}: field '{field}': {message}")
+
+
+# --- request errors (llama.cpp server error types) ---------------------------
+
+class RequestError(CalError):
+    """A request was refused. ``error_type`` is llama.cpp's error ``type`` string."""
+
+    error_type = "server_error"
+    http_status = 500
+
+    def to_dict(self) -> dict:
+        """llama.cpp-style error body: ``{"code", "message", "type"}``."""
+        return {"code": self.http_status, "message": str(self), "type": self.error_type}
+
+
+class InvalidRequestError(RequestError):
+    """Bad request parameters (llama.cpp ``invalid_request_error``, HTTP 400)."""
+
+    error_type = "invalid_request_error"
+    http_status = 400
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+class ExceedContextSizeError(RequestError):
+    """Prompt does not fit the context (llama.cpp ``exceed_context_size_error``).
+
+    Attributes:
+        n_prompt_tokens: prompt length in tokens, chat template included.
+        n_ctx: context size in tokens (40960 from the calbin, FACTS F2).
+    """
+
+    error_type = "exceed_context_size_error"
+    http_status = 400
+
+    def __init__(self, n_prompt_tokens: int, n_ctx: int, message: str | None = None) -> None:
+        self.n_prompt_tokens = n_prompt_tokens
+        self.n_ctx = n_ctx
+        super().__init__(
+            message
+            or f"the request exceeds the available context size: prompt has {n_prompt_tokens} "
+            f"tokens, context is {n_ctx} tokens"
+        )
+
+    def to_dict(self) -> dict:
+        body = super().to_dict()
+        body.update(n_prompt_tokens=self.n_prompt_tokens, n_ctx=self.n_ctx)
+        return body
+
+
+class UnavailableError(RequestError):
+    """Server cannot take the request now (llama.cpp ``unavailable_error``, HTTP 503)."""
+
+    error_type = "unavailable_error"
+    http_status = 503
+
+
+class RequestCancelled(CalError):
+    """A request ended by cancellation; ``reason`` says who/why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(f"cancelled: {reason}")
+
+
+# --- device / runtime -------------------------------------------------------
+
+class DeviceError(CalError):
+    """A runtime call on the (simulated) device failed. ``code`` is a CalRT-like status."""
+
+    code = -1
+
+    def to_dict(self) -> dict:
+        return {"code": self.code, "message": str(self), "type": type(self).__name__}
+
+
+class WaitTimeout(DeviceError):
+    """``wait(timeout)`` expired before the job finished (the job keeps running)."""
+
+    code = -2
+
+
+class CCUException(DeviceError):
+    """The CCU raised an exception while executing a job (OutputBuf state ccu_exception)."""
+
+    code = -3
+
+
+class DeviceReset(DeviceError):
+    """The device was reset while the job was pending or running."""
+
+    code = -4
+
+
+class LinkError(DeviceError):
+    """Chiplet-to-chiplet (D2D) link failure during a job."""
+
+    code = -5
+
+
+class DeviceNotReady(DeviceError):
+    """Device memory is cleared or the calbin is not configured; reload first."""
+
+    code = -6
+
+
+class SubmitError(DeviceError):
+    """The job could not be submitted (bad buffers, bad CSR values, queue closed)."""
+
+    code = -7
+
+
+# --- KV cache -----------------------------------------------------------------
+
+class KVExhausted(CalError):
+    """KV cells could not be granted within the timeout.
+
+    Attributes:
+        requested: cells (tokens) asked for.
+        free: free cells when giving up.
+        capacity: total cells (40960, FACTS F4).
+        waited_s: host wall seconds spent waiting.
+    """
+
+    def __init__(self, requested: int, free: int, capacity: int, waited_s: float) -> None:
+        self.requested = requested
+        self.free = free
+        self.capacity = capacity
+        self.waited_s = waited_s
+        super().__init__(
+            f"KV cache exhausted: requested {requested} tokens, {free} free of {capacity} "
+            f"after waiting {waited_s * 1000:.0f} ms"
+        )
+
+
+# --- maintenance --------------------------------------------------------------
+
+class MaintenanceRefused(CalError):
+    """A maintenance action was refused (no lease, wrong lease, bad argument, busy)."""
+
+    def __init__(self, action: str, reason: str) -> None:
+        self.action = action
+        self.reason = reason
+        super().__init__(f"{action} refused: {reason}")
