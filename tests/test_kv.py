@@ -1,0 +1,567 @@
+"""Unit tests for sim_backend.kv.KVCacheManager (llama.cpp unified KV semantics, FACTS F4/F6)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sim_backend.config import ModelShape
+from sim_backend.errors import KVExhausted, RequestCancelled
+from sim_backend.kv import KV_STATE_VERSION, KVCacheManager, KVOccupancy
+
+
+def small(n_cells: int = 64, block_size: int = 8) -> KVCacheManager:
+    return KVCacheManager(n_cells=n_cells, block_size=block_size)
+
+
+def positions(kv: KVCacheManager, s: int) -> list[int]:
+    return kv.seq_cells(s)[1].tolist()
+
+
+# --------------------------------------------------------------- capacity (F4)
+
+def test_default_capacity_is_facts_f4():
+    kv = KVCacheManager()
+    occ = kv.occupancy()
+    assert isinstance(occ, KVOccupancy)
+    assert occ.capacity_cells == 40960 == ModelShape().n_ctx
+    assert kv.bytes_per_token_per_chip == 49_152
+    # 48 layers x 2 KV heads/chip x K/V x 128 x 2 B x 40960 = 1.875 GiB per chip.
+    assert occ.bytes_capacity_per_chip == 2_013_265_920 == int(1.875 * 2**30)
+    assert occ.bytes_capacity_per_chip * kv.n_chips == int(3.75 * 2**30)
+    assert occ.total_blocks == 160 and occ.block_size == 256
+    assert occ.used_cells == 0 and occ.free_cells == 40960 and occ.used_blocks == 0
+    assert occ.per_seq_tokens == ()
+
+
+def test_occupancy_counts_blocks_bytes_and_shared_cells():
+    kv = small(64, 8)
+    kv.apply(0, 10, timeout=0)
+    kv.seq_cp(0, 1, 0, 5)
+    occ = kv.occupancy()
+    assert occ.used_cells == 10 and occ.free_cells == 54
+    assert occ.used_blocks == 2  # 10 cells compact -> blocks 0 and 1
+    assert occ.per_seq_tokens == ((0, 10), (1, 5))
+    assert occ.bytes_used_per_chip == 10 * kv.bytes_per_token_per_chip
+    with pytest.raises(Exception):
+        occ.used_cells = 3  # frozen
+
+
+def test_occupancy_partial_last_block():
+    kv = KVCacheManager(n_cells=10, block_size=4)
+    assert kv.occupancy().total_blocks == 3
+    kv.apply(0, 10, timeout=0)
+    assert kv.occupancy().used_blocks == 3
+
+
+# ---------------------------------------------------------------------- apply
+
+def test_apply_default_positions_continue_after_pos_max():
+    kv = small()
+    c1 = kv.apply(0, 4, timeout=0)
+    assert c1.dtype == np.int64 and c1.tolist() == [0, 1, 2, 3]
+    assert positions(kv, 0) == [0, 1, 2, 3]
+    c2 = kv.apply(0, 2, timeout=0)
+    assert positions(kv, 0) == [0, 1, 2, 3, 4, 5]
+    # decode appends right after the sequence's last cell
+    assert c2.tolist() == [4, 5]
+    cells, pos = kv.seq_cells(0)
+    assert cells.tolist() == [0, 1, 2, 3, 4, 5] and pos.tolist() == list(range(6))
+
+
+def test_apply_explicit_positions_aligned_with_cells():
+    kv = small()
+    cells = kv.apply(2, 3, timeout=0, positions=[7, 5, 6])
+    pos, seqs = kv.cells_snapshot()
+    assert pos[cells].tolist() == [7, 5, 6]
+    assert all(seqs[c] == 1 << 2 for c in cells)
+    c_sorted, p_sorted = kv.seq_cells(2)
+    assert p_sorted.tolist() == [5, 6, 7]
+    assert (np.diff(c_sorted) > 0).all()  # ascending cells for ascending positions
+
+
+def test_apply_zero_tokens_and_bad_arguments():
+    kv = small()
+    assert kv.apply(0, 0, timeout=0).size == 0
+    with pytest.raises(ValueError):
+        kv.apply(0, -1, timeout=0)
+    with pytest.raises(ValueError):
+        kv.apply(64, 1, timeout=0)  # n_seq_max = 64
+    with pytest.raises(ValueError):
+        kv.apply(-1, 1, timeout=0)
+    with pytest.raises(ValueError):
+        kv.apply(0, 1, timeout=float("inf"))  # no unbounded waits
+    with pytest.raises(ValueError):
+        kv.apply(0, 1, timeout=-1)
+    with pytest.raises(ValueError):
+        kv.apply(0, 2, timeout=0, positions=[1])
+    with pytest.raises(ValueError):
+        kv.apply(0, 1, timeout=0, positions=[-3])
+    with pytest.raises(TypeError):
+        kv.apply(0, 1)  # timeout is required
+    assert kv.occupancy().used_cells == 0
+
+
+def test_apply_prefers_best_fit_hole():
+    kv = small(64, 8)
+    kv.apply(0, 10, timeout=0)  # cells 0..9
+    kv.apply(1, 3, timeout=0)  # 10..12
+    kv.apply(2, 10, timeout=0)  # 13..22
+    kv.free(1)  # 3-cell hole at 10..12, big run 23..63
+    assert kv.apply(3, 2, timeout=0).tolist() == [10, 11]
+    assert kv.apply(4, 5, timeout=0).tolist() == [23, 24, 25, 26, 27]
+
+
+def test_apply_fragmented_uses_scattered_cells():
+    kv = small(16, 4)
+    for s in range(8):
+        kv.apply(s, 2, timeout=0)
+    for s in (0, 2, 4, 6):
+        kv.free(s)
+    cells = kv.apply(9, 8, timeout=0)
+    assert sorted(cells.tolist()) == [0, 1, 4, 5, 8, 9, 12, 13]
+    assert positions(kv, 9) == list(range(8))
+    assert kv.occupancy().free_cells == 0
+
+
+def test_apply_larger_than_capacity_fails_at_once():
+    kv = small(64)
+    t0 = time.monotonic()
+    with pytest.raises(KVExhausted) as ei:
+        kv.apply(0, 65, timeout=5.0)
+    assert time.monotonic() - t0 < 0.5
+    e = ei.value
+    assert (e.requested, e.free, e.capacity, e.waited_s) == (65, 64, 64, 0.0)
+    assert kv.counters().apply_oversize == 1
+    assert kv.occupancy().used_cells == 0
+
+
+def test_apply_timeout_raises_kvexhausted_nothing_allocated():
+    kv = small(64)
+    kv.apply(0, 60, timeout=0)
+    before = kv.cells_snapshot()
+    timeout = 0.2
+    t0 = time.monotonic()
+    with pytest.raises(KVExhausted) as ei:
+        kv.apply(1, 10, timeout=timeout)
+    elapsed = time.monotonic() - t0
+    assert timeout <= elapsed < timeout + 0.15
+    e = ei.value
+    assert (e.requested, e.free, e.capacity) == (10, 4, 64)
+    assert timeout <= e.waited_s <= elapsed
+    after = kv.cells_snapshot()
+    assert np.array_equal(before[0], after[0]) and np.array_equal(before[1], after[1])
+    assert kv.seq_pos_max(1) == -1
+    c = kv.counters()
+    assert c.apply_timeouts == 1 and c.apply_waits == 1
+    assert timeout * 0.9 <= kv.kv_wait_s <= elapsed + 0.01
+
+
+def test_apply_timeout_zero_does_not_wait():
+    kv = small(8)
+    kv.apply(0, 8, timeout=0)
+    with pytest.raises(KVExhausted) as ei:
+        kv.apply(1, 1, timeout=0)
+    assert ei.value.waited_s == 0.0
+    assert kv.apply_waits == 0 and kv.apply_timeouts == 1
+
+
+def test_apply_waits_and_succeeds_when_another_thread_frees():
+    kv = small(64)
+    kv.apply(0, 60, timeout=0)
+    result: dict = {}
+
+    def waiter():
+        t0 = time.monotonic()
+        try:
+            result["cells"] = kv.apply(1, 10, timeout=5.0)
+        except Exception as e:  # pragma: no cover - reported below
+            result["err"] = e
+        result["elapsed"] = time.monotonic() - t0
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    time.sleep(0.15)
+    assert "cells" not in result
+    t_free = time.monotonic()
+    assert kv.free(0) == 60
+    th.join(2.0)
+    assert not th.is_alive()
+    assert "err" not in result
+    assert len(result["cells"]) == 10 and positions(kv, 1) == list(range(10))
+    # woken by the free's notify, not by a long sleep
+    assert time.monotonic() - t_free < 0.1
+    assert kv.apply_waits == 1 and kv.kv_wait_s >= 0.1
+
+
+def test_apply_cancel_event_raises_promptly():
+    kv = small(16)
+    kv.apply(0, 16, timeout=0)
+    cancel = threading.Event()
+    result: dict = {}
+
+    def waiter():
+        try:
+            kv.apply(1, 4, timeout=10.0, cancel=cancel)
+        except RequestCancelled as e:
+            result["err"] = e
+            result["t"] = time.monotonic()
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    time.sleep(0.3)  # back-off has grown to its 50 ms cap
+    t_set = time.monotonic()
+    cancel.set()
+    th.join(2.0)
+    assert not th.is_alive()
+    assert isinstance(result["err"], RequestCancelled)
+    assert "kv apply cancelled" in str(result["err"])
+    assert result["t"] - t_set < 0.1
+    assert kv.apply_cancels == 1
+    assert kv.seq_pos_max(1) == -1 and kv.occupancy().used_cells == 16
+
+
+def test_apply_cancel_already_set_allocates_nothing():
+    kv = small(16)
+    ev = threading.Event()
+    ev.set()
+    with pytest.raises(RequestCancelled):
+        kv.apply(0, 1, timeout=1.0, cancel=ev)
+    assert kv.occupancy().used_cells == 0
+
+
+def test_can_allocate():
+    kv = small(8)
+    assert kv.can_allocate(8) and not kv.can_allocate(9)
+    kv.apply(0, 5, timeout=0)
+    assert kv.can_allocate(3) and not kv.can_allocate(4)
+    assert not kv.can_allocate(-1)
+
+
+# --------------------------------------------------- free / tail / clear (F5)
+
+def test_free_returns_cells_freed_shared_cells_stay():
+    kv = small()
+    kv.apply(0, 6, timeout=0)
+    kv.seq_cp(0, 1, 2, 4)
+    assert kv.free(0) == 4  # cells at pos 2, 3 still held by seq 1
+    assert kv.occupancy().used_cells == 2
+    assert positions(kv, 1) == [2, 3]
+    assert kv.free(0) == 0
+
+
+def test_remove_tokens_at_end():
+    kv = small()
+    kv.apply(0, 10, timeout=0)
+    assert kv.remove_tokens_at_end(0, 3) == 3
+    assert kv.seq_pos_max(0) == 6
+    assert kv.remove_tokens_at_end(0, 0) == 0
+    assert kv.remove_tokens_at_end(0, 100) == 7
+    assert kv.seq_pos_max(0) == -1
+    assert kv.remove_tokens_at_end(5, 1) == 0
+    with pytest.raises(ValueError):
+        kv.remove_tokens_at_end(0, -1)
+
+
+def test_clear():
+    kv = small()
+    kv.apply(0, 10, timeout=0)
+    kv.apply(1, 10, timeout=0)
+    kv.clear()
+    assert kv.occupancy().used_cells == 0
+    assert kv.seq_pos_min(0) == -1 and kv.seq_pos_max(1) == -1
+
+
+# --------------------------------------------------------------- seq_* (F6)
+
+def test_pos_min_max_empty_is_minus_one():
+    kv = small()
+    assert kv.seq_pos_min(0) == -1 and kv.seq_pos_max(0) == -1
+    kv.apply(0, 3, timeout=0, positions=[4, 5, 9])
+    assert kv.seq_pos_min(0) == 4 and kv.seq_pos_max(0) == 9
+    cells, pos = kv.seq_cells(3)
+    assert cells.size == 0 and pos.size == 0
+
+
+def test_seq_rm_half_open_and_negative_bounds():
+    kv = small()
+    kv.apply(0, 10, timeout=0)
+    assert kv.seq_rm(0, 2, 5) is True
+    assert positions(kv, 0) == [0, 1, 5, 6, 7, 8, 9]
+    assert kv.seq_rm(0, 8, -1)  # p1 < 0 = infinity
+    assert positions(kv, 0) == [0, 1, 5, 6, 7]
+    assert kv.seq_rm(0, -5, 1)  # p0 < 0 = 0
+    assert positions(kv, 0) == [1, 5, 6, 7]
+    assert kv.seq_rm(0, 6, 6)  # empty range
+    assert kv.seq_rm(0, 7, 3)  # reversed range: nothing
+    assert positions(kv, 0) == [1, 5, 6, 7]
+    assert kv.occupancy().used_cells == 4
+    assert kv.seq_rm(0, -1, -1)
+    assert kv.occupancy().used_cells == 0
+
+
+def test_seq_rm_middle_not_only_tail():
+    # production's seq_rm could only drop a tail (FACTS F6)
+    kv = small()
+    kv.apply(0, 8, timeout=0)
+    kv.seq_rm(0, 3, 4)
+    assert positions(kv, 0) == [0, 1, 2, 4, 5, 6, 7]
+
+
+def test_seq_rm_any_sequence():
+    kv = small()
+    kv.apply(0, 6, timeout=0)
+    kv.apply(1, 6, timeout=0)
+    kv.seq_cp(0, 2, -1, -1)
+    assert kv.seq_rm(-1, 2, 4)
+    for s in (0, 1, 2):
+        assert positions(kv, s) == [0, 1, 4, 5]
+    assert kv.occupancy().used_cells == 8
+
+
+def test_seq_rm_false_only_beyond_n_seq_max():
+    kv = small()
+    kv.apply(0, 4, timeout=0)
+    assert kv.seq_rm(64, -1, -1) is False
+    assert kv.seq_rm(5, -1, -1) is True  # valid id, nothing held
+    assert kv.occupancy().used_cells == 4
+    kv8 = KVCacheManager(n_cells=8, n_seq_max=8)
+    assert kv8.seq_rm(8, -1, -1) is False
+    with pytest.raises(ValueError):
+        kv8.apply(8, 1, timeout=0)
+
+
+def test_seq_cp_shares_cells_then_seq_rm_one_side():
+    kv = small()
+    kv.apply(0, 8, timeout=0)
+    kv.seq_cp(0, 1, 2, 6)
+    assert kv.occupancy().used_cells == 8  # shared, not copied
+    c0, _ = kv.seq_cells(0)
+    c1, p1 = kv.seq_cells(1)
+    assert p1.tolist() == [2, 3, 4, 5]
+    assert set(c1.tolist()) <= set(c0.tolist())
+    # remove from dst: src undisturbed, nothing freed
+    kv.seq_rm(1, 3, 5)
+    assert positions(kv, 1) == [2, 5]
+    assert positions(kv, 0) == list(range(8))
+    assert kv.occupancy().used_cells == 8
+    # remove from src: cells shared with dst stay used
+    kv.seq_rm(0, -1, -1)
+    assert positions(kv, 1) == [2, 5]
+    assert kv.seq_pos_max(0) == -1
+    assert kv.occupancy().used_cells == 2
+
+
+def test_seq_cp_noop_and_negative_bounds():
+    kv = small()
+    kv.apply(0, 4, timeout=0)
+    before = kv.cells_snapshot()
+    kv.seq_cp(0, 0, -1, -1)
+    assert np.array_equal(before[1], kv.cells_snapshot()[1])
+    kv.seq_cp(0, 3, -1, -1)
+    assert positions(kv, 3) == [0, 1, 2, 3]
+    kv.seq_cp(0, 3, -1, -1)  # already held: idempotent
+    assert positions(kv, 3) == [0, 1, 2, 3]
+    with pytest.raises(ValueError):
+        kv.seq_cp(0, 64, -1, -1)
+
+
+def test_seq_keep():
+    kv = small()
+    kv.apply(0, 4, timeout=0)
+    kv.apply(1, 4, timeout=0)
+    kv.seq_cp(0, 2, 0, 2)
+    kv.seq_keep(0)
+    assert positions(kv, 0) == [0, 1, 2, 3]
+    assert kv.seq_pos_max(1) == -1 and kv.seq_pos_max(2) == -1
+    assert kv.occupancy().used_cells == 4
+    _, seqs = kv.cells_snapshot()
+    assert set(np.unique(seqs).tolist()) == {0, 1}
+
+
+def test_seq_add_shifts_and_removes_negative_positions():
+    kv = small()
+    kv.apply(0, 10, timeout=0)
+    kv.seq_add(0, 5, -1, 3)
+    assert positions(kv, 0) == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12]
+    kv.seq_add(0, -1, -1, -2)  # cells at 0 and 1 go negative -> removed
+    assert positions(kv, 0) == [0, 1, 2, 6, 7, 8, 9, 10]
+    assert kv.occupancy().used_cells == 8
+    kv.seq_add(0, 0, 0, 5)  # empty range
+    kv.seq_add(0, -1, -1, 0)  # zero delta
+    assert positions(kv, 0) == [0, 1, 2, 6, 7, 8, 9, 10]
+
+
+def test_seq_add_on_shared_cell_is_llamacpp_semantics():
+    # a cell has ONE position: shifting it for seq 0 moves it for seq 1 too,
+    # and going negative empties the whole cell (llama_kv_cells_unified::pos_add)
+    kv = small()
+    kv.apply(0, 4, timeout=0)
+    kv.seq_cp(0, 1, -1, -1)
+    kv.apply(1, 2, timeout=0)  # seq 1 own cells at 4, 5
+    kv.seq_add(0, 2, -1, 10)
+    assert positions(kv, 0) == [0, 1, 12, 13]
+    assert positions(kv, 1) == [0, 1, 4, 5, 12, 13]
+    kv.seq_add(0, -1, 1, -1)  # cell at pos 0 -> -1: emptied for both
+    assert positions(kv, 0) == [1, 12, 13]
+    assert positions(kv, 1) == [1, 4, 5, 12, 13]
+
+
+def test_seq_div():
+    kv = small()
+    kv.apply(0, 8, timeout=0)
+    kv.seq_div(0, 4, -1, 2)
+    assert positions(kv, 0) == [0, 1, 2, 2, 2, 3, 3, 3]
+    kv.seq_div(0, -1, -1, 1)  # no-op
+    assert positions(kv, 0) == [0, 1, 2, 2, 2, 3, 3, 3]
+    with pytest.raises(ValueError):
+        kv.seq_div(0, -1, -1, 0)
+    with pytest.raises(ValueError):
+        kv.seq_div(0, -1, -1, -2)
+    # next apply continues after pos_max
+    kv.apply(0, 1, timeout=0)
+    assert kv.seq_pos_max(0) == 4
+
+
+def test_take_shift_reports_moved_cells():
+    kv = small()
+    cells = kv.apply(0, 6, timeout=0)
+    assert not kv.has_shift
+    kv.seq_add(0, 3, -1, 4)
+    kv.seq_div(0, 0, 2, 2)
+    assert kv.has_shift
+    c, sh = kv.take_shift()
+    got = dict(zip(c.tolist(), sh.tolist()))
+    assert got == {int(cells[1]): -1, int(cells[3]): 4, int(cells[4]): 4, int(cells[5]): 4}
+    assert not kv.has_shift
+    kv.seq_add(0, -1, -1, -100)  # all negative: cleared cells carry no shift
+    assert not kv.has_shift
+
+
+def test_seq_id_validation():
+    kv = small()
+    for f in (kv.free, kv.seq_keep, kv.seq_pos_min, kv.seq_pos_max, kv.seq_cells):
+        with pytest.raises(ValueError):
+            f(64)
+        with pytest.raises(ValueError):
+            f(-1)
+    with pytest.raises(ValueError):
+        kv.seq_add(64, 0, 1, 1)
+
+
+# ------------------------------------------------------------- state files
+
+def _kv_arrays(n_cells: int, rng) -> list[tuple[np.ndarray, int]]:
+    # like the device's per-chip K and V: (layers, kv_heads, n_cells, head_dim)
+    k = rng.standard_normal((3, 2, n_cells, 4)).astype(np.float32)
+    v = rng.standard_normal((3, 2, n_cells, 4)).astype(np.float32)
+    return [(k, 2), (v, 2)]
+
+
+def test_save_load_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    kv = small(64)
+    arrays = _kv_arrays(64, rng)
+    kv.apply(1, 5, timeout=0)  # other seq first so cells differ after reload
+    cells = kv.apply(0, 12, timeout=0)
+    kv.seq_rm(0, 3, 5)
+    kv.seq_div(0, 8, -1, 2)
+    c0, p0 = kv.seq_cells(0)
+    rows = [np.take(a, c0, axis=ax) for a, ax in arrays]
+    path = tmp_path / "seq0.kvstate"
+    assert kv.save_seq_state(0, path, arrays) == 10
+    assert path.exists()
+
+    kv2 = small(64)
+    kv2.apply(3, 7, timeout=0)  # different layout on the target
+    arrays2 = [(np.zeros_like(a), ax) for a, ax in arrays]
+    assert kv2.load_seq_state(5, path, arrays2, timeout=1.0) == 10
+    c5, p5 = kv2.seq_cells(5)
+    assert p5.tolist() == p0.tolist()
+    for (a2, ax), r in zip(arrays2, rows):
+        assert np.array_equal(np.take(a2, c5, axis=ax), r)
+    assert positions(kv2, 3) == list(range(7))
+
+    # loading over an existing sequence replaces it (llama.cpp clears dest first)
+    assert kv.load_seq_state(0, path, arrays, timeout=1.0) == 10
+    assert kv.seq_cells(0)[1].tolist() == p0.tolist()
+    assert kv.occupancy().used_cells == 15
+    del cells
+
+
+def test_load_rejects_mismatched_files(tmp_path):
+    rng = np.random.default_rng(1)
+    kv = small(64)
+    arrays = _kv_arrays(64, rng)
+    kv.apply(0, 4, timeout=0)
+    path = tmp_path / "s.npz"
+    kv.save_seq_state(0, path, arrays)
+
+    other = KVCacheManager(n_cells=128)
+    with pytest.raises(ValueError, match="n_cells=64"):
+        other.load_seq_state(0, path, _kv_arrays(128, rng), timeout=0)
+    other_bpt = KVCacheManager(n_cells=64, bytes_per_token_per_chip=1024)
+    with pytest.raises(ValueError, match="bytes_per_token_per_chip"):
+        other_bpt.load_seq_state(0, path, arrays, timeout=0)
+    target = small(64)
+    with pytest.raises(ValueError, match="2 arrays"):
+        target.load_seq_state(0, path, arrays[:1], timeout=0)
+    bad_dtype = [(a.astype(np.float64), ax) for a, ax in arrays]
+    with pytest.raises(ValueError, match="rows"):
+        target.load_seq_state(0, path, bad_dtype, timeout=0)
+    assert target.occupancy().used_cells == 0
+
+    # wrong version
+    data = dict(np.load(path))
+    data["version"] = np.array(KV_STATE_VERSION + 1)
+    vpath = tmp_path / "v.npz"
+    with open(vpath, "wb") as f:
+        np.savez(f, **data)
+    with pytest.raises(ValueError, match="version"):
+        target.load_seq_state(0, vpath, arrays, timeout=0)
+    # not a state file at all
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(b"hello")
+    with pytest.raises(ValueError):
+        target.load_seq_state(0, junk, (), timeout=0)
+
+
+def test_load_bounded_when_full(tmp_path):
+    kv = small(16)
+    kv.apply(0, 8, timeout=0)
+    path = tmp_path / "s"
+    kv.save_seq_state(0, path)
+    full = small(16)
+    full.apply(1, 12, timeout=0)
+    with pytest.raises(KVExhausted):
+        full.load_seq_state(2, path, timeout=0.05)
+    assert full.occupancy().used_cells == 12 and full.seq_pos_max(2) == -1
+
+
+def test_save_array_without_cell_axis_rejected(tmp_path):
+    kv = small(64)
+    kv.apply(0, 2, timeout=0)
+    with pytest.raises(ValueError):
+        kv.save_seq_state(0, tmp_path / "x", [(np.zeros((3, 63)), 1)])
+
+
+# ------------------------------------------------------------------ perf
+
+def test_full_size_ops_are_fast():
+    kv = KVCacheManager()
+    for s in range(8):
+        kv.apply(s, 4000, timeout=0)
+    n = 200
+    t0 = time.perf_counter()
+    for _ in range(n):
+        kv.apply(3, 1, timeout=0)
+    t_apply = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for _ in range(n):
+        kv.seq_rm(3, 3990, -1)
+    t_rm = (time.perf_counter() - t0) / n
+    # generous bound for slow CI; typically ~0.1 ms and ~0.05 ms
+    assert t_apply < 0.005 and t_rm < 0.005
