@@ -1,0 +1,360 @@
+"""Strict loader for a calbin bundle directory (``calbin.yaml`` + companions).
+
+Sub-models are found by EXACT name and checked by type, I/O dtypes and
+shapes (the production integration matched names by substring, last one
+winning: FACTS F6). Fatal problems raise ``ManifestError`` naming the file
+and the field. Known, survivable defects of the real bundle (FACTS F4, F6)
+are reported as ``Finding`` s with a severity and what the loader did.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .config import ModelShape, NumericShape
+from .errors import ManifestError
+
+DEFAULT_BUNDLE_DIR = Path(__file__).resolve().parent / "bundles" / "qwen3-30b-a3b"
+MANIFEST_NAME = "calbin.yaml"
+REQUIRED_SUBMODELS = ("prefill", "decode")
+KNOWN_TYPES = ("llm_prefill", "llm_decode")
+# Chips on the simulated board; a manifest for another topology is refused.
+DEVICE_CHIPS = 2
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One manifest check result. severity: "info" | "warning" | "error"."""
+
+    severity: str
+    code: str
+    file: str
+    field: str
+    message: str
+    action: str
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """An I/O tensor of a sub-model: name, dtype ("int32", "bf16", ...), shape (tuple of ints)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SubModelSpec:
+    """A sub-model of the calbin (prefill or decode), as declared in the manifest."""
+
+    name: str
+    smodel_type: str
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    csr: tuple[str, ...]
+    dynamic_d2d: bool
+
+    def input(self, name: str) -> TensorSpec:
+        for t in self.inputs:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A loaded, validated bundle.
+
+    ``context`` is the calbin context in tokens (40960, FACTS F2) — the only
+    context limit used; ``tokenizer_max_length`` is reported, never used.
+    """
+
+    path: Path
+    name: str
+    device_name: str
+    calrt_version: str
+    firmware_commit: str
+    shape: ModelShape
+    numeric: NumericShape
+    context: int
+    max_batch_size: int
+    device_memory_required_bytes: int | None
+    submodels: dict[str, SubModelSpec]
+    tokenizer_max_length: int | None
+    golden_file: Path | None
+    golden_max_abs_error: float
+    findings: tuple[Finding, ...] = field(default_factory=tuple)
+
+    def submodel(self, name: str, smodel_type: str | None = None) -> SubModelSpec:
+        """Sub-model by exact name (and, if given, exact type). KeyError otherwise."""
+        sm = self.submodels[name]
+        if smodel_type is not None and sm.smodel_type != smodel_type:
+            raise KeyError(f"{name} has type {sm.smodel_type}, not {smodel_type}")
+        return sm
+
+
+_UNITS = {"B": 1, "KB": 1024, "KIB": 1024, "MB": 2**20, "MIB": 2**20, "GB": 2**30, "GIB": 2**30}
+
+
+class _Reader:
+    """Typed field access that raises ManifestError(file, dotted field)."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+
+    def fail(self, fld: str, msg: str) -> ManifestError:
+        return ManifestError(str(self.file), fld, msg)
+
+    def get(self, node: Any, key: str, fld: str, typ: type | tuple[type, ...], *, required: bool = True,
+            default: Any = None) -> Any:
+        if not isinstance(node, dict):
+            raise self.fail(fld.rsplit(".", 1)[0] or fld, "expected a mapping")
+        if key not in node:
+            if required:
+                raise self.fail(fld, "missing required field")
+            return default
+        val = node[key]
+        if typ is float and isinstance(val, int) and not isinstance(val, bool):
+            val = float(val)
+        if isinstance(val, bool) and typ is not bool:
+            raise self.fail(fld, f"expected {getattr(typ, '__name__', typ)}, got bool")
+        if not isinstance(val, typ):
+            tn = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+            raise self.fail(fld, f"expected {tn}, got {type(val).__name__} ({val!r})")
+        return val
+
+    def pos_int(self, node: Any, key: str, fld: str) -> int:
+        v = self.get(node, key, fld, int)
+        if v <= 0:
+            raise self.fail(fld, f"must be > 0, got {v}")
+        return v
+
+
+def _load_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ManifestError(str(path), "<file>", "file not found") from None
+    except OSError as e:
+        raise ManifestError(str(path), "<file>", f"cannot read: {e}") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = ""
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None:
+            where = f" at line {mark.line + 1}, column {mark.column + 1}"
+        raise ManifestError(str(path), "<yaml>", f"malformed YAML{where}: {getattr(e, 'problem', e)}") from None
+
+
+def _parse_memory(text: str) -> int | None:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        return None
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _tensors(r: _Reader, node: Any, fld: str) -> tuple[TensorSpec, ...]:
+    if not isinstance(node, list) or not node:
+        raise r.fail(fld, "expected a non-empty list of tensors")
+    out = []
+    names = set()
+    for i, t in enumerate(node):
+        f = f"{fld}[{i}]"
+        name = r.get(t, "name", f + ".name", str)
+        if name in names:
+            raise r.fail(f + ".name", f"duplicate tensor name {name!r}")
+        names.add(name)
+        dtype = r.get(t, "dtype", f + ".dtype", str)
+        shape = r.get(t, "shape", f + ".shape", list)
+        if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+            raise r.fail(f + ".shape", f"expected a list of positive ints, got {shape!r}")
+        out.append(TensorSpec(name, dtype, tuple(shape)))
+    return tuple(out)
+
+
+def load_bundle(path: str | Path | None = None) -> Bundle:
+    """Load and validate the bundle in directory ``path`` (default: the shipped simulator bundle).
+
+    Raises:
+        ManifestError: the directory, ``calbin.yaml`` or a companion file is
+            missing or malformed, or a fatal check fails (missing or duplicate
+            sub-model, unknown type, dtype/shape mismatch, batch != 1, chip
+            topology != the device's 2 chiplets). The message names file and field.
+    """
+    bdir = Path(path) if path is not None else DEFAULT_BUNDLE_DIR
+    if not bdir.is_dir():
+        raise ManifestError(str(bdir), "<bundle>", "bundle directory not found")
+    mf = bdir / MANIFEST_NAME
+    doc = _load_yaml(mf)
+    r = _Reader(mf)
+    if not isinstance(doc, dict):
+        raise r.fail("<root>", "expected a mapping at the top level")
+    findings: list[Finding] = []
+
+    def finding(sev: str, code: str, fld: str, msg: str, action: str, file: Path = mf) -> None:
+        findings.append(Finding(sev, code, str(file), fld, msg, action))
+
+    fmt = r.get(doc, "format", "format", str)
+    if fmt != "calbin-manifest/1":
+        raise r.fail("format", f"unsupported format {fmt!r} (expected 'calbin-manifest/1')")
+    name = r.get(doc, "name", "name", str)
+    device_name = r.get(doc, "device_name", "device_name", str)
+    calrt_version = str(r.get(doc, "calrt_version", "calrt_version", (str, int, float)))
+    firmware = str(r.get(doc, "firmware_commit", "firmware_commit", (str, int)))
+
+    m = r.get(doc, "model", "model", dict)
+    ints = ("n_layers", "hidden", "n_q_heads", "n_kv_heads", "head_dim", "n_experts", "n_experts_active",
+            "expert_ffn", "vocab")
+    mvals = {k: r.pos_int(m, k, f"model.{k}") for k in ints}
+    rope_theta = r.get(m, "rope_theta", "model.rope_theta", float)
+    rms_eps = r.get(m, "rms_eps", "model.rms_eps", float)
+    if mvals["n_q_heads"] % mvals["n_kv_heads"]:
+        raise r.fail("model.n_q_heads", "must be a multiple of n_kv_heads (GQA)")
+    if mvals["n_experts_active"] > mvals["n_experts"]:
+        raise r.fail("model.n_experts_active", "cannot exceed n_experts")
+
+    context = r.pos_int(doc, "context", "context")
+    batch = r.pos_int(doc, "max_batch_size", "max_batch_size")
+    if batch != 1:
+        raise r.fail("max_batch_size", f"the device runs batch 1 only (FACTS F1), manifest says {batch}")
+
+    topo = r.get(doc, "topology", "topology", dict)
+    chips = r.pos_int(topo, "chips", "topology.chips")
+    if chips != DEVICE_CHIPS:
+        raise r.fail("topology.chips", f"manifest is for {chips} chiplets, the device has {DEVICE_CHIPS}")
+    kvpc = r.pos_int(topo, "kv_heads_per_chip", "topology.kv_heads_per_chip")
+    if kvpc * chips != mvals["n_kv_heads"]:
+        raise r.fail("topology.kv_heads_per_chip",
+                     f"{kvpc} x {chips} chips != n_kv_heads {mvals['n_kv_heads']}")
+    qpc = r.pos_int(topo, "q_heads_per_chip", "topology.q_heads_per_chip")
+    if qpc * chips != mvals["n_q_heads"]:
+        raise r.fail("topology.q_heads_per_chip", f"{qpc} x {chips} chips != n_q_heads {mvals['n_q_heads']}")
+
+    shape = ModelShape(rope_theta=rope_theta, rms_eps=rms_eps, n_ctx=context, max_batch=batch,
+                       n_chips=chips, **mvals)
+
+    nm = r.get(doc, "numerics", "numerics", dict)
+    numeric = NumericShape(hidden=r.pos_int(nm, "hidden", "numerics.hidden"),
+                           head_dim=r.pos_int(nm, "head_dim", "numerics.head_dim"),
+                           expert_ffn=r.pos_int(nm, "expert_ffn", "numerics.expert_ffn"),
+                           seed=r.get(nm, "seed", "numerics.seed", int))
+    if numeric.head_dim % 2:
+        raise r.fail("numerics.head_dim", "must be even (RoPE rotates pairs)")
+    if numeric.expert_ffn % chips:
+        raise r.fail("numerics.expert_ffn", f"must split evenly over {chips} chips")
+
+    # --- device_memory_required (known defect, FACTS F4) -------------------
+    dmr_bytes = None
+    dmr = r.get(doc, "device_memory_required", "device_memory_required", (str, int), required=False)
+    if dmr is not None:
+        dmr_bytes = _parse_memory(str(dmr)) if isinstance(dmr, str) else int(dmr)
+        if dmr_bytes is None:
+            raise r.fail("device_memory_required", f"cannot parse {dmr!r} (expected '<number> <unit>')")
+        physical = 2 * 16 * 2**30  # two chiplets, 16 GiB DRAM each (simulated board)
+        if dmr_bytes > 64 * physical:
+            num = float(str(dmr).split()[0]) if isinstance(dmr, str) else float(dmr)
+            kib_reading = int(num * 1024)
+            finding("warning", "device_memory_unit", "device_memory_required",
+                    f"{dmr} is {dmr_bytes / 2**40:,.0f} TiB taken literally: impossible. "
+                    f"Read as KiB it is {kib_reading / 2**30:.0f} GiB (unit probably mislabelled).",
+                    "ignored for admission; the memory plan is computed from the model instead")
+            dmr_bytes = None
+
+    # --- sub-models: exact names, exact types -----------------------------
+    sms = r.get(doc, "submodels", "submodels", list)
+    submodels: dict[str, SubModelSpec] = {}
+    for i, sm in enumerate(sms):
+        f = f"submodels[{i}]"
+        sname = r.get(sm, "name", f + ".name", str)
+        if sname in submodels:
+            raise r.fail(f + ".name", f"duplicate sub-model name {sname!r} (lookup is by exact name; "
+                                      "refusing to guess which one is meant)")
+        stype = r.get(sm, "smodel_type", f + ".smodel_type", str)
+        if stype not in KNOWN_TYPES:
+            raise r.fail(f + ".smodel_type", f"unknown type {stype!r} (known: {', '.join(KNOWN_TYPES)})")
+        csr = tuple(r.get(sm, "csr", f + ".csr", list))
+        for c in ("past_kv_cur_seq_len", "cur_seq_len"):
+            if c not in csr:
+                raise r.fail(f + ".csr", f"missing CSR register {c!r}")
+        spec = SubModelSpec(sname, stype, _tensors(r, sm.get("inputs") if isinstance(sm, dict) else None, f + ".inputs"),
+                            _tensors(r, sm.get("outputs") if isinstance(sm, dict) else None, f + ".outputs"),
+                            csr, bool(r.get(sm, "dynamic_d2d", f + ".dynamic_d2d", bool, required=False, default=False)))
+        submodels[sname] = spec
+    for req in REQUIRED_SUBMODELS:
+        if req not in submodels:
+            raise r.fail("submodels", f"missing sub-model {req!r} (have: {', '.join(submodels) or 'none'})")
+    for sname, spec in submodels.items():
+        if sname not in REQUIRED_SUBMODELS:
+            finding("info", "extra_submodel", f"submodels.{sname}", f"sub-model {sname!r} is not used",
+                    "ignored")
+    # types: decode must be llm_decode; prefill mislabelled llm_decode is the known defect
+    idx = {n: i for i, n in enumerate(submodels)}
+    if submodels["decode"].smodel_type != "llm_decode":
+        raise r.fail(f"submodels[{idx['decode']}].smodel_type",
+                     f"decode sub-model must be llm_decode, got {submodels['decode'].smodel_type!r}")
+    if submodels["prefill"].smodel_type == "llm_decode":
+        finding("warning", "prefill_type_mislabelled", f"submodels[{idx['prefill']}].smodel_type",
+                "prefill sub-model is typed llm_decode (known defect of the real bundle)",
+                "selected by exact name 'prefill'; its input shape [1, context] confirms it is the prefill graph")
+
+    # I/O checks against the model
+    expect_seq = {"prefill": context, "decode": 1}
+    for sname, seq in expect_seq.items():
+        spec = submodels[sname]
+        i = idx[sname]
+        for tname in ("input_ids", "positions"):
+            try:
+                t = spec.input(tname)
+            except KeyError:
+                raise r.fail(f"submodels[{i}].inputs", f"missing input tensor {tname!r}") from None
+            ti = [x.name for x in spec.inputs].index(tname)
+            if t.dtype != "int32":
+                raise r.fail(f"submodels[{i}].inputs[{ti}].dtype", f"{tname} must be int32, got {t.dtype}")
+            if t.shape != (1, seq):
+                raise r.fail(f"submodels[{i}].inputs[{ti}].shape",
+                             f"{tname} must be [1, {seq}] for {sname}, got {list(t.shape)}")
+        outs = {t.name: (j, t) for j, t in enumerate(spec.outputs)}
+        if "logits" not in outs:
+            raise r.fail(f"submodels[{i}].outputs", "missing output tensor 'logits'")
+        j, lt = outs["logits"]
+        if lt.dtype != "bf16":
+            raise r.fail(f"submodels[{i}].outputs[{j}].dtype", f"logits must be bf16 (FACTS F1), got {lt.dtype}")
+        if lt.shape != (1, shape.vocab):
+            raise r.fail(f"submodels[{i}].outputs[{j}].shape",
+                         f"logits must be [1, {shape.vocab}], got {list(lt.shape)}")
+
+    # --- tokenizer config (known defect: 131072 vs 40960) ------------------
+    tok_max = None
+    tok = r.get(doc, "tokenizer", "tokenizer", dict, required=False, default=None)
+    if tok is not None:
+        tfile = bdir / r.get(tok, "config", "tokenizer.config", str)
+        tdoc = _load_yaml(tfile)
+        tr = _Reader(tfile)
+        tok_max = tr.get(tdoc, "model_max_length", "model_max_length", int, required=False)
+        if tok_max is not None and tok_max != context:
+            finding("warning", "context_mismatch", "model_max_length",
+                    f"tokenizer model_max_length {tok_max} != calbin context {context}",
+                    f"context taken from the calbin: {context}", file=tfile)
+
+    golden_file = None
+    golden_tol = 0.05
+    g = r.get(doc, "golden", "golden", dict, required=False, default=None)
+    if g is not None:
+        golden_file = bdir / r.get(g, "file", "golden.file", str)
+        golden_tol = r.get(g, "max_abs_error", "golden.max_abs_error", float, required=False, default=0.05)
+        if not golden_file.exists():
+            finding("warning", "golden_missing", "golden.file", f"{golden_file.name} not found",
+                    "golden self-test unavailable")
+            golden_file = None
+
+    return Bundle(path=bdir, name=name, device_name=device_name, calrt_version=calrt_version,
+                  firmware_commit=firmware, shape=shape, numeric=numeric, context=context,
+                  max_batch_size=batch, device_memory_required_bytes=dmr_bytes, submodels=submodels,
+                  tokenizer_max_length=tok_max, golden_file=golden_file, golden_max_abs_error=golden_tol,
+                  findings=tuple(findings))

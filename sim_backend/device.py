@@ -1,0 +1,505 @@
+"""The simulated board: two chiplets served by one device thread.
+
+Jobs (one prefill or decode step of one sequence, batch 1, FACTS F1) are
+queued with ``submit`` and return a ``Job`` handle at once; the device
+thread runs the numerics (all 48 layers, ``numerics.ShardedModel``), prices
+the step with the cost model at full Qwen3-30B-A3B size, advances the
+simulated clock and, when pacing is real time, sleeps so that simulated
+device time is also wall time. ``Job.wait(timeout)`` never blocks longer
+than its timeout and ends in a result or a typed error.
+
+Simulated time is in microseconds of the modelled NPU; host wall time is
+measured separately and labelled as such.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+from .bundle import Bundle
+from .errors import CCUException, DeviceError, DeviceNotReady, DeviceReset, LinkError, SubmitError, WaitTimeout
+from .kv import KVCacheManager
+from .numerics import ShardedModel
+from .registers import RegisterFile
+from .sampling import f32_to_bf16
+
+
+class PacingMode(str, Enum):
+    """How simulated device time maps to wall time."""
+
+    REALTIME = "realtime"  # a 17 ms simulated step takes 17 ms of wall time (x 1/speed)
+    FAST = "fast"  # as fast as the host can compute (benchmarks, headless)
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """Pacing setting: ``mode`` and ``speed`` (simulated seconds per wall second in real time)."""
+
+    mode: PacingMode = PacingMode.FAST
+    speed: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (self.speed > 0 and np.isfinite(self.speed)):
+            raise ValueError(f"pacing speed must be > 0, got {self.speed}")
+
+
+class SimClock:
+    """The simulated device clock, in microseconds since power-on of the simulator.
+
+    It only moves forward: device steps move it to their end time, host
+    work measured by the engine moves it by the host wall time (so TTFT
+    includes host work). Concurrent host and device work overlap: each
+    advances the clock to ``max(now, its end)``.
+    """
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def now_us(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance_to(self, t_us: float) -> float:
+        with self._lock:
+            if t_us > self._now:
+                self._now = t_us
+            return self._now
+
+    def host_span(self, start_us: float, dt_us: float) -> float:
+        """Account host work of ``dt_us`` that started at simulated ``start_us``; returns its end."""
+        end = start_us + max(0.0, dt_us)
+        self.advance_to(end)
+        return end
+
+
+class JobState(str, Enum):
+    """OutputBuf states of CalRT (FACTS F5 C1) plus FAILED for other device errors."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    CCU_EXCEPTION = "ccu_exception"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One finished step.
+
+    logits_bf16: (vocab,) uint16 BF16 bit patterns of the last token (the
+    303,872 B D2H of FACTS F1), or None in timing-only mode.
+    experts_touched: distinct experts per layer (numeric mode) or None.
+    cost: the cost model's ``StepCost`` (simulated µs, per layer/chip/category).
+    sim_us: simulated device time of the step (µs), = cost.total_us x slow-chip factor.
+    sim_start_us / sim_end_us: on the simulated clock.
+    compute_wall_ms: host wall milliseconds the simulator spent computing the step.
+    """
+
+    job_id: int
+    kind: str
+    seq_id: int
+    n_tokens: int
+    past_len: int
+    logits_bf16: np.ndarray | None
+    experts_touched: tuple[int, ...] | None
+    cost: Any
+    sim_us: float
+    sim_start_us: float
+    sim_end_us: float
+    compute_wall_ms: float
+
+
+class Job:
+    """Handle of a submitted job (CalRT OutputBuf-like). Thread-safe."""
+
+    def __init__(self, job_id: int, kind: str, seq_id: int, tokens: np.ndarray, positions: np.ndarray,
+                 new_cells: np.ndarray, ctx_cells: np.ndarray, ctx_positions: np.ndarray, past_len: int,
+                 submit_sim_us: float, task_type: str) -> None:
+        self.id = job_id
+        self.kind = kind
+        self.seq_id = seq_id
+        self.tokens = tokens
+        self.positions = positions
+        self.new_cells = new_cells
+        self.ctx_cells = ctx_cells
+        self.ctx_positions = ctx_positions
+        self.past_len = past_len
+        self.submit_sim_us = submit_sim_us
+        self.task_type = task_type
+        self.state = JobState.PENDING
+        self.result: StepResult | None = None
+        self.error: DeviceError | None = None
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+
+    def _finish(self, state: JobState, result: StepResult | None = None, error: DeviceError | None = None) -> bool:
+        with self._lock:
+            if self._done.is_set():
+                return False  # already ended (e.g. failed by a reset); later outcomes are dropped
+            self.state, self.result, self.error = state, result, error
+            self._done.set()
+            return True
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float) -> StepResult:
+        """Block up to ``timeout`` host seconds.
+
+        Returns the StepResult, or raises WaitTimeout (the job keeps running),
+        CCUException, DeviceReset, LinkError or another DeviceError.
+        """
+        if not self._done.wait(timeout):
+            raise WaitTimeout(f"job {self.id} ({self.kind}) not done after {timeout:.3f} s (state {self.state.value})")
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+@dataclass
+class Faults:
+    """Injected faults (maintenance plane). Counts are 'next N jobs'."""
+
+    ccu_next: int = 0
+    link_error_next: int = 0
+    slow_chip: dict[int, float] = field(default_factory=dict)  # chip -> time multiplier
+
+    def active(self) -> list[str]:
+        out = []
+        if self.ccu_next:
+            out.append(f"ccu_exception x{self.ccu_next}")
+        if self.link_error_next:
+            out.append(f"d2d_link_error x{self.link_error_next}")
+        for c, f in sorted(self.slow_chip.items()):
+            out.append(f"slow_chip{c} x{f:g}")
+        return out
+
+
+@dataclass(frozen=True)
+class JobCounters:
+    """Device job counters (FACTS F5 C1: pending / finished / left, plus running / failed)."""
+
+    submitted: int
+    pending: int
+    running: int
+    finished: int
+    failed: int
+    ccu_exceptions: int
+    resets: int
+
+    @property
+    def left(self) -> int:
+        return self.pending + self.running
+
+
+@dataclass(frozen=True)
+class ChipletStatus:
+    """Status of one chiplet: state "ready" | "fault" | "cleared" | "resetting", plus busy flag and slow factor."""
+
+    index: int
+    state: str
+    busy: bool
+    slow_factor: float
+    jobs_done: int
+
+
+class SimulatedBoard:
+    """Two chiplets + device thread + KV cells + registers.
+
+    Args:
+        bundle: the loaded calbin bundle (model shape, numerics widths).
+        cost_model: a ``costmodel.CostModel`` used to price every step.
+        numerics: run the model numerically (True) or timing-only (False:
+            no logits; experts priced by expectation, for long sweeps).
+        pacing: real time or fast.
+        kv_cells: KV capacity in tokens (default the calbin context, 40960, FACTS F4).
+    """
+
+    def __init__(self, bundle: Bundle, cost_model: Any, *, numerics: bool = True,
+                 pacing: Pacing = Pacing(), kv_cells: int | None = None) -> None:
+        self.bundle = bundle
+        self.shape = bundle.shape
+        self.cost_model = cost_model
+        self.numerics = numerics
+        self.pacing = pacing
+        self.clock = SimClock()
+        self.registers = RegisterFile()
+        self.faults = Faults()
+        n_cells = kv_cells or bundle.context
+        self.kv = KVCacheManager(n_cells=n_cells, n_chips=self.shape.n_chips,
+                                 bytes_per_token_per_chip=self.shape.kv_bytes_per_token_per_chip)
+        self.model: ShardedModel | None = None
+        self._memory_cleared = False
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._queue: queue.Queue[tuple[int, Job] | None] = queue.Queue()
+        self._generation = 0
+        self._interrupt = threading.Event()
+        self._stop = threading.Event()
+        self._running_job: Job | None = None
+        self._submitted = self._pending = self._running = self._finished = self._failed = 0
+        self._ccu = self._resets = 0
+        self._chip_jobs = [0] * self.shape.n_chips
+        self.last_steps: dict[str, StepResult] = {}
+        self._listeners: list[Any] = []
+        self.load_model()
+        self._thread = threading.Thread(target=self._loop, name="calculet-device", daemon=True)
+        self._thread.start()
+
+    # --- model memory ---------------------------------------------------------
+
+    def load_model(self) -> float:
+        """(Re)load weights onto the chiplets and configure the calbin. Returns host wall seconds taken."""
+        t0 = time.perf_counter()
+        if self.numerics:
+            self.model = ShardedModel(self.shape, self.bundle.numeric, n_cells=self.kv.occupancy().capacity_cells)
+        self._memory_cleared = False
+        self.registers.set_bits("BOARD_STATUS", 0x2, True)
+        for c in range(self.shape.n_chips):
+            self.registers.set_bits(f"CHIP{c}_STATUS", 0x4, False)
+        return time.perf_counter() - t0
+
+    def clear_memory(self) -> None:
+        """ClearAllDevMem: zero DRAM/SRAM (weights and KV). Inference refuses until ``load_model``."""
+        with self._lock:
+            self._memory_cleared = True
+            if self.model is not None:
+                for chip in self.model.chips:
+                    chip.clear_memory()
+                    for lw in chip.layers:
+                        for arr in lw.values():
+                            arr[...] = 0
+                    chip.lm_head[...] = 0
+            self.model = None
+        self.kv.clear()
+        self.registers.set_bits("BOARD_STATUS", 0x2, False)
+        for c in range(self.shape.n_chips):
+            self.registers.set_bits(f"CHIP{c}_STATUS", 0x4, True)
+
+    @property
+    def memory_cleared(self) -> bool:
+        return self._memory_cleared
+
+    # --- jobs -------------------------------------------------------------------
+
+    def submit(self, kind: str, seq_id: int, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray,
+               ctx_cells: np.ndarray, ctx_positions: np.ndarray, *, task_type: str = "auto") -> Job:
+        """Queue one step; returns its Job at once (non-blocking ``infer()``).
+
+        tokens/positions/new_cells: (n,) int arrays; ctx_cells/ctx_positions:
+        (T,) the sequence's cells sorted by position, including the new ones.
+        Raises DeviceNotReady if memory was cleared, SubmitError on bad input.
+        """
+        if kind not in ("prefill", "decode"):
+            raise SubmitError(f"unknown sub-model {kind!r}")
+        n = int(tokens.shape[0])
+        if n < 1 or positions.shape != tokens.shape or new_cells.shape != tokens.shape:
+            raise SubmitError(f"bad input buffers: tokens {tokens.shape}, positions {positions.shape}, cells {new_cells.shape}")
+        if kind == "decode" and n != 1:
+            raise SubmitError(f"decode takes exactly 1 token (cur_seq_len), got {n}")
+        if n > self.bundle.context or ctx_cells.shape[0] > self.bundle.context:
+            raise SubmitError(f"cur_seq_len {n} / context {ctx_cells.shape[0]} exceed calbin context {self.bundle.context}")
+        if self._memory_cleared:
+            raise DeviceNotReady("device memory cleared: reload the model before inference")
+        past_len = int(ctx_cells.shape[0]) - n
+        job = Job(next(self._ids), kind, seq_id, tokens, positions, new_cells, ctx_cells, ctx_positions,
+                  past_len, self.clock.now_us, task_type)
+        with self._lock:
+            self._submitted += 1
+            self._pending += 1
+            gen = self._generation
+        self._queue.put((gen, job))
+        return job
+
+    def counters(self) -> JobCounters:
+        with self._lock:
+            return JobCounters(self._submitted, self._pending, self._running, self._finished, self._failed,
+                               self._ccu, self._resets)
+
+    def chiplets(self) -> list[ChipletStatus]:
+        with self._lock:
+            busy = self._running > 0
+            out = []
+            for c in range(self.shape.n_chips):
+                st = self.registers.read(f"CHIP{c}_STATUS")
+                state = "cleared" if st & 0x4 else ("fault" if st & 0x2 else "ready")
+                out.append(ChipletStatus(c, state, busy, self.faults.slow_chip.get(c, 1.0), self._chip_jobs[c]))
+            return out
+
+    def add_listener(self, fn: Any) -> None:
+        """fn(StepResult) called on the device thread after each finished step (keep it cheap)."""
+        self._listeners.append(fn)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if item is None:
+                break
+            gen, job = item
+            with self._lock:
+                self._pending -= 1
+                if gen != self._generation or job.done:
+                    continue  # failed by a reset while queued
+                self._running += 1
+                self._running_job = job
+                job.state = JobState.RUNNING
+            try:
+                self._execute(job, gen)
+            finally:
+                with self._lock:
+                    self._running -= 1
+                    self._running_job = None
+
+    def _fail(self, job: Job, state: JobState, err: DeviceError) -> None:
+        if job._finish(state, error=err):
+            with self._lock:
+                self._failed += 1
+
+    def _execute(self, job: Job, gen: int) -> None:
+        wall0 = time.perf_counter()
+        if self.faults.ccu_next > 0:
+            self.faults.ccu_next -= 1
+            with self._lock:
+                self._ccu += 1
+            for c in range(self.shape.n_chips):
+                self.registers.bump(f"CHIP{c}_CCU_EXC")
+            self._fail(job, JobState.CCU_EXCEPTION,
+                       CCUException(f"CCU exception on chip0 while running job {job.id} ({job.kind}), injected fault"))
+            return
+        if self.faults.link_error_next > 0:
+            self.faults.link_error_next -= 1
+            self.registers.bump("D2D_LINK_ERR")
+            self._fail(job, JobState.FAILED, LinkError(f"D2D link error between chip0 and chip1 in job {job.id}"))
+            return
+        model = self.model
+        if self._memory_cleared or (self.numerics and model is None):
+            self._fail(job, JobState.FAILED, DeviceNotReady("device memory cleared while job was queued"))
+            return
+        logits_bf16 = None
+        touched = None
+        try:
+            if self.numerics:
+                out = model.forward(job.tokens, job.positions, job.new_cells, job.ctx_cells, job.ctx_positions)
+                logits_bf16 = f32_to_bf16(out.logits)
+                touched = tuple(out.experts_touched)
+            cost = self.cost_model.price_step(self.shape, job.kind, int(job.tokens.shape[0]), job.past_len,
+                                              experts_touched=list(touched) if touched else None)
+        except Exception as e:  # a numerics bug must fail this job, not kill the device thread
+            self._fail(job, JobState.FAILED, DeviceError(f"job {job.id} failed in the simulator: {e!r}"))
+            return
+        slow = max(self.faults.slow_chip.values(), default=1.0)
+        sim_us = float(cost.total_us) * slow  # chips sync every layer: the slowest gates the step
+        compute_ms = (time.perf_counter() - wall0) * 1e3
+        # the device is serial: a step starts when submitted or when the previous one ended
+        start = max(job.submit_sim_us, self._device_free_us)
+        end = start + sim_us
+        self._device_free_us = end
+        if self.pacing.mode is PacingMode.REALTIME:
+            remaining = sim_us / 1e6 / self.pacing.speed - (time.perf_counter() - wall0)
+            if remaining > 0 and self._interrupt.wait(remaining):
+                return  # reset interrupted the pacing sleep; the job was already failed
+        if gen != self._generation:
+            return
+        self.clock.advance_to(end)
+        res = StepResult(job.id, job.kind, job.seq_id, int(job.tokens.shape[0]), job.past_len, logits_bf16,
+                         touched, cost, sim_us, start, end, compute_ms)
+        if job._finish(JobState.DONE, result=res):
+            with self._lock:
+                self._finished += 1
+                for c in range(self.shape.n_chips):
+                    self._chip_jobs[c] += 1
+                self.last_steps[job.kind] = res
+            for c in range(self.shape.n_chips):
+                self.registers.bump(f"CHIP{c}_JOBS_DONE")
+            for fn in list(self._listeners):
+                try:
+                    fn(res)
+                except Exception:  # noqa: BLE001 - a listener must never break the device
+                    pass
+
+    _device_free_us = 0.0
+
+    # --- reset ------------------------------------------------------------------
+
+    def reset(self, timeout: float = 5.0) -> dict:
+        """Reset the board: fail every pending/running job with DeviceReset at once,
+        return chiplets to power-on state, clear KV, count the reset, reconfigure.
+
+        Returns {"failed_jobs", "wall_ms"}; raises DeviceError if the device
+        thread does not come back within ``timeout`` host seconds.
+        """
+        t0 = time.perf_counter()
+        failed = 0
+        with self._lock:
+            self._generation += 1
+            running = self._running_job
+        self._interrupt.set()
+        if running is not None and running._finish(JobState.FAILED, error=DeviceReset(f"job {running.id} aborted by device reset")):
+            failed += 1
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                continue
+            _, job = item
+            with self._lock:
+                self._pending -= 1
+            if job._finish(JobState.FAILED, error=DeviceReset(f"job {job.id} dropped by device reset")):
+                failed += 1
+        # wait (bounded) for the device thread to leave the running job
+        deadline = t0 + timeout
+        while True:
+            with self._lock:
+                idle = self._running_job is None or self._running_job is not running
+            if idle or time.perf_counter() > deadline:
+                break
+            time.sleep(0.002)
+        if not idle:
+            raise DeviceError(f"device thread still busy {timeout:.1f} s after reset")
+        self._interrupt.clear()
+        with self._lock:
+            self._failed += failed
+            self._resets += 1
+            self.faults = Faults()
+            self.last_steps = {}
+        self.registers.power_on()
+        self.kv.clear()
+        if self.model is not None:
+            for chip in self.model.chips:
+                chip.clear_memory()
+        if not self._memory_cleared:
+            self.registers.set_bits("BOARD_STATUS", 0x2, True)  # calbin reconfigured
+        return {"failed_jobs": failed, "wall_ms": (time.perf_counter() - t0) * 1e3}
+
+    def close(self) -> None:
+        """Stop the device thread (pending jobs fail with DeviceReset)."""
+        self._stop.set()
+        self._interrupt.set()
+        with self._lock:
+            self._generation += 1
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[1]._finish(JobState.FAILED, error=DeviceReset("device closed"))
+        self._queue.put(None)
+        self._thread.join(timeout=2.0)

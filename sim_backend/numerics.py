@@ -1,0 +1,400 @@
+"""Qwen3-MoE numerics at reduced width, sharded over two chiplets.
+
+Every step runs all 48 layers for real: RMSNorm, per-head q/k RMSNorm,
+RoPE (theta 1e6), GQA 32:4 attention, router softmax over 128 experts with
+top-8 and renormalised top-k weights, SwiGLU experts, final norm and the LM
+head over the full 151936 vocabulary (FACTS F2). Widths are reduced
+(``NumericShape``: hidden, head_dim, expert intermediate) and weights are
+deterministic synthetic ones drawn from a seed, so routing, KV writes and
+logits are computed, not invented, but the text is not meaningful.
+
+Sharding follows FACTS F3 (tensor parallel, no pipeline/expert parallel):
+chip c holds Q heads [16c, 16c+16), KV heads [2c, 2c+2), half of every
+expert's intermediate columns and half of the vocabulary of the LM head.
+Partial attention-output and expert-down results are reduced (summed)
+across chips; LM-head halves are gathered. The embedding runs on chip0.
+
+``ReferenceModel`` is the same math on one device, used by tests to prove
+the sharded result equals it within float tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelShape, NumericShape
+
+F32 = np.float32
+# Real vocabulary ends at 151668 (</think>); ids above are padding rows of the
+# 151936-wide LM head. Trained Qwen3 gives them very low logits; our
+# synthetic weights get an explicit bias so they are (practically) never drawn.
+FIRST_PADDING_ID = 151669
+PADDING_LOGIT_BIAS = -30.0
+
+
+@dataclass
+class LayerWeights:
+    """Full (unsharded) weights of one decoder layer, float32.
+
+    Shapes (H = hidden, D = head_dim, Hq/Hkv = head counts, E = experts,
+    F = expert intermediate): wq (H, Hq*D), wk/wv (H, Hkv*D), wo (Hq*D, H),
+    q_norm/k_norm (D,), in_norm/post_norm (H,), router (H, E),
+    gate/up (E, H, F), down (E, F, H).
+    """
+
+    in_norm: np.ndarray
+    wq: np.ndarray
+    wk: np.ndarray
+    wv: np.ndarray
+    q_norm: np.ndarray
+    k_norm: np.ndarray
+    wo: np.ndarray
+    post_norm: np.ndarray
+    router: np.ndarray
+    gate: np.ndarray
+    up: np.ndarray
+    down: np.ndarray
+
+
+@dataclass
+class ModelWeights:
+    """All synthetic weights: embed (V, H), layers, final_norm (H,), lm_head (H, V), lm_bias (V,)."""
+
+    embed: np.ndarray
+    layers: list[LayerWeights]
+    final_norm: np.ndarray
+    lm_head: np.ndarray
+    lm_bias: np.ndarray
+
+
+def make_weights(shape: ModelShape, num: NumericShape) -> ModelWeights:
+    """Draw deterministic synthetic weights for ``shape`` at ``num`` widths.
+
+    Same (shape, num) -> bit-identical weights. Scales keep activations O(1)
+    through 48 layers so logits stay finite and routing is non-degenerate.
+    """
+    rng = np.random.default_rng(np.random.PCG64(num.seed))
+    H, D, F = num.hidden, num.head_dim, num.expert_ffn
+    Hq, Hkv, E, V = shape.n_q_heads, shape.n_kv_heads, shape.n_experts, shape.vocab
+
+    def normal(*dims: int, scale: float) -> np.ndarray:
+        return (rng.standard_normal(dims, dtype=F32) * F32(scale)).astype(F32, copy=False)
+
+    def norm_weight(n: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(n, dtype=F32)).astype(F32)
+
+    layers = []
+    for _ in range(shape.n_layers):
+        layers.append(
+            LayerWeights(
+                in_norm=norm_weight(H),
+                wq=normal(H, Hq * D, scale=1 / np.sqrt(H)),
+                wk=normal(H, Hkv * D, scale=1 / np.sqrt(H)),
+                wv=normal(H, Hkv * D, scale=1 / np.sqrt(H)),
+                q_norm=norm_weight(D),
+                k_norm=norm_weight(D),
+                wo=normal(Hq * D, H, scale=0.5 / np.sqrt(Hq * D)),
+                post_norm=norm_weight(H),
+                router=normal(H, E, scale=2.0 / np.sqrt(H)),
+                gate=normal(E, H, F, scale=1 / np.sqrt(H)),
+                up=normal(E, H, F, scale=1 / np.sqrt(H)),
+                down=normal(E, F, H, scale=0.5 / np.sqrt(F)),
+            )
+        )
+    embed = normal(V, H, scale=1.0)
+    final_norm = norm_weight(H)
+    lm_head = normal(H, V, scale=3.0 / np.sqrt(H))
+    lm_bias = np.zeros(V, dtype=F32)
+    lm_bias[FIRST_PADDING_ID:] = PADDING_LOGIT_BIAS
+    return ModelWeights(embed, layers, final_norm, lm_head, lm_bias)
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis; x (..., n) float32, w (n,)."""
+    # einsum avoids np.mean's Python-level overhead: this runs ~10^4 times a step
+    ms = np.einsum("...i,...i->...", x, x)[..., None] * F32(1.0 / x.shape[-1])
+    return x * (F32(1.0) / np.sqrt(ms + F32(eps))) * w
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos/sin tables (n, head_dim/2) for NeoX-style (rotate-half) RoPE, float32."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate-half RoPE on x (n, heads, D) with cos/sin (n, D/2)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def route(h: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Router: softmax over experts, top-k, renormalised top-k weights.
+
+    h (n, H) float32 -> (expert ids (n, k) int64, weights (n, k) float32 summing to 1).
+    Ties broken by lower expert id so routing is deterministic.
+    """
+    logits = h @ router
+    logits = logits - logits.max(axis=-1, keepdims=True)
+    probs = np.exp(logits)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    # stable descending sort == lower id first among equal probabilities
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    w = np.take_along_axis(probs, ids, axis=-1)
+    w = w / w.sum(axis=-1, keepdims=True)
+    return ids, w.astype(F32)
+
+
+def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
+                     k_pos: np.ndarray, group: int, chunk: int = 256) -> np.ndarray:
+    """Grouped-query causal attention.
+
+    q (n, Hq, D), k/v (T, Hkv, D) with Hq = Hkv * group; q_pos (n,), k_pos (T,)
+    token positions. A query attends to keys with position <= its own.
+    Returns (n, Hq, D) float32. Queries are processed in chunks so a long
+    prefill never materialises an (n, T) matrix per head all at once.
+    """
+    n, Hq, D = q.shape
+    Hkv = k.shape[1]
+    scale = F32(1.0 / np.sqrt(D))
+    if n == 1 and (k_pos.size == 0 or k_pos.max() <= q_pos[0]):
+        # decode: one query sees every cached key; no mask, no chunking
+        qg = q[0].reshape(Hkv, group, D) * scale
+        scores = np.matmul(qg, k.transpose(1, 2, 0))  # (Hkv, group, T)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        return np.matmul(scores, v.transpose(1, 0, 2)).reshape(1, Hq, D)
+    out = np.empty_like(q)
+    kt = np.ascontiguousarray(k.transpose(1, 2, 0))  # (Hkv, D, T)
+    vh = np.ascontiguousarray(v.transpose(1, 0, 2))  # (Hkv, T, D)
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        qc = q[s:e].reshape(e - s, Hkv, group, D).transpose(1, 0, 2, 3).reshape(Hkv, (e - s) * group, D)
+        scores = np.matmul(qc, kt) * scale  # (Hkv, m*group, T)
+        if not (e - s == 1 and k_pos.size and k_pos.max() <= q_pos[s]):
+            bias = np.where(k_pos[None, :] > q_pos[s:e, None], F32(-np.inf), F32(0))  # (m, T)
+            scores = scores.reshape(Hkv, e - s, group, -1)
+            scores += bias[None, :, None, :]
+            scores = scores.reshape(Hkv, (e - s) * group, -1)
+        scores -= scores.max(axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= scores.sum(axis=-1, keepdims=True)
+        o = np.matmul(scores, vh)  # (Hkv, m*group, D)
+        out[s:e] = o.reshape(Hkv, e - s, group, D).transpose(1, 0, 2, 3).reshape(e - s, Hq, D)
+    return out
+
+
+def moe_ffn(x: np.ndarray, ids: np.ndarray, w: np.ndarray, gate: np.ndarray, up: np.ndarray,
+            down: np.ndarray) -> np.ndarray:
+    """SwiGLU experts weighted by routing: sum_k w_k * down_e(silu(gate_e x) * up_e x).
+
+    x (n, H); ids/w (n, k); gate/up (E, H, F'), down (E, F', H) where F' may be
+    one chip's half of the intermediate columns (then the result is that
+    chip's partial sum). Returns (n, H) float32.
+    """
+    n, H = x.shape
+    out = np.zeros((n, down.shape[-1]), dtype=F32)
+    if n == 1:
+        e = ids[0]
+        g = np.matmul(x[0], gate[e])  # (k, F')
+        u = np.matmul(x[0], up[e])
+        a = (g / (F32(1.0) + np.exp(-g))) * u * w[0][:, None]
+        out[0] = np.matmul(a[:, None, :], down[e]).sum(axis=0)[0]
+        return out
+    flat_e = ids.reshape(-1)
+    flat_t = np.repeat(np.arange(n), ids.shape[1])
+    flat_w = w.reshape(-1)
+    order = np.argsort(flat_e, kind="stable")
+    flat_e, flat_t, flat_w = flat_e[order], flat_t[order], flat_w[order]
+    bounds = np.flatnonzero(np.diff(flat_e)) + 1
+    for grp_t, grp_w, e in zip(np.split(flat_t, bounds), np.split(flat_w, bounds),
+                               flat_e[np.r_[0, bounds]]):
+        xe = x[grp_t]
+        g = xe @ gate[e]
+        u = xe @ up[e]
+        a = (g / (1.0 + np.exp(-g))) * u
+        np.add.at(out, grp_t, (a @ down[e]) * grp_w[:, None])
+    return out
+
+
+@dataclass
+class StepNumerics:
+    """What one step's numerics produced.
+
+    logits: (vocab,) float32 for the LAST token of the step (llama.cpp only
+    needs the last position's logits); experts_touched: per layer, the number
+    of distinct experts the router chose across the step's tokens (list of
+    n_layers ints) — the cost model prices expert weights by these.
+    """
+
+    logits: np.ndarray
+    experts_touched: list[int]
+
+
+class ChipShard:
+    """One chiplet's slice of the weights and its KV cache arrays.
+
+    KV arrays: k_cache / v_cache float32 (n_layers, kv_heads_per_chip, n_cells, head_dim),
+    indexed by KV cell (the KV manager hands out cells). np.zeros is lazy,
+    so untouched cells cost no resident memory.
+    """
+
+    def __init__(self, chip: int, shape: ModelShape, num: NumericShape, w: ModelWeights,
+                 n_cells: int) -> None:
+        self.chip = chip
+        D, F = num.head_dim, num.expert_ffn
+        qh, kvh = shape.q_heads_per_chip, shape.kv_heads_per_chip
+        q0, q1 = chip * qh * D, (chip + 1) * qh * D
+        k0, k1 = chip * kvh * D, (chip + 1) * kvh * D
+        f0, f1 = chip * F // shape.n_chips, (chip + 1) * F // shape.n_chips
+        v_half = shape.vocab // shape.n_chips
+        self.vocab_range = (chip * v_half, (chip + 1) * v_half)
+        self.layers = []
+        for lw in w.layers:
+            self.layers.append(
+                dict(
+                    # fused QKV projection: one matmul per layer on each chip
+                    wqkv=np.ascontiguousarray(np.concatenate([lw.wq[:, q0:q1], lw.wk[:, k0:k1], lw.wv[:, k0:k1]], axis=1)),
+                    wo=np.ascontiguousarray(lw.wo[q0:q1]),
+                    qk_norm=np.concatenate([np.tile(lw.q_norm, (qh, 1)), np.tile(lw.k_norm, (kvh, 1))]),
+                    gate=np.ascontiguousarray(lw.gate[:, :, f0:f1]),
+                    up=np.ascontiguousarray(lw.up[:, :, f0:f1]),
+                    down=np.ascontiguousarray(lw.down[:, f0:f1, :]),
+                )
+            )
+        a, b = self.vocab_range
+        self.lm_head = np.ascontiguousarray(w.lm_head[:, a:b])
+        self.lm_bias = w.lm_bias[a:b].copy()
+        self.embed = w.embed if chip == 0 else None
+        self.k_cache = np.zeros((shape.n_layers, kvh, n_cells, D), dtype=F32)
+        self.v_cache = np.zeros((shape.n_layers, kvh, n_cells, D), dtype=F32)
+
+    def clear_memory(self) -> None:
+        """Zero the KV arrays (ClearAllDevMem zeroes weights separately)."""
+        self.k_cache[...] = 0
+        self.v_cache[...] = 0
+
+
+def _cell_index(cells: np.ndarray) -> slice | np.ndarray:
+    """Index for a sequence's cells: a slice (view, no copy) when they are one
+    contiguous run — the common case of one sequence allocated in order."""
+    if cells.size and cells[-1] - cells[0] == cells.size - 1 and (cells.size < 3 or np.all(np.diff(cells) == 1)):
+        return slice(int(cells[0]), int(cells[-1]) + 1)
+    return cells
+
+
+class ShardedModel:
+    """The model as the device runs it: two ``ChipShard`` s with reduce/gather between them.
+
+    ``forward`` is one prefill or decode step for one sequence (batch 1,
+    FACTS F2): it writes K/V at ``new_cells`` and attends over ``ctx_cells``
+    (all of the sequence's cells including the new ones, sorted by position).
+    """
+
+    def __init__(self, shape: ModelShape, num: NumericShape, n_cells: int,
+                 weights: ModelWeights | None = None) -> None:
+        if shape.n_q_heads % shape.n_kv_heads or shape.n_kv_heads % shape.n_chips:
+            raise ValueError("heads must split evenly over KV groups and chips")
+        if num.expert_ffn % shape.n_chips or num.head_dim % 2:
+            raise ValueError("expert_ffn must split over chips and head_dim must be even")
+        self.shape, self.num = shape, num
+        self.weights = weights if weights is not None else make_weights(shape, num)
+        self.chips = [ChipShard(c, shape, num, self.weights, n_cells) for c in range(shape.n_chips)]
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray,
+                ctx_cells: np.ndarray, ctx_positions: np.ndarray) -> StepNumerics:
+        """Run one step. tokens/positions/new_cells: (n,) int; ctx_cells/ctx_positions: (T,) int.
+
+        Returns logits of the last token (vocab,) float32 and experts touched per layer.
+        """
+        shape, num = self.shape, self.num
+        D = num.head_dim
+        qh, kvh = shape.q_heads_per_chip, shape.kv_heads_per_chip
+        group = shape.n_q_heads // shape.n_kv_heads
+        n = tokens.shape[0]
+        # embedding on chip0, broadcast to chip1 (sync D2D)
+        x = self.chips[0].embed[tokens].astype(F32)
+        cos, sin = rope_tables(positions, D, shape.rope_theta)
+        touched: list[int] = []
+        ctx_index = _cell_index(ctx_cells)
+        for li, lw in enumerate(self.weights.layers):
+            h = rms_norm(x, lw.in_norm, shape.rms_eps)  # replicated on both chips
+            attn_partial = np.zeros_like(x)
+            for chip in self.chips:
+                cw = chip.layers[li]
+                qkv = h @ cw["wqkv"]
+                # q and k heads share one per-head RMSNorm + RoPE call (weights stacked)
+                qk = qkv[:, : (qh + kvh) * D].reshape(n, qh + kvh, D)
+                qk = apply_rope(rms_norm(qk, cw["qk_norm"], shape.rms_eps), cos, sin)
+                q, k = qk[:, :qh], qk[:, qh:]
+                v = qkv[:, (qh + kvh) * D:].reshape(n, kvh, D)
+                # KV scatter: write this step's K/V into the chip's cache cells
+                if n == 1:
+                    chip.k_cache[li, :, new_cells[0]] = k[0]
+                    chip.v_cache[li, :, new_cells[0]] = v[0]
+                else:
+                    chip.k_cache[li][:, new_cells] = k.transpose(1, 0, 2)
+                    chip.v_cache[li][:, new_cells] = v.transpose(1, 0, 2)
+                kc = chip.k_cache[li][:, ctx_index].transpose(1, 0, 2)
+                vc = chip.v_cache[li][:, ctx_index].transpose(1, 0, 2)
+                o = causal_attention(q, kc, vc, positions, ctx_positions, group)
+                attn_partial += o.reshape(n, qh * D) @ cw["wo"]  # all-reduce (sum)
+            x = x + attn_partial
+            h = rms_norm(x, lw.post_norm, shape.rms_eps)
+            ids, w = route(h, lw.router, shape.n_experts_active)
+            touched.append(int(np.unique(ids).size))
+            moe = np.zeros_like(x)
+            for chip in self.chips:
+                cw = chip.layers[li]
+                moe += moe_ffn(h, ids, w, cw["gate"], cw["up"], cw["down"])  # reduce partial sums
+            x = x + moe
+        last = rms_norm(x[-1:], self.weights.final_norm, shape.rms_eps)[0]
+        # LM head: each chip computes its half of the vocabulary; gather.
+        logits = np.concatenate([last @ c.lm_head + c.lm_bias for c in self.chips])
+        return StepNumerics(logits=logits.astype(F32, copy=False), experts_touched=touched)
+
+
+class ReferenceModel:
+    """Single-device reference of the same model (no sharding), for tests.
+
+    Keeps its own contiguous KV per position: k/v lists per layer of (T, Hkv, D).
+    """
+
+    def __init__(self, shape: ModelShape, num: NumericShape, weights: ModelWeights) -> None:
+        self.shape, self.num, self.w = shape, num, weights
+        self.k: list[np.ndarray] = [np.zeros((0, shape.n_kv_heads, num.head_dim), F32) for _ in range(shape.n_layers)]
+        self.v: list[np.ndarray] = [np.zeros((0, shape.n_kv_heads, num.head_dim), F32) for _ in range(shape.n_layers)]
+        self.pos = np.zeros(0, dtype=np.int64)
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray) -> StepNumerics:
+        """Append ``tokens`` at ``positions``; return last-token logits and experts touched."""
+        shape, num = self.shape, self.num
+        D, n = num.head_dim, tokens.shape[0]
+        group = shape.n_q_heads // shape.n_kv_heads
+        x = self.w.embed[tokens].astype(F32)
+        cos, sin = rope_tables(positions, D, shape.rope_theta)
+        self.pos = np.concatenate([self.pos, positions.astype(np.int64)])
+        touched = []
+        for li, lw in enumerate(self.w.layers):
+            h = rms_norm(x, lw.in_norm, shape.rms_eps)
+            q = (h @ lw.wq).reshape(n, shape.n_q_heads, D)
+            k = (h @ lw.wk).reshape(n, shape.n_kv_heads, D)
+            v = (h @ lw.wv).reshape(n, shape.n_kv_heads, D)
+            q = apply_rope(rms_norm(q, lw.q_norm, shape.rms_eps), cos, sin)
+            k = apply_rope(rms_norm(k, lw.k_norm, shape.rms_eps), cos, sin)
+            self.k[li] = np.concatenate([self.k[li], k])
+            self.v[li] = np.concatenate([self.v[li], v])
+            o = causal_attention(q, self.k[li], self.v[li], positions, self.pos, group)
+            x = x + o.reshape(n, -1) @ lw.wo
+            h = rms_norm(x, lw.post_norm, shape.rms_eps)
+            ids, w = route(h, lw.router, shape.n_experts_active)
+            touched.append(int(np.unique(ids).size))
+            x = x + moe_ffn(h, ids, w, lw.gate, lw.up, lw.down)
+        last = rms_norm(x[-1:], self.w.final_norm, shape.rms_eps)[0]
+        return StepNumerics(logits=(last @ self.w.lm_head + self.w.lm_bias).astype(F32), experts_touched=touched)
