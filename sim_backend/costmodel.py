@@ -1,0 +1,456 @@
+"""Per-op roofline cost model of the dual-chiplet NPU at FULL Qwen3-30B-A3B size.
+
+Every time this module returns is **simulated device time in microseconds**
+(``*_us``); byte counts are bytes; nothing here measures the host.
+
+Method (GenZ ``operator_base.get_roofline``; STYLE.md "Simulators")::
+
+    op_us = max(flops / (peak * compute_eff),
+                sum_s bytes_s / (dram_bw * eff_s)) + per_op_overhead_us
+
+with a separate fitted efficiency per byte stream ``s``: weight streaming,
+KV reads, activations.  Chiplet-to-chiplet ops (syncs, decode gathers,
+prefill dynamic D2D) cost ``d2d_latency_us + bytes / (link * d2d_eff)``.
+
+Sharding (FACTS F3, report §6): every layer runs on both chips; each chip
+holds 16 of 32 Q heads, 2 of 4 KV heads, half the columns of every expert
+(all 128 experts on both chips), half the router outputs and half the vocab
+of the LM head; the embedding runs on chip0 only.  Quantisation per role is
+stated in ``hardware/calculet_npu.yaml`` (FACTS F2: mixed W8A8 / W4AF16).
+
+MoE: expert weight bytes are priced by the experts a layer actually touches
+(``experts_touched``), or by the expectation ``E·(1-((E-k)/E)^n)`` (27 tokens
+-> 105.6 of 128).  Prefill GEMMs are priced with a row tile (an expert that
+got r tokens costs ``max(r, prefill_m_tile)`` rows), decode with GEMV rows
+(the decode sub-model is compiled separately for n=1).
+
+Outside the layers: embedding (chip0), final norm, LM head (about 14% of a
+short-context decode step's bytes), logits gather, and in prefill 2 layout
+conversions.  Prefill computes logits for the last token only (the manifest's
+prefill output is ``[1, 151936]``; llama.cpp samples from the last row), so
+the LM head and the D2H of 303,872 B happen once per step in both kinds.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import yaml
+
+from sim_backend.config import ModelShape
+from sim_backend.errors import ManifestError
+from sim_backend.opgraph import CATEGORIES, OpGraph, build_graph
+
+DEFAULT_HW_PATH = Path(__file__).resolve().parent / "hardware" / "calculet_npu.yaml"
+
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "hardware": ("n_chips", "peak_int8_tops", "peak_fp16_tflops", "dram_bw_gbps",
+                 "dram_physical_gib", "sram_physical_mib", "d2d_link_gbps", "d2d_latency_us",
+                 "pcie_gbps", "pcie_latency_us"),
+    "quantisation": ("attn_proj_bytes_per_weight", "router_bytes_per_weight",
+                     "expert_bytes_per_weight", "lm_head_bytes_per_weight",
+                     "embedding_bytes_per_weight", "norm_bytes_per_weight", "activation_bytes",
+                     "kv_bytes", "token_input_bytes", "csr_bytes"),
+    "memory": ("param_dram_shared_gib", "param_file_gib", "param_sram_window_mib",
+               "dram_reservation_gib", "sram_reservation_mib", "address_union_gib"),
+    "fitted": ("weight_stream_eff", "kv_read_eff", "activation_eff", "d2d_eff",
+               "int8_compute_eff", "fp16_compute_eff", "attn_compute_eff", "prefill_m_tile",
+               "per_op_overhead_us", "step_submit_overhead_us", "attn_kv_ramp_us",
+               "attn_kv_ramp_tokens", "host_overhead_ms_per_token"),
+}
+
+
+def _freeze(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        return MappingProxyType({k: _freeze(v) for k, v in obj.items()})
+    if isinstance(obj, list):
+        return tuple(_freeze(v) for v in obj)
+    return obj
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """Parsed ``calculet_npu.yaml``: read-only sections of plain numbers.
+
+    Attributes:
+        path: file it came from.
+        hardware: per-chip peaks (TOPS/TFLOPS), DRAM/link/PCIe GB/s, latencies (µs).
+        quantisation: bytes per weight by role, activation/KV/input byte widths.
+        memory: FACTS F4 figures the model cannot derive (GiB / MiB).
+        fitted: fitted cost-model parameters (efficiencies, overheads µs).
+    """
+
+    path: str
+    hardware: Mapping[str, Any]
+    quantisation: Mapping[str, Any]
+    memory: Mapping[str, Any]
+    fitted: Mapping[str, Any]
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> "HardwareSpec":
+        """Load and validate a hardware YAML; raises :class:`ManifestError` on a bad file."""
+        p = Path(path) if path is not None else DEFAULT_HW_PATH
+        try:
+            doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ManifestError(str(p), "", f"cannot read: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ManifestError(str(p), "", f"invalid YAML: {exc}") from exc
+        return cls.from_dict(doc, str(p))
+
+    @classmethod
+    def from_dict(cls, doc: Any, path: str = "<dict>") -> "HardwareSpec":
+        if not isinstance(doc, Mapping):
+            raise ManifestError(path, "", "top level must be a mapping")
+        sections: dict[str, Mapping[str, Any]] = {}
+        for sec, keys in _REQUIRED.items():
+            body = doc.get(sec)
+            if not isinstance(body, Mapping):
+                raise ManifestError(path, sec, "missing section (must be a mapping)")
+            for key in keys:
+                if key not in body:
+                    raise ManifestError(path, f"{sec}.{key}", "missing field")
+                val = body[key]
+                if sec != "memory" and (isinstance(val, bool) or not isinstance(val, (int, float))):
+                    raise ManifestError(path, f"{sec}.{key}", f"must be a number, got {val!r}")
+                if sec == "fitted" and key.endswith("_eff") and not 0 < val <= 1:
+                    raise ManifestError(path, f"{sec}.{key}", f"efficiency must be in (0, 1], got {val}")
+            sections[sec] = _freeze(dict(body))
+        return cls(path=path, **sections)
+
+    def with_fitted(self, **overrides: float) -> "HardwareSpec":
+        """Copy with some ``fitted`` values replaced (offline fitting, what-if studies)."""
+        unknown = set(overrides) - set(self.fitted)
+        if unknown:
+            raise KeyError(f"unknown fitted parameter(s): {sorted(unknown)}")
+        return replace(self, fitted=MappingProxyType({**self.fitted, **overrides}))
+
+
+def expected_experts_touched(n_tokens: int, n_experts: int = 128, k: int = 8) -> float:
+    """Expected distinct experts n tokens touch in one layer: ``E·(1 - ((E-k)/E)^n)``.
+
+    27 tokens -> 105.6; 1 token -> 8 (STYLE.md "Simulators").
+    """
+    return n_experts * (1.0 - ((n_experts - k) / n_experts) ** n_tokens)
+
+
+@dataclass(frozen=True, eq=False)
+class StepCost:
+    """Simulated cost of one sub-model submission (one prefill or decode step).
+
+    All ``*_us`` are SIMULATED device microseconds (float).
+
+    Attributes:
+        kind, n_tokens, past_len: the step (tokens in this step; tokens already in KV).
+        h2d_us: PCIe host->device of token ids, positions and CSR.
+        infer_us: graph execution (chip timelines aligned at syncs) + submit overhead.
+        d2h_us: PCIe device->host of one token's BF16 logits (303,872 B, FACTS F1/F4).
+        total_us: ``h2d_us + infer_us + d2h_us``.
+        layer_chip_us: float64 ``(n_layers, n_chips)``: busy time of each chip in each layer.
+        layer_chip_category_us: float64 ``(n_layers, n_chips, len(categories))``.
+        categories: category ids (FACTS F3 order) indexing the last axis.
+        global_us: time of ops outside the layers on the busiest chip (embedding,
+            final norm, lm_head, logits gather/sync, layout conversions).
+        op_us: float64 ``(n_ops,)`` per op of ``graph.ops`` (same on every chip running it).
+        op_start_us: float64 ``(n_chips, n_ops)``: start on each chip's timeline,
+            relative to the start of ``infer``; NaN where the chip does not run the op.
+        dram_bytes: per-chip DRAM bytes by stream (``weights``, ``lm_head``, ``kv``, ``activations``)
+            on chip0.
+        graph: the priced :class:`~sim_backend.opgraph.OpGraph`.
+    """
+
+    kind: str
+    n_tokens: int
+    past_len: int
+    h2d_us: float
+    infer_us: float
+    d2h_us: float
+    total_us: float
+    layer_chip_us: np.ndarray
+    layer_chip_category_us: np.ndarray
+    categories: tuple[str, ...]
+    global_us: float
+    op_us: np.ndarray
+    op_start_us: np.ndarray
+    dram_bytes: Mapping[str, float] = field(default_factory=dict)
+    graph: OpGraph | None = None
+
+    @property
+    def slowest_category_per_layer(self) -> list[str]:
+        """Per layer, the category with the largest time summed over chips."""
+        per = self.layer_chip_category_us.sum(axis=1)
+        return [self.categories[i] for i in per.argmax(axis=1)]
+
+    def to_dict(self) -> dict:
+        """JSON-friendly dict (lists of floats, µs simulated)."""
+        return {
+            "simulated": True,
+            "time_unit": "us (simulated device time)",
+            "kind": self.kind,
+            "n_tokens": self.n_tokens,
+            "past_len": self.past_len,
+            "h2d_us": self.h2d_us,
+            "infer_us": self.infer_us,
+            "d2h_us": self.d2h_us,
+            "total_us": self.total_us,
+            "global_us": self.global_us,
+            "categories": list(self.categories),
+            "layer_chip_us": self.layer_chip_us.tolist(),
+            "layer_chip_category_us": self.layer_chip_category_us.tolist(),
+            "slowest_category_per_layer": self.slowest_category_per_layer,
+            "dram_bytes": dict(self.dram_bytes),
+        }
+
+
+class _Prepared:
+    """Index arrays of one graph, computed once per (shape, kind)."""
+
+    def __init__(self, graph: OpGraph) -> None:
+        ops = graph.ops
+        shape = graph.shape
+        n = len(ops)
+        self.graph = graph
+        self.n_ops = n
+        self.roles = sorted({op.role for op in ops})
+        self.role_ops: dict[str, np.ndarray] = {
+            r: np.array([op.index for op in ops if op.role == r], dtype=np.int64) for r in self.roles
+        }
+        cat_idx = {c: i for i, c in enumerate(CATEGORIES)}
+        self.cat = np.array([cat_idx[op.category] for op in ops], dtype=np.int64)
+        layer = np.array([op.layer for op in ops], dtype=np.int64)
+        self.is_global = layer < 0
+        self.layer_slot = np.where(self.is_global, shape.n_layers, layer)
+        self.chip_mask = np.zeros((shape.n_chips, n), dtype=bool)
+        for op in ops:
+            self.chip_mask[list(op.chips), op.index] = True
+        self.profiled = np.array([bool(op.profile_chips) for op in ops])
+        # Chips align at every sync_d2d (barrier): a segment starts at each barrier.
+        barrier = self.cat == cat_idx["sync_d2d"]
+        self.seg = np.cumsum(barrier)
+        self.n_seg = int(self.seg[-1]) + 1
+        ncat = len(CATEGORIES)
+        self.lc_index = self.layer_slot * ncat + self.cat
+        self.n_slots = (shape.n_layers + 1) * ncat
+
+
+class CostModel:
+    """Prices prefill/decode steps of the simulated NPU (simulated µs).
+
+    Build with :meth:`load`; :meth:`price_step` is vectorised (well under 2 ms
+    per call) because the engine calls it on every decode step.
+    """
+
+    def __init__(self, hw: HardwareSpec) -> None:
+        self.hw = hw
+        self._prepared: dict[tuple[ModelShape, str], _Prepared] = {}
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> "CostModel":
+        """Load from a hardware YAML (default: the shipped ``hardware/calculet_npu.yaml``)."""
+        return cls(HardwareSpec.load(path))
+
+    def with_fitted(self, **overrides: float) -> "CostModel":
+        """A new model with some fitted parameters replaced."""
+        return CostModel(self.hw.with_fitted(**overrides))
+
+    @property
+    def host_overhead_ms_per_token(self) -> float:
+        """Fitted host-side allowance (ms per generated token) used by the E2E calibration case."""
+        return float(self.hw.fitted["host_overhead_ms_per_token"])
+
+    def graph(self, shape: ModelShape, kind: str) -> OpGraph:
+        return self._prep(shape, kind).graph
+
+    def _prep(self, shape: ModelShape, kind: str) -> _Prepared:
+        key = (shape, kind)
+        p = self._prepared.get(key)
+        if p is None:
+            p = self._prepared[key] = _Prepared(build_graph(shape, kind))  # type: ignore[arg-type]
+        return p
+
+    # ------------------------------------------------------------------ pricing
+    def _role_costs(self, shape: ModelShape, kind: str, n: int, past: int,
+                    touched: np.ndarray) -> tuple[dict[str, Any], dict[str, float]]:
+        """Per-role time (µs; an array over layers for the MoE roles) and DRAM bytes per chip."""
+        hw, q, f = self.hw.hardware, self.hw.quantisation, self.hw.fitted
+        prefill = kind == "prefill"
+        C = shape.n_chips
+        H, d = shape.hidden, shape.head_dim
+        hq, hkv = shape.n_q_heads // C, shape.n_kv_heads // C
+        Fc, Ec, Vc = shape.expert_ffn // C, shape.n_experts // C, shape.vocab // C
+        k = shape.n_experts_active
+        a = q["activation_bytes"]
+        ctx = past + n
+
+        bw = hw["dram_bw_gbps"] * 1e3                      # bytes per µs
+        w_bw, kv_bw, act_bw = bw * f["weight_stream_eff"], bw * f["kv_read_eff"], bw * f["activation_eff"]
+        link = hw["d2d_link_gbps"] * 1e3 * f["d2d_eff"]
+        lat = hw["d2d_latency_us"]
+        int8 = hw["peak_int8_tops"] * 1e6 * f["int8_compute_eff"]      # ops per µs
+        fp16 = hw["peak_fp16_tflops"] * 1e6 * f["fp16_compute_eff"]
+        attn_c = hw["peak_fp16_tflops"] * 1e6 * f["attn_compute_eff"]
+        ov = f["per_op_overhead_us"]
+        tile = f["prefill_m_tile"]
+        rows = (lambda r: np.maximum(r, tile)) if prefill else (lambda r: r)
+
+        t: dict[str, Any] = {}
+        wbytes = {"weights": 0.0, "lm_head": 0.0, "kv": 0.0, "activations": 0.0}
+
+        def mm(role: str, m: int, kdim: int, ndim: int, bpw: float, peak: float, key="weights") -> None:
+            wb = kdim * ndim * bpw
+            ab = (m * kdim + m * ndim) * a
+            t[role] = max(2.0 * rows(m) * kdim * ndim / peak, wb / w_bw + ab / act_bw) + ov
+            mult = shape.n_layers if role not in ("lm_head",) else 1
+            wbytes[key] += wb * mult
+            wbytes["activations"] += ab * mult
+
+        def vec(role: str, nbytes: float, layers: bool = True) -> None:
+            t[role] = nbytes / act_bw + ov
+            wbytes["activations"] += nbytes * (shape.n_layers if layers else 1)
+
+        def d2d(role: str, nbytes: float, profiled: bool = True) -> None:
+            t[role] = lat + nbytes / link + (ov if profiled else 0.0)
+
+        # --- attention block
+        for role, width in (("input_norm", H), ("post_attn_norm", H), ("q_norm", hq * d), ("k_norm", hkv * d)):
+            vec(role, 2 * n * width * a)
+        mm("q_proj", n, H, hq * d, q["attn_proj_bytes_per_weight"], int8)
+        mm("kv_proj", n, H, 2 * hkv * d, q["attn_proj_bytes_per_weight"], int8)
+        mm("o_proj", n, hq * d, H, q["attn_proj_bytes_per_weight"], int8)
+        vec("rope_q", 2 * n * hq * d * a)
+        vec("rope_k", 2 * n * hkv * d * a)
+        vec("k_scatter", n * hkv * d * q["kv_bytes"])
+        vec("v_scatter", n * hkv * d * q["kv_bytes"])
+        # flash attention: KV read grows with context; prefill FLOPs are quadratic (causal)
+        ctx_eff = past + (n + 1) / 2.0 if prefill else float(ctx)
+        attn_flops = 4.0 * n * hq * d * ctx_eff
+        kv_read = ctx * hkv * 2 * d * q["kv_bytes"]
+        attn_act = 2 * n * hq * d * a
+        ramp = f["attn_kv_ramp_us"] * (1.0 - math.exp(-ctx / f["attn_kv_ramp_tokens"]))
+        t["attn"] = max(attn_flops / attn_c, kv_read / kv_bw + attn_act / act_bw) + ramp + ov
+        wbytes["kv"] += kv_read * shape.n_layers
+        wbytes["activations"] += attn_act * shape.n_layers
+        # --- chiplet exchanges: barriers are data-less (CCU, not profiled)
+        for role in ("attn_sync", "router_sync", "moe_sync"):
+            d2d(role, 0.0, profiled=False)
+        if prefill:
+            d2d("attn_dyn_d2d", n * H * a)
+            d2d("moe_dyn_d2d", n * H * a)
+            vec("attn_gather", 2 * n * H * a)
+            vec("moe_gather", 2 * n * H * a)
+            vec("router_gather", 2 * n * Ec * a)
+        else:  # decode gathers read the peer's partials over the link
+            d2d("attn_gather", n * H * a)
+            d2d("moe_gather", n * H * a)
+            d2d("router_gather", n * Ec * a)
+        vec("attn_residual", 4 * n * H * a)
+        vec("moe_residual", 4 * n * H * a)
+        # --- MoE block
+        mm("router", n, H, Ec, q["router_bytes_per_weight"], fp16)
+        vec("gate_pre", n * Ec * 2 * a + n * H * a + n * k * H * a)   # top-k + dispatch copies
+        vec("gate_post", 2 * n * k * H * a)                          # restore token order
+        vec("expert_reduce", n * k * H * a + n * H * a)              # weighted sum over top-k
+        vec("silu", 2 * n * k * Fc * a)
+        vec("multiply", 3 * n * k * Fc * a)
+        r = n * k / touched                                          # tokens per touched expert
+        e_w = touched * H * Fc * q["expert_bytes_per_weight"]        # (n_layers,)
+        e_act = (n * k * H + n * k * Fc) * a
+        e_flops = 2.0 * touched * rows(r) * H * Fc
+        e_t = np.maximum(e_flops / fp16, e_w / w_bw + e_act / act_bw) + ov
+        for role in ("expert_gate", "expert_up", "expert_down"):
+            t[role] = e_t
+        wbytes["weights"] += 3 * float(e_w.sum())
+        wbytes["activations"] += 3 * e_act * shape.n_layers
+        # --- outside the layers
+        t["embedding"] = n * H * (q["embedding_bytes_per_weight"] + a) / act_bw + ov
+        d2d("embed_sync", n * H * a)
+        vec("layout_in", 2 * n * H * a, layers=False)
+        vec("layout_out", 2 * n * H * a, layers=False)
+        vec("final_norm", 2 * H * a, layers=False)                   # last row only
+        mm("lm_head", 1, H, Vc, q["lm_head_bytes_per_weight"], int8, key="lm_head")
+        d2d("logits_gather", Vc * a)
+        d2d("logits_sync", 0.0)
+        return t, wbytes
+
+    def price_step(self, shape: ModelShape, kind: str, n_tokens: int, past_len: int,
+                   experts_touched: Sequence[int] | None = None) -> StepCost:
+        """Simulated cost of one step.
+
+        Args:
+            shape: model priced (full size: ``ModelShape()``).
+            kind: ``"prefill"`` or ``"decode"`` (decode requires ``n_tokens == 1``).
+            n_tokens: tokens processed in this step.
+            past_len: tokens already in the KV cache (context before the step).
+            experts_touched: per layer, the number of distinct experts the router
+                chose in this step (length ``n_layers``); None -> the expectation
+                :func:`expected_experts_touched`.
+        """
+        if kind not in ("prefill", "decode"):
+            raise ValueError(f"kind must be 'prefill' or 'decode', not {kind!r}")
+        if n_tokens < 1 or past_len < 0:
+            raise ValueError("n_tokens must be >= 1 and past_len >= 0")
+        if kind == "decode" and n_tokens != 1:
+            raise ValueError("the decode sub-model takes exactly 1 token (batch 1, FACTS F1)")
+        if past_len + n_tokens > shape.n_ctx:
+            raise ValueError(f"context {past_len + n_tokens} exceeds n_ctx {shape.n_ctx}")
+        L = shape.n_layers
+        if experts_touched is None:
+            touched = np.full(L, expected_experts_touched(n_tokens, shape.n_experts, shape.n_experts_active))
+        else:
+            touched = np.asarray(experts_touched, dtype=np.float64)
+            if touched.shape != (L,):
+                raise ValueError(f"experts_touched must have {L} entries, got {touched.shape}")
+            hi = min(shape.n_experts, n_tokens * shape.n_experts_active)
+            if (touched < 1).any() or (touched > hi).any():
+                raise ValueError(f"experts_touched entries must be in [1, {hi}] for {n_tokens} tokens")
+
+        p = self._prep(shape, kind)
+        t, dram = self._role_costs(shape, kind, n_tokens, past_len, touched)
+        op_us = np.empty(p.n_ops, dtype=np.float64)
+        for role, idx in p.role_ops.items():
+            op_us[idx] = t[role]
+
+        # Chip timelines: each chip runs its ops in order; all chips align at each barrier.
+        d = p.chip_mask * op_us                                   # (C, n_ops)
+        seg_sum = np.stack([np.bincount(p.seg, weights=row, minlength=p.n_seg) for row in d])
+        seg_len = seg_sum.max(axis=0)
+        seg_start = np.concatenate(([0.0], np.cumsum(seg_len)[:-1]))
+        csum = np.cumsum(d, axis=1)
+        before_seg = np.concatenate((np.zeros((d.shape[0], 1)), np.cumsum(seg_sum, axis=1)), axis=1)
+        # start = segment start + time of the earlier ops of the same segment on that chip
+        within = csum - d - before_seg[:, p.seg]
+        op_start = np.where(p.chip_mask, seg_start[p.seg][None, :] + within, np.nan)
+
+        ncat = len(CATEGORIES)
+        lcc = np.stack([np.bincount(p.lc_index, weights=row, minlength=p.n_slots) for row in d])
+        lcc = lcc.reshape(shape.n_chips, L + 1, ncat).transpose(1, 0, 2)   # (L+1, C, ncat)
+        layer_chip_cat = np.ascontiguousarray(lcc[:L])
+        layer_chip = layer_chip_cat.sum(axis=2)
+        global_us = float(lcc[L].sum(axis=1).max())
+
+        hw, q, f = self.hw.hardware, self.hw.quantisation, self.hw.fitted
+        pcie = hw["pcie_gbps"] * 1e3
+        h2d = hw["pcie_latency_us"] + (2 * n_tokens * q["token_input_bytes"] + q["csr_bytes"]) / pcie
+        d2h = hw["pcie_latency_us"] + shape.logits_bytes_per_token / pcie
+        infer = float(seg_len.sum()) + f["step_submit_overhead_us"]
+        for arr in (op_us, op_start, layer_chip, layer_chip_cat):
+            arr.flags.writeable = False
+        return StepCost(
+            kind=kind, n_tokens=n_tokens, past_len=past_len,
+            h2d_us=float(h2d), infer_us=infer, d2h_us=float(d2h), total_us=float(h2d + infer + d2h),
+            layer_chip_us=layer_chip, layer_chip_category_us=layer_chip_cat, categories=CATEGORIES,
+            global_us=global_us, op_us=op_us, op_start_us=op_start,
+            dram_bytes=MappingProxyType(dram), graph=p.graph,
+        )
+
+
+@lru_cache(maxsize=1)
+def default_cost_model() -> CostModel:
+    """The shipped model (cached)."""
+    return CostModel.load()

@@ -1,0 +1,133 @@
+"""Cost model: API, shapes, sharding behaviour, speed (simulated µs)."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from sim_backend.config import ModelShape
+from sim_backend.costmodel import DEFAULT_HW_PATH, CostModel, HardwareSpec
+from sim_backend.errors import ManifestError
+from sim_backend.opgraph import CATEGORIES
+
+SHAPE = ModelShape()
+
+
+@pytest.fixture(scope="module")
+def cm():
+    return CostModel.load()
+
+
+def test_default_yaml_ships_inside_the_package():
+    assert DEFAULT_HW_PATH.is_file()
+    assert DEFAULT_HW_PATH.parent.parent.name == "sim_backend"
+
+
+@pytest.mark.parametrize("kind,n,past", [("decode", 1, 100), ("prefill", 27, 0), ("prefill", 300, 50)])
+def test_step_cost_shapes_and_totals(cm, kind, n, past):
+    c = cm.price_step(SHAPE, kind, n, past)
+    g = cm.graph(SHAPE, kind)
+    assert c.total_us == pytest.approx(c.h2d_us + c.infer_us + c.d2h_us)
+    assert c.layer_chip_us.shape == (48, 2) and c.layer_chip_us.dtype == np.float64
+    assert c.layer_chip_category_us.shape == (48, 2, len(CATEGORIES))
+    assert c.categories == CATEGORIES
+    assert c.op_us.shape == (g.count(),) and (c.op_us > 0).all()
+    assert c.op_start_us.shape == (2, g.count())
+    np.testing.assert_allclose(c.layer_chip_category_us.sum(axis=2), c.layer_chip_us)
+    # per-layer sums + global ops = everything chip0 runs
+    chip0 = np.array([0 in op.chips for op in g.ops])
+    assert c.layer_chip_us[:, 0].sum() + c.global_us == pytest.approx(c.op_us[chip0].sum())
+    # timeline fits in the infer time; embedding only on chip0
+    end = np.nanmax(c.op_start_us + c.op_us)
+    assert end <= c.infer_us
+    emb = next(op.index for op in g.ops if op.category == "embedding")
+    assert np.isnan(c.op_start_us[1, emb]) and c.op_start_us[0, emb] == 0.0
+    # chips are aligned at every sync (barrier)
+    syncs = [op.index for op in g.ops if op.category == "sync_d2d"]
+    np.testing.assert_allclose(c.op_start_us[0, syncs], c.op_start_us[1, syncs])
+    assert len(c.slowest_category_per_layer) == 48
+    d = json.loads(json.dumps(c.to_dict()))
+    assert d["simulated"] is True and len(d["layer_chip_us"]) == 48
+    assert len(d["layer_chip_category_us"][0][0]) == len(CATEGORIES)
+
+
+def test_arrays_are_read_only(cm):
+    c = cm.price_step(SHAPE, "decode", 1, 10)
+    with pytest.raises(ValueError):
+        c.op_us[0] = 1.0
+
+
+def test_d2h_is_one_token_of_logits(cm):
+    hw = cm.hw.hardware
+    expect = hw["pcie_latency_us"] + 303_872 / (hw["pcie_gbps"] * 1e3)
+    for kind, n in (("decode", 1), ("prefill", 512)):  # prefill: last token's logits only
+        assert cm.price_step(SHAPE, kind, n, 0).d2h_us == pytest.approx(expect)
+    assert cm.price_step(SHAPE, "prefill", 512, 0).h2d_us > cm.price_step(SHAPE, "decode", 1, 0).h2d_us
+
+
+def test_kv_reads_grow_with_context(cm):
+    fa = CATEGORIES.index("flash_attention")
+    short = cm.price_step(SHAPE, "decode", 1, 1000).layer_chip_category_us[..., fa].sum()
+    long = cm.price_step(SHAPE, "decode", 1, 30000).layer_chip_category_us[..., fa].sum()
+    assert long > 10 * short
+    assert cm.price_step(SHAPE, "decode", 1, 30000).total_us > cm.price_step(SHAPE, "decode", 1, 1000).total_us
+
+
+def test_prefill_attention_is_quadratic(cm):
+    fa = CATEGORIES.index("flash_attention")
+    t1 = cm.price_step(SHAPE, "prefill", 8192, 0).layer_chip_category_us[..., fa].sum()
+    t2 = cm.price_step(SHAPE, "prefill", 16384, 0).layer_chip_category_us[..., fa].sum()
+    assert 3.5 < t2 / t1 < 4.5
+
+
+def test_embedding_and_lm_head_are_priced(cm):
+    c = cm.price_step(SHAPE, "decode", 1, 0)
+    g = c.graph
+    roles = {op.role: op.index for op in g.ops if op.layer < 0}
+    assert c.op_us[roles["lm_head"]] > 1000  # ~155 MB of int8 weights per chip
+    assert c.op_us[roles["embedding"]] > 0
+    assert c.global_us > c.op_us[roles["lm_head"]]
+
+
+def test_smaller_model_is_cheaper(cm):
+    full = cm.price_step(SHAPE, "decode", 1, 100).total_us
+    half = cm.price_step(SHAPE.with_layers(24), "decode", 1, 100).total_us
+    assert half < 0.6 * full
+
+
+def test_bad_arguments(cm):
+    with pytest.raises(ValueError):
+        cm.price_step(SHAPE, "decode", 2, 0)
+    with pytest.raises(ValueError):
+        cm.price_step(SHAPE, "decode", 1, 40960)
+    with pytest.raises(ValueError):
+        cm.price_step(SHAPE, "mixed", 1, 0)
+    with pytest.raises(ValueError):
+        cm.price_step(SHAPE, "decode", 1, 0, experts_touched=[8] * 47)
+    with pytest.raises(ValueError):
+        cm.price_step(SHAPE, "decode", 1, 0, experts_touched=[9] * 48)
+
+
+def test_price_step_is_fast(cm):
+    cm.price_step(SHAPE, "decode", 1, 0)  # builds and caches the graph
+    t0 = time.perf_counter()
+    for i in range(100):
+        cm.price_step(SHAPE, "decode", 1, i)
+    per_call_ms = (time.perf_counter() - t0) / 100 * 1e3
+    assert per_call_ms < 2.0
+
+
+def test_bad_yaml_is_a_manifest_error(tmp_path):
+    doc = yaml.safe_load(DEFAULT_HW_PATH.read_text())
+    del doc["fitted"]["kv_read_eff"]
+    p = tmp_path / "hw.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ManifestError) as ei:
+        CostModel.load(p)
+    assert ei.value.field == "fitted.kv_read_eff"
+    doc = yaml.safe_load(DEFAULT_HW_PATH.read_text())
+    doc["fitted"]["weight_stream_eff"] = 1.7
+    with pytest.raises(ManifestError):
+        HardwareSpec.from_dict(doc)
