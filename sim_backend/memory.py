@@ -1,0 +1,191 @@
+"""Per-chip memory plan of the calbin (FACTS F4, report §7).
+
+Units: every ``*_bytes`` is bytes (int); GiB = 2**30 B, MiB = 2**20 B.
+
+What is derived from :class:`~sim_backend.config.ModelShape` and what is taken
+from the report:
+
+* derived: the KV cache (BF16, 2 of 4 KV heads per chip:
+  ``48 x 2 x 2 x 128 x 2 B x 40960 = 1.875 GiB`` per chip), the BF16 embedding
+  table on chip0 (``151936 x 2048 x 2 B = 0.580 GiB``, exactly the chip0 -
+  chip1 parameter difference in F4), the logits per token
+  (``151936 x 2 B = 303,872 B``);
+* taken from F4 via ``hardware/calculet_npu.yaml`` (``memory:``): chip1's
+  parameter bytes in DRAM (8.165 GiB: compiler layout and quantisation scales
+  we cannot reproduce exactly — the model-derived estimate, 8.173 GiB, is
+  reported alongside), the parameter files, the SRAM parameter window
+  (14.381 MiB), the DRAM (14.075 GiB) and SRAM (16.844 MiB) reservations and
+  the tensor address unions (decode 10.634 GiB, prefill 14.091 GiB per-chip
+  plan);
+* remainders: DRAM workspace = reservation - parameters - KV; SRAM workspace
+  = SRAM reservation - parameter window.  Address ranges alias over
+  lifetimes (report §7), so the workspace is a reservation, not a live peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from sim_backend.config import ModelShape
+from sim_backend.costmodel import HardwareSpec
+
+GiB = 2**30
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Region:
+    """One region of one chip's memory.
+
+    Attributes:
+        name: ``parameters``, ``kv_cache``, ``workspace`` (DRAM) or
+            ``param_window``, ``sram_workspace`` (SRAM).
+        used_bytes: bytes in use now (KV: used tokens x bytes per token).
+        reserved_bytes: bytes the plan reserves for it.
+        physical_bytes: physical capacity of the memory it lives in (per chip).
+        kind: ``"dram"`` or ``"sram"``.
+    """
+
+    name: str
+    used_bytes: int
+    reserved_bytes: int
+    physical_bytes: int
+    kind: Literal["dram", "sram"] = "dram"
+
+
+def estimate_param_bytes(shape: ModelShape, hw: HardwareSpec) -> list[int]:
+    """Model-derived parameter bytes per chip from the YAML's bytes/weight per role.
+
+    A cross-check of F4 (8.745 / 8.165 GiB), not used by the plan: at full size
+    it gives ~8.752 / 8.173 GiB.
+    """
+    q = hw.quantisation
+    C = shape.n_chips
+    H, d, L = shape.hidden, shape.head_dim, shape.n_layers
+    hq, hkv = shape.n_q_heads // C, shape.n_kv_heads // C
+    attn = L * (2 * H * hq * d + H * 2 * hkv * d) * q["attn_proj_bytes_per_weight"]
+    router = L * H * (shape.n_experts // C) * q["router_bytes_per_weight"]
+    experts = L * shape.n_experts * 3 * H * (shape.expert_ffn // C) * q["expert_bytes_per_weight"]
+    lm_head = H * (shape.vocab // C) * q["lm_head_bytes_per_weight"]
+    norms = (L * (2 * H + 2 * d) + H) * q["norm_bytes_per_weight"]
+    shared = int(attn + router + experts + lm_head + norms)
+    return [shared + (embedding_bytes(shape, hw) if c == 0 else 0) for c in range(C)]
+
+
+def embedding_bytes(shape: ModelShape, hw: HardwareSpec) -> int:
+    """BF16 embedding table, chip0 only: vocab x hidden x 2 B = 622,329,856 B (0.580 GiB, F4)."""
+    return int(shape.vocab * shape.hidden * hw.quantisation["embedding_bytes_per_weight"])
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-chip memory plan (FACTS F4).
+
+    Attributes:
+        shape: the model.
+        chips: per chip, its regions (DRAM first, then SRAM).
+        kv_used_tokens: KV cells in use (tokens); sets the KV region's ``used_bytes``.
+        kv_bytes_per_token: per chip, BF16 K+V of one token over all layers (49,152 B).
+        param_file_bytes: per chip, ``param_blk*.bin`` size (F4, taken).
+        param_estimate_bytes: per chip, model-derived cross-check (not used by the plan).
+        address_union_bytes: ``{"decode", "prefill"}`` tensor address union of the
+            per-chip plan (F4, taken; prefill ~ DRAM + SRAM reservation).
+        logits_bytes_per_token: BF16 logits D2H per token (303,872 B, derived).
+    """
+
+    shape: ModelShape
+    chips: tuple[tuple[Region, ...], ...]
+    kv_used_tokens: int
+    kv_bytes_per_token: int
+    param_file_bytes: tuple[int, ...]
+    param_estimate_bytes: tuple[int, ...]
+    address_union_bytes: dict
+    logits_bytes_per_token: int
+
+    @classmethod
+    def for_bundle(cls, shape: ModelShape | None = None, hw: HardwareSpec | None = None,
+                   kv_used_tokens: int = 0) -> "MemoryPlan":
+        """Build the plan for ``shape`` (default full Qwen3-30B-A3B) on ``hw`` (default shipped YAML)."""
+        shape = shape or ModelShape()
+        hw = hw or HardwareSpec.load()
+        m, h = hw.memory, hw.hardware
+        C = shape.n_chips
+        dram_phys = int(round(h["dram_physical_gib"] * GiB))
+        sram_phys = int(round(h["sram_physical_mib"] * MiB))
+        shared_params = int(round(m["param_dram_shared_gib"] * GiB))
+        emb = embedding_bytes(shape, hw)
+        kv_tok = shape.kv_bytes_per_token_per_chip
+        kv_res = kv_tok * shape.n_ctx
+        dram_res = int(round(m["dram_reservation_gib"] * GiB))
+        sram_res = int(round(m["sram_reservation_mib"] * MiB))
+        window = int(round(m["param_sram_window_mib"] * MiB))
+        chips = []
+        for c in range(C):
+            params = shared_params + (emb if c == 0 else 0)   # embedding table on chip0 only
+            work = dram_res - params - kv_res
+            if work < 0:
+                raise ValueError(f"chip{c}: parameters + KV exceed the DRAM reservation")
+            chips.append((
+                Region("parameters", params, params, dram_phys, "dram"),
+                Region("kv_cache", 0, kv_res, dram_phys, "dram"),
+                Region("workspace", work, work, dram_phys, "dram"),
+                Region("param_window", window, window, sram_phys, "sram"),
+                Region("sram_workspace", sram_res - window, sram_res - window, sram_phys, "sram"),
+            ))
+        files = m["param_file_gib"]
+        plan = cls(
+            shape=shape, chips=tuple(chips), kv_used_tokens=0, kv_bytes_per_token=kv_tok,
+            param_file_bytes=tuple(int(round(g * GiB)) for g in files),
+            param_estimate_bytes=tuple(estimate_param_bytes(shape, hw)),
+            address_union_bytes={k: int(round(v * GiB)) for k, v in m["address_union_gib"].items()},
+            logits_bytes_per_token=shape.logits_bytes_per_token,
+        )
+        return plan.with_kv_used(kv_used_tokens)
+
+    def with_kv_used(self, tokens: int) -> "MemoryPlan":
+        """Copy with ``tokens`` KV cells in use on every chip (0..n_ctx)."""
+        if not 0 <= tokens <= self.shape.n_ctx:
+            raise ValueError(f"KV tokens must be in [0, {self.shape.n_ctx}], got {tokens}")
+        used = tokens * self.kv_bytes_per_token
+        chips = tuple(tuple(replace(r, used_bytes=used) if r.name == "kv_cache" else r for r in regs)
+                      for regs in self.chips)
+        return replace(self, chips=chips, kv_used_tokens=tokens)
+
+    def region(self, chip: int, name: str) -> Region:
+        for r in self.chips[chip]:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def reserved_bytes(self, chip: int, kind: str) -> int:
+        """Sum of reservations of ``kind`` ("dram"/"sram") on ``chip`` (F4: 14.075 GiB / 16.844 MiB)."""
+        return sum(r.reserved_bytes for r in self.chips[chip] if r.kind == kind)
+
+    def used_bytes(self, chip: int, kind: str) -> int:
+        return sum(r.used_bytes for r in self.chips[chip] if r.kind == kind)
+
+    def to_dict(self) -> dict:
+        """JSON-friendly dict; every size in bytes."""
+        return {
+            "unit": "bytes",
+            "kv_used_tokens": self.kv_used_tokens,
+            "kv_bytes_per_token_per_chip": self.kv_bytes_per_token,
+            "logits_bytes_per_token": self.logits_bytes_per_token,
+            "param_file_bytes": list(self.param_file_bytes),
+            "param_estimate_bytes": list(self.param_estimate_bytes),
+            "address_union_bytes": dict(self.address_union_bytes),
+            "chips": [
+                {
+                    "chip": c,
+                    "dram_reserved_bytes": self.reserved_bytes(c, "dram"),
+                    "sram_reserved_bytes": self.reserved_bytes(c, "sram"),
+                    "regions": [
+                        {"name": r.name, "kind": r.kind, "used_bytes": r.used_bytes,
+                         "reserved_bytes": r.reserved_bytes, "physical_bytes": r.physical_bytes}
+                        for r in regs
+                    ],
+                }
+                for c, regs in enumerate(self.chips)
+            ],
+        }
