@@ -173,19 +173,22 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndar
     out = np.empty_like(q)
     kt = np.ascontiguousarray(k.transpose(1, 2, 0))  # (Hkv, D, T)
     vh = np.ascontiguousarray(v.transpose(1, 0, 2))  # (Hkv, T, D)
+    sorted_keys = k_pos.size < 2 or bool(np.all(k_pos[1:] >= k_pos[:-1]))
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
+        # keys are sorted by position: a chunk never needs keys past its last query (halves prefill work)
+        t_end = int(np.searchsorted(k_pos, q_pos[s:e].max(), side="right")) if sorted_keys else k_pos.size
         qc = q[s:e].reshape(e - s, Hkv, group, D).transpose(1, 0, 2, 3).reshape(Hkv, (e - s) * group, D)
-        scores = np.matmul(qc, kt) * scale  # (Hkv, m*group, T)
-        if not (e - s == 1 and k_pos.size and k_pos.max() <= q_pos[s]):
-            bias = np.where(k_pos[None, :] > q_pos[s:e, None], F32(-np.inf), F32(0))  # (m, T)
+        scores = np.matmul(qc, kt[:, :, :t_end]) * scale  # (Hkv, m*group, T')
+        if not (e - s == 1 and t_end and k_pos[:t_end].max() <= q_pos[s]):
+            bias = np.where(k_pos[None, :t_end] > q_pos[s:e, None], F32(-np.inf), F32(0))  # (m, T')
             scores = scores.reshape(Hkv, e - s, group, -1)
             scores += bias[None, :, None, :]
             scores = scores.reshape(Hkv, (e - s) * group, -1)
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-        o = np.matmul(scores, vh)  # (Hkv, m*group, D)
+        o = np.matmul(scores, vh[:, :t_end])  # (Hkv, m*group, D)
         out[s:e] = o.reshape(Hkv, e - s, group, D).transpose(1, 0, 2, 3).reshape(e - s, Hq, D)
     return out
 

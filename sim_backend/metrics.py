@@ -1,0 +1,232 @@
+"""Request metrics with the field's definitions (FACTS F7), aggregates and
+Prometheus exposition in llama.cpp's ``llamacpp:`` style.
+
+Definitions (all in simulated milliseconds on the device clock, which
+includes measured host work):
+- TTFT: request in -> first visible token.
+- TPOT: (E2E - TTFT) / (n - 1) for n generated tokens; absent when n == 1.
+- ITL: every gap between consecutive visible pieces, the first excluded.
+- E2E: request in -> done. Queue time: request in -> slot assigned.
+- Goodput (vLLM): completed requests/s (and tokens/s) of requests meeting
+  every configured SLO (ttft, tpot, e2el in ms).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+# Histogram bucket upper bounds in seconds (Prometheus convention is base units).
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def request_latencies(arrival_ms: float, piece_times_ms: Sequence[float], done_ms: float,
+                      n_tokens: int) -> tuple[float | None, float | None, tuple[float, ...], float]:
+    """Compute (TTFT, TPOT, ITL, E2E) in ms from timestamps on one clock.
+
+    piece_times_ms: times at which visible pieces reached the client, in order.
+    n_tokens: generated tokens (predicted_n). TTFT is None when nothing was
+    shown; TPOT is None when n_tokens < 2 or TTFT is None.
+    """
+    e2e = done_ms - arrival_ms
+    if not piece_times_ms:
+        return None, None, (), e2e
+    ttft = piece_times_ms[0] - arrival_ms
+    itl = tuple(float(b - a) for a, b in zip(piece_times_ms, piece_times_ms[1:]))
+    tpot = (e2e - ttft) / (n_tokens - 1) if n_tokens > 1 else None
+    return ttft, tpot, itl, e2e
+
+
+def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 95, 99)) -> dict[str, float | None]:
+    """{"p50": .., "p95": .., "p99": .., "mean": .., "n": ..}; None values when empty."""
+    arr = np.asarray(list(values), dtype=np.float64)
+    out: dict[str, float | None] = {f"p{int(q)}": (float(np.percentile(arr, q)) if arr.size else None) for q in qs}
+    out["mean"] = float(arr.mean()) if arr.size else None
+    out["n"] = int(arr.size)
+    return out
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level objectives in simulated ms; None = not checked."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    def met(self, ttft: float | None, tpot: float | None, e2e: float) -> bool:
+        if self.ttft_ms is not None and (ttft is None or ttft > self.ttft_ms):
+            return False
+        if self.tpot_ms is not None and tpot is not None and tpot > self.tpot_ms:
+            return False
+        if self.e2el_ms is not None and e2e > self.e2el_ms:
+            return False
+        return True
+
+
+class _Hist:
+    """Cumulative histogram (seconds) + a bounded window of recent samples (ms)."""
+
+    def __init__(self, window: int) -> None:
+        self.counts = np.zeros(len(LATENCY_BUCKETS_S), dtype=np.int64)
+        self.count = 0
+        self.sum_s = 0.0
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def observe_ms(self, ms: float) -> None:
+        s = ms / 1e3
+        self.counts += np.asarray(LATENCY_BUCKETS_S) >= s
+        self.count += 1
+        self.sum_s += s
+        self.recent.append(ms)
+
+
+class MetricsRegistry:
+    """Thread-safe aggregate of finished requests and live gauges.
+
+    Request-state gauges come from the engine through ``set_live``; the
+    counters balance: submitted = finished + failed + cancelled + queued + running.
+    """
+
+    def __init__(self, window: int = 1000, slo: SLO = SLO()) -> None:
+        self._lock = threading.Lock()
+        self.slo = slo
+        self.submitted = self.finished = self.failed = self.cancelled = self.rejected = 0
+        self.prompt_tokens = self.predicted_tokens = self.cache_tokens = 0
+        self.prompt_ms_total = self.predicted_ms_total = 0.0
+        self.good_requests = self.good_tokens = 0
+        self.hist = {k: _Hist(window) for k in ("ttft", "itl", "e2e", "tpot", "queue")}
+        self.queued = self.running = 0
+        self.kv_usage_ratio = 0.0
+        self.first_done_ms: float | None = None
+        self.last_done_ms: float | None = None
+        # (sim ms, tokens/s) history for sparklines
+        self.history: deque[tuple[float, float, float, float]] = deque(maxlen=600)
+
+    def set_live(self, queued: int, running: int, kv_usage_ratio: float) -> None:
+        with self._lock:
+            self.queued, self.running, self.kv_usage_ratio = queued, running, kv_usage_ratio
+
+    def on_submitted(self) -> None:
+        with self._lock:
+            self.submitted += 1
+
+    def on_rejected(self) -> None:
+        with self._lock:
+            self.rejected += 1
+
+    def on_done(self, status: str, *, prompt_n: int, cache_n: int, predicted_n: int, prompt_ms: float,
+                predicted_ms: float, ttft: float | None, tpot: float | None, itl: Sequence[float], e2e: float,
+                queue_ms: float | None, done_ms: float) -> None:
+        """Record a request that ended (status finished | failed | cancelled). Times in simulated ms."""
+        with self._lock:
+            if status == "finished":
+                self.finished += 1
+            elif status == "cancelled":
+                self.cancelled += 1
+            else:
+                self.failed += 1
+            self.prompt_tokens += prompt_n - cache_n
+            self.cache_tokens += cache_n
+            self.predicted_tokens += predicted_n
+            self.prompt_ms_total += prompt_ms
+            self.predicted_ms_total += predicted_ms
+            if queue_ms is not None:
+                self.hist["queue"].observe_ms(queue_ms)
+            if status == "finished":
+                if ttft is not None:
+                    self.hist["ttft"].observe_ms(ttft)
+                if tpot is not None:
+                    self.hist["tpot"].observe_ms(tpot)
+                for g in itl:
+                    self.hist["itl"].observe_ms(g)
+                self.hist["e2e"].observe_ms(e2e)
+                if self.slo.met(ttft, tpot, e2e):
+                    self.good_requests += 1
+                    self.good_tokens += predicted_n
+            if self.first_done_ms is None:
+                self.first_done_ms = done_ms - e2e
+            self.last_done_ms = done_ms
+            tps = predicted_n / (predicted_ms / 1e3) if predicted_ms > 0 else 0.0
+            self.history.append((done_ms, tps, ttft if ttft is not None else float("nan"), e2e))
+
+    def summary(self) -> dict:
+        """JSON-friendly aggregates: counters, P50/P95/P99 of each latency (sim ms), goodput."""
+        with self._lock:
+            span_s = ((self.last_done_ms or 0) - (self.first_done_ms or 0)) / 1e3
+            return {
+                "counters": {
+                    "submitted": self.submitted, "finished": self.finished, "failed": self.failed,
+                    "cancelled": self.cancelled, "queued": self.queued, "running": self.running,
+                    "rejected": self.rejected,
+                },
+                "balanced": self.submitted == self.finished + self.failed + self.cancelled + self.queued + self.running,
+                "tokens": {"prompt": self.prompt_tokens, "cached": self.cache_tokens, "predicted": self.predicted_tokens},
+                "latency_ms": {k: percentiles(h.recent) for k, h in self.hist.items()},
+                "goodput": {
+                    "slo": {"ttft_ms": self.slo.ttft_ms, "tpot_ms": self.slo.tpot_ms, "e2el_ms": self.slo.e2el_ms},
+                    "good_requests": self.good_requests,
+                    "requests_per_s": self.good_requests / span_s if span_s > 0 else None,
+                    "tokens_per_s": self.good_tokens / span_s if span_s > 0 else None,
+                },
+                "kv_cache_usage_ratio": self.kv_usage_ratio,
+                "clock": "simulated device ms (includes measured host work)",
+            }
+
+    def history_series(self) -> dict[str, list[float]]:
+        """Recent per-request series for sparklines: tokens/s, TTFT ms, E2E ms (oldest first)."""
+        with self._lock:
+            h = list(self.history)
+        return {"tokens_per_s": [x[1] for x in h], "ttft_ms": [x[2] for x in h], "e2e_ms": [x[3] for x in h]}
+
+    # --- Prometheus ---------------------------------------------------------------
+
+    def collect(self):
+        """prometheus_client custom-collector protocol: yields metric families."""
+        with self._lock:
+            def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+                return CounterMetricFamily(f"llamacpp:{name}", doc, value=v)
+
+            yield counter("prompt_tokens_total", "Number of prompt tokens processed.", self.prompt_tokens)
+            yield counter("prompt_seconds_total", "Prompt process time (simulated device seconds).",
+                          self.prompt_ms_total / 1e3)
+            yield counter("tokens_predicted_total", "Number of generation tokens processed.", self.predicted_tokens)
+            yield counter("tokens_predicted_seconds_total", "Predict process time (simulated device seconds).",
+                          self.predicted_ms_total / 1e3)
+            yield counter("requests_submitted_total", "Requests accepted into the queue.", self.submitted)
+            yield counter("requests_finished_total", "Requests that finished.", self.finished)
+            yield counter("requests_failed_total", "Requests that failed with an error.", self.failed)
+            yield counter("requests_cancelled_total", "Requests cancelled by the client or maintenance.", self.cancelled)
+            yield counter("requests_rejected_total", "Requests refused at admission.", self.rejected)
+            yield GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.", value=self.running)
+            yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred (queued).", value=self.queued)
+            yield GaugeMetricFamily("llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
+                                    value=self.kv_usage_ratio)
+            pt = self.prompt_ms_total / 1e3
+            gt = self.predicted_ms_total / 1e3
+            yield GaugeMetricFamily("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
+                                    value=self.prompt_tokens / pt if pt > 0 else 0.0)
+            yield GaugeMetricFamily("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.",
+                                    value=self.predicted_tokens / gt if gt > 0 else 0.0)
+            for key, name, doc in (("ttft", "time_to_first_token_seconds", "Time to first token"),
+                                   ("itl", "inter_token_latency_seconds", "Inter-token latency"),
+                                   ("e2e", "e2e_request_latency_seconds", "End-to-end request latency"),
+                                   ("tpot", "time_per_output_token_seconds", "Time per output token"),
+                                   ("queue", "request_queue_time_seconds", "Time in queue before a slot")):
+                h = self.hist[key]
+                buckets = [(f"{b:g}", float(c)) for b, c in zip(LATENCY_BUCKETS_S, h.counts)]
+                buckets.append(("+Inf", float(h.count)))
+                yield HistogramMetricFamily(f"llamacpp:{name}", f"{doc} (simulated device seconds).",
+                                            buckets=buckets, sum_value=h.sum_s)
+
+    def prometheus_text(self) -> str:
+        """Prometheus text exposition format (version 0.0.4)."""
+        reg = CollectorRegistry(auto_describe=False)
+        reg.register(self)
+        return generate_latest(reg).decode("utf-8")

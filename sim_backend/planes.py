@@ -1,0 +1,196 @@
+"""The three planes (FACTS F9): inference, read-only observation, controlled maintenance.
+
+The console talks to the simulator only through these. A future
+real-hardware backend implements the same three classes.
+
+- ``InferencePlane``: submit / stream / cancel chat requests. No registers,
+  no reset, no raw memory (FACTS F5 C4).
+- ``ObservationPlane``: ``snapshot()`` returns a deeply frozen ``Snapshot``;
+  nothing reachable from it can change the device.
+- ``MaintenancePlane``: lives in ``maintenance.py``; built only when asked
+  for (``--observe-only`` never constructs it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import psutil
+
+from .bundle import Bundle, Finding
+from .device import SimulatedBoard
+from .engine import ChatRequest, Engine, RequestHandle, RequestResult, SlotInfo
+from .freeze import freeze, thaw
+
+
+class InferencePlane:
+    """Submit, stream and cancel chat requests (the ordinary serving API)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @property
+    def n_ctx(self) -> int:
+        """Context in tokens (calbin, 40960; FACTS F2)."""
+        return self._engine.n_ctx
+
+    def submit(self, req: ChatRequest) -> RequestHandle:
+        """See ``Engine.submit``: returns a handle; raises typed request errors, allocating nothing."""
+        return self._engine.submit(req)
+
+    def generate(self, req: ChatRequest, timeout: float = 600.0) -> RequestResult:
+        return self._engine.generate(req, timeout)
+
+    def count_prompt_tokens(self, req: ChatRequest) -> int:
+        """Prompt tokens with the chat template, as the context limit counts them."""
+        return len(self._engine.tokenize_prompt(req))
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One read-only observation. All numbers say their unit in their key:
+    ``*_us`` / ``*_ms`` under ``last_step`` and ``requests`` are SIMULATED device
+    time; ``host`` and ``*_wall_ms`` are measured host wall time."""
+
+    taken_unix_s: float
+    sim_now_ms: float
+    device: Mapping[str, Any]
+    jobs: Mapping[str, Any]
+    kv: Mapping[str, Any]
+    last_step: Mapping[str, Any]
+    last_prefill: Mapping[str, Any]
+    last_decode: Mapping[str, Any]
+    memory: Mapping[str, Any]
+    slots: tuple
+    requests: Mapping[str, Any]
+    stages: Mapping[str, Any]
+    history: Mapping[str, Any]
+    host: Mapping[str, Any]
+    findings: tuple
+
+    def to_dict(self) -> dict:
+        return thaw(self)
+
+
+def step_view(res: Any | None) -> dict:
+    """Observation view of a StepResult: per layer, per chip, per category (simulated µs)."""
+    if res is None:
+        return {"kind": None, "layers": []}
+    cost = res.cost
+    slowest = cost.slowest_category_per_layer
+    cats = list(cost.categories)
+    layers = []
+    for li in range(cost.layer_chip_us.shape[0]):
+        layers.append({
+            "layer": li,
+            "chip_us": [float(x) for x in cost.layer_chip_us[li]],
+            "category_us": {c: [float(x) for x in cost.layer_chip_category_us[li, :, ci]]
+                            for ci, c in enumerate(cats) if cost.layer_chip_category_us[li, :, ci].any()},
+            "slowest_category": slowest[li],
+        })
+    return {
+        "kind": res.kind, "job_id": res.job_id, "seq_id": res.seq_id, "n_tokens": res.n_tokens,
+        "past_len": res.past_len, "sim_us": res.sim_us, "h2d_us": cost.h2d_us, "infer_us": cost.infer_us,
+        "d2h_us": cost.d2h_us, "global_us": cost.global_us, "sim_end_ms": res.sim_end_us / 1e3,
+        "compute_wall_ms": res.compute_wall_ms, "experts_touched": list(res.experts_touched or []),
+        "numerics": res.logits_bf16 is not None, "layers": layers,
+        "time_unit": "us (simulated device time); compute_wall_ms is host wall time",
+    }
+
+
+class ObservationPlane:
+    """Read-only snapshots of device, jobs, KV, last steps, requests and host."""
+
+    def __init__(self, board: SimulatedBoard, engine: Engine, bundle: Bundle, memory_plan: Any = None,
+                 mode_source: Any = None) -> None:
+        self._board = board
+        self._engine = engine
+        self._bundle = bundle
+        self._memory_plan = memory_plan
+        self._mode_source = mode_source  # callable -> {"mode", "lease_holder"} (maintenance plane)
+        self._proc = psutil.Process(os.getpid())
+        self._proc.cpu_percent(None)  # prime: later calls report usage since the previous call
+        self._lock = threading.Lock()
+        self._step_cache: dict[int, dict] = {}
+
+    def set_mode_source(self, fn: Any) -> None:
+        self._mode_source = fn
+
+    def _step(self, res: Any | None) -> dict:
+        if res is None:
+            return step_view(None)
+        with self._lock:
+            v = self._step_cache.get(res.job_id)
+            if v is None:
+                v = step_view(res)
+                if len(self._step_cache) > 8:
+                    self._step_cache.clear()
+                self._step_cache[res.job_id] = v
+            return v
+
+    def snapshot(self) -> Snapshot:
+        b, e = self._board, self._engine
+        c = b.counters()
+        occ = b.kv.occupancy()
+        kvc = b.kv.counters()
+        mode = self._mode_source() if self._mode_source else {"mode": "serving", "lease_holder": None}
+        chips = [
+            {"index": ch.index, "state": ch.state, "busy": ch.busy, "slow_factor": ch.slow_factor,
+             "jobs_done": ch.jobs_done}
+            for ch in b.chiplets()
+        ]
+        faults = b.faults.active()
+        status = "memory cleared" if b.memory_cleared else ("degraded" if faults else "ok")
+        steps = dict(b.last_steps)
+        last = max(steps.values(), key=lambda r: r.job_id) if steps else None
+        memory = {}
+        if self._memory_plan is not None:
+            memory = self._memory_plan.with_kv_used(occ.used_cells).to_dict()
+        with self._proc.oneshot():
+            host = {"cpu_percent": self._proc.cpu_percent(None), "rss_bytes": self._proc.memory_info().rss,
+                    "threads": self._proc.num_threads(), "system_cpu_percent": psutil.cpu_percent(None)}
+        data = dict(
+            taken_unix_s=time.time(),
+            sim_now_ms=b.clock.now_us / 1e3,
+            device={
+                "name": self._bundle.device_name, "bundle": self._bundle.name, "status": status,
+                "mode": mode.get("mode", "serving"), "lease_holder": mode.get("lease_holder"),
+                "calrt_version": self._bundle.calrt_version,
+                "firmware_commit": f"{b.registers.read('CALCORERT_COMMIT'):07x}",
+                "pacing": b.pacing.mode.value, "pacing_speed": b.pacing.speed, "numerics": b.numerics,
+                "chiplets": chips, "faults": faults, "context_tokens": self._bundle.context,
+                "n_slots": e.n_slots, "admitting": e.admitting,
+            },
+            jobs={"submitted": c.submitted, "pending": c.pending, "running": c.running, "finished": c.finished,
+                  "failed": c.failed, "left": c.left, "ccu_exceptions": c.ccu_exceptions, "resets": c.resets},
+            kv={"used_tokens": occ.used_cells, "capacity_tokens": occ.capacity_cells, "free_tokens": occ.free_cells,
+                "used_blocks": occ.used_blocks, "total_blocks": occ.total_blocks, "block_size": occ.block_size,
+                "bytes_used_per_chip": occ.bytes_used_per_chip, "bytes_capacity_per_chip": occ.bytes_capacity_per_chip,
+                "per_seq_tokens": {str(s): n for s, n in occ.per_seq_tokens},
+                "apply_waits": kvc.apply_waits, "apply_timeouts": kvc.apply_timeouts,
+                "kv_wait_wall_ms": kvc.kv_wait_s * 1e3},
+            last_step=self._step(last),
+            last_prefill=self._step(steps.get("prefill")),
+            last_decode=self._step(steps.get("decode")),
+            memory=memory,
+            slots=[thaw(s) for s in e.slot_info()],
+            requests=e.metrics.summary(),
+            stages={k: thaw(v) for k, v in e.last_stage.items()},
+            history=e.metrics.history_series(),
+            host=host,
+            findings=[thaw(f) for f in self._bundle.findings],
+        )
+        return Snapshot(**{k: freeze(v) for k, v in data.items()})
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition (llamacpp: names)."""
+        self._engine._notify()
+        return self._engine.metrics.prometheus_text()
+
+
+def finding_dict(f: Finding) -> dict:
+    return thaw(f)

@@ -1,0 +1,72 @@
+"""Builds the whole simulated stack and hands out its planes.
+
+    sys = build_system()                     # numerics on, fast pacing
+    h = sys.inference.submit(ChatRequest.from_prompt("hi", max_tokens=8))
+    sys.observation.snapshot().to_dict()
+    sys.close()
+
+``maintenance=False`` (``--observe-only``) never constructs the maintenance
+plane: the attribute is None and nothing else creates one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .audit import AuditLog
+from .bundle import Bundle, load_bundle
+from .costmodel import CostModel
+from .device import Pacing, PacingMode, SimulatedBoard
+from .engine import Engine, HostTimer
+from .planes import InferencePlane, ObservationPlane
+
+
+@dataclass
+class System:
+    """The simulator and its three planes. ``maintenance`` is None in observe-only mode."""
+
+    bundle: Bundle
+    board: SimulatedBoard
+    engine: Engine
+    inference: InferencePlane
+    observation: ObservationPlane
+    maintenance: Any | None
+
+    def close(self) -> None:
+        self.engine.close()
+        self.board.close()
+
+    def __enter__(self) -> "System":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None = None, numerics: bool = True,
+                 n_slots: int = 4, queue_limit: int = 16, max_inflight: int = 1, maintenance: bool = True,
+                 audit_path: str | Path | None = None, host_timer: HostTimer | None = None,
+                 kv_timeout_s: float = 2.0, drain_timeout_s: float = 5.0, kv_cells: int | None = None,
+                 numerics_max_prompt: int = 1024, hardware: str | Path | None = None) -> System:
+    """Load the bundle (strict; raises ManifestError) and start device + engine threads."""
+    bundle = load_bundle(bundle_dir)
+    cost = CostModel.load(hardware)
+    board = SimulatedBoard(bundle, cost, numerics=numerics, pacing=pacing or Pacing(PacingMode.FAST),
+                           kv_cells=kv_cells)
+    engine = Engine(board, n_slots=n_slots, queue_limit=queue_limit, max_inflight=max_inflight,
+                    kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt)
+    memory_plan = None
+    try:
+        from .memory import MemoryPlan
+        memory_plan = MemoryPlan.for_bundle(bundle.shape, cost.hw)
+    except Exception:  # noqa: BLE001 - memory map is optional for the snapshot; reported as absent
+        memory_plan = None
+    observation = ObservationPlane(board, engine, bundle, memory_plan)
+    mplane = None
+    if maintenance:
+        from .maintenance import MaintenancePlane  # imported only when asked for (--observe-only proof)
+        mplane = MaintenancePlane(board, engine, AuditLog(audit_path), drain_timeout_s=drain_timeout_s)
+        observation.set_mode_source(mplane.mode)
+    return System(bundle, board, engine, InferencePlane(engine), observation, mplane)
