@@ -131,3 +131,37 @@ def test_bad_yaml_is_a_manifest_error(tmp_path):
     doc["fitted"]["weight_stream_eff"] = 1.7
     with pytest.raises(ManifestError):
         HardwareSpec.from_dict(doc)
+
+
+# --- Chrome trace (sim_backend/trace.py) --------------------------------------
+
+def test_chrome_trace(cm, tmp_path):
+    from sim_backend.trace import chrome_trace, write_chrome_trace
+
+    pre = cm.price_step(SHAPE, "prefill", 27, 0)
+    dec = cm.price_step(SHAPE, "decode", 1, 27)
+    steps = [("prefill 27", pre, 0.0), ("decode 1", dec, pre.total_us)]
+    path = write_chrome_trace(tmp_path / "t.json", steps)
+    doc = json.loads(path.read_text())
+    assert doc == json.loads(json.dumps(chrome_trace(steps)))
+    assert doc["displayTimeUnit"] == "ms"
+    evs = doc["traceEvents"]
+    for e in evs:
+        assert {"ph", "pid", "name"} <= e.keys()
+        if e["ph"] == "X":
+            assert {"ts", "dur", "tid"} <= e.keys() and e["dur"] >= 0
+    names = {e["tid"]: e["args"]["name"] for e in evs if e["ph"] == "M" and e["name"] == "thread_name"}
+    chip_tids = [t for t, n in names.items() if n.startswith("chip")]
+    assert sorted(chip_tids) == [0, 1]
+    for chip, expected in ((0, 1352 + 1254), (1, 1351 + 1253)):
+        ops = [e for e in evs if e["ph"] == "X" and e["tid"] == chip]
+        assert len(ops) == expected
+        assert all(e["args"]["chip"] == chip and {"layer", "role"} <= e["args"].keys() for e in ops)
+    emb = [e for e in evs if e["ph"] == "X" and e["name"] == "embedding global"]
+    assert [e["tid"] for e in emb] == [0, 0]
+    assert any(e["name"] == "flash_attention L12" for e in evs)
+    pcie = [e for e in evs if e["ph"] == "X" and e["name"] in ("H2D", "D2H logits")]
+    assert len(pcie) == 4
+    # decode step starts after the prefill ends on the simulated clock
+    dec_ops = [e for e in evs if e["ph"] == "X" and e["tid"] == 0 and e["args"]["step"] == "decode 1"]
+    assert min(e["ts"] for e in dec_ops) >= pre.total_us
