@@ -1,0 +1,71 @@
+"""Command line: ``calconsole`` opens the console; sub-commands run headless."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import __version__
+from .commands import load_commands
+from .commands.common import add_common_options, fail
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="calconsole",
+        description="Operations console for the Calculet dual-chiplet NPU serving Qwen3-30B-A3B "
+                    "(built-in simulator). With no sub-command, opens the console. Device timings are "
+                    "simulated device time; host figures are measured wall time.")
+    p.add_argument("--version", action="version", version=f"calconsole {__version__}")
+    p.add_argument("--layout", default="operator", metavar="NAME|PATH",
+                   help="layout: a name from layouts/ (operator, chat) or a YAML file (default: operator)")
+    p.add_argument("--observe-only", action="store_true",
+                   help="no maintenance pane; the maintenance plane is never constructed")
+    p.add_argument("--refresh", type=float, default=None, metavar="HZ",
+                   help="observation refresh rate (default: the layout's, 2 Hz); at most 10 Hz")
+    add_common_options(p, default_pacing="realtime")
+    sub = p.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    for mod in load_commands():
+        mod.register(sub, p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is not None:
+        return args.func(args)
+    return run_console(args)
+
+
+def run_console(args: argparse.Namespace) -> int:
+    from sim_backend.errors import CalError
+
+    from .layout import LayoutError, load_layout
+
+    try:
+        layout = load_layout(args.layout)
+    except LayoutError as e:
+        return fail(str(e))
+    if args.refresh is not None and not 0.1 <= args.refresh <= 10:
+        return fail(f"--refresh must be between 0.1 and 10 Hz, got {args.refresh}")
+    if not sys.stdout.isatty() or not sys.stdin.isatty():
+        return fail("the console needs a terminal; for scripts use 'calconsole snapshot --json' "
+                    "or 'calconsole chat PROMPT --json'")
+    from .app import CalConsoleApp
+    from .commands.common import build_from_args
+
+    try:
+        system = build_from_args(args, maintenance=not args.observe_only)
+    except (CalError, ValueError) as e:
+        return fail(str(e))
+    try:
+        app = CalConsoleApp(system, layout, refresh_hz=args.refresh)
+        app.run()
+    finally:
+        system.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,23 @@
+"""``calconsole bench ...``: benchmarks that print figures (never run as timed unit tests)."""
+
+from __future__ import annotations
+
+import importlib
+
+# one module per benchmark: each defines register(bench_subparsers)
+BENCH_MODULES = ("bench_calibrate", "bench_host", "bench_overlap")
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser("bench", help="benchmarks: calibrate, host, overlap",
+                       description="Benchmarks that print figures. Simulated device time and host wall "
+                                   "time are labelled separately.")
+    bsub = p.add_subparsers(title="benchmarks", dest="bench", metavar="BENCH", required=True)
+    for name in BENCH_MODULES:
+        try:
+            mod = importlib.import_module(f"{__package__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__package__}.{name}":
+                raise
+            continue
+        mod.register(bsub)
