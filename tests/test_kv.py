@@ -565,3 +565,28 @@ def test_full_size_ops_are_fast():
     t_rm = (time.perf_counter() - t0) / n
     # generous bound for slow CI; typically ~0.1 ms and ~0.05 ms
     assert t_apply < 0.005 and t_rm < 0.005
+
+
+def test_concurrent_apply_free_is_consistent():
+    # engine threads contending for a small cache: every apply either gets its
+    # cells or a typed error, and the cache ends empty with consistent counts
+    kv = small(32, 4)
+    errors: list[BaseException] = []
+
+    def worker(s: int) -> None:
+        try:
+            for _ in range(50):
+                cells = kv.apply(s, 7, timeout=2.0)
+                assert len(cells) == 7 and kv.seq_cells(s)[0].size == 7
+                assert kv.free(s) == 7
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert kv.occupancy().used_cells == 0
+    assert kv.counters().apply_calls == 300
