@@ -1,0 +1,116 @@
+"""The Textual app: panes arranged by a layout, fed by snapshots on a timer.
+
+The app talks to the simulator only through the three planes. Snapshots
+are taken on a worker thread; device work and generation never run on the
+UI's event loop.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Footer, Static
+
+from .layout import Layout
+from .messages import SnapshotReady
+from .panes.chat import ChatPane
+from .panes.observation import ObservationPane
+from .widgets.render import mode_text
+
+MIN_WIDTH, MIN_HEIGHT = 80, 24
+
+
+class CalConsoleApp(App):
+    """calconsole: observation, chat and maintenance panes over one simulated device."""
+
+    CSS_PATH = "styles.tcss"
+    TITLE = "calconsole"
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "quit", priority=True),
+        Binding("f1", "focus_pane('observation')", "observation"),
+        Binding("f2", "focus_pane('chat')", "chat"),
+        Binding("f3", "focus_pane('maintenance')", "maintenance"),
+    ]
+
+    def __init__(self, system, layout: Layout, refresh_hz: float | None = None) -> None:
+        super().__init__()
+        self.system = system
+        # --observe-only: the system has no maintenance plane, so the pane is dropped too
+        self.layout_spec = layout if system.maintenance is not None else layout.without("maintenance")
+        self.refresh_hz = refresh_hz or layout.refresh_hz
+        self.last_snapshot: dict | None = None
+        # widget references: App.query_one searches the *active* screen, which is a modal at times
+        self._topbar = Static(id="topbar")
+        self._panes: list = []
+
+    def compose(self) -> ComposeResult:
+        yield self._topbar
+        with Horizontal(id="columns"):
+            for ci, col in enumerate(self.layout_spec.columns):
+                with Vertical(classes="column", id=f"col{ci}") as v:
+                    v.styles.width = col.width
+                    for p in col.panes:
+                        pane = self._make_pane(p.pane)
+                        pane.styles.height = p.height
+                        self._panes.append(pane)
+                        yield pane
+        yield Static("terminal too small: need at least 80x24", id="too-small")
+        yield Footer()
+
+    def _make_pane(self, name: str):
+        if name == "observation":
+            w = ObservationPane(id="observation", classes="pane")
+            w.border_title = "Observation (read-only)"
+        elif name == "chat":
+            w = ChatPane(self.system.inference, id="chat", classes="pane")
+            w.border_title = "Chat"
+        else:
+            from .panes.maintenance import MaintenancePane
+
+            w = MaintenancePane(self.system.maintenance, self.system.bundle.device_name, id="maintenance",
+                                classes="pane")
+            w.border_title = "Maintenance (guarded)"
+        return w
+
+    def on_mount(self) -> None:
+        self.set_interval(1.0 / self.refresh_hz, self.request_snapshot)
+        self.request_snapshot()
+        self._check_size()
+
+    def on_resize(self) -> None:
+        self._check_size()
+
+    def _check_size(self) -> None:
+        if self.screen is not self.screen_stack[0]:
+            return
+        small = self.size.width < MIN_WIDTH or self.size.height < MIN_HEIGHT
+        self.query_one("#too-small").display = small
+        self.query_one("#columns").display = not small
+
+    @work(thread=True, exclusive=True, group="snapshot", exit_on_error=False)
+    def request_snapshot(self) -> None:
+        snap = self.system.observation.snapshot().to_dict()
+        self.post_message(SnapshotReady(snap))
+
+    def on_snapshot_ready(self, message: SnapshotReady) -> None:
+        snap = message.snap
+        self.last_snapshot = snap
+        d = snap["device"]
+        bar = Text.assemble(("calconsole ", "bold"), f"{d['name']} · ", mode_text(d),
+                            f" · {d['status']} · jobs done {snap['jobs']['finished']} · "
+                            f"KV {snap['kv']['used_tokens']}/{snap['kv']['capacity_tokens']} · "
+                            f"sim clock {snap['sim_now_ms'] / 1e3:.2f} s")
+        self._topbar.update(bar)
+        for pane in self._panes:
+            if pane.is_mounted:
+                pane.update_snapshot(snap)
+
+    def action_focus_pane(self, name: str) -> None:
+        panes = self.query(f"#{name}")
+        if panes:
+            pane = panes.first()
+            focusables = [w for w in pane.query("*") if w.focusable]
+            (focusables[0] if focusables else pane).focus()

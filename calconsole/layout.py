@@ -1,0 +1,135 @@
+"""Layouts: YAML files saying which panes, their sizes and the refresh rate.
+
+Shipped layouts live in the repository's ``layouts/`` (copied into the wheel
+as ``calconsole/_layouts``); ``--layout`` takes a shipped name or a path.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+PANES = ("observation", "chat", "maintenance")
+_SIZE = re.compile(r"^\d+(\.\d+)?(fr|%|)$")
+MIN_REFRESH_HZ, MAX_REFRESH_HZ = 0.1, 10.0
+
+
+class LayoutError(Exception):
+    """A layout file is missing or malformed; names the file and the field."""
+
+    def __init__(self, file: str, field: str, message: str) -> None:
+        self.file, self.field = file, field
+        super().__init__(f"layout {file}: field '{field}': {message}")
+
+
+@dataclass(frozen=True)
+class PaneSpec:
+    pane: str
+    height: str
+
+
+@dataclass(frozen=True)
+class ColumnSpec:
+    width: str
+    panes: tuple[PaneSpec, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parsed layout: columns of stacked panes, refresh rate in Hz."""
+
+    name: str
+    path: Path
+    refresh_hz: float
+    columns: tuple[ColumnSpec, ...]
+
+    def panes(self) -> list[str]:
+        return [p.pane for c in self.columns for p in c.panes]
+
+    def without(self, pane: str) -> "Layout":
+        cols = tuple(ColumnSpec(c.width, tuple(p for p in c.panes if p.pane != pane)) for c in self.columns)
+        return Layout(self.name, self.path, self.refresh_hz, tuple(c for c in cols if c.panes))
+
+
+def layout_dirs() -> list[Path]:
+    """Where shipped layouts are looked up: the wheel's copy, then the source tree's."""
+    here = Path(__file__).resolve().parent
+    return [d for d in (here / "_layouts", here.parent / "layouts") if d.is_dir()]
+
+
+def available_layouts() -> list[str]:
+    names: set[str] = set()
+    for d in layout_dirs():
+        names.update(p.stem for p in d.glob("*.yaml"))
+    return sorted(names)
+
+
+def resolve_layout(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.is_file():
+            raise LayoutError(str(p), "<file>", "file not found")
+        return p
+    for d in layout_dirs():
+        cand = d / f"{name_or_path}.yaml"
+        if cand.is_file():
+            return cand
+    raise LayoutError(name_or_path, "<name>",
+                      f"no such layout (shipped: {', '.join(available_layouts()) or 'none found'})")
+
+
+def _size(v: object, file: str, fld: str) -> str:
+    s = str(v).strip()
+    if not _SIZE.match(s):
+        raise LayoutError(file, fld, f"size must look like 2fr, 40% or 30, got {v!r}")
+    return s
+
+
+def load_layout(name_or_path: str) -> Layout:
+    """Load and validate a layout. Raises LayoutError naming file and field."""
+    path = resolve_layout(name_or_path)
+    f = str(path)
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise LayoutError(f, "<yaml>", f"malformed YAML{where}") from None
+    except OSError as e:
+        raise LayoutError(f, "<file>", str(e)) from None
+    if not isinstance(doc, dict):
+        raise LayoutError(f, "<root>", "expected a mapping")
+    name = doc.get("name", path.stem)
+    if not isinstance(name, str):
+        raise LayoutError(f, "name", "expected a string")
+    hz = doc.get("refresh_hz", 2)
+    if isinstance(hz, bool) or not isinstance(hz, (int, float)) or not MIN_REFRESH_HZ <= hz <= MAX_REFRESH_HZ:
+        raise LayoutError(f, "refresh_hz", f"expected a number in [{MIN_REFRESH_HZ}, {MAX_REFRESH_HZ}], got {hz!r}")
+    cols = doc.get("columns")
+    if not isinstance(cols, list) or not cols:
+        raise LayoutError(f, "columns", "expected a non-empty list of columns")
+    seen: set[str] = set()
+    columns = []
+    for i, c in enumerate(cols):
+        if not isinstance(c, dict):
+            raise LayoutError(f, f"columns[{i}]", "expected a mapping with width and panes")
+        width = _size(c.get("width", "1fr"), f, f"columns[{i}].width")
+        panes = c.get("panes")
+        if not isinstance(panes, list) or not panes:
+            raise LayoutError(f, f"columns[{i}].panes", "expected a non-empty list")
+        specs = []
+        for j, p in enumerate(panes):
+            fld = f"columns[{i}].panes[{j}]"
+            if not isinstance(p, dict) or "pane" not in p:
+                raise LayoutError(f, fld, "expected {pane: NAME, height: SIZE}")
+            if p["pane"] not in PANES:
+                raise LayoutError(f, fld + ".pane", f"unknown pane {p['pane']!r} (known: {', '.join(PANES)})")
+            if p["pane"] in seen:
+                raise LayoutError(f, fld + ".pane", f"pane {p['pane']!r} appears twice")
+            seen.add(p["pane"])
+            specs.append(PaneSpec(p["pane"], _size(p.get("height", "1fr"), f, fld + ".height")))
+        columns.append(ColumnSpec(width, tuple(specs)))
+    return Layout(name, path, float(hz), tuple(columns))

@@ -1,0 +1,217 @@
+"""Chat pane: multi-turn chat with streaming, cancel (Escape), sampling parameters
+and per-request TTFT / TPOT / E2E (simulated device ms).
+
+Generation runs in a thread worker; tokens reach the UI via ``call_from_thread``.
+The log is capped and append-only; the reply being streamed lives in one
+small Static that is updated at most ~15 times a second.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rich.text import Text
+from textual import on, work
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.widgets import Collapsible, Input, Label, RichLog, Static
+
+from sim_backend.engine import ChatRequest, DoneEvent, RequestHandle, TokenEvent
+from sim_backend.errors import RequestError
+from sim_backend.sampling import SamplingParams
+
+SYNTHETIC_NOTICE = ("Weights are synthetic: the text is not meaningful. Tokens, timings and KV are real "
+                    "products of the simulated run. Times are simulated device ms.")
+STREAM_UPDATE_S = 1 / 15
+LOG_MAX_LINES = 2000
+
+# (input id, label, default, parser)
+PARAMS = (
+    ("p-temperature", "temp", "0.8", float),
+    ("p-top-k", "top_k", "40", int),
+    ("p-top-p", "top_p", "0.95", float),
+    ("p-min-p", "min_p", "0.05", float),
+    ("p-max-tokens", "max_tokens", "128", int),
+    ("p-seed", "seed", "", int),
+    ("p-repeat-penalty", "repeat_pen", "1.0", float),
+    ("p-presence", "presence", "0.0", float),
+    ("p-frequency", "frequency", "0.0", float),
+    ("p-stop", "stop (| sep)", "", str),
+)
+
+
+class ChatPane(Vertical):
+    """Chat with the simulated model through the inference plane only."""
+
+    BINDINGS = [
+        Binding("escape", "cancel", "cancel generation", priority=True),
+        Binding("ctrl+l", "new_chat", "new chat"),
+    ]
+
+    def __init__(self, inference, **kw) -> None:
+        super().__init__(**kw)
+        self.inference = inference
+        self.history: list[dict] = []
+        self.handle: RequestHandle | None = None
+        self._stream_text = ""
+        self._last_stream_update = 0.0
+        self._pending_prompt = ""
+
+    def compose(self) -> ComposeResult:
+        yield Static(SYNTHETIC_NOTICE, id="chat-notice", classes="dim")
+        yield RichLog(id="chat-log", max_lines=LOG_MAX_LINES, wrap=True, markup=False, auto_scroll=True)
+        yield Static("", id="chat-stream")
+        yield Static("", id="chat-status", classes="dim")
+        with Collapsible(title="sampling parameters", collapsed=True, id="chat-params"):
+            with Horizontal(classes="param-row"):
+                for pid, label, default, _ in PARAMS[:5]:
+                    with Vertical(classes="param"):
+                        yield Label(label)
+                        yield Input(default, id=pid, classes="param-input")
+            with Horizontal(classes="param-row"):
+                for pid, label, default, _ in PARAMS[5:]:
+                    with Vertical(classes="param"):
+                        yield Label(label)
+                        yield Input(default, id=pid, classes="param-input", placeholder="none")
+        yield Input(placeholder="Type a message, Enter to send · Esc cancels · Ctrl+L new chat", id="chat-input")
+
+    # --- parameters ---------------------------------------------------------------
+
+    def read_params(self) -> tuple[SamplingParams, int, tuple[str, ...]]:
+        """Parse the parameter inputs. Raises ValueError naming the field on bad text."""
+        vals = {}
+        for pid, label, _, parser in PARAMS:
+            raw = self.query_one(f"#{pid}", Input).value.strip()
+            if parser is str:
+                vals[pid] = raw
+                continue
+            if raw == "":
+                if pid == "p-seed":
+                    vals[pid] = None
+                    continue
+                raise ValueError(f"{label} is empty")
+            try:
+                vals[pid] = parser(raw)
+            except ValueError:
+                raise ValueError(f"{label} must be {'an integer' if parser is int else 'a number'}, got {raw!r}") from None
+        sp = SamplingParams(temperature=vals["p-temperature"], top_k=vals["p-top-k"], top_p=vals["p-top-p"],
+                            min_p=vals["p-min-p"], repeat_penalty=vals["p-repeat-penalty"],
+                            presence_penalty=vals["p-presence"], frequency_penalty=vals["p-frequency"],
+                            seed=vals["p-seed"])
+        stops = tuple(s for s in vals["p-stop"].split("|")) if vals["p-stop"] else ()
+        return sp, vals["p-max-tokens"], stops
+
+    # --- sending ------------------------------------------------------------------
+
+    @on(Input.Submitted, "#chat-input")
+    def send(self, event: Input.Submitted) -> None:
+        text = event.value
+        if not text.strip():
+            return
+        if self.handle is not None:
+            self.notify("a reply is still streaming: Esc cancels it", severity="warning")
+            return
+        try:
+            sp, max_tokens, stops = self.read_params()
+        except ValueError as e:
+            self._log_error(f"invalid parameter: {e}")
+            return
+        req = ChatRequest(messages=tuple(self.history + [{"role": "user", "content": text}]), max_tokens=max_tokens,
+                          sampling=sp, stop=stops, client="chat-pane")
+        event.input.value = ""
+        self._pending_prompt = text
+        log = self.query_one("#chat-log", RichLog)
+        log.write(Text.assemble(("you ", "bold cyan"), text))
+        self.query_one("#chat-status", Static).update("submitting…")
+        self._generate(req)
+
+    @work(thread=True, group="chat", exit_on_error=False)
+    def _generate(self, req: ChatRequest) -> None:
+        """Runs on a worker thread: submit, then forward events to the UI thread."""
+        app = self.app
+        try:
+            handle = self.inference.submit(req)
+        except RequestError as e:
+            app.call_from_thread(self._on_refused, e)
+            return
+        app.call_from_thread(self._on_started, req, handle)
+        try:
+            for ev in handle.stream(timeout=300.0):
+                if isinstance(ev, TokenEvent):
+                    app.call_from_thread(self._on_piece, ev.text)
+                elif isinstance(ev, DoneEvent):
+                    app.call_from_thread(self._on_done, req, ev.result)
+        except TimeoutError as e:
+            handle.cancel("chat pane: no progress for 300 s")
+            app.call_from_thread(self._log_error, str(e))
+
+    def _on_refused(self, e: RequestError) -> None:
+        self._log_error(f"{e.error_type}: {e}")
+        self.query_one("#chat-status", Static).update("")
+        self.query_one("#chat-input", Input).value = self._pending_prompt
+
+    def _on_started(self, req: ChatRequest, handle: RequestHandle) -> None:
+        self.handle = handle
+        self._stream_text = ""
+        self.query_one("#chat-status", Static).update(
+            f"request {handle.id}: prompt {handle.prompt_n} tokens (template included) · streaming… Esc cancels")
+
+    def _on_piece(self, text: str) -> None:
+        self._stream_text += text
+        now = time.monotonic()
+        if now - self._last_stream_update >= STREAM_UPDATE_S:
+            self._last_stream_update = now
+            self.query_one("#chat-stream", Static).update(Text.assemble(("model ", "bold green"), self._stream_text))
+
+    def _on_done(self, req: ChatRequest, result) -> None:
+        self.handle = None
+        log = self.query_one("#chat-log", RichLog)
+        self.query_one("#chat-stream", Static).update("")
+        reply = Text.assemble(("model ", "bold green"), result.text)
+        if result.status == "cancelled":
+            reply.append(f"  [cancelled: {(result.error or {}).get('message', '')}]", style="bold yellow")
+        elif result.status == "failed":
+            reply.append(f"  [failed: {(result.error or {}).get('type_name', '')}: "
+                         f"{(result.error or {}).get('message', '')}]", style="bold red")
+        log.write(reply)
+        t = result.timings
+        line = (f"  prompt {t.prompt_n + t.cache_n} tok (cached {t.cache_n}) · generated {t.predicted_n} tok · "
+                f"TTFT {_ms(t.ttft_ms)} · TPOT {_ms(t.tpot_ms)} · E2E {_ms(t.e2e_ms)} · "
+                f"stop {result.stop_type} · seed {result.seed} · simulated device ms"
+                + ("" if t.numerics else " · timing-only (tokens not from the model)"))
+        log.write(Text(line, style="grey62"))
+        self.query_one("#chat-status", Static).update("")
+        if result.status == "finished":
+            self.history.extend([{"role": "user", "content": self._pending_prompt},
+                                 {"role": "assistant", "content": result.text}])
+        elif result.status == "cancelled":
+            self.query_one("#chat-input", Input).value = self._pending_prompt
+
+    def _log_error(self, msg: str) -> None:
+        self.query_one("#chat-log", RichLog).write(Text(msg, style="bold red"))
+
+    # --- actions ------------------------------------------------------------------
+
+    def action_cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel("cancelled from the chat pane (Esc)")
+
+    def action_new_chat(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel("new chat started")
+        self.history.clear()
+        self.query_one("#chat-log", RichLog).clear()
+
+    def on_unmount(self) -> None:
+        # a closed pane is a vanished client: cancel what it started
+        if self.handle is not None:
+            self.handle.cancel("chat pane closed")
+
+    def update_snapshot(self, snap: dict) -> None:
+        d = snap["device"]
+        self.border_subtitle = d["mode"] + (f" (lease: {d['lease_holder']})" if d.get("lease_holder") else "")
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f} ms"

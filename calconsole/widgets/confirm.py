@@ -1,0 +1,60 @@
+"""Confirmation modal for destructive maintenance actions.
+
+Cancel is focused by default; Confirm is enabled only once the operator has
+typed the device name exactly. Escape and ``n`` cancel.
+"""
+
+from __future__ import annotations
+
+from textual import on
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label
+
+
+class ConfirmModal(ModalScreen[bool]):
+    """Returns True only if the operator typed ``device_name`` and pressed Confirm."""
+
+    BINDINGS = [Binding("escape", "cancel", "cancel")]
+
+    def __init__(self, action: str, detail: str, device_name: str) -> None:
+        super().__init__()
+        self.action_name = action
+        self.detail = detail
+        self.device_name = device_name
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm-box"):
+            yield Label(f"[b]{self.action_name}[/b]", id="confirm-title")
+            yield Label(self.detail, id="confirm-detail")
+            yield Label(f"Type the device name [b]{self.device_name}[/b] to confirm:")
+            yield Input(placeholder=self.device_name, id="confirm-name")
+            with Horizontal(id="confirm-buttons"):
+                yield Button("Cancel", id="confirm-cancel", variant="primary")
+                yield Button(self.action_name, id="confirm-ok", variant="error", disabled=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#confirm-cancel", Button).focus()
+
+    @on(Input.Changed, "#confirm-name")
+    def _typed(self, event: Input.Changed) -> None:
+        self.query_one("#confirm-ok", Button).disabled = event.value != self.device_name
+
+    @on(Input.Submitted, "#confirm-name")
+    def _submitted(self, event: Input.Submitted) -> None:
+        if event.value == self.device_name:
+            self.dismiss(True)
+
+    @on(Button.Pressed, "#confirm-ok")
+    def _ok(self) -> None:
+        if self.query_one("#confirm-name", Input).value == self.device_name:
+            self.dismiss(True)
+
+    @on(Button.Pressed, "#confirm-cancel")
+    def _cancel_pressed(self) -> None:
+        self.dismiss(False)
+
+    def action_cancel(self) -> None:
+        self.dismiss(False)

@@ -1,0 +1,216 @@
+"""Pure functions turning a snapshot (``Snapshot.to_dict()``) into Rich renderables.
+
+No metric is computed here: every number comes from the snapshot. Units are
+in every label: "sim" = simulated device time, "wall" = measured host time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+GIB = 2**30
+MIB = 2**20
+
+
+def fmt_bytes(n: float) -> str:
+    if n >= GIB:
+        return f"{n / GIB:.3f} GiB"
+    if n >= MIB:
+        return f"{n / MIB:.3f} MiB"
+    if n >= 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{int(n)} B"
+
+
+def fmt_ms(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def bar(frac: float, width: int = 30, warn: float = 0.8, crit: float = 0.95) -> Text:
+    """A ``value / limit`` bar that turns yellow at ``warn`` and red at ``crit``."""
+    frac = max(0.0, min(1.0, frac))
+    full = int(round(frac * width))
+    style = "red" if frac >= crit else ("yellow" if frac >= warn else "green")
+    t = Text("█" * full, style=style)
+    t.append("░" * (width - full), style="grey37")
+    return t
+
+
+def mode_text(device: dict) -> Text:
+    mode = device.get("mode", "serving")
+    style = {"serving": "green", "draining": "yellow", "exclusive": "bold red"}.get(mode, "white")
+    t = Text(mode, style=style)
+    if device.get("lease_holder"):
+        t.append(f" (lease: {device['lease_holder']})", style="red")
+    return t
+
+
+def device_panel(snap: dict) -> Group:
+    d = snap["device"]
+    status_style = {"ok": "green", "degraded": "yellow"}.get(d["status"], "red")
+    head = Text()
+    head.append(f"{d['name']} ", style="bold")
+    head.append(f"[{d['bundle']}] ")
+    head.append(d["status"], style=status_style)
+    head.append("  mode ")
+    head.append_text(mode_text(d))
+    head.append(f"\nCalRT {d['calrt_version']}  fw {d['firmware_commit']}  pacing {d['pacing']}"
+                f"{'' if d['pacing'] == 'fast' else ' x' + format(d['pacing_speed'], 'g')}"
+                f"  numerics {'on' if d['numerics'] else 'off (timing-only)'}  sim clock {snap['sim_now_ms'] / 1e3:.3f} s")
+    chips = Table.grid(padding=(0, 2))
+    for c in d["chiplets"]:
+        st = {"ready": "green", "fault": "red", "cleared": "yellow"}.get(c["state"], "white")
+        chips.add_row(Text(f"chip{c['index']}", style="bold"), Text(c["state"], style=st),
+                      Text("busy" if c["busy"] else "idle", style="cyan" if c["busy"] else "grey50"),
+                      Text(f"jobs {c['jobs_done']}"),
+                      Text(f"slow x{c['slow_factor']:g}", style="red") if c["slow_factor"] != 1 else Text(""))
+    parts: list[Any] = [head, chips]
+    if d["faults"]:
+        parts.append(Text("faults armed: " + ", ".join(d["faults"]), style="bold red"))
+    return Group(*parts)
+
+
+def jobs_panel(snap: dict) -> Text:
+    j = snap["jobs"]
+    t = Text("jobs  ")
+    for k, style in (("pending", "yellow"), ("running", "cyan"), ("finished", "green"), ("failed", "red"),
+                     ("left", "white")):
+        t.append(f"{k} ", style="grey62")
+        t.append(f"{j[k]}  ", style=f"bold {style}")
+    t.append(f"ccu_exc {j['ccu_exceptions']}  resets {j['resets']}", style="grey62")
+    return t
+
+
+def kv_panel(snap: dict) -> Group:
+    kv = snap["kv"]
+    used, cap = kv["used_tokens"], kv["capacity_tokens"]
+    line = Text("KV    ")
+    line.append_text(bar(used / cap if cap else 0.0))
+    line.append(f"  {used} / {cap} tokens ({100 * used / cap:.1f}%)", style="bold")
+    sub = Text(f"      {fmt_bytes(kv['bytes_used_per_chip'])} of {fmt_bytes(kv['bytes_capacity_per_chip'])} per chip"
+               f" · blocks {kv['used_blocks']}/{kv['total_blocks']} x{kv['block_size']}"
+               f" · waits {kv['apply_waits']} timeouts {kv['apply_timeouts']}", style="grey62")
+    seqs = ", ".join(f"seq{s}:{n}" for s, n in kv["per_seq_tokens"].items()) or "no sequences"
+    return Group(line, sub, Text(f"      {seqs}", style="grey62"))
+
+
+def slots_panel(snap: dict) -> Table:
+    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70")
+    for col in ("slot", "state", "req", "prompt", "prefilled", "generated", "cached"):
+        t.add_column(col, justify="right" if col not in ("state",) else "left")
+    for s in snap["slots"]:
+        st = {"idle": "grey50", "prefilling": "yellow", "decoding": "cyan"}.get(s["state"], "white")
+        t.add_row(str(s["index"]), Text(s["state"], style=st), str(s["request_id"] or "-"), str(s["prompt_n"]),
+                  str(s["n_prefilled"]), str(s["predicted_n"]), str(s["cached_tokens"]))
+    return t
+
+
+def requests_panel(snap: dict) -> Group:
+    r = snap["requests"]
+    c = r["counters"]
+    head = Text("requests  ")
+    for k in ("submitted", "finished", "failed", "cancelled", "queued", "running", "rejected"):
+        head.append(f"{k} ", style="grey62")
+        head.append(f"{c[k]}  ", style="bold")
+    if not r["balanced"]:
+        head.append("UNBALANCED", style="bold red")
+    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70")
+    t.add_column("sim ms")
+    for q in ("p50", "p95", "p99", "n"):
+        t.add_column(q, justify="right")
+    for k in ("ttft", "tpot", "itl", "e2e", "queue"):
+        lat = r["latency_ms"][k]
+        t.add_row(k.upper(), fmt_ms(lat["p50"]), fmt_ms(lat["p95"]), fmt_ms(lat["p99"]), str(lat["n"]))
+    g = r["goodput"]
+    slo = g["slo"]
+    slo_s = ", ".join(f"{k}<={v:g}" for k, v in slo.items() if v is not None) or "no SLO set"
+    gp = Text(f"goodput ({slo_s}): {g['good_requests']} requests"
+              + (f", {g['tokens_per_s']:.1f} tok/s" if g["tokens_per_s"] is not None else ""), style="grey70")
+    tok = r["tokens"]
+    toks = Text(f"tokens prompt {tok['prompt']} cached {tok['cached']} predicted {tok['predicted']}", style="grey70")
+    return Group(head, t, gp, toks)
+
+
+def stages_panel(snap: dict) -> Table:
+    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70",
+              title="last step stages (device: sim ms · host: wall ms)", title_style="grey62", title_justify="left")
+    cols = ("kind", "h2d", "infer", "d2h", "kv_wait", "sampling", "detok", "framework")
+    for col in cols:
+        t.add_column(col, justify="right" if col != "kind" else "left")
+    for kind, s in snap["stages"].items():
+        t.add_row(kind, fmt_ms(s["h2d_ms"], 3), fmt_ms(s["infer_ms"], 2), fmt_ms(s["d2h_ms"], 3),
+                  fmt_ms(s["kv_wait_ms"], 3), fmt_ms(s["sampling_ms"], 3), fmt_ms(s["detokenize_ms"], 3),
+                  fmt_ms(s["framework_ms"], 3))
+    return t
+
+
+def layers_panel(step: dict, max_rows: int | None = None) -> Any:
+    """48-row per-layer table: chip0 / chip1 simulated µs, a heat bar and the slowest category."""
+    if not step.get("layers"):
+        return Text("no step yet: send a chat message to see per-layer timings", style="grey50")
+    layers = step["layers"]
+    peak = max(max(layer["chip_us"]) for layer in layers) or 1.0
+    title = (f"last {step['kind']}: {step['n_tokens']} tok @ ctx {step['past_len']} · "
+             f"{step['sim_us'] / 1e3:.2f} ms sim (h2d {step['h2d_us']:.0f} / infer {step['infer_us']:.0f} / "
+             f"d2h {step['d2h_us']:.0f} µs) · computed in {step['compute_wall_ms']:.1f} ms wall")
+    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70", title=title,
+              title_style="grey70", title_justify="left")
+    t.add_column("L", justify="right")
+    n_chips = len(layers[0]["chip_us"])
+    for c in range(n_chips):
+        t.add_column(f"chip{c} µs", justify="right")
+    t.add_column("heat")
+    t.add_column("slowest")
+    rows = layers if max_rows is None else layers[:max_rows]
+    for layer in rows:
+        us = layer["chip_us"]
+        frac = max(us) / peak
+        t.add_row(str(layer["layer"]), *[f"{u:.1f}" for u in us], bar(frac, 12, warn=0.97, crit=0.995),
+                  Text(layer["slowest_category"], style="magenta"))
+    return t
+
+
+def memory_panel(snap: dict) -> Any:
+    mem = snap.get("memory") or {}
+    chips = mem.get("chips") or mem.get("per_chip") or []
+    if not chips:
+        return Text("memory map unavailable", style="grey50")
+    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70",
+              title="memory map per chip: used / reserved / physical", title_style="grey62", title_justify="left")
+    t.add_column("chip")
+    t.add_column("region")
+    t.add_column("kind")
+    t.add_column("used", justify="right")
+    t.add_column("reserved", justify="right")
+    t.add_column("physical", justify="right")
+    for ci, chip in enumerate(chips):
+        regions = chip.get("regions", chip) if isinstance(chip, dict) else chip
+        for reg in regions:
+            t.add_row(f"chip{ci}", reg["name"], reg.get("kind", ""), fmt_bytes(reg["used_bytes"]),
+                      fmt_bytes(reg["reserved_bytes"]), fmt_bytes(reg["physical_bytes"]))
+    return t
+
+
+def host_panel(snap: dict) -> Text:
+    h = snap["host"]
+    return Text(f"host (wall)  console process CPU {h['cpu_percent']:.0f}%  RSS {fmt_bytes(h['rss_bytes'])}  "
+                f"threads {h['threads']}  system CPU {h['system_cpu_percent']:.0f}%", style="grey70")
+
+
+def findings_panel(snap: dict) -> Any:
+    if not snap["findings"]:
+        return Text("manifest: no findings", style="green")
+    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70",
+              title="manifest findings", title_style="grey62", title_justify="left")
+    t.add_column("sev")
+    t.add_column("field")
+    t.add_column("finding")
+    t.add_column("action")
+    for f in snap["findings"]:
+        st = {"error": "red", "warning": "yellow"}.get(f["severity"], "cyan")
+        t.add_row(Text(f["severity"], style=st), f["field"], f["message"], f["action"])
+    return t
