@@ -76,6 +76,8 @@ class CalConsoleApp(App):
         return w
 
     def on_mount(self) -> None:
+        if self.screen_stack[0].query("#chat-input"):
+            self.action_focus_pane("chat")
         self.set_interval(1.0 / self.refresh_hz, self.request_snapshot)
         self.request_snapshot()
         self._check_size()
@@ -108,9 +110,10 @@ class CalConsoleApp(App):
             if pane.is_mounted:
                 pane.update_snapshot(snap)
 
+    # the widget each pane's focus key lands on
+    FOCUS_TARGET = {"observation": "#observation", "chat": "#chat-input", "maintenance": "#m-enter"}
+
     def action_focus_pane(self, name: str) -> None:
-        panes = self.query(f"#{name}")
-        if panes:
-            pane = panes.first()
-            focusables = [w for w in pane.query("*") if w.focusable]
-            (focusables[0] if focusables else pane).focus()
+        targets = self.screen_stack[0].query(self.FOCUS_TARGET[name])
+        if targets:
+            targets.first().focus()

@@ -20,6 +20,7 @@ from .bundle import Bundle, load_bundle
 from .costmodel import CostModel
 from .device import Pacing, PacingMode, SimulatedBoard
 from .engine import Engine, HostTimer
+from .memory import MemoryPlan
 from .planes import InferencePlane, ObservationPlane
 
 
@@ -57,12 +58,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                            kv_cells=kv_cells)
     engine = Engine(board, n_slots=n_slots, queue_limit=queue_limit, max_inflight=max_inflight,
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt)
-    memory_plan = None
-    try:
-        from .memory import MemoryPlan
-        memory_plan = MemoryPlan.for_bundle(bundle.shape, cost.hw)
-    except Exception:  # noqa: BLE001 - memory map is optional for the snapshot; reported as absent
-        memory_plan = None
+    memory_plan = MemoryPlan.for_bundle(bundle.shape, cost.hw)
     observation = ObservationPlane(board, engine, bundle, memory_plan)
     mplane = None
     if maintenance:

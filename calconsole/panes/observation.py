@@ -59,7 +59,11 @@ class ObservationPane(VerticalScroll):
         q("#obs-slots", Static).update(render.slots_panel(snap))
         q("#obs-requests", Static).update(render.requests_panel(snap))
         tps = [x for x in snap["history"]["tokens_per_s"] if x == x][-120:]
-        q("#obs-spark", Sparkline).data = tps or [0.0]
+        spark = q("#obs-spark", Sparkline)
+        spark.display = len(tps) >= 2  # a flat placeholder would read as data
+        q("#obs-spark-label", Static).display = spark.display
+        if spark.display:
+            spark.data = tps
         q("#obs-stages", Static).update(render.stages_panel(snap))
         self._render_layers(snap)
         q("#obs-memory", Static).update(render.memory_panel(snap))
