@@ -10,7 +10,7 @@ are reported as ``Finding`` s with a severity and what the loader did.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,13 @@ class SubModelSpec:
     outputs: tuple[TensorSpec, ...]
     csr: tuple[str, ...]
     dynamic_d2d: bool
+    # the type the loader treats it as: differs from ``smodel_type`` only for
+    # a known mislabel it corrected (prefill declared llm_decode, FACTS F4)
+    effective_type: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.effective_type:
+            object.__setattr__(self, "effective_type", self.smodel_type)
 
     def input(self, name: str) -> TensorSpec:
         for t in self.inputs:
@@ -91,9 +98,9 @@ class Bundle:
     findings: tuple[Finding, ...] = field(default_factory=tuple)
 
     def submodel(self, name: str, smodel_type: str | None = None) -> SubModelSpec:
-        """Sub-model by exact name (and, if given, exact type). KeyError otherwise."""
+        """Sub-model by exact name (and, if given, exact declared or corrected type). KeyError otherwise."""
         sm = self.submodels[name]
-        if smodel_type is not None and sm.smodel_type != smodel_type:
+        if smodel_type is not None and smodel_type not in (sm.smodel_type, sm.effective_type):
             raise KeyError(f"{name} has type {sm.smodel_type}, not {smodel_type}")
         return sm
 
@@ -299,6 +306,7 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
         raise r.fail(f"submodels[{idx['decode']}].smodel_type",
                      f"decode sub-model must be llm_decode, got {submodels['decode'].smodel_type!r}")
     if submodels["prefill"].smodel_type == "llm_decode":
+        submodels["prefill"] = replace(submodels["prefill"], effective_type="llm_prefill")
         finding("warning", "prefill_type_mislabelled", f"submodels[{idx['prefill']}].smodel_type",
                 "prefill sub-model is typed llm_decode (known defect of the real bundle)",
                 "selected by exact name 'prefill'; its input shape [1, context] confirms it is the prefill graph")
