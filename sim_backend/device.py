@@ -282,6 +282,8 @@ class SimulatedBoard:
                         for arr in lw.values():
                             arr[...] = 0
                     chip.lm_head[...] = 0
+                    if chip.embed is not None:
+                        chip.embed[...] = 0
             self.model = None
         self.kv.clear()
         self.registers.set_bits("BOARD_STATUS", 0x2, False)

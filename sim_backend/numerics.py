@@ -20,6 +20,7 @@ the sharded result equals it within float tolerance.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,11 +70,14 @@ class ModelWeights:
     lm_bias: np.ndarray
 
 
+@functools.lru_cache(maxsize=2)
 def make_weights(shape: ModelShape, num: NumericShape) -> ModelWeights:
     """Draw deterministic synthetic weights for ``shape`` at ``num`` widths.
 
     Same (shape, num) -> bit-identical weights. Scales keep activations O(1)
     through 48 layers so logits stay finite and routing is non-degenerate.
+    Cached: the arrays are shared and must be treated as read-only (chip
+    shards hold their own copies, which ClearAllDevMem zeroes).
     """
     rng = np.random.default_rng(np.random.PCG64(num.seed))
     H, D, F = num.hidden, num.head_dim, num.expert_ffn
@@ -274,7 +278,7 @@ class ChipShard:
         a, b = self.vocab_range
         self.lm_head = np.ascontiguousarray(w.lm_head[:, a:b])
         self.lm_bias = w.lm_bias[a:b].copy()
-        self.embed = w.embed if chip == 0 else None
+        self.embed = w.embed.copy() if chip == 0 else None
         self.k_cache = np.zeros((shape.n_layers, kvh, n_cells, D), dtype=F32)
         self.v_cache = np.zeros((shape.n_layers, kvh, n_cells, D), dtype=F32)
 
