@@ -1,0 +1,57 @@
+"""KV exhaustion through the engine: a bounded, typed failure for one request, and the device keeps serving.
+
+512 KV cells; each request needs ~313 prompt + 150 generated cells, so two
+cannot both fit. Timing-only numerics keep it fast.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sim_backend.engine import ChatRequest
+from sim_backend.sampling import SamplingParams
+from sim_backend.system import build_system
+
+KV_TIMEOUT_S = 0.3
+RESULT_S = 60.0  # bound on waiting a result (host s); a hang fails the test, not a timing assertion
+
+
+def _req(word: str, max_tokens: int) -> ChatRequest:
+    return ChatRequest.from_prompt(f"{word} " * 300, max_tokens=max_tokens,
+                                   sampling=SamplingParams(temperature=0.0, seed=1))
+
+
+# 1: serial infer()+Wait(); 2: ping/pong. Both need the second request's prefill to run while the
+# first request decodes (the engine's round rule: every decoding slot once, then one prefill chunk).
+@pytest.mark.parametrize("max_inflight", [1, 2])
+def test_second_request_fails_with_kv_exhausted_and_device_keeps_serving(max_inflight):
+    with build_system(numerics=False, kv_cells=512, kv_timeout_s=KV_TIMEOUT_S, n_slots=2, maintenance=False,
+                      max_inflight=max_inflight) as s:
+        h1 = s.inference.submit(_req("alpha", 150))
+        h2 = s.inference.submit(_req("beta", 150))
+        assert h1.prompt_n + 150 <= 512 < h1.prompt_n + h2.prompt_n + 150  # one fits, two do not
+        r1, r2 = h1.result(RESULT_S), h2.result(RESULT_S)
+        assert r1.status == "finished" and r1.timings.predicted_n == 150
+        assert r2.status == "failed"
+        assert r2.error["type_name"] == "KVExhausted"
+        assert "KV cache exhausted" in r2.error["message"] and "of 512" in r2.error["message"]
+        kvc = s.board.kv.counters()
+        assert kvc.apply_timeouts == 1  # it waited (bounded) instead of spinning or aborting
+        # its KV was freed; the device still serves the next request
+        r3 = s.inference.generate(ChatRequest.from_prompt("hello", max_tokens=8,
+                                                          sampling=SamplingParams(temperature=0.0)), RESULT_S)
+        assert r3.status == "finished" and r3.timings.predicted_n == 8
+        snap = s.observation.snapshot().to_dict()
+        assert snap["kv"]["apply_timeouts"] == 1
+        assert snap["requests"] is not None
+
+
+def test_prompt_larger_than_kv_fails_at_once():
+    """A prompt that can never fit the KV (but fits the 40960 context) fails with KVExhausted, without waiting."""
+    with build_system(numerics=False, kv_cells=256, kv_timeout_s=KV_TIMEOUT_S, n_slots=1, maintenance=False) as s:
+        r = s.inference.generate(_req("gamma", 4), RESULT_S)
+        assert r.status == "failed" and r.error["type_name"] == "KVExhausted"
+        assert s.board.kv.counters().apply_oversize >= 1
+        r2 = s.inference.generate(ChatRequest.from_prompt("hi", max_tokens=4,
+                                                          sampling=SamplingParams(temperature=0.0)), RESULT_S)
+        assert r2.status == "finished"
