@@ -11,6 +11,7 @@ from rich.text import Text
 from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, Static
 
@@ -107,8 +108,11 @@ class CalConsoleApp(App):
                             f"sim clock {snap['sim_now_ms'] / 1e3:.2f} s")
         self._topbar.update(bar)
         for pane in self._panes:
-            if pane.is_mounted:
+            try:
                 pane.update_snapshot(snap)
+            except NoMatches:
+                pass  # pane still composing; the next refresh fills it
+
 
     # the widget each pane's focus key lands on
     FOCUS_TARGET = {"observation": "#observation", "chat": "#chat-input", "maintenance": "#m-enter"}

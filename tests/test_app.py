@@ -1,0 +1,109 @@
+"""The console used as a person uses it: Pilot presses keys and reads widgets."""
+
+from __future__ import annotations
+
+import pytest
+from textual.widgets import Button, RichLog, Static
+
+from calconsole.app import CalConsoleApp
+from calconsole.layout import load_layout
+from sim_backend.device import Pacing, PacingMode
+from sim_backend.system import build_system
+
+
+@pytest.fixture
+def system(tmp_path):
+    s = build_system(pacing=Pacing(PacingMode.REALTIME, speed=1.0), audit_path=tmp_path / "audit.jsonl",
+                     drain_timeout_s=0.5)
+    yield s
+    s.close()
+
+
+async def wait_for(pilot, cond, timeout_s=20.0, step=0.1):
+    """Poll ``cond`` between UI pauses, bounded by ``timeout_s``."""
+    waited = 0.0
+    while waited < timeout_s:
+        if cond():
+            return True
+        await pilot.pause(step)
+        waited += step
+    return cond()
+
+
+def log_lines(app, sel):
+    return [line.text for line in app.query_one(sel, RichLog).lines]
+
+
+def set_max_tokens(app, n):
+    app.query_one("#p-max-tokens").value = str(n)
+
+
+async def test_typed_prompt_streams_reply_and_counters_rise(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        await wait_for(pilot, lambda: app.last_snapshot is not None)
+        finished_before = app.last_snapshot["jobs"]["finished"]
+        set_max_tokens(app, 40)
+        await pilot.click("#chat-input")
+        await pilot.press(*"Hello there")
+        await pilot.press("enter")
+        stream = app.query_one("#chat-stream", Static)
+        # streamed text shows up while the request is still running (real-time pacing: ~17 ms/token)
+        assert await wait_for(pilot, lambda: str(stream.render()).startswith("model ") and len(str(stream.render())) > 8)
+        assert app.query_one("#chat").handle is not None
+        assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None)
+        lines = log_lines(app, "#chat-log")
+        assert lines[0] == "you Hello there"
+        assert lines[1].startswith("model ")
+        metrics = " ".join(lines[2:])  # the metrics line under the reply (wrapped)
+        assert "TTFT" in metrics and "TPOT" in metrics and "simulated device ms" in metrics
+        assert "generated 40 tok" in metrics
+        # the observation pane's finished-jobs counter rises (1 prefill + 39 decode jobs)
+        assert await wait_for(pilot, lambda: app.last_snapshot["jobs"]["finished"] >= finished_before + 40)
+        jobs_text = str(app.query_one("#obs-jobs", Static).render())
+        assert f"finished {app.last_snapshot['jobs']['finished']}" in jobs_text
+        assert app.last_snapshot["kv"]["used_tokens"] > 0
+        assert len(app.last_snapshot["last_step"]["layers"]) == 48
+
+
+async def test_escape_cancels_and_marks_reply(system):
+    app = CalConsoleApp(system, load_layout("chat"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        set_max_tokens(app, 2000)
+        await pilot.click("#chat-input")
+        await pilot.press(*"go on")
+        await pilot.press("enter")
+        assert await wait_for(pilot, lambda: app.query_one("#chat").handle is not None)
+        await pilot.pause(0.3)
+        await pilot.press("escape")
+        assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None)
+        lines = log_lines(app, "#chat-log")
+        assert any("[cancelled:" in line for line in lines)
+        assert app.query_one("#chat-input").value == "go on"  # prompt restored
+        assert app.query_one("#chat").history == []
+
+
+async def test_reset_disabled_outside_exclusive_and_works_inside(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        reset = app.query_one("#m-reset", Button)
+        clear = app.query_one("#m-clear", Button)
+        assert reset.disabled and clear.disabled
+        await pilot.click("#m-reset")  # does nothing: no modal
+        assert len(app.screen_stack) == 1
+        await pilot.click("#m-enter")
+        assert await wait_for(pilot, lambda: not reset.disabled)
+        assert await wait_for(pilot, lambda: app.last_snapshot and app.last_snapshot["device"]["mode"] == "exclusive")
+        await pilot.click("#m-reset")
+        assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
+        modal = app.screen
+        assert app.focused.id == "confirm-cancel"  # Cancel is the default
+        assert modal.query_one("#confirm-ok", Button).disabled
+        modal.query_one("#confirm-name").focus()
+        await pilot.press(*"calculet0")
+        assert not modal.query_one("#confirm-ok", Button).disabled
+        await pilot.press("enter")
+        assert await wait_for(pilot, lambda: any("reset: ok" in line for line in log_lines(app, "#m-log")))
+        assert await wait_for(pilot, lambda: app.last_snapshot["jobs"]["resets"] == 1)
+        await pilot.click("#m-leave")
+        assert await wait_for(pilot, lambda: reset.disabled)

@@ -1,0 +1,45 @@
+"""sim_backend never imports Textual: statically (no import statement) and at run time."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_no_textual_import_statement_in_sim_backend():
+    offenders = []
+    for py in (ROOT / "sim_backend").rglob("*.py"):
+        tree = ast.parse(py.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for n in names:
+                if n == "textual" or n.startswith("textual.") or n.startswith("calconsole"):
+                    offenders.append(f"{py.relative_to(ROOT)}: {n}")
+    assert offenders == []
+
+
+def test_headless_stack_runs_without_textual_loaded():
+    code = (
+        "import sys\n"
+        "from sim_backend.system import build_system\n"
+        "from sim_backend.engine import ChatRequest\n"
+        "s = build_system(numerics=False, maintenance=True, audit_path=sys.argv[1])\n"
+        "r = s.inference.generate(ChatRequest.from_prompt('hi', max_tokens=2))\n"
+        "s.observation.snapshot().to_dict()\n"
+        "s.close()\n"
+        "assert r.status == 'finished', r\n"
+        "bad = [m for m in sys.modules if m == 'textual' or m.startswith('textual.')]\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT / ".pytest_audit_tmp.jsonl")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    (ROOT / ".pytest_audit_tmp.jsonl").unlink(missing_ok=True)
+    assert out.returncode == 0, out.stderr
