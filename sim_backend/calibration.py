@@ -6,11 +6,23 @@ Qwen3-30B-A3B size, expected experts touched):
 * ``prefill_27_tok_s``: 27 tokens / one prefill step -> 184.27 tok/s (±3 %).
 * ``decode_246_tok_s``: 246 decode steps, context growing 27..272,
   246 / sum(step time) -> 58.25 tok/s (±3 %).
-* ``e2e_27_prompt_246_decode``: prefill(27) + those 246 decode steps + the
-  host allowance ``host_overhead_ms_per_token`` x 246 generated tokens ->
-  4.41 s (±3 %).  The allowance is a FITTED stand-in for host work
-  (HTTP, tokenizer, CPU sampling, detokenisation) used when the calibration
-  runs without the engine; the engine measures host time for real.
+* ``e2e_27_prompt_246_decode``: prefill(27) + 245 decode steps (contexts
+  27..271: a request that generates 246 tokens samples the first from the
+  prefill's logits and never feeds the 246th back) + the host allowance
+  ``host_overhead_ms_per_token`` x 246 generated tokens -> 4.41 s (±3 %).
+  The allowance is a FITTED stand-in for host work (HTTP, tokenizer, CPU
+  sampling, detokenisation) and is used ONLY by this cost-model-only case.
+
+Engine-level cases (:func:`run_engine_cases`, ``calconsole bench calibrate``):
+the real serving engine, timing-only (``build_system(numerics=False)``), runs
+a 27-token prompt (chat template included) with ``max_tokens=246`` and its
+own ``timings`` are compared with F7: ``engine_e2e_27_prompt_246_decode``
+(``e2e_ms``, 4.41 s), ``engine_prefill_27_tok_s`` (``prompt_per_second``,
+184.27) and ``engine_decode_246_tok_s`` (``predicted_per_second``, 58.25;
+llama.cpp's definition: 246 tokens over the 245 gaps).  The engine MEASURES
+its host work and puts it on the simulated clock, and neither the device
+nor the engine adds ``host_overhead_ms_per_token``, so host time is counted
+once in each path (tests/test_calibration.py checks both).
 * ``decode_ctx_*``: one decode step at a context inside the historical
   bands (F7 CSV, mixed versions): ~2K 38–46, ~4K 28–40, ~8K 20–30,
   ~16K 20–30, ~33K "about 12" -> we use the band 10.5–13.5 (our choice),
@@ -26,7 +38,8 @@ offline, never at import) bisects, in turn, ``weight_stream_eff`` on the
 ``kv_read_eff`` so the ~16K and ~33K cases have equal log-margins to their
 binding band edges (20 tok/s and 13.5 tok/s), and ``attn_kv_ramp_us`` so
 the ~2K case sits at the centre of its band (42 tok/s); repeated until
-stable, then ``host_overhead_ms_per_token`` closes the E2E case exactly.
+stable, then ``host_overhead_ms_per_token`` closes the cost-model E2E case
+exactly.
 Rounded results are written by hand into ``hardware/calculet_npu.yaml``.
 
 Why the saturating KV ramp exists: with a purely linear KV cost the ~2K band
@@ -85,6 +98,18 @@ def decode_run_us(cm: CostModel, start_ctx: int, n_steps: int, shape: ModelShape
     return sum(cm.price_step(shape, "decode", 1, start_ctx + i).total_us for i in range(n_steps))
 
 
+def e2e_cost_model_us(cm: CostModel, shape: ModelShape | None = None) -> float:
+    """Cost-model-only E2E of the F7 request, simulated µs.
+
+    prefill(27) + 245 decode steps (the request's steps: 246 tokens, the
+    first from the prefill) + ``host_overhead_ms_per_token`` x 246 tokens.
+    """
+    shape = shape or ModelShape()
+    prefill_us = cm.price_step(shape, "prefill", PROMPT_TOKENS, 0).total_us
+    decode_us = decode_run_us(cm, PROMPT_TOKENS, DECODE_TOKENS - 1, shape)
+    return prefill_us + decode_us + cm.host_overhead_ms_per_token * 1e3 * DECODE_TOKENS
+
+
 def _point(name: str, measured: float, simulated: float, unit: str) -> dict:
     err = (simulated - measured) / measured * 100.0
     return {"name": name, "measured": measured, "simulated": simulated, "unit": unit,
@@ -106,8 +131,7 @@ def run_calibration(cost_model: CostModel | None = None) -> list[dict]:
     out.append(_point("prefill_27_tok_s", PREFILL_27_TOK_S, PROMPT_TOKENS * 1e6 / prefill_us, "tok/s"))
     decode_us = decode_run_us(cm, PROMPT_TOKENS, DECODE_TOKENS, shape)
     out.append(_point("decode_246_tok_s", DECODE_246_TOK_S, DECODE_TOKENS * 1e6 / decode_us, "tok/s"))
-    host_us = cm.host_overhead_ms_per_token * 1e3 * DECODE_TOKENS
-    out.append(_point("e2e_27_prompt_246_decode", E2E_S, (prefill_us + decode_us + host_us) / 1e6, "s"))
+    out.append(_point("e2e_27_prompt_246_decode", E2E_S, e2e_cost_model_us(cm, shape) / 1e6, "s"))
     for name, ctx, (lo, hi) in DECODE_BANDS:
         sim = decode_step_tok_s(cm, ctx, shape)
         out.append({"name": name, "measured": None, "simulated": sim, "unit": "tok/s",
@@ -118,6 +142,82 @@ def run_calibration(cost_model: CostModel | None = None) -> list[dict]:
     dc = [[c, decode_step_tok_s(cm, c, shape)] for c in DECODE_TREND_CONTEXTS]
     out.append({"name": "decode_falls_with_context", "measured": None, "simulated": dc,
                 "unit": "tok/s", "ok": all(b[1] < a[1] for a, b in zip(dc, dc[1:]))})
+    return out
+
+
+# ------------------------------------------------------------- engine level
+#: 27 prompt tokens with the Qwen3 chat template (12 template tokens incl. the
+#: empty <think></think> block + 15 content tokens); checked at run time.
+ENGINE_PROMPT = "Explain in two sentences how an NPU serves a large language model."
+
+
+def run_engine_cases(system=None, *, prompt: str = ENGINE_PROMPT, max_tokens: int = DECODE_TOKENS,
+                     expect_prompt_tokens: int = PROMPT_TOKENS) -> list[dict]:
+    """F7 request through the real serving engine, timing-only; three point cases.
+
+    Builds ``build_system(numerics=False)`` (fast pacing, 1 slot) unless
+    ``system`` is given, runs one request of ``expect_prompt_tokens`` prompt
+    tokens (chat template included; ``ValueError`` if ``prompt`` tokenises to
+    another length) and ``max_tokens`` tokens (timing-only never samples EOS),
+    and compares its engine ``timings`` with F7:
+
+    * ``engine_e2e_27_prompt_246_decode``: ``e2e_ms`` / 1e3 vs 4.41 s;
+    * ``engine_prefill_27_tok_s``: ``prompt_per_second`` vs 184.27 tok/s;
+    * ``engine_decode_246_tok_s``: ``predicted_per_second`` vs 58.25 tok/s.
+
+    Times are SIMULATED device time plus the engine's MEASURED host work
+    (no ``host_overhead_ms_per_token`` in this path).  Each case also carries
+    ``prompt_n``, ``predicted_n``, ``host_ms`` (measured host total, ms),
+    ``device_ms`` (simulated device total, ms), ``numerics`` (False) and
+    ``wall_s`` (host seconds the run took).
+    """
+    import time
+
+    from sim_backend.engine import ChatRequest
+    from sim_backend.system import build_system
+
+    own = system is None
+    if own:
+        system = build_system(numerics=False, maintenance=False, n_slots=1)
+    try:
+        req = ChatRequest.from_prompt(prompt, max_tokens=max_tokens)
+        n_prompt = len(system.engine.tokenize_prompt(req))
+        if n_prompt != expect_prompt_tokens:
+            raise ValueError(f"calibration prompt is {n_prompt} tokens with the chat template, "
+                             f"expected {expect_prompt_tokens}")
+        t0 = time.perf_counter()
+        res = system.engine.generate(req)
+        wall_s = time.perf_counter() - t0
+    finally:
+        if own:
+            system.close()
+    if res.status != "finished":
+        raise RuntimeError(f"engine calibration request ended {res.status}: {res.error}")
+    t = res.timings
+    extra = {"prompt_n": t.prompt_n, "predicted_n": t.predicted_n, "host_ms": sum(t.host_ms.values()),
+             "device_ms": sum(t.device_ms.values()), "numerics": t.numerics, "wall_s": wall_s,
+             "engine": True}
+    return [
+        {**_point("engine_e2e_27_prompt_246_decode", E2E_S, t.e2e_ms / 1e3, "s"), **extra},
+        {**_point("engine_prefill_27_tok_s", PREFILL_27_TOK_S, t.prompt_per_second or 0.0, "tok/s"), **extra},
+        {**_point("engine_decode_246_tok_s", DECODE_246_TOK_S, t.predicted_per_second or 0.0, "tok/s"), **extra},
+    ]
+
+
+def price_step_cost_us(cm: CostModel | None = None, n_calls: int = 200) -> dict[str, float]:
+    """HOST wall µs per :meth:`CostModel.price_step` call (decode at growing context, 27-token
+    prefill), graphs already built.  A benchmark figure, printed, never asserted."""
+    import time
+
+    cm = cm or CostModel.load()
+    shape = ModelShape()
+    out = {}
+    for kind, n in (("decode", 1), ("prefill", PROMPT_TOKENS)):
+        cm.price_step(shape, kind, n, 0)
+        t0 = time.perf_counter()
+        for i in range(n_calls):
+            cm.price_step(shape, kind, n, i)
+        out[kind] = (time.perf_counter() - t0) / n_calls * 1e6
     return out
 
 
@@ -166,10 +266,9 @@ def fit_parameters(cost_model: CostModel | None = None, rounds: int = 4) -> dict
             0.02, 1.0)
         p["attn_kv_ramp_us"] = _bisect(
             lambda x: 42.0 - decode_step_tok_s(model(attn_kv_ramp_us=x), 2048, shape), 0.0, 500.0)
-    fitted = model()
-    prefill_us = fitted.price_step(shape, "prefill", PROMPT_TOKENS, 0).total_us
-    decode_us = decode_run_us(fitted, PROMPT_TOKENS, DECODE_TOKENS, shape)
-    p["host_overhead_ms_per_token"] = (E2E_S * 1e6 - prefill_us - decode_us) / 1e3 / DECODE_TOKENS
+    fitted = model(host_overhead_ms_per_token=0.0)
+    device_us = e2e_cost_model_us(fitted, shape)
+    p["host_overhead_ms_per_token"] = (E2E_S * 1e6 - device_us) / 1e3 / DECODE_TOKENS
     return p
 
 

@@ -242,8 +242,9 @@ class _Prepared:
 class CostModel:
     """Prices prefill/decode steps of the simulated NPU (simulated µs).
 
-    Build with :meth:`load`; :meth:`price_step` is vectorised (well under 2 ms
-    per call) because the engine calls it on every decode step.
+    Build with :meth:`load`; :meth:`price_step` is vectorised because the
+    device calls it on every step (its host cost per call is printed by
+    ``calconsole bench calibrate --timing``, not asserted by unit tests).
     """
 
     def __init__(self, hw: HardwareSpec) -> None:
@@ -261,7 +262,14 @@ class CostModel:
 
     @property
     def host_overhead_ms_per_token(self) -> float:
-        """Fitted host-side allowance (ms per generated token) used by the E2E calibration case."""
+        """Fitted host-side allowance, ms per generated token (host wall time stand-in).
+
+        Used ONLY by the cost-model-only E2E calibration case
+        (:func:`sim_backend.calibration.e2e_cost_model_us`).  :meth:`price_step`
+        never includes it (a step is device time: H2D + infer + D2H), and the
+        engine measures its real host work instead, so host time is never
+        counted twice.
+        """
         return float(self.hw.fitted["host_overhead_ms_per_token"])
 
     def graph(self, shape: ModelShape, kind: str) -> OpGraph:

@@ -11,8 +11,10 @@ SIMULATED device microseconds.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -94,3 +96,54 @@ def write_chrome_trace(path: str | Path, steps: Sequence[tuple[str, StepCost, fl
     p = Path(path)
     p.write_text(json.dumps(chrome_trace(steps)), encoding="utf-8")
     return p
+
+
+class StepRecorder:
+    """Collects every finished step of a board: ``board.add_listener(recorder)``.
+
+    The board calls it on the device thread after the job is marked done, so a
+    caller that just saw a request finish must :meth:`wait_for` the last steps.
+    ``steps`` holds the ``StepResult`` objects in completion order.
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[Any] = []
+        self._cv = threading.Condition()
+
+    def __call__(self, res: Any) -> None:
+        with self._cv:
+            self.steps.append(res)
+            self._cv.notify_all()
+
+    def wait_for(self, n: int, timeout: float = 5.0) -> list[Any]:
+        """Block up to ``timeout`` host seconds until ``n`` steps were recorded; returns a copy.
+
+        Raises TimeoutError if fewer arrived.
+        """
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while len(self.steps) < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(self.steps)} of {n} steps recorded after {timeout:.1f} s")
+                self._cv.wait(left)
+            return list(self.steps)
+
+
+def steps_from_results(results: Sequence[Any]) -> list[tuple[str, StepCost, float]]:
+    """``(label, cost, start_us)`` for :func:`chrome_trace` from device ``StepResult`` s.
+
+    Labels: ``"prefill #i (n tok, past p)"`` / ``"decode #i (ctx c)"``, numbered
+    per kind from 0; ``start_us`` is the step's start on the simulated clock.
+    """
+    out = []
+    count = {"prefill": 0, "decode": 0}
+    for r in results:
+        i = count[r.kind]
+        count[r.kind] += 1
+        if r.kind == "prefill":
+            label = f"prefill #{i} ({r.n_tokens} tok, past {r.past_len})"
+        else:
+            label = f"decode #{i} (ctx {r.past_len})"
+        out.append((label, r.cost, float(r.sim_start_us)))
+    return out

@@ -1,7 +1,10 @@
-"""Cost model: API, shapes, sharding behaviour, speed (simulated µs)."""
+"""Cost model: API, shapes, sharding behaviour (simulated µs).
+
+No timed assertions here: the host cost of price_step is printed by
+``calconsole bench calibrate --timing``.
+"""
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -108,15 +111,6 @@ def test_bad_arguments(cm):
         cm.price_step(SHAPE, "decode", 1, 0, experts_touched=[8] * 47)
     with pytest.raises(ValueError):
         cm.price_step(SHAPE, "decode", 1, 0, experts_touched=[9] * 48)
-
-
-def test_price_step_is_fast(cm):
-    cm.price_step(SHAPE, "decode", 1, 0)  # builds and caches the graph
-    t0 = time.perf_counter()
-    for i in range(100):
-        cm.price_step(SHAPE, "decode", 1, i)
-    per_call_ms = (time.perf_counter() - t0) / 100 * 1e3
-    assert per_call_ms < 2.0
 
 
 def test_bad_yaml_is_a_manifest_error(tmp_path):
