@@ -4,16 +4,42 @@ Slots over a batch-1 device, a bounded admission queue, chunked prefill and
 decode scheduled from separate queues, CPU sampling, stop rules, streaming
 with UTF-8-safe detokenisation and stop-string holdback, per-request metrics.
 
-Scheduling rule (stated, tested): every round runs ONE decode step for each
-decoding slot (round-robin), then ONE prefill chunk (<= ``prefill_chunk``
-tokens) for the next prefilling slot in round-robin order. Decodes therefore
-never wait behind a whole long prompt, and a long prompt yields to shorter
-prompts admitted after it after each chunk: no request starves.
+Admission: a request is validated and tokenised in ``submit`` (typed errors,
+nothing allocated on error); it waits in a FIFO queue of at most
+``queue_limit`` requests beyond the free slots (more -> ``UnavailableError``
+at once) and takes the first free slot (the one sharing the longest cached
+prefix with its prompt, then least recently used).
 
-Clocks: request timestamps are on the simulated device clock. Host work
-(tokenising, sampling, detokenising, KV waits, framework) is measured in
-wall time and added to that clock (``SimClock.host_span``) so TTFT is
-honest; ``Timings`` says which part is which.
+Scheduling rule (stated, tested): work goes in ROUNDS. A round runs ONE
+decode step for each decoding slot (round-robin over slots), then ONE
+prefill chunk (<= ``prefill_chunk`` tokens) for the next prefilling slot in
+round-robin order; then the next round starts. Consequences: a decode never
+waits behind more than one prefill chunk plus the other slots' decode steps;
+a long prompt is cut into chunks, and prompts admitted after it get their
+chunks between its chunks, so short prompts reach their first token while a
+long one is still prefilling; a prefilling slot gets a chunk at least once
+every ``n_slots`` rounds, so no request starves.
+
+Stop rules (llama.cpp ``stop_type``): ``eos`` (an EOS id was sampled; it
+counts in ``predicted_n`` but prints nothing), ``limit`` (``max_tokens``
+reached, or the context end: the next token would need position >=
+``n_ctx``), ``word`` (a stop string appeared; it and everything after it
+are dropped), ``none`` (cancelled or failed). Context boundary: a prompt of
+more than ``n_ctx`` = 40960 tokens (chat template included) is refused with
+``ExceedContextSizeError``; a prompt that fits is accepted whatever
+``max_tokens`` is and stops at the context end with ``limit`` (40960 prompt
+tokens -> 1 token, sampled from the last prompt position's logits, which
+needs no KV cell; 40959 -> 2 tokens). llama.cpp itself refuses a prompt of
+exactly n_ctx tokens; we accept it because the calbin's 40960-token prefill
+graph runs it and its logits give one valid token.
+
+Clocks: request timestamps are SIMULATED device milliseconds on the board's
+clock (``SimClock``). Host work (tokenising, KV apply, buffer set-up,
+sampling, detokenising) is measured with ``host_timer`` (host wall time,
+or scripted in tests) and added to that clock (``SimClock.host_span``)
+before the device step it precedes or after the step it follows, so TTFT
+is honest. ``Timings.host_ms`` holds the measured host parts and
+``Timings.device_ms`` the simulated device parts (h2d, infer, d2h).
 """
 
 from __future__ import annotations
@@ -25,18 +51,21 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from .device import Job, SimulatedBoard
 from .errors import (CalError, DeviceError, ExceedContextSizeError, InvalidRequestError, KVExhausted,
                      RequestCancelled, UnavailableError)
-from .metrics import MetricsRegistry, request_latencies
-from .sampling import SamplingParams, Sampler, bf16_to_f32
+from .metrics import SLO, MetricsRegistry, percentiles, request_latencies
+from .sampling import VOCAB_SIZE, Sampler, SamplingParams, bf16_to_f32
 from .tokenizer import EOS_IDS, StopStringMatcher, StreamDecoder, get_tokenizer
 
 STOP_TYPES = ("eos", "limit", "word", "none")
+ROLES = ("system", "user", "assistant")
+#: Per-step stage names (FACTS F8). Device stages are simulated; host stages are measured.
+STAGES = ("tokenize", "h2d", "infer", "d2h", "sampling", "detokenize", "kv_wait", "framework")
 
 
 class HostTimer:
@@ -52,22 +81,26 @@ class ScriptedHostTimer(HostTimer):
     def __init__(self, step_us: float = 0.0) -> None:
         self._t = 0.0
         self.step_us = step_us
+        self._lock = threading.Lock()
 
     def now(self) -> float:
-        self._t += self.step_us
-        return self._t
+        with self._lock:
+            self._t += self.step_us
+            return self._t
 
 
 @dataclass(frozen=True)
 class ChatRequest:
     """One chat completion request.
 
-    messages: sequence of {"role", "content"}; max_tokens: > 0 generated
-    tokens at most; stop: stop strings (non-empty); sampling: SamplingParams.
+    messages: sequence of {"role": system|user|assistant, "content": str};
+    the last one's content must not be blank. max_tokens: generated tokens at
+    most, an int > 0 (required). stop: stop strings (each non-empty).
+    sampling: :class:`SamplingParams`. enable_thinking: Qwen3 thinking mode.
     """
 
     messages: tuple[dict, ...]
-    max_tokens: int = 256
+    max_tokens: int | None = 256
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     enable_thinking: bool = False
@@ -76,6 +109,77 @@ class ChatRequest:
     @staticmethod
     def from_prompt(prompt: str, **kw: Any) -> "ChatRequest":
         return ChatRequest(messages=({"role": "user", "content": prompt},), **kw)
+
+    @staticmethod
+    def from_dict(body: Mapping[str, Any]) -> "ChatRequest":
+        """Build from a llama.cpp/OpenAI-style JSON body; raises InvalidRequestError.
+
+        ``messages`` (or ``prompt``) and ``max_tokens`` (or ``n_predict``) are
+        required; sampling keys use llama.cpp names (``temperature``,
+        ``top_k``, ``top_p``, ``min_p``, ``repeat_penalty``, ``repeat_last_n``,
+        ``presence_penalty``, ``frequency_penalty``, ``seed``); ``stop`` is a
+        string or a list of strings. Values are checked by ``validate_request``
+        (called by ``Engine.submit``), not here.
+        """
+        if not isinstance(body, Mapping):
+            raise InvalidRequestError("request body must be a JSON object")
+        if "messages" in body:
+            msgs = body["messages"]
+            if not isinstance(msgs, (list, tuple)):
+                raise InvalidRequestError("messages must be a list", param="messages")
+            messages = tuple(msgs)
+        elif "prompt" in body:
+            messages = ({"role": "user", "content": body["prompt"]},)
+        else:
+            raise InvalidRequestError("'messages' (or 'prompt') is required", param="messages")
+        max_tokens = body.get("max_tokens", body.get("n_predict"))
+        if max_tokens is None:
+            raise InvalidRequestError("max_tokens is required", param="max_tokens")
+        names = {f for f in SamplingParams.__dataclass_fields__}
+        sp = SamplingParams(**{k: body[k] for k in names if k in body})
+        stop = body.get("stop", ())
+        if isinstance(stop, str):
+            stop = (stop,)
+        elif isinstance(stop, (list, tuple)):
+            stop = tuple(stop)
+        else:
+            raise InvalidRequestError("stop must be a string or a list of strings", param="stop")
+        return ChatRequest(messages=messages, max_tokens=max_tokens, sampling=sp, stop=stop,
+                           enable_thinking=body.get("enable_thinking", False), client=str(body.get("client", "api")))
+
+
+def validate_request(req: ChatRequest, vocab: int = VOCAB_SIZE) -> None:
+    """Raise ``InvalidRequestError`` (llama.cpp ``invalid_request_error``) for a bad request.
+
+    Needs no device or tokenizer, so callers (CLI, pane) can check before
+    building anything. The context check needs the tokenizer and is done by
+    ``Engine.submit``.
+    """
+    if not isinstance(req, ChatRequest):
+        raise InvalidRequestError(f"expected a ChatRequest, got {type(req).__name__}")
+    if not isinstance(req.messages, (tuple, list)) or not req.messages:
+        raise InvalidRequestError("messages must be a non-empty list", param="messages")
+    for i, m in enumerate(req.messages):
+        if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise InvalidRequestError(
+                f"messages[{i}] must be {{'role': one of {', '.join(ROLES)}, 'content': string}}", param="messages")
+    if not req.messages[-1]["content"].strip():
+        raise InvalidRequestError("the prompt is empty", param="prompt")
+    mt = req.max_tokens
+    if mt is None:
+        raise InvalidRequestError("max_tokens is required", param="max_tokens")
+    if isinstance(mt, bool) or not isinstance(mt, (int, np.integer)) or mt <= 0:
+        raise InvalidRequestError(f"max_tokens must be a positive integer, got {mt!r}", param="max_tokens")
+    if not isinstance(req.stop, (tuple, list)):
+        raise InvalidRequestError("stop must be a list of strings", param="stop")
+    for s in req.stop:
+        if not isinstance(s, str) or s == "":
+            raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
+    if not isinstance(req.enable_thinking, bool):
+        raise InvalidRequestError("enable_thinking must be true or false", param="enable_thinking")
+    if not isinstance(req.sampling, SamplingParams):
+        raise InvalidRequestError("sampling must be SamplingParams", param="sampling")
+    req.sampling.validate(vocab)
 
 
 class RequestState(str, Enum):
@@ -89,7 +193,16 @@ class RequestState(str, Enum):
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Per-step stage times (FACTS F8). Device stages are simulated ms; host stages are wall ms."""
+    """Per-step stage times (FACTS F8).
+
+    h2d_ms / infer_ms / d2h_ms: SIMULATED device ms (cost model, x slow-chip factor).
+    tokenize_ms / kv_wait_ms / sampling_ms / detokenize_ms / framework_ms:
+    measured host ms (wall time, or scripted in tests). ``tokenize_ms`` is the
+    request's prompt tokenisation, attributed to its first prefill step (0
+    elsewhere). ``framework_ms`` is the rest of the host work of the step (KV
+    bookkeeping, buffer set-up, submit, result handling). ``sampling_ms``
+    includes BF16 -> FP32 of the logits.
+    """
 
     kind: str
     h2d_ms: float
@@ -100,16 +213,44 @@ class StageTimes:
     detokenize_ms: float
     framework_ms: float
     tokenize_ms: float = 0.0
+    n_tokens: int = 0
+    request_id: int = 0
+
+    @property
+    def device_ms(self) -> float:
+        """Simulated device time of the step (h2d + infer + d2h)."""
+        return self.h2d_ms + self.infer_ms + self.d2h_ms
+
+    @property
+    def host_ms(self) -> float:
+        """Measured host time of the step."""
+        return self.tokenize_ms + self.kv_wait_ms + self.sampling_ms + self.detokenize_ms + self.framework_ms
 
 
 @dataclass(frozen=True)
 class Timings:
-    """llama.cpp ``timings`` plus TTFT/TPOT/ITL/E2E/queue.
+    """llama.cpp ``timings`` plus TTFT / TPOT / ITL / E2E / queue time.
 
-    All ``*_ms`` are simulated device milliseconds on the device clock, which
-    includes measured host work; ``host_ms`` breaks out the measured host
-    wall time (tokenize, sampling, detokenize, kv_wait, framework) and
-    ``device_ms`` the simulated device time (h2d, infer, d2h).
+    All ``*_ms`` except ``host_ms`` are SIMULATED device milliseconds on the
+    board clock, which includes measured host work. ``host_ms`` breaks out
+    the measured host time (tokenize, sampling, detokenize, kv_wait,
+    framework); ``device_ms`` the simulated device time (h2d, infer, d2h).
+
+    llama.cpp fields, with llama.cpp's own definitions:
+    - prompt_n: prompt tokens processed (cached prefix excluded); cache_n: reused.
+    - prompt_ms: prefill start -> first token sampled (includes other slots'
+      steps interleaved with its chunks, like llama.cpp's wall clock).
+    - predicted_n: tokens generated, EOS included.
+    - predicted_ms: first token sampled -> last token sampled (0 when n == 1).
+    - predicted_per_token_ms = predicted_ms / predicted_n and
+      predicted_per_second = 1e3 * predicted_n / predicted_ms: llama.cpp divides
+      the n - 1 gaps by n; ``tpot_ms`` is the exact per-gap figure. None
+      where llama.cpp would divide by zero.
+    Field metrics (FACTS F7): ttft_ms = arrival -> first visible piece (None if
+    nothing was shown); tpot_ms = (e2e - ttft) / (n - 1) (None when n < 2);
+    itl_ms = gaps between consecutive visible pieces; e2e_ms = arrival -> end;
+    queue_ms = arrival -> slot assigned (None if never assigned).
+    arrival_ms / done_ms: the request's timestamps on the simulated clock.
     """
 
     prompt_n: int
@@ -129,11 +270,15 @@ class Timings:
     host_ms: dict
     device_ms: dict
     numerics: bool
+    arrival_ms: float = 0.0
+    done_ms: float = 0.0
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["itl_ms"] = list(self.itl_ms)
-        d["clock"] = "simulated device ms (host work measured and included)"
+        d["host_ms"] = dict(self.host_ms)
+        d["device_ms"] = dict(self.device_ms)
+        d["clock"] = "simulated device ms (host work measured and included); host_ms is measured host time"
         return d
 
 
@@ -154,7 +299,10 @@ class RequestResult:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """A visible piece of streamed text (never half a UTF-8 character, never part of a stop string)."""
+    """A visible piece of streamed text (never half a UTF-8 character, never part of a stop string).
+
+    n_tokens: tokens generated so far; sim_ms: when it became visible (simulated ms).
+    """
 
     request_id: int
     text: str
@@ -183,7 +331,11 @@ class RequestHandle:
         self.state = RequestState.QUEUED
 
     def cancel(self, reason: str = "cancelled by client") -> None:
-        """Cancel in any state (queued, prefilling, decoding); idempotent, returns at once."""
+        """Cancel in any state (queued, prefilling, decoding); idempotent, returns at once.
+
+        The engine ends the request within one device step and frees its KV.
+        A request that already ended is not changed.
+        """
         if not self._cancel.is_set():
             self.cancel_reason = reason
             self._cancel.set()
@@ -193,6 +345,10 @@ class RequestHandle:
     def cancelled(self) -> bool:
         return self._cancel.is_set()
 
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
     def next_event(self, timeout: float) -> TokenEvent | DoneEvent | None:
         """Next event within ``timeout`` host seconds, or None."""
         try:
@@ -201,14 +357,24 @@ class RequestHandle:
             return None
 
     def stream(self, timeout: float = 60.0) -> Iterator[TokenEvent | DoneEvent]:
-        """Yield events until the DoneEvent. Raises TimeoutError if nothing arrives for ``timeout`` s."""
-        while True:
-            ev = self.next_event(timeout)
-            if ev is None:
-                raise TimeoutError(f"request {self.id}: no event for {timeout:.0f} s")
-            yield ev
-            if isinstance(ev, DoneEvent):
-                return
+        """Yield events until the DoneEvent. Raises TimeoutError if nothing arrives for ``timeout`` host s.
+
+        A consumer that stops iterating early (closes the generator) or is
+        interrupted cancels the request: a vanished client counts as a cancel.
+        """
+        finished = False
+        try:
+            while True:
+                ev = self.next_event(timeout)
+                if ev is None:
+                    raise TimeoutError(f"request {self.id}: no event for {timeout:.0f} s")
+                yield ev
+                if isinstance(ev, DoneEvent):
+                    finished = True
+                    return
+        finally:
+            if not finished and not self.done:
+                self.cancel("client stopped reading the stream")
 
     def result(self, timeout: float) -> RequestResult:
         """Block up to ``timeout`` host seconds for the final result (TimeoutError otherwise)."""
@@ -224,7 +390,7 @@ class RequestHandle:
 
 
 class _Request:
-    """Engine-side state of one request."""
+    """Engine-side state of one request. Times in simulated ms unless named host."""
 
     def __init__(self, rid: int, req: ChatRequest, prompt: list[int], handle: RequestHandle, arrival_ms: float,
                  tokenize_ms: float) -> None:
@@ -233,7 +399,7 @@ class _Request:
         self.prompt = prompt
         self.handle = handle
         self.arrival_ms = arrival_ms
-        self.tokenize_ms = tokenize_ms
+        self.tokenize_ms = tokenize_ms  # host ms
         self.slot: _Slot | None = None
         self.assigned_ms: float | None = None
         self.n_prefilled = 0  # prompt tokens whose KV is written (including cache_n)
@@ -243,10 +409,11 @@ class _Request:
         self.pieces_ms: list[float] = []
         self.text_parts: list[str] = []
         self.prefill_start_ms: float | None = None
-        self.prefill_end_ms: float | None = None
-        self.decode_device_ms = 0.0
+        self.first_token_ms: float | None = None  # first token sampled (llama.cpp t_start_generation)
+        self.last_token_ms: float | None = None
         self.host = {"tokenize": tokenize_ms, "sampling": 0.0, "detokenize": 0.0, "kv_wait": 0.0, "framework": 0.0}
         self.device = {"h2d": 0.0, "infer": 0.0, "d2h": 0.0}
+        self.tokenize_reported = False
         self.sampler = Sampler(req.sampling)
         self.decoder = StreamDecoder(skip_special=True)
         self.matcher = StopStringMatcher(req.stop)
@@ -286,7 +453,8 @@ class Engine:
     Args:
         board: the simulated device.
         n_slots: concurrent sequences (default 4); each slot is a KV sequence id.
-        queue_limit: waiting requests beyond busy slots; more -> UnavailableError at once.
+        queue_limit: requests allowed to wait beyond the free slots; one more ->
+            UnavailableError at once.
         prefill_chunk: max tokens per prefill job (CSR cur_seq_len), for fairness.
         max_inflight: 1 = serial infer()+Wait(); 2 = ping/pong overlap of host and device work.
         kv_timeout_s: bound on waiting for KV cells (host wall s), then KVExhausted.
@@ -295,16 +463,23 @@ class Engine:
             their tokens are drawn from the seeded generator, and the reply says so
             (exact numerics at long context are O(n^2) in Python; see README).
         host_timer: measures host work; ScriptedHostTimer makes timings deterministic.
+        metrics: the registry to record into (default a new one).
+        slo: service-level objectives for goodput (``SLO(ttft_ms, tpot_ms, e2el_ms)``,
+            simulated ms); default none (every finished request is good).
     """
 
     def __init__(self, board: SimulatedBoard, *, n_slots: int = 4, queue_limit: int = 16, prefill_chunk: int = 2048,
                  max_inflight: int = 1, kv_timeout_s: float = 2.0, step_timeout_s: float = 120.0,
                  numerics_max_prompt: int = 1024, host_timer: HostTimer | None = None,
-                 metrics: MetricsRegistry | None = None) -> None:
+                 metrics: MetricsRegistry | None = None, slo: SLO | None = None) -> None:
         if n_slots < 1 or n_slots > 64:
             raise ValueError("n_slots must be in 1..64")
         if max_inflight not in (1, 2):
             raise ValueError("max_inflight must be 1 (serial) or 2 (ping/pong)")
+        if queue_limit < 0:
+            raise ValueError("queue_limit must be >= 0")
+        if prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1")
         self.board = board
         self.tokenizer = get_tokenizer()
         self.n_ctx = board.bundle.context
@@ -316,7 +491,9 @@ class Engine:
         self.step_timeout_s = step_timeout_s
         self.numerics_max_prompt = numerics_max_prompt
         self.host_timer = host_timer or HostTimer()
-        self.metrics = metrics or MetricsRegistry()
+        self.metrics = metrics or MetricsRegistry(slo=slo or SLO())
+        if slo is not None:
+            self.metrics.slo = slo
         self.slots = [_Slot(i) for i in range(n_slots)]
         self._queue: deque[_Request] = deque()
         self._lock = threading.Lock()
@@ -326,6 +503,7 @@ class Engine:
         self._refuse_reason = ""
         self._rr_decode = 0
         self._rr_prefill = 0
+        self._round_served: set[int] = set()  # slots whose decode ran in the current round
         self._stop = False
         self.last_stage: dict[str, StageTimes] = {}
         self.stage_history: deque[StageTimes] = deque(maxlen=2000)
@@ -334,39 +512,41 @@ class Engine:
 
     # --- client API ------------------------------------------------------------------
 
+    @property
+    def slo(self) -> SLO:
+        """Goodput SLOs (simulated ms)."""
+        return self.metrics.slo
+
     def validate(self, req: ChatRequest) -> None:
         """Raise InvalidRequestError for bad parameters (nothing is allocated)."""
-        if not isinstance(req.messages, (tuple, list)) or not req.messages:
-            raise InvalidRequestError("messages must be a non-empty list", param="messages")
-        last = req.messages[-1]
-        if not isinstance(last, dict) or not isinstance(last.get("content"), str) or not last["content"].strip():
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if isinstance(req.max_tokens, bool) or not isinstance(req.max_tokens, int) or req.max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be a positive integer, got {req.max_tokens!r}", param="max_tokens")
-        if not isinstance(req.stop, (tuple, list)):
-            raise InvalidRequestError("stop must be a list of strings", param="stop")
-        for s in req.stop:
-            if not isinstance(s, str) or s == "":
-                raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
-        req.sampling.validate(self.board.shape.vocab)
+        validate_request(req, self.board.shape.vocab)
 
     def tokenize_prompt(self, req: ChatRequest) -> list[int]:
         """Prompt token ids with the chat template applied (what counts against the context)."""
         return self.tokenizer.encode_chat(list(req.messages), add_generation_prompt=True,
                                           enable_thinking=req.enable_thinking)
 
+    def _live_locked(self) -> tuple[int, int, float]:
+        running = sum(1 for s in self.slots if s.req is not None)
+        occ = self.board.kv.occupancy()
+        return len(self._queue), running, occ.used_cells / max(1, occ.capacity_cells)
+
     def submit(self, req: ChatRequest) -> RequestHandle:
         """Validate, tokenise and enqueue. Returns a handle at once.
 
-        Raises (nothing allocated): InvalidRequestError, ExceedContextSizeError
-        (prompt > n_ctx = 40960 tokens), UnavailableError (queue full, or
-        device in maintenance).
+        Raises (nothing allocated, no counter but ``rejected`` moves):
+        InvalidRequestError, ExceedContextSizeError (prompt > n_ctx = 40960
+        tokens), UnavailableError (queue full, or device in maintenance).
         """
         with self._lock:
             if not self._admitting:
                 self.metrics.on_rejected()
                 raise UnavailableError(self._refuse_reason or "not admitting requests")
-        self.validate(req)
+        try:
+            self.validate(req)
+        except InvalidRequestError:
+            self.metrics.on_rejected()
+            raise
         arrival = self.board.clock.now_us
         t0 = self.host_timer.now()
         prompt = self.tokenize_prompt(req)
@@ -378,25 +558,25 @@ class Engine:
             if not self._admitting:
                 self.metrics.on_rejected()
                 raise UnavailableError(self._refuse_reason or "not admitting requests")
-            busy = sum(1 for s in self.slots if s.req is not None)
-            if len(self._queue) >= self.queue_limit and busy >= self.n_slots:
+            free = sum(1 for s in self.slots if s.req is None)
+            if len(self._queue) >= self.queue_limit + free:
                 self.metrics.on_rejected()
                 raise UnavailableError(f"server busy: {len(self._queue)} requests queued (limit {self.queue_limit})")
             rid = next(self._ids)
             handle = RequestHandle(rid, len(prompt))
-            handle._engine_wake = self._notify
-            end = self.board.clock.host_span(arrival, tok_us)
+            handle._engine_wake = lambda rid=rid: self._on_cancel(rid)
+            self.board.clock.host_span(arrival, tok_us)  # tokenising is host work on the request's clock
             r = _Request(rid, req, prompt, handle, arrival / 1e3, tok_us / 1e3)
-            r.arrival_ms = arrival / 1e3
             self._queue.append(r)
-            self.metrics.on_submitted()
-            self._update_live_locked()
+            self.metrics.on_submitted(live=self._live_locked())
             self._wake.notify_all()
-        del end
         return handle
 
     def generate(self, req: ChatRequest, timeout: float = 600.0) -> RequestResult:
-        """Submit and wait for the final result (headless convenience)."""
+        """Submit and wait for the final result (headless convenience).
+
+        If the wait ends abnormally (timeout, Ctrl-C) the request is cancelled.
+        """
         h = self.submit(req)
         try:
             return h.result(timeout)
@@ -466,8 +646,21 @@ class Engine:
         with self._lock:
             return len(self._queue)
 
+    def stage_summary(self) -> dict:
+        """P50/P95/P99/mean of each stage (FACTS F8) over the recent steps, per kind.
+
+        {"prefill": {"h2d": {"p50": ..}, ...}, "decode": {...}, "units": ...}. Device
+        stages are simulated ms, host stages measured host ms.
+        """
+        hist = list(self.stage_history)
+        out: dict = {"units": "h2d/infer/d2h simulated device ms; other stages measured host ms"}
+        for kind in ("prefill", "decode"):
+            steps = [s for s in hist if s.kind == kind]
+            out[kind] = {name: percentiles(getattr(s, f"{name}_ms") for s in steps) for name in STAGES}
+        return out
+
     def close(self) -> None:
-        """Stop the scheduler; every unfinished request is cancelled ("engine shutting down")."""
+        """Stop the scheduler; every unfinished request is cancelled ("engine shutting down") and gets its result."""
         with self._lock:
             pending = list(self._queue) + [s.req for s in self.slots if s.req is not None]
         for r in pending:
@@ -475,16 +668,24 @@ class Engine:
         with self._lock:
             self._stop = True
             self._wake.notify_all()
-        self._thread.join(timeout=5.0)
+        self._thread.join(timeout=max(5.0, self.step_timeout_s if pending else 5.0))
 
     def _notify(self) -> None:
         with self._lock:
             self._wake.notify_all()
 
+    def _on_cancel(self, rid: int) -> None:
+        """A handle was cancelled: a queued request ends at once (it holds nothing);
+        a running one is ended by the scheduler within one device step."""
+        with self._lock:
+            for r in self._queue:
+                if r.id == rid:
+                    self._end_locked(r, "cancelled", "none", None)
+                    break
+            self._wake.notify_all()
+
     def _update_live_locked(self) -> None:
-        running = sum(1 for s in self.slots if s.req is not None)
-        occ = self.board.kv.occupancy()
-        self.metrics.set_live(len(self._queue), running, occ.used_cells / max(1, occ.capacity_cells))
+        self.metrics.set_live(*self._live_locked())
 
     # --- scheduler -------------------------------------------------------------------
 
@@ -492,12 +693,17 @@ class Engine:
         inflight: deque[tuple[_Request, Job, dict]] = deque()
         while True:
             with self._lock:
-                if self._stop and not inflight:
-                    return
                 self._reap_cancelled_locked(inflight)
+                if self._stop and not inflight:
+                    # close(): end whatever is left (queued requests never started)
+                    for r in list(self._queue) + [s.req for s in self.slots if s.req is not None]:
+                        self._end_locked(r, "cancelled", "none", None)
+                    return
                 self._admit_locked()
                 busy = {id(r) for r, _, _ in inflight}
-                work = self._next_work_locked(busy) if len(inflight) < self.max_inflight else None
+                work = None
+                if len(inflight) < self.max_inflight and not self._stop:
+                    work = self._next_work_locked(busy)
                 if work is None and not inflight:
                     self._wake.wait(0.25)
                     continue
@@ -529,9 +735,10 @@ class Engine:
             r = self._queue.popleft()
             # llama.cpp: prefer the idle slot sharing the longest prefix with the prompt, then LRU
             best = max(free, key=lambda s: (_common_prefix(s.cache_tokens, r.prompt), -s.last_used))
+            # keep at least one prompt token to prefill: its logits give the first token
             n_common = min(_common_prefix(best.cache_tokens, r.prompt), len(r.prompt) - 1)
             kv = self.board.kv
-            if n_common <= 0 or r.req.sampling is None:
+            if n_common <= 0:
                 kv.free(best.seq_id)
                 n_common = 0
             else:
@@ -543,27 +750,46 @@ class Engine:
             r.assigned_ms = self.board.clock.now_us / 1e3
             r.handle.state = RequestState.PREFILLING
             r.numeric = self.board.numerics and len(r.prompt) <= self.numerics_max_prompt
+            self._round_served.discard(best.idx)
             self._update_live_locked()
 
     def _next_work_locked(self, busy: set) -> tuple[_Request, str, int] | None:
-        """Decode first (round-robin over decoding slots), then one prefill chunk (round-robin)."""
+        """The round rule (module docstring): each decoding slot once, then one prefill chunk."""
         n = self.n_slots
-        for k in range(n):
-            s = self.slots[(self._rr_decode + k) % n]
-            r = s.req
-            if r is not None and r.state is RequestState.DECODING and id(r) not in busy and not r.handle.cancelled:
-                self._rr_decode = (s.idx + 1) % n
-                return r, "decode", 1
+
+        def ready(r: _Request | None, state: RequestState) -> bool:
+            return r is not None and r.state is state and id(r) not in busy and not r.handle.cancelled
+
+        def next_decode() -> tuple[_Request, str, int] | None:
+            for k in range(n):
+                s = self.slots[(self._rr_decode + k) % n]
+                if s.idx not in self._round_served and ready(s.req, RequestState.DECODING):
+                    self._round_served.add(s.idx)
+                    self._rr_decode = (s.idx + 1) % n
+                    return s.req, "decode", 1
+            return None
+
+        work = next_decode()
+        if work is not None:
+            return work
         for k in range(n):
             s = self.slots[(self._rr_prefill + k) % n]
             r = s.req
-            if r is not None and r.state is RequestState.PREFILLING and id(r) not in busy and not r.handle.cancelled:
+            if ready(r, RequestState.PREFILLING):
                 self._rr_prefill = (s.idx + 1) % n
+                self._round_served.clear()  # the chunk closes the round
                 return r, "prefill", min(self.prefill_chunk, len(r.prompt) - r.n_prefilled)
+        if self._round_served:
+            self._round_served.clear()  # no prefill waiting: next round of decodes
+            return next_decode()
         return None
 
     def _start_step(self, r: _Request, kind: str, n: int) -> tuple[_Request, Job, dict] | None:
-        """Apply KV cells and submit one job. On failure the request ends with a typed error."""
+        """Apply KV cells and submit one job. On failure the request ends with a typed error.
+
+        The host work before the submit (KV apply, buffer set-up) is put on the
+        simulated clock first, so the device step starts after it.
+        """
         ht = self.host_timer
         t0 = ht.now()
         start_sim = self.board.clock.now_us
@@ -571,13 +797,12 @@ class Engine:
         if kind == "prefill":
             toks = r.prompt[r.n_prefilled:r.n_prefilled + n]
             p0 = r.n_prefilled
-            if r.prefill_start_ms is None:
-                r.prefill_start_ms = start_sim / 1e3
         else:
             toks = [r.pending_token]
             p0 = len(r.prompt) + len(r.generated) - 1
         positions = np.arange(p0, p0 + len(toks), dtype=np.int64)
         kv = self.board.kv
+        kv_wait_us = 0.0
         try:
             if not kv.can_allocate(len(toks)):
                 self._evict_idle(len(toks))
@@ -586,6 +811,10 @@ class Engine:
                              positions=positions.tolist())
             kv_wait_us = ht.now() - k0
             ctx_cells, ctx_pos = kv.seq_cells(seq)
+            host_us = ht.now() - t0
+            submit_sim = self.board.clock.host_span(start_sim, host_us)
+            if kind == "prefill" and r.prefill_start_ms is None:
+                r.prefill_start_ms = start_sim / 1e3
             job = self.board.submit(kind, seq, np.asarray(toks, dtype=np.int64), positions, np.asarray(cells),
                                     ctx_cells, ctx_pos, task_type="ping" if self.max_inflight > 1 else "auto")
         except RequestCancelled:
@@ -596,9 +825,8 @@ class Engine:
             with self._lock:
                 self._end_locked(r, "failed", "none", _err(e))
             return None
-        host_us = ht.now() - t0
+        del submit_sim
         r.host["kv_wait"] += kv_wait_us / 1e3
-        self.board.clock.host_span(start_sim, host_us)
         return r, job, {"kind": kind, "n": len(toks), "kv_wait_us": kv_wait_us, "submit_host_us": host_us - kv_wait_us}
 
     def _evict_idle(self, need: int) -> None:
@@ -613,6 +841,7 @@ class Engine:
                 s.cache_tokens = []
 
     def _finish_step(self, r: _Request, job: Job, info: dict) -> None:
+        """Wait for the job, sample, apply stop rules, stream the visible piece, account host work."""
         ht = self.host_timer
         try:
             res = job.wait(self.step_timeout_s)
@@ -633,60 +862,65 @@ class Engine:
             r.n_prefilled += info["n"]
             r.slot.cache_tokens = r.prompt[: r.n_prefilled]
         else:
-            r.decode_device_ms += res.sim_us / 1e3
             r.slot.cache_tokens.append(r.pending_token)
         visible = ""
         stop: tuple[str, str] | None = None
-        need_token = kind == "decode" or r.n_prefilled >= len(r.prompt)
-        if r.handle.cancelled:
-            need_token = False
+        need_token = (kind == "decode" or r.n_prefilled >= len(r.prompt)) and not r.handle.cancelled
         if need_token:
-            if kind == "prefill":
-                r.prefill_end_ms = res.sim_end_us / 1e3
-                r.handle.state = RequestState.DECODING
             s0 = ht.now()
             tok = self._sample(r, res)
             sampling_us = ht.now() - s0
-            r.host["sampling"] += sampling_us / 1e3
             d0 = ht.now()
             visible, stop = self._consume_token(r, tok)
+            if stop is not None:
+                visible, stop = self._final_flush(r, visible, stop)
             detok_us = ht.now() - d0
+            r.host["sampling"] += sampling_us / 1e3
             r.host["detokenize"] += detok_us / 1e3
-        host_us = ht.now() - t0 + info["submit_host_us"]
-        framework_us = max(0.0, host_us - sampling_us - detok_us)
+        host_us = ht.now() - t0
+        framework_us = max(0.0, host_us - sampling_us - detok_us) + info["submit_host_us"]
         r.host["framework"] += framework_us / 1e3
-        t_end = self.board.clock.host_span(res.sim_end_us, ht.now() - t0)
+        t_end = self.board.clock.host_span(res.sim_end_us, host_us)
+        tok_ms = 0.0
+        if kind == "prefill" and not r.tokenize_reported:
+            r.tokenize_reported = True
+            tok_ms = r.tokenize_ms
         st = StageTimes(kind, dev["h2d"], dev["infer"], dev["d2h"], info["kv_wait_us"] / 1e3, sampling_us / 1e3,
-                        detok_us / 1e3, framework_us / 1e3)
+                        detok_us / 1e3, framework_us / 1e3, tok_ms, info["n"], r.id)
         self.last_stage[kind] = st
         self.stage_history.append(st)
+        if need_token:
+            if r.first_token_ms is None:
+                r.first_token_ms = t_end / 1e3
+                r.handle.state = RequestState.DECODING
+            r.last_token_ms = t_end / 1e3
         if visible:
             r.pieces_ms.append(t_end / 1e3)
             r.text_parts.append(visible)
             r.handle._events.put(TokenEvent(r.id, visible, len(r.generated), t_end / 1e3))
-        if stop is not None:
-            with self._lock:
-                self._end_locked(r, "finished", stop[0], None, stopping_word=stop[1])
-        else:
-            with self._lock:
-                self._notify_locked()
-
-    def _notify_locked(self) -> None:
-        self._wake.notify_all()
+        with self._lock:
+            if stop is not None:
+                self._end_locked(r, "finished", stop[0], None, stopping_word=stop[1], done_ms=t_end / 1e3)
+            else:
+                self._wake.notify_all()
 
     def _sample(self, r: _Request, res) -> int:
         if res.logits_bf16 is None or not r.numeric:
             # timing-only: no logits exist; a seeded generator stands in (labelled in Timings.numerics)
             return int(r.fallback_rng.integers(0, 151643))
         logits = bf16_to_f32(res.logits_bf16)
-        return r.sampler.sample(logits, r.generated)
+        return r.sampler.sample(logits, r.prompt + r.generated if r.req.sampling.has_penalties else ())
 
     def _consume_token(self, r: _Request, tok: int) -> tuple[str, tuple[str, str] | None]:
-        """Apply stop rules to a sampled token; returns (visible text, (stop_type, word) or None)."""
-        if tok in EOS_IDS:
-            r.generated.append(tok)
-            return "", ("eos", "")
+        """Apply stop rules to a sampled token; returns (visible text, (stop_type, word) or None).
+
+        Order: EOS, then stop strings (on the text made visible by this token),
+        then ``max_tokens``, then the context end. Held text (a pending stop-string
+        prefix, an incomplete UTF-8 sequence) is NOT flushed here; see ``_final_flush``.
+        """
         r.generated.append(tok)
+        if tok in EOS_IDS:
+            return "", ("eos", "")
         r.pending_token = tok
         piece = r.decoder.push(tok)
         visible, word = r.matcher.push(piece) if piece else ("", None)
@@ -694,52 +928,72 @@ class Engine:
             return visible, ("word", word)
         if len(r.generated) >= r.req.max_tokens:
             return visible, ("limit", "")
-        # context end: the pending token would need position len(prompt)+len(generated)-1
+        # context end: feeding the pending token needs position len(prompt)+len(generated)-1 < n_ctx
         if len(r.prompt) + len(r.generated) > self.n_ctx:
             return visible, ("limit", "")
         return visible, None
 
-    def _end_locked(self, r: _Request, status: str, stop_type: str, error: dict | None, stopping_word: str = "") -> None:
-        """Finish a request: flush held text, free its slot (and KV on cancel/failure), record metrics."""
+    @staticmethod
+    def _final_flush(r: _Request, visible: str, stop: tuple[str, str]) -> tuple[str, tuple[str, str]]:
+        """Generation ended for ``stop``: release held text unless a stop word matched.
+
+        An incomplete UTF-8 tail becomes U+FFFD (a whole character). If the
+        released text completes a stop string, the stop becomes ``word``.
+        """
+        if stop[0] == "word":
+            return visible, stop
+        tail = r.decoder.flush()
+        if tail:
+            more, word = r.matcher.push(tail)
+            visible += more
+            if word is not None:
+                return visible, ("word", word)
+        return visible + r.matcher.flush(), stop
+
+    def _end_locked(self, r: _Request, status: str, stop_type: str, error: dict | None, stopping_word: str = "",
+                    done_ms: float | None = None) -> None:
+        """Finish a request: free its slot (and its KV on cancel/failure), record metrics, deliver the result."""
         if r.handle._result is not None:
             return
-        now_ms = self.board.clock.now_us / 1e3
-        if status == "finished":
-            tail = r.decoder.flush()
-            held = r.matcher.push(tail)[0] if tail else ""
-            if stop_type != "word":
-                held += r.matcher.flush()
-            if held:
-                r.pieces_ms.append(now_ms)
-                r.text_parts.append(held)
-                r.handle._events.put(TokenEvent(r.id, held, len(r.generated), now_ms))
+        now_ms = self.board.clock.now_us / 1e3 if done_ms is None else done_ms
         if r in self._queue:
             self._queue.remove(r)
         s = r.slot
         if s is not None:
             s.req = None
             s.last_used = now_ms
+            self._round_served.discard(s.idx)
             if status != "finished":
                 # cancelled/failed: free this sequence's KV now (the in-flight step, if any, has ended)
                 self.board.kv.free(s.seq_id)
                 s.cache_tokens = []
         n = len(r.generated)
         ttft, tpot, itl, e2e = request_latencies(r.arrival_ms, r.pieces_ms, now_ms, n)
-        if ttft is None and status == "finished" and n:
-            ttft = (r.prefill_end_ms or now_ms) - r.arrival_ms  # nothing visible (e.g. EOS first)
-        prompt_ms = ((r.prefill_end_ms or now_ms) - r.prefill_start_ms) if r.prefill_start_ms is not None else 0.0
-        predicted_ms = r.decode_device_ms
-        pn = len(r.prompt) - r.cache_n
+        if ttft is None and status == "finished" and r.first_token_ms is not None:
+            # nothing visible (e.g. EOS first, or only special tokens): the response started
+            # when its first token was sampled
+            ttft, tpot, itl, e2e = request_latencies(r.arrival_ms, [r.first_token_ms], now_ms, n)
+            itl = ()
+        pn = r.n_prefilled - r.cache_n
+        if r.first_token_ms is not None and r.prefill_start_ms is not None:
+            prompt_ms = r.first_token_ms - r.prefill_start_ms
+        elif r.prefill_start_ms is not None:
+            prompt_ms = now_ms - r.prefill_start_ms  # ended during prefill
+        else:
+            prompt_ms = 0.0
+        predicted_ms = (r.last_token_ms - r.first_token_ms) if r.first_token_ms is not None else 0.0
+        done_prefill = r.first_token_ms is not None
         timings = Timings(
             prompt_n=pn, prompt_ms=prompt_ms,
-            prompt_per_token_ms=prompt_ms / pn if pn and r.prefill_end_ms else None,
-            prompt_per_second=pn / (prompt_ms / 1e3) if pn and prompt_ms > 0 and r.prefill_end_ms else None,
+            prompt_per_token_ms=prompt_ms / pn if pn and done_prefill else None,
+            prompt_per_second=1e3 * pn / prompt_ms if pn and prompt_ms > 0 and done_prefill else None,
             predicted_n=n, predicted_ms=predicted_ms,
-            predicted_per_token_ms=predicted_ms / max(1, n - 1) if n > 1 else None,
-            predicted_per_second=(n - 1) / (predicted_ms / 1e3) if n > 1 and predicted_ms > 0 else None,
+            predicted_per_token_ms=predicted_ms / n if n else None,
+            predicted_per_second=1e3 * n / predicted_ms if n and predicted_ms > 0 else None,
             cache_n=r.cache_n, ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
             queue_ms=(r.assigned_ms - r.arrival_ms) if r.assigned_ms is not None else None,
             host_ms=dict(r.host), device_ms=dict(r.device), numerics=r.numeric,
+            arrival_ms=r.arrival_ms, done_ms=now_ms,
         )
         if status == "cancelled" and error is None:
             error = {"type": "cancelled", "message": r.handle.cancel_reason or "cancelled"}
@@ -747,10 +1001,10 @@ class Engine:
         result = RequestResult(r.id, status, text, tuple(r.generated), stop_type, stopping_word, error, timings,
                                r.sampler.seed)
         r.handle.state = {"finished": RequestState.FINISHED, "failed": RequestState.FAILED}.get(status, RequestState.CANCELLED)
-        self.metrics.on_done(status, prompt_n=len(r.prompt), cache_n=r.cache_n, predicted_n=n, prompt_ms=prompt_ms,
-                             predicted_ms=predicted_ms, ttft=ttft if status == "finished" else None, tpot=tpot,
-                             itl=itl, e2e=e2e, queue_ms=timings.queue_ms, done_ms=now_ms)
-        self._update_live_locked()
+        self.metrics.on_done(status, prompt_n=r.n_prefilled, cache_n=r.cache_n, predicted_n=n, prompt_ms=prompt_ms,
+                             predicted_ms=predicted_ms, ttft=ttft, tpot=tpot, itl=itl, e2e=e2e,
+                             queue_ms=timings.queue_ms, done_ms=now_ms, arrival_ms=r.arrival_ms,
+                             live=self._live_locked())
         r.handle._finish(result)
         self._wake.notify_all()
 

@@ -7,8 +7,16 @@ includes measured host work):
 - TPOT: (E2E - TTFT) / (n - 1) for n generated tokens; absent when n == 1.
 - ITL: every gap between consecutive visible pieces, the first excluded.
 - E2E: request in -> done. Queue time: request in -> slot assigned.
-- Goodput (vLLM): completed requests/s (and tokens/s) of requests meeting
-  every configured SLO (ttft, tpot, e2el in ms).
+- Goodput (vLLM ``--goodput``): finished requests meeting every configured
+  SLO (``ttft``, ``tpot``, ``e2el`` in ms; a value <= its SLO meets it; a
+  one-token request's TPOT counts as 0), divided by the span from the first
+  recorded arrival to the last recorded end (simulated s). Also reported as
+  tokens/s of those requests.
+
+Aggregates (P50/P95/P99, mean) are over a window of the most recent
+``window`` samples of each latency; the Prometheus histograms and counters
+are cumulative since start. TTFT/TPOT/ITL/E2E samples come from FINISHED
+requests only; queue time from every request that got a slot.
 """
 
 from __future__ import annotations
@@ -60,7 +68,28 @@ class SLO:
     tpot_ms: float | None = None
     e2el_ms: float | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+                raise ValueError(f"SLO {name} must be a positive number of ms or None, got {v!r}")
+
+    @staticmethod
+    def parse(spec: str) -> "SLO":
+        """``"ttft:500,tpot:50,e2el:5000"`` (ms, vLLM's ``--goodput`` keys) -> SLO."""
+        kw: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in spec.split(","))):
+            key, _, val = part.partition(":")
+            if key not in ("ttft", "tpot", "e2el") or not val:
+                raise ValueError(f"bad SLO {part!r}: expected ttft:MS, tpot:MS or e2el:MS")
+            kw[f"{key}_ms"] = float(val)
+        return SLO(**kw)
+
+    def to_dict(self) -> dict:
+        return {"ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "e2el_ms": self.e2el_ms}
+
     def met(self, ttft: float | None, tpot: float | None, e2e: float) -> bool:
+        """True if every configured objective is met (ttft None fails a TTFT SLO; tpot None counts as 0)."""
         if self.ttft_ms is not None and (ttft is None or ttft > self.ttft_ms):
             return False
         if self.tpot_ms is not None and tpot is not None and tpot > self.tpot_ms:
@@ -104,7 +133,7 @@ class MetricsRegistry:
         self.hist = {k: _Hist(window) for k in ("ttft", "itl", "e2e", "tpot", "queue")}
         self.queued = self.running = 0
         self.kv_usage_ratio = 0.0
-        self.first_done_ms: float | None = None
+        self.first_arrival_ms: float | None = None
         self.last_done_ms: float | None = None
         # (sim ms, tokens/s) history for sparklines
         self.history: deque[tuple[float, float, float, float]] = deque(maxlen=600)
@@ -113,9 +142,13 @@ class MetricsRegistry:
         with self._lock:
             self.queued, self.running, self.kv_usage_ratio = queued, running, kv_usage_ratio
 
-    def on_submitted(self) -> None:
+    def on_submitted(self, live: tuple[int, int, float] | None = None) -> None:
+        """A request was accepted. ``live`` = (queued, running, kv ratio) after it, set atomically
+        so the counters balance at every moment."""
         with self._lock:
             self.submitted += 1
+            if live is not None:
+                self.queued, self.running, self.kv_usage_ratio = live
 
     def on_rejected(self) -> None:
         with self._lock:
@@ -123,9 +156,18 @@ class MetricsRegistry:
 
     def on_done(self, status: str, *, prompt_n: int, cache_n: int, predicted_n: int, prompt_ms: float,
                 predicted_ms: float, ttft: float | None, tpot: float | None, itl: Sequence[float], e2e: float,
-                queue_ms: float | None, done_ms: float) -> None:
-        """Record a request that ended (status finished | failed | cancelled). Times in simulated ms."""
+                queue_ms: float | None, done_ms: float, arrival_ms: float | None = None,
+                live: tuple[int, int, float] | None = None) -> None:
+        """Record a request that ended (status finished | failed | cancelled). Times in simulated ms.
+
+        prompt_n: prompt tokens whose KV was written (cached prefix included);
+        cache_n: the reused prefix, so ``prompt_tokens_total`` grows by
+        ``prompt_n - cache_n`` (processed tokens, as llama.cpp counts them).
+        ``live`` = (queued, running, kv ratio) after the request left, set atomically.
+        """
         with self._lock:
+            if live is not None:
+                self.queued, self.running, self.kv_usage_ratio = live
             if status == "finished":
                 self.finished += 1
             elif status == "cancelled":
@@ -150,16 +192,18 @@ class MetricsRegistry:
                 if self.slo.met(ttft, tpot, e2e):
                     self.good_requests += 1
                     self.good_tokens += predicted_n
-            if self.first_done_ms is None:
-                self.first_done_ms = done_ms - e2e
-            self.last_done_ms = done_ms
+            start = arrival_ms if arrival_ms is not None else done_ms - e2e
+            if self.first_arrival_ms is None or start < self.first_arrival_ms:
+                self.first_arrival_ms = start  # earliest arrival among recorded requests
+            if self.last_done_ms is None or done_ms > self.last_done_ms:
+                self.last_done_ms = done_ms
             tps = predicted_n / (predicted_ms / 1e3) if predicted_ms > 0 else 0.0
             self.history.append((done_ms, tps, ttft if ttft is not None else float("nan"), e2e))
 
     def summary(self) -> dict:
         """JSON-friendly aggregates: counters, P50/P95/P99 of each latency (sim ms), goodput."""
         with self._lock:
-            span_s = ((self.last_done_ms or 0) - (self.first_done_ms or 0)) / 1e3
+            span_s = ((self.last_done_ms or 0) - (self.first_arrival_ms or 0)) / 1e3
             return {
                 "counters": {
                     "submitted": self.submitted, "finished": self.finished, "failed": self.failed,
@@ -170,8 +214,10 @@ class MetricsRegistry:
                 "tokens": {"prompt": self.prompt_tokens, "cached": self.cache_tokens, "predicted": self.predicted_tokens},
                 "latency_ms": {k: percentiles(h.recent) for k, h in self.hist.items()},
                 "goodput": {
-                    "slo": {"ttft_ms": self.slo.ttft_ms, "tpot_ms": self.slo.tpot_ms, "e2el_ms": self.slo.e2el_ms},
+                    "slo": self.slo.to_dict(),
                     "good_requests": self.good_requests,
+                    "good_fraction": self.good_requests / self.finished if self.finished else None,
+                    "span_s": span_s,
                     "requests_per_s": self.good_requests / span_s if span_s > 0 else None,
                     "tokens_per_s": self.good_tokens / span_s if span_s > 0 else None,
                 },
