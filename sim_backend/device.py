@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 from .bundle import Bundle
-from .errors import CCUException, DeviceError, DeviceNotReady, DeviceReset, LinkError, SubmitError, WaitTimeout
+from .errors import (CCUException, DeviceError, DeviceNotReady, DeviceReset, KVExhausted, LinkError, SubmitError,
+                     WaitTimeout)
 from .kv import KVCacheManager
 from .numerics import ShardedModel
 from .registers import RegisterFile
@@ -170,11 +171,34 @@ class Job:
 
 @dataclass
 class Faults:
-    """Injected faults (maintenance plane). Counts are 'next N jobs'."""
+    """Injected faults (maintenance plane), visible in the observation snapshot (``active()``).
+
+    ``ccu_next`` / ``link_error_next`` / ``kv_exhaust_next`` are "the next N jobs / KV applies":
+    each one fires once and disarms itself. ``slow_chip`` maps chip -> time multiplier and stays
+    until cleared or the device is reset. ``fired`` counts faults that have fired since the last reset.
+    """
 
     ccu_next: int = 0
     link_error_next: int = 0
+    kv_exhaust_next: int = 0
     slow_chip: dict[int, float] = field(default_factory=dict)  # chip -> time multiplier
+    fired: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def take(self, name: str) -> bool:
+        """Consume one armed ``name`` fault (e.g. "ccu_next"); True if one fired. Thread-safe."""
+        with self._lock:
+            n = getattr(self, name)
+            if n <= 0:
+                return False
+            setattr(self, name, n - 1)
+            key = name.removesuffix("_next")
+            self.fired[key] = self.fired.get(key, 0) + 1
+            return True
+
+    def arm(self, name: str, count: int = 1) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + int(count))
 
     def active(self) -> list[str]:
         out = []
@@ -182,9 +206,33 @@ class Faults:
             out.append(f"ccu_exception x{self.ccu_next}")
         if self.link_error_next:
             out.append(f"d2d_link_error x{self.link_error_next}")
+        if self.kv_exhaust_next:
+            out.append(f"kv_exhaustion x{self.kv_exhaust_next}")
         for c, f in sorted(self.slow_chip.items()):
             out.append(f"slow_chip{c} x{f:g}")
         return out
+
+
+class FaultInjectingKV(KVCacheManager):
+    """The board's KV manager with one injectable fault: the next ``apply`` raises ``KVExhausted``.
+
+    The engine and runtime call ``board.kv.apply(...)`` unchanged; when the
+    board's ``faults.kv_exhaust_next`` is armed, that call fails at once
+    (nothing allocated, ``waited_s`` 0) exactly as a real exhaustion would
+    after its timeout, so the request ends with a typed error.
+    """
+
+    def __init__(self, *args: Any, faults: Any = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._faults_source = faults  # callable -> Faults (the board's current one; reset replaces it)
+
+    def apply(self, seq_id: int, n_tokens: int, *, timeout: float, cancel: Any = None,
+              positions: Any = None) -> np.ndarray:
+        faults = self._faults_source() if self._faults_source is not None else None
+        if faults is not None and faults.take("kv_exhaust_next"):
+            occ = self.occupancy()
+            raise KVExhausted(int(n_tokens), occ.free_cells, occ.capacity_cells, 0.0)
+        return super().apply(seq_id, n_tokens, timeout=timeout, cancel=cancel, positions=positions)
 
 
 @dataclass(frozen=True)
@@ -238,8 +286,9 @@ class SimulatedBoard:
         self.registers = RegisterFile()
         self.faults = Faults()
         n_cells = kv_cells or bundle.context
-        self.kv = KVCacheManager(n_cells=n_cells, n_chips=self.shape.n_chips,
-                                 bytes_per_token_per_chip=self.shape.kv_bytes_per_token_per_chip)
+        self.kv = FaultInjectingKV(n_cells=n_cells, n_chips=self.shape.n_chips,
+                                   bytes_per_token_per_chip=self.shape.kv_bytes_per_token_per_chip,
+                                   faults=lambda: self.faults)
         self.model: ShardedModel | None = None
         self._memory_cleared = False
         self._lock = threading.Lock()
@@ -272,19 +321,22 @@ class SimulatedBoard:
         return time.perf_counter() - t0
 
     def clear_memory(self) -> None:
-        """ClearAllDevMem: zero DRAM/SRAM (weights and KV). Inference refuses until ``load_model``."""
+        """ClearAllDevMem: zero DRAM/SRAM (weights and KV). Inference refuses until ``load_model``.
+
+        Every array a chip holds is replaced by a zeroed one (``np.zeros`` is
+        lazy, so this takes milliseconds, not the ~0.7 s of writing 1 GB of
+        zeros). Replacing rather than writing in place also matters for
+        correctness: some per-chip weight arrays are views of the shared,
+        cached synthetic weights (e.g. ``wo`` row slices), and zeroing those
+        in place corrupted the model that ``load_model`` rebuilds.
+        """
         with self._lock:
             self._memory_cleared = True
-            if self.model is not None:
-                for chip in self.model.chips:
-                    chip.clear_memory()
-                    for lw in chip.layers:
-                        for arr in lw.values():
-                            arr[...] = 0
-                    chip.lm_head[...] = 0
-                    if chip.embed is not None:
-                        chip.embed[...] = 0
+            model = self.model
             self.model = None
+        if model is not None:
+            for chip in model.chips:
+                _zero_chip(chip, weights=True)
         self.kv.clear()
         self.registers.set_bits("BOARD_STATUS", 0x2, False)
         for c in range(self.shape.n_chips):
@@ -374,8 +426,8 @@ class SimulatedBoard:
 
     def _execute(self, job: Job, gen: int) -> None:
         wall0 = time.perf_counter()
-        if self.faults.ccu_next > 0:
-            self.faults.ccu_next -= 1
+        faults = self.faults
+        if faults.take("ccu_next"):
             with self._lock:
                 self._ccu += 1
             for c in range(self.shape.n_chips):
@@ -383,8 +435,7 @@ class SimulatedBoard:
             self._fail(job, JobState.CCU_EXCEPTION,
                        CCUException(f"CCU exception on chip0 while running job {job.id} ({job.kind}), injected fault"))
             return
-        if self.faults.link_error_next > 0:
-            self.faults.link_error_next -= 1
+        if faults.take("link_error_next"):
             self.registers.bump("D2D_LINK_ERR")
             self._fail(job, JobState.FAILED, LinkError(f"D2D link error between chip0 and chip1 in job {job.id}"))
             return
@@ -442,8 +493,10 @@ class SimulatedBoard:
         """Reset the board: fail every pending/running job with DeviceReset at once,
         return chiplets to power-on state, clear KV, count the reset, reconfigure.
 
-        Returns {"failed_jobs", "wall_ms"}; raises DeviceError if the device
-        thread does not come back within ``timeout`` host seconds.
+        Returns {"failed_jobs", "calbin", "resets", "wall_ms"} (``wall_ms`` host
+        wall time; a reset takes no simulated device time); raises DeviceError if
+        the device thread does not leave the aborted job within ``timeout`` host
+        seconds. Armed faults are disarmed (power-on state).
         """
         t0 = time.perf_counter()
         failed = 0
@@ -485,10 +538,17 @@ class SimulatedBoard:
         self.kv.clear()
         if self.model is not None:
             for chip in self.model.chips:
-                chip.clear_memory()
-        if not self._memory_cleared:
+                _zero_chip(chip, weights=False)  # KV SRAM/DRAM back to power-on zeros; weights stay
+        if self._memory_cleared:
+            # a reset does not bring weights back: the chips stay "memory cleared" until load_model
+            for c in range(self.shape.n_chips):
+                self.registers.set_bits(f"CHIP{c}_STATUS", 0x4, True)
+            calbin = "not configured (device memory cleared: reload the model)"
+        else:
             self.registers.set_bits("BOARD_STATUS", 0x2, True)  # calbin reconfigured
-        return {"failed_jobs": failed, "wall_ms": (time.perf_counter() - t0) * 1e3}
+            calbin = "reconfigured"
+        return {"failed_jobs": failed, "calbin": calbin, "resets": self._resets,
+                "wall_ms": (time.perf_counter() - t0) * 1e3}
 
     def close(self) -> None:
         """Stop the device thread (pending jobs fail with DeviceReset)."""
@@ -505,3 +565,28 @@ class SimulatedBoard:
                 item[1]._finish(JobState.FAILED, error=DeviceReset("device closed"))
         self._queue.put(None)
         self._thread.join(timeout=2.0)
+
+
+def _zero_chip(chip: Any, *, weights: bool) -> None:
+    """Return one ``numerics.ChipShard`` 's memory to zeros by swapping in fresh zero arrays.
+
+    ``weights=False`` zeroes only the KV arrays (reset); ``True`` also the
+    weights (ClearAllDevMem). Never writes into the old arrays, which may be
+    shared with the cached synthetic weights.
+    """
+    chip.k_cache = _zeros(chip.k_cache)
+    chip.v_cache = _zeros(chip.v_cache)
+    if not weights:
+        return
+    for lw in chip.layers:
+        for k in list(lw):
+            lw[k] = _zeros(lw[k])
+    chip.lm_head = _zeros(chip.lm_head)
+    chip.lm_bias = _zeros(chip.lm_bias)
+    if getattr(chip, "embed", None) is not None:
+        chip.embed = _zeros(chip.embed)
+
+
+def _zeros(a: np.ndarray) -> np.ndarray:
+    """Fresh zeros like ``a``; ``np.zeros`` maps zero pages lazily (``np.zeros_like`` writes them)."""
+    return np.zeros(a.shape, dtype=a.dtype)
