@@ -1,0 +1,88 @@
+"""``calconsole trace --out FILE [PROMPT]``: one request as a Chrome trace (Perfetto / chrome://tracing).
+
+Every step of the request (its prefill chunk(s) and every decode) is recorded
+from the board (``board.add_listener``) and written with
+:func:`sim_backend.trace.chrome_trace`: one track per chip with one event per
+profiled op, named ``"<category> L<layer>"`` (``"<category> global"`` outside
+the layers), plus a CCU-barrier track, a host PCIe track and a steps track.
+``ts`` / ``dur`` are SIMULATED device microseconds on the board clock, so the
+gaps between steps are the engine's measured host work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from sim_backend.errors import CalError, RequestError
+
+from .common import add_common_options, build_from_args, fail, print_json
+
+DEFAULT_PROMPT = "Explain in two sentences how an NPU serves a large language model."
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser(
+        "trace", help="run one request and write a Chrome trace JSON of every step",
+        description="Run one request (fast pacing by default) and write a Chrome trace (Trace Event Format "
+                    "JSON, opens in Perfetto or chrome://tracing): one track per chip with one event per op, "
+                    "named by category and layer, over every step of the request (prefill and decodes). "
+                    "Times are simulated device microseconds.")
+    p.add_argument("prompt", nargs="?", default=None,
+                   help=f"user message ('-' reads stdin; default: {DEFAULT_PROMPT!r})")
+    p.add_argument("--out", required=True, metavar="FILE", help="trace file to write (JSON)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens to generate (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
+    add_common_options(p, default_pacing="fast")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim_backend.engine import ChatRequest
+    from sim_backend.sampling import SamplingParams
+    from sim_backend.trace import StepRecorder, steps_from_results, write_chrome_trace
+
+    if args.max_tokens < 1:
+        return fail(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    prompt = DEFAULT_PROMPT if args.prompt is None else (sys.stdin.read() if args.prompt == "-" else args.prompt)
+    out = Path(args.out)
+    if out.parent and not out.parent.exists():
+        return fail(f"directory of --out does not exist: {out.parent}")
+    req = ChatRequest.from_prompt(prompt, max_tokens=args.max_tokens, sampling=SamplingParams(seed=args.seed),
+                                  client="cli-trace")
+    try:
+        system = build_from_args(args, maintenance=False)
+    except (CalError, ValueError) as e:
+        return fail(str(e))
+    with system:
+        rec = StepRecorder()
+        system.board.add_listener(rec)
+        try:
+            res = system.engine.generate(req, timeout=max(60.0, system.engine.step_timeout_s))
+        except RequestError as e:
+            return fail(f"{e.error_type}: {e}")
+        # the listener runs on the device thread just after each job is marked done
+        steps = rec.wait_for(system.board.counters().finished, timeout=5.0)
+    if res.status != "finished":
+        return fail(f"request ended {res.status}: {(res.error or {}).get('message', '')}", code=1)
+    trace_steps = steps_from_results(steps)
+    write_chrome_trace(out, trace_steps)
+    chip_events = [sum(len(r.cost.graph.ops_on_chip(c)) for r in steps) for c in range(system.bundle.shape.n_chips)]
+    span_us = (steps[-1].sim_end_us - steps[0].sim_start_us) if steps else 0.0
+    summary = {
+        "out": str(out), "prompt_n": res.timings.prompt_n, "predicted_n": res.timings.predicted_n,
+        "steps": {"prefill": sum(r.kind == "prefill" for r in steps), "decode": sum(r.kind == "decode" for r in steps)},
+        "op_events_per_chip": chip_events, "numerics": res.timings.numerics,
+        "simulated_span_us": span_us, "e2e_ms": res.timings.e2e_ms,
+        "time_unit": "simulated device us",
+    }
+    if args.json:
+        print_json(summary)
+    else:
+        print(f"wrote {out}: {len(steps)} steps ({summary['steps']['prefill']} prefill, "
+              f"{summary['steps']['decode']} decode), op events per chip {chip_events}, "
+              f"{span_us / 1e3:.1f} ms simulated (prompt {res.timings.prompt_n} tok, "
+              f"{res.timings.predicted_n} generated); open in https://ui.perfetto.dev or chrome://tracing")
+    return 0
