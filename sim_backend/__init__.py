@@ -5,5 +5,13 @@ bundle -> model (numerics, op graph, cost model) -> device -> runtime ->
 kv -> engine -> planes.  See DESIGN.md in the shared folder.
 """
 
+import os
+
+# The numerics are many small matrix ops on 2 cores shared with the UI and
+# engine threads: a multi-threaded BLAS spin-waits and runs 3x slower here.
+# Set before numpy loads; device.py also limits an already-loaded BLAS.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
 __all__ = ["__version__"]
 __version__ = "0.1.0"

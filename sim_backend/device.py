@@ -23,6 +23,7 @@ from enum import Enum
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from .bundle import Bundle
 from .errors import (CCUException, DeviceError, DeviceNotReady, DeviceReset, KVExhausted, LinkError, SubmitError,
@@ -277,6 +278,8 @@ class SimulatedBoard:
 
     def __init__(self, bundle: Bundle, cost_model: Any, *, numerics: bool = True,
                  pacing: Pacing = Pacing(), kv_cells: int | None = None) -> None:
+        # single-threaded BLAS: small ops, 2 cores shared with host threads (see sim_backend/__init__)
+        threadpool_limits(limits=1, user_api="blas")
         self.bundle = bundle
         self.shape = bundle.shape
         self.cost_model = cost_model

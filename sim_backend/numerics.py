@@ -313,6 +313,23 @@ class ShardedModel:
         self.shape, self.num = shape, num
         self.weights = weights if weights is not None else make_weights(shape, num)
         self.chips = [ChipShard(c, shape, num, self.weights, n_cells) for c in range(shape.n_chips)]
+        # Stack the chips' shards along a leading chip axis and make each chip's
+        # arrays views into the stack: the decode path then runs both chips in
+        # one numpy call per op (same math, half the interpreter overhead),
+        # while each chip's slice is still exactly its own shard.
+        self.stacked: list[dict[str, np.ndarray]] = []
+        for li in range(shape.n_layers):
+            st = {}
+            for key in ("wqkv", "wo", "qk_norm", "gate", "up", "down"):
+                st[key] = np.stack([c.layers[li][key] for c in self.chips])
+                for ci, c in enumerate(self.chips):
+                    c.layers[li][key] = st[key][ci]
+            self.stacked.append(st)
+        kv_shape = (shape.n_chips,) + self.chips[0].k_cache.shape
+        self.k_cache = np.zeros(kv_shape, dtype=F32)
+        self.v_cache = np.zeros(kv_shape, dtype=F32)
+        for ci, c in enumerate(self.chips):
+            c.k_cache, c.v_cache = self.k_cache[ci], self.v_cache[ci]
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray,
                 ctx_cells: np.ndarray, ctx_positions: np.ndarray) -> StepNumerics:
@@ -325,6 +342,8 @@ class ShardedModel:
         qh, kvh = shape.q_heads_per_chip, shape.kv_heads_per_chip
         group = shape.n_q_heads // shape.n_kv_heads
         n = tokens.shape[0]
+        if n == 1 and (ctx_positions.size == 0 or ctx_positions.max() <= positions[0]):
+            return self._decode(int(tokens[0]), int(positions[0]), int(new_cells[0]), ctx_cells)
         # embedding on chip0, broadcast to chip1 (sync D2D)
         x = self.chips[0].embed[tokens].astype(F32)
         cos, sin = rope_tables(positions, D, shape.rope_theta)
@@ -365,6 +384,50 @@ class ShardedModel:
         # LM head: each chip computes its half of the vocabulary; gather.
         logits = np.concatenate([last @ c.lm_head + c.lm_bias for c in self.chips])
         return StepNumerics(logits=logits.astype(F32, copy=False), experts_touched=touched)
+
+
+    def _decode(self, token: int, position: int, cell: int, ctx_cells: np.ndarray) -> StepNumerics:
+        """Decode step (one token) with both chips in one call per op along the chip axis.
+
+        Per chip c the math is exactly the prefill path's; the all-reduces are
+        the explicit ``sum(axis=0)`` over chips and the LM-head gather is the concat.
+        """
+        shape, num = self.shape, self.num
+        C, D = shape.n_chips, num.head_dim
+        qh, kvh = shape.q_heads_per_chip, shape.kv_heads_per_chip
+        group = shape.n_q_heads // shape.n_kv_heads
+        scale = F32(1.0 / np.sqrt(D))
+        x = self.chips[0].embed[token].astype(F32)[None]  # (1, H) on chip0, broadcast
+        cos, sin = rope_tables(np.array([position]), D, shape.rope_theta)
+        idx = _cell_index(ctx_cells)
+        kcache, vcache = self.k_cache, self.v_cache
+        for li, lw in enumerate(self.weights.layers):
+            st = self.stacked[li]
+            h = rms_norm(x, lw.in_norm, shape.rms_eps)
+            qkv = np.matmul(h, st["wqkv"])[:, 0]  # (C, cols)
+            qk = qkv[:, : (qh + kvh) * D].reshape(C, qh + kvh, D)
+            qk = apply_rope(rms_norm(qk, st["qk_norm"], shape.rms_eps), cos, sin)
+            kcache[:, li, :, cell] = qk[:, qh:]
+            vcache[:, li, :, cell] = qkv[:, (qh + kvh) * D:].reshape(C, kvh, D)
+            K = kcache[:, li][:, :, idx]  # (C, kvh, T, D); a view when cells are contiguous
+            V = vcache[:, li][:, :, idx]
+            qg = qk[:, :qh].reshape(C, kvh, group, D) * scale
+            sc = np.matmul(qg, K.transpose(0, 1, 3, 2))  # (C, kvh, group, T)
+            sc -= sc.max(axis=-1, keepdims=True)
+            np.exp(sc, out=sc)
+            sc /= sc.sum(axis=-1, keepdims=True)
+            o = np.matmul(sc, V).reshape(C, 1, qh * D)
+            x = x + np.matmul(o, st["wo"]).sum(axis=0)  # all-reduce over chips
+            h = rms_norm(x, lw.post_norm, shape.rms_eps)
+            ids, w = route(h, lw.router, shape.n_experts_active)
+            e = ids[0]
+            g = np.matmul(h[0], st["gate"][:, e])  # (C, k, F/C)
+            u = np.matmul(h[0], st["up"][:, e])
+            a = (g / (F32(1.0) + np.exp(-g))) * u * w[0][None, :, None]
+            x = x + np.matmul(a[:, :, None, :], st["down"][:, e]).sum(axis=(0, 1))  # reduce partial sums
+        last = rms_norm(x, self.weights.final_norm, shape.rms_eps)[0]
+        logits = np.concatenate([last @ c.lm_head + c.lm_bias for c in self.chips])
+        return StepNumerics(logits=logits.astype(F32, copy=False), experts_touched=[shape.n_experts_active] * shape.n_layers)
 
 
 class ReferenceModel:
