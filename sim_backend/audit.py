@@ -79,9 +79,24 @@ class AuditLog:
         return aid
 
     def finish(self, aid: str, action: str, args: dict[str, Any], *, granted: bool, ok: bool, result: Any,
-               duration_ms: float) -> dict[str, Any]:
-        return self.append({"id": aid, "phase": "finished", "action": action, "args": args, "granted": granted,
-                            "ok": ok, "result": result, "duration_ms": round(duration_ms, 3)})
+               duration_ms: float, sim_ms: float | None = None, **extra: Any) -> dict[str, Any]:
+        """Record the outcome of ``aid``. ``duration_ms``: host wall ms; ``sim_ms``: simulated device ms."""
+        rec = {"id": aid, "phase": "finished", "action": action, "args": args, "granted": granted,
+               "ok": ok, "result": result, "duration_ms": round(duration_ms, 3)}
+        if sim_ms is not None:
+            rec["sim_ms"] = round(sim_ms, 3)
+        return self.append({**rec, **extra})
+
+    def event(self, action: str, args: dict[str, Any], *, granted: bool, ok: bool, result: Any,
+              duration_ms: float, sim_ms: float | None = None) -> dict[str, Any]:
+        """A one-record entry (e.g. a drill step that is not itself a maintenance call)."""
+        return self.append({"id": uuid.uuid4().hex[:12], "phase": "event", "action": action, "args": args,
+                            "granted": granted, "ok": ok, "result": result, "duration_ms": round(duration_ms, 3),
+                            **({"sim_ms": round(sim_ms, 3)} if sim_ms is not None else {})})
+
+    def entries(self) -> list[dict[str, Any]]:
+        """``summarize(self.read())``: one entry per action, oldest first."""
+        return summarize(self.read())
 
     def read(self) -> list[dict[str, Any]]:
         """All records, oldest first; unreadable lines are returned as {"corrupt": line}."""
@@ -98,3 +113,41 @@ class AuditLog:
                 except json.JSONDecodeError:
                     out.append({"corrupt": line})
         return out
+
+
+def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Pair ``started`` and ``finished`` records by id: one entry per action, in start order.
+
+    Each entry: {"id", "time", "user", "pid", "action", "args", "status", "granted", "ok",
+    "result", "duration_ms", "sim_ms"} where ``status`` is ``granted`` / ``refused`` /
+    ``failed`` (granted, not ok) / ``did not finish`` (a started record with no finished
+    one: the process crashed or was killed mid-action, or the action is still running) /
+    ``corrupt`` (an unreadable line).
+    """
+    out: list[dict[str, Any]] = []
+    by_id: dict[str, dict[str, Any]] = {}
+    for rec in records:
+        if "corrupt" in rec:
+            out.append({"id": None, "time": "", "user": "", "pid": None, "action": "?", "args": {},
+                        "status": "corrupt", "granted": None, "ok": None, "result": rec["corrupt"][:200],
+                        "duration_ms": None, "sim_ms": None})
+            continue
+        phase = rec.get("phase")
+        if phase in ("started", "event") or rec.get("id") not in by_id:
+            e = {"id": rec.get("id"), "time": rec.get("time", ""), "user": rec.get("user", ""),
+                 "pid": rec.get("pid"), "action": rec.get("action", "?"), "args": rec.get("args", {}),
+                 "status": "did not finish", "granted": None, "ok": None, "result": None, "duration_ms": None,
+                 "sim_ms": None}
+            out.append(e)
+            if rec.get("id") is not None:
+                by_id[rec["id"]] = e
+        else:
+            e = by_id[rec["id"]]
+        if phase in ("finished", "event"):
+            granted, ok = rec.get("granted"), rec.get("ok")
+            e.update(granted=granted, ok=ok, result=rec.get("result"), duration_ms=rec.get("duration_ms"),
+                     sim_ms=rec.get("sim_ms"),
+                     status="refused" if granted is False else ("granted" if ok else "failed"))
+            if phase == "event":
+                e["status"] = "ok" if ok else "not as expected"
+    return out

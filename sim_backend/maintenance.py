@@ -1,24 +1,63 @@
-"""Controlled maintenance plane (FACTS F5 C4, F9): exclusive lease, reset,
-device-memory clear. Reset, ClearAllDevMem and register access never reach
-the inference plane; here they take a lease and refuse without one.
+"""Controlled maintenance plane (FACTS F5 C4, F9): exclusive lease and guarded device actions.
 
-Every call, granted or refused, is appended to the audit log.
+Reset, ClearAllDevMem, registers and fault injection never reach the
+inference plane; here they take a lease and refuse without one
+(``MaintenanceRefused`` saying why). Every call, granted or refused, is
+appended to the audit log (a ``started`` record before it runs, a
+``finished`` record, flushed and fsync'd, before it returns).
+
+Exclusive mode (``enter_exclusive``):
+  1. mode -> ``draining``; new requests are refused at once with
+     ``UnavailableError`` ("device in maintenance", llama.cpp ``unavailable_error``);
+  2. in-flight requests get ``drain_timeout_s`` host wall seconds to finish;
+     the rest are cancelled with the reason "device entering maintenance: not
+     finished within the N s drain" (cancels land within one device step);
+  3. mode -> ``exclusive`` and a ``Lease`` is returned. One lease at a time.
+  ``leave_exclusive`` releases it and re-admits requests.
+
+Actions (each needs the current lease): ``reset``, ``clear_device_memory``,
+``reload_model``, ``clear_kv``, ``dump`` (config metadata + Chrome trace
+JSON), ``self_test`` (golden input vs golden output), ``health_check``,
+``read_register`` / ``write_register`` / ``dump_registers``,
+``inject_fault`` / ``clear_faults`` and ``probe_request``.
+
+Probe requests: while exclusive, the engine refuses every request, so a
+rehearsal cannot see an injected fault through the chat path. ``probe_request``
+is the window's own test request: it tokenises a prompt with the chat
+template and runs it through the same device path as the engine (KV apply ->
+prefill job -> Wait -> greedy decode jobs) on the scratch sequence 63,
+outside the engine's queue, so no client can slip in during the window. A
+fault hits it exactly as it would hit a served request, and it reports the
+typed error. Faults left armed when leaving exclusive mode stay armed, so a
+rehearsal can also watch them hit live traffic; a reset disarms them.
+
+Units: ``*_wall_ms`` / ``duration_ms`` are host wall milliseconds;
+``sim_ms`` / ``sim_us`` are simulated device time on the board clock.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
+
+import numpy as np
 
 from .audit import AuditLog
 from .device import SimulatedBoard
-from .engine import Engine
-from .errors import CalError, MaintenanceRefused
+from .engine import ChatRequest, Engine
+from .errors import CalError, DeviceError, KVExhausted, MaintenanceRefused
+from .registers import REGISTER_MAP
 
 MAINTENANCE_REASON = "device in maintenance"
+#: KV sequence id used by health checks, the golden self-test and probe requests (never a slot).
+SCRATCH_SEQ = 63
+FAULT_KINDS = ("ccu_exception", "kv_exhaustion", "link_error", "slow_chip")
+EOS_IDS = (151645, 151643)
 
 
 @dataclass(frozen=True)
@@ -29,33 +68,55 @@ class Lease:
     holder: str
     granted_unix_s: float
 
+    def to_dict(self) -> dict:
+        return {"lease": self.id[:8], "holder": self.holder, "granted_unix_s": round(self.granted_unix_s, 3)}
+
 
 class MaintenancePlane:
     """Exclusive mode and guarded device actions.
 
     Args:
+        board / engine: the simulated device and the serving engine (public API only).
+        audit: the audit log every call is appended to.
         drain_timeout_s: default bounded drain (host wall s) before in-flight
-            requests are cancelled with the reason "device entering maintenance".
-        reset_timeout_s: bound on a reset (host wall s).
+            requests are cancelled with a reason.
+        reset_timeout_s: bound on a reset and on each health/self-test job wait (host wall s).
+        memory_plan: ``memory.MemoryPlan`` for dumps (optional).
+        dump_dir: default directory of ``dump`` files (default: next to the audit log).
     """
 
     def __init__(self, board: SimulatedBoard, engine: Engine, audit: AuditLog, *,
-                 drain_timeout_s: float = 5.0, reset_timeout_s: float = 10.0) -> None:
+                 drain_timeout_s: float = 5.0, reset_timeout_s: float = 10.0, memory_plan: Any = None,
+                 dump_dir: str | Path | None = None) -> None:
+        from .runtime import MaintenanceRuntime
+
         self._board = board
         self._engine = engine
         self.audit = audit
         self.drain_timeout_s = drain_timeout_s
         self.reset_timeout_s = reset_timeout_s
+        self.memory_plan = memory_plan
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else self.audit.path.parent / "dumps"
+        self._rt = MaintenanceRuntime(board, lease_check=self._check, memory_plan=memory_plan)
         self._lock = threading.RLock()
+        self._op_lock = threading.Lock()  # one guarded action at a time
+        self._op_name = ""
         self._lease: Lease | None = None
         self._mode = "serving"
+        self._pending_holder: str | None = None
+        self._since = time.time()
+        self.last_drain: dict | None = None
 
     # --- state ---------------------------------------------------------------
 
     def mode(self) -> dict:
-        """{"mode": serving | draining | exclusive, "lease_holder": str | None}."""
+        """{"mode": serving | draining | exclusive, "lease_holder": str | None, "since_unix_s"}.
+
+        While draining, ``lease_holder`` is the caller waiting for the lease.
+        """
         with self._lock:
-            return {"mode": self._mode, "lease_holder": self._lease.holder if self._lease else None}
+            holder = self._lease.holder if self._lease else (self._pending_holder if self._mode == "draining" else None)
+            return {"mode": self._mode, "lease_holder": holder, "since_unix_s": self._since}
 
     @property
     def lease(self) -> Lease | None:
@@ -64,122 +125,429 @@ class MaintenancePlane:
     def _check(self, action: str, lease: Lease | None) -> None:
         if lease is None:
             raise MaintenanceRefused(action, "exclusive mode required: enter exclusive mode first")
-        if self._lease is None or lease.id != self._lease.id:
+        if not isinstance(lease, Lease) or self._lease is None or lease.id != self._lease.id:
             raise MaintenanceRefused(action, "lease is not the current one (expired or released)")
 
     def _run(self, action: str, args: dict, lease: Lease | None, fn: Callable[[], Any], *,
-             needs_lease: bool = True) -> Any:
-        """Audit start, check the lease, run, audit the outcome (durably) and return/raise."""
+             needs_lease: bool = True, describe: Callable[[Any], Any] | None = None) -> Any:
+        """Audit start, check the lease, run, audit the outcome (durably) and return/raise.
+
+        Refusals (MaintenanceRefused) are audited ``granted: false``; typed device
+        errors ``granted: true, ok: false``; any other exception is audited as an
+        internal error and re-raised. Only a process crash leaves a ``started``
+        record without its ``finished`` one.
+        """
         t0 = time.perf_counter()
+        sim0 = self._board.clock.now_us
         aid = self.audit.start(action, args)
+
+        def done(**kw: Any) -> None:
+            self.audit.finish(aid, action, args, duration_ms=(time.perf_counter() - t0) * 1e3,
+                              sim_ms=(self._board.clock.now_us - sim0) / 1e3, **kw)
+
+        locked = False
         try:
             if needs_lease:
                 with self._lock:
                     self._check(action, lease)
+                if not self._op_lock.acquire(timeout=0.0):
+                    raise MaintenanceRefused(action, f"another maintenance action ({self._op_name}) is running")
+                locked = True
+                self._op_name = action
             result = fn()
         except MaintenanceRefused as e:
-            self.audit.finish(aid, action, args, granted=False, ok=False, result=str(e),
-                              duration_ms=(time.perf_counter() - t0) * 1e3)
+            done(granted=False, ok=False, result=str(e))
             raise
         except CalError as e:
-            self.audit.finish(aid, action, args, granted=True, ok=False, result=f"{type(e).__name__}: {e}",
-                              duration_ms=(time.perf_counter() - t0) * 1e3)
+            done(granted=True, ok=False, result=f"{type(e).__name__}: {e}")
             raise
+        except Exception as e:
+            done(granted=True, ok=False, result=f"internal error: {type(e).__name__}: {e}", error=True)
+            raise
+        finally:
+            if locked:
+                self._op_name = ""
+                self._op_lock.release()
         ok = not (isinstance(result, dict) and result.get("ok") is False)
-        self.audit.finish(aid, action, args, granted=True, ok=ok, result=result,
-                          duration_ms=(time.perf_counter() - t0) * 1e3)
+        done(granted=True, ok=ok, result=describe(result) if describe else result)
         return result
 
     # --- exclusive mode --------------------------------------------------------
 
     def enter_exclusive(self, holder: str, drain_timeout_s: float | None = None) -> Lease:
-        """Stop admission, drain in-flight requests for up to ``drain_timeout_s`` (then cancel them
-        with a reason), and return the lease. Refused if a lease is already held."""
+        """Stop admission, drain in-flight requests for up to ``drain_timeout_s`` host wall seconds
+        (then cancel the rest with a reason), and return the lease.
+
+        Refused if a lease is held or another caller is draining. The drain report is in
+        ``last_drain``: {"drained", "cancelled", "wall_ms", "sim_ms"}.
+        """
         timeout = self.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         args = {"holder": holder, "drain_timeout_s": timeout}
 
         def go() -> Lease:
+            if not isinstance(timeout, (int, float)) or not 0 <= timeout <= 600:
+                raise MaintenanceRefused("enter_exclusive", f"drain_timeout_s must be in [0, 600] s, got {timeout!r}")
+            if not holder or not isinstance(holder, str):
+                raise MaintenanceRefused("enter_exclusive", "holder must be a non-empty name")
             with self._lock:
                 if self._lease is not None or self._mode != "serving":
-                    raise MaintenanceRefused("enter_exclusive", f"exclusive mode already held by {self._lease.holder if self._lease else 'another caller'}")
-                self._mode = "draining"
-            self._engine.pause_admission(MAINTENANCE_REASON)
-            report = self._engine.drain(timeout, "device entering maintenance (exclusive mode)")
+                    who = self._lease.holder if self._lease else self._pending_holder
+                    raise MaintenanceRefused("enter_exclusive", f"device already {self._mode} (lease: {who})")
+                self._mode, self._pending_holder, self._since = "draining", holder, time.time()
+            try:
+                self._engine.pause_admission(MAINTENANCE_REASON)
+                report = self._engine.drain(
+                    timeout, f"device entering maintenance: not finished within the {timeout:g} s drain")
+            except BaseException:
+                with self._lock:
+                    self._mode, self._pending_holder, self._since = "serving", None, time.time()
+                self._engine.resume_admission()
+                raise
             with self._lock:
                 self._lease = Lease(uuid.uuid4().hex, holder, time.time())
-                self._mode = "exclusive"
+                self._mode, self._pending_holder, self._since = "exclusive", None, time.time()
                 self.last_drain = report
                 return self._lease
 
-        lease = self._run("enter_exclusive", args, None, go, needs_lease=False)
-        return lease
+        return self._run("enter_exclusive", args, None, go, needs_lease=False,
+                         describe=lambda lease: {**lease.to_dict(), "drain": self.last_drain})
 
-    last_drain: dict | None = None
+    def leave_exclusive(self, lease: Lease | None, *, force: bool = False) -> dict:
+        """Release the lease and re-admit requests.
 
-    def leave_exclusive(self, lease: Lease | None) -> dict:
-        """Release the lease and re-admit requests."""
+        Refused while device memory is cleared (every request would fail with
+        DeviceNotReady) unless ``force``: reload the model first.
+        """
         def go() -> dict:
+            if self._board.memory_cleared and not force:
+                raise MaintenanceRefused("leave_exclusive", "device memory is cleared: reload the model first "
+                                         "(or leave with force; requests then fail with DeviceNotReady)")
             with self._lock:
                 self._lease = None
-                self._mode = "serving"
+                self._mode, self._since = "serving", time.time()
             self._engine.resume_admission()
-            return {"ok": True}
+            return {"ok": True, "admitting": True, "faults_armed": self._board.faults.active()}
 
-        return self._run("leave_exclusive", {}, lease, go)
+        return self._run("leave_exclusive", {"force": force}, lease, go)
 
-    # --- actions -------------------------------------------------------------------
+    # --- device actions --------------------------------------------------------------
 
     def reset(self, lease: Lease | None) -> dict:
-        """Reset the device (bounded). In-flight handles get DeviceReset; KV cleared; calbin
-        reconfigured; a health check runs after and is reported honestly ("ok": False on failure)."""
+        """Reset the device, bounded by ``reset_timeout_s``, then run a health check.
+
+        Every pending/running job's ``wait()`` raises DeviceReset at once; chiplets return to
+        power-on state (registers, KV arrays zeroed, faults disarmed); KV metadata cleared; the
+        reset counter moves; the calbin is reconfigured. Returns {"ok" (= health ok),
+        "failed_jobs", "calbin", "resets", "reset_wall_ms", "health"}; a health failure is
+        ``"ok": False``. Raises DeviceError if the device does not come back in time.
+        """
         def go() -> dict:
             rep = self._board.reset(timeout=self.reset_timeout_s)
-            health = self.health_check()
-            return {"ok": health["ok"], **rep, "health": health}
+            health = self._health()
+            return {"ok": health["ok"], "failed_jobs": rep["failed_jobs"], "calbin": rep["calbin"],
+                    "resets": rep["resets"], "reset_wall_ms": rep["wall_ms"], "health": health}
 
-        return self._run("reset", {}, lease, go)
+        return self._run("reset", {"timeout_s": self.reset_timeout_s}, lease, go)
 
     def clear_device_memory(self, lease: Lease | None) -> dict:
-        """ClearAllDevMem: zero DRAM/SRAM; inference refused until ``reload_model``."""
+        """ClearAllDevMem: zero weights and KV on both chips. Inference is refused (DeviceNotReady)
+        until ``reload_model``, which the result offers ("next": "reload_model")."""
         def go() -> dict:
             self._board.clear_memory()
-            return {"ok": True, "inference": "refused until the model is reloaded"}
+            return {"ok": True, "memory_cleared": True, "inference": "refused until the model is reloaded",
+                    "next": "reload_model"}
 
         return self._run("clear_device_memory", {}, lease, go)
 
     def reload_model(self, lease: Lease | None) -> dict:
-        """Reload weights and reconfigure the calbin after a memory clear."""
+        """Reload weights, reconfigure the calbin, then health-check. {"ok", "load_wall_ms", "health"}."""
         def go() -> dict:
             wall = self._board.load_model()
-            return {"ok": True, "wall_ms": wall * 1e3}
+            health = self._health()
+            return {"ok": health["ok"], "load_wall_ms": wall * 1e3, "health": health}
 
         return self._run("reload_model", {}, lease, go)
 
-    def health_check(self) -> dict:
-        """One decode-sized job through the device thread on a scratch sequence, bounded by a timeout.
+    def clear_kv(self, lease: Lease | None) -> dict:
+        """Clear the whole KV cache (every sequence). {"ok", "freed_tokens"}."""
+        def go() -> dict:
+            used = self._board.kv.occupancy().used_cells
+            self._rt.clear_kv(lease)
+            return {"ok": True, "freed_tokens": used}
 
-        Returns {"ok", "detail", "sim_us", "wall_ms"}. Does not need the lease (read-only probe),
-        but runs only when no request is in flight (the board is quiet in exclusive mode).
+        return self._run("clear_kv", {}, lease, go)
+
+    def dump(self, lease: Lease | None, path: str | Path | None = None) -> dict:
+        """Write trace and config metadata to one JSON file (default ``dump_dir``/<device>-<time>.json).
+
+        Contents: ``metadata`` (bundle manifest info, sub-models, findings, registers), ``registers``
+        (name -> {address, value, writable}), ``memory_plan`` (per chip, bytes), ``recent_steps``
+        (the last prefill/decode StepCosts, simulated µs) and ``stage_history`` (last 64 steps'
+        stage times: device stages simulated ms, host stages measured ms), plus ``traceEvents``
+        so the file opens directly in Perfetto / chrome://tracing. {"ok", "path", "bytes", "steps"}.
         """
-        import numpy as np
+        if path is None:
+            stamp = time.strftime("%Y%m%dT%H%M%S")
+            path = self.dump_dir / f"{self._board.bundle.device_name}-dump-{stamp}-{uuid.uuid4().hex[:4]}.json"
+
+        def go() -> dict:
+            from .trace import chrome_trace
+
+            b = self._board
+            steps = sorted(b.last_steps.values(), key=lambda r: r.job_id)
+            trace = chrome_trace([(f"{r.kind} job {r.job_id}", r.cost, r.sim_start_us) for r in steps])
+            regs = b.registers.dump()
+            doc = {
+                "format": "calconsole-dump/1",
+                "taken": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "sim_now_ms": b.clock.now_us / 1e3,
+                "metadata": self._rt.config_metadata(lease),
+                "registers": {r.name: {"address": f"0x{r.address:04X}", "value": regs[r.name],
+                                       "hex": f"0x{regs[r.name]:08X}", "writable": r.writable} for r in REGISTER_MAP},
+                "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
+                "job_counters": b.counters().__dict__,
+                "faults_armed": b.faults.active(),
+                "recent_steps": [{"kind": r.kind, "job_id": r.job_id, "seq_id": r.seq_id, "n_tokens": r.n_tokens,
+                                  "past_len": r.past_len, "sim_us": r.sim_us, "sim_start_us": r.sim_start_us,
+                                  "h2d_us": r.cost.h2d_us, "infer_us": r.cost.infer_us, "d2h_us": r.cost.d2h_us,
+                                  "layer_chip_us": np.asarray(r.cost.layer_chip_us).tolist(),
+                                  "compute_wall_ms": r.compute_wall_ms} for r in steps],
+                "stage_history": [dict(s.__dict__) for s in list(self._engine.stage_history)[-64:]],
+                "units": "sim_us / *_us: simulated device µs; *_wall_ms: host wall ms",
+                **trace,
+            }
+            p = Path(path)
+            p.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(doc, default=str)
+            p.write_text(text, encoding="utf-8")
+            return {"ok": True, "path": str(p), "bytes": len(text.encode()), "steps": len(steps)}
+
+        return self._run("dump", {"path": str(path)}, lease, go)
+
+    def self_test(self, lease: Lease | None) -> dict:
+        """Golden self-test: the bundle's golden input as one prefill on the scratch sequence,
+        device BF16 logits vs the golden output; pass iff max abs error <= the bundle's
+        ``golden.max_abs_error``. {"ok", "max_abs_error", "tolerance", "top1_match", "sim_ms",
+        "wall_ms", "detail"}. A missing golden file, cleared memory or a device error is a failure."""
+        return self._run("self_test", {}, lease, self._self_test)
+
+    def health_check(self, lease: Lease | None) -> dict:
+        """Status registers + one decode probe job (bounded). {"ok", "checks", "detail", "sim_us", "wall_ms"}."""
+        return self._run("health_check", {}, lease, self._health)
+
+    def read_register(self, lease: Lease | None, key: str | int) -> dict:
+        """Read any mapped register by name or address ("0x1000" or int). Unknown -> MaintenanceRefused."""
+        def go() -> dict:
+            k = _reg_key(key, "read_register")
+            d = self._resolve(k, "read_register")
+            v = self._rt.read_register(lease, d.name)
+            return {"ok": True, "name": d.name, "address": f"0x{d.address:04X}", "value": v, "hex": f"0x{v:08X}",
+                    "writable": d.writable, "description": d.description}
+
+        return self._run("read_register", {"key": key}, lease, go)
+
+    def write_register(self, lease: Lease | None, key: str | int, value: int | str) -> dict:
+        """Write a register the map marks writable. Read-only, unknown or out-of-range -> MaintenanceRefused."""
+        def go() -> dict:
+            d = self._resolve(_reg_key(key, "write_register"), "write_register")
+            if not d.writable:
+                raise MaintenanceRefused("write_register", f"register {d.name} is read-only")
+            try:
+                v = int(value, 0) if isinstance(value, str) else int(value)
+            except (TypeError, ValueError):
+                raise MaintenanceRefused("write_register", f"value must be an integer, got {value!r}") from None
+            old = self._board.registers.read(d.name)
+            self._rt.write_register(lease, d.name, v)
+            return {"ok": True, "name": d.name, "old": old, "new": v, "hex": f"0x{v:08X}"}
+
+        return self._run("write_register", {"key": key, "value": value}, lease, go)
+
+    def dump_registers(self, lease: Lease | None) -> dict:
+        """All registers: {"ok", "registers": {name: value}}."""
+        return self._run("dump_registers", {}, lease, lambda: {"ok": True, "registers": self._rt.dump_registers(lease)})
+
+    def inject_fault(self, lease: Lease | None, kind: str, *, chip: int = 1, factor: float = 4.0,
+                     count: int = 1) -> dict:
+        """Arm a fault (visible at once in the snapshot's ``device.faults``).
+
+        kind: ``ccu_exception`` (the next ``count`` jobs raise CCUException),
+        ``kv_exhaustion`` (the next ``count`` KV applies raise KVExhausted),
+        ``link_error`` (the next ``count`` jobs raise LinkError, D2D_LINK_ERR counts them),
+        ``slow_chip`` (chip ``chip`` runs ``factor`` x slower until cleared or reset; steps
+        sync every layer, so the whole step slows). {"ok", "armed"}.
+        """
+        args = {"kind": kind, "count": count} | ({"chip": chip, "factor": factor} if kind == "slow_chip" else {})
+
+        def go() -> dict:
+            f = self._board.faults
+            if kind not in FAULT_KINDS:
+                raise MaintenanceRefused("inject_fault", f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
+            if not isinstance(count, int) or not 1 <= count <= 1000:
+                raise MaintenanceRefused("inject_fault", f"count must be 1..1000, got {count!r}")
+            if kind == "slow_chip":
+                if chip not in range(self._board.shape.n_chips):
+                    raise MaintenanceRefused("inject_fault", f"no chip {chip} (device has {self._board.shape.n_chips})")
+                if not (isinstance(factor, (int, float)) and 1.0 <= factor <= 1000.0):
+                    raise MaintenanceRefused("inject_fault", f"slow factor must be in [1, 1000], got {factor!r}")
+                f.slow_chip[chip] = float(factor)
+            else:
+                f.arm({"ccu_exception": "ccu_next", "kv_exhaustion": "kv_exhaust_next",
+                       "link_error": "link_error_next"}[kind], count)
+            return {"ok": True, "armed": f.active()}
+
+        return self._run("inject_fault", args, lease, go)
+
+    def clear_faults(self, lease: Lease | None) -> dict:
+        """Disarm every injected fault. {"ok", "disarmed"}."""
+        def go() -> dict:
+            f = self._board.faults
+            before = f.active()
+            with f._lock:
+                f.ccu_next = f.link_error_next = f.kv_exhaust_next = 0
+                f.slow_chip.clear()
+            return {"ok": True, "disarmed": before}
+
+        return self._run("clear_faults", {}, lease, go)
+
+    def probe_request(self, lease: Lease | None, prompt: str = "hi", max_tokens: int = 8) -> dict:
+        """A test request through the device while exclusive (see module docstring).
+
+        Greedy decoding; ends at EOS or ``max_tokens``. {"ok", "status": finished | failed,
+        "text", "n_tokens", "prompt_n", "error" (typed: {"type", "message"}), "sim_ms", "wall_ms"}.
+        """
+        def go() -> dict:
+            if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 256:
+                raise MaintenanceRefused("probe_request", f"max_tokens must be 1..256, got {max_tokens!r}")
+            return self._probe(prompt, max_tokens)
+
+        return self._run("probe_request", {"prompt": prompt, "max_tokens": max_tokens}, lease, go)
+
+    def status(self) -> dict:
+        """Mode, armed faults, memory state (read-only; not audited)."""
+        return {**self.mode(), "faults": self._board.faults.active(), "memory_cleared": self._board.memory_cleared,
+                "audit_log": str(self.audit.path)}
+
+    # --- internals ------------------------------------------------------------------
+
+    def _resolve(self, key: str | int, action: str):
+        try:
+            return self._board.registers.resolve(key)
+        except KeyError as e:
+            raise MaintenanceRefused(action, str(e).strip("'\"")) from None
+
+    def _job(self, kind: str, tokens: list[int], p0: int):
+        """Apply KV on the scratch sequence, submit one job, wait (bounded). Returns the StepResult."""
+        b = self._board
+        n = len(tokens)
+        positions = np.arange(p0, p0 + n, dtype=np.int64)
+        cells = b.kv.apply(SCRATCH_SEQ, n, timeout=1.0, positions=positions.tolist())
+        ctx, pos = b.kv.seq_cells(SCRATCH_SEQ)
+        job = b.submit(kind, SCRATCH_SEQ, np.asarray(tokens, dtype=np.int64), positions, np.asarray(cells), ctx, pos)
+        return job.wait(self.reset_timeout_s)
+
+    def _health(self) -> dict:
+        """Health check after reset/reload: status registers, then one decode job on the scratch sequence."""
+        b = self._board
+        t0 = time.perf_counter()
+        checks: list[dict] = []
+
+        def check(name: str, ok: bool, detail: str = "") -> bool:
+            checks.append({"check": name, "ok": bool(ok), "detail": detail})
+            return ok
+
+        check("memory loaded", not b.memory_cleared, "device memory cleared" if b.memory_cleared else "")
+        check("calbin configured", bool(b.registers.read("BOARD_STATUS") & 0x2))
+        for ch in b.chiplets():
+            check(f"chip{ch.index} ready", ch.state == "ready", ch.state)
+        sim_us = 0.0
+        if all(c["ok"] for c in checks):
+            b.kv.free(SCRATCH_SEQ)
+            try:
+                res = self._job("decode", [151644], 0)
+                sim_us = res.sim_us
+                ok = res.logits_bf16 is None or bool(np.isfinite(
+                    (res.logits_bf16.astype(np.uint32) << 16).view(np.float32)).all())
+                check("decode probe job", ok, f"{res.sim_us / 1e3:.2f} sim ms" + ("" if ok else ", non-finite logits"))
+            except (DeviceError, KVExhausted, CalError) as e:
+                check("decode probe job", False, f"{type(e).__name__}: {e}")
+            finally:
+                b.kv.free(SCRATCH_SEQ)
+        ok = all(c["ok"] for c in checks)
+        failed = [f"{c['check']}: {c['detail']}" for c in checks if not c["ok"]]
+        return {"ok": ok, "detail": "healthy" if ok else "; ".join(failed), "checks": checks, "sim_us": sim_us,
+                "wall_ms": (time.perf_counter() - t0) * 1e3}
+
+    def _self_test(self) -> dict:
+        from .golden import compare, load_golden
 
         b = self._board
         t0 = time.perf_counter()
-        seq = 63  # scratch sequence id, never a slot
+        tol = b.bundle.golden_max_abs_error
+        base = {"tolerance": tol, "max_abs_error": None}
+
+        def fail(detail: str) -> dict:
+            return {"ok": False, **base, "detail": detail, "sim_ms": 0.0, "wall_ms": (time.perf_counter() - t0) * 1e3}
+
+        if b.bundle.golden_file is None:
+            return fail("no golden file in the bundle (run: python -m sim_backend.golden --write)")
+        if not b.numerics:
+            return fail("device runs timing-only: no logits to compare")
         try:
-            if b.memory_cleared:
-                return {"ok": False, "detail": "device memory cleared", "sim_us": 0.0, "wall_ms": 0.0}
-            cells = b.kv.apply(seq, 1, timeout=1.0, positions=[0])
-            try:
-                ctx, pos = b.kv.seq_cells(seq)
-                job = b.submit("decode", seq, np.array([151644]), np.array([0]), np.asarray(cells), ctx, pos)
-                res = job.wait(self.reset_timeout_s)
-            finally:
-                b.kv.free(seq)
-            ok = res.logits_bf16 is None or bool(np.isfinite(
-                (res.logits_bf16.astype(np.uint32) << 16).view(np.float32)).all())
-            return {"ok": ok, "detail": "decode probe finished" + ("" if ok else " with non-finite logits"),
-                    "sim_us": res.sim_us, "wall_ms": (time.perf_counter() - t0) * 1e3}
+            golden = load_golden(b.bundle.golden_file)
+        except (OSError, ValueError) as e:
+            return fail(f"golden file unreadable: {e}")
+        b.kv.free(SCRATCH_SEQ)
+        try:
+            res = self._job("prefill", golden.input_ids.tolist(), 0)
         except CalError as e:
-            return {"ok": False, "detail": f"{type(e).__name__}: {e}", "sim_us": 0.0,
-                    "wall_ms": (time.perf_counter() - t0) * 1e3}
+            return fail(f"{type(e).__name__}: {e}")
+        finally:
+            b.kv.free(SCRATCH_SEQ)
+        rep = compare(golden, res.logits_bf16, tol)
+        rep.update(golden=golden.path.name, n_tokens=int(golden.input_ids.size), sim_ms=res.sim_us / 1e3,
+                   wall_ms=(time.perf_counter() - t0) * 1e3,
+                   detail=("pass" if rep["ok"] else "FAIL") + f": max abs error {rep['max_abs_error']:.4g} "
+                          f"(tolerance {tol:g})")
+        return rep
+
+    def _probe(self, prompt: str, max_tokens: int) -> dict:
+        b, e = self._board, self._engine
+        t0 = time.perf_counter()
+        sim0 = b.clock.now_us
+        ids = e.tokenize_prompt(ChatRequest.from_prompt(prompt, max_tokens=max_tokens))
+        out: list[int] = []
+        b.kv.free(SCRATCH_SEQ)
+        status, error = "finished", None
+        try:
+            res = self._job("prefill", ids, 0)
+            while True:
+                if res.logits_bf16 is None:
+                    tok = 0  # timing-only device: no logits
+                else:
+                    tok = int(np.argmax((res.logits_bf16.astype(np.uint32) << 16).view(np.float32)))
+                out.append(tok)
+                if tok in EOS_IDS or len(out) >= max_tokens:
+                    break
+                res = self._job("decode", [tok], len(ids) + len(out) - 1)
+        except CalError as err:
+            status = "failed"
+            error = {"type": type(err).__name__, "message": str(err), **({"code": err.code} if hasattr(err, "code") else {})}
+        finally:
+            b.kv.free(SCRATCH_SEQ)
+        text = e.tokenizer.decode([t for t in out if t not in EOS_IDS]) if b.numerics else ""
+        return {"ok": status == "finished", "status": status, "text": text, "n_tokens": len(out), "prompt_n": len(ids),
+                "error": error, "sim_ms": (b.clock.now_us - sim0) / 1e3, "wall_ms": (time.perf_counter() - t0) * 1e3}
+
+
+def _reg_key(key: Any, action: str) -> str | int:
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str):
+        k = key.strip()
+        if k.lower().startswith("0x"):
+            try:
+                return int(k, 16)
+            except ValueError:
+                pass
+        return k.upper()
+    raise MaintenanceRefused(action, f"register key must be a name or an address, got {key!r}")

@@ -50,8 +50,13 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                  n_slots: int = 4, queue_limit: int = 16, max_inflight: int = 1, maintenance: bool = True,
                  audit_path: str | Path | None = None, host_timer: HostTimer | None = None,
                  kv_timeout_s: float = 2.0, drain_timeout_s: float = 5.0, kv_cells: int | None = None,
-                 numerics_max_prompt: int = 1024, hardware: str | Path | None = None) -> System:
-    """Load the bundle (strict; raises ManifestError) and start device + engine threads."""
+                 numerics_max_prompt: int = 1024, hardware: str | Path | None = None,
+                 reset_timeout_s: float = 10.0) -> System:
+    """Load the bundle (strict; raises ManifestError) and start device + engine threads.
+
+    ``drain_timeout_s`` / ``reset_timeout_s``: the maintenance plane's bounded drain and reset
+    (host wall seconds); unused with ``maintenance=False``.
+    """
     bundle = load_bundle(bundle_dir)
     cost = CostModel.load(hardware)
     board = SimulatedBoard(bundle, cost, numerics=numerics, pacing=pacing or Pacing(PacingMode.FAST),
@@ -63,6 +68,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     mplane = None
     if maintenance:
         from .maintenance import MaintenancePlane  # imported only when asked for (--observe-only proof)
-        mplane = MaintenancePlane(board, engine, AuditLog(audit_path), drain_timeout_s=drain_timeout_s)
+        mplane = MaintenancePlane(board, engine, AuditLog(audit_path), drain_timeout_s=drain_timeout_s,
+                                  reset_timeout_s=reset_timeout_s, memory_plan=memory_plan)
         observation.set_mode_source(mplane.mode)
     return System(bundle, board, engine, InferencePlane(engine), observation, mplane)
