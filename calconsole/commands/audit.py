@@ -1,0 +1,102 @@
+"""``calconsole audit``: print the maintenance audit log (one row per action; crashed actions marked)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .common import fail, print_json
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser("audit", help="print the maintenance audit log",
+                       description="Print the maintenance audit log: one row per maintenance call, granted or "
+                                   "refused, with OS user, arguments, result and duration (wall ms; sim ms is "
+                                   "simulated device time). An action with a 'started' record and no 'finished' "
+                                   "one is shown as 'did not finish' (the process crashed or was killed).")
+    # SUPPRESS: do not clobber a top-level ``calconsole --audit-log X audit``
+    p.add_argument("--audit-log", metavar="PATH", default=argparse.SUPPRESS,
+                   help="audit log (default: $CALCONSOLE_AUDIT_LOG or the user state dir)")
+    p.add_argument("--json", action="store_true", help="print JSON (a list of entries)")
+    p.add_argument("--raw", action="store_true", help="with --json: the raw started/finished records")
+    p.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N entries")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim_backend.audit import AuditLog, summarize
+
+    log = AuditLog(getattr(args, "audit_log", None))
+    if args.tail is not None and args.tail < 1:
+        return fail(f"--tail must be >= 1, got {args.tail}")
+    try:
+        records = log.read()
+    except OSError as e:
+        return fail(f"cannot read audit log {log.path}: {e}")
+    entries = records if args.raw else summarize(records)
+    if args.tail is not None:
+        entries = entries[-args.tail:]
+    if args.json:
+        print_json(entries)
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    c = Console()
+    if not records:
+        c.print(f"no audit records in {log.path}")
+        return 0
+    users = sorted({str(e["user"]) for e in entries if e["user"]})
+    one_user = len(users) <= 1
+    title = f"maintenance audit log · {log.path}" + (f" · user {users[0]}" if one_user and users else "")
+    t = Table(title=title, title_justify="left", expand=True)
+    t.add_column("time", no_wrap=True)
+    if not one_user:
+        t.add_column("user")
+    t.add_column("action", overflow="fold", ratio=1, min_width=19)
+    t.add_column("status", no_wrap=True)
+    t.add_column("result", overflow="fold", ratio=2, min_width=20)
+    t.add_column("wall ms", justify="right", no_wrap=True)
+    t.add_column("sim ms", justify="right", no_wrap=True)
+    styles = {"granted": "green", "ok": "green", "refused": "yellow", "failed": "red", "not as expected": "red",
+              "did not finish": "bold red", "corrupt": "bold red"}
+    for e in entries:
+        action = Text(e["action"], style="bold")
+        if e["args"]:
+            action.append("\n" + _kv(e["args"]), style="dim")
+        row = [Text(e["time"][11:19] or "?")] + ([] if one_user else [Text(str(e["user"]))]) + [
+            action, Text(e["status"], style=styles.get(e["status"], "")), Text(brief(e["result"])),
+            "" if e["duration_ms"] is None else f"{e['duration_ms']:.1f}",
+            "" if e["sim_ms"] is None else f"{e['sim_ms']:.1f}"]
+        t.add_row(*row)
+    c.print(t)
+    return 0
+
+
+def _kv(d) -> str:
+    if not isinstance(d, dict):
+        return "" if d is None else str(d)
+    return " ".join(f"{k}={v}" for k, v in d.items() if not isinstance(v, (dict, list)))
+
+
+def brief(result, limit: int = 120) -> str:
+    """A one-line summary of an action's result for the table (the JSON has all of it)."""
+    if result is None:
+        return ""
+    if not isinstance(result, dict):
+        text = str(result)
+    else:
+        parts = []
+        for key in ("detail", "status", "holder", "path", "armed", "disarmed", "name", "value", "new"):
+            if key in result and result[key] not in (None, "", []):
+                parts.append(f"{key}={result[key]}")
+        if isinstance(result.get("health"), dict):
+            parts.append(f"health: {result['health'].get('detail')}")
+        if isinstance(result.get("error"), dict):
+            parts.append(f"{result['error'].get('type')}: {result['error'].get('message')}")
+        if isinstance(result.get("drain"), dict):
+            d = result["drain"]
+            parts.append(f"drained {d.get('drained')} cancelled {d.get('cancelled')}")
+        text = "; ".join(parts) or _kv(result)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
