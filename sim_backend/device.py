@@ -540,8 +540,7 @@ class SimulatedBoard:
         self.registers.power_on()
         self.kv.clear()
         if self.model is not None:
-            for chip in self.model.chips:
-                _zero_chip(chip, weights=False)  # KV SRAM/DRAM back to power-on zeros; weights stay
+            self.model.clear_kv()  # KV back to power-on zeros (fresh lazy pages); weights stay
         if self._memory_cleared:
             # a reset does not bring weights back: the chips stay "memory cleared" until load_model
             for c in range(self.shape.n_chips):
