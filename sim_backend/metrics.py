@@ -250,6 +250,8 @@ class MetricsRegistry:
             yield counter("requests_failed_total", "Requests that failed with an error.", self.failed)
             yield counter("requests_cancelled_total", "Requests cancelled by the client or maintenance.", self.cancelled)
             yield counter("requests_rejected_total", "Requests refused at admission.", self.rejected)
+            yield counter("requests_good_total", "Finished requests meeting every configured SLO (goodput).",
+                          self.good_requests)
             yield GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.", value=self.running)
             yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred (queued).", value=self.queued)
             yield GaugeMetricFamily("llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",

@@ -10,19 +10,35 @@ from sim_backend.errors import CalError, RequestError
 from .common import add_common_options, build_from_args, fail, print_json
 
 
+def _number(text: str) -> int | float | str:
+    """Parse a numeric option leniently: int if it is an integer literal, else float, else the raw
+    string, so the engine's validation reports a bad value with its typed error (exit code 2)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling (same parameters as the chat pane)")
-    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most (default 128)")
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    g.add_argument("--top-k", type=int, default=40, help="0 = disabled (default 40)")
-    g.add_argument("--top-p", type=float, default=0.95, help="nucleus mass in (0, 1] (default 0.95)")
-    g.add_argument("--min-p", type=float, default=0.05, help="in [0, 1] (default 0.05)")
-    g.add_argument("--repeat-penalty", type=float, default=1.0, help="1.0 = off (default)")
-    g.add_argument("--repeat-last-n", type=int, default=64, help="tokens the penalties look back over")
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
-    g.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (integer); same seed, same tokens")
+    g = p.add_argument_group("sampling (same parameters as the chat pane; invalid values exit with code 2)")
+    g.add_argument("--max-tokens", type=_number, default=128, help="tokens to generate at most, > 0 (default 128)")
+    g.add_argument("--temperature", type=_number, default=0.8, help=">= 0; 0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=_number, default=40, help="integer in [0, 151936]; 0 = disabled (default 40)")
+    g.add_argument("--top-p", type=_number, default=0.95, help="nucleus mass in (0, 1]; tiny = greedy (default 0.95)")
+    g.add_argument("--min-p", type=_number, default=0.05, help="in [0, 1] (default 0.05)")
+    g.add_argument("--repeat-penalty", type=_number, default=1.0, help="in (0, 10]; 1.0 = off (default)")
+    g.add_argument("--repeat-last-n", type=_number, default=64,
+                   help="tokens the penalties look back over (-1 = all, 0 = off; default 64)")
+    g.add_argument("--presence-penalty", type=_number, default=0.0, help="in [-2, 2] (default 0)")
+    g.add_argument("--frequency-penalty", type=_number, default=0.0, help="in [-2, 2] (default 0)")
+    g.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop string, non-empty (repeatable)")
+    g.add_argument("--seed", type=_number, default=None,
+                   help="sampling seed, integer in [0, 2**64); same seed, same tokens (default: drawn, reported)")
     g.add_argument("--system", default=None, help="system message")
     g.add_argument("--think", action="store_true", help="leave thinking on (default: empty <think></think>)")
 
@@ -60,8 +76,14 @@ def register(sub, common) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sim_backend.engine import validate_request
+
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     req = request_from_args(args, prompt)
+    try:
+        validate_request(req)  # before building anything: bad input costs nothing
+    except RequestError as e:
+        return fail(f"{e.error_type}: {e}")
     try:
         system = build_from_args(args, maintenance=False)
     except (CalError, ValueError) as e:

@@ -1,0 +1,78 @@
+"""``calconsole metrics``: Prometheus text exposition of the serving metrics (``llamacpp:`` names).
+
+By default prints the registry of a freshly built simulator (counters at 0).
+``--warmup N`` first runs a short scripted workload of N requests (timing-only
+unless ``--numerics``) so the histograms have samples. Latencies are
+SIMULATED device seconds (Prometheus base unit), with measured host work
+included on the same clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .common import add_common_options, build_from_args, fail, print_json
+
+WARMUP_PROMPTS = ("Hello!", "Summarise the history of lighthouses in three sentences.",
+                  "Write a haiku about chiplets.", "What is 17 times 23?")
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser(
+        "metrics", help="print Prometheus metrics (llamacpp: names); --warmup N runs N requests first",
+        description="Print the serving metrics in Prometheus text exposition format, with llama.cpp's "
+                    "'llamacpp:' names (prompt_tokens_total, tokens_predicted_total, requests_processing, "
+                    "requests_deferred, kv_cache_usage_ratio, ...) plus histograms of TTFT, ITL, TPOT, E2E "
+                    "and queue time in SIMULATED device seconds. Without --warmup the registry is fresh.")
+    add_common_options(p, default_pacing="fast")
+    p.add_argument("--warmup", type=int, default=0, metavar="N",
+                   help="run N short scripted requests first (default 0: print the fresh registry)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per warm-up request (default 16)")
+    p.add_argument("--numerics", action="store_true",
+                   help="run the warm-up with the numerics (default: timing-only, fast)")
+    p.add_argument("--slo", default=None, metavar="SPEC",
+                   help="goodput SLOs, vLLM style: ttft:MS,tpot:MS,e2el:MS (simulated ms)")
+    p.add_argument("--json", action="store_true", help="print the JSON summary (P50/P95/P99, goodput) instead")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim_backend.engine import ChatRequest
+    from sim_backend.errors import CalError
+    from sim_backend.metrics import SLO
+    from sim_backend.sampling import SamplingParams
+
+    if not 0 <= args.warmup <= 10_000:
+        return fail(f"--warmup must be in 0..10000, got {args.warmup}")
+    if not 1 <= args.max_tokens <= 4096:
+        return fail(f"--max-tokens must be in 1..4096, got {args.max_tokens}")
+    try:
+        slo = SLO.parse(args.slo) if args.slo else None
+    except ValueError as e:
+        return fail(str(e))
+    if not args.numerics:
+        args.timing_only = True  # the registry does not depend on the numerics; timing-only builds faster
+    try:
+        system = build_from_args(args, maintenance=False)
+    except (CalError, ValueError) as e:
+        return fail(str(e))
+    with system:
+        engine = system.engine
+        if slo is not None:
+            engine.metrics.slo = slo
+        # batches of n_slots concurrent requests: the queue limit is never hit
+        for start in range(0, args.warmup, engine.n_slots):
+            batch = [engine.submit(ChatRequest.from_prompt(WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)],
+                                                           max_tokens=args.max_tokens,
+                                                           sampling=SamplingParams(seed=i), client="metrics-warmup"))
+                     for i in range(start, min(args.warmup, start + engine.n_slots))]
+            for h in batch:
+                h.result(600.0)
+        text = system.observation.metrics_text()
+        summary = engine.metrics.summary()
+    if args.json:
+        print_json(summary)
+    else:
+        print(text, end="")
+    return 0
+
