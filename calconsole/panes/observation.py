@@ -49,23 +49,34 @@ class ObservationPane(VerticalScroll):
         step = snap[self.show_kind]
         self.query_one("#obs-layers", Static).update(render.layers_panel(step))
 
+    # widget id -> (snapshot keys it shows, renderer)
+    SECTIONS = {
+        "#obs-device": (("device", "sim_now_ms"), render.device_panel),
+        "#obs-jobs": (("jobs",), render.jobs_panel),
+        "#obs-kv": (("kv",), render.kv_panel),
+        "#obs-slots": (("slots",), render.slots_panel),
+        "#obs-requests": (("requests",), render.requests_panel),
+        "#obs-stages": (("stages",), render.stages_panel),
+        "#obs-memory": (("memory",), render.memory_panel),
+        "#obs-host": (("host",), render.host_panel),
+        "#obs-findings": (("findings",), render.findings_panel),
+    }
+
     def update_snapshot(self, snap: dict) -> None:
+        """Re-render only the sections whose data changed (an idle console stays idle)."""
+        prev = self._last or {}
         self._last = snap
         self.border_subtitle = render.mode_text(snap["device"]).plain
         q = self.query_one
-        q("#obs-device", Static).update(render.device_panel(snap))
-        q("#obs-jobs", Static).update(render.jobs_panel(snap))
-        q("#obs-kv", Static).update(render.kv_panel(snap))
-        q("#obs-slots", Static).update(render.slots_panel(snap))
-        q("#obs-requests", Static).update(render.requests_panel(snap))
-        tps = [x for x in snap["history"]["tokens_per_s"] if x == x][-120:]
-        spark = q("#obs-spark", Sparkline)
-        spark.display = len(tps) >= 2  # a flat placeholder would read as data
-        q("#obs-spark-label", Static).display = spark.display
-        if spark.display:
-            spark.data = tps
-        q("#obs-stages", Static).update(render.stages_panel(snap))
-        self._render_layers(snap)
-        q("#obs-memory", Static).update(render.memory_panel(snap))
-        q("#obs-host", Static).update(render.host_panel(snap))
-        q("#obs-findings", Static).update(render.findings_panel(snap))
+        for wid, (keys, fn) in self.SECTIONS.items():
+            if any(prev.get(k) != snap[k] for k in keys):
+                q(wid, Static).update(fn(snap))
+        if prev.get("history") != snap["history"]:
+            tps = [x for x in snap["history"]["tokens_per_s"] if x == x][-120:]
+            spark = q("#obs-spark", Sparkline)
+            spark.display = len(tps) >= 2  # a flat placeholder would read as data
+            q("#obs-spark-label", Static).display = spark.display
+            if spark.display:
+                spark.data = tps
+        if prev.get(self.show_kind) != snap[self.show_kind]:
+            self._render_layers(snap)
