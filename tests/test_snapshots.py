@@ -1,0 +1,36 @@
+"""Snapshot tests where the picture matters (pytest-textual-snapshot).
+
+Only deterministic screens: the live console shows host CPU/RSS, which change
+from run to run. Regenerate with ``pytest tests/test_snapshots.py --snapshot-update``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.app import App
+
+from calconsole.widgets.confirm import ConfirmModal
+
+CSS = Path(__file__).resolve().parents[1] / "calconsole" / "styles.tcss"
+
+
+class ConfirmHost(App):
+    CSS_PATH = str(CSS)
+
+    def on_mount(self) -> None:
+        self.push_screen(ConfirmModal("Reset device", "Fails in-flight jobs, clears KV, reconfigures the calbin, "
+                                      "then runs a health check.", "calculet0"))
+
+
+def test_confirm_modal_defaults_to_cancel(snap_compare):
+    # Cancel focused, the destructive button disabled until the device name is typed
+    assert snap_compare(ConfirmHost(), terminal_size=(80, 20))
+
+
+def test_confirm_modal_enabled_after_typing_name(snap_compare):
+    async def type_name(pilot):
+        pilot.app.screen.query_one("#confirm-name").focus()
+        await pilot.press(*"calculet0")
+
+    assert snap_compare(ConfirmHost(), terminal_size=(80, 20), run_before=type_name)
