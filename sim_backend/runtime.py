@@ -471,6 +471,7 @@ class OutputBuf:
         self._task_type: str | None = None
         self._on_end: Callable[[], None] | None = None
         self._claimed = False
+        self._discarded = False
         self.result: StepResult | None = None
 
     def _bind(self, job: Job, task_type: str, inbuf: InputBuf) -> None:
@@ -518,7 +519,18 @@ class OutputBuf:
         self._end()
         return res
 
+    def discard(self) -> None:
+        """Give up on this buffer's job (e.g. after a WaitTimeout the caller will not retry).
+
+        Its buffers go back to the pool as soon as the job ends (at once if it
+        has); the result, if any, is dropped. Idempotent.
+        """
+        self._discarded = True
+        if self._job is None or self._job.done:
+            self._end()
+
     def _end(self) -> None:
+        self._discarded = False
         if self._task_type is not None:
             self._calbin.device._unclaim(self._task_type, self)
         cb, self._on_end = self._on_end, None
@@ -558,13 +570,18 @@ class BufferPool:
     def acquire(self, timeout: float = 0.0) -> BufferPair:
         """Take a free pair, waiting at most ``timeout`` host seconds. SubmitError if none frees up."""
         deadline = time.monotonic() + max(0.0, timeout)
-        with self._cond:
-            while not self._free:
+        while True:
+            for p in self._pairs:  # reclaim discarded pairs whose job has ended since
+                if p.out._discarded and p.out._job is not None and p.out._job.done:
+                    p.out._end()
+            with self._cond:
+                if self._free:
+                    return self._free.pop()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise SubmitError(f"all {self.size} buffer pairs in use")
-                self._cond.wait(left)
-            return self._free.pop()
+                # a discarded job's end notifies nobody: look again every 10 ms (bounded by the deadline)
+                self._cond.wait(min(left, 0.01))
 
     def release(self, pair: BufferPair) -> None:
         """Return a pair. SubmitError if its job is still in flight or it is not this pool's."""

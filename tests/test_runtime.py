@@ -403,3 +403,19 @@ def test_golden_check_compares_logits(bundle, tmp_path):
         assert b.kv.used_cells == 0  # the scratch sequence was freed
     finally:
         b.close()
+
+
+def test_discarded_buffer_returns_to_the_pool_when_its_job_ends(board):
+    s = _session(board)  # pool of 1
+    board.gate.close()
+    out = _prefill(s, 0)
+    with pytest.raises(WaitTimeout):
+        out.wait(0.01)
+    out.discard()  # the caller gives up (the engine ends that request failed)
+    with pytest.raises(SubmitError):
+        s.pool.acquire(0.0)  # still running: not reusable yet
+    board.gate.open()
+    pair = s.pool.acquire(WAIT)  # reclaimed once the job ended
+    s.pool.release(pair)
+    s.kv.free(0)
+    assert _prefill(s, 0).wait(WAIT).kind == "prefill"
