@@ -357,12 +357,12 @@ class RequestHandle:
             return None
 
     def stream(self, timeout: float = 60.0) -> Iterator[TokenEvent | DoneEvent]:
-        """Yield events until the DoneEvent. Raises TimeoutError if nothing arrives for ``timeout`` host s.
+        """Yield events until the DoneEvent. Raises TimeoutError if nothing arrives for ``timeout`` host s
+        (the request keeps running; the caller decides whether to cancel).
 
-        A consumer that stops iterating early (closes the generator) or is
-        interrupted cancels the request: a vanished client counts as a cancel.
+        A consumer that stops iterating early (the generator is closed or collected) or is
+        interrupted (Ctrl-C) cancels the request: a vanished client counts as a cancel.
         """
-        finished = False
         try:
             while True:
                 ev = self.next_event(timeout)
@@ -370,11 +370,15 @@ class RequestHandle:
                     raise TimeoutError(f"request {self.id}: no event for {timeout:.0f} s")
                 yield ev
                 if isinstance(ev, DoneEvent):
-                    finished = True
                     return
-        finally:
-            if not finished and not self.done:
+        except GeneratorExit:
+            if not self.done:
                 self.cancel("client stopped reading the stream")
+            raise
+        except KeyboardInterrupt:
+            if not self.done:
+                self.cancel("interrupted by user (Ctrl-C)")
+            raise
 
     def result(self, timeout: float) -> RequestResult:
         """Block up to ``timeout`` host seconds for the final result (TimeoutError otherwise)."""

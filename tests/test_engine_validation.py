@@ -11,15 +11,19 @@ import pytest
 
 from sim_backend.engine import ChatRequest, validate_request
 from sim_backend.errors import ExceedContextSizeError, InvalidRequestError, UnavailableError
+from sim_backend.metrics import SLO
 from sim_backend.sampling import SamplingParams
 from sim_backend.system import build_system
 
 N_CTX = 40960
 
 
+SLO_ = SLO(ttft_ms=1000.0, tpot_ms=50.0, e2el_ms=20000.0)
+
+
 @pytest.fixture(scope="module")
 def system():
-    s = build_system(numerics=False, maintenance=False)
+    s = build_system(numerics=False, maintenance=False, slo=SLO_)
     yield s
     s.close()
 
@@ -170,3 +174,9 @@ def test_prompt_that_fits_stops_at_context_end(system, n_prompt, n_out):
     assert res.timings.prompt_n + res.timings.cache_n == n_prompt
     assert res.timings.numerics is False
     assert system.engine.metrics.summary()["balanced"]
+
+
+def test_slo_is_configured_through_build_system(system):
+    assert system.engine.slo == SLO_
+    assert system.engine.metrics.summary()["goodput"]["slo"] == {"ttft_ms": 1000.0, "tpot_ms": 50.0,
+                                                                 "e2el_ms": 20000.0}

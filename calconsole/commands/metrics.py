@@ -53,13 +53,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.numerics:
         args.timing_only = True  # the registry does not depend on the numerics; timing-only builds faster
     try:
-        system = build_from_args(args, maintenance=False)
+        system = build_from_args(args, maintenance=False, slo=slo)
     except (CalError, ValueError) as e:
         return fail(str(e))
     with system:
         engine = system.engine
-        if slo is not None:
-            engine.metrics.slo = slo
         # batches of n_slots concurrent requests: the queue limit is never hit
         for start in range(0, args.warmup, engine.n_slots):
             batch = [engine.submit(ChatRequest.from_prompt(WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)],
