@@ -543,6 +543,9 @@ class Engine:
         tokens), UnavailableError (queue full, or device in maintenance).
         """
         with self._lock:
+            if self._stop:
+                self.metrics.on_rejected()
+                raise UnavailableError("engine is shut down")
             if not self._admitting:
                 self.metrics.on_rejected()
                 raise UnavailableError(self._refuse_reason or "not admitting requests")
@@ -559,9 +562,10 @@ class Engine:
             self.metrics.on_rejected()
             raise ExceedContextSizeError(len(prompt), self.n_ctx)
         with self._lock:
-            if not self._admitting:
+            if self._stop or not self._admitting:
                 self.metrics.on_rejected()
-                raise UnavailableError(self._refuse_reason or "not admitting requests")
+                raise UnavailableError("engine is shut down" if self._stop
+                                       else self._refuse_reason or "not admitting requests")
             free = sum(1 for s in self.slots if s.req is None)
             if len(self._queue) >= self.queue_limit + free:
                 self.metrics.on_rejected()

@@ -646,3 +646,10 @@ def test_ping_pong_two_requests_overlap_and_balance(make):
     assert s["balanced"] and s["counters"]["finished"] == 2
     # the device is serial: its busy time is the sum of the steps (2 prefills + 2 x 5 decodes)
     assert h.board.clock.now_us >= 2 * 400_000 + 10 * 25_000
+
+
+def test_closed_engine_refuses(make):
+    h = make()
+    h.engine.close()
+    with pytest.raises(UnavailableError, match="shut down"):
+        h.engine.submit(ChatRequest.from_prompt("late", max_tokens=2, sampling=GREEDY))

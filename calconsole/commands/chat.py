@@ -71,7 +71,9 @@ def register(sub, common) -> None:
     add_common_options(p, default_pacing="fast")
     add_sampling_options(p)
     p.add_argument("--json", action="store_true",
-                   help='print {"text","tokens","stop_type","timings":{...}} (timings in simulated ms)')
+                   help='print {"text","tokens","stop_type","status","seed","timings":{...}}: llama.cpp timings '
+                        '(prompt_n, prompt_ms, predicted_n, predicted_ms, ...) plus ttft_ms, tpot_ms, itl_ms, '
+                        'e2e_ms, queue_ms in simulated ms; host_ms is measured host time')
     p.set_defaults(func=run)
 
 
@@ -109,11 +111,7 @@ def run(args: argparse.Namespace) -> int:
         print_json({
             "text": res.text, "tokens": list(res.tokens), "stop_type": res.stop_type,
             "stopping_word": res.stopping_word, "status": res.status, "error": res.error, "seed": res.seed,
-            "timings": {"prompt_n": t.prompt_n, "prompt_ms": t.prompt_ms, "predicted_n": t.predicted_n,
-                        "predicted_ms": t.predicted_ms, "predicted_per_second": t.predicted_per_second,
-                        "ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms, "e2e_ms": t.e2e_ms, "cache_n": t.cache_n,
-                        "queue_ms": t.queue_ms, "numerics": t.numerics,
-                        "clock": "simulated device ms (measured host work included)"},
+            "timings": t.to_dict(),
         })
     else:
         sys.stdout.write("\n")
