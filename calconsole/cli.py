@@ -7,7 +7,7 @@ import sys
 
 from . import __version__
 from .commands import load_commands
-from .commands.common import add_common_options, fail
+from .commands.common import add_common_options, fail, finalize
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no maintenance pane; the maintenance plane is never constructed")
     p.add_argument("--refresh", type=float, default=None, metavar="HZ",
                    help="observation refresh rate (default: the layout's, 2 Hz); at most 10 Hz")
-    add_common_options(p, default_pacing="realtime")
+    add_common_options(p, default_pacing="realtime", top_level=True)
     sub = p.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for mod in load_commands():
         mod.register(sub, p)
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = finalize(parser.parse_args(argv))
     if getattr(args, "func", None) is not None:
         return args.func(args)
     return run_console(args)

@@ -198,10 +198,6 @@ def test_cli_subcommand_bundle_option_refuses_broken_bundle(tmp_path, capsys):
     assert str(mf) in err and "topology.chips" in err
 
 
-@pytest.mark.xfail(strict=False, reason="calconsole/commands/common.py adds --bundle (default None) to both the "
-                                        "top-level parser and each sub-command; argparse lets the sub-parser's "
-                                        "default overwrite the top-level value, so `calconsole --bundle DIR "
-                                        "snapshot` ignores DIR")
 def test_cli_top_level_bundle_option_refuses_broken_bundle(tmp_path, capsys):
     d, mf = _broken_copy(tmp_path)
     rc = main(["--bundle", str(d), "snapshot", "--json"])

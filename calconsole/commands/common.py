@@ -10,19 +10,40 @@ from typing import Any
 from sim_backend.device import Pacing, PacingMode
 
 
-def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str) -> None:
+# Defaults of the shared options. Sub-command parsers register the options with
+# SUPPRESS so a value given before the sub-command (``calconsole --bundle D
+# snapshot``) is not overwritten by the sub-parser's default; ``finalize``
+# fills in whatever is still missing.
+COMMON_DEFAULTS = {"bundle": None, "speed": 1.0, "timing_only": False, "slots": 4, "audit_log": None}
+
+
+def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_level: bool = False) -> None:
+    def d(name: str):
+        return COMMON_DEFAULTS[name] if top_level else argparse.SUPPRESS
+
     g = p.add_argument_group("simulator")
-    g.add_argument("--bundle", metavar="DIR", default=None,
+    g.add_argument("--bundle", metavar="DIR", default=d("bundle"),
                    help="calbin bundle directory (default: the built-in Qwen3-30B-A3B simulator bundle)")
-    g.add_argument("--pacing", choices=[m.value for m in PacingMode], default=default_pacing,
+    g.add_argument("--pacing", choices=[m.value for m in PacingMode], default=None if top_level else argparse.SUPPRESS,
                    help=f"map simulated device time to wall time: realtime or fast (default: {default_pacing})")
-    g.add_argument("--speed", type=float, default=1.0,
+    g.add_argument("--speed", type=float, default=d("speed"),
                    help="with --pacing realtime: simulated seconds per wall second (default 1.0)")
-    g.add_argument("--timing-only", action="store_true",
+    g.add_argument("--timing-only", action="store_true", default=d("timing_only"),
                    help="skip the numerics (no logits; tokens from a seeded generator); timings unchanged")
-    g.add_argument("--slots", type=int, default=4, help="concurrent request slots (default 4)")
-    g.add_argument("--audit-log", metavar="PATH", default=None,
+    g.add_argument("--slots", type=int, default=d("slots"), help="concurrent request slots (default 4)")
+    g.add_argument("--audit-log", metavar="PATH", default=d("audit_log"),
                    help="maintenance audit log (default: $CALCONSOLE_AUDIT_LOG or the user state dir)")
+    p.set_defaults(preferred_pacing=default_pacing)
+
+
+def finalize(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill shared options not given anywhere; pacing defaults per command (console: realtime, headless: fast)."""
+    for k, v in COMMON_DEFAULTS.items():
+        if not hasattr(args, k):
+            setattr(args, k, v)
+    if getattr(args, "pacing", None) is None:
+        args.pacing = getattr(args, "preferred_pacing", "realtime")
+    return args
 
 
 def build_from_args(args: argparse.Namespace, *, maintenance: bool = True, **kw: Any):
