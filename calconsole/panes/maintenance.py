@@ -1,8 +1,16 @@
-"""Maintenance pane (guarded): exclusive mode, reset, device-memory clear.
+"""Maintenance pane (guarded): exclusive mode, reset, memory clear, self-test, faults, registers.
 
 Every action goes through the maintenance plane (which audits it) on a
-worker thread. Destructive actions are disabled outside exclusive mode and
-open a confirmation modal whose default is Cancel.
+worker thread; results come back to the UI thread with ``call_from_thread``.
+Outside exclusive mode every action except "Enter exclusive" is disabled:
+the buttons are disabled, the keys are disabled (``check_action``) and the
+action methods themselves return without calling the plane when there is
+no lease. Reset and Clear device memory open a ``ConfirmModal`` where the
+operator types the device name; Cancel is focused by default.
+
+Keys (focus inside the pane; F3 focuses it): x enter exclusive, l leave,
+r reset, c clear device memory, t self-test, p probe request, f inject a
+CCU exception.
 """
 
 from __future__ import annotations
@@ -13,49 +21,104 @@ import json
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.widgets import Button, RichLog, Static
+from textual.widgets import Button, Input, RichLog, Static
 
 from sim_backend.errors import CalError
 
 from ..widgets.confirm import ConfirmModal
 
-GUARDED = ("#m-reset", "#m-clear", "#m-reload")
+#: buttons enabled only while this pane holds the lease
+GUARDED = ("#m-leave", "#m-reset", "#m-clear", "#m-reload", "#m-selftest", "#m-health", "#m-probe", "#m-clearkv",
+           "#m-dump", "#m-f-ccu", "#m-f-kv", "#m-f-link", "#m-f-slow", "#m-f-clear", "#m-reg-read", "#m-reg-write",
+           "#m-reg-all")
+#: key actions that need the lease
+GUARDED_ACTIONS = {"leave", "reset", "clear", "self_test", "probe", "fault_ccu"}
+FAULT_BUTTONS = {"m-f-ccu": ("ccu_exception", {}), "m-f-kv": ("kv_exhaustion", {}),
+                 "m-f-link": ("link_error", {}), "m-f-slow": ("slow_chip", {"chip": 1, "factor": 4.0})}
 
 
 class MaintenancePane(Vertical):
     """Buttons for the maintenance plane; a log of every outcome."""
+
+    # rows are 5-cell grids, so every button stays visible (labels crop) in a narrow pane
+    DEFAULT_CSS = """
+    MaintenancePane .m-row { layout: grid; grid-size: 5 1; grid-gutter: 0 1; height: 1; }
+    MaintenancePane .m-row Button { height: 1; border: none; min-width: 3; width: 100%; padding: 0; }
+    MaintenancePane .m-row Input { height: 1; border: none; padding: 0 1; width: 100%; }
+    MaintenancePane #m-row-reg { grid-columns: 2fr 1fr 1fr 1fr 1fr; }
+    MaintenancePane #m-mode { height: 2; margin: 0; }
+    MaintenancePane #m-log { height: 1fr; min-height: 3; }
+    """
+
+    BINDINGS = [
+        Binding("x", "enter", "exclusive"),
+        Binding("l", "leave", "leave excl."),
+        Binding("r", "reset", "reset"),
+        Binding("c", "clear", "clear mem"),
+        Binding("t", "self_test", "self-test"),
+        Binding("p", "probe", "probe"),
+        Binding("f", "fault_ccu", "CCU fault"),
+    ]
 
     def __init__(self, maintenance, device_name: str, **kw) -> None:
         super().__init__(**kw)
         self.maintenance = maintenance
         self.device_name = device_name
         self.lease = None
+        self._entering = False
         try:
             self.holder = f"{getpass.getuser()}@console"
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - no passwd entry in some containers
             self.holder = "operator@console"
 
     def compose(self) -> ComposeResult:
         yield Static(id="m-mode")
         with Horizontal(classes="m-row"):
-            yield Button("Enter exclusive", id="m-enter", variant="warning")
-            yield Button("Leave exclusive", id="m-leave", disabled=True)
+            yield Button("Enter excl.", id="m-enter", variant="warning")
+            yield Button("Leave excl.", id="m-leave", disabled=True)
+            yield Button("Reset…", id="m-reset", variant="error", disabled=True)
+            yield Button("Clear mem…", id="m-clear", variant="error", disabled=True)
+            yield Button("Reload", id="m-reload", disabled=True)
         with Horizontal(classes="m-row"):
-            yield Button("Reset device", id="m-reset", variant="error", disabled=True)
-            yield Button("Clear device memory", id="m-clear", variant="error", disabled=True)
-            yield Button("Reload model", id="m-reload", disabled=True)
+            yield Button("Self-test", id="m-selftest", disabled=True)
+            yield Button("Health", id="m-health", disabled=True)
+            yield Button("Probe", id="m-probe", disabled=True)
+            yield Button("Clear KV", id="m-clearkv", disabled=True)
+            yield Button("Dump", id="m-dump", disabled=True)
+        with Horizontal(classes="m-row"):
+            yield Button("CCU fault", id="m-f-ccu", disabled=True, tooltip="inject: CCU exception on the next job")
+            yield Button("KV fault", id="m-f-kv", disabled=True, tooltip="inject: the next KV apply fails (KVExhausted)")
+            yield Button("D2D fault", id="m-f-link", disabled=True, tooltip="inject: D2D link error on the next job")
+            yield Button("Slow chip1", id="m-f-slow", disabled=True, tooltip="inject: chip1 runs 4x slower")
+            yield Button("No faults", id="m-f-clear", disabled=True, tooltip="disarm every injected fault")
+        with Horizontal(classes="m-row", id="m-row-reg"):
+            yield Input(placeholder="register / 0xADDR", id="m-reg")
+            yield Input(placeholder="value", id="m-reg-value")
+            yield Button("Read", id="m-reg-read", disabled=True)
+            yield Button("Write", id="m-reg-write", disabled=True)
+            yield Button("All", id="m-reg-all", disabled=True)
         yield RichLog(id="m-log", max_lines=500, wrap=True, markup=False)
 
     def on_mount(self) -> None:
         self._sync_buttons()
+        self._log(f"audit log: {self.maintenance.audit.path}", "dim")
 
     def _sync_buttons(self) -> None:
         held = self.lease is not None
-        self.query_one("#m-enter", Button).disabled = held
-        self.query_one("#m-leave", Button).disabled = not held
+        self.query_one("#m-enter", Button).disabled = held or self._entering
         for sel in GUARDED:
             self.query_one(sel, Button).disabled = not held
+        self.refresh_bindings()
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """Maintenance keys do nothing outside exclusive mode (shown disabled in the footer)."""
+        if action in GUARDED_ACTIONS and self.lease is None:
+            return None
+        if action == "enter" and (self.lease is not None or self._entering):
+            return None
+        return True
 
     def _log(self, text: str, style: str = "") -> None:
         self.query_one("#m-log", RichLog).write(Text(text, style=style))
@@ -64,44 +127,149 @@ class MaintenancePane(Vertical):
         d = snap["device"]
         mode = d["mode"] + (f" (lease: {d['lease_holder']})" if d.get("lease_holder") else "")
         self.border_subtitle = mode
-        self.query_one("#m-mode", Static).update(
-            Text.assemble("mode ", (mode, "bold red" if d["mode"] != "serving" else "green"),
-                          f" · device {d['status']} · audit log {self.maintenance.audit.path}"))
+        style = {"serving": "green", "draining": "yellow", "exclusive": "bold red"}.get(d["mode"], "")
+        line = Text.assemble("mode ", (mode, style), " · device ", (d["status"], "green" if d["status"] == "ok" else "red"))
+        if d.get("faults"):
+            line.append(f" · faults armed: {', '.join(d['faults'])}", style="yellow")
+        self.query_one("#m-mode", Static).update(line)
 
-    # --- actions (each on a worker thread; results back on the UI thread) -----------
+    def _need_lease(self, what: str) -> bool:
+        if self.lease is None:
+            self._log(f"{what}: needs exclusive mode (press Enter excl. first)", "yellow")
+            return False
+        return True
 
-    @on(Button.Pressed, "#m-enter")
-    def enter(self) -> None:
-        self._log("entering exclusive mode: admission stopped, draining…", "yellow")
-        self.query_one("#m-enter", Button).disabled = True
+    # --- key actions (the buttons call the same methods) ------------------------------------------
+
+    def action_enter(self) -> None:
+        if self.lease is not None or self._entering:
+            return
+        self._entering = True
+        timeout = self.maintenance.drain_timeout_s
+        self._log(f"entering exclusive mode: admission stopped, draining in-flight requests (up to {timeout:g} s)…",
+                  "yellow")
+        self.border_subtitle = f"draining (lease: {self.holder})"
+        self._sync_buttons()
         self._run("enter_exclusive", lambda: self.maintenance.enter_exclusive(self.holder))
 
-    @on(Button.Pressed, "#m-leave")
-    def leave(self) -> None:
+    def action_leave(self) -> None:
+        if not self._need_lease("leave exclusive"):
+            return
         self._run("leave_exclusive", lambda: self.maintenance.leave_exclusive(self.lease))
 
-    @on(Button.Pressed, "#m-reset")
-    def reset(self) -> None:
-        if self.lease is None:
+    def action_reset(self) -> None:
+        if not self._need_lease("reset"):
             return
-        self.app.push_screen(ConfirmModal("Reset device", "Fails in-flight jobs, clears KV, reconfigures the calbin, "
-                                          "then runs a health check.", self.device_name),
-                             lambda ok: ok and self._run("reset", lambda: self.maintenance.reset(self.lease)))
+        self.app.push_screen(
+            ConfirmModal("Reset device", "Fails every in-flight job with DeviceReset, returns the chiplets to power-on "
+                         "state, clears KV, reconfigures the calbin, then runs a health check.", self.device_name),
+            lambda ok: self._confirmed(ok, "reset", lambda: self.maintenance.reset(self.lease)))
+
+    def action_clear(self) -> None:
+        if not self._need_lease("clear device memory"):
+            return
+        self.app.push_screen(
+            ConfirmModal("Clear device memory", "ClearAllDevMem zeroes DRAM and SRAM (weights and KV); inference is "
+                         "refused until the model is reloaded.", self.device_name),
+            lambda ok: self._confirmed(ok, "clear_device_memory",
+                                       lambda: self.maintenance.clear_device_memory(self.lease)))
+
+    def action_self_test(self) -> None:
+        if self._need_lease("self-test"):
+            self._run("self_test", lambda: self.maintenance.self_test(self.lease))
+
+    def action_probe(self) -> None:
+        if self._need_lease("probe request"):
+            self._run("probe_request", lambda: self.maintenance.probe_request(self.lease, "hi", max_tokens=4))
+
+    def action_fault_ccu(self) -> None:
+        if self._need_lease("inject fault"):
+            self._run("inject_fault", lambda: self.maintenance.inject_fault(self.lease, "ccu_exception"))
+
+    def _confirmed(self, ok: bool | None, action: str, fn) -> None:
+        if not ok:
+            self._log(f"{action}: cancelled at the confirmation", "dim")
+            return
+        if self._need_lease(action):
+            self._run(action, fn)
+
+    # --- buttons ---------------------------------------------------------------------
+
+    @on(Button.Pressed, "#m-enter")
+    def _b_enter(self) -> None:
+        self.action_enter()
+
+    @on(Button.Pressed, "#m-leave")
+    def _b_leave(self) -> None:
+        self.action_leave()
+
+    @on(Button.Pressed, "#m-reset")
+    def _b_reset(self) -> None:
+        self.action_reset()
 
     @on(Button.Pressed, "#m-clear")
-    def clear(self) -> None:
-        if self.lease is None:
-            return
-        self.app.push_screen(ConfirmModal("Clear device memory", "ClearAllDevMem zeroes DRAM and SRAM; inference is "
-                                          "refused until the model is reloaded.", self.device_name),
-                             lambda ok: ok and self._run("clear_device_memory",
-                                                         lambda: self.maintenance.clear_device_memory(self.lease)))
+    def _b_clear(self) -> None:
+        self.action_clear()
 
     @on(Button.Pressed, "#m-reload")
-    def reload(self) -> None:
-        if self.lease is None:
+    def _b_reload(self) -> None:
+        if self._need_lease("reload model"):
+            self._run("reload_model", lambda: self.maintenance.reload_model(self.lease))
+
+    @on(Button.Pressed, "#m-selftest")
+    def _b_selftest(self) -> None:
+        self.action_self_test()
+
+    @on(Button.Pressed, "#m-health")
+    def _b_health(self) -> None:
+        if self._need_lease("health check"):
+            self._run("health_check", lambda: self.maintenance.health_check(self.lease))
+
+    @on(Button.Pressed, "#m-probe")
+    def _b_probe(self) -> None:
+        self.action_probe()
+
+    @on(Button.Pressed, "#m-clearkv")
+    def _b_clearkv(self) -> None:
+        if self._need_lease("clear KV"):
+            self._run("clear_kv", lambda: self.maintenance.clear_kv(self.lease))
+
+    @on(Button.Pressed, "#m-dump")
+    def _b_dump(self) -> None:
+        if self._need_lease("dump"):
+            self._run("dump", lambda: self.maintenance.dump(self.lease))
+
+    @on(Button.Pressed, "#m-f-ccu, #m-f-kv, #m-f-link, #m-f-slow")
+    def _b_fault(self, event: Button.Pressed) -> None:
+        if not self._need_lease("inject fault"):
             return
-        self._run("reload_model", lambda: self.maintenance.reload_model(self.lease))
+        kind, kw = FAULT_BUTTONS[event.button.id]
+        self._run("inject_fault", lambda: self.maintenance.inject_fault(self.lease, kind, **kw))
+
+    @on(Button.Pressed, "#m-f-clear")
+    def _b_fault_clear(self) -> None:
+        if self._need_lease("clear faults"):
+            self._run("clear_faults", lambda: self.maintenance.clear_faults(self.lease))
+
+    @on(Button.Pressed, "#m-reg-read")
+    def _b_reg_read(self) -> None:
+        if self._need_lease("read register"):
+            key = self.query_one("#m-reg", Input).value.strip()
+            self._run("read_register", lambda: self.maintenance.read_register(self.lease, key))
+
+    @on(Button.Pressed, "#m-reg-write")
+    def _b_reg_write(self) -> None:
+        if self._need_lease("write register"):
+            key = self.query_one("#m-reg", Input).value.strip()
+            value = self.query_one("#m-reg-value", Input).value.strip()
+            self._run("write_register", lambda: self.maintenance.write_register(self.lease, key, value))
+
+    @on(Button.Pressed, "#m-reg-all")
+    def _b_reg_all(self) -> None:
+        if self._need_lease("read registers"):
+            self._run("dump_registers", lambda: self.maintenance.dump_registers(self.lease))
+
+    # --- worker ------------------------------------------------------------------------
 
     def _run(self, action: str, fn) -> None:
         self._worker(action, fn)
@@ -113,20 +281,68 @@ class MaintenancePane(Vertical):
         except CalError as e:
             self.app.call_from_thread(self._done, action, False, f"{type(e).__name__}: {e}")
             return
+        except Exception as e:  # noqa: BLE001 - audited by the plane; shown, never a crash of the console
+            self.app.call_from_thread(self._done, action, False, f"internal error: {type(e).__name__}: {e}")
+            return
         self.app.call_from_thread(self._done, action, True, result)
 
     def _done(self, action: str, ok: bool, result) -> None:
-        if action == "enter_exclusive" and ok:
-            self.lease = result
-            drain = self.maintenance.last_drain or {}
-            self._log(f"exclusive mode granted to {result.holder}; drain: {json.dumps(drain, default=str)}", "bold red")
+        if action == "enter_exclusive":
+            self._entering = False
+            if ok:
+                self.lease = result
+                d = self.maintenance.last_drain or {}
+                self._log(f"exclusive mode granted to {result.holder}; drain: {d.get('drained', 0)} finished, "
+                          f"{d.get('cancelled', 0)} cancelled in {d.get('wall_ms', 0):.0f} wall ms "
+                          f"({d.get('sim_ms', 0):.1f} sim ms)", "bold red")
+            else:
+                self._log(f"enter_exclusive: {result}", "bold red")
         elif action == "leave_exclusive" and ok:
             self.lease = None
-            self._log("left exclusive mode; requests admitted again", "green")
+            self._log("left exclusive mode; requests admitted again"
+                      + (f" (faults still armed: {', '.join(result['faults_armed'])})" if result.get("faults_armed") else ""),
+                      "green")
         elif not ok:
-            self._log(f"{action}: {result}", "bold red")
+            self._log(f"{action}: refused/failed: {result}", "bold red")
         else:
             good = not (isinstance(result, dict) and result.get("ok") is False)
-            self._log(f"{action}: {'ok' if good else 'FAILED'} {json.dumps(result, default=str)}",
+            self._log(f"{action}: {'ok' if good else 'FAILED'} · {summarize_result(action, result)}",
                       "green" if good else "bold red")
+            if action == "clear_device_memory" and good:
+                self._log("inference is refused until the model is reloaded: press Reload", "yellow")
         self._sync_buttons()
+        if action == "clear_device_memory" and ok:
+            self.query_one("#m-reload", Button).focus()
+
+
+def summarize_result(action: str, r) -> str:
+    """One log line for an action's result dict (units: sim = simulated device, wall = host)."""
+    if not isinstance(r, dict):
+        return str(r)
+    if action in ("reset", "reload_model", "health_check"):
+        h = r.get("health", r)
+        extra = f"failed jobs {r['failed_jobs']}, calbin {r['calbin']}, resets {r['resets']}; " if "calbin" in r else ""
+        return (f"{extra}health {'ok' if h.get('ok') else 'FAILED'}: {h.get('detail')} "
+                f"({h.get('sim_us', 0) / 1e3:.1f} sim ms, {h.get('wall_ms', 0):.0f} wall ms)")
+    if action == "self_test":
+        return (f"{r.get('detail')} · top-1 {'match' if r.get('top1_match') else 'differs'} · "
+                f"{r.get('sim_ms', 0):.1f} sim ms")
+    if action == "probe_request":
+        if r.get("status") == "finished":
+            return f"request finished: {r['n_tokens']} tokens in {r['sim_ms']:.1f} sim ms"
+        e = r.get("error") or {}
+        return f"request failed: {e.get('type')}: {e.get('message')}"
+    if action in ("inject_fault", "clear_faults"):
+        return f"armed: {', '.join(r.get('armed', [])) or 'none'}" if "armed" in r else \
+            f"disarmed: {', '.join(r.get('disarmed', [])) or 'none'}"
+    if action == "read_register":
+        return f"{r['name']} ({r['address']}) = {r['value']} ({r['hex']}){' writable' if r['writable'] else ''}"
+    if action == "write_register":
+        return f"{r['name']}: {r['old']} -> {r['new']}"
+    if action == "dump_registers":
+        return " ".join(f"{k}={v:#x}" for k, v in r["registers"].items())
+    if action == "dump":
+        return f"wrote {r['path']} ({r['bytes']} bytes, {r['steps']} steps)"
+    if action == "clear_kv":
+        return f"freed {r['freed_tokens']} KV tokens"
+    return json.dumps(r, default=str)

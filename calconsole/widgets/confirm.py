@@ -1,7 +1,8 @@
 """Confirmation modal for destructive maintenance actions.
 
 Cancel is focused by default; Confirm is enabled only once the operator has
-typed the device name exactly. Escape and ``n`` cancel.
+typed the device name exactly (then Enter in the name field also confirms).
+Escape cancels. The result reaches the caller through the ``push_screen`` callback.
 """
 
 from __future__ import annotations
