@@ -233,7 +233,9 @@ class MaintenancePlane:
     # --- device actions --------------------------------------------------------------
 
     def reset(self, lease: Lease | None) -> dict:
-        """Reset the device, bounded by ``reset_timeout_s``, then run a health check.
+        """Reset the device, then run a health check. Bounded: stopping the device takes at most
+        ``reset_timeout_s`` and the health check's job wait at most another ``reset_timeout_s``
+        (host wall s); a simulated reset itself takes ~2-5 wall ms and no simulated time.
 
         Every pending/running job's ``wait()`` raises DeviceReset at once; chiplets return to
         power-on state (registers, KV arrays zeroed, faults disarmed); KV metadata cleared; the
