@@ -352,11 +352,14 @@ class SimulatedBoard:
     # --- jobs -------------------------------------------------------------------
 
     def submit(self, kind: str, seq_id: int, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray,
-               ctx_cells: np.ndarray, ctx_positions: np.ndarray, *, task_type: str = "auto") -> Job:
+               ctx_cells: np.ndarray, ctx_positions: np.ndarray, *, task_type: str = "auto",
+               numeric: bool = True) -> Job:
         """Queue one step; returns its Job at once (non-blocking ``infer()``).
 
         tokens/positions/new_cells: (n,) int arrays; ctx_cells/ctx_positions:
         (T,) the sequence's cells sorted by position, including the new ones.
+        numeric=False runs this job timing-only even on a numeric board (the
+        engine does so for prompts too long for exact numerics in Python).
         Raises DeviceNotReady if memory was cleared, SubmitError on bad input.
         """
         if kind not in ("prefill", "decode"):
@@ -373,6 +376,7 @@ class SimulatedBoard:
         past_len = int(ctx_cells.shape[0]) - n
         job = Job(next(self._ids), kind, seq_id, tokens, positions, new_cells, ctx_cells, ctx_positions,
                   past_len, self.clock.now_us, task_type)
+        job.numeric = bool(numeric) and self.numerics
         with self._lock:
             self._submitted += 1
             self._pending += 1
@@ -443,13 +447,13 @@ class SimulatedBoard:
             self._fail(job, JobState.FAILED, LinkError(f"D2D link error between chip0 and chip1 in job {job.id}"))
             return
         model = self.model
-        if self._memory_cleared or (self.numerics and model is None):
+        if self._memory_cleared or (job.numeric and model is None):
             self._fail(job, JobState.FAILED, DeviceNotReady("device memory cleared while job was queued"))
             return
         logits_bf16 = None
         touched = None
         try:
-            if self.numerics:
+            if job.numeric:
                 out = model.forward(job.tokens, job.positions, job.new_cells, job.ctx_cells, job.ctx_positions)
                 logits_bf16 = f32_to_bf16(out.logits)
                 touched = tuple(out.experts_touched)

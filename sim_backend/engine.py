@@ -58,6 +58,7 @@ import numpy as np
 from .device import Job, SimulatedBoard
 from .errors import (CalError, DeviceError, ExceedContextSizeError, InvalidRequestError, KVExhausted,
                      RequestCancelled, UnavailableError)
+from .runtime import RuntimeSession
 from .metrics import SLO, MetricsRegistry, percentiles, request_latencies
 from .sampling import VOCAB_SIZE, Sampler, SamplingParams, bf16_to_f32
 from .tokenizer import EOS_IDS, StopStringMatcher, StreamDecoder, get_tokenizer
@@ -485,6 +486,7 @@ class Engine:
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
         self.board = board
+        self.rt = RuntimeSession(board, parallel=max_inflight > 1)
         self.tokenizer = get_tokenizer()
         self.n_ctx = board.bundle.context
         self.n_slots = n_slots
@@ -818,13 +820,13 @@ class Engine:
             cells = kv.apply(seq, len(toks), timeout=self.kv_timeout_s, cancel=r.handle._cancel,
                              positions=positions.tolist())
             kv_wait_us = ht.now() - k0
-            ctx_cells, ctx_pos = kv.seq_cells(seq)
             host_us = ht.now() - t0
             submit_sim = self.board.clock.host_span(start_sim, host_us)
             if kind == "prefill" and r.prefill_start_ms is None:
                 r.prefill_start_ms = start_sim / 1e3
-            job = self.board.submit(kind, seq, np.asarray(toks, dtype=np.int64), positions, np.asarray(cells),
-                                    ctx_cells, ctx_pos, task_type="ping" if self.max_inflight > 1 else "auto")
+            # CalRT path (FACTS F1): pooled buffers, CSR set and checked, ping/pong task type
+            job = self.rt.step(kind, seq, np.asarray(toks, dtype=np.int64), positions, np.asarray(cells),
+                               numeric=r.numeric)
         except RequestCancelled:
             with self._lock:
                 self._end_locked(r, "cancelled", "none", None)
@@ -854,6 +856,7 @@ class Engine:
         try:
             res = job.wait(self.step_timeout_s)
         except DeviceError as e:
+            job.discard()  # a timed-out job returns its buffers to the pool when it ends
             with self._lock:
                 self._end_locked(r, "failed", "none", _err(e))
             return

@@ -306,7 +306,7 @@ class Calbin:
         return self.submit_job(submodel, inbuf, outbuf, task_type="auto")
 
     def submit_job(self, submodel: SubModel, inbuf: "InputBuf", outbuf: "OutputBuf", *,
-                   task_type: str = "auto") -> "OutputBuf":
+                   task_type: str = "auto", numeric: bool = True) -> "OutputBuf":
         """SubmitJob / infer_with_fixed_task_type (FACTS F5 C1). ``task_type``: "ping" | "pong" | "auto".
 
         Refuses at once (SubmitError) if that task type is busy, or any job
@@ -336,7 +336,7 @@ class Calbin:
             if not np.isin(inbuf.cells_view, ctx_cells).all():
                 raise SubmitError(f"input cells are not cells of sequence {inbuf.seq_id} (kv apply first)")
             job = board.submit(submodel.name, inbuf.seq_id, inbuf.tokens_view, inbuf.positions_view,
-                               inbuf.cells_view, ctx_cells, ctx_pos, task_type=used)
+                               inbuf.cells_view, ctx_cells, ctx_pos, task_type=used, numeric=numeric)
         except CalError:
             self.device._unclaim(used, outbuf)
             raise
@@ -627,7 +627,7 @@ class RuntimeSession:
         self._rr = 0
 
     def step(self, kind: str, seq_id: int, tokens: Any, positions: Any, cells: Any, *,
-             task_type: str = "auto", acquire_timeout: float = 0.0) -> OutputBuf:
+             task_type: str = "auto", acquire_timeout: float = 0.0, numeric: bool = True) -> OutputBuf:
         """Submit one prefill/decode step of ``seq_id`` whose new ``cells`` were applied in the KV.
 
         past_kv_cur_seq_len is the sequence's other cells. Raises SubmitError,
@@ -642,7 +642,8 @@ class RuntimeSession:
             n = pair.inp.n_tokens
             held = self.kv.seq_cells(seq_id)[0].shape[0]
             pair.inp.set_csr(past_kv_cur_seq_len=held - n, cur_seq_len=n)
-            out = self.calbin.submit_job(self.submodels[kind], pair.inp, pair.out, task_type=task_type)
+            out = self.calbin.submit_job(self.submodels[kind], pair.inp, pair.out, task_type=task_type,
+                                         numeric=numeric)
         except BaseException:
             self.pool.release(pair)
             raise

@@ -550,7 +550,8 @@ def test_long_prompt_does_not_starve_short_ones(make):
     """A 2000-token prompt in 128-token chunks; short prompts submitted after it get their first
     token before it finishes prefill, and its prefill still progresses while they decode."""
     cost = FakeCostModel(prefill_us=1_000.0, prefill_us_per_token=1_000.0, decode_us=25_000.0)
-    h = make(cost=cost, prefill_chunk=128, n_slots=4)
+    # numerics_max_prompt raised: the scripted model must see the long prompt's steps
+    h = make(cost=cost, prefill_chunk=128, n_slots=4, numerics_max_prompt=4096)
     h.gate.block()
     long_req = ChatRequest.from_prompt(" ".join(["word"] * 2000), max_tokens=2, sampling=GREEDY)
     lh = h.engine.submit(long_req)
