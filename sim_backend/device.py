@@ -232,7 +232,9 @@ class FaultInjectingKV(KVCacheManager):
         faults = self._faults_source() if self._faults_source is not None else None
         if faults is not None and faults.take("kv_exhaust_next"):
             occ = self.occupancy()
-            raise KVExhausted(int(n_tokens), occ.free_cells, occ.capacity_cells, 0.0)
+            err = KVExhausted(int(n_tokens), occ.free_cells, occ.capacity_cells, 0.0)
+            err.injected = True  # retrying cannot clear an injected fault: callers fail the request at once
+            raise err
         return super().apply(seq_id, n_tokens, timeout=timeout, cancel=cancel, positions=positions)
 
 

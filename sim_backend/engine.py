@@ -423,6 +423,13 @@ class _Request:
         self.decoder = StreamDecoder(skip_special=True)
         self.matcher = StopStringMatcher(req.stop)
         self.numeric = True
+        # KV parking (see Engine._apply_kv): deadline/retry in time.monotonic() seconds
+        self.kv_deadline: float | None = None
+        self.kv_retry_at = 0.0
+        self.kv_backoff_s = 0.001
+        self.kv_wait_start = 0.0
+        self.kv_wait_start_sim = 0.0
+        self.kv_last_wait_us = 0.0
         self.fallback_rng = np.random.default_rng(self.sampler.seed)
 
     @property
@@ -715,7 +722,7 @@ class Engine:
                 if len(inflight) < self.max_inflight and not self._stop:
                     work = self._next_work_locked(busy)
                 if work is None and not inflight:
-                    self._wake.wait(0.25)
+                    self._wake.wait(self._idle_wait_s())
                     continue
             if work is not None:
                 r, kind, n = work
@@ -726,6 +733,13 @@ class Engine:
                         continue  # ping/pong: submit a second job before waiting the first
             if inflight:
                 self._finish_step(*inflight.popleft())
+
+    def _idle_wait_s(self) -> float:
+        """How long the idle scheduler sleeps: until the earliest KV retry, at most 0.25 s."""
+        retry = [s.req.kv_retry_at for s in self.slots if s.req is not None and s.req.kv_deadline is not None]
+        if not retry:
+            return 0.25
+        return min(0.25, max(0.001, min(retry) - time.monotonic()))
 
     def _reap_cancelled_locked(self, inflight: deque) -> None:
         busy = {id(r) for r, _, _ in inflight}
@@ -767,8 +781,11 @@ class Engine:
         """The round rule (module docstring): each decoding slot once, then one prefill chunk."""
         n = self.n_slots
 
+        now = time.monotonic()
+
         def ready(r: _Request | None, state: RequestState) -> bool:
-            return r is not None and r.state is state and id(r) not in busy and not r.handle.cancelled
+            return (r is not None and r.state is state and id(r) not in busy and not r.handle.cancelled
+                    and r.kv_retry_at <= now)  # parked on KV: not before its retry time
 
         def next_decode() -> tuple[_Request, str, int] | None:
             for k in range(n):
@@ -816,10 +833,10 @@ class Engine:
         try:
             if not kv.can_allocate(len(toks)):
                 self._evict_idle(len(toks))
-            k0 = ht.now()
-            cells = kv.apply(seq, len(toks), timeout=self.kv_timeout_s, cancel=r.handle._cancel,
-                             positions=positions.tolist())
-            kv_wait_us = ht.now() - k0
+            cells = self._apply_kv(r, seq, positions)
+            if cells is None:
+                return None  # parked: KV is full; retried after a back-off while others run
+            kv_wait_us = r.kv_last_wait_us
             host_us = ht.now() - t0
             submit_sim = self.board.clock.host_span(start_sim, host_us)
             if kind == "prefill" and r.prefill_start_ms is None:
@@ -838,6 +855,50 @@ class Engine:
         del submit_sim
         r.host["kv_wait"] += kv_wait_us / 1e3
         return r, job, {"kind": kind, "n": len(toks), "kv_wait_us": kv_wait_us, "submit_host_us": host_us - kv_wait_us}
+
+    def _apply_kv(self, r: _Request, seq: int, positions: np.ndarray) -> np.ndarray | None:
+        """Take KV cells without blocking the scheduler.
+
+        One non-blocking ``apply`` per attempt; if the cache is full the
+        request is parked with exponential back-off (1 ms doubling to 50 ms)
+        while other requests keep running (they are what frees cells), until
+        its own deadline ``kv_timeout_s`` (host wall s) passes: then
+        KVExhausted, carrying the time really waited. The wait is put on the
+        simulated clock, so the request's E2E includes it.
+        Raises KVExhausted, RequestCancelled.
+        """
+        kv = self.board.kv
+        n = int(positions.shape[0])
+        now = time.monotonic()
+        k0 = self.host_timer.now()
+        try:
+            cells = kv.apply(seq, n, timeout=0.0, cancel=r.handle._cancel, positions=positions.tolist())
+        except KVExhausted as e:
+            occ = kv.occupancy()
+            if getattr(e, "injected", False) or n > occ.capacity_cells:
+                raise  # retrying cannot help
+            if r.kv_deadline is None:
+                r.kv_deadline = now + self.kv_timeout_s
+                r.kv_wait_start = now
+                r.kv_wait_start_sim = self.board.clock.now_us
+                r.kv_backoff_s = 0.001
+            if now >= r.kv_deadline:
+                waited = now - r.kv_wait_start
+                self.board.clock.host_span(r.kv_wait_start_sim, waited * 1e6)
+                r.host["kv_wait"] += waited * 1e3
+                r.kv_deadline = None
+                raise KVExhausted(n, occ.free_cells, occ.capacity_cells, waited) from None
+            r.kv_retry_at = now + r.kv_backoff_s
+            r.kv_backoff_s = min(0.05, r.kv_backoff_s * 2)
+            return None
+        r.kv_last_wait_us = self.host_timer.now() - k0  # the apply itself
+        if r.kv_deadline is not None:
+            waited = now - r.kv_wait_start
+            r.kv_last_wait_us += waited * 1e6
+            self.board.clock.host_span(r.kv_wait_start_sim, waited * 1e6)
+            r.kv_deadline = None
+            r.kv_retry_at = 0.0
+        return cells
 
     def _evict_idle(self, need: int) -> None:
         """Free KV of idle slots' cached prefixes, least recently used first, until ``need`` cells fit."""
