@@ -45,8 +45,9 @@ class MaintenancePane(Vertical):
     # rows are 5-cell grids, so every button stays visible (labels crop) in a narrow pane
     DEFAULT_CSS = """
     MaintenancePane .m-row { layout: grid; grid-size: 5 1; grid-gutter: 0 1; height: 1; }
-    MaintenancePane .m-row Button { height: 1; border: none; min-width: 3; width: 100%; padding: 0; }
-    MaintenancePane .m-row Input { height: 1; border: none; padding: 0 1; width: 100%; }
+    MaintenancePane .m-row Button { min-width: 3; width: 100%; height: 1; padding: 0;
+                                    text-wrap: nowrap; text-overflow: ellipsis; }
+    MaintenancePane .m-row Input { width: 100%; }
     MaintenancePane #m-row-reg { grid-columns: 2fr 1fr 1fr 1fr 1fr; }
     MaintenancePane #m-mode { height: 2; margin: 0; }
     MaintenancePane #m-log { height: 1fr; min-height: 3; }
@@ -76,29 +77,29 @@ class MaintenancePane(Vertical):
     def compose(self) -> ComposeResult:
         yield Static(id="m-mode")
         with Horizontal(classes="m-row"):
-            yield Button("Enter excl.", id="m-enter", variant="warning")
-            yield Button("Leave excl.", id="m-leave", disabled=True)
-            yield Button("Reset…", id="m-reset", variant="error", disabled=True)
-            yield Button("Clear mem…", id="m-clear", variant="error", disabled=True)
-            yield Button("Reload", id="m-reload", disabled=True)
+            yield Button("Exclusive", id="m-enter", tooltip="enter exclusive mode (drains the device first)", variant="warning", compact=True)
+            yield Button("Leave", id="m-leave", disabled=True, tooltip="leave exclusive mode; requests admitted again", compact=True)
+            yield Button("Reset…", id="m-reset", variant="error", disabled=True, compact=True)
+            yield Button("Clear mem…", id="m-clear", variant="error", disabled=True, compact=True)
+            yield Button("Reload", id="m-reload", disabled=True, compact=True)
         with Horizontal(classes="m-row"):
-            yield Button("Self-test", id="m-selftest", disabled=True)
-            yield Button("Health", id="m-health", disabled=True)
-            yield Button("Probe", id="m-probe", disabled=True)
-            yield Button("Clear KV", id="m-clearkv", disabled=True)
-            yield Button("Dump", id="m-dump", disabled=True)
+            yield Button("Self-test", id="m-selftest", disabled=True, compact=True)
+            yield Button("Health", id="m-health", disabled=True, compact=True)
+            yield Button("Probe", id="m-probe", disabled=True, compact=True)
+            yield Button("Clear KV", id="m-clearkv", disabled=True, compact=True)
+            yield Button("Dump", id="m-dump", disabled=True, compact=True)
         with Horizontal(classes="m-row"):
-            yield Button("CCU fault", id="m-f-ccu", disabled=True, tooltip="inject: CCU exception on the next job")
-            yield Button("KV fault", id="m-f-kv", disabled=True, tooltip="inject: the next KV apply fails (KVExhausted)")
-            yield Button("D2D fault", id="m-f-link", disabled=True, tooltip="inject: D2D link error on the next job")
-            yield Button("Slow chip1", id="m-f-slow", disabled=True, tooltip="inject: chip1 runs 4x slower")
-            yield Button("No faults", id="m-f-clear", disabled=True, tooltip="disarm every injected fault")
+            yield Button("CCU fault", id="m-f-ccu", disabled=True, tooltip="inject: CCU exception on the next job", compact=True)
+            yield Button("KV fault", id="m-f-kv", disabled=True, tooltip="inject: the next KV apply fails (KVExhausted)", compact=True)
+            yield Button("D2D fault", id="m-f-link", disabled=True, tooltip="inject: D2D link error on the next job", compact=True)
+            yield Button("Slow chip", id="m-f-slow", disabled=True, tooltip="inject: chip1 runs 4x slower", compact=True)
+            yield Button("No faults", id="m-f-clear", disabled=True, tooltip="disarm every injected fault", compact=True)
         with Horizontal(classes="m-row", id="m-row-reg"):
-            yield Input(placeholder="register / 0xADDR", id="m-reg")
-            yield Input(placeholder="value", id="m-reg-value")
-            yield Button("Read", id="m-reg-read", disabled=True)
-            yield Button("Write", id="m-reg-write", disabled=True)
-            yield Button("All", id="m-reg-all", disabled=True)
+            yield Input(placeholder="register / 0xADDR", id="m-reg", compact=True)
+            yield Input(placeholder="value", id="m-reg-value", compact=True)
+            yield Button("Read", id="m-reg-read", disabled=True, compact=True)
+            yield Button("Write", id="m-reg-write", disabled=True, compact=True)
+            yield Button("All", id="m-reg-all", disabled=True, compact=True)
         yield RichLog(id="m-log", max_lines=500, wrap=True, markup=False)
 
     def on_mount(self) -> None:
@@ -135,7 +136,7 @@ class MaintenancePane(Vertical):
 
     def _need_lease(self, what: str) -> bool:
         if self.lease is None:
-            self._log(f"{what}: needs exclusive mode (press Enter excl. first)", "yellow")
+            self._log(f"{what}: needs exclusive mode (press Exclusive first)", "yellow")
             return False
         return True
 
