@@ -53,7 +53,7 @@ async def test_typed_prompt_streams_reply_and_counters_rise(system, monkeypatch)
     async with app.run_test(size=(170, 50)) as pilot:
         await wait_for(pilot, lambda: app.last_snapshot is not None)
         finished_before = app.last_snapshot["jobs"]["finished"]
-        set_max_tokens(app, 40)
+        set_max_tokens(app, 80)
         await pilot.click("#chat-input")
         await pilot.press(*"Hello there")
         await pilot.press("enter")
@@ -67,9 +67,9 @@ async def test_typed_prompt_streams_reply_and_counters_rise(system, monkeypatch)
         assert lines[1].startswith("model ")
         metrics = " ".join(lines[2:])  # the metrics line under the reply (wrapped)
         assert "TTFT" in metrics and "TPOT" in metrics and "simulated device ms" in metrics
-        assert "generated 40 tok" in metrics
-        # the observation pane's finished-jobs counter rises (1 prefill + 39 decode jobs)
-        assert await wait_for(pilot, lambda: app.last_snapshot["jobs"]["finished"] >= finished_before + 40)
+        assert "generated 80 tok" in metrics
+        # the observation pane's finished-jobs counter rises (1 prefill + 79 decode jobs)
+        assert await wait_for(pilot, lambda: app.last_snapshot["jobs"]["finished"] >= finished_before + 80)
         jobs_text = str(app.query_one("#obs-jobs", Static).render())
         assert f"finished {app.last_snapshot['jobs']['finished']}" in jobs_text
         assert app.last_snapshot["kv"]["used_tokens"] > 0

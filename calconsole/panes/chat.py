@@ -24,6 +24,7 @@ from sim_backend.sampling import SamplingParams
 SYNTHETIC_NOTICE = ("Weights are synthetic: the text is not meaningful. Tokens, timings and KV are real "
                     "products of the simulated run. Times are simulated device ms.")
 STREAM_UPDATE_S = 1 / 15
+NO_PROGRESS_S = 300.0  # a request that streams nothing for this long is cancelled (host wall s)
 LOG_MAX_LINES = 2000
 
 # (input id, label, default, parser)
@@ -55,7 +56,6 @@ class ChatPane(Vertical):
         self.history: list[dict] = []
         self.handle: RequestHandle | None = None
         self._stream_text = ""
-        self._last_stream_update = 0.0
         self._pending_prompt = ""
 
     def compose(self) -> ComposeResult:
@@ -136,15 +136,27 @@ class ChatPane(Vertical):
             app.call_from_thread(self._on_refused, e)
             return
         app.call_from_thread(self._on_started, req, handle)
-        try:
-            for ev in handle.stream(timeout=300.0):
-                if isinstance(ev, TokenEvent):
-                    app.call_from_thread(self._on_piece, ev.text)
-                elif isinstance(ev, DoneEvent):
-                    app.call_from_thread(self._on_done, req, ev.result)
-        except TimeoutError as e:
-            handle.cancel("chat pane: no progress for 300 s")
-            app.call_from_thread(self._log_error, str(e))
+        # Pieces are batched: at most ~15 UI updates a second however fast tokens come
+        # (fast pacing streams thousands of tokens a second; one UI call each would flood the loop).
+        pending: list[str] = []
+        last_flush = last_event = time.monotonic()
+        while True:
+            ev = handle.next_event(STREAM_UPDATE_S)
+            now = time.monotonic()
+            if isinstance(ev, TokenEvent):
+                pending.append(ev.text)
+                last_event = now
+            if pending and (ev is None or isinstance(ev, DoneEvent) or now - last_flush >= STREAM_UPDATE_S):
+                app.call_from_thread(self._on_piece, "".join(pending))
+                pending.clear()
+                last_flush = now
+            if isinstance(ev, DoneEvent):
+                app.call_from_thread(self._on_done, req, ev.result)
+                return
+            if ev is None and now - last_event > NO_PROGRESS_S:
+                handle.cancel(f"chat pane: no progress for {NO_PROGRESS_S:.0f} s")
+                app.call_from_thread(self._log_error, f"request {handle.id}: no progress for {NO_PROGRESS_S:.0f} s")
+                return
 
     def _on_refused(self, e: RequestError) -> None:
         self._log_error(f"{e.error_type}: {e}")
@@ -158,11 +170,9 @@ class ChatPane(Vertical):
             f"request {handle.id}: prompt {handle.prompt_n} tokens (template included) · streaming… Esc cancels")
 
     def _on_piece(self, text: str) -> None:
+        """A batch of streamed text (already rate-limited by the worker)."""
         self._stream_text += text
-        now = time.monotonic()
-        if now - self._last_stream_update >= STREAM_UPDATE_S:
-            self._last_stream_update = now
-            self.query_one("#chat-stream", Static).update(Text.assemble(("model ", "bold green"), self._stream_text))
+        self.query_one("#chat-stream", Static).update(Text.assemble(("model ", "bold green"), self._stream_text))
 
     def _on_done(self, req: ChatRequest, result) -> None:
         self.handle = None
