@@ -99,12 +99,12 @@ def make_weights(shape: ModelShape, num: NumericShape) -> ModelWeights:
                 wv=normal(H, Hkv * D, scale=1 / np.sqrt(H)),
                 q_norm=norm_weight(D),
                 k_norm=norm_weight(D),
-                wo=normal(Hq * D, H, scale=0.5 / np.sqrt(Hq * D)),
+                wo=normal(Hq * D, H, scale=0.15 / np.sqrt(Hq * D)),
                 post_norm=norm_weight(H),
                 router=normal(H, E, scale=2.0 / np.sqrt(H)),
                 gate=normal(E, H, F, scale=1 / np.sqrt(H)),
                 up=normal(E, H, F, scale=1 / np.sqrt(H)),
-                down=normal(E, F, H, scale=0.5 / np.sqrt(F)),
+                down=normal(E, F, H, scale=0.15 / np.sqrt(F)),
             )
         )
     embed = normal(V, H, scale=1.0)
