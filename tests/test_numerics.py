@@ -82,3 +82,14 @@ def test_weights_are_deterministic_and_padding_ids_biased_down():
     b = make_weights.__wrapped__(SHAPE.with_layers(2), NUM)
     assert np.array_equal(a.layers[1].gate, b.layers[1].gate)
     assert (a.lm_bias[FIRST_PADDING_ID:] < -10).all() and (a.lm_bias[:FIRST_PADDING_ID] == 0).all()
+
+
+def test_routing_spreads_like_a_trained_router(models):
+    """27 distinct random tokens should touch close to 128*(1-(120/128)^27) ~ 105.6 experts per layer
+    (the cost model prices expert weights by these); deep layers must not collapse onto a few experts."""
+    sharded, _ = models
+    ids = np.random.default_rng(0).integers(0, 151000, 27)
+    cells = np.arange(100, 127)
+    out = sharded.forward(ids, np.arange(27), cells, cells, np.arange(27))
+    assert np.mean(out.experts_touched) > 90
+    assert min(out.experts_touched[24:]) > 80
