@@ -107,10 +107,18 @@ async def test_reset_disabled_outside_exclusive_and_works_inside(system):
         await pilot.click("#m-reset")
         assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
         modal = app.screen
-        assert app.focused.id == "confirm-cancel"  # Cancel is the default
+        assert app.focused.id == "confirm-name"  # typing goes straight into the name field
         assert modal.query_one("#confirm-ok", Button).disabled
-        modal.query_one("#confirm-name").focus()
-        await pilot.press(*"calculet0")
+        await pilot.press("enter")  # Enter without the name: the default, Cancel
+        assert await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+        assert await wait_for(pilot, lambda: any("cancelled" in line for line in log_lines(app, "#m-log")))
+        assert app.last_snapshot["jobs"]["resets"] == 0
+        await pilot.click("#m-reset")
+        assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
+        modal = app.screen
+        await pilot.press(*"calculet")
+        assert modal.query_one("#confirm-ok", Button).disabled  # not the exact name yet
+        await pilot.press("0")
         assert not modal.query_one("#confirm-ok", Button).disabled
         await pilot.press("enter")
         assert await wait_for(pilot, lambda: any("reset: ok" in line for line in log_lines(app, "#m-log")))

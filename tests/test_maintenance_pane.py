@@ -109,11 +109,11 @@ async def test_full_maintenance_window(system):
         await chat(pilot, app, "are you there", 4)
         assert await wait_for(pilot, lambda: has(app, "#chat-log", "unavailable_error: device in maintenance"))
 
-        # reset: the modal opens with Cancel focused; confirm only after typing the device name
+        # reset: the modal opens with the name field focused; Enter cancels unless the name is typed
         await pilot.click("#m-reset")
         assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
         modal = app.screen
-        assert app.focused.id == "confirm-cancel"
+        assert app.focused.id == "confirm-name"
         ok_button = modal.query_one("#confirm-ok", Button)
         assert ok_button.disabled
         modal.query_one("#confirm-name").focus()

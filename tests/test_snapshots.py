@@ -23,14 +23,27 @@ class ConfirmHost(App):
                                       "then runs a health check.", "calculet0"))
 
 
-def test_confirm_modal_defaults_to_cancel(snap_compare):
-    # Cancel focused, the destructive button disabled until the device name is typed
+def test_confirm_modal_opens_with_name_field_and_disabled_confirm(snap_compare):
+    # name field focused and empty, the destructive button disabled until the device name is typed
     assert snap_compare(ConfirmHost(), terminal_size=(80, 20))
 
 
 def test_confirm_modal_enabled_after_typing_name(snap_compare):
     async def type_name(pilot):
-        pilot.app.screen.query_one("#confirm-name").focus()
         await pilot.press(*"calculet0")
 
     assert snap_compare(ConfirmHost(), terminal_size=(80, 20), run_before=type_name)
+
+
+async def test_enter_without_the_name_cancels():
+    results = []
+
+    class Host(App):
+        def on_mount(self) -> None:
+            self.push_screen(ConfirmModal("Reset device", "detail", "calculet0"), results.append)
+
+    app = Host()
+    async with app.run_test() as pilot:
+        await pilot.press(*"calc", "enter")
+        await pilot.pause()
+    assert results == [False]

@@ -1,8 +1,10 @@
 """Confirmation modal for destructive maintenance actions.
 
-Cancel is focused by default; Confirm is enabled only once the operator has
-typed the device name exactly (then Enter in the name field also confirms).
-Escape cancels. The result reaches the caller through the ``push_screen`` callback.
+The name field has focus, so typing goes straight into it; the default
+action is Cancel: Enter confirms only when the field holds the device name
+exactly, otherwise Enter cancels (as does Escape or the Cancel button). The
+destructive button stays disabled until the name matches. The result
+reaches the caller through the ``push_screen`` callback.
 """
 
 from __future__ import annotations
@@ -31,13 +33,13 @@ class ConfirmModal(ModalScreen[bool]):
             yield Label(f"[b]{self.action_name}[/b]", id="confirm-title")
             yield Label(self.detail, id="confirm-detail")
             yield Label(f"Type the device name [b]{self.device_name}[/b] to confirm:")
-            yield Input(placeholder=self.device_name, id="confirm-name")
+            yield Input(placeholder="device name", id="confirm-name")
             with Horizontal(id="confirm-buttons"):
                 yield Button("Cancel", id="confirm-cancel", variant="primary")
                 yield Button(self.action_name, id="confirm-ok", variant="error", disabled=True)
 
     def on_mount(self) -> None:
-        self.query_one("#confirm-cancel", Button).focus()
+        self.query_one("#confirm-name", Input).focus()
 
     @on(Input.Changed, "#confirm-name")
     def _typed(self, event: Input.Changed) -> None:
@@ -45,8 +47,8 @@ class ConfirmModal(ModalScreen[bool]):
 
     @on(Input.Submitted, "#confirm-name")
     def _submitted(self, event: Input.Submitted) -> None:
-        if event.value == self.device_name:
-            self.dismiss(True)
+        # Enter is "confirm" only with the exact name; anything else takes the default, Cancel
+        self.dismiss(event.value == self.device_name)
 
     @on(Button.Pressed, "#confirm-ok")
     def _ok(self) -> None:
