@@ -8,7 +8,7 @@ UI's event loop.
 from __future__ import annotations
 
 from rich.text import Text
-from textual import work
+from textual import events, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.css.query import NoMatches
@@ -83,15 +83,15 @@ class CalConsoleApp(App):
         self.request_snapshot()
         self._check_size()
 
-    def on_resize(self) -> None:
-        self._check_size()
+    def on_resize(self, event: events.Resize) -> None:
+        self._check_size(event.size)
 
-    def _check_size(self) -> None:
-        if self.screen is not self.screen_stack[0]:
-            return
-        small = self.size.width < MIN_WIDTH or self.size.height < MIN_HEIGHT
-        self.query_one("#too-small").display = small
-        self.query_one("#columns").display = not small
+    def _check_size(self, size=None) -> None:
+        size = size or self.size  # in on_resize, self.size can still be the previous size
+        base = self.screen_stack[0]
+        small = size.width < MIN_WIDTH or size.height < MIN_HEIGHT
+        base.query_one("#too-small").display = small
+        base.query_one("#columns").display = not small
 
     @work(thread=True, exclusive=True, group="snapshot", exit_on_error=False)
     def request_snapshot(self) -> None:
@@ -115,9 +115,21 @@ class CalConsoleApp(App):
 
 
     # the widget each pane's focus key lands on
-    FOCUS_TARGET = {"observation": "#observation", "chat": "#chat-input", "maintenance": "#m-enter"}
+    FOCUS_TARGET = {"observation": "#observation", "chat": "#chat-input", "maintenance": "#maintenance"}
 
     def action_focus_pane(self, name: str) -> None:
+        """Focus a pane: its main input, or its first enabled focusable widget."""
         targets = self.screen_stack[0].query(self.FOCUS_TARGET[name])
-        if targets:
-            targets.first().focus()
+        if not targets:
+            return
+        target = targets.first()
+        if not target.focusable:
+            inner = [w for w in target.query("*") if w.focusable]  # skips disabled buttons
+            target = inner[0] if inner else target
+        target.focus()
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        # hide focus keys for panes this layout (or --observe-only) does not have
+        if action == "focus_pane" and parameters:
+            return bool(self.screen_stack[0].query(self.FOCUS_TARGET[parameters[0]]))
+        return True

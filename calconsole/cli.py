@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import __version__
@@ -33,9 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = finalize(parser.parse_args(argv))
-    if getattr(args, "func", None) is not None:
-        return args.func(args)
-    return run_console(args)
+    try:
+        if getattr(args, "func", None) is not None:
+            return args.func(args)
+        return run_console(args)
+    except BrokenPipeError:
+        # output piped into e.g. `head` that closed early: not an error of ours
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 def run_console(args: argparse.Namespace) -> int:

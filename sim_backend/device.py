@@ -15,6 +15,7 @@ measured separately and labelled as such.
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import queue
 import threading
 import time
@@ -307,6 +308,7 @@ class SimulatedBoard:
         self._ccu = self._resets = 0
         self._chip_jobs = [0] * self.shape.n_chips
         self.last_steps: dict[str, StepResult] = {}
+        self._pace_log: deque[tuple[float, float]] = deque(maxlen=256)  # (wall s, sim end µs) per step
         self._listeners: list[Any] = []
         self.load_model()
         self._thread = threading.Thread(target=self._loop, name="calculet-device", daemon=True)
@@ -478,6 +480,7 @@ class SimulatedBoard:
         if gen != self._generation:
             return
         self.clock.advance_to(end)
+        self._pace_log.append((time.perf_counter(), end))
         res = StepResult(job.id, job.kind, job.seq_id, int(job.tokens.shape[0]), job.past_len, logits_bf16,
                          touched, cost, sim_us, start, end, compute_ms)
         if job._finish(JobState.DONE, result=res):
@@ -495,6 +498,20 @@ class SimulatedBoard:
                     pass
 
     _device_free_us = 0.0
+
+    def achieved_speed(self, window_s: float = 3.0) -> float | None:
+        """Simulated seconds per wall second over recent back-to-back steps (None if too few).
+
+        With real-time pacing this should be ~``pacing.speed``; lower means the
+        host cannot compute the simulation as fast as the device would run
+        (the console then streams slower than the simulated figures say).
+        """
+        now = time.perf_counter()
+        pts = [p for p in list(self._pace_log) if now - p[0] <= window_s]
+        if len(pts) < 5 or now - pts[-1][0] > 1.0:
+            return None
+        dw = pts[-1][0] - pts[0][0]
+        return (pts[-1][1] - pts[0][1]) / 1e6 / dw if dw > 0 else None
 
     # --- reset ------------------------------------------------------------------
 

@@ -586,6 +586,9 @@ class Engine:
             r = _Request(rid, req, prompt, handle, arrival / 1e3, tok_us / 1e3)
             self._queue.append(r)
             self.metrics.on_submitted(live=self._live_locked())
+            # a free slot takes the request now, not when the scheduler finishes its current step:
+            # queue time then measures waiting for a slot, nothing else
+            self._admit_locked()
             self._wake.notify_all()
         return handle
 

@@ -162,6 +162,7 @@ class ObservationPlane:
                 "calrt_version": self._bundle.calrt_version,
                 "firmware_commit": f"{b.registers.read('CALCORERT_COMMIT'):07x}",
                 "pacing": b.pacing.mode.value, "pacing_speed": b.pacing.speed, "numerics": b.numerics,
+                "achieved_speed": b.achieved_speed(),
                 "chiplets": chips, "faults": faults, "context_tokens": self._bundle.context,
                 "n_slots": e.n_slots, "admitting": e.admitting,
             },

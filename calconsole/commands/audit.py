@@ -18,7 +18,7 @@ def register(sub, common) -> None:
     p.add_argument("--audit-log", metavar="PATH", default=argparse.SUPPRESS,
                    help="audit log (default: $CALCONSOLE_AUDIT_LOG or the user state dir)")
     p.add_argument("--json", action="store_true", help="print JSON (a list of entries)")
-    p.add_argument("--raw", action="store_true", help="with --json: the raw started/finished records")
+    p.add_argument("--raw", action="store_true", help="the raw started/finished records, as JSON")
     p.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N entries")
     p.set_defaults(func=run)
 
@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     entries = records if args.raw else summarize(records)
     if args.tail is not None:
         entries = entries[-args.tail:]
-    if args.json:
+    if args.json or args.raw:  # raw records have no table form: --raw implies JSON
         print_json(entries)
         return 0
     from rich.console import Console

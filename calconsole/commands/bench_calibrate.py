@@ -16,9 +16,9 @@ from .common import fail, print_json
 
 def register(bsub) -> None:
     p = bsub.add_parser(
-        "calibrate", help="simulated vs measured (FACTS F7) with the error of each case",
+        "calibrate", help="simulated vs the real device's measurements (report §10), with the error of each case",
         description="Run the F7 calibration cases: 27-token prefill tok/s, 246-token decode tok/s and the "
-                    "4.41 s end-to-end request (each within +-3%%), decode tok/s inside the historical bands "
+                    "4.41 s end-to-end request (each within ±3%), decode tok/s inside the historical bands "
                     "by context, and the two trends. Cost-model cases price steps directly (simulated device "
                     "time; the E2E case adds the fitted host allowance). Engine cases run the serving engine "
                     "timing-only with a 27-token prompt and max_tokens=246; their host work is measured. "
@@ -64,10 +64,10 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="Calibration vs FACTS F7 (simulated time; engine rows include measured host work)")
+    t = Table(title="Calibration: simulator vs measurements of the real device (report §10); simulated time, engine rows include measured host work")
     t.add_column("case", no_wrap=True)
     t.add_column("path", no_wrap=True)
-    for col in ("measured", "simulated"):
+    for col in ("real device", "simulated"):
         t.add_column(col, justify="right", no_wrap=True)
     t.add_column("unit", no_wrap=True)
     t.add_column("error / band", justify="right", no_wrap=True)

@@ -136,7 +136,7 @@ def measure_overlap(*, n_requests: int = 4, max_tokens: int = 64, numerics: bool
 
 def register(bsub) -> None:
     p = bsub.add_parser("overlap", help="serial vs ping/pong overlapped serving: requests/s, tokens/s",
-                        description=__doc__.split("\n\n")[1] + " " + CLOCK_NOTE + ".",
+                        description=__doc__.replace("``", "").replace("FACTS\nF1", "report §4").replace("FACTS F1", "report §4").replace("FACTS F5 C1", "report §8").split("\n\n")[1] + " " + CLOCK_NOTE + ".",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=4, help="concurrent requests (default 4)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")

@@ -29,7 +29,8 @@ def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_l
     g.add_argument("--speed", type=float, default=d("speed"),
                    help="with --pacing realtime: simulated seconds per wall second (default 1.0)")
     g.add_argument("--timing-only", action="store_true", default=d("timing_only"),
-                   help="skip the numerics (no logits; tokens from a seeded generator); timings unchanged")
+                   help="skip the numerics (no logits; tokens from a seeded generator). Steps are priced the same way, "
+                        "but prefill uses the expected number of experts touched instead of the router's choices")
     g.add_argument("--slots", type=int, default=d("slots"), help="concurrent request slots (default 4)")
     g.add_argument("--audit-log", metavar="PATH", default=d("audit_log"),
                    help="maintenance audit log (default: $CALCONSOLE_AUDIT_LOG or the user state dir)")

@@ -29,13 +29,12 @@ def run(args: argparse.Namespace) -> int:
         print_json(snap)
     else:
         from rich.console import Console
-        from rich.pretty import Pretty
+
+        from ..widgets import render
 
         c = Console()
-        d = snap["device"]
-        c.print(f"[b]{d['name']}[/b] ({d['bundle']}) status={d['status']} mode={d['mode']} "
-                f"CalRT {d['calrt_version']} fw {d['firmware_commit']}")
-        c.print(Pretty({k: snap[k] for k in ("jobs", "kv", "host")}))
-        for f in snap["findings"]:
-            c.print(f"[yellow]{f['severity']}[/yellow] {f['field']}: {f['message']} -> {f['action']}")
+        c.print("[grey62]a fresh in-process simulator (not a running console); --json for scripts[/grey62]")
+        for panel in (render.device_panel, render.jobs_panel, render.kv_panel, render.memory_panel,
+                      render.host_panel, render.findings_panel):
+            c.print(panel(snap))
     return 0

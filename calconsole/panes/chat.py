@@ -60,7 +60,8 @@ class ChatPane(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(SYNTHETIC_NOTICE, id="chat-notice", classes="dim")
-        yield RichLog(id="chat-log", max_lines=LOG_MAX_LINES, wrap=True, markup=False, auto_scroll=True)
+        # min_width: RichLog renders at least 78 columns by default, cutting lines in a narrower pane
+        yield RichLog(id="chat-log", max_lines=LOG_MAX_LINES, wrap=True, markup=False, auto_scroll=True, min_width=20)
         yield Static("", id="chat-stream")
         yield Static("", id="chat-status", classes="dim")
         with Collapsible(title="sampling parameters", collapsed=True, id="chat-params"):
@@ -188,7 +189,7 @@ class ChatPane(Vertical):
         t = result.timings
         line = (f"  prompt {t.prompt_n + t.cache_n} tok (cached {t.cache_n}) · generated {t.predicted_n} tok · "
                 f"TTFT {_ms(t.ttft_ms)} · TPOT {_ms(t.tpot_ms)} · E2E {_ms(t.e2e_ms)} · "
-                f"stop {result.stop_type} · seed {result.seed} · simulated device ms"
+                f"stop {result.stop_type} · seed {result.seed} · sim ms (device time + measured host work)"
                 + ("" if t.numerics else " · timing-only (tokens not from the model)"))
         log.write(Text(line, style="grey62"))
         self.query_one("#chat-status", Static).update("")

@@ -100,7 +100,7 @@ class MaintenancePane(Vertical):
             yield Button("Read", id="m-reg-read", disabled=True, compact=True)
             yield Button("Write", id="m-reg-write", disabled=True, compact=True)
             yield Button("All", id="m-reg-all", disabled=True, compact=True)
-        yield RichLog(id="m-log", max_lines=500, wrap=True, markup=False)
+        yield RichLog(id="m-log", max_lines=500, wrap=True, markup=False, min_width=20)  # see chat pane
 
     def on_mount(self) -> None:
         self._sync_buttons()

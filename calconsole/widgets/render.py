@@ -59,8 +59,13 @@ def device_panel(snap: dict) -> Group:
     head.append("  mode ")
     head.append_text(mode_text(d))
     head.append(f"\nCalRT {d['calrt_version']}  fw {d['firmware_commit']}  pacing {d['pacing']}"
-                f"{'' if d['pacing'] == 'fast' else ' x' + format(d['pacing_speed'], 'g')}"
-                f"  numerics {'on' if d['numerics'] else 'off (timing-only)'}  sim clock {snap['sim_now_ms'] / 1e3:.3f} s")
+                f"{'' if d['pacing'] == 'fast' else ' x' + format(d['pacing_speed'], 'g')}")
+    ach = d.get("achieved_speed")
+    if ach is not None and d["pacing"] != "fast":
+        behind = ach < 0.9 * d["pacing_speed"]
+        head.append(f" (achieved x{ach:.2f}{': host behind, streaming slower than sim time' if behind else ''})",
+                    style="bold yellow" if behind else "grey62")
+    head.append(f"  numerics {'on' if d['numerics'] else 'off (timing-only)'}  sim clock {snap['sim_now_ms'] / 1e3:.3f} s")
     chips = Table.grid(padding=(0, 2))
     for c in d["chiplets"]:
         st = {"ready": "green", "fault": "red", "cleared": "yellow"}.get(c["state"], "white")
@@ -81,6 +86,7 @@ def jobs_panel(snap: dict) -> Text:
                      ("left", "white")):
         t.append(f"{k} ", style="grey62")
         t.append(f"{j[k]}  ", style=f"bold {style}")
+    t.append("(left = pending + running)  ", style="grey50")
     t.append(f"ccu_exc {j['ccu_exceptions']}  resets {j['resets']}", style="grey62")
     return t
 
@@ -128,8 +134,10 @@ def requests_panel(snap: dict) -> Group:
     g = r["goodput"]
     slo = g["slo"]
     slo_s = ", ".join(f"{k}<={v:g}" for k, v in slo.items() if v is not None) or "no SLO set"
-    gp = Text(f"goodput ({slo_s}): {g['good_requests']} requests"
-              + (f", {g['tokens_per_s']:.1f} tok/s" if g["tokens_per_s"] is not None else ""), style="grey70")
+    n = g["good_requests"]
+    gp = Text(f"goodput ({slo_s}): {n} request{'s' if n != 1 else ''} met the SLO"
+              + (f", {g['tokens_per_s']:.1f} tok/s over the sim time since the first request (idle included)"
+                 if g["tokens_per_s"] is not None else ""), style="grey70")
     tok = r["tokens"]
     toks = Text(f"tokens prompt {tok['prompt']} cached {tok['cached']} predicted {tok['predicted']}", style="grey70")
     return Group(head, t, gp, toks)
@@ -149,27 +157,34 @@ def stages_panel(snap: dict) -> Table:
 
 
 def layers_panel(step: dict, max_rows: int | None = None) -> Any:
-    """48-row per-layer table: chip0 / chip1 simulated µs, a heat bar and the slowest category."""
+    """48-row per-layer table: chip0 / chip1 simulated µs, a heat bar and the slowest category.
+
+    The heat bar spans the step's fastest..slowest layer; when every layer
+    costs the same (a decode touches 8 experts in every layer) it says so
+    instead of drawing 48 identical full bars.
+    """
     if not step.get("layers"):
         return Text("no step yet: send a chat message to see per-layer timings", style="grey50")
     layers = step["layers"]
-    peak = max(max(layer["chip_us"]) for layer in layers) or 1.0
+    per_layer = [max(layer["chip_us"]) for layer in layers]
+    lo, hi = min(per_layer), max(per_layer)
+    uniform = hi - lo <= 0.01 * hi
     title = (f"last {step['kind']}: {step['n_tokens']} tok @ ctx {step['past_len']} · "
-             f"{step['sim_us'] / 1e3:.2f} ms sim (h2d {step['h2d_us']:.0f} / infer {step['infer_us']:.0f} / "
-             f"d2h {step['d2h_us']:.0f} µs) · computed in {step['compute_wall_ms']:.1f} ms wall")
+             f"{step['sim_us'] / 1e3:.2f} ms sim (h2d {step['h2d_us'] / 1e3:.3f} / infer {step['infer_us'] / 1e3:.2f} / "
+             f"d2h {step['d2h_us'] / 1e3:.3f} ms) · {step['compute_wall_ms']:.1f} ms wall to compute"
+             + (" · all layers equal" if uniform else ""))
     t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70", title=title,
               title_style="grey70", title_justify="left")
     t.add_column("L", justify="right")
     n_chips = len(layers[0]["chip_us"])
     for c in range(n_chips):
         t.add_column(f"chip{c} µs", justify="right")
-    t.add_column("heat")
-    t.add_column("slowest")
+    t.add_column("heat (fastest..slowest layer)" if not uniform else "heat")
+    t.add_column("slowest category")
     rows = layers if max_rows is None else layers[:max_rows]
-    for layer in rows:
-        us = layer["chip_us"]
-        frac = max(us) / peak
-        t.add_row(str(layer["layer"]), *[f"{u:.1f}" for u in us], bar(frac, 12, warn=0.97, crit=0.995),
+    for layer, v in zip(rows, per_layer):
+        heat = Text("uniform", style="grey50") if uniform else bar((v - lo) / (hi - lo), 12, warn=0.7, crit=0.95)
+        t.add_row(str(layer["layer"]), *[f"{u:.1f}" for u in layer["chip_us"]], heat,
                   Text(layer["slowest_category"], style="magenta"))
     return t
 
