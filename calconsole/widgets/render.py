@@ -173,8 +173,8 @@ def layers_panel(step: dict, max_rows: int | None = None) -> Any:
              f"{step['sim_us'] / 1e3:.2f} ms sim (h2d {step['h2d_us'] / 1e3:.3f} / infer {step['infer_us'] / 1e3:.2f} / "
              f"d2h {step['d2h_us'] / 1e3:.3f} ms) · {step['compute_wall_ms']:.1f} ms wall to compute"
              + (" · all layers equal" if uniform else ""))
-    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70", title=title,
-              title_style="grey70", title_justify="left")
+    # title as its own line: a Table title wraps at the (narrow) table width
+    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70")
     t.add_column("L", justify="right")
     n_chips = len(layers[0]["chip_us"])
     for c in range(n_chips):
@@ -186,7 +186,7 @@ def layers_panel(step: dict, max_rows: int | None = None) -> Any:
         heat = Text("uniform", style="grey50") if uniform else bar((v - lo) / (hi - lo), 12, warn=0.7, crit=0.95)
         t.add_row(str(layer["layer"]), *[f"{u:.1f}" for u in layer["chip_us"]], heat,
                   Text(layer["slowest_category"], style="magenta"))
-    return t
+    return Group(Text(title, style="grey70"), t)
 
 
 def memory_panel(snap: dict) -> Any:
