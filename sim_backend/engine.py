@@ -45,6 +45,7 @@ is honest. ``Timings.host_ms`` holds the measured host parts and
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -56,7 +57,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from .device import Job, SimulatedBoard
-from .errors import (CalError, DeviceError, ExceedContextSizeError, InvalidRequestError, KVExhausted,
+from .errors import (CalError, DeviceError, DeviceReset, ExceedContextSizeError, InvalidRequestError, KVExhausted,
                      RequestCancelled, UnavailableError)
 from .runtime import RuntimeSession
 from .metrics import SLO, MetricsRegistry, percentiles, request_latencies
@@ -66,6 +67,8 @@ from .tokenizer import EOS_IDS, StopStringMatcher, StreamDecoder, get_tokenizer
 STOP_TYPES = ("eos", "limit", "word", "none")
 ROLES = ("system", "user", "assistant")
 #: Per-step stage names (FACTS F8). Device stages are simulated; host stages are measured.
+log = logging.getLogger(__name__)
+
 STAGES = ("tokenize", "h2d", "infer", "d2h", "sampling", "detokenize", "kv_wait", "framework")
 
 
@@ -423,6 +426,7 @@ class _Request:
         self.decoder = StreamDecoder(skip_special=True)
         self.matcher = StopStringMatcher(req.stop)
         self.numeric = True
+        self.kv_epoch = -1  # KVCacheManager.epoch at admission
         # KV parking (see Engine._apply_kv): deadline/retry in time.monotonic() seconds
         self.kv_deadline: float | None = None
         self.kv_retry_at = 0.0
@@ -443,6 +447,7 @@ class _Slot:
         self.seq_id = idx
         self.req: _Request | None = None
         self.cache_tokens: list[int] = []  # tokens whose KV this slot's sequence holds (prefix reuse)
+        self.cache_epoch = 0  # KVCacheManager.epoch the cache was built in
         self.last_used = 0.0
 
 
@@ -484,8 +489,8 @@ class Engine:
                  max_inflight: int = 1, kv_timeout_s: float = 2.0, step_timeout_s: float = 120.0,
                  numerics_max_prompt: int = 1024, host_timer: HostTimer | None = None,
                  metrics: MetricsRegistry | None = None, slo: SLO | None = None) -> None:
-        if n_slots < 1 or n_slots > 64:
-            raise ValueError("n_slots must be in 1..64")
+        if n_slots < 1 or n_slots > 63:  # sequence 63 is the maintenance plane's scratch sequence
+            raise ValueError("n_slots must be in 1..63")
         if max_inflight not in (1, 2):
             raise ValueError("max_inflight must be 1 (serial) or 2 (ping/pong)")
         if queue_limit < 0:
@@ -570,6 +575,11 @@ class Engine:
         if len(prompt) > self.n_ctx:
             self.metrics.on_rejected()
             raise ExceedContextSizeError(len(prompt), self.n_ctx)
+        kv_cap = self.board.kv.occupancy().capacity_cells
+        if len(prompt) > kv_cap:  # a board built with a KV pool smaller than the context
+            self.metrics.on_rejected()
+            raise ExceedContextSizeError(len(prompt), kv_cap, f"the prompt has {len(prompt)} tokens but the KV "
+                                         f"cache holds {kv_cap} tokens in all (context {self.n_ctx})")
         with self._lock:
             if self._stop or not self._admitting:
                 self.metrics.on_rejected()
@@ -654,6 +664,7 @@ class Engine:
 
     def slot_info(self) -> list[SlotInfo]:
         with self._lock:
+            self._drop_stale_caches_locked()
             out = []
             for s in self.slots:
                 r = s.req
@@ -729,13 +740,31 @@ class Engine:
                     continue
             if work is not None:
                 r, kind, n = work
-                started = self._start_step(r, kind, n)
+                try:
+                    started = self._start_step(r, kind, n)
+                except Exception as e:  # noqa: BLE001 - a bug must fail one request, never the scheduler
+                    self._fail_internal(r, e)
+                    started = None
                 if started is not None:
                     inflight.append(started)
                     if len(inflight) < self.max_inflight:
                         continue  # ping/pong: submit a second job before waiting the first
             if inflight:
-                self._finish_step(*inflight.popleft())
+                item = inflight.popleft()
+                try:
+                    self._finish_step(*item)
+                except Exception as e:  # noqa: BLE001 - see above
+                    self._fail_internal(item[0], e)
+
+    def _fail_internal(self, r: _Request, e: Exception) -> None:
+        """End ``r`` with a typed internal error (the scheduler thread keeps running)."""
+        log.exception("request %s failed inside the engine", r.id)
+        with self._lock:
+            if r.slot is not None:
+                self.board.kv.free(r.slot.seq_id)
+                r.slot.cache_tokens = []
+            self._end_locked(r, "failed", "none", {"code": 500, "type": "server_error", "type_name": type(e).__name__,
+                                                   "message": f"internal error in the engine: {type(e).__name__}: {e}"})
 
     def _idle_wait_s(self) -> float:
         """How long the idle scheduler sleeps: until the earliest KV retry, at most 0.25 s."""
@@ -754,7 +783,17 @@ class Engine:
             if r is not None and r.handle.cancelled and id(r) not in busy:
                 self._end_locked(r, "cancelled", "none", None)
 
+    def _drop_stale_caches_locked(self) -> None:
+        """Forget prefix caches whose cells a KV clear (reset, ClearAllDevMem, Clear KV) removed."""
+        epoch = self.board.kv.epoch
+        for s in self.slots:
+            if s.cache_epoch != epoch:
+                if s.req is None:
+                    s.cache_tokens = []
+                s.cache_epoch = epoch
+
     def _admit_locked(self) -> None:
+        self._drop_stale_caches_locked()
         while self._queue:
             free = [s for s in self.slots if s.req is None]
             if not free:
@@ -775,6 +814,7 @@ class Engine:
             r.slot = best
             r.cache_n = r.n_prefilled = n_common
             r.assigned_ms = self.board.clock.now_us / 1e3
+            r.kv_epoch = kv.epoch
             r.handle.state = RequestState.PREFILLING
             r.numeric = self.board.numerics and len(r.prompt) <= self.numerics_max_prompt
             self._round_served.discard(best.idx)
@@ -820,6 +860,12 @@ class Engine:
         The host work before the submit (KV apply, buffer set-up) is put on the
         simulated clock first, so the device step starts after it.
         """
+        if r.kv_epoch != self.board.kv.epoch:
+            # the KV was cleared under this request (reset / ClearAllDevMem / Clear KV): its context is gone
+            with self._lock:
+                self._end_locked(r, "failed", "none", _err(DeviceReset(
+                    "KV cache cleared (device reset or memory clear) while the request was running")))
+            return None
         ht = self.host_timer
         t0 = ht.now()
         start_sim = self.board.clock.now_us

@@ -197,6 +197,7 @@ class KVCacheManager:
         self._shift = np.zeros(self.n_cells, dtype=np.int64)
 
         self._lock = threading.Lock()
+        self.epoch = 0  # bumped by clear()
         self._cond = threading.Condition(self._lock)
 
         self._apply_calls = 0
@@ -443,8 +444,13 @@ class KVCacheManager:
             return int(victims.size)
 
     def clear(self) -> None:
-        """Empty every cell (llama_memory_clear / CalRT Clear)."""
+        """Empty every cell (llama_memory_clear / CalRT Clear) and bump ``epoch``.
+
+        ``epoch`` lets holders of derived state (the engine's per-slot prefix
+        caches) notice that the cells they remember are gone.
+        """
         with self._cond:
+            self.epoch += 1
             n = self._n_used()
             self._pos.fill(-1)
             self._seqs.fill(0)

@@ -52,12 +52,17 @@ def test_second_request_fails_with_kv_exhausted_and_device_keeps_serving(max_inf
         assert snap["requests"] is not None
 
 
-def test_prompt_larger_than_kv_fails_at_once():
-    """A prompt that can never fit the KV (but fits the 40960 context) fails with KVExhausted, without waiting."""
+def test_prompt_larger_than_kv_is_refused_at_submit():
+    """A prompt that can never fit the KV pool (but fits the 40960 context) is refused up front with
+    exceed_context_size_error naming the KV capacity: nothing is allocated."""
+    from sim_backend.errors import ExceedContextSizeError
+
     with build_system(numerics=False, kv_cells=256, kv_timeout_s=KV_TIMEOUT_S, n_slots=1, maintenance=False) as s:
-        r = s.inference.generate(_req("gamma", 4), RESULT_S)
-        assert r.status == "failed" and r.error["type_name"] == "KVExhausted"
-        assert s.board.kv.counters().apply_oversize >= 1
+        with pytest.raises(ExceedContextSizeError) as e:
+            s.inference.submit(_req("gamma", 4))
+        assert e.value.n_ctx == 256 and e.value.n_prompt_tokens > 256
+        assert s.board.kv.occupancy().used_cells == 0
+        assert s.engine.metrics.summary()["counters"]["submitted"] == 0
         r2 = s.inference.generate(ChatRequest.from_prompt("hi", max_tokens=4,
                                                           sampling=SamplingParams(temperature=0.0)), RESULT_S)
         assert r2.status == "finished"
