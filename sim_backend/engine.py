@@ -499,6 +499,8 @@ class Engine:
             raise ValueError("prefill_chunk must be >= 1")
         self.board = board
         self.rt = RuntimeSession(board, parallel=max_inflight > 1)
+        # requests that found the KV full and were parked; those that hit their deadline; host wall ms waited
+        self.kv_stats = {"parked_requests": 0, "timeouts": 0, "wait_wall_ms": 0.0}
         self.tokenizer = get_tokenizer()
         self.n_ctx = board.bundle.context
         self.n_slots = n_slots
@@ -927,6 +929,7 @@ class Engine:
             if getattr(e, "injected", False) or n > occ.capacity_cells:
                 raise  # retrying cannot help
             if r.kv_deadline is None:
+                self.kv_stats["parked_requests"] += 1
                 r.kv_deadline = now + self.kv_timeout_s
                 r.kv_wait_start = now
                 r.kv_wait_start_sim = self.board.clock.now_us
@@ -936,6 +939,8 @@ class Engine:
                 self.board.clock.host_span(r.kv_wait_start_sim, waited * 1e6)
                 r.host["kv_wait"] += waited * 1e3
                 r.kv_deadline = None
+                self.kv_stats["timeouts"] += 1
+                self.kv_stats["wait_wall_ms"] += waited * 1e3
                 raise KVExhausted(n, occ.free_cells, occ.capacity_cells, waited) from None
             r.kv_retry_at = now + r.kv_backoff_s
             r.kv_backoff_s = min(0.05, r.kv_backoff_s * 2)
@@ -944,6 +949,7 @@ class Engine:
         if r.kv_deadline is not None:
             waited = now - r.kv_wait_start
             r.kv_last_wait_us += waited * 1e6
+            self.kv_stats["wait_wall_ms"] += waited * 1e3
             self.board.clock.host_span(r.kv_wait_start_sim, waited * 1e6)
             r.kv_deadline = None
             r.kv_retry_at = 0.0

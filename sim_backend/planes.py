@@ -172,8 +172,11 @@ class ObservationPlane:
                 "used_blocks": occ.used_blocks, "total_blocks": occ.total_blocks, "block_size": occ.block_size,
                 "bytes_used_per_chip": occ.bytes_used_per_chip, "bytes_capacity_per_chip": occ.bytes_capacity_per_chip,
                 "per_seq_tokens": {str(s): n for s, n in occ.per_seq_tokens},
-                "apply_waits": kvc.apply_waits, "apply_timeouts": kvc.apply_timeouts,
-                "kv_wait_wall_ms": kvc.kv_wait_s * 1e3},
+                # request-level waits (the engine parks a request while the cache is full)
+                "waits": e.kv_stats["parked_requests"], "timeouts": e.kv_stats["timeouts"],
+                "kv_wait_wall_ms": e.kv_stats["wait_wall_ms"] + kvc.kv_wait_s * 1e3,
+                # KV-manager calls: every non-blocking attempt that found the cache full counts once
+                "apply_calls": kvc.apply_calls, "apply_full_attempts": kvc.apply_timeouts},
             last_step=self._step(last),
             last_prefill=self._step(steps.get("prefill")),
             last_decode=self._step(steps.get("decode")),

@@ -48,7 +48,10 @@ def test_second_request_fails_with_kv_exhausted_and_device_keeps_serving(max_inf
                                                           sampling=SamplingParams(temperature=0.0)), RESULT_S)
         assert r3.status == "finished" and r3.timings.predicted_n == 8
         snap = s.observation.snapshot().to_dict()
-        assert snap["kv"]["apply_timeouts"] == kvc.apply_timeouts
+        assert snap["kv"]["apply_full_attempts"] == kvc.apply_timeouts
+        # request-level: exactly one request waited and exactly one timed out
+        assert snap["kv"]["waits"] == 1 and snap["kv"]["timeouts"] == 1
+        assert snap["kv"]["kv_wait_wall_ms"] >= KV_TIMEOUT_S * 1e3
         assert snap["requests"] is not None
 
 

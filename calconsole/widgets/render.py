@@ -99,7 +99,7 @@ def kv_panel(snap: dict) -> Group:
     line.append(f"  {used} / {cap} tokens ({100 * used / cap:.1f}%)", style="bold")
     sub = Text(f"      {fmt_bytes(kv['bytes_used_per_chip'])} of {fmt_bytes(kv['bytes_capacity_per_chip'])} per chip"
                f" · blocks {kv['used_blocks']}/{kv['total_blocks']} x{kv['block_size']}"
-               f" · waits {kv['apply_waits']} timeouts {kv['apply_timeouts']}", style="grey62")
+               f" · requests waited {kv['waits']}, timed out {kv['timeouts']}", style="grey62")
     seqs = ", ".join(f"seq{s}:{n}" for s, n in kv["per_seq_tokens"].items()) or "no sequences"
     return Group(line, sub, Text(f"      {seqs}", style="grey62"))
 
