@@ -100,6 +100,8 @@ def load_layout(name_or_path: str) -> Layout:
         raise LayoutError(f, "<yaml>", f"malformed YAML{where}") from None
     except OSError as e:
         raise LayoutError(f, "<file>", str(e)) from None
+    except UnicodeDecodeError:
+        raise LayoutError(f, "<file>", "not UTF-8 text: not a layout file") from None
     if not isinstance(doc, dict):
         raise LayoutError(f, "<root>", "expected a mapping")
     name = doc.get("name", path.stem)

@@ -9,6 +9,7 @@ are reported as ``Finding`` s with a severity and what the loader did.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -147,6 +148,8 @@ def _load_yaml(path: Path) -> Any:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ManifestError(str(path), "<file>", "file not found") from None
+    except UnicodeDecodeError as e:
+        raise ManifestError(str(path), "<file>", f"not UTF-8 text (byte {e.start}): not a YAML manifest") from None
     except OSError as e:
         raise ManifestError(str(path), "<file>", f"cannot read: {e}") from None
     try:
@@ -212,6 +215,9 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
         raise r.fail("format", f"unsupported format {fmt!r} (expected 'calbin-manifest/1')")
     name = r.get(doc, "name", "name", str)
     device_name = r.get(doc, "device_name", "device_name", str)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", device_name):
+        # operators type this name to confirm a reset: it must be non-empty and typeable
+        raise r.fail("device_name", f"must be 1-64 characters of letters, digits, '_', '.', '-', got {device_name!r}")
     calrt_version = str(r.get(doc, "calrt_version", "calrt_version", (str, int, float)))
     firmware = str(r.get(doc, "firmware_commit", "firmware_commit", (str, int)))
 
@@ -220,7 +226,11 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
             "expert_ffn", "vocab")
     mvals = {k: r.pos_int(m, k, f"model.{k}") for k in ints}
     rope_theta = r.get(m, "rope_theta", "model.rope_theta", float)
+    if not (math.isfinite(rope_theta) and rope_theta > 1.0):
+        raise r.fail("model.rope_theta", f"must be a finite number > 1, got {rope_theta}")
     rms_eps = r.get(m, "rms_eps", "model.rms_eps", float)
+    if not (math.isfinite(rms_eps) and 0.0 < rms_eps < 1.0):
+        raise r.fail("model.rms_eps", f"must be a finite number in (0, 1), got {rms_eps}")
     if mvals["n_q_heads"] % mvals["n_kv_heads"]:
         raise r.fail("model.n_q_heads", "must be a multiple of n_kv_heads (GQA)")
     if mvals["n_experts_active"] > mvals["n_experts"]:
@@ -251,6 +261,8 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
                            head_dim=r.pos_int(nm, "head_dim", "numerics.head_dim"),
                            expert_ffn=r.pos_int(nm, "expert_ffn", "numerics.expert_ffn"),
                            seed=r.get(nm, "seed", "numerics.seed", int))
+    if numeric.seed < 0:
+        raise r.fail("numerics.seed", f"must be >= 0, got {numeric.seed}")
     if numeric.head_dim % 2:
         raise r.fail("numerics.head_dim", "must be even (RoPE rotates pairs)")
     if numeric.expert_ffn % chips:
@@ -354,8 +366,13 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     golden_tol = 0.05
     g = r.get(doc, "golden", "golden", dict, required=False, default=None)
     if g is not None:
-        golden_file = bdir / r.get(g, "file", "golden.file", str)
+        gname = r.get(g, "file", "golden.file", str)
+        golden_file = (bdir / gname).resolve()
+        if Path(gname).is_absolute() or bdir.resolve() not in golden_file.parents:
+            raise r.fail("golden.file", f"must be a file inside the bundle directory, got {gname!r}")
         golden_tol = r.get(g, "max_abs_error", "golden.max_abs_error", float, required=False, default=0.05)
+        if not (math.isfinite(golden_tol) and golden_tol > 0):
+            raise r.fail("golden.max_abs_error", f"must be a finite number > 0, got {golden_tol}")
         if not golden_file.exists():
             finding("warning", "golden_missing", "golden.file", f"{golden_file.name} not found",
                     "golden self-test unavailable")

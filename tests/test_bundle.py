@@ -204,3 +204,37 @@ def test_cli_top_level_bundle_option_refuses_broken_bundle(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2
     assert str(mf) in err and "topology.chips" in err
+
+
+@pytest.mark.parametrize("old, new, field", [
+    ("rms_eps: 1.0e-6", "rms_eps: .nan", "model.rms_eps"),
+    ("rope_theta: 1000000.0", "rope_theta: -5.0", "model.rope_theta"),
+    ("device_name: calculet0", "device_name: ''", "device_name"),
+    ("seed: 1234", "seed: -1", "numerics.seed"),
+    ("max_abs_error: 0.05", "max_abs_error: -1.0", "golden.max_abs_error"),
+    ("file: golden.npz", "file: /etc/passwd", "golden.file"),
+    ("file: golden.npz", "file: ../../x.npz", "golden.file"),
+])
+def test_values_that_would_break_the_device_are_refused(tmp_path, old, new, field):
+    import shutil
+
+    from sim_backend.bundle import DEFAULT_BUNDLE_DIR
+
+    d = tmp_path / "b"
+    shutil.copytree(DEFAULT_BUNDLE_DIR, d)
+    mf = d / "calbin.yaml"
+    text = mf.read_text()
+    assert old in text
+    mf.write_text(text.replace(old, new))
+    with pytest.raises(ManifestError) as e:
+        load_bundle(d)
+    assert e.value.field == field and e.value.file == str(mf)
+
+
+def test_binary_manifest_is_a_typed_error(tmp_path):
+    d = tmp_path / "b"
+    d.mkdir()
+    (d / "calbin.yaml").write_bytes(b"\x7fELF\x02\x01\x01\x00\xff\xfe")
+    with pytest.raises(ManifestError) as e:
+        load_bundle(d)
+    assert e.value.field == "<file>" and "UTF-8" in str(e.value)

@@ -33,3 +33,11 @@ def test_broken_layouts_name_file_and_field(tmp_path, text, field):
 def test_without_drops_a_pane():
     op = load_layout("operator").without("maintenance")
     assert "maintenance" not in op.panes()
+
+
+def test_binary_layout_file_is_a_layout_error(tmp_path):
+    p = tmp_path / "bin.yaml"
+    p.write_bytes(b"\x7fELF\x02\x01\xff\xfe")
+    with pytest.raises(LayoutError) as e:
+        load_layout(str(p))
+    assert e.value.field == "<file>"

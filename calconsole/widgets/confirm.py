@@ -24,6 +24,8 @@ class ConfirmModal(ModalScreen[bool]):
 
     def __init__(self, action: str, detail: str, device_name: str) -> None:
         super().__init__()
+        if not device_name:
+            raise ValueError("a confirmation needs a non-empty device name to type")
         self.action_name = action
         self.detail = detail
         self.device_name = device_name
