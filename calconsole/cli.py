@@ -60,10 +60,15 @@ def run_console(args: argparse.Namespace) -> int:
         return fail("the console needs a terminal; for scripts use 'calconsole snapshot --json' "
                     "or 'calconsole chat PROMPT --json'")
     from .app import CalConsoleApp
+
+    # The UI, engine and device threads hand the GIL to each other several times per token;
+    # the default 5 ms switch interval adds up to a visible lag behind real-time pacing.
+    sys.setswitchinterval(0.001)
     from .commands.common import build_from_args
 
     try:
-        system = build_from_args(args, maintenance=not args.observe_only)
+        # numerics in a worker process: the UI and the simulation would otherwise share one GIL
+        system = build_from_args(args, maintenance=not args.observe_only, numerics_process=True)
     except (CalError, ValueError) as e:
         return fail(str(e))
     try:

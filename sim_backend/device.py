@@ -277,16 +277,20 @@ class SimulatedBoard:
             no logits; experts priced by expectation, for long sweeps).
         pacing: real time or fast.
         kv_cells: KV capacity in tokens (default the calbin context, 40960, FACTS F4).
+        numerics_process: run the numerics in a spawned worker process
+            (``numerics_process.NumericsProcess``; identical results) instead of in this one.
     """
 
     def __init__(self, bundle: Bundle, cost_model: Any, *, numerics: bool = True,
-                 pacing: Pacing = Pacing(), kv_cells: int | None = None) -> None:
+                 pacing: Pacing = Pacing(), kv_cells: int | None = None, numerics_process: bool = False) -> None:
         # single-threaded BLAS: small ops, 2 cores shared with host threads (see sim_backend/__init__)
         threadpool_limits(limits=1, user_api="blas")
         self.bundle = bundle
         self.shape = bundle.shape
         self.cost_model = cost_model
         self.numerics = numerics
+        # run the numerics in a worker process (the console: keeps the GIL free for the UI)
+        self.numerics_process = numerics_process
         self.pacing = pacing
         self.clock = SimClock()
         self.registers = RegisterFile()
@@ -320,7 +324,16 @@ class SimulatedBoard:
         """(Re)load weights onto the chiplets and configure the calbin. Returns host wall seconds taken."""
         t0 = time.perf_counter()
         if self.numerics:
-            self.model = ShardedModel(self.shape, self.bundle.numeric, n_cells=self.kv.occupancy().capacity_cells)
+            n_cells = self.kv.occupancy().capacity_cells
+            old, self.model = self.model, None
+            if old is not None and hasattr(old, "close"):
+                old.close()
+            if self.numerics_process:
+                from .numerics_process import NumericsProcess
+
+                self.model = NumericsProcess(self.shape, self.bundle.numeric, n_cells)
+            else:
+                self.model = ShardedModel(self.shape, self.bundle.numeric, n_cells=n_cells)
         self._memory_cleared = False
         self.registers.set_bits("BOARD_STATUS", 0x2, True)
         for c in range(self.shape.n_chips):
@@ -342,8 +355,11 @@ class SimulatedBoard:
             model = self.model
             self.model = None
         if model is not None:
-            for chip in model.chips:
-                _zero_chip(chip, weights=True)
+            if hasattr(model, "close"):
+                model.close()  # numerics process: its memory (weights, KV) goes with it
+            else:
+                for chip in model.chips:
+                    _zero_chip(chip, weights=True)
         self.kv.clear()
         self.registers.set_bits("BOARD_STATUS", 0x2, False)
         for c in range(self.shape.n_chips):
@@ -474,7 +490,7 @@ class SimulatedBoard:
         end = start + sim_us
         self._device_free_us = end
         if self.pacing.mode is PacingMode.REALTIME:
-            remaining = sim_us / 1e6 / self.pacing.speed - (time.perf_counter() - wall0)
+            remaining = self._pacing_deadline(wall0, start, end) - time.perf_counter()
             if remaining > 0 and self._interrupt.wait(remaining):
                 return  # reset interrupted the pacing sleep; the job was already failed
         if gen != self._generation:
@@ -498,6 +514,29 @@ class SimulatedBoard:
                     pass
 
     _device_free_us = 0.0
+    _pace_anchor: tuple[float, float] | None = None  # (wall s, sim µs) pacing is measured from
+    _pace_last_wall = 0.0
+
+    def _pacing_deadline(self, wall0: float, start_us: float, end_us: float) -> float:
+        """Wall time (perf_counter s) at which a step ending at simulated ``end_us`` may complete.
+
+        Paced against the simulated clock since an anchor, not step by step:
+        host turnaround between steps (thread wake-ups, sampling) is already
+        on the simulated clock, so sleeping a full step after it would make
+        the console run slower than the figures it shows. The anchor resets
+        after an idle gap or when more than 1 s behind (no burst catch-up).
+        """
+        speed = self.pacing.speed
+        a = self._pace_anchor
+        if a is None or wall0 - self._pace_last_wall > 0.5:
+            a = (wall0, start_us)
+        deadline = a[0] + (end_us - a[1]) / 1e6 / speed
+        if deadline < time.perf_counter() - 1.0:
+            a = (wall0, start_us)
+            deadline = a[0] + (end_us - a[1]) / 1e6 / speed
+        self._pace_anchor = a
+        self._pace_last_wall = max(deadline, time.perf_counter())
+        return deadline
 
     def achieved_speed(self, window_s: float = 3.0) -> float | None:
         """Simulated seconds per wall second over recent back-to-back steps (None if too few).
@@ -590,6 +629,9 @@ class SimulatedBoard:
                 item[1]._finish(JobState.FAILED, error=DeviceReset("device closed"))
         self._queue.put(None)
         self._thread.join(timeout=2.0)
+        model, self.model = self.model, None
+        if model is not None and hasattr(model, "close"):
+            model.close()
 
 
 def _zero_chip(chip: Any, *, weights: bool) -> None:

@@ -51,6 +51,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                  audit_path: str | Path | None = None, host_timer: HostTimer | None = None,
                  kv_timeout_s: float = 2.0, drain_timeout_s: float = 5.0, kv_cells: int | None = None,
                  numerics_max_prompt: int = 1024, hardware: str | Path | None = None,
+                 numerics_process: bool = False,
                  reset_timeout_s: float = 10.0, slo: Any | None = None) -> System:
     """Load the bundle (strict; raises ManifestError) and start device + engine threads.
 
@@ -60,7 +61,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     bundle = load_bundle(bundle_dir)
     cost = CostModel.load(hardware)
     board = SimulatedBoard(bundle, cost, numerics=numerics, pacing=pacing or Pacing(PacingMode.FAST),
-                           kv_cells=kv_cells)
+                           kv_cells=kv_cells, numerics_process=numerics_process)
     engine = Engine(board, n_slots=n_slots, queue_limit=queue_limit, max_inflight=max_inflight,
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt,
                     slo=slo)  # slo: metrics.SLO for goodput (simulated ms); None = no objectives

@@ -23,7 +23,7 @@ from sim_backend.sampling import SamplingParams
 
 SYNTHETIC_NOTICE = ("Weights are synthetic: the text is not meaningful. Tokens, timings and KV are real "
                     "products of the simulated run. Times are simulated device ms.")
-STREAM_UPDATE_S = 1 / 15
+STREAM_UPDATE_S = 1 / 10
 NO_PROGRESS_S = 300.0  # a request that streams nothing for this long is cancelled (host wall s)
 LOG_MAX_LINES = 2000
 
@@ -57,6 +57,7 @@ class ChatPane(Vertical):
         self.handle: RequestHandle | None = None
         self._stream_text = ""
         self._pending_prompt = ""
+        self._wall_start = time.monotonic()
 
     def compose(self) -> ComposeResult:
         yield Static(SYNTHETIC_NOTICE, id="chat-notice", classes="dim")
@@ -167,6 +168,7 @@ class ChatPane(Vertical):
     def _on_started(self, req: ChatRequest, handle: RequestHandle) -> None:
         self.handle = handle
         self._stream_text = ""
+        self._wall_start = time.monotonic()
         self.query_one("#chat-status", Static).update(
             f"request {handle.id}: prompt {handle.prompt_n} tokens (template included) · streaming… Esc cancels")
 
@@ -190,7 +192,8 @@ class ChatPane(Vertical):
         line = (f"  prompt {t.prompt_n + t.cache_n} tok (cached {t.cache_n}) · generated {t.predicted_n} tok · "
                 f"TTFT {_ms(t.ttft_ms)} · TPOT {_ms(t.tpot_ms)} · E2E {_ms(t.e2e_ms)} · "
                 f"stop {result.stop_type} · seed {result.seed} · sim ms (device time + measured host work)"
-                + ("" if t.numerics else " · timing-only (tokens not from the model)"))
+                + ("" if t.numerics else " · timing-only (tokens not from the model)")
+                + f" · streamed in {time.monotonic() - self._wall_start:.2f} s wall")
         log.write(Text(line, style="grey62"))
         self.query_one("#chat-status", Static).update("")
         if result.status == "finished":

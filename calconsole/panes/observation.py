@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -24,6 +26,9 @@ class ObservationPane(VerticalScroll):
         super().__init__(**kw)
         self.show_kind = "last_step"
         self._last: dict | None = None
+        self._shape: dict[str, object] = {}
+        self._rendered_at: dict[str, float] = {}
+        self._last_layout = 0.0
 
     def compose(self) -> ComposeResult:
         yield Static(id="obs-device")
@@ -47,7 +52,7 @@ class ObservationPane(VerticalScroll):
 
     def _render_layers(self, snap: dict) -> None:
         step = snap[self.show_kind]
-        self.query_one("#obs-layers", Static).update(render.layers_panel(step))
+        self._update("#obs-layers", render.layers_panel(step), (self.show_kind, len(step.get("layers", ()))))
 
     # widget id -> (snapshot keys it shows, renderer)
     SECTIONS = {
@@ -62,15 +67,43 @@ class ObservationPane(VerticalScroll):
         "#obs-findings": (("findings",), render.findings_panel),
     }
 
+    # heavy tables whose values move every step: re-rendered at most this often (s)
+    SLOW_SECTIONS = {"#obs-memory": 2.0, "#obs-layers": 1.0}
+    FULL_LAYOUT_EVERY_S = 5.0
+
+    def _update(self, wid: str, renderable, key) -> None:
+        """Update a section; a (costly) relayout of the scroll area only when its shape changed.
+
+        ``key`` describes the section's height (rows, wrapping text length bucket);
+        every FULL_LAYOUT_EVERY_S a full layout runs anyway.
+        """
+        now = time.monotonic()
+        full = now - self._last_layout >= self.FULL_LAYOUT_EVERY_S
+        relayout = full or self._shape.get(wid) != key
+        self._shape[wid] = key
+        self.query_one(wid, Static).update(renderable, layout=relayout)
+        if full:
+            self._last_layout = now
+
     def update_snapshot(self, snap: dict) -> None:
-        """Re-render only the sections whose data changed (an idle console stays idle)."""
+        """Re-render only the sections whose data changed (an idle console stays idle).
+
+        Rendering competes with the simulation for the interpreter: during
+        streaming every section changes at every refresh, so heavy tables are
+        rate-limited and relayout happens only when a section changes shape.
+        """
         prev = self._last or {}
         self._last = snap
         self.border_subtitle = render.mode_text(snap["device"]).plain
-        q = self.query_one
+        now = time.monotonic()
         for wid, (keys, fn) in self.SECTIONS.items():
             if any(prev.get(k) != snap[k] for k in keys):
-                q(wid, Static).update(fn(snap))
+                period = self.SLOW_SECTIONS.get(wid)
+                if period is not None and now - self._rendered_at.get(wid, 0.0) < period:
+                    continue
+                self._rendered_at[wid] = now
+                self._update(wid, fn(snap), _shape_key(snap, keys))
+        q = self.query_one
         if prev.get("history") != snap["history"]:
             tps = [x for x in snap["history"]["tokens_per_s"] if x == x][-120:]
             spark = q("#obs-spark", Sparkline)
@@ -78,5 +111,21 @@ class ObservationPane(VerticalScroll):
             q("#obs-spark-label", Static).display = spark.display
             if spark.display:
                 spark.data = tps
-        if prev.get(self.show_kind) != snap[self.show_kind]:
+        if prev.get(self.show_kind) != snap[self.show_kind] and (
+                now - self._rendered_at.get("#obs-layers", 0.0) >= self.SLOW_SECTIONS["#obs-layers"]):
+            self._rendered_at["#obs-layers"] = now
             self._render_layers(snap)
+
+
+def _shape_key(snap: dict, keys: tuple[str, ...]) -> tuple:
+    """What decides a section's height: row counts, and text length in 20-char buckets."""
+    out = []
+    for k in keys:
+        v = snap[k]
+        if isinstance(v, (list, tuple)):
+            out.append(len(v))
+        elif isinstance(v, dict):
+            out.append((len(v), len(str(v)) // 20))
+        else:
+            out.append(None)
+    return tuple(out)

@@ -1,0 +1,122 @@
+"""The numerics in a separate process, so they do not compete with the UI for the GIL.
+
+The 48-layer numerics are thousands of small numpy calls per token that
+hold the GIL; in the console they share one interpreter with Textual's
+rendering and the engine, and real-time pacing fell behind (about 0.75x
+on 2 cores). Here the ``ShardedModel`` (weights and per-chip KV cache)
+lives in a spawned worker process; the device thread sends it one step at
+a time over a pipe and gets the last token's logits back.
+
+Same code, same weights, single-threaded BLAS: results are identical to
+the in-process model. Every call is bounded by a timeout and ends in a
+typed ``DeviceError`` if the worker dies or hangs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+from typing import Any
+
+import numpy as np
+
+from .config import ModelShape, NumericShape
+from .errors import DeviceError
+from .numerics import StepNumerics
+
+START_TIMEOUT_S = 120.0  # building the synthetic weights takes ~1.5 s; generous for loaded machines
+CONTROL_TIMEOUT_S = 30.0
+
+
+def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int) -> None:
+    """Worker main loop: build the model, then answer (op, args) requests until "close"."""
+    from .numerics import ShardedModel  # sim_backend/__init__ pins BLAS to one thread before numpy loads
+
+    model = ShardedModel(shape, num, n_cells=n_cells)
+    conn.send((True, "ready"))
+    while True:
+        try:
+            op, args = conn.recv()
+        except EOFError:
+            return  # parent went away
+        try:
+            if op == "forward":
+                out = model.forward(*args)
+                conn.send((True, (out.logits, out.experts_touched)))
+            elif op == "clear_kv":
+                model.clear_kv()
+                conn.send((True, None))
+            elif op == "close":
+                conn.send((True, None))
+                return
+            else:
+                conn.send((False, f"unknown op {op!r}"))
+        except Exception as e:  # noqa: BLE001 - report to the caller as a typed device error
+            conn.send((False, f"{type(e).__name__}: {e}"))
+
+
+class NumericsProcess:
+    """``ShardedModel``-compatible front (``forward``, ``clear_kv``, ``close``) for a worker process.
+
+    Args:
+        shape, num: model shapes (as for ShardedModel).
+        n_cells: KV cells per chip.
+        step_timeout_s: bound on one ``forward`` (host wall seconds).
+    Raises:
+        DeviceError: the worker failed to start, died, or did not answer in time.
+    """
+
+    def __init__(self, shape: ModelShape, num: NumericShape, n_cells: int, *, step_timeout_s: float = 300.0) -> None:
+        self.step_timeout_s = step_timeout_s
+        ctx = mp.get_context("spawn")  # never fork a process that runs threads
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, shape, num, n_cells), name="calconsole-numerics",
+                                 daemon=True)
+        self._proc.start()
+        child.close()
+        self._lock = threading.Lock()
+        with self._lock:
+            self._recv("start", START_TIMEOUT_S)
+
+    def _recv(self, op: str, timeout: float) -> Any:
+        if not self._conn.poll(timeout):
+            alive = self._proc.is_alive()
+            raise DeviceError(f"numerics process {'did not answer' if alive else 'died'} during {op} "
+                              f"(waited {timeout:.0f} s)")
+        try:
+            ok, payload = self._conn.recv()
+        except (EOFError, OSError) as e:
+            raise DeviceError(f"numerics process connection lost during {op}: {e}") from None
+        if not ok:
+            raise DeviceError(f"numerics process failed in {op}: {payload}")
+        return payload
+
+    def _call(self, op: str, args: tuple, timeout: float) -> Any:
+        with self._lock:
+            try:
+                self._conn.send((op, args))
+            except (BrokenPipeError, OSError) as e:
+                raise DeviceError(f"numerics process is gone ({op}): {e}") from None
+            return self._recv(op, timeout)
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray, ctx_cells: np.ndarray,
+                ctx_positions: np.ndarray) -> StepNumerics:
+        """One step in the worker; same contract as ``ShardedModel.forward``."""
+        logits, touched = self._call("forward", (tokens, positions, new_cells, ctx_cells, ctx_positions),
+                                     self.step_timeout_s)
+        return StepNumerics(logits=logits, experts_touched=list(touched))
+
+    def clear_kv(self) -> None:
+        self._call("clear_kv", (), CONTROL_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Stop the worker (bounded): ask, then terminate."""
+        try:
+            self._call("close", (), 2.0)
+        except DeviceError:
+            pass
+        self._proc.join(timeout=2.0)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(timeout=2.0)
+        self._conn.close()
