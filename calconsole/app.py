@@ -7,8 +7,11 @@ UI's event loop.
 
 from __future__ import annotations
 
+import logging
+import threading
+
 from rich.text import Text
-from textual import events, work
+from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.css.query import NoMatches
@@ -22,6 +25,7 @@ from .panes.observation import ObservationPane
 from .widgets.render import mode_text
 
 MIN_WIDTH, MIN_HEIGHT = 80, 24
+log = logging.getLogger(__name__)
 
 
 class CalConsoleApp(App):
@@ -45,6 +49,7 @@ class CalConsoleApp(App):
         self.last_snapshot: dict | None = None
         # widget references: App.query_one searches the *active* screen, which is a modal at times
         self._topbar = Static(id="topbar")
+        self._topbar_text = ""
         self._panes: list = []
 
     def compose(self) -> ComposeResult:
@@ -79,8 +84,10 @@ class CalConsoleApp(App):
     def on_mount(self) -> None:
         if self.screen_stack[0].query("#chat-input"):
             self.action_focus_pane("chat")
-        self.set_interval(1.0 / self.refresh_hz, self.request_snapshot)
-        self.request_snapshot()
+        # one long-lived sampler thread (nvitop-style): cheaper than a Textual worker per refresh
+        self._sampler_stop = threading.Event()
+        self._sampler = threading.Thread(target=self._sample_loop, name="calconsole-snapshots", daemon=True)
+        self._sampler.start()
         self._check_size()
 
     def on_resize(self, event: events.Resize) -> None:
@@ -93,10 +100,20 @@ class CalConsoleApp(App):
         base.query_one("#too-small").display = small
         base.query_one("#columns").display = not small
 
-    @work(thread=True, exclusive=True, group="snapshot", exit_on_error=False)
-    def request_snapshot(self) -> None:
-        snap = self.system.observation.snapshot().to_dict()
-        self.post_message(SnapshotReady(snap))
+    def _sample_loop(self) -> None:
+        """Take a snapshot every 1/refresh_hz s off the UI thread and post it (bounded waits only)."""
+        period = 1.0 / self.refresh_hz
+        while not self._sampler_stop.is_set():
+            try:
+                snap = self.system.observation.snapshot().to_dict()
+            except Exception:  # noqa: BLE001 - a failed sample is skipped, the next one retries
+                log.exception("snapshot failed")
+            else:
+                self.post_message(SnapshotReady(snap))
+            self._sampler_stop.wait(period)
+
+    def on_unmount(self) -> None:
+        self._sampler_stop.set()
 
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
         snap = message.snap
@@ -106,7 +123,9 @@ class CalConsoleApp(App):
                             f" · {d['status']} · jobs done {snap['jobs']['finished']} · "
                             f"KV {snap['kv']['used_tokens']}/{snap['kv']['capacity_tokens']} · "
                             f"sim clock {snap['sim_now_ms'] / 1e3:.2f} s")
-        self._topbar.update(bar)
+        if bar.plain != self._topbar_text:  # an idle console redraws nothing
+            self._topbar_text = bar.plain
+            self._topbar.update(bar, layout=False)
         for pane in self._panes:
             try:
                 pane.update_snapshot(snap)

@@ -18,6 +18,8 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import Collapsible, Input, Label, RichLog, Static
 
 from sim_backend.engine import ChatRequest, DoneEvent, RequestHandle, TokenEvent
+
+from ..widgets.render import set_subtitle
 from sim_backend.errors import RequestError
 from sim_backend.sampling import SamplingParams
 
@@ -224,7 +226,7 @@ class ChatPane(Vertical):
 
     def update_snapshot(self, snap: dict) -> None:
         d = snap["device"]
-        self.border_subtitle = d["mode"] + (f" (lease: {d['lease_holder']})" if d.get("lease_holder") else "")
+        set_subtitle(self, d["mode"] + (f" (lease: {d['lease_holder']})" if d.get("lease_holder") else ""))
 
 
 def _ms(v: float | None) -> str:

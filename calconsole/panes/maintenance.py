@@ -28,6 +28,7 @@ from textual.widgets import Button, Input, RichLog, Static
 from sim_backend.errors import CalError
 
 from ..widgets.confirm import ConfirmModal
+from ..widgets.render import set_subtitle
 
 #: buttons enabled only while this pane holds the lease
 GUARDED = ("#m-leave", "#m-reset", "#m-clear", "#m-reload", "#m-selftest", "#m-health", "#m-probe", "#m-clearkv",
@@ -65,6 +66,7 @@ class MaintenancePane(Vertical):
 
     def __init__(self, maintenance, device_name: str, **kw) -> None:
         super().__init__(**kw)
+        self._mode_line = ""
         self.maintenance = maintenance
         self.device_name = device_name
         self.lease = None
@@ -127,12 +129,14 @@ class MaintenancePane(Vertical):
     def update_snapshot(self, snap: dict) -> None:
         d = snap["device"]
         mode = d["mode"] + (f" (lease: {d['lease_holder']})" if d.get("lease_holder") else "")
-        self.border_subtitle = mode
+        set_subtitle(self, mode)
         style = {"serving": "green", "draining": "yellow", "exclusive": "bold red"}.get(d["mode"], "")
         line = Text.assemble("mode ", (mode, style), " · device ", (d["status"], "green" if d["status"] == "ok" else "red"))
         if d.get("faults"):
             line.append(f" · faults armed: {', '.join(d['faults'])}", style="yellow")
-        self.query_one("#m-mode", Static).update(line)
+        if line.plain != self._mode_line:  # unchanged: no redraw, no relayout
+            self._mode_line = line.plain
+            self.query_one("#m-mode", Static).update(line)
 
     def _need_lease(self, what: str) -> bool:
         if self.lease is None:

@@ -10,6 +10,7 @@ from textual.containers import VerticalScroll
 from textual.widgets import Sparkline, Static
 
 from ..widgets import render
+from ..widgets.render import set_subtitle
 
 
 class ObservationPane(VerticalScroll):
@@ -68,7 +69,7 @@ class ObservationPane(VerticalScroll):
     }
 
     # heavy tables whose values move every step: re-rendered at most this often (s)
-    SLOW_SECTIONS = {"#obs-memory": 2.0, "#obs-layers": 1.0}
+    SLOW_SECTIONS = {"#obs-memory": 2.0, "#obs-layers": 1.0, "#obs-host": 2.0}
     FULL_LAYOUT_EVERY_S = 5.0
 
     def _update(self, wid: str, renderable, key) -> None:
@@ -94,7 +95,7 @@ class ObservationPane(VerticalScroll):
         """
         prev = self._last or {}
         self._last = snap
-        self.border_subtitle = render.mode_text(snap["device"]).plain
+        set_subtitle(self, render.mode_text(snap["device"]).plain)
         now = time.monotonic()
         for wid, (keys, fn) in self.SECTIONS.items():
             if any(prev.get(k) != snap[k] for k in keys):
@@ -124,7 +125,7 @@ def _shape_key(snap: dict, keys: tuple[str, ...]) -> tuple:
         v = snap[k]
         if isinstance(v, (list, tuple)):
             out.append(len(v))
-        elif isinstance(v, dict):
+        elif isinstance(v, dict) and k != "host":  # host is one line whatever its numbers
             out.append((len(v), len(str(v)) // 20))
         else:
             out.append(None)

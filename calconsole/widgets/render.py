@@ -16,6 +16,12 @@ GIB = 2**30
 MIB = 2**20
 
 
+def set_subtitle(widget: Any, text: str) -> None:
+    """Set a pane's border subtitle only when it changes (each set redraws the whole pane)."""
+    if widget.border_subtitle != text:
+        widget.border_subtitle = text
+
+
 def fmt_bytes(n: float) -> str:
     if n >= GIB:
         return f"{n / GIB:.3f} GiB"
