@@ -23,7 +23,7 @@ import psutil
 
 from .bundle import Bundle, Finding
 from .device import SimulatedBoard
-from .engine import ChatRequest, Engine, RequestHandle, RequestResult, SlotInfo
+from .engine import ChatRequest, Engine, RequestHandle, RequestResult
 from .freeze import freeze, thaw
 
 

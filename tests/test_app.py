@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from textual.widgets import Button, RichLog, Static
+from textual.widgets import Button, Static
 
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
 from sim_backend.device import Pacing, PacingMode
 from sim_backend.system import build_system
+
+from pilot_helpers import log_lines, wait_for
 
 
 @pytest.fixture
@@ -17,21 +19,6 @@ def system(tmp_path):
                      drain_timeout_s=0.5)
     yield s
     s.close()
-
-
-async def wait_for(pilot, cond, timeout_s=20.0, step=0.1):
-    """Poll ``cond`` between UI pauses, bounded by ``timeout_s``."""
-    waited = 0.0
-    while waited < timeout_s:
-        if cond():
-            return True
-        await pilot.pause(step)
-        waited += step
-    return cond()
-
-
-def log_lines(app, sel):
-    return [line.text for line in app.query_one(sel, RichLog).lines]
 
 
 def set_max_tokens(app, n):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 import threading
@@ -11,13 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
-from textual.widgets import Button, RichLog
+from textual.widgets import Button
 
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
 from calconsole.panes.maintenance import MaintenancePane
 from sim_backend.device import Pacing, PacingMode
 from sim_backend.system import build_system
+
+from pilot_helpers import has, log_text, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,27 +28,6 @@ def system(tmp_path):
     s = build_system(pacing=Pacing(PacingMode.FAST), audit_path=tmp_path / "audit.jsonl", drain_timeout_s=0.5)
     yield s
     s.close()
-
-
-async def wait_for(pilot, cond, timeout_s=20.0, step=0.05):
-    """Poll ``cond`` between UI pauses, bounded by ``timeout_s``."""
-    waited = 0.0
-    while waited < timeout_s:
-        if cond():
-            return True
-        await pilot.pause(step)
-        waited += step
-    return cond()
-
-
-def log_text(app, sel) -> str:
-    """The log's text with wrapped lines re-joined (whitespace collapsed)."""
-    lines = app.screen_stack[0].query_one(sel, RichLog).lines
-    return re.sub(r"\s+", " ", " ".join(line.text for line in lines))
-
-
-def has(app, sel, text) -> bool:
-    return text in log_text(app, sel)
 
 
 async def chat(pilot, app, text: str, max_tokens: int) -> None:

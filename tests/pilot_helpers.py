@@ -1,0 +1,32 @@
+"""Helpers shared by the Pilot tests: bounded polling and reading logs as a person would."""
+
+from __future__ import annotations
+
+import re
+
+from textual.widgets import RichLog
+
+
+async def wait_for(pilot, cond, timeout_s: float = 20.0, step: float = 0.05) -> bool:
+    """Poll ``cond`` between UI pauses, bounded by ``timeout_s`` (host wall s)."""
+    waited = 0.0
+    while waited < timeout_s:
+        if cond():
+            return True
+        await pilot.pause(step)
+        waited += step
+    return cond()
+
+
+def log_lines(app, sel: str) -> list[str]:
+    """The log's visible lines (as wrapped on screen)."""
+    return [line.text for line in app.screen_stack[0].query_one(sel, RichLog).lines]
+
+
+def log_text(app, sel: str) -> str:
+    """The log's text with wrapped lines re-joined (whitespace collapsed)."""
+    return re.sub(r"\s+", " ", " ".join(log_lines(app, sel)))
+
+
+def has(app, sel: str, text: str) -> bool:
+    return text in log_text(app, sel)
