@@ -26,6 +26,7 @@ from sim_backend.sampling import SamplingParams
 SYNTHETIC_NOTICE = ("Weights are synthetic: the text is not meaningful. Tokens, timings and KV are real "
                     "products of the simulated run. Times are simulated device ms.")
 STREAM_UPDATE_S = 1 / 10
+STREAM_TAIL_CHARS = 600  # live stream box shows the last characters of the reply
 NO_PROGRESS_S = 300.0  # a request that streams nothing for this long is cancelled (host wall s)
 LOG_MAX_LINES = 2000
 
@@ -177,7 +178,11 @@ class ChatPane(Vertical):
     def _on_piece(self, text: str) -> None:
         """A batch of streamed text (already rate-limited by the worker)."""
         self._stream_text += text
-        self.query_one("#chat-stream", Static).update(Text.assemble(("model ", "bold green"), self._stream_text))
+        # only the tail is live-rendered: the box is a few lines high, and re-wrapping a whole long
+        # reply on every update would make typing lag; the full reply goes to the log when done
+        tail = self._stream_text[-STREAM_TAIL_CHARS:]
+        prefix = "model …" if len(self._stream_text) > STREAM_TAIL_CHARS else "model "
+        self.query_one("#chat-stream", Static).update(Text.assemble((prefix, "bold green"), tail))
 
     def _on_done(self, req: ChatRequest, result) -> None:
         self.handle = None
