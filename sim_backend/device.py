@@ -415,9 +415,14 @@ class SimulatedBoard:
             out = []
             for c in range(self.shape.n_chips):
                 st = self.registers.read(f"CHIP{c}_STATUS")
-                state = "cleared" if st & 0x4 else ("fault" if st & 0x2 else "ready")
+                state = "cleared" if st & 0x4 else ("fault" if st & 0x2 or self.numerics_broken else "ready")
                 out.append(ChipletStatus(c, state, busy, self.faults.slow_chip.get(c, 1.0), self._chip_jobs[c]))
             return out
+
+    @property
+    def numerics_broken(self) -> bool:
+        """The numerics worker process died or hung (reset or reload the model to recover)."""
+        return bool(getattr(self.model, "broken", False))
 
     def add_listener(self, fn: Any) -> None:
         """fn(StepResult) called on the device thread after each finished step (keep it cheap)."""
@@ -602,7 +607,10 @@ class SimulatedBoard:
         self.registers.power_on()
         self.kv.clear()
         if self.model is not None:
-            self.model.clear_kv()  # KV back to power-on zeros (fresh lazy pages); weights stay
+            if getattr(self.model, "broken", False):
+                self.load_model()  # the numerics worker died or hung: a reset starts a fresh one
+            else:
+                self.model.clear_kv()  # KV back to power-on zeros (fresh lazy pages); weights stay
         if self._memory_cleared:
             # a reset does not bring weights back: the chips stay "memory cleared" until load_model
             for c in range(self.shape.n_chips):

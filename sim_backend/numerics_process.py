@@ -75,17 +75,27 @@ class NumericsProcess:
         self._proc.start()
         child.close()
         self._lock = threading.Lock()
+        self._broken: str | None = None
         with self._lock:
             self._recv("start", START_TIMEOUT_S)
+
+    @property
+    def broken(self) -> bool:
+        """True once a call timed out or the worker died: its pipe may hold a late answer, so it is
+        never used again (the device reports a fault; reset or reload starts a new worker)."""
+        return self._broken is not None or not self._proc.is_alive()
 
     def _recv(self, op: str, timeout: float) -> Any:
         if not self._conn.poll(timeout):
             alive = self._proc.is_alive()
-            raise DeviceError(f"numerics process {'did not answer' if alive else 'died'} during {op} "
-                              f"(waited {timeout:.0f} s)")
+            self._broken = f"{'did not answer' if alive else 'died'} during {op}"
+            if alive:
+                self._proc.terminate()  # a late reply must never be read as the answer to a later call
+            raise DeviceError(f"numerics process {self._broken} (waited {timeout:.0f} s)")
         try:
             ok, payload = self._conn.recv()
         except (EOFError, OSError) as e:
+            self._broken = f"connection lost during {op}"
             raise DeviceError(f"numerics process connection lost during {op}: {e}") from None
         if not ok:
             raise DeviceError(f"numerics process failed in {op}: {payload}")
@@ -93,9 +103,12 @@ class NumericsProcess:
 
     def _call(self, op: str, args: tuple, timeout: float) -> Any:
         with self._lock:
+            if self.broken:
+                raise DeviceError(f"numerics process unusable ({self._broken or 'died'}): reset or reload the model")
             try:
                 self._conn.send((op, args))
             except (BrokenPipeError, OSError) as e:
+                self._broken = f"gone ({op})"
                 raise DeviceError(f"numerics process is gone ({op}): {e}") from None
             return self._recv(op, timeout)
 
@@ -111,10 +124,11 @@ class NumericsProcess:
 
     def close(self) -> None:
         """Stop the worker (bounded): ask, then terminate."""
-        try:
-            self._call("close", (), 2.0)
-        except DeviceError:
-            pass
+        if not self.broken:
+            try:
+                self._call("close", (), 2.0)
+            except DeviceError:
+                pass
         self._proc.join(timeout=2.0)
         if self._proc.is_alive():
             self._proc.terminate()

@@ -144,7 +144,9 @@ class ObservationPlane:
             for ch in b.chiplets()
         ]
         faults = b.faults.active()
-        status = "memory cleared" if b.memory_cleared else ("degraded" if faults else "ok")
+        status = ("memory cleared" if b.memory_cleared else
+                  "fault: numerics worker down (reset or reload the model)" if b.numerics_broken else
+                  "degraded" if faults else "ok")
         steps = dict(b.last_steps)
         last = max(steps.values(), key=lambda r: r.job_id) if steps else None
         memory = {}

@@ -33,3 +33,47 @@ def test_worker_matches_in_process_model_and_dies_typed():
             proc.forward(np.array([11]), np.array([6]), np.array([6]), ctx, ctx)
     finally:
         proc.close()
+
+
+def test_a_timed_out_worker_is_never_reused():
+    """After a timeout the pipe may hold a late answer: the worker is marked broken and refuses calls."""
+    import os
+    import signal
+
+    proc = NumericsProcess(SHAPE, NUM, 64, step_timeout_s=1.0)
+    try:
+        ctx = np.arange(1)
+        os.kill(proc._proc.pid, signal.SIGSTOP)
+        with pytest.raises(DeviceError):
+            proc.forward(np.array([300]), np.array([0]), np.array([0]), ctx, ctx)
+        assert proc.broken
+        os.kill(proc._proc.pid, signal.SIGCONT)
+        with pytest.raises(DeviceError, match="unusable"):
+            proc.forward(np.array([100]), np.array([0]), np.array([0]), ctx, ctx)
+    finally:
+        proc.close()
+
+
+def test_dead_worker_shows_as_fault_and_reset_recovers(tmp_path):
+    from sim_backend.engine import ChatRequest
+    from sim_backend.sampling import SamplingParams
+    from sim_backend.system import build_system
+
+    with build_system(numerics_process=True, audit_path=tmp_path / "a.jsonl", drain_timeout_s=0.5) as s:
+        req = ChatRequest.from_prompt("hi", max_tokens=4, sampling=SamplingParams(temperature=0.0))
+        first = s.inference.generate(req, 60)
+        assert first.status == "finished"
+        s.board.model._proc.kill()
+        s.board.model._proc.join(5)
+        bad = s.inference.generate(req, 60)
+        assert bad.status == "failed" and "numerics process" in bad.error["message"]
+        snap = s.observation.snapshot().to_dict()
+        assert snap["device"]["status"].startswith("fault") and snap["device"]["chiplets"][0]["state"] == "fault"
+        m = s.maintenance
+        lease = m.enter_exclusive("test")
+        rep = m.reset(lease)
+        assert rep["ok"] and rep["health"]["ok"]
+        m.leave_exclusive(lease)
+        again = s.inference.generate(req, 60)
+        assert again.status == "finished" and again.tokens == first.tokens
+        assert s.observation.snapshot().to_dict()["device"]["status"] == "ok"
