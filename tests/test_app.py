@@ -112,3 +112,17 @@ async def test_reset_disabled_outside_exclusive_and_works_inside(system):
         assert await wait_for(pilot, lambda: app.last_snapshot["jobs"]["resets"] == 1)
         await pilot.click("#m-leave")
         assert await wait_for(pilot, lambda: reset.disabled)
+
+
+async def test_a_second_send_while_submitting_is_refused(system):
+    app = CalConsoleApp(system, load_layout("chat"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        set_max_tokens(app, 30)
+        chat = app.query_one("#chat")
+        app.query_one("#chat-input").focus()
+        await pilot.pause()
+        await pilot.press(*"first", "enter", *"second", "enter")
+        assert await wait_for(pilot, lambda: chat.handle is None and not chat._submitting and chat.history)
+        await pilot.pause(0.3)
+        assert system.engine.metrics.summary()["counters"]["submitted"] == 1
+        assert [m["content"] for m in chat.history if m["role"] == "user"] == ["first"]

@@ -27,6 +27,7 @@ SYNTHETIC_NOTICE = ("Weights are synthetic: the text is not meaningful. Tokens, 
                     "products of the simulated run. Times are simulated device ms.")
 STREAM_UPDATE_S = 1 / 10
 STREAM_TAIL_CHARS = 600  # live stream box shows the last characters of the reply
+CANCEL_GRACE_S = 10.0  # after a no-progress cancel, how long to wait for the request to end
 NO_PROGRESS_S = 300.0  # a request that streams nothing for this long is cancelled (host wall s)
 LOG_MAX_LINES = 2000
 
@@ -59,7 +60,7 @@ class ChatPane(Vertical):
         self.history: list[dict] = []
         self.handle: RequestHandle | None = None
         self._stream_text = ""
-        self._pending_prompt = ""
+        self._submitting = False
         self._wall_start = time.monotonic()
 
     def compose(self) -> ComposeResult:
@@ -114,7 +115,7 @@ class ChatPane(Vertical):
         text = event.value
         if not text.strip():
             return
-        if self.handle is not None:
+        if self.handle is not None or self._submitting:
             self.notify("a reply is still streaming: Esc cancels it", severity="warning")
             return
         try:
@@ -125,20 +126,21 @@ class ChatPane(Vertical):
         req = ChatRequest(messages=tuple(self.history + [{"role": "user", "content": text}]), max_tokens=max_tokens,
                           sampling=sp, stop=stops, client="chat-pane")
         event.input.value = ""
-        self._pending_prompt = text
+        self._submitting = True  # set now: the handle only exists once the worker has submitted
         log = self.query_one("#chat-log", RichLog)
         log.write(Text.assemble(("you ", "bold cyan"), text))
         self.query_one("#chat-status", Static).update("submitting…")
-        self._generate(req)
+        self._generate(req, text)
 
     @work(thread=True, group="chat", exit_on_error=False)
-    def _generate(self, req: ChatRequest) -> None:
-        """Runs on a worker thread: submit, then forward events to the UI thread."""
+    def _generate(self, req: ChatRequest, prompt: str) -> None:
+        """Runs on a worker thread: submit, then forward events to the UI thread (every path ends
+        in exactly one of _on_refused / _on_done / _on_abandoned, which free the pane)."""
         app = self.app
         try:
             handle = self.inference.submit(req)
         except RequestError as e:
-            app.call_from_thread(self._on_refused, e)
+            app.call_from_thread(self._on_refused, e, prompt)
             return
         app.call_from_thread(self._on_started, req, handle)
         # Pieces are batched: at most ~15 UI updates a second however fast tokens come
@@ -156,20 +158,34 @@ class ChatPane(Vertical):
                 pending.clear()
                 last_flush = now
             if isinstance(ev, DoneEvent):
-                app.call_from_thread(self._on_done, req, ev.result)
+                app.call_from_thread(self._on_done, req, ev.result, prompt)
                 return
             if ev is None and now - last_event > NO_PROGRESS_S:
                 handle.cancel(f"chat pane: no progress for {NO_PROGRESS_S:.0f} s")
-                app.call_from_thread(self._log_error, f"request {handle.id}: no progress for {NO_PROGRESS_S:.0f} s")
+                try:  # the cancel normally ends the request within a device step
+                    app.call_from_thread(self._on_done, req, handle.result(CANCEL_GRACE_S), prompt)
+                except TimeoutError:
+                    app.call_from_thread(self._on_abandoned, handle.id, prompt)
                 return
 
-    def _on_refused(self, e: RequestError) -> None:
+    def _on_refused(self, e: RequestError, prompt: str) -> None:
+        self._submitting = False
         self._log_error(f"{e.error_type}: {e}")
         self.query_one("#chat-status", Static).update("")
-        self.query_one("#chat-input", Input).value = self._pending_prompt
+        self.query_one("#chat-input", Input).value = prompt
+
+    def _on_abandoned(self, request_id: int, prompt: str) -> None:
+        """The request made no progress and did not end after cancel: free the pane anyway."""
+        self.handle = None
+        self._submitting = False
+        self.query_one("#chat-stream", Static).update("")
+        self.query_one("#chat-status", Static).update("")
+        self._log_error(f"request {request_id}: no progress for {NO_PROGRESS_S:.0f} s; cancelled and abandoned")
+        self.query_one("#chat-input", Input).value = prompt
 
     def _on_started(self, req: ChatRequest, handle: RequestHandle) -> None:
         self.handle = handle
+        self._submitting = False
         self._stream_text = ""
         self._wall_start = time.monotonic()
         self.query_one("#chat-status", Static).update(
@@ -184,8 +200,9 @@ class ChatPane(Vertical):
         prefix = "model …" if len(self._stream_text) > STREAM_TAIL_CHARS else "model "
         self.query_one("#chat-stream", Static).update(Text.assemble((prefix, "bold green"), tail))
 
-    def _on_done(self, req: ChatRequest, result) -> None:
+    def _on_done(self, req: ChatRequest, result, prompt: str) -> None:
         self.handle = None
+        self._submitting = False
         log = self.query_one("#chat-log", RichLog)
         self.query_one("#chat-stream", Static).update("")
         reply = Text.assemble(("model ", "bold green"), result.text)
@@ -204,10 +221,10 @@ class ChatPane(Vertical):
         log.write(Text(line, style="grey62"))
         self.query_one("#chat-status", Static).update("")
         if result.status == "finished":
-            self.history.extend([{"role": "user", "content": self._pending_prompt},
+            self.history.extend([{"role": "user", "content": prompt},
                                  {"role": "assistant", "content": result.text}])
         elif result.status == "cancelled":
-            self.query_one("#chat-input", Input).value = self._pending_prompt
+            self.query_one("#chat-input", Input).value = prompt
 
     def _log_error(self, msg: str) -> None:
         self.query_one("#chat-log", RichLog).write(Text(msg, style="bold red"))
