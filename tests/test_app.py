@@ -118,10 +118,13 @@ async def test_a_second_send_while_submitting_is_refused(system):
     app = CalConsoleApp(system, load_layout("chat"))
     async with app.run_test(size=(170, 50)) as pilot:
         set_max_tokens(app, 30)
+        from textual.widgets import Input
+
         chat = app.query_one("#chat")
-        app.query_one("#chat-input").focus()
-        await pilot.pause()
-        await pilot.press(*"first", "enter", *"second", "enter")
+        inp = app.query_one("#chat-input", Input)
+        # two Enters handled back to back, before the worker has submitted the first request
+        inp.post_message(Input.Submitted(inp, "first"))
+        inp.post_message(Input.Submitted(inp, "second"))
         assert await wait_for(pilot, lambda: chat.handle is None and not chat._submitting and chat.history)
         await pilot.pause(0.3)
         assert system.engine.metrics.summary()["counters"]["submitted"] == 1
