@@ -440,6 +440,8 @@ class _Request:
         self.kv_wait_start = 0.0
         self.kv_wait_start_sim = 0.0
         self.kv_last_wait_us = 0.0
+        self.kv_last_attempt_us = 0.0
+        self.kv_parked_once = False
         self.fallback_rng = np.random.default_rng(self.sampler.seed)
 
     @property
@@ -744,6 +746,8 @@ class Engine:
                 if len(inflight) < self.max_inflight and not self._stop:
                     work = self._next_work_locked(busy)
                 if work is None and not inflight:
+                    if self._break_kv_deadlock_locked():
+                        continue
                     self._wake.wait(self._idle_wait_s())
                     continue
             if work is not None:
@@ -773,6 +777,30 @@ class Engine:
                 r.slot.cache_tokens = []
             self._end_locked(r, "failed", "none", {"code": 500, "type": "server_error", "type_name": type(e).__name__,
                                                    "message": f"internal error in the engine: {type(e).__name__}: {e}"})
+
+    def _break_kv_deadlock_locked(self) -> bool:
+        """If every running request is parked waiting for KV, none can free cells: fail the newest
+        at once (its cells go back) instead of idling until every deadline passes. True if one ended."""
+        active = [s.req for s in self.slots if s.req is not None]
+        if not active or any(r.kv_deadline is None for r in active):
+            return False
+        idle = [s for s in self.slots if s.req is None and s.cache_tokens]
+        if idle:  # cached prefixes of finished requests go first; then retry at once
+            for s in idle:
+                self.board.kv.free(s.seq_id)
+                s.cache_tokens = []
+            for r in active:
+                r.kv_retry_at = 0.0
+            return True
+        victim = max(active, key=lambda r: (r.arrival_ms, r.id))
+        occ = self.board.kv.occupancy()
+        waited = time.monotonic() - victim.kv_wait_start
+        self.kv_stats["timeouts"] += 1
+        err = _err(KVExhausted(1, occ.free_cells, occ.capacity_cells, waited))
+        err["message"] += ("; every running request was waiting for KV cells, so the newest was ended "
+                           "to let the others finish")
+        self._end_locked(victim, "failed", "none", err)
+        return True
 
     def _idle_wait_s(self) -> float:
         """How long the idle scheduler sleeps: until the earliest KV retry, at most 0.25 s."""
@@ -911,7 +939,9 @@ class Engine:
             return None
         del submit_sim
         r.host["kv_wait"] += kv_wait_us / 1e3
-        return r, job, {"kind": kind, "n": len(toks), "kv_wait_us": kv_wait_us, "submit_host_us": host_us - kv_wait_us}
+        # host work of the submit itself: CPU time minus the apply call (parked wall time is not in host_us)
+        return r, job, {"kind": kind, "n": len(toks), "kv_wait_us": kv_wait_us,
+                        "submit_host_us": max(0.0, host_us - r.kv_last_attempt_us)}
 
     def _apply_kv(self, r: _Request, seq: int, positions: np.ndarray) -> np.ndarray | None:
         """Take KV cells without blocking the scheduler.
@@ -935,7 +965,9 @@ class Engine:
             if getattr(e, "injected", False) or n > occ.capacity_cells:
                 raise  # retrying cannot help
             if r.kv_deadline is None:
-                self.kv_stats["parked_requests"] += 1
+                if not r.kv_parked_once:  # count requests that waited, not parkings
+                    r.kv_parked_once = True
+                    self.kv_stats["parked_requests"] += 1
                 r.kv_deadline = now + self.kv_timeout_s
                 r.kv_wait_start = now
                 r.kv_wait_start_sim = self.board.clock.now_us
@@ -951,7 +983,8 @@ class Engine:
             r.kv_retry_at = now + r.kv_backoff_s
             r.kv_backoff_s = min(0.05, r.kv_backoff_s * 2)
             return None
-        r.kv_last_wait_us = self.host_timer.now() - k0  # the apply itself
+        r.kv_last_attempt_us = self.host_timer.now() - k0  # the apply itself (CPU)
+        r.kv_last_wait_us = r.kv_last_attempt_us
         if r.kv_deadline is not None:
             waited = now - r.kv_wait_start
             r.kv_last_wait_us += waited * 1e6
@@ -1088,6 +1121,12 @@ class Engine:
         """Finish a request: free its slot (and its KV on cancel/failure), record metrics, deliver the result."""
         if r.handle._result is not None:
             return
+        if r.kv_deadline is not None:  # ended while parked on KV (cancel, drain, deadlock): book the wait
+            waited = time.monotonic() - r.kv_wait_start
+            r.host["kv_wait"] += waited * 1e3
+            self.kv_stats["wait_wall_ms"] += waited * 1e3
+            self.board.clock.host_span(r.kv_wait_start_sim, waited * 1e6)
+            r.kv_deadline = None
         now_ms = self.board.clock.now_us / 1e3 if done_ms is None else done_ms
         if r in self._queue:
             self._queue.remove(r)
