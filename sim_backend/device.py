@@ -312,7 +312,7 @@ class SimulatedBoard:
         self._ccu = self._resets = 0
         self._chip_jobs = [0] * self.shape.n_chips
         self.last_steps: dict[str, StepResult] = {}
-        self._pace_log: deque[tuple[float, float]] = deque(maxlen=256)  # (wall s, sim end µs) per step
+        self._pace_log: deque[tuple[float, float, int]] = deque(maxlen=256)  # (wall s, sim end µs, epoch)
         self._listeners: list[Any] = []
         self.load_model()
         self._thread = threading.Thread(target=self._loop, name="calculet-device", daemon=True)
@@ -501,7 +501,7 @@ class SimulatedBoard:
         if gen != self._generation:
             return
         self.clock.advance_to(end)
-        self._pace_log.append((time.perf_counter(), end))
+        self._pace_log.append((time.perf_counter(), end, self._pace_epoch))
         res = StepResult(job.id, job.kind, job.seq_id, int(job.tokens.shape[0]), job.past_len, logits_bf16,
                          touched, cost, sim_us, start, end, compute_ms)
         if job._finish(JobState.DONE, result=res):
@@ -520,27 +520,33 @@ class SimulatedBoard:
 
     _device_free_us = 0.0
     _pace_anchor: tuple[float, float] | None = None  # (wall s, sim µs) pacing is measured from
-    _pace_last_wall = 0.0
+    _pace_prev: tuple[float, float] | None = None  # (deadline wall s, end sim µs) of the previous step
+    _pace_epoch = 0  # bumped at every re-anchor; achieved_speed only looks at the current run
+    IDLE_GAP_S = 0.05  # a wall gap this much longer than the booked host work means the device idled
 
     def _pacing_deadline(self, wall0: float, start_us: float, end_us: float) -> float:
         """Wall time (perf_counter s) at which a step ending at simulated ``end_us`` may complete.
 
         Paced against the simulated clock since an anchor, not step by step:
-        host turnaround between steps (thread wake-ups, sampling) is already
-        on the simulated clock, so sleeping a full step after it would make
-        the console run slower than the figures it shows. The anchor resets
-        after an idle gap or when more than 1 s behind (no burst catch-up).
+        host turnaround between steps is booked on the simulated clock, so the
+        deadline of a step follows the previous one by exactly the simulated
+        time in between, and thread wake-up latency is absorbed instead of
+        accumulating. The device re-anchors when it was idle (the wall gap
+        exceeds the booked host work by IDLE_GAP_S) or is more than 1 s behind.
         """
         speed = self.pacing.speed
-        a = self._pace_anchor
-        if a is None or wall0 - self._pace_last_wall > 0.5:
+        a, prev = self._pace_anchor, self._pace_prev
+        idle = prev is None or wall0 > prev[0] + (start_us - prev[1]) / 1e6 / speed + self.IDLE_GAP_S
+        if a is None or idle:
             a = (wall0, start_us)
+            self._pace_epoch += 1
         deadline = a[0] + (end_us - a[1]) / 1e6 / speed
         if deadline < time.perf_counter() - 1.0:
             a = (wall0, start_us)
+            self._pace_epoch += 1
             deadline = a[0] + (end_us - a[1]) / 1e6 / speed
         self._pace_anchor = a
-        self._pace_last_wall = max(deadline, time.perf_counter())
+        self._pace_prev = (max(deadline, time.perf_counter()), end_us)
         return deadline
 
     def achieved_speed(self, window_s: float = 3.0) -> float | None:
@@ -551,7 +557,8 @@ class SimulatedBoard:
         (the console then streams slower than the simulated figures say).
         """
         now = time.perf_counter()
-        pts = [p for p in list(self._pace_log) if now - p[0] <= window_s]
+        epoch = self._pace_epoch  # only steps paced from the current anchor (no idle gap inside)
+        pts = [p for p in list(self._pace_log) if now - p[0] <= window_s and p[2] == epoch]
         if len(pts) < 5 or now - pts[-1][0] > 1.0:
             return None
         dw = pts[-1][0] - pts[0][0]
