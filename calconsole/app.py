@@ -98,7 +98,9 @@ class CalConsoleApp(App):
         base = self.screen_stack[0]
         small = size.width < MIN_WIDTH or size.height < MIN_HEIGHT
         base.query_one("#too-small").display = small
-        base.query_one("#columns").display = not small
+        columns = base.query_one("#columns")
+        columns.display = not small
+        columns.disabled = small  # hidden panes must not take keystrokes (focus keys included)
 
     def _sample_loop(self) -> None:
         """Take a snapshot every 1/refresh_hz s off the UI thread and post it (bounded waits only)."""

@@ -129,3 +129,32 @@ async def test_a_second_send_while_submitting_is_refused(system):
         await pilot.pause(0.3)
         assert system.engine.metrics.summary()["counters"]["submitted"] == 1
         assert [m["content"] for m in chat.history if m["role"] == "user"] == ["first"]
+
+
+async def test_maintenance_keys_keep_working_after_entering_exclusive(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        await pilot.press("f3")
+        assert app.focused.id == "m-enter"
+        await pilot.press("x")
+        pane = app.query_one("#maintenance")
+        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await pilot.pause()
+        assert app.focused is not None and pane in app.focused.ancestors_with_self and not app.focused.disabled
+        await pilot.press("r")  # the pane's key still reaches it: the confirmation opens
+        assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
+        await pilot.press("escape")
+
+
+async def test_hidden_panes_take_no_keys_when_the_terminal_is_too_small(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        await pilot.resize_terminal(70, 20)
+        await pilot.pause()
+        assert app.query_one("#too-small").display
+        await pilot.press("f2", *"hidden", "enter")
+        await pilot.pause(0.3)
+        assert system.engine.metrics.summary()["counters"]["submitted"] == 0
+        await pilot.resize_terminal(170, 50)
+        await pilot.pause()
+        assert not app.query_one("#too-small").display and app.query_one("#columns").display

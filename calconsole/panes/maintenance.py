@@ -109,10 +109,16 @@ class MaintenancePane(Vertical):
         self._log(f"audit log: {self.maintenance.audit.path}", "dim")
 
     def _sync_buttons(self) -> None:
+        had_focus = self.app.focused is not None and self in self.app.focused.ancestors_with_self
         held = self.lease is not None
         self.query_one("#m-enter", Button).disabled = held or self._entering
         for sel in GUARDED:
             self.query_one(sel, Button).disabled = not held
+        # a disabled button loses focus: keep it in this pane so its keys keep working
+        if had_focus and (self.app.focused is None or self not in self.app.focused.ancestors_with_self
+                          or self.app.focused.disabled):
+            enabled = [w for w in self.query("Button") if not w.disabled]
+            (enabled[0] if enabled else self.query_one("#m-log")).focus()
         self.refresh_bindings()
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
