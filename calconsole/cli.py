@@ -31,7 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _raise_broken_pipe(self) -> None:
+    # rich turns a closed stdout into SystemExit(1); let main() treat it like any broken pipe
+    raise BrokenPipeError
+
+
 def main(argv: list[str] | None = None) -> int:
+    import rich.console
+
+    rich.console.Console.on_broken_pipe = _raise_broken_pipe
     parser = build_parser()
     args = finalize(parser.parse_args(argv))
     try:

@@ -54,6 +54,8 @@ def register(sub, common) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.drain_timeout <= 60:
         return fail(f"--drain-timeout must be in [0, 60] s, got {args.drain_timeout}")
+    if args.timing_only:
+        return fail("the drill needs the numerics (its golden self-test compares logits); drop --timing-only")
     try:
         system = build_from_args(args, maintenance=True, drain_timeout_s=args.drain_timeout)
     except (CalError, ValueError) as e:

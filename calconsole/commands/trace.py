@@ -22,6 +22,8 @@ from .common import add_common_options, build_from_args, fail, print_json
 DEFAULT_PROMPT = "Explain in two sentences how an NPU serves a large language model."
 
 
+MAX_TRACE_TOKENS = 64
+
 def register(sub, common) -> None:
     p = sub.add_parser(
         "trace", help="run one request and write a Chrome trace JSON of every step",
@@ -32,7 +34,7 @@ def register(sub, common) -> None:
     p.add_argument("prompt", nargs="?", default=None,
                    help=f"user message ('-' reads stdin; default: {DEFAULT_PROMPT!r})")
     p.add_argument("--out", required=True, metavar="FILE", help="trace file to write (JSON)")
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens to generate (default 8)")
+    p.add_argument("--max-tokens", type=int, default=8, help=f"tokens to generate (default 8, at most {MAX_TRACE_TOKENS})")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
     add_common_options(p, default_pacing="fast")
@@ -44,12 +46,16 @@ def run(args: argparse.Namespace) -> int:
     from sim_backend.sampling import SamplingParams
     from sim_backend.trace import StepRecorder, steps_from_results, write_chrome_trace
 
-    if args.max_tokens < 1:
-        return fail(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if not 1 <= args.max_tokens <= MAX_TRACE_TOKENS:
+        # one event per op per chip: ~2,500 events (~0.5 MB of JSON) per decode step
+        return fail(f"--max-tokens must be in 1..{MAX_TRACE_TOKENS} (each step adds ~2,500 trace events), "
+                    f"got {args.max_tokens}")
     prompt = DEFAULT_PROMPT if args.prompt is None else (sys.stdin.read() if args.prompt == "-" else args.prompt)
     out = Path(args.out)
     if out.parent and not out.parent.exists():
         return fail(f"directory of --out does not exist: {out.parent}")
+    if out.is_dir():
+        return fail(f"--out is a directory, not a file: {out}")
     req = ChatRequest.from_prompt(prompt, max_tokens=args.max_tokens, sampling=SamplingParams(seed=args.seed),
                                   client="cli-trace")
     try:
