@@ -923,7 +923,7 @@ class Engine:
                 return None  # parked: KV is full; retried after a back-off while others run
             kv_wait_us = r.kv_last_wait_us
             host_us = ht.now() - t0
-            submit_sim = self.board.clock.host_span(start_sim, host_us)
+            self.board.clock.host_span(start_sim, host_us)  # the job is submitted after this host work
             if kind == "prefill" and r.prefill_start_ms is None:
                 r.prefill_start_ms = start_sim / 1e3
             # CalRT path (FACTS F1): pooled buffers, CSR set and checked, ping/pong task type
@@ -937,7 +937,6 @@ class Engine:
             with self._lock:
                 self._end_locked(r, "failed", "none", _err(e))
             return None
-        del submit_sim
         r.host["kv_wait"] += kv_wait_us / 1e3
         # host work of the submit itself: CPU time minus the apply call (parked wall time is not in host_us)
         return r, job, {"kind": kind, "n": len(toks), "kv_wait_us": kv_wait_us,
