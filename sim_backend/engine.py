@@ -35,11 +35,19 @@ graph runs it and its logits give one valid token.
 
 Clocks: request timestamps are SIMULATED device milliseconds on the board's
 clock (``SimClock``). Host work (tokenising, KV apply, buffer set-up,
-sampling, detokenising) is measured with ``host_timer`` (host wall time,
-or scripted in tests) and added to that clock (``SimClock.host_span``)
-before the device step it precedes or after the step it follows, so TTFT
-is honest. ``Timings.host_ms`` holds the measured host parts and
-``Timings.device_ms`` the simulated device parts (h2d, infer, d2h).
+sampling, detokenising) is measured with ``host_timer`` (this thread's CPU
+time, so waiting for the GIL behind the console's UI is not counted; scripted
+in tests) and added to that clock (``SimClock.host_span``) before the device
+step it precedes or after the step it follows, so TTFT is honest. Time a
+request spends parked waiting for KV cells is wall time and is booked too.
+``Timings.host_ms`` holds the measured host parts and ``Timings.device_ms``
+the simulated device parts (h2d, infer, d2h).
+
+KV pressure: a step that finds the cache full does not block the scheduler;
+its request is parked and retried with back-off until its own deadline
+(``kv_timeout_s``), then fails with ``KVExhausted``. If every running
+request is parked, idle prefix caches are evicted first, and otherwise the
+newest request is ended at once so the others can finish.
 """
 
 from __future__ import annotations
