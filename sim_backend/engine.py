@@ -215,7 +215,8 @@ class StageTimes:
 
     h2d_ms / infer_ms / d2h_ms: SIMULATED device ms (cost model, x slow-chip factor).
     tokenize_ms / kv_wait_ms / sampling_ms / detokenize_ms / framework_ms:
-    measured host ms (wall time, or scripted in tests). ``tokenize_ms`` is the
+    measured host ms (thread CPU time; kv_wait adds the wall time spent parked;
+    scripted in tests). ``tokenize_ms`` is the
     request's prompt tokenisation, attributed to its first prefill step (0
     elsewhere). ``framework_ms`` is the rest of the host work of the step (KV
     bookkeeping, buffer set-up, submit, result handling). ``sampling_ms``

@@ -54,7 +54,8 @@ class InferencePlane:
 class Snapshot:
     """One read-only observation. All numbers say their unit in their key:
     ``*_us`` / ``*_ms`` under ``last_step`` and ``requests`` are SIMULATED device
-    time; ``host`` and ``*_wall_ms`` are measured host wall time."""
+    time; ``host`` and ``*_wall_ms`` are measured host wall time; ``stages`` host
+    parts are measured host CPU ms."""
 
     taken_unix_s: float
     sim_now_ms: float

@@ -151,7 +151,7 @@ def requests_panel(snap: dict) -> Group:
 
 def stages_panel(snap: dict) -> Table:
     t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70",
-              title="last step stages (device: sim ms · host: wall ms)", title_style="grey62", title_justify="left")
+              title="last step stages (device: sim ms · host: measured ms, CPU time; kv_wait: wall)", title_style="grey62", title_justify="left")
     cols = ("kind", "h2d", "infer", "d2h", "kv_wait", "sampling", "detok", "framework")
     for col in cols:
         t.add_column(col, justify="right" if col != "kind" else "left")
