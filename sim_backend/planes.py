@@ -153,6 +153,10 @@ class ObservationPlane:
         memory = {}
         if self._memory_plan is not None:
             memory = self._memory_plan.with_kv_used(occ.used_cells).to_dict()
+            if b.memory_cleared:  # ClearAllDevMem: nothing is loaded until the model is reloaded
+                for chip in memory.get("chips", []):
+                    for reg in chip["regions"]:
+                        reg["used_bytes"] = 0
         with self._proc.oneshot():
             host = {"cpu_percent": self._proc.cpu_percent(None), "rss_bytes": self._proc.memory_info().rss,
                     "threads": self._proc.num_threads(), "system_cpu_percent": psutil.cpu_percent(None)}

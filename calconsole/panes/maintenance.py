@@ -35,7 +35,7 @@ GUARDED = ("#m-leave", "#m-reset", "#m-clear", "#m-reload", "#m-selftest", "#m-h
            "#m-dump", "#m-f-ccu", "#m-f-kv", "#m-f-link", "#m-f-slow", "#m-f-clear", "#m-reg-read", "#m-reg-write",
            "#m-reg-all")
 #: key actions that need the lease
-GUARDED_ACTIONS = {"leave", "reset", "clear", "self_test", "probe", "fault_ccu"}
+GUARDED_ACTIONS = {"leave", "reset", "clear", "reload", "self_test", "probe", "fault_ccu"}
 FAULT_BUTTONS = {"m-f-ccu": ("ccu_exception", {}), "m-f-kv": ("kv_exhaustion", {}),
                  "m-f-link": ("link_error", {}), "m-f-slow": ("slow_chip", {"chip": 1, "factor": 4.0})}
 
@@ -59,6 +59,7 @@ class MaintenancePane(Vertical):
         Binding("l", "leave", "leave excl."),
         Binding("r", "reset", "reset"),
         Binding("c", "clear", "clear mem"),
+        Binding("o", "reload", "reload model"),
         Binding("t", "self_test", "self-test"),
         Binding("p", "probe", "probe"),
         Binding("f", "fault_ccu", "CCU fault"),
@@ -222,10 +223,13 @@ class MaintenancePane(Vertical):
     def _b_clear(self) -> None:
         self.action_clear()
 
-    @on(Button.Pressed, "#m-reload")
-    def _b_reload(self) -> None:
+    def action_reload(self) -> None:
         if self._need_lease("reload model"):
             self._run("reload_model", lambda: self.maintenance.reload_model(self.lease))
+
+    @on(Button.Pressed, "#m-reload")
+    def _b_reload(self) -> None:
+        self.action_reload()
 
     @on(Button.Pressed, "#m-selftest")
     def _b_selftest(self) -> None:

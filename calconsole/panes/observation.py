@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+from rich.console import Group
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import VerticalScroll
@@ -28,6 +30,7 @@ class ObservationPane(VerticalScroll):
         self.show_kind = "last_step"
         self._last: dict | None = None
         self._shape: dict[str, object] = {}
+        self._shown: dict[str, object] = {}  # section -> the snapshot data it currently shows
         self._rendered_at: dict[str, float] = {}
         self._last_layout = 0.0
 
@@ -49,11 +52,17 @@ class ObservationPane(VerticalScroll):
         order = ["last_step", "last_decode", "last_prefill"]
         self.show_kind = order[(order.index(self.show_kind) + 1) % len(order)]
         if self._last is not None:
+            self._shown["#obs-layers"] = (self.show_kind, self._last[self.show_kind])
             self._render_layers(self._last)
+
+    VIEW_NAMES = {"last_step": "last step", "last_decode": "last decode", "last_prefill": "last prefill"}
 
     def _render_layers(self, snap: dict) -> None:
         step = snap[self.show_kind]
-        self._update("#obs-layers", render.layers_panel(step), (self.show_kind, len(step.get("layers", ()))))
+        view = Text(f"per-layer view: {self.VIEW_NAMES[self.show_kind]} (t cycles last step / decode / prefill)",
+                    style="bold grey70")
+        self._update("#obs-layers", Group(view, render.layers_panel(step)),
+                     (self.show_kind, len(step.get("layers", ())), render.layers_uniform(step)))
 
     # widget id -> (snapshot keys it shows, renderer)
     SECTIONS = {
@@ -98,11 +107,15 @@ class ObservationPane(VerticalScroll):
         set_subtitle(self, render.mode_text(snap["device"]).plain)
         now = time.monotonic()
         for wid, (keys, fn) in self.SECTIONS.items():
-            if any(prev.get(k) != snap[k] for k in keys):
+            data = tuple(snap[k] for k in keys)
+            # compared with what is on screen (not the previous snapshot), so a rate-limited
+            # section catches up on a later refresh even when the data has stopped changing
+            if self._shown.get(wid) != data:
                 period = self.SLOW_SECTIONS.get(wid)
                 if period is not None and now - self._rendered_at.get(wid, 0.0) < period:
                     continue
                 self._rendered_at[wid] = now
+                self._shown[wid] = data
                 self._update(wid, fn(snap), _shape_key(snap, keys))
         q = self.query_one
         if prev.get("history") != snap["history"]:
@@ -112,9 +125,11 @@ class ObservationPane(VerticalScroll):
             q("#obs-spark-label", Static).display = spark.display
             if spark.display:
                 spark.data = tps
-        if prev.get(self.show_kind) != snap[self.show_kind] and (
+        layers_data = (self.show_kind, snap[self.show_kind])
+        if self._shown.get("#obs-layers") != layers_data and (
                 now - self._rendered_at.get("#obs-layers", 0.0) >= self.SLOW_SECTIONS["#obs-layers"]):
             self._rendered_at["#obs-layers"] = now
+            self._shown["#obs-layers"] = layers_data
             self._render_layers(snap)
 
 

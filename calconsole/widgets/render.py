@@ -141,9 +141,12 @@ def requests_panel(snap: dict) -> Group:
     slo = g["slo"]
     slo_s = ", ".join(f"{k}<={v:g}" for k, v in slo.items() if v is not None) or "no SLO set"
     n = g["good_requests"]
-    gp = Text(f"goodput ({slo_s}): {n} request{'s' if n != 1 else ''} met the SLO"
-              + (f", {g['tokens_per_s']:.1f} tok/s over the sim time since the first request (idle included)"
-                 if g["tokens_per_s"] is not None else ""), style="grey70")
+    rate = (f", {g['tokens_per_s']:.1f} tok/s over the sim time since the first request (idle included)"
+            if g["tokens_per_s"] is not None else "")
+    if any(v is not None for v in slo.values()):
+        gp = Text(f"goodput ({slo_s}): {n} request{'s' if n != 1 else ''} met the SLO" + rate, style="grey70")
+    else:  # without an SLO every finished request counts: this is plain throughput
+        gp = Text(f"no SLO set (metrics --slo): {n} finished request{'s' if n != 1 else ''}" + rate, style="grey70")
     tok = r["tokens"]
     toks = Text(f"tokens prompt {tok['prompt']} cached {tok['cached']} predicted {tok['predicted']}", style="grey70")
     return Group(head, t, gp, toks)
@@ -162,6 +165,12 @@ def stages_panel(snap: dict) -> Table:
     return t
 
 
+def layers_uniform(step: dict) -> bool:
+    """Every layer of the step costs the same (within 1%)."""
+    per_layer = [max(layer["chip_us"]) for layer in step.get("layers", ())]
+    return bool(per_layer) and max(per_layer) - min(per_layer) <= 0.01 * max(per_layer)
+
+
 def layers_panel(step: dict, max_rows: int | None = None) -> Any:
     """48-row per-layer table: chip0 / chip1 simulated µs, a heat bar and the slowest category.
 
@@ -174,7 +183,7 @@ def layers_panel(step: dict, max_rows: int | None = None) -> Any:
     layers = step["layers"]
     per_layer = [max(layer["chip_us"]) for layer in layers]
     lo, hi = min(per_layer), max(per_layer)
-    uniform = hi - lo <= 0.01 * hi
+    uniform = layers_uniform(step)
     title = (f"last {step['kind']}: {step['n_tokens']} tok @ ctx {step['past_len']} · "
              f"{step['sim_us'] / 1e3:.2f} ms sim (h2d {step['h2d_us'] / 1e3:.3f} / infer {step['infer_us'] / 1e3:.2f} / "
              f"d2h {step['d2h_us'] / 1e3:.3f} ms) · {step['compute_wall_ms']:.1f} ms wall to compute"
@@ -187,6 +196,11 @@ def layers_panel(step: dict, max_rows: int | None = None) -> Any:
         t.add_column(f"chip{c} µs", justify="right")
     t.add_column("heat (fastest..slowest layer)" if not uniform else "heat")
     t.add_column("slowest category")
+    if uniform:  # 48 identical rows say less than one
+        first = layers[0]
+        t.add_row(f"0-{len(layers) - 1}", *[f"{u:.1f}" for u in first["chip_us"]], Text("uniform", style="grey50"),
+                  Text(first["slowest_category"], style="magenta"))
+        return Group(Text(title, style="grey70"), t)
     rows = layers if max_rows is None else layers[:max_rows]
     for layer, v in zip(rows, per_layer):
         heat = Text("uniform", style="grey50") if uniform else bar((v - lo) / (hi - lo), 12, warn=0.7, crit=0.95)
