@@ -324,7 +324,7 @@ class MaintenancePane(Vertical):
             self._log(f"{action}: {'ok' if good else 'FAILED'} · {summarize_result(action, result)}",
                       "green" if good else "bold red")
             if action == "clear_device_memory" and good:
-                self._log("inference is refused until the model is reloaded: press Reload", "yellow")
+                self._log("inference is refused until the model is reloaded: press Reload (key o)", "yellow")
         self._sync_buttons()
         if action == "clear_device_memory" and ok:
             self.query_one("#m-reload", Button).focus()
@@ -360,4 +360,6 @@ def summarize_result(action: str, r) -> str:
         return f"wrote {r['path']} ({r['bytes']} bytes, {r['steps']} steps)"
     if action == "clear_kv":
         return f"freed {r['freed_tokens']} KV tokens"
+    if action == "clear_device_memory":
+        return "DRAM and SRAM zeroed; inference refused until the model is reloaded (Reload, key o)"
     return json.dumps(r, default=str)
