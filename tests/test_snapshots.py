@@ -44,6 +44,10 @@ async def test_enter_without_the_name_cancels():
 
     app = Host()
     async with app.run_test() as pilot:
-        await pilot.press(*"calc", "enter")
+        await pilot.press("enter")  # nothing typed: plain cancel
         await pilot.pause()
-    assert results == [False]
+        app.push_screen(ConfirmModal("Reset device", "detail", "calculet0"), results.append)
+        await pilot.pause()
+        await pilot.press(*"calc", "enter")  # a wrong name: cancel, reported as a mismatch
+        await pilot.pause()
+    assert results == [False, None]

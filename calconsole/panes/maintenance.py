@@ -199,6 +199,10 @@ class MaintenancePane(Vertical):
             self._run("inject_fault", lambda: self.maintenance.inject_fault(self.lease, "ccu_exception"))
 
     def _confirmed(self, ok: bool | None, action: str, fn) -> None:
+        if ok is None:
+            self._log(f"{action}: cancelled at the confirmation: the typed name does not match the device "
+                      f"name {self.device_name!r}", "yellow")
+            return
         if not ok:
             self._log(f"{action}: cancelled at the confirmation", "dim")
             return

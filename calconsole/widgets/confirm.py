@@ -17,8 +17,9 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label
 
 
-class ConfirmModal(ModalScreen[bool]):
-    """Returns True only if the operator typed ``device_name`` and pressed Confirm."""
+class ConfirmModal(ModalScreen[bool | None]):
+    """Returns True only if the operator typed ``device_name`` and confirmed; False when cancelled,
+    None when Enter was pressed on a name that does not match (also a cancel)."""
 
     BINDINGS = [Binding("escape", "cancel", "cancel")]
 
@@ -50,7 +51,11 @@ class ConfirmModal(ModalScreen[bool]):
     @on(Input.Submitted, "#confirm-name")
     def _submitted(self, event: Input.Submitted) -> None:
         # Enter is "confirm" only with the exact name; anything else takes the default, Cancel
-        self.dismiss(event.value == self.device_name)
+        # (None: cancelled because a name was typed that does not match, so the caller can say so)
+        if event.value == self.device_name:
+            self.dismiss(True)
+        else:
+            self.dismiss(None if event.value else False)
 
     @on(Button.Pressed, "#confirm-ok")
     def _ok(self) -> None:
