@@ -392,9 +392,11 @@ def test_register_read_any_write_only_writable(system):
 
 # --- faults -----------------------------------------------------------------------------------
 
+# fault kind -> the typed error the request that hits it ends with
+FAULT_CASES = [("ccu_exception", "CCUException"), ("kv_exhaustion", "KVExhausted"), ("link_error", "LinkError")]
 
-@pytest.mark.parametrize("kind,error", [("ccu_exception", "CCUException"), ("kv_exhaustion", "KVExhausted"),
-                                        ("link_error", "LinkError")])
+
+@pytest.mark.parametrize("kind,error", FAULT_CASES)
 def test_fault_hits_one_probe_then_device_recovers(system, kind, error):
     m = system.maintenance
     lease = m.enter_exclusive("alice")
@@ -411,8 +413,7 @@ def test_fault_hits_one_probe_then_device_recovers(system, kind, error):
     m.leave_exclusive(lease)
 
 
-@pytest.mark.parametrize("kind,error", [("ccu_exception", "CCUException"), ("kv_exhaustion", "KVExhausted"),
-                                        ("link_error", "LinkError")])
+@pytest.mark.parametrize("kind,error", FAULT_CASES)
 def test_armed_fault_fails_one_live_request_while_others_are_served(system, kind, error):
     m = system.maintenance
     lease = m.enter_exclusive("alice")

@@ -22,6 +22,12 @@ def set_subtitle(widget: Any, text: str) -> None:
         widget.border_subtitle = text
 
 
+def plain_table(title: str | None = None) -> Table:
+    """The observation pane's borderless table (optional dim, left-aligned title)."""
+    return Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70", title=title,
+                 title_style="grey62", title_justify="left")
+
+
 def fmt_bytes(n: float) -> str:
     if n >= GIB:
         return f"{n / GIB:.3f} GiB"
@@ -111,7 +117,7 @@ def kv_panel(snap: dict) -> Group:
 
 
 def slots_panel(snap: dict) -> Table:
-    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70")
+    t = plain_table()
     for col in ("slot", "state", "req", "prompt", "prefilled", "generated", "cached"):
         t.add_column(col, justify="right" if col not in ("state",) else "left")
     for s in snap["slots"]:
@@ -130,7 +136,7 @@ def requests_panel(snap: dict) -> Group:
         head.append(f"{c[k]}  ", style="bold")
     if not r["balanced"]:
         head.append("UNBALANCED", style="bold red")
-    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70")
+    t = plain_table()
     t.add_column("sim ms")
     for q in ("p50", "p95", "p99", "n"):
         t.add_column(q, justify="right")
@@ -153,8 +159,7 @@ def requests_panel(snap: dict) -> Group:
 
 
 def stages_panel(snap: dict) -> Table:
-    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70",
-              title="last step stages (device: sim ms · host: measured ms, CPU time; kv_wait: wall)", title_style="grey62", title_justify="left")
+    t = plain_table("last step stages (device: sim ms · host: measured ms, CPU time; kv_wait: wall)")
     cols = ("kind", "h2d", "infer", "d2h", "kv_wait", "sampling", "detok", "framework")
     for col in cols:
         t.add_column(col, justify="right" if col != "kind" else "left")
@@ -189,7 +194,7 @@ def layers_panel(step: dict, max_rows: int | None = None) -> Any:
              f"d2h {step['d2h_us'] / 1e3:.3f} ms) · {step['compute_wall_ms']:.1f} ms wall to compute"
              + (" · all layers equal" if uniform else ""))
     # title as its own line: a Table title wraps at the (narrow) table width
-    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70")
+    t = plain_table()
     t.add_column("L", justify="right")
     n_chips = len(layers[0]["chip_us"])
     for c in range(n_chips):
@@ -214,8 +219,7 @@ def memory_panel(snap: dict) -> Any:
     chips = mem.get("chips") or mem.get("per_chip") or []
     if not chips:
         return Text("memory map unavailable", style="grey50")
-    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70",
-              title="memory map per chip: used / reserved / physical", title_style="grey62", title_justify="left")
+    t = plain_table("memory map per chip: used / reserved / physical")
     t.add_column("chip")
     t.add_column("region")
     t.add_column("kind")
@@ -239,8 +243,7 @@ def host_panel(snap: dict) -> Text:
 def findings_panel(snap: dict) -> Any:
     if not snap["findings"]:
         return Text("manifest: no findings", style="green")
-    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold grey70",
-              title="manifest findings", title_style="grey62", title_justify="left")
+    t = plain_table("manifest findings")
     t.add_column("sev")
     t.add_column("field")
     t.add_column("finding")
