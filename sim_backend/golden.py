@@ -16,16 +16,25 @@ What ``golden.npz`` stores, and why (about 0.3 MB):
   come back as BF16, 303,872 B). This is what the self-test compares to.
   A float32 golden would not do: these logits reach |x| ~ 40, where BF16
   spacing is 0.25, so even a perfect device differs from float32 by up to
-  0.125 > the manifest's ``max_abs_error`` 0.05. Compared BF16 to BF16, a
-  healthy device gives 0.0, and any corrupted weight, KV or routing shows as
-  a large error.
+  0.125 > the manifest's ``max_abs_error`` 0.05.
 - ``ref_topk_ids`` / ``ref_topk_logits``: the 64 largest float32 reference
   logits (int32 / float32), for a readable report and for checking the
   float32 path without storing 600 KB.
 - ``ref_sha256``: SHA-256 of the full float32 reference logits (little
-  endian), so ``--check`` proves the numerics still reproduce the reference
-  bit for bit.
+  endian). Reported by ``--check`` as ``bit_exact``, never required: BLAS
+  kernels differ between CPUs and builds, so the float32 logits are
+  bit-identical only where the file was written.
 - ``input_ids`` (int32), ``input_text``, ``meta`` (JSON: bundle, widths, seed, format).
+
+What passes, on any machine (``compare``): every device logit within one
+BF16 step (of the larger magnitude) plus ``golden.max_abs_error`` of the
+golden BF16 value, all finite, and the same top-1 token. Why: another CPU's
+float32 logits drift by a few 1e-6 (``F32_DRIFT_ATOL``), which BF16
+rounding turns into at most one step (0.03125 at |x| in [4, 8)); a healthy
+device here gives 0.0 and elsewhere a few one-step flips. A corrupted
+weight, KV cell or routing decision moves many logits by 0.3 to 20 and
+fails. ``--write`` refuses a golden input whose top-1 lead is not twice
+the bound, so top-1 agreement follows from the bound.
 
 The file is written with ``np.savez_compressed``; it is far under the
 700 KB budget (the full float32 vector alone would be 608 KB).
@@ -36,17 +45,29 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import stat
 import sys
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from .errors import ManifestError
 
 GOLDEN_FORMAT = "calconsole-golden/1"
 GOLDEN_TEXT = "<|im_start|>user\nhi<|im_end|>\n"
 GOLDEN_IDS = (151644, 872, 198, 6023, 151645, 198)
 TOPK = 64
 GOLDEN_FILE_NAME = "golden.npz"
+#: Largest float32 logit drift (absolute) allowed between machines for the same golden job.
+#: Measured: the job recomputed under six OpenBLAS 0.3.31 kernels (Prescott, Nehalem, Sandybridge,
+#: Haswell, Zen, SkylakeX via OPENBLAS_CORETYPE; numpy 2.4) moves float32 logits by at most 7.9e-6
+#: (relative 6.1e-6, |logit| <= 40). 1e-3 is >100x that, and 60x below one BF16 step at |x| = 8.
+F32_DRIFT_ATOL = 1e-3
+#: Largest golden file accepted (bytes); the shipped one is ~0.25 MB.
+GOLDEN_MAX_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -101,12 +122,19 @@ def compute_golden(bundle) -> dict[str, np.ndarray]:
         raise RuntimeError(f"tokenizer gives {ids} for the golden text, expected {list(GOLDEN_IDS)}")
     ref = reference_logits(bundle)
     top = np.argsort(-ref, kind="stable")[:TOPK]
+    # Top-1 agreement is part of the pass rule, so it must follow from the error bound on any CPU:
+    # the lead over the runner-up must exceed twice the bound at that magnitude.
+    gap = float(ref[top[0]] - ref[top[1]])
+    need = 2 * float(error_bound(ref[top[:1]], ref[top[:1]], bundle.golden_max_abs_error)[0])
+    if not gap > need:
+        raise RuntimeError(f"golden input's top-1 lead {gap:.4g} is not above twice the error bound ({need:.4g}): "
+                           "top-1 agreement would not be guaranteed across machines; pick another golden input")
     meta = {"format": GOLDEN_FORMAT, "bundle": bundle.name, "numerics": {
         "hidden": bundle.numeric.hidden, "head_dim": bundle.numeric.head_dim,
         "expert_ffn": bundle.numeric.expert_ffn, "seed": bundle.numeric.seed},
         "vocab": int(ref.shape[0]), "job": "one prefill, positions 0..5",
         "logits": "uint16 BF16 bits of the expected device output (D2H dtype)",
-        "max_abs_logit": float(np.max(np.abs(ref)))}
+        "max_abs_logit": float(np.max(np.abs(ref))), "top1_lead": gap}
     return {
         "input_ids": np.asarray(ids, dtype=np.int32),
         "input_text": np.array(GOLDEN_TEXT),
@@ -131,53 +159,137 @@ def write_golden(bundle_dir: str | Path | None = None, path: str | Path | None =
     return out
 
 
+class GoldenFileError(ManifestError):
+    """The golden file is missing, unreadable, truncated or malformed (``file``, ``field`` name it)."""
+
+
 def load_golden(path: str | Path) -> Golden:
-    """Read a golden file; ValueError naming the missing array if it is malformed."""
+    """Read a golden file (npz, at most ``GOLDEN_MAX_BYTES``).
+
+    Raises GoldenFileError naming the file and the array for anything wrong with it: not a regular
+    file, too large, not a zip/npz (truncated, damaged), pickled objects, a missing array, wrong
+    dtype or size. Nothing else escapes (no BadZipFile, EOFError, KeyError).
+    """
     p = Path(path)
-    with np.load(p, allow_pickle=False) as z:
-        for k in ("input_ids", "logits"):
-            if k not in z:
-                raise ValueError(f"{p}: golden file lacks '{k}'")
-        logits = np.asarray(z["logits"]).reshape(-1)
-        if logits.dtype != np.uint16:  # a float golden: convert to the device's BF16
-            logits = _f32_to_bf16_bits(logits.astype(np.float32))
-        return Golden(
-            path=p, input_ids=np.asarray(z["input_ids"]).reshape(-1).astype(np.int64), logits_bf16=logits,
-            ref_topk_ids=np.asarray(z["ref_topk_ids"]) if "ref_topk_ids" in z else np.zeros(0, np.int32),
-            ref_topk_logits=np.asarray(z["ref_topk_logits"]) if "ref_topk_logits" in z else np.zeros(0, np.float32),
-            ref_sha256=str(z["ref_sha256"]) if "ref_sha256" in z else "",
-            meta=json.loads(str(z["meta"])) if "meta" in z else {},
-        )
+    try:
+        st = p.stat()
+    except OSError as e:
+        raise GoldenFileError(str(p), "golden.file", f"cannot read: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise GoldenFileError(str(p), "golden.file", "not a regular file")
+    if st.st_size > GOLDEN_MAX_BYTES:
+        raise GoldenFileError(str(p), "golden.file", f"{st.st_size} bytes, more than {GOLDEN_MAX_BYTES}")
+
+    def arr(z, key: str, required: bool = True):
+        if key not in z.files:
+            if required:
+                raise GoldenFileError(str(p), key, "array missing")
+            return None
+        return np.asarray(z[key])
+
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            ids = arr(z, "input_ids").reshape(-1)
+            logits = arr(z, "logits").reshape(-1)
+            topk_ids, topk_logits = arr(z, "ref_topk_ids", False), arr(z, "ref_topk_logits", False)
+            sha, meta = arr(z, "ref_sha256", False), arr(z, "meta", False)
+    except GoldenFileError:
+        raise
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, zlib.error) as e:
+        raise GoldenFileError(str(p), "golden.file", f"damaged or not an npz file ({type(e).__name__}: {e})") from None
+    if ids.dtype.kind not in "iu" or ids.size == 0 or ids.size > 4096:
+        raise GoldenFileError(str(p), "input_ids", f"need 1-4096 integer token ids, got {ids.size} of {ids.dtype}")
+    if logits.size == 0 or logits.size > 1 << 20:
+        raise GoldenFileError(str(p), "logits", f"need 1..{1 << 20} logits, got {logits.size}")
+    if logits.dtype != np.uint16:  # a float golden: convert to the device's BF16
+        if logits.dtype.kind != "f":
+            raise GoldenFileError(str(p), "logits", f"need uint16 BF16 bits or floats, got {logits.dtype}")
+        logits = _f32_to_bf16_bits(logits.astype(np.float32))
+    if topk_ids is None or topk_logits is None or topk_ids.dtype.kind not in "iu" or \
+            topk_ids.reshape(-1).shape != topk_logits.reshape(-1).shape or \
+            (topk_ids.size and not (0 <= int(topk_ids.min()) and int(topk_ids.max()) < logits.size)):
+        topk_ids, topk_logits = np.zeros(0, np.int32), np.zeros(0, np.float32)
+    try:
+        meta_d = json.loads(str(meta)) if meta is not None else {}
+    except ValueError:
+        raise GoldenFileError(str(p), "meta", "not JSON") from None
+    return Golden(path=p, input_ids=ids.astype(np.int64), logits_bf16=logits,
+                  ref_topk_ids=topk_ids.reshape(-1), ref_topk_logits=topk_logits.reshape(-1).astype(np.float32),
+                  ref_sha256=str(sha) if sha is not None else "",
+                  meta=meta_d if isinstance(meta_d, dict) else {})
+
+
+def bf16_step(x: np.ndarray) -> np.ndarray:
+    """Spacing of BF16 values at ``|x|`` (float64, same shape): ``2**(e - 8)`` for ``|x|`` in ``[2**(e-1), 2**e)``.
+
+    BF16 keeps 8 significant bits (7 stored), so one step is between 2**-8 and 2**-7 of ``|x|``;
+    zero and subnormals get the smallest normal step (2**-133).
+    """
+    a = np.abs(np.asarray(x, dtype=np.float64))
+    _, e = np.frexp(np.maximum(a, 2.0**-126))  # below the smallest normal the spacing stays 2**-133
+    return np.ldexp(1.0, e.astype(np.int64) - 8)
+
+
+def error_bound(want: np.ndarray, got: np.ndarray, margin: float) -> np.ndarray:
+    """Per-logit bound on ``|got - want|`` for a healthy device (float64, same shape as ``want``).
+
+    ``want`` is the golden BF16 output, ``got`` the device's. Both are float32 logits rounded to
+    BF16; on another CPU or BLAS build the float32 logits differ by a drift ``d`` (measured at most
+    7.9e-6 across six OpenBLAS kernels, ``F32_DRIFT_ATOL``), and round-to-nearest turns that into
+    ``|bf16(a) - bf16(b)| <= |a - b| + one BF16 step`` at the larger magnitude. So the bound is one
+    BF16 step plus ``margin`` (the manifest's ``golden.max_abs_error``, which must cover the drift).
+    """
+    return bf16_step(np.maximum(np.abs(want), np.abs(got))) + float(margin)
 
 
 def compare(golden: Golden, device_logits_bf16: np.ndarray, tolerance: float) -> dict:
-    """Compare device BF16 logits with the golden output.
+    """Compare device BF16 logits (uint16 bits, shape (vocab,)) with the golden output.
 
-    Returns {"ok", "max_abs_error", "tolerance", "argmax_device", "argmax_golden",
-    "top1_match", "topk_overlap", "n_mismatched"}; ``ok`` iff shapes match, every logit is
-    finite and the max abs error (over the whole vocabulary) is <= ``tolerance``.
+    Pass rule (the same on every machine; never bit-exact): shapes match, every logit is finite,
+    every ``|device - golden| <= one BF16 step + tolerance`` (``error_bound``), and the top-1 token
+    agrees. ``tolerance`` is the manifest's ``golden.max_abs_error`` (default 0.05): 6,000x the
+    float32 drift measured across CPUs, yet far below what a corrupted weight, KV cell or routing
+    decision does (errors of 0.3 to 20 on many logits; see the golden tests).
+
+    Returns {"ok", "max_abs_error", "tolerance", "worst_of_bound", "n_bf16_steps",
+    "argmax_device", "argmax_golden", "top1_match", "topk_overlap", "n_mismatched", "rule"}:
+    ``worst_of_bound`` is max(|error| / bound) (<= 1 passes), ``n_bf16_steps`` how many logits differ
+    at all (one-step rounding flips are expected across CPUs), ``n_mismatched`` how many exceed the bound.
     """
     got = bf16_bits_to_f32(np.asarray(device_logits_bf16).reshape(-1))
     want = golden.expected
+    rule = f"|error| <= 1 BF16 step + {tolerance:g}, top-1 agrees"
     if got.shape != want.shape:
-        return {"ok": False, "max_abs_error": None, "tolerance": tolerance,
-                "detail": f"logits shape {got.shape} != golden {want.shape}"}
+        return {"ok": False, "max_abs_error": None, "tolerance": tolerance, "rule": rule,
+                "top1_match": False, "detail": f"logits shape {got.shape} != golden {want.shape}"}
     finite = bool(np.isfinite(got).all())
     diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
-    err = float(np.max(diff)) if finite else float("inf")
+    if finite:
+        ratio = diff / error_bound(want, got, tolerance)
+        err, worst = float(np.max(diff)), float(np.max(ratio))
+        n_bad = int(np.count_nonzero(ratio > 1.0))
+    else:
+        err, worst, n_bad = float("inf"), float("inf"), int(got.size)
     k = len(golden.ref_topk_ids) or TOPK
     top_dev = set(np.argsort(-got, kind="stable")[:k].tolist())
     top_ref = set(golden.ref_topk_ids.tolist()) if len(golden.ref_topk_ids) else set(
         np.argsort(-want, kind="stable")[:k].tolist())
-    return {"ok": bool(finite and err <= tolerance), "max_abs_error": err, "tolerance": tolerance,
+    top1 = bool(finite and np.argmax(got) == np.argmax(want))
+    return {"ok": bool(finite and n_bad == 0 and top1), "max_abs_error": err, "tolerance": tolerance,
+            "worst_of_bound": worst, "n_bf16_steps": int(np.count_nonzero(diff)), "rule": rule,
             "argmax_device": int(np.argmax(got)), "argmax_golden": int(np.argmax(want)),
-            "top1_match": bool(np.argmax(got) == np.argmax(want)),
-            "topk_overlap": f"{len(top_dev & top_ref)}/{k}",
-            "n_mismatched": int(np.count_nonzero(diff > tolerance)) if finite else int(got.size)}
+            "top1_match": top1, "topk_overlap": f"{len(top_dev & top_ref)}/{k}", "n_mismatched": n_bad}
 
 
 def check_golden(bundle_dir: str | Path | None = None) -> dict:
-    """Recompute the reference and compare it with the stored file (hash, BF16 bits, top-k)."""
+    """Recompute the reference on this machine and compare it with the stored golden file.
+
+    Passes iff (1) the recomputed logits, rounded to BF16, meet ``compare``'s rule against the stored
+    BF16 output with the bundle's tolerance, and (2) the recomputed float32 logits of the stored
+    top-64 tokens are within ``F32_DRIFT_ATOL`` of the stored ones. ``bit_exact`` (the SHA-256 of
+    the float32 logits) is reported, never required: it holds only on the CPU and BLAS build that
+    wrote the file. Raises GoldenFileError if the file is unreadable.
+    """
     from .bundle import load_bundle
 
     bundle = load_bundle(bundle_dir)
@@ -185,10 +297,13 @@ def check_golden(bundle_dir: str | Path | None = None) -> dict:
         return {"ok": False, "detail": "no golden file in the bundle"}
     g = load_golden(bundle.golden_file)
     ref = reference_logits(bundle)
-    same_hash = sha256_f32(ref) == g.ref_sha256
-    same_bits = bool(np.array_equal(_f32_to_bf16_bits(ref), g.logits_bf16))
-    return {"ok": same_hash and same_bits, "path": str(g.path), "sha256_match": same_hash,
-            "bf16_match": same_bits, "bytes": g.path.stat().st_size}
+    rep = compare(g, _f32_to_bf16_bits(ref), bundle.golden_max_abs_error)
+    drift = float(np.max(np.abs(ref[g.ref_topk_ids.astype(np.int64)] - g.ref_topk_logits))) \
+        if len(g.ref_topk_ids) and ref.shape == (int(g.logits_bf16.size),) else None
+    f32_ok = drift is not None and drift <= F32_DRIFT_ATOL
+    return {"ok": bool(rep["ok"] and f32_ok), "path": str(g.path), "bf16": rep,
+            "f32_topk_drift": drift, "f32_drift_atol": F32_DRIFT_ATOL,
+            "bit_exact": sha256_f32(ref) == g.ref_sha256, "bytes": g.path.stat().st_size}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -480,7 +480,7 @@ class MaintenancePlane:
                 "wall_ms": (time.perf_counter() - t0) * 1e3}
 
     def _self_test(self) -> dict:
-        from .golden import compare, load_golden
+        from .golden import GoldenFileError, compare, load_golden
 
         b = self._board
         t0 = time.perf_counter()
@@ -496,7 +496,7 @@ class MaintenancePlane:
             return fail("device runs timing-only: no logits to compare")
         try:
             golden = load_golden(b.bundle.golden_file)
-        except (OSError, ValueError) as e:
+        except (GoldenFileError, OSError, ValueError) as e:
             return fail(f"golden file unreadable: {e}")
         b.kv.free(SCRATCH_SEQ)
         try:
@@ -508,8 +508,7 @@ class MaintenancePlane:
         rep = compare(golden, res.logits_bf16, tol)
         rep.update(golden=golden.path.name, n_tokens=int(golden.input_ids.size), sim_ms=res.sim_us / 1e3,
                    wall_ms=(time.perf_counter() - t0) * 1e3,
-                   detail=("pass" if rep["ok"] else "FAIL") + f": max abs error {rep['max_abs_error']:.4g} "
-                          f"(tolerance {tol:g})")
+                   detail=_self_test_detail(rep))
         return rep
 
     def _probe(self, prompt: str, max_tokens: int) -> dict:
@@ -553,3 +552,12 @@ def _reg_key(key: Any, action: str) -> str | int:
                 pass
         return k.upper()
     raise MaintenanceRefused(action, f"register key must be a name or an address, got {key!r}")
+
+
+def _self_test_detail(rep: dict) -> str:
+    """One line for a golden comparison (``golden.compare``'s report): verdict, error, rule, top-1."""
+    if rep.get("max_abs_error") is None:
+        return "FAIL: " + str(rep.get("detail", "no comparison"))
+    top1 = f"top-1 {rep['argmax_device']}" + (" agrees" if rep["top1_match"] else f" != golden {rep['argmax_golden']}")
+    return (("pass" if rep["ok"] else "FAIL") + f": max abs error {rep['max_abs_error']:.4g}, "
+            f"{rep['n_mismatched']} logits over the bound (1 BF16 step + {rep['tolerance']:g}), {top1}")

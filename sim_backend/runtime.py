@@ -775,13 +775,13 @@ class MaintenanceRuntime:
             raise MaintenanceRefused("golden_check", "no golden file in this bundle")
         if not b.numerics:
             raise MaintenanceRefused("golden_check", "device runs timing-only (no logits to compare)")
-        with np.load(gf) as z:
-            if "input_ids" not in z or "logits" not in z:
-                raise MaintenanceRefused("golden_check", f"{gf} lacks input_ids/logits arrays")
-            ids = np.asarray(z["input_ids"]).reshape(-1).astype(np.int64)
-            want = np.asarray(z["logits"]).reshape(-1)
-        if want.dtype == np.uint16:
-            want = (want.astype(np.uint32) << 16).view(np.float32)
+        from .golden import GoldenFileError, compare, load_golden
+
+        try:
+            golden = load_golden(gf)
+        except GoldenFileError as e:
+            raise MaintenanceRefused("golden_check", str(e)) from None
+        ids = golden.input_ids
         n = ids.shape[0]
         cells = b.kv.apply(seq_id, n, timeout=1.0, positions=list(range(n)))
         try:
@@ -790,9 +790,7 @@ class MaintenanceRuntime:
             res = job.wait(timeout)
         finally:
             b.kv.free(seq_id)
-        got = (res.logits_bf16.astype(np.uint32) << 16).view(np.float32)
-        if got.shape != want.shape:
-            raise MaintenanceRefused("golden_check", f"golden logits shape {want.shape} != device {got.shape}")
-        err = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
-        tol = b.bundle.golden_max_abs_error
-        return {"ok": bool(err <= tol), "max_abs_error": err, "tolerance": tol, "n_tokens": n, "sim_us": res.sim_us}
+        rep = compare(golden, res.logits_bf16, b.bundle.golden_max_abs_error)
+        if rep["max_abs_error"] is None:
+            raise MaintenanceRefused("golden_check", rep["detail"])
+        return {**rep, "n_tokens": n, "sim_us": res.sim_us}
