@@ -81,8 +81,8 @@ class AuditLog:
         # opening a FIFO or device could block or write somewhere else entirely
         try:
             st = os.stat(self.path)
-        except FileNotFoundError:
-            return
+        except OSError:
+            return  # missing, or a parent is not a directory: the open reports it
         if not stat.S_ISREG(st.st_mode):
             raise AuditLogError(self.path, f"is {_kind(st.st_mode)}, not a regular file")
 
@@ -93,6 +93,11 @@ class AuditLog:
         valid log: no records). Never blocks (a FIFO is refused, not opened for writing).
         """
         self._refuse_special()
+        anc = self.path.parent
+        while not anc.exists() and anc != anc.parent:
+            anc = anc.parent
+        if not anc.is_dir():  # mkdir would say "File exists", which misleads
+            raise AuditLogError(self.path, f"not writable: {anc} is not a directory")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
