@@ -50,7 +50,7 @@ class Pacing:
     bounds keep the device thread's pacing sleep finite and far below ``threading.TIMEOUT_MAX``
     for the longest step (a 2048-token prefill at 40k context, ~3.7 s sim, x1000 slow chip:
     ~3.7e7 s wall at the minimum), so no accepted speed can kill the thread. The CLI allows
-    a narrower range (``calconsole.commands.common.CLI_SPEED_RANGE``).
+    a narrower range (0.1 to 1000), where every unfaulted step fits the engine's step timeout.
     """
 
     mode: PacingMode = PacingMode.FAST
