@@ -8,7 +8,8 @@ import sys
 
 from . import __version__
 from .commands import load_commands
-from .commands.common import add_common_options, fail, finalize
+from .commands.common import add_common_options, check_common, fail, finalize
+from .layout import MAX_REFRESH_HZ, MIN_REFRESH_HZ
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--observe-only", action="store_true",
                    help="no maintenance pane; the maintenance plane is never constructed")
     p.add_argument("--refresh", type=float, default=None, metavar="HZ",
-                   help="observation refresh rate (default: the layout's, 2 Hz); at most 10 Hz")
+                   help=f"observation refresh rate, {MIN_REFRESH_HZ:g} to {MAX_REFRESH_HZ:g} Hz "
+                        f"(default: the layout's, 2 Hz)")
     add_common_options(p, default_pacing="realtime", top_level=True)
     sub = p.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for mod in load_commands():
@@ -42,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     rich.console.Console.on_broken_pipe = _raise_broken_pipe
     parser = build_parser()
     args = finalize(parser.parse_args(argv))
+    err = _start_up_error(args)
+    if err:
+        return fail(err)
     try:
         if getattr(args, "func", None) is not None:
             return args.func(args)
@@ -53,6 +58,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def _start_up_error(args: argparse.Namespace) -> str | None:
+    """The one-line reason a shared option is unusable (checked before any command runs), or None."""
+    from sim_backend.errors import CalError
+
+    if args.refresh is not None and not MIN_REFRESH_HZ <= args.refresh <= MAX_REFRESH_HZ:  # also refuses nan
+        return f"--refresh must be between {MIN_REFRESH_HZ:g} and {MAX_REFRESH_HZ:g} Hz, got {args.refresh:g}"
+    try:
+        # an explicit --audit-log is checked here for every command; the default path only where a
+        # maintenance plane is built (build_from_args), so nothing is created for a refused console
+        check_common(args, maintenance=False, audit_log=args.command != "audit")
+    except (CalError, ValueError) as e:
+        return str(e)
+    return None
+
+
 def run_console(args: argparse.Namespace) -> int:
     from sim_backend.errors import CalError
 
@@ -62,8 +82,6 @@ def run_console(args: argparse.Namespace) -> int:
         layout = load_layout(args.layout)
     except LayoutError as e:
         return fail(str(e))
-    if args.refresh is not None and not 0.1 <= args.refresh <= 10:
-        return fail(f"--refresh must be between 0.1 and 10 Hz, got {args.refresh}")
     if not sys.stdout.isatty() or not sys.stdin.isatty():
         return fail("the console needs a terminal; for scripts use 'calconsole snapshot --json' "
                     "or 'calconsole chat PROMPT --json'")

@@ -13,8 +13,35 @@ from pathlib import Path
 import yaml
 
 PANES = ("observation", "chat", "maintenance")
-_SIZE = re.compile(r"^\d+(\.\d+)?(fr|%|)$")
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)(fr|%|)$")
 MIN_REFRESH_HZ, MAX_REFRESH_HZ = 0.1, 10.0
+# Size bounds per unit: a pane is never 0 (invisible) and never larger than any terminal
+# (a 10,000,000-row pane made Textual allocate GiBs); fr is a ratio, 100:1 is plenty.
+SIZE_BOUNDS = {"": (1, 1000), "%": (0, 100), "fr": (0, 100)}  # (exclusive-or-1 low, inclusive high)
+MAX_DEPTH = 16  # YAML nesting; a layout needs 5 levels (columns / column / panes / pane / value)
+MAX_FILE_BYTES = 64 * 1024
+
+
+class _DepthLimitedLoader(yaml.SafeLoader):
+    """SafeLoader that refuses nesting deeper than MAX_DEPTH while composing, before
+    PyYAML's recursive composer and constructor could hit Python's recursion limit."""
+
+    _depth = 0
+
+    def compose_node(self, parent, index):  # noqa: ANN001, ANN201 - PyYAML's signature
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _TooDeep(self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+class _TooDeep(yaml.YAMLError):
+    def __init__(self, mark) -> None:  # noqa: ANN001
+        self.problem_mark = mark
+        super().__init__(f"nested deeper than {MAX_DEPTH} levels")
 
 
 class LayoutError(Exception):
@@ -70,8 +97,10 @@ def available_layouts() -> list[str]:
 def resolve_layout(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") or p.exists():
-        if not p.is_file():
+        if not p.exists():
             raise LayoutError(str(p), "<file>", "file not found")
+        if not p.is_file():  # a FIFO or device would block or never end
+            raise LayoutError(str(p), "<file>", "not a regular file")
         return p
     for d in layout_dirs():
         cand = d / f"{name_or_path}.yaml"
@@ -82,9 +111,17 @@ def resolve_layout(name_or_path: str) -> Path:
 
 
 def _size(v: object, file: str, fld: str) -> str:
-    s = str(v).strip()
-    if not _SIZE.match(s):
-        raise LayoutError(file, fld, f"size must look like 2fr, 40% or 30, got {v!r}")
+    """A Textual size: ``N`` cells (1..1000), ``N%`` (0 < N <= 100) or ``Nfr`` (0 < N <= 100)."""
+    s = str(v).strip() if isinstance(v, (str, int, float)) and not isinstance(v, bool) else ""
+    m = _SIZE.match(s)
+    if not m:
+        raise LayoutError(file, fld, f"size must look like 2fr, 40% or 30 (cells), got {str(v)[:40]!r}")
+    n, unit = float(m.group(1)), m.group(2)
+    lo, hi = SIZE_BOUNDS[unit]
+    if not (n >= lo if unit == "" else n > lo) or n > hi:
+        what = {"": f"{lo}..{hi} cells", "%": f"more than 0% and at most {hi}%",
+                "fr": f"more than 0fr and at most {hi}fr"}[unit]
+        raise LayoutError(file, fld, f"size must be {what}, got {s[:40]}")
     return s
 
 
@@ -93,7 +130,14 @@ def load_layout(name_or_path: str) -> Layout:
     path = resolve_layout(name_or_path)
     f = str(path)
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise LayoutError(f, "<file>", f"larger than {MAX_FILE_BYTES // 1024} KiB: not a layout file")
+        # a bounded loader: safe tags only, nesting bounded (checked while composing)
+        doc = yaml.load(data.decode("utf-8"), Loader=_DepthLimitedLoader)  # noqa: S506 - SafeLoader subclass
+    except _TooDeep as e:
+        raise LayoutError(f, "<yaml>", f"{e} at line {e.problem_mark.line + 1}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""

@@ -4,6 +4,13 @@ Every maintenance call, granted or refused, is written with aiofiles,
 flushed and fsync'd before the action is reported done. An action writes a
 ``started`` record before it runs and a ``finished`` record after, so a crash
 in the middle leaves a log showing the action began and did not end.
+
+Lines are ASCII JSON (non-ASCII escaped), so a line torn by a crash never
+splits a multi-byte character; a writer that finds the file not ending in a
+newline (a torn last line) starts a fresh line, so the torn line stays one
+corrupt line and the next record is intact. The reader never fails on a
+damaged log: every unreadable line is returned as a corrupt record and the
+rest is still read.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import asyncio
 import getpass
 import json
 import os
+import stat
 import threading
 import time
 import uuid
@@ -20,6 +28,30 @@ from typing import Any
 
 import aiofiles
 import platformdirs
+
+from .errors import CalError
+
+PHASES = ("started", "finished", "event")
+MAX_DEPTH = 32  # JSON nesting a record may have (real records nest 3 levels)
+MAX_LINE_BYTES = 1 << 20  # a longer line is corrupt; the reader never holds more than this of it
+CORRUPT_TEXT_CHARS = 1000  # how much of a corrupt line is kept
+
+
+class AuditLogError(CalError, OSError):
+    """The audit log cannot be used: ``path`` (Path) and ``reason`` (str). Also an OSError,
+    so callers that handle a failed write keep working."""
+
+    def __init__(self, path: str | Path, reason: str) -> None:
+        self.path, self.reason = Path(path), reason
+        super().__init__(f"audit log {path}: {reason}")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a regular file"
 
 
 def default_audit_path() -> Path:
@@ -45,10 +77,50 @@ class AuditLog:
         self._lock = threading.Lock()
         self.user = _os_user()
 
-    async def _append_async(self, line: str) -> None:
+    def _refuse_special(self) -> None:
+        # opening a FIFO or device could block or write somewhere else entirely
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return  # missing, or a parent is not a directory: the open reports it
+        if not stat.S_ISREG(st.st_mode):
+            raise AuditLogError(self.path, f"is {_kind(st.st_mode)}, not a regular file")
+
+    def check_writable(self) -> None:
+        """Raise AuditLogError with the reason unless records can be appended to ``path``.
+
+        Creates the parent directories and an empty log if missing (an empty log is a
+        valid log: no records). Never blocks (a FIFO is refused, not opened for writing).
+        """
+        self._refuse_special()
+        anc = self.path.parent
+        while not anc.exists() and anc != anc.parent:
+            anc = anc.parent
+        if not anc.is_dir():  # mkdir would say "File exists", which misleads
+            raise AuditLogError(self.path, f"not writable: {anc} is not a directory")
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            where = f" ({e.filename})" if e.filename and str(e.filename) != str(self.path) else ""
+            raise AuditLogError(self.path, f"not writable: {e.strerror or e}{where}") from None
+        try:
+            mode = os.fstat(fd).st_mode
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(mode):
+            raise AuditLogError(self.path, f"is {_kind(mode)}, not a regular file")
+
+    async def _append_async(self, data: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        async with aiofiles.open(self.path, "a", encoding="utf-8") as f:
-            await f.write(line)
+        self._refuse_special()
+        async with aiofiles.open(self.path, "a+b") as f:
+            end = await f.seek(0, os.SEEK_END)
+            if end:
+                await f.seek(end - 1)
+                if await f.read(1) != b"\n":
+                    data = b"\n" + data  # a torn last line: keep it apart from this record
+            await f.write(data)  # O_APPEND: at the end whatever the read position
             await f.flush()
             await asyncio.to_thread(os.fsync, f.fileno())
 
@@ -56,7 +128,8 @@ class AuditLog:
         """Write one record (adds time, user, pid) durably; returns it. Safe from any thread."""
         rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "unix_s": round(time.time(), 6),
                "user": self.user, "pid": os.getpid(), **record}
-        line = json.dumps(rec, default=str, ensure_ascii=False) + "\n"
+        # ASCII only: a line torn by a crash can never end inside a multi-byte character
+        line = (json.dumps(rec, default=str, ensure_ascii=True) + "\n").encode("ascii")
         with self._lock:
             try:
                 asyncio.get_running_loop()
@@ -99,54 +172,140 @@ class AuditLog:
         return summarize(self.read())
 
     def read(self) -> list[dict[str, Any]]:
-        """All records, oldest first; unreadable lines are returned as {"corrupt": line}."""
-        if not self.path.exists():
+        """All records, oldest first. Never fails on a damaged log.
+
+        Each unreadable line (not UTF-8, not JSON, not a JSON object, nested deeper than
+        MAX_DEPTH, longer than MAX_LINE_BYTES, no valid ``id``/``phase``/``action``) is
+        returned as ``{"corrupt": text, "line": n, "reason": why}`` (``text``: at most
+        CORRUPT_TEXT_CHARS characters, undecodable bytes as ``\\xNN``; ``line``: 1-based)
+        and the rest of the log is still read. A missing file is an empty log.
+
+        Raises AuditLogError if ``path`` is not a regular file (a FIFO is refused without
+        blocking), OSError if it cannot be read.
+        """
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
             return []
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise AuditLogError(self.path, f"is {_kind(mode)}, not a regular file")
+        except BaseException:
+            os.close(fd)
+            raise
         out = []
-        with open(self.path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if not line:
+        with os.fdopen(fd, "rb") as f:
+            n = 0
+            while True:
+                raw = f.readline(MAX_LINE_BYTES + 1)
+                if not raw:
+                    break
+                n += 1
+                if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                    while (more := f.readline(MAX_LINE_BYTES)) and not more.endswith(b"\n"):
+                        pass  # skip the rest of the over-long line without holding it
+                    out.append(_corrupt(raw, n, f"line longer than {MAX_LINE_BYTES} bytes"))
                     continue
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    out.append({"corrupt": line})
+                raw = raw.strip()
+                if raw:
+                    out.append(parse_line(raw, n))
         return out
 
 
-def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _corrupt(raw: bytes, n: int, reason: str) -> dict[str, Any]:
+    text = raw[: CORRUPT_TEXT_CHARS * 4].decode("utf-8", errors="backslashreplace")[:CORRUPT_TEXT_CHARS]
+    return {"corrupt": text, "line": n, "reason": reason}
+
+
+def _too_deep(obj: Any, limit: int) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, (dict, list)):
+            if d > limit:
+                return True
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return False
+
+
+def parse_line(raw: bytes, n: int = 0) -> dict[str, Any]:
+    """One log line (bytes, no newline) -> its record, or a corrupt record (see ``AuditLog.read``)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return _corrupt(raw, n, f"not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start})")
+    try:
+        rec = json.loads(text)
+    except json.JSONDecodeError as e:
+        return _corrupt(raw, n, f"not JSON: {e.msg} (column {e.colno})")
+    except RecursionError:
+        return _corrupt(raw, n, f"JSON nested deeper than {MAX_DEPTH} levels")
+    if not isinstance(rec, dict):
+        return _corrupt(raw, n, f"JSON {type(rec).__name__}, not an audit record (an object)")
+    if _too_deep(rec, MAX_DEPTH):
+        return _corrupt(raw, n, f"JSON nested deeper than {MAX_DEPTH} levels")
+    for key, ok in (("phase", rec.get("phase") in PHASES), ("id", isinstance(rec.get("id"), str)),
+                    ("action", isinstance(rec.get("action"), str))):
+        if not ok:
+            return _corrupt(raw, n, f"not an audit record (field {key!r} is {rec.get(key)!r:.40})")
+    return rec
+
+
+def _num(v: Any) -> float | None:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _flag(v: Any) -> bool | None:
+    return v if isinstance(v, bool) else None
+
+
+def summarize(records: list[Any]) -> list[dict[str, Any]]:
     """Pair ``started`` and ``finished`` records by id: one entry per action, in start order.
 
     Each entry: {"id", "time", "user", "pid", "action", "args", "status", "granted", "ok",
     "result", "duration_ms", "sim_ms"} where ``status`` is ``granted`` / ``refused`` /
     ``failed`` (granted, not ok) / ``did not finish`` (a started record with no finished
     one: the process crashed or was killed mid-action, or the action is still running) /
-    ``corrupt`` (an unreadable line).
+    ``corrupt`` (an unreadable line; ``result`` says which line and why, then its text).
+
+    Entries are well typed whatever the records hold: ``time``, ``user``, ``action`` and
+    ``status`` are str; ``args`` a dict; ``duration_ms`` / ``sim_ms`` (host wall ms /
+    simulated ms) float or None; ``granted`` / ``ok`` bool or None; ``pid`` int or None.
+    Anything in ``records`` that is not a valid record (see ``parse_line``) becomes a
+    corrupt entry.
     """
     out: list[dict[str, Any]] = []
     by_id: dict[str, dict[str, Any]] = {}
     for rec in records:
-        if "corrupt" in rec:
+        if isinstance(rec, dict) and "corrupt" in rec and "phase" not in rec:
+            where = f"line {rec['line']}: " if isinstance(rec.get("line"), int) and rec["line"] > 0 else ""
+            why = f"{rec['reason']}: " if isinstance(rec.get("reason"), str) else ""
             out.append({"id": None, "time": "", "user": "", "pid": None, "action": "?", "args": {},
-                        "status": "corrupt", "granted": None, "ok": None, "result": rec["corrupt"][:200],
-                        "duration_ms": None, "sim_ms": None})
+                        "status": "corrupt", "granted": None, "ok": None,
+                        "result": (where + why + str(rec["corrupt"]))[:200], "duration_ms": None, "sim_ms": None})
             continue
-        phase = rec.get("phase")
-        if phase in ("started", "event") or rec.get("id") not in by_id:
-            e = {"id": rec.get("id"), "time": rec.get("time", ""), "user": rec.get("user", ""),
-                 "pid": rec.get("pid"), "action": rec.get("action", "?"), "args": rec.get("args", {}),
+        if not isinstance(rec, dict) or rec.get("phase") not in PHASES or not isinstance(rec.get("id"), str) \
+                or not isinstance(rec.get("action"), str):
+            out.extend(summarize([{"corrupt": repr(rec)[:CORRUPT_TEXT_CHARS], "reason": "not an audit record"}]))
+            continue
+        phase, rid = rec["phase"], rec["id"]
+        if phase in ("started", "event") or rid not in by_id:
+            args = rec.get("args", {})
+            pid = rec.get("pid")
+            e = {"id": rid, "time": str(rec.get("time", "")), "user": str(rec.get("user", "")),
+                 "pid": pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
+                 "action": rec["action"], "args": args if isinstance(args, dict) else {"args": args},
                  "status": "did not finish", "granted": None, "ok": None, "result": None, "duration_ms": None,
                  "sim_ms": None}
             out.append(e)
-            if rec.get("id") is not None:
-                by_id[rec["id"]] = e
+            by_id[rid] = e
         else:
-            e = by_id[rec["id"]]
+            e = by_id[rid]
         if phase in ("finished", "event"):
-            granted, ok = rec.get("granted"), rec.get("ok")
-            e.update(granted=granted, ok=ok, result=rec.get("result"), duration_ms=rec.get("duration_ms"),
-                     sim_ms=rec.get("sim_ms"),
+            granted, ok = _flag(rec.get("granted")), _flag(rec.get("ok"))
+            e.update(granted=granted, ok=ok, result=rec.get("result"), duration_ms=_num(rec.get("duration_ms")),
+                     sim_ms=_num(rec.get("sim_ms")),
                      status="refused" if granted is False else ("granted" if ok else "failed"))
             if phase == "event":
                 e["status"] = "ok" if ok else "not as expected"

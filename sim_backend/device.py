@@ -44,14 +44,26 @@ class PacingMode(str, Enum):
 
 @dataclass(frozen=True)
 class Pacing:
-    """Pacing setting: ``mode`` and ``speed`` (simulated seconds per wall second in real time)."""
+    """Pacing setting: ``mode`` and ``speed`` (simulated seconds per wall second in real time).
+
+    ``speed`` must be a real number in [MIN_SPEED, MAX_SPEED] (ValueError otherwise). The
+    bounds keep the device thread's pacing sleep finite and far below ``threading.TIMEOUT_MAX``
+    for the longest step (a 2048-token prefill at 40k context, ~3.7 s sim, x1000 slow chip:
+    ~3.7e7 s wall at the minimum), so no accepted speed can kill the thread. The CLI allows
+    a narrower range (0.1 to 1000), where every unfaulted step fits the engine's step timeout.
+    """
 
     mode: PacingMode = PacingMode.FAST
     speed: float = 1.0
+    MIN_SPEED = 1e-4
+    MAX_SPEED = 1e6
 
     def __post_init__(self) -> None:
-        if not (self.speed > 0 and np.isfinite(self.speed)):
-            raise ValueError(f"pacing speed must be > 0, got {self.speed}")
+        s = self.speed
+        if isinstance(s, bool) or not isinstance(s, (int, float, np.integer, np.floating)) \
+                or not self.MIN_SPEED <= s <= self.MAX_SPEED:
+            raise ValueError(f"pacing speed must be a number in [{self.MIN_SPEED:g}, {self.MAX_SPEED:g}] "
+                             f"simulated s per wall s, got {s!r}")
 
 
 class SimClock:

@@ -12,7 +12,11 @@ def register(sub, common) -> None:
                        description="Print the maintenance audit log: one row per maintenance call, granted or "
                                    "refused, with OS user, arguments, result and duration (wall ms; sim ms is "
                                    "simulated device time). An action with a 'started' record and no 'finished' "
-                                   "one is shown as 'did not finish' (the process crashed or was killed).")
+                                   "one is shown as 'did not finish' (the process crashed or was killed). "
+                                   "A damaged log is still read: each unreadable line (not UTF-8, not a JSON "
+                                   "audit record) is shown as 'corrupt' with its line number and counted on "
+                                   "stderr; the exit code stays 0. A path that is not a regular file (a FIFO, "
+                                   "a directory) is refused with exit code 2.")
     # SUPPRESS: do not clobber a top-level ``calconsole --audit-log X audit``
     p.add_argument("--audit-log", metavar="PATH", default=argparse.SUPPRESS,
                    help="audit log (default: $CALCONSOLE_AUDIT_LOG or the user state dir)")
@@ -23,15 +27,23 @@ def register(sub, common) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim_backend.audit import AuditLog, summarize
+    import sys
+
+    from sim_backend.audit import AuditLog, AuditLogError, summarize
 
     log = AuditLog(getattr(args, "audit_log", None))
     if args.tail is not None and args.tail < 1:
         return fail(f"--tail must be >= 1, got {args.tail}")
     try:
         records = log.read()
+    except AuditLogError as e:
+        return fail(str(e))
     except OSError as e:
-        return fail(f"cannot read audit log {log.path}: {e}")
+        return fail(f"cannot read audit log {log.path}: {e.strerror or e}")
+    n_corrupt = sum(1 for r in records if "corrupt" in r and "phase" not in r)
+    if n_corrupt:
+        print(f"calconsole: warning: {n_corrupt} of {len(records)} lines of {log.path} are unreadable "
+              f"(shown as corrupt); the rest was read", file=sys.stderr)
     entries = records if args.raw else summarize(records)
     if args.tail is not None:
         entries = entries[-args.tail:]
@@ -44,11 +56,12 @@ def run(args: argparse.Namespace) -> int:
 
     c = Console()
     if not records:
-        c.print(f"no audit records in {log.path}")
+        c.print(Text(f"no audit records in {log.path}"))
         return 0
     users = sorted({str(e["user"]) for e in entries if e["user"]})
     one_user = len(users) <= 1
-    title = f"maintenance audit log · {log.path}" + (f" · user {users[0]}" if one_user and users else "")
+    # Text, not markup: the path and the user names come from outside ("[/]" in a damaged log)
+    title = Text(f"maintenance audit log · {log.path}" + (f" · user {users[0]}" if one_user and users else ""))
     t = Table(title=title, title_justify="left", expand=True)
     t.add_column("time", no_wrap=True)
     if not one_user:
@@ -70,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
             "" if e["sim_ms"] is None else f"{e['sim_ms']:.1f}"]
         t.add_row(*row)
     c.print(t)
+    if n_corrupt:
+        c.print(Text(f"{n_corrupt} unreadable line{'s' if n_corrupt > 1 else ''} shown as corrupt", style="bold red"))
     return 0
 
 

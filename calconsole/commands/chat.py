@@ -7,7 +7,7 @@ import sys
 
 from sim_backend.errors import CalError, RequestError
 
-from .common import add_common_options, build_from_args, fail, print_json
+from .common import add_common_options, build_from_args, fail, print_json, read_prompt
 
 
 def _number(text: str) -> int | float | str:
@@ -25,7 +25,10 @@ def _number(text: str) -> int | float | str:
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (same parameters as the chat pane; invalid values exit with code 2)")
-    g.add_argument("--max-tokens", type=_number, default=128, help="tokens to generate at most, > 0 (default 128)")
+    g.add_argument("--max-tokens", type=_number, default=128,
+                   help="tokens to generate at most, > 0 (default 128). A reply also stops at the context end "
+                        "(40960 tokens, prompt and chat template included; stop=limit): a larger value is "
+                        "accepted and a note on stderr says how many tokens the reply can have at most")
     g.add_argument("--temperature", type=_number, default=0.8, help=">= 0; 0 = greedy (default 0.8)")
     g.add_argument("--top-k", type=_number, default=40, help="integer in [0, 151936]; 0 = disabled (default 40)")
     g.add_argument("--top-p", type=_number, default=0.95, help="nucleus mass in (0, 1]; tiny = greedy (default 0.95)")
@@ -67,7 +70,8 @@ def register(sub, common) -> None:
                     "(prompt_ms, predicted_ms, ttft_ms, ...) are SIMULATED device milliseconds, with measured "
                     "host work (tokenize, sampling, detokenize) included on the same clock. Invalid parameters "
                     "exit with code 2.")
-    p.add_argument("prompt", help="user message ('-' reads stdin)")
+    p.add_argument("prompt", help="user message ('-' reads stdin, at most 8 MiB); taken as UTF-8 whatever the "
+                                  "locale, and input that is not UTF-8 text is refused (exit code 2), not altered")
     add_common_options(p, default_pacing="fast")
     add_sampling_options(p)
     p.add_argument("--json", action="store_true",
@@ -80,7 +84,10 @@ def register(sub, common) -> None:
 def run(args: argparse.Namespace) -> int:
     from sim_backend.engine import validate_request
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    try:
+        prompt = read_prompt(args.prompt)
+    except ValueError as e:
+        return fail(str(e))
     req = request_from_args(args, prompt)
     try:
         validate_request(req)  # before building anything: bad input costs nothing
@@ -95,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
             handle = system.inference.submit(req)
         except RequestError as e:
             return fail(f"{e.error_type}: {e}")
+        n_ctx = system.engine.n_ctx
+        room = n_ctx - handle.prompt_n + 1  # the engine stops once prompt + generated > n_ctx
+        if req.max_tokens > room:
+            print(f"calconsole: note: --max-tokens {req.max_tokens} is more than the context leaves: the "
+                  f"reply stops at the context end ({n_ctx} tokens, {handle.prompt_n} of them prompt) after "
+                  f"at most {room} tokens", file=sys.stderr)
         try:
             for ev in handle.stream(timeout=system.engine.step_timeout_s):
                 if hasattr(ev, "text") and not args.json:

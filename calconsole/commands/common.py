@@ -16,6 +16,13 @@ from sim_backend.device import Pacing, PacingMode
 # fills in whatever is still missing.
 COMMON_DEFAULTS = {"bundle": None, "speed": 1.0, "timing_only": False, "slots": 4, "audit_log": None}
 
+# --speed: at 0.1 the longest step without a fault (a 2048-token prefill chunk at full
+# context, ~3.7 s simulated) takes ~37 s of wall time, well inside the engine's 120 s step
+# timeout; above 1000 the host cannot compute steps that fast anyway (use --pacing fast).
+# The pacing API below accepts a wider range (Pacing.MIN_SPEED .. MAX_SPEED).
+CLI_SPEED_RANGE = (0.1, 1000.0)
+SLOTS_RANGE = (1, 32)
+
 
 def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_level: bool = False) -> None:
     def d(name: str):
@@ -27,13 +34,16 @@ def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_l
     g.add_argument("--pacing", choices=[m.value for m in PacingMode], default=None if top_level else argparse.SUPPRESS,
                    help=f"map simulated device time to wall time: realtime or fast (default: {default_pacing})")
     g.add_argument("--speed", type=float, default=d("speed"),
-                   help="with --pacing realtime: simulated seconds per wall second (default 1.0)")
+                   help=f"with --pacing realtime: simulated seconds per wall second, {CLI_SPEED_RANGE[0]:g} to "
+                        f"{CLI_SPEED_RANGE[1]:g} (default 1.0)")
     g.add_argument("--timing-only", action="store_true", default=d("timing_only"),
                    help="skip the numerics (no logits; tokens from a seeded generator). Steps are priced the same way, "
                         "but prefill uses the expected number of experts touched instead of the router's choices")
-    g.add_argument("--slots", type=int, default=d("slots"), help="concurrent request slots (default 4)")
+    g.add_argument("--slots", type=int, default=d("slots"),
+                   help=f"concurrent request slots, {SLOTS_RANGE[0]} to {SLOTS_RANGE[1]} (default 4)")
     g.add_argument("--audit-log", metavar="PATH", default=d("audit_log"),
-                   help="maintenance audit log (default: $CALCONSOLE_AUDIT_LOG or the user state dir)")
+                   help="maintenance audit log (default: $CALCONSOLE_AUDIT_LOG or the user state dir); "
+                        "must be writable (created if missing), checked at start-up")
     p.set_defaults(preferred_pacing=default_pacing)
 
 
@@ -47,17 +57,66 @@ def finalize(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def check_common(args: argparse.Namespace, *, maintenance: bool, audit_log: bool = True) -> None:
+    """Check the shared options before anything is built; raises ValueError or AuditLogError
+    (a CalError) with a one-line message naming the option.
+
+    The audit log is checked for writability (``AuditLog.check_writable``: creates it if
+    missing) when it was given explicitly or when ``maintenance`` (a maintenance plane
+    will write to it), so an unusable path is refused at start-up, not at the first action;
+    ``audit_log=False`` skips that (``calconsole audit`` only reads the log).
+    """
+    from sim_backend.audit import AuditLog
+
+    lo, hi = CLI_SPEED_RANGE
+    if not lo <= args.speed <= hi:  # also refuses nan
+        raise ValueError(f"--speed must be between {lo:g} and {hi:g} simulated s per wall s, got {args.speed:g}")
+    if not SLOTS_RANGE[0] <= args.slots <= SLOTS_RANGE[1]:
+        raise ValueError(f"--slots must be in {SLOTS_RANGE[0]}..{SLOTS_RANGE[1]}, got {args.slots}")
+    if audit_log and (maintenance or args.audit_log is not None):
+        AuditLog(args.audit_log).check_writable()
+
+
 def build_from_args(args: argparse.Namespace, *, maintenance: bool = True, **kw: Any):
-    """Build the System from common options. Raises ManifestError / ValueError on bad input."""
+    """Build the System from common options (after ``check_common``).
+    Raises ManifestError / ValueError / AuditLogError on bad input."""
     from sim_backend.system import build_system
 
-    if args.speed <= 0:
-        raise ValueError(f"--speed must be > 0, got {args.speed}")
-    if not 1 <= args.slots <= 32:
-        raise ValueError(f"--slots must be in 1..32, got {args.slots}")
+    check_common(args, maintenance=maintenance)
     return build_system(args.bundle, pacing=Pacing(PacingMode(args.pacing), args.speed),
                         numerics=not args.timing_only, n_slots=args.slots, maintenance=maintenance,
                         audit_path=args.audit_log, **kw)
+
+
+MAX_PROMPT_BYTES = 8 << 20  # far more than the 40,960-token context holds; bounds what is read
+
+
+def read_prompt(arg: str) -> str:
+    """The prompt argument, or stdin when it is ``-``, as text.
+
+    Both are taken as UTF-8 (stdin whatever the locale; a leading BOM is dropped) and
+    decoded strictly: input that is not UTF-8 text is refused rather than silently
+    changed. stdin is read up to MAX_PROMPT_BYTES. Raises ValueError with a one-line
+    message (offset and byte of the first invalid sequence).
+    """
+    if arg == "-":
+        data = sys.stdin.buffer.read(MAX_PROMPT_BYTES + 1)
+        if len(data) > MAX_PROMPT_BYTES:
+            raise ValueError(f"stdin is longer than {MAX_PROMPT_BYTES >> 20} MiB; "
+                             f"the context holds 40960 tokens (far less text)")
+        where = "stdin"
+    else:
+        # undecodable bytes of argv arrive as lone surrogates (PEP 383): get the bytes back
+        where = "the prompt argument"
+        try:
+            data = arg.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} is not valid text: lone surrogate at offset {e.start}") from None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{where} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
+                         f"({e.reason}); convert it first, e.g. with iconv") from None
 
 
 def print_json(obj: Any) -> None:

@@ -31,15 +31,33 @@ def register(sub, common) -> None:
     p.add_argument("--numerics", action="store_true",
                    help="run the warm-up with the numerics (default: timing-only, fast)")
     p.add_argument("--slo", default=None, metavar="SPEC",
-                   help="goodput SLOs, vLLM style: ttft:MS,tpot:MS,e2el:MS (simulated ms)")
+                   help="goodput SLOs, vLLM style: ttft:MS,tpot:MS,e2el:MS (simulated ms, each a positive "
+                        "finite number; a bad field exits with code 2 naming it)")
     p.add_argument("--json", action="store_true", help="print the JSON summary (P50/P95/P99, goodput) instead")
     p.set_defaults(func=run)
+
+
+def parse_slo(spec: str):
+    """``--slo ttft:MS,tpot:MS,e2el:MS`` -> ``SLO`` (simulated ms). Raises ValueError with a
+    one-line message naming the offending field (``SLO.parse`` itself reports a bad number
+    with Python's float() message, which does not say which field)."""
+    from sim_backend.metrics import SLO
+
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        key, _, val = part.partition(":")
+        if key in ("ttft", "tpot", "e2el") and val:
+            try:
+                ms = float(val)
+            except ValueError:
+                ms = float("nan")
+            if not 0 < ms < float("inf"):
+                raise ValueError(f"--slo field '{key}': expected a positive number of simulated ms, got {val!r}")
+    return SLO.parse(spec)  # unknown keys and empty values: SLO.parse's message names the part
 
 
 def run(args: argparse.Namespace) -> int:
     from sim_backend.engine import ChatRequest
     from sim_backend.errors import CalError
-    from sim_backend.metrics import SLO
     from sim_backend.sampling import SamplingParams
 
     if not 0 <= args.warmup <= 10_000:
@@ -47,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.max_tokens <= 4096:
         return fail(f"--max-tokens must be in 1..4096, got {args.max_tokens}")
     try:
-        slo = SLO.parse(args.slo) if args.slo else None
+        slo = parse_slo(args.slo) if args.slo else None
     except ValueError as e:
         return fail(str(e))
     if not args.numerics:

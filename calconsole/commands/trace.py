@@ -12,12 +12,11 @@ gaps between steps are the engine's measured host work.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from sim_backend.errors import CalError, RequestError
 
-from .common import add_common_options, build_from_args, fail, print_json
+from .common import add_common_options, build_from_args, fail, print_json, read_prompt
 
 DEFAULT_PROMPT = "Explain in two sentences how an NPU serves a large language model."
 
@@ -50,7 +49,10 @@ def run(args: argparse.Namespace) -> int:
         # one event per op per chip: ~2,500 events (~0.5 MB of JSON) per decode step
         return fail(f"--max-tokens must be in 1..{MAX_TRACE_TOKENS} (each step adds ~2,500 trace events), "
                     f"got {args.max_tokens}")
-    prompt = DEFAULT_PROMPT if args.prompt is None else (sys.stdin.read() if args.prompt == "-" else args.prompt)
+    try:
+        prompt = DEFAULT_PROMPT if args.prompt is None else read_prompt(args.prompt)
+    except ValueError as e:
+        return fail(str(e))
     out = Path(args.out)
     if out.parent and not out.parent.exists():
         return fail(f"directory of --out does not exist: {out.parent}")
