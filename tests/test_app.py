@@ -7,8 +7,8 @@ from textual.widgets import Button, Static
 
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
-from sim_backend.device import Pacing, PacingMode
-from sim_backend.system import build_system
+from sim_backend.device.board import Pacing, PacingMode
+from sim_backend.planes.system import build_system
 
 from pilot_helpers import log_lines, wait_for
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import sim_backend.audit as audit_mod
+import sim_backend.planes.audit as audit_mod
 from calconsole.cli import main
-from sim_backend.audit import AuditLog, default_audit_path, summarize
+from sim_backend.planes.audit import AuditLog, default_audit_path, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +118,7 @@ def test_audit_command_json_and_table(tmp_path):
 
 CRASH = r"""
 import os, sys
-from sim_backend.system import build_system
+from sim_backend.planes.system import build_system
 s = build_system(numerics=False, audit_path=sys.argv[1])
 m = s.maintenance
 lease = m.enter_exclusive("alice", drain_timeout_s=0)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from calconsole.cli import main
-from sim_backend.bundle import DEFAULT_BUNDLE_DIR, load_bundle
+from sim_backend.bundle.manifest import DEFAULT_BUNDLE_DIR, load_bundle
 from sim_backend.errors import ManifestError
 
 KNOWN = {"device_memory_unit", "prefill_type_mislabelled", "context_mismatch"}
@@ -218,7 +218,7 @@ def test_cli_top_level_bundle_option_refuses_broken_bundle(tmp_path, capsys):
 def test_values_that_would_break_the_device_are_refused(tmp_path, old, new, field):
     import shutil
 
-    from sim_backend.bundle import DEFAULT_BUNDLE_DIR
+    from sim_backend.bundle.manifest import DEFAULT_BUNDLE_DIR
 
     d = tmp_path / "b"
     shutil.copytree(DEFAULT_BUNDLE_DIR, d)

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from sim_backend.calibration import run_calibration
-from sim_backend.config import ModelShape
-from sim_backend.costmodel import CostModel, expected_experts_touched
+from sim_backend.tools.calibration import run_calibration
+from sim_backend.bundle.shapes import ModelShape
+from sim_backend.model.costmodel import CostModel, expected_experts_touched
 
 SHAPE = ModelShape()
 
@@ -77,7 +77,7 @@ def test_price_step_never_includes_the_host_allowance():
 
 
 def test_cost_model_e2e_is_prefill_245_decodes_and_the_allowance():
-    from sim_backend.calibration import decode_run_us, e2e_cost_model_us
+    from sim_backend.tools.calibration import decode_run_us, e2e_cost_model_us
 
     cm = CostModel.load()
     device = cm.price_step(SHAPE, "prefill", 27, 0).total_us + decode_run_us(cm, 27, 245)
@@ -86,17 +86,17 @@ def test_cost_model_e2e_is_prefill_245_decodes_and_the_allowance():
 
 
 def _timing_only_system(**kw):
-    from sim_backend.engine import ScriptedHostTimer
-    from sim_backend.system import build_system
+    from sim_backend.serving.engine import ScriptedHostTimer
+    from sim_backend.planes.system import build_system
 
     return build_system(numerics=False, maintenance=False, n_slots=1, host_timer=ScriptedHostTimer(0.0), **kw)
 
 
 def test_engine_path_adds_no_host_allowance():
     """With host work scripted to 0, engine E2E == the sum of its device steps exactly."""
-    from sim_backend.calibration import ENGINE_PROMPT
-    from sim_backend.engine import ChatRequest
-    from sim_backend.trace import StepRecorder
+    from sim_backend.tools.calibration import ENGINE_PROMPT
+    from sim_backend.serving.engine import ChatRequest
+    from sim_backend.model.trace import StepRecorder
 
     with _timing_only_system() as system:
         rec = StepRecorder()
@@ -111,7 +111,7 @@ def test_engine_path_adds_no_host_allowance():
 
 def test_engine_cases_match_f7():
     """The F7 request through the engine (timing-only, host work scripted to 0: deterministic)."""
-    from sim_backend.calibration import run_engine_cases
+    from sim_backend.tools.calibration import run_engine_cases
 
     with _timing_only_system() as system:
         cases = {c["name"]: c for c in run_engine_cases(system)}
@@ -127,10 +127,10 @@ def test_engine_cases_match_f7():
 
 def test_timing_only_and_numeric_price_the_same_routing_statistics_identically():
     """The device prices both modes with one function; only experts_touched differs."""
-    from sim_backend.calibration import ENGINE_PROMPT
-    from sim_backend.engine import ChatRequest
-    from sim_backend.system import build_system
-    from sim_backend.trace import StepRecorder
+    from sim_backend.tools.calibration import ENGINE_PROMPT
+    from sim_backend.serving.engine import ChatRequest
+    from sim_backend.planes.system import build_system
+    from sim_backend.model.trace import StepRecorder
 
     req = ChatRequest.from_prompt(ENGINE_PROMPT, max_tokens=2)
     results = {}

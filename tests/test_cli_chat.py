@@ -55,7 +55,7 @@ def test_empty_prompt_exits_2(capsys):
 
 def test_chat_passes_every_sampling_option(capsys, monkeypatch):
     """The request built from the options carries them all (checked on the request the engine receives)."""
-    from sim_backend.engine import Engine
+    from sim_backend.serving.engine import Engine
 
     seen = {}
     orig = Engine.submit

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import yaml
 
-from sim_backend.config import ModelShape
-from sim_backend.costmodel import DEFAULT_HW_PATH, CostModel, HardwareSpec
+from sim_backend.bundle.shapes import ModelShape
+from sim_backend.model.costmodel import DEFAULT_HW_PATH, CostModel, HardwareSpec
 from sim_backend.errors import ManifestError
-from sim_backend.opgraph import CATEGORIES
+from sim_backend.model.opgraph import CATEGORIES
 
 SHAPE = ModelShape()
 
@@ -130,7 +130,7 @@ def test_bad_yaml_is_a_manifest_error(tmp_path):
 # --- Chrome trace (sim_backend/trace.py) --------------------------------------
 
 def test_chrome_trace(cm, tmp_path):
-    from sim_backend.trace import chrome_trace, write_chrome_trace
+    from sim_backend.model.trace import chrome_trace, write_chrome_trace
 
     pre = cm.price_step(SHAPE, "prefill", 27, 0)
     dec = cm.price_step(SHAPE, "decode", 1, 27)

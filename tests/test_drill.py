@@ -9,7 +9,7 @@ import json
 import pytest
 
 from calconsole.cli import main
-from sim_backend.audit import AuditLog
+from sim_backend.planes.audit import AuditLog
 
 EXPECTED = [
     ("reset", False), ("submit_request", True), ("enter_exclusive", True), ("submit_request", False),
@@ -58,7 +58,7 @@ def test_drill_json_passes_and_every_step_is_audited(tmp_path):
 
 
 def test_drill_exits_nonzero_when_a_step_misbehaves(tmp_path, monkeypatch):
-    import sim_backend.golden as golden
+    import sim_backend.model.golden as golden
 
     def unreadable(path):
         raise ValueError("golden file damaged")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim_backend.engine import ChatRequest, DoneEvent, TokenEvent
-from sim_backend.sampling import SamplingParams
-from sim_backend.system import build_system
-from sim_backend.tokenizer import get_tokenizer
+from sim_backend.serving.engine import ChatRequest, DoneEvent, TokenEvent
+from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes.system import build_system
+from sim_backend.model.tokenizer import get_tokenizer
 
 PROMPT = "Tell me a story about a lighthouse."
 

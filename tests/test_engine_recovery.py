@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sim_backend.engine import ChatRequest
-from sim_backend.sampling import SamplingParams
-from sim_backend.system import build_system
+from sim_backend.serving.engine import ChatRequest
+from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes.system import build_system
 
 GREEDY = SamplingParams(temperature=0.0, seed=1)
 PROMPT = "The quick brown fox jumps over the lazy dog."

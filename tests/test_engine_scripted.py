@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from sim_backend.bundle import load_bundle
-from sim_backend.device import Pacing, PacingMode, SimulatedBoard
-from sim_backend.engine import (ChatRequest, DoneEvent, Engine, RequestState, ScriptedHostTimer, TokenEvent)
+from sim_backend.bundle.manifest import load_bundle
+from sim_backend.device.board import Pacing, PacingMode, SimulatedBoard
+from sim_backend.serving.engine import (ChatRequest, DoneEvent, Engine, RequestState, ScriptedHostTimer, TokenEvent)
 from sim_backend.errors import UnavailableError
-from sim_backend.metrics import SLO
-from sim_backend.sampling import SamplingParams
-from sim_backend.tokenizer import IM_END, get_tokenizer
+from sim_backend.serving.metrics import SLO
+from sim_backend.serving.sampling import SamplingParams
+from sim_backend.model.tokenizer import IM_END, get_tokenizer
 
 TOK = get_tokenizer()
 VOCAB = 151936

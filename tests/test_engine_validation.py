@@ -9,11 +9,11 @@ import math
 
 import pytest
 
-from sim_backend.engine import ChatRequest, validate_request
+from sim_backend.serving.engine import ChatRequest, validate_request
 from sim_backend.errors import ExceedContextSizeError, InvalidRequestError, UnavailableError
-from sim_backend.metrics import SLO
-from sim_backend.sampling import SamplingParams
-from sim_backend.system import build_system
+from sim_backend.serving.metrics import SLO
+from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes.system import build_system
 
 N_CTX = 40960
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from calconsole.cli import main
-from sim_backend.opgraph import CATEGORIES
+from sim_backend.model.opgraph import CATEGORIES
 
 GiB = 2**30
 MiB = 2**20
@@ -97,8 +97,8 @@ def test_model_cli(capsys):
 
 
 def test_trace_writes_chrome_trace_of_every_step(capsys, tmp_path):
-    from sim_backend.opgraph import build_graph
-    from sim_backend.config import ModelShape
+    from sim_backend.model.opgraph import build_graph
+    from sim_backend.bundle.shapes import ModelShape
 
     out = tmp_path / "req.json"
     code, stdout, _ = run(capsys, "trace", "--out", str(out), "--max-tokens", "4", "--timing-only", "--json")

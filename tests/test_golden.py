@@ -18,9 +18,9 @@ import zipfile
 import numpy as np
 import pytest
 
-from sim_backend import golden as G
-from sim_backend.bundle import load_bundle
-from sim_backend.numerics import ShardedModel, make_weights
+from sim_backend.model import golden as G
+from sim_backend.bundle.manifest import load_bundle
+from sim_backend.model.numerics import ShardedModel, make_weights
 
 
 @pytest.fixture(scope="module")
@@ -111,14 +111,14 @@ def test_decode_path_agrees_with_the_prefill_golden(bundle, stored):
 
 @pytest.mark.parametrize("coretype", ["Prescott", "Sandybridge", "Zen"])
 def test_check_passes_under_other_blas_kernels(coretype):
-    """``python -m sim_backend.golden --check`` with OpenBLAS forced onto another CPU's kernels.
+    """``python -m sim_backend.model.golden --check`` with OpenBLAS forced onto another CPU's kernels.
 
     On this project's numpy wheels (OpenBLAS DYNAMIC_ARCH) these kernels give float32 logits that
     differ from the file's in the last bits, which is exactly what a fresh machine sees. With a BLAS
     that ignores the variable the check simply runs on the native kernels.
     """
     env = dict(os.environ, OPENBLAS_CORETYPE=coretype)
-    p = subprocess.run([sys.executable, "-m", "sim_backend.golden", "--check"], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "sim_backend.model.golden", "--check"], capture_output=True,
                        text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     rep = json.loads(p.stdout)
@@ -203,11 +203,11 @@ def test_damaged_golden_files_raise_one_typed_error(tmp_path, bundle):
 
 
 def test_self_test_on_a_truncated_golden_fails_cleanly(tmp_path, bundle, monkeypatch):
-    from sim_backend.system import build_system
+    from sim_backend.planes.system import build_system
 
     bad = tmp_path / "golden.npz"
     bad.write_bytes(bundle.golden_file.read_bytes()[:1000])
-    from sim_backend.device import Pacing, PacingMode
+    from sim_backend.device.board import Pacing, PacingMode
 
     system = build_system(pacing=Pacing(PacingMode.FAST), audit_path=tmp_path / "audit.jsonl")
     try:

@@ -1,4 +1,4 @@
-"""Unit tests for sim_backend.kv.KVCacheManager (llama.cpp unified KV semantics, FACTS F4/F6)."""
+"""Unit tests for sim_backend.device.kv.KVCacheManager (llama.cpp unified KV semantics, FACTS F4/F6)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from sim_backend.config import ModelShape
+from sim_backend.bundle.shapes import ModelShape
 from sim_backend.errors import KVExhausted, RequestCancelled
-from sim_backend.kv import KV_STATE_VERSION, KVCacheManager, KVOccupancy
+from sim_backend.device.kv import KV_STATE_VERSION, KVCacheManager, KVOccupancy
 
 
 def small(n_cells: int = 64, block_size: int = 8) -> KVCacheManager:

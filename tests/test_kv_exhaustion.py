@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from sim_backend.device import Pacing, PacingMode
-from sim_backend.engine import ChatRequest
-from sim_backend.sampling import SamplingParams
-from sim_backend.system import build_system
+from sim_backend.device.board import Pacing, PacingMode
+from sim_backend.serving.engine import ChatRequest
+from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes.system import build_system
 
 KV_TIMEOUT_S = 0.3
 RESULT_S = 60.0  # bound on waiting a result (host s); a hang fails the test, not a timing assertion

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from sim_backend.errors import KVExhausted
-from sim_backend.kv import KVCacheManager
+from sim_backend.device.kv import KVCacheManager
 
 N_CELLS = 32
 BLOCK = 4

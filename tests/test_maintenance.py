@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from sim_backend.device import Pacing, PacingMode
-from sim_backend.engine import ChatRequest, TokenEvent
+from sim_backend.device.board import Pacing, PacingMode
+from sim_backend.serving.engine import ChatRequest, TokenEvent
 from sim_backend.errors import DeviceError, DeviceReset, MaintenanceRefused, UnavailableError
-from sim_backend.maintenance import SCRATCH_SEQ, Lease
-from sim_backend.registers import REGISTER_MAP
-from sim_backend.system import build_system
+from sim_backend.planes.maintenance import SCRATCH_SEQ, Lease
+from sim_backend.device.registers import REGISTER_MAP
+from sim_backend.planes.system import build_system
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ from textual.widgets import Button
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
 from calconsole.panes.maintenance import MaintenancePane
-from sim_backend.device import Pacing, PacingMode
-from sim_backend.system import build_system
+from sim_backend.device.board import Pacing, PacingMode
+from sim_backend.planes.system import build_system
 
 from pilot_helpers import has, log_text, wait_for
 
@@ -193,7 +193,7 @@ def _all_binding_keys(app) -> list[str]:
 
 
 async def test_observe_only_never_constructs_the_plane(monkeypatch, tmp_path):
-    import sim_backend.maintenance as maint
+    import sim_backend.planes.maintenance as maint
 
     def boom(*a, **k):
         raise AssertionError("MaintenancePlane constructed in observe-only mode")
@@ -240,7 +240,7 @@ def test_snapshot_json_does_not_import_the_maintenance_plane():
     out = _run_py(code)
     assert out.returncode == 0, out.stderr
     # the command modules (drill, audit) are imported to build the parser, but none of them
-    # imports sim_backend.maintenance or the maintenance pane at module level
+    # imports sim_backend.planes.maintenance or the maintenance pane at module level
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
 
@@ -249,7 +249,7 @@ def test_observe_only_console_does_not_import_the_maintenance_plane(tmp_path):
         "import sys, asyncio\n"
         "from calconsole.app import CalConsoleApp\n"
         "from calconsole.layout import load_layout\n"
-        "from sim_backend.system import build_system\n"
+        "from sim_backend.planes.system import build_system\n"
         "s = build_system(numerics=False, maintenance=False, audit_path=sys.argv[1])\n"
         "app = CalConsoleApp(s, load_layout('operator'))\n"
         "async def go():\n"

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from sim_backend.config import ModelShape
-from sim_backend.memory import GiB, MiB, MemoryPlan
+from sim_backend.bundle.shapes import ModelShape
+from sim_backend.device.memory import GiB, MiB, MemoryPlan
 
 
 @pytest.fixture(scope="module")

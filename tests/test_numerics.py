@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim_backend.config import ModelShape, NumericShape
-from sim_backend.numerics import (FIRST_PADDING_ID, ReferenceModel, ShardedModel, apply_rope, make_weights,
+from sim_backend.bundle.shapes import ModelShape, NumericShape
+from sim_backend.model.numerics import (FIRST_PADDING_ID, ReferenceModel, ShardedModel, apply_rope, make_weights,
                                   rope_tables, route)
 
 SHAPE = ModelShape()  # all 48 layers, 32:4 GQA, 128 experts top-8, vocab 151936

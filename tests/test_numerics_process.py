@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sim_backend.config import ModelShape, NumericShape
+from sim_backend.bundle.shapes import ModelShape, NumericShape
 from sim_backend.errors import DeviceError
-from sim_backend.numerics import ShardedModel
-from sim_backend.numerics_process import NumericsProcess
+from sim_backend.model.numerics import ShardedModel
+from sim_backend.device.numerics_worker import NumericsProcess
 
 SHAPE, NUM = ModelShape(), NumericShape()
 
@@ -55,9 +55,9 @@ def test_a_timed_out_worker_is_never_reused():
 
 
 def test_dead_worker_shows_as_fault_and_reset_recovers(tmp_path):
-    from sim_backend.engine import ChatRequest
-    from sim_backend.sampling import SamplingParams
-    from sim_backend.system import build_system
+    from sim_backend.serving.engine import ChatRequest
+    from sim_backend.serving.sampling import SamplingParams
+    from sim_backend.planes.system import build_system
 
     with build_system(numerics_process=True, audit_path=tmp_path / "a.jsonl", drain_timeout_s=0.5) as s:
         req = ChatRequest.from_prompt("hi", max_tokens=4, sampling=SamplingParams(temperature=0.0))

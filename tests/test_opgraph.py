@@ -2,8 +2,8 @@
 
 import pytest
 
-from sim_backend.config import ModelShape
-from sim_backend.opgraph import (
+from sim_backend.bundle.shapes import ModelShape
+from sim_backend.model.opgraph import (
     CATEGORIES,
     build_graph,
     global_op_count,

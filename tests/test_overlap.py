@@ -10,7 +10,7 @@ import json
 from calconsole.cli import build_parser, main
 from calconsole.commands import bench_overlap
 from calconsole.commands.bench_overlap import measure_overlap
-from sim_backend.engine import ScriptedHostTimer
+from sim_backend.serving.engine import ScriptedHostTimer
 
 
 def test_registered_under_bench():

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import time
 
-from sim_backend.device import Pacing, PacingMode
-from sim_backend.engine import ChatRequest
-from sim_backend.sampling import SamplingParams
-from sim_backend.system import build_system
+from sim_backend.device.board import Pacing, PacingMode
+from sim_backend.serving.engine import ChatRequest
+from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes.system import build_system
 
 
 def test_no_burst_after_a_short_pause():

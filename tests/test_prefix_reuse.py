@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from sim_backend.engine import ChatRequest
-from sim_backend.sampling import SamplingParams
-from sim_backend.system import build_system
+from sim_backend.serving.engine import ChatRequest
+from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes.system import build_system
 
 RESULT_S = 120.0
 GREEDY = SamplingParams(temperature=0.0, seed=7)

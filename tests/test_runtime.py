@@ -1,4 +1,4 @@
-"""CalRT-like runtime (sim_backend.runtime): exact sub-models, CSR checks, non-blocking infer,
+"""CalRT-like runtime (sim_backend.runtime.calrt): exact sub-models, CSR checks, non-blocking infer,
 ping/pong, buffer pool, typed errors, and the maintenance-only surface.
 
 Jobs are held "running" by a gate on the cost model (deterministic, no timed assertions).
@@ -12,12 +12,12 @@ import threading
 import numpy as np
 import pytest
 
-from sim_backend.bundle import load_bundle
-from sim_backend.costmodel import CostModel
-from sim_backend.device import SimulatedBoard
+from sim_backend.bundle.manifest import load_bundle
+from sim_backend.model.costmodel import CostModel
+from sim_backend.device.board import SimulatedBoard
 from sim_backend.errors import (CalError, CCUException, DeviceError, DeviceNotReady, MaintenanceRefused, SubmitError,
                                 WaitTimeout)
-from sim_backend.runtime import (BufferPool, Calbin, InputBuf, MaintenanceRuntime, OutputBuf, RuntimeSession,
+from sim_backend.runtime.calrt import (BufferPool, Calbin, InputBuf, MaintenanceRuntime, OutputBuf, RuntimeSession,
                                  SubModelNotFound, VirtualDevice, calrt_version)
 
 WAIT = 30.0  # host seconds: generous bound for a wait that must succeed
@@ -327,7 +327,7 @@ def _public_paths(obj, depth=6, path="", seen=None):
 
 
 def test_inference_surfaces_have_no_path_to_maintenance(board):
-    from sim_backend.system import build_system
+    from sim_backend.planes.system import build_system
 
     # the walker does find such paths where they exist (positive control)
     assert {"registers", "reset", "clear_memory"} <= {a for _, a in _public_paths(board, path="board")}

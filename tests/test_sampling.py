@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim_backend.errors import InvalidRequestError
-from sim_backend.sampling import (
+from sim_backend.serving.sampling import (
     N_VALID,
     VOCAB_SIZE,
     Sampler,

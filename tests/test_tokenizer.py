@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sim_backend.errors import InvalidRequestError
-from sim_backend.tokenizer import (
+from sim_backend.model.tokenizer import (
     END_THINK,
     ENDOFTEXT,
     EOS_IDS,

@@ -1,8 +1,8 @@
 """``calconsole bench calibrate``: the simulator against the measured figures of FACTS F7.
 
-Cost-model cases come from :func:`sim_backend.calibration.run_calibration`
+Cost-model cases come from :func:`sim_backend.tools.calibration.run_calibration`
 (simulated device time, plus the fitted host allowance in the E2E case only);
-engine cases from :func:`sim_backend.calibration.run_engine_cases` (the real
+engine cases from :func:`sim_backend.tools.calibration.run_engine_cases` (the real
 serving engine, timing-only, whose host work is measured and lands on the
 simulated clock).  Exit code 0 if every case is ok, 1 otherwise.
 """
@@ -38,15 +38,15 @@ def _fmt(v: float, unit: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim_backend.calibration import price_step_cost_us, run_calibration, run_engine_cases
-    from sim_backend.costmodel import CostModel
+    from sim_backend.tools.calibration import price_step_cost_us, run_calibration, run_engine_cases
+    from sim_backend.model.costmodel import CostModel
     from sim_backend.errors import CalError
 
     try:
         cm = CostModel.load(args.hardware)
         cases = run_calibration(cm)
         if not args.no_engine:
-            from sim_backend.system import build_system
+            from sim_backend.planes.system import build_system
 
             with build_system(numerics=False, maintenance=False, n_slots=1, hardware=args.hardware) as system:
                 cases += run_engine_cases(system)

@@ -52,10 +52,10 @@ def run_mode(max_inflight: int, *, n_requests: int, max_tokens: int, numerics: b
     step means in ms (device = simulated, host = measured). Raises CalError
     if a request does not finish.
     """
-    from sim_backend.device import Pacing, PacingMode
-    from sim_backend.engine import ChatRequest
-    from sim_backend.sampling import SamplingParams
-    from sim_backend.system import build_system
+    from sim_backend.device.board import Pacing, PacingMode
+    from sim_backend.serving.engine import ChatRequest
+    from sim_backend.serving.sampling import SamplingParams
+    from sim_backend.planes.system import build_system
 
     with build_system(bundle, pacing=Pacing(PacingMode.FAST), numerics=numerics, n_slots=n_requests,
                       max_inflight=max_inflight, maintenance=False, host_timer=host_timer,

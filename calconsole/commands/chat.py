@@ -47,8 +47,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 
 def request_from_args(args: argparse.Namespace, prompt: str):
-    from sim_backend.engine import ChatRequest
-    from sim_backend.sampling import SamplingParams
+    from sim_backend.serving.engine import ChatRequest
+    from sim_backend.serving.sampling import SamplingParams
 
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
@@ -82,7 +82,7 @@ def register(sub, common) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim_backend.engine import validate_request
+    from sim_backend.serving.engine import validate_request
 
     try:
         prompt = read_prompt(args.prompt)

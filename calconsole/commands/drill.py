@@ -21,7 +21,7 @@ Steps, in order (each checked against what it should do):
 Requests during the window (8, 9, 11) are maintenance-plane probe requests:
 the engine refuses all requests while exclusive, so the window's test
 requests run through the device on the scratch sequence (see
-``sim_backend.maintenance``). Every maintenance call is audited by the plane;
+``sim_backend.planes.maintenance``). Every maintenance call is audited by the plane;
 the drill also appends one ``drill:<action>`` record per step.
 
 ``sim_ms``: simulated device ms the step took on the board clock;
@@ -84,7 +84,7 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
     means "behaved as described" (a refusal that should happen is ok). Never raises for a
     step's outcome; every wait is bounded.
     """
-    from sim_backend.engine import ChatRequest, DoneEvent, TokenEvent
+    from sim_backend.serving.engine import ChatRequest, DoneEvent, TokenEvent
     from sim_backend.errors import MaintenanceRefused, RequestError
 
     m = system.maintenance

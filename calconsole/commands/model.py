@@ -1,6 +1,6 @@
 """``calconsole model [--json]``: the calbin bundle — sub-models, op counts, memory plan, findings.
 
-Read-only: loads the bundle (``sim_backend.bundle.load_bundle``), generates
+Read-only: loads the bundle (``sim_backend.bundle.manifest.load_bundle``), generates
 each sub-model's op graph from the model shape (FACTS F3), builds the
 per-chip memory plan (FACTS F4) and lists the manifest findings.  No device
 is started.  Every memory figure is in bytes (JSON) or GiB / MiB (text,
@@ -45,10 +45,10 @@ def model_info(bundle_dir=None, hardware=None) -> dict:
     ``totals``; KV and logits bytes per token) and ``findings``.
     Raises ManifestError on a bad bundle or hardware YAML.
     """
-    from sim_backend.bundle import load_bundle
-    from sim_backend.costmodel import HardwareSpec
-    from sim_backend.memory import MemoryPlan
-    from sim_backend.opgraph import build_graph
+    from sim_backend.bundle.manifest import load_bundle
+    from sim_backend.model.costmodel import HardwareSpec
+    from sim_backend.device.memory import MemoryPlan
+    from sim_backend.model.opgraph import build_graph
 
     bundle = load_bundle(bundle_dir)
     hw = HardwareSpec.load(hardware)

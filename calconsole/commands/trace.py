@@ -2,7 +2,7 @@
 
 Every step of the request (its prefill chunk(s) and every decode) is recorded
 from the board (``board.add_listener``) and written with
-:func:`sim_backend.trace.chrome_trace`: one track per chip with one event per
+:func:`sim_backend.model.trace.chrome_trace`: one track per chip with one event per
 profiled op, named ``"<category> L<layer>"`` (``"<category> global"`` outside
 the layers), plus a CCU-barrier track, a host PCIe track and a steps track.
 ``ts`` / ``dur`` are SIMULATED device microseconds on the board clock, so the
@@ -41,9 +41,9 @@ def register(sub, common) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim_backend.engine import ChatRequest
-    from sim_backend.sampling import SamplingParams
-    from sim_backend.trace import StepRecorder, steps_from_results, write_chrome_trace
+    from sim_backend.serving.engine import ChatRequest
+    from sim_backend.serving.sampling import SamplingParams
+    from sim_backend.model.trace import StepRecorder, steps_from_results, write_chrome_trace
 
     if not 1 <= args.max_tokens <= MAX_TRACE_TOKENS:
         # one event per op per chip: ~2,500 events (~0.5 MB of JSON) per decode step

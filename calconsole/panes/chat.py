@@ -17,11 +17,11 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Collapsible, Input, Label, RichLog, Static
 
-from sim_backend.engine import ChatRequest, DoneEvent, RequestHandle, TokenEvent
+from sim_backend.serving.engine import ChatRequest, DoneEvent, RequestHandle, TokenEvent
 
 from ..widgets.render import set_subtitle
 from sim_backend.errors import RequestError
-from sim_backend.sampling import SamplingParams
+from sim_backend.serving.sampling import SamplingParams
 
 SYNTHETIC_NOTICE = ("Weights are synthetic: the text is not meaningful. Tokens, timings and KV are real "
                     "products of the simulated run. Times are simulated device ms.")

@@ -55,8 +55,8 @@ from typing import Sequence
 
 import numpy as np
 
-from .config import ModelShape
-from .errors import KVExhausted, RequestCancelled
+from sim_backend.bundle.shapes import ModelShape
+from sim_backend.errors import KVExhausted, RequestCancelled
 
 __all__ = [
     "KVCacheManager",

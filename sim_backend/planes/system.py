@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .audit import AuditLog
-from .bundle import Bundle, load_bundle
-from .costmodel import CostModel
-from .device import Pacing, PacingMode, SimulatedBoard
-from .engine import Engine, HostTimer
-from .memory import MemoryPlan
-from .planes import InferencePlane, ObservationPlane
+from sim_backend.planes.audit import AuditLog
+from sim_backend.bundle.manifest import Bundle, load_bundle
+from sim_backend.model.costmodel import CostModel
+from sim_backend.device.board import Pacing, PacingMode, SimulatedBoard
+from sim_backend.serving.engine import Engine, HostTimer
+from sim_backend.device.memory import MemoryPlan
+from sim_backend.planes.inprocess import InferencePlane, ObservationPlane
 
 
 @dataclass
@@ -69,7 +69,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     observation = ObservationPlane(board, engine, bundle, memory_plan)
     mplane = None
     if maintenance:
-        from .maintenance import MaintenancePlane  # imported only when asked for (--observe-only proof)
+        from sim_backend.planes.maintenance import MaintenancePlane  # imported only when asked for (--observe-only proof)
         mplane = MaintenancePlane(board, engine, AuditLog(audit_path), drain_timeout_s=drain_timeout_s,
                                   reset_timeout_s=reset_timeout_s, memory_plan=memory_plan)
         observation.set_mode_source(mplane.mode)

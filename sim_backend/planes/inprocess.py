@@ -21,10 +21,10 @@ from typing import Any, Mapping
 
 import psutil
 
-from .bundle import Bundle, Finding
-from .device import SimulatedBoard
-from .engine import ChatRequest, Engine, RequestHandle, RequestResult
-from .freeze import freeze, thaw
+from sim_backend.bundle.manifest import Bundle, Finding
+from sim_backend.device.board import SimulatedBoard
+from sim_backend.serving.engine import ChatRequest, Engine, RequestHandle, RequestResult
+from sim_backend.planes.freeze import freeze, thaw
 
 
 class InferencePlane:

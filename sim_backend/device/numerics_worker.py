@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from .config import ModelShape, NumericShape
-from .errors import DeviceError
-from .numerics import StepNumerics
+from sim_backend.bundle.shapes import ModelShape, NumericShape
+from sim_backend.errors import DeviceError
+from sim_backend.model.numerics import StepNumerics
 
 START_TIMEOUT_S = 120.0  # building the synthetic weights takes ~1.5 s; generous for loaded machines
 CONTROL_TIMEOUT_S = 30.0
@@ -30,7 +30,7 @@ CONTROL_TIMEOUT_S = 30.0
 
 def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int) -> None:
     """Worker main loop: build the model, then answer (op, args) requests until "close"."""
-    from .numerics import ShardedModel  # sim_backend/__init__ pins BLAS to one thread before numpy loads
+    from sim_backend.model.numerics import ShardedModel  # sim_backend/__init__ pins BLAS to one thread before numpy loads
 
     model = ShardedModel(shape, num, n_cells=n_cells)
     conn.send((True, "ready"))

@@ -1,6 +1,6 @@
 """Calibration of the simulated cost model against FACTS F7 (report §10).
 
-Cases (all simulated with :class:`~sim_backend.costmodel.CostModel` at full
+Cases (all simulated with :class:`~sim_backend.model.costmodel.CostModel` at full
 Qwen3-30B-A3B size, expected experts touched):
 
 * ``prefill_27_tok_s``: 27 tokens / one prefill step -> 184.27 tok/s (±3 %).
@@ -55,8 +55,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from sim_backend.config import ModelShape
-from sim_backend.costmodel import CostModel
+from sim_backend.bundle.shapes import ModelShape
+from sim_backend.model.costmodel import CostModel
 
 TOLERANCE_PCT = 3.0
 
@@ -173,8 +173,8 @@ def run_engine_cases(system=None, *, prompt: str = ENGINE_PROMPT, max_tokens: in
     """
     import time
 
-    from sim_backend.engine import ChatRequest
-    from sim_backend.system import build_system
+    from sim_backend.serving.engine import ChatRequest
+    from sim_backend.planes.system import build_system
 
     own = system is None
     if own:
@@ -288,7 +288,7 @@ def format_table(cases: list[dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # offline: python -m sim_backend.calibration [--fit]
+if __name__ == "__main__":  # offline: python -m sim_backend.tools.calibration [--fit]
     import sys
 
     if "--fit" in sys.argv:

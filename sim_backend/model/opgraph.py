@@ -1,6 +1,6 @@
 """Operator graphs of the prefill and decode sub-models (FACTS F3, report §5–§6).
 
-The graphs are *generated* from :class:`~sim_backend.config.ModelShape`: a
+The graphs are *generated* from :class:`~sim_backend.bundle.shapes.ModelShape`: a
 fixed per-layer op sequence repeated ``n_layers`` times, plus a few ops
 outside the layers.  For the full 48-layer Qwen3-30B-A3B the counts equal
 FACTS F3 exactly (prefill 1496, decode 1398 top-level nodes).
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
 
-from sim_backend.config import ModelShape
+from sim_backend.bundle.shapes import ModelShape
 
 Kind = Literal["prefill", "decode"]
 

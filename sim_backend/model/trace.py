@@ -3,7 +3,7 @@
 Layout: one process (``pid`` 0, the simulated device); one track (``tid``)
 per chip showing that chip's profile rows (FACTS F3: decode 1254 / 1253 per
 step); a ``CCU barriers`` track for the per-layer syncs that no chip profiles
-(see :mod:`sim_backend.opgraph`); a ``host PCIe`` track with each step's H2D
+(see :mod:`sim_backend.model.opgraph`); a ``host PCIe`` track with each step's H2D
 and D2H; a ``steps`` track with one event per step.  All ``ts``/``dur`` are
 SIMULATED device microseconds.
 """
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from sim_backend.costmodel import StepCost
+from sim_backend.model.costmodel import StepCost
 
 DEVICE_PID = 0
 

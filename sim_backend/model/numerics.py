@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import ModelShape, NumericShape
+from sim_backend.bundle.shapes import ModelShape, NumericShape
 
 F32 = np.float32
 # Real vocabulary ends at 151668 (</think>); ids above are padding rows of the

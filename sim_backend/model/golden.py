@@ -1,7 +1,7 @@
 """Golden input/output of the bundle, and the comparison the self-test uses (FACTS F5 C1: golden I/O).
 
-    python -m sim_backend.golden --write   # regenerate <bundle>/golden.npz
-    python -m sim_backend.golden --check   # recompute; exit 1 if the stored reference no longer matches
+    python -m sim_backend.model.golden --write   # regenerate <bundle>/golden.npz
+    python -m sim_backend.model.golden --check   # recompute; exit 1 if the stored reference no longer matches
 
 The golden input is the Qwen3 chat-template fragment
 ``"<|im_start|>user\\nhi<|im_end|>\\n"`` = ``[151644, 872, 198, 6023, 151645, 198]``
@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ManifestError
+from sim_backend.errors import ManifestError
 
 GOLDEN_FORMAT = "calconsole-golden/1"
 GOLDEN_TEXT = "<|im_start|>user\nhi<|im_end|>\n"
@@ -92,14 +92,14 @@ def bf16_bits_to_f32(u16: np.ndarray) -> np.ndarray:
 
 
 def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    from .sampling import f32_to_bf16
+    from sim_backend.serving.sampling import f32_to_bf16
 
     return np.asarray(f32_to_bf16(np.asarray(x, dtype=np.float32)), dtype=np.uint16)
 
 
 def reference_logits(bundle) -> np.ndarray:
     """Float32 last-token logits of the golden input from a fresh ``ShardedModel`` (host wall ~0.1 s)."""
-    from .numerics import ShardedModel
+    from sim_backend.model.numerics import ShardedModel
 
     n = len(GOLDEN_IDS)
     model = ShardedModel(bundle.shape, bundle.numeric, n_cells=max(8, n))
@@ -115,7 +115,7 @@ def sha256_f32(x: np.ndarray) -> str:
 
 def compute_golden(bundle) -> dict[str, np.ndarray]:
     """The arrays written to golden.npz (see module docstring)."""
-    from .tokenizer import get_tokenizer
+    from sim_backend.model.tokenizer import get_tokenizer
 
     ids = get_tokenizer().encode(GOLDEN_TEXT, allow_special=True)
     if tuple(ids) != GOLDEN_IDS:
@@ -148,7 +148,7 @@ def compute_golden(bundle) -> dict[str, np.ndarray]:
 
 def write_golden(bundle_dir: str | Path | None = None, path: str | Path | None = None) -> Path:
     """Regenerate the golden file (default ``<bundle>/golden.npz``); returns its path."""
-    from .bundle import load_bundle
+    from sim_backend.bundle.manifest import load_bundle
 
     bundle = load_bundle(bundle_dir)
     out = Path(path) if path is not None else bundle.path / GOLDEN_FILE_NAME
@@ -290,7 +290,7 @@ def check_golden(bundle_dir: str | Path | None = None) -> dict:
     the float32 logits) is reported, never required: it holds only on the CPU and BLAS build that
     wrote the file. Raises GoldenFileError if the file is unreadable.
     """
-    from .bundle import load_bundle
+    from sim_backend.bundle.manifest import load_bundle
 
     bundle = load_bundle(bundle_dir)
     if bundle.golden_file is None:
@@ -307,7 +307,7 @@ def check_golden(bundle_dir: str | Path | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sim_backend.golden", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m sim_backend.model.golden", description=__doc__.split("\n")[0])
     p.add_argument("--write", action="store_true", help="regenerate the bundle's golden.npz")
     p.add_argument("--check", action="store_true", help="recompute and compare with the stored file")
     p.add_argument("--bundle", default=None, metavar="DIR")

@@ -2,7 +2,7 @@
 
 Units: every ``*_bytes`` is bytes (int); GiB = 2**30 B, MiB = 2**20 B.
 
-What is derived from :class:`~sim_backend.config.ModelShape` and what is taken
+What is derived from :class:`~sim_backend.bundle.shapes.ModelShape` and what is taken
 from the report:
 
 * derived: the KV cache (BF16, 2 of 4 KV heads per chip:
@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from sim_backend.config import ModelShape
-from sim_backend.costmodel import HardwareSpec
+from sim_backend.bundle.shapes import ModelShape
+from sim_backend.model.costmodel import HardwareSpec
 
 GiB = 2**30
 MiB = 2**20

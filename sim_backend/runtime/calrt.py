@@ -46,10 +46,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .bundle import Bundle, SubModelSpec, load_bundle
-from .device import ChipletStatus, Job, JobCounters, SimulatedBoard, StepResult
-from .errors import CalError, DeviceError, DeviceNotReady, MaintenanceRefused, SubmitError, WaitTimeout
-from .kv import KVCacheManager
+from sim_backend.bundle.manifest import Bundle, SubModelSpec, load_bundle
+from sim_backend.device.board import ChipletStatus, Job, JobCounters, SimulatedBoard, StepResult
+from sim_backend.errors import CalError, DeviceError, DeviceNotReady, MaintenanceRefused, SubmitError, WaitTimeout
+from sim_backend.device.kv import KVCacheManager
 
 CALRT_VERSION = "0.7.6"
 DEVICE_KINDS = ("PCIE",)
@@ -742,7 +742,7 @@ class MaintenanceRuntime:
         Returns {"path", "steps", "bytes"}.
         """
         self._check("dump_trace", lease)
-        from .trace import chrome_trace
+        from sim_backend.model.trace import chrome_trace
 
         steps = sorted(self._board.last_steps.values(), key=lambda r: r.job_id)
         trace = chrome_trace([(f"{r.kind} job {r.job_id}", r.cost, r.sim_start_us) for r in steps])
@@ -775,7 +775,7 @@ class MaintenanceRuntime:
             raise MaintenanceRefused("golden_check", "no golden file in this bundle")
         if not b.numerics:
             raise MaintenanceRefused("golden_check", "device runs timing-only (no logits to compare)")
-        from .golden import GoldenFileError, compare, load_golden
+        from sim_backend.model.golden import GoldenFileError, compare, load_golden
 
         try:
             golden = load_golden(gf)

@@ -64,13 +64,13 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .device import Job, SimulatedBoard
-from .errors import (CalError, DeviceError, DeviceReset, ExceedContextSizeError, InvalidRequestError, KVExhausted,
+from sim_backend.device.board import Job, SimulatedBoard
+from sim_backend.errors import (CalError, DeviceError, DeviceReset, ExceedContextSizeError, InvalidRequestError, KVExhausted,
                      RequestCancelled, UnavailableError)
-from .runtime import RuntimeSession
-from .metrics import SLO, MetricsRegistry, percentiles, request_latencies
-from .sampling import VOCAB_SIZE, Sampler, SamplingParams, bf16_to_f32
-from .tokenizer import EOS_IDS, StopStringMatcher, StreamDecoder, get_tokenizer
+from sim_backend.runtime.calrt import RuntimeSession
+from sim_backend.serving.metrics import SLO, MetricsRegistry, percentiles, request_latencies
+from sim_backend.serving.sampling import VOCAB_SIZE, Sampler, SamplingParams, bf16_to_f32
+from sim_backend.model.tokenizer import EOS_IDS, StopStringMatcher, StreamDecoder, get_tokenizer
 
 STOP_TYPES = ("eos", "limit", "word", "none")
 ROLES = ("system", "user", "assistant")

@@ -43,11 +43,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import yaml
 
-from sim_backend.config import ModelShape
+from sim_backend.bundle.shapes import ModelShape
 from sim_backend.errors import ManifestError
-from sim_backend.opgraph import CATEGORIES, OpGraph, build_graph
+from sim_backend.model.opgraph import CATEGORIES, OpGraph, build_graph
 
-DEFAULT_HW_PATH = Path(__file__).resolve().parent / "hardware" / "calculet_npu.yaml"
+DEFAULT_HW_PATH = Path(__file__).resolve().parents[1] / "hardware" / "calculet_npu.yaml"
 
 _REQUIRED: dict[str, tuple[str, ...]] = {
     "hardware": ("n_chips", "peak_int8_tops", "peak_fp16_tflops", "dram_bw_gbps",
@@ -162,7 +162,7 @@ class StepCost:
             relative to the start of ``infer``; NaN where the chip does not run the op.
         dram_bytes: per-chip DRAM bytes by stream (``weights``, ``lm_head``, ``kv``, ``activations``)
             on chip0.
-        graph: the priced :class:`~sim_backend.opgraph.OpGraph`.
+        graph: the priced :class:`~sim_backend.model.opgraph.OpGraph`.
     """
 
     kind: str
@@ -265,7 +265,7 @@ class CostModel:
         """Fitted host-side allowance, ms per generated token (host wall time stand-in).
 
         Used ONLY by the cost-model-only E2E calibration case
-        (:func:`sim_backend.calibration.e2e_cost_model_us`).  :meth:`price_step`
+        (:func:`sim_backend.tools.calibration.e2e_cost_model_us`).  :meth:`price_step`
         never includes it (a step is device time: H2D + infer + D2H), and the
         engine measures its real host work instead, so host time is never
         counted twice.

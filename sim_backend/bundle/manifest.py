@@ -17,10 +17,10 @@ from typing import Any
 
 import yaml
 
-from .config import ModelShape, NumericShape
-from .errors import ManifestError
+from sim_backend.bundle.shapes import ModelShape, NumericShape
+from sim_backend.errors import ManifestError
 
-DEFAULT_BUNDLE_DIR = Path(__file__).resolve().parent / "bundles" / "qwen3-30b-a3b"
+DEFAULT_BUNDLE_DIR = Path(__file__).resolve().parents[1] / "bundles" / "qwen3-30b-a3b"
 MANIFEST_NAME = "calbin.yaml"
 REQUIRED_SUBMODELS = ("prefill", "decode")
 KNOWN_TYPES = ("llm_prefill", "llm_decode")

@@ -26,13 +26,13 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from .bundle import Bundle
-from .errors import (CCUException, DeviceError, DeviceNotReady, DeviceReset, KVExhausted, LinkError, SubmitError,
+from sim_backend.bundle.manifest import Bundle
+from sim_backend.errors import (CCUException, DeviceError, DeviceNotReady, DeviceReset, KVExhausted, LinkError, SubmitError,
                      WaitTimeout)
-from .kv import KVCacheManager
-from .numerics import ShardedModel
-from .registers import RegisterFile
-from .sampling import f32_to_bf16
+from sim_backend.device.kv import KVCacheManager
+from sim_backend.model.numerics import ShardedModel
+from sim_backend.device.registers import RegisterFile
+from sim_backend.serving.sampling import f32_to_bf16
 
 
 class PacingMode(str, Enum):
@@ -341,7 +341,7 @@ class SimulatedBoard:
             if old is not None and hasattr(old, "close"):
                 old.close()
             if self.numerics_process:
-                from .numerics_process import NumericsProcess
+                from sim_backend.device.numerics_worker import NumericsProcess
 
                 self.model = NumericsProcess(self.shape, self.bundle.numeric, n_cells)
             else:

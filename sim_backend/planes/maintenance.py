@@ -47,11 +47,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .audit import AuditLog
-from .device import SimulatedBoard
-from .engine import ChatRequest, Engine
-from .errors import CalError, DeviceError, KVExhausted, MaintenanceRefused
-from .registers import REGISTER_MAP
+from sim_backend.planes.audit import AuditLog
+from sim_backend.device.board import SimulatedBoard
+from sim_backend.serving.engine import ChatRequest, Engine
+from sim_backend.errors import CalError, DeviceError, KVExhausted, MaintenanceRefused
+from sim_backend.device.registers import REGISTER_MAP
 
 MAINTENANCE_REASON = "device in maintenance"
 #: KV sequence id used by health checks, the golden self-test and probe requests (never a slot).
@@ -88,7 +88,7 @@ class MaintenancePlane:
     def __init__(self, board: SimulatedBoard, engine: Engine, audit: AuditLog, *,
                  drain_timeout_s: float = 5.0, reset_timeout_s: float = 10.0, memory_plan: Any = None,
                  dump_dir: str | Path | None = None) -> None:
-        from .runtime import MaintenanceRuntime
+        from sim_backend.runtime.calrt import MaintenanceRuntime
 
         self._board = board
         self._engine = engine
@@ -293,7 +293,7 @@ class MaintenancePlane:
             path = self.dump_dir / f"{self._board.bundle.device_name}-dump-{stamp}-{uuid.uuid4().hex[:4]}.json"
 
         def go() -> dict:
-            from .trace import chrome_trace
+            from sim_backend.model.trace import chrome_trace
 
             b = self._board
             steps = sorted(b.last_steps.values(), key=lambda r: r.job_id)
@@ -480,7 +480,7 @@ class MaintenancePlane:
                 "wall_ms": (time.perf_counter() - t0) * 1e3}
 
     def _self_test(self) -> dict:
-        from .golden import GoldenFileError, compare, load_golden
+        from sim_backend.model.golden import GoldenFileError, compare, load_golden
 
         b = self._board
         t0 = time.perf_counter()
@@ -491,7 +491,7 @@ class MaintenancePlane:
             return {"ok": False, **base, "detail": detail, "sim_ms": 0.0, "wall_ms": (time.perf_counter() - t0) * 1e3}
 
         if b.bundle.golden_file is None:
-            return fail("no golden file in the bundle (run: python -m sim_backend.golden --write)")
+            return fail("no golden file in the bundle (run: python -m sim_backend.model.golden --write)")
         if not b.numerics:
             return fail("device runs timing-only: no logits to compare")
         try:

@@ -29,7 +29,7 @@ from typing import Any
 import aiofiles
 import platformdirs
 
-from .errors import CalError
+from sim_backend.errors import CalError
 
 PHASES = ("started", "finished", "event")
 MAX_DEPTH = 32  # JSON nesting a record may have (real records nest 3 levels)
