@@ -24,7 +24,8 @@ import psutil
 from sim_backend.bundle.manifest import Bundle, Finding
 from sim_backend.device.board import SimulatedBoard
 from sim_backend.serving.engine import ChatRequest, Engine, RequestHandle, RequestResult
-from sim_backend.planes.freeze import freeze, thaw
+from sim_backend.planes.freeze import thaw
+from sim_backend.planes.snapshot import Snapshot, convert
 
 
 class InferencePlane:
@@ -48,33 +49,6 @@ class InferencePlane:
     def count_prompt_tokens(self, req: ChatRequest) -> int:
         """Prompt tokens with the chat template, as the context limit counts them."""
         return len(self._engine.tokenize_prompt(req))
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """One read-only observation. All numbers say their unit in their key:
-    ``*_us`` / ``*_ms`` under ``last_step`` and ``requests`` are SIMULATED device
-    time; ``host`` and ``*_wall_ms`` are measured host wall time; ``stages`` host
-    parts are measured host CPU ms."""
-
-    taken_unix_s: float
-    sim_now_ms: float
-    device: Mapping[str, Any]
-    jobs: Mapping[str, Any]
-    kv: Mapping[str, Any]
-    last_step: Mapping[str, Any]
-    last_prefill: Mapping[str, Any]
-    last_decode: Mapping[str, Any]
-    memory: Mapping[str, Any]
-    slots: tuple
-    requests: Mapping[str, Any]
-    stages: Mapping[str, Any]
-    history: Mapping[str, Any]
-    host: Mapping[str, Any]
-    findings: tuple
-
-    def to_dict(self) -> dict:
-        return thaw(self)
 
 
 def step_view(res: Any | None) -> dict:
@@ -160,7 +134,7 @@ class ObservationPlane:
         with self._proc.oneshot():
             host = {"cpu_percent": self._proc.cpu_percent(None), "rss_bytes": self._proc.memory_info().rss,
                     "threads": self._proc.num_threads(), "system_cpu_percent": psutil.cpu_percent(None)}
-        data = dict(
+        data: dict[str, Any] = dict(
             taken_unix_s=time.time(),
             sim_now_ms=b.clock.now_us / 1e3,
             device={
@@ -195,7 +169,7 @@ class ObservationPlane:
             host=host,
             findings=[thaw(f) for f in self._bundle.findings],
         )
-        return Snapshot(**{k: freeze(v) for k, v in data.items()})
+        return convert(data, Snapshot)
 
     def metrics_text(self) -> str:
         """Prometheus text exposition (llamacpp: names)."""

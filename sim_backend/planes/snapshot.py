@@ -1,0 +1,261 @@
+"""Typed, immutable observation snapshots: what ``ObservationPlane.snapshot()`` returns.
+
+Every section is a frozen ``msgspec.Struct``: attributes cannot be assigned, sequences are
+tuples, and the few maps (per-sequence KV tokens, per-category layer times) are copies owned
+by the snapshot, so nothing reachable from a snapshot can change the device.
+
+Units are in the field names: ``*_us`` / ``*_ms`` under steps and requests are SIMULATED
+device time; ``host`` and ``*_wall_ms`` are measured host wall time; stage host parts are
+measured host CPU ms. ``Snapshot.to_dict()`` is the JSON wire form (``calconsole snapshot
+--json``, ``GET /snapshot``); ``Snapshot.from_dict()`` reads it back with type checks, so an
+in-process and a remote observation plane hand out the same type.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+
+class _Frozen(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of the snapshot sections (frozen, keyword-only)."""
+
+
+class ChipletInfo(_Frozen):
+    """One chiplet: ``state`` ready|busy|cleared|fault; ``slow_factor`` >= 1 (1 = nominal)."""
+
+    index: int
+    state: str
+    busy: bool
+    slow_factor: float
+    jobs_done: int
+
+
+class DeviceInfo(_Frozen):
+    """The board: identity, health ``status``, maintenance ``mode``, pacing and faults.
+
+    ``pacing_speed``: simulated seconds per wall second asked for; ``achieved_speed`` the measured
+    ratio over the last paced run (None before one). ``faults``: armed or active fault names.
+    """
+
+    name: str
+    bundle: str
+    status: str
+    mode: str
+    lease_holder: str | None
+    calrt_version: str
+    firmware_commit: str
+    pacing: str
+    pacing_speed: float
+    numerics: bool
+    achieved_speed: float | None
+    chiplets: tuple[ChipletInfo, ...]
+    faults: tuple[str, ...]
+    context_tokens: int
+    n_slots: int
+    admitting: bool
+
+
+class JobCounts(_Frozen):
+    """Device job counters (device steps, not requests)."""
+
+    submitted: int
+    pending: int
+    running: int
+    finished: int
+    failed: int
+    left: int
+    ccu_exceptions: int
+    resets: int
+
+
+class KVInfo(_Frozen):
+    """KV cache occupancy (tokens = cells; bytes per chip) and wait counters.
+
+    ``waits`` / ``timeouts``: requests the engine parked for cells / that timed out;
+    ``kv_wait_wall_ms``: host wall ms spent waiting; ``per_seq_tokens``: seq id (str) -> cells.
+    """
+
+    used_tokens: int
+    capacity_tokens: int
+    free_tokens: int
+    used_blocks: int
+    total_blocks: int
+    block_size: int
+    bytes_used_per_chip: int
+    bytes_capacity_per_chip: int
+    per_seq_tokens: dict[str, int]
+    waits: int
+    timeouts: int
+    kv_wait_wall_ms: float
+    apply_calls: int
+    apply_full_attempts: int
+
+
+class LayerTiming(_Frozen):
+    """One decoder layer of a step: simulated µs per chip, and per op category per chip."""
+
+    layer: int
+    chip_us: tuple[float, ...]
+    category_us: dict[str, tuple[float, ...]]
+    slowest_category: str
+
+
+class StepView(_Frozen):
+    """The last device step of a kind (all times simulated µs, but ``compute_wall_ms``: host wall).
+
+    ``kind`` is None (and everything else empty) before the first step.
+    """
+
+    kind: str | None = None
+    job_id: int | None = None
+    seq_id: int | None = None
+    n_tokens: int | None = None
+    past_len: int | None = None
+    sim_us: float | None = None
+    h2d_us: float | None = None
+    infer_us: float | None = None
+    d2h_us: float | None = None
+    global_us: float | None = None
+    sim_end_ms: float | None = None
+    compute_wall_ms: float | None = None
+    experts_touched: tuple[int, ...] = ()
+    numerics: bool | None = None
+    layers: tuple[LayerTiming, ...] = ()
+    time_unit: str | None = None
+
+
+class MemoryRegion(_Frozen):
+    """One region of a chip's memory plan (bytes); ``kind`` dram|sram."""
+
+    name: str
+    kind: str
+    used_bytes: int
+    reserved_bytes: int
+    physical_bytes: int
+
+
+class ChipMemory(_Frozen):
+    """One chip's memory plan (bytes)."""
+
+    chip: int
+    dram_reserved_bytes: int
+    sram_reserved_bytes: int
+    regions: tuple[MemoryRegion, ...]
+
+
+class MemoryView(_Frozen):
+    """Per-chip memory map (FACTS F4) with KV use filled in; all sizes bytes. Empty if no plan."""
+
+    unit: str = "bytes"
+    kv_used_tokens: int = 0
+    kv_bytes_per_token_per_chip: int = 0
+    logits_bytes_per_token: int = 0
+    param_file_bytes: tuple[int, ...] = ()
+    param_estimate_bytes: tuple[int, ...] = ()
+    address_union_bytes: dict[str, int] = {}
+    chips: tuple[ChipMemory, ...] = ()
+
+
+class SlotView(_Frozen):
+    """One serving slot (llama-server's slot): its request and token counts."""
+
+    index: int
+    state: str
+    request_id: int | None
+    prompt_n: int
+    n_prefilled: int
+    predicted_n: int
+    cached_tokens: int
+
+
+class StageView(_Frozen):
+    """Where the last prefill or decode step's time went, in ms.
+
+    ``h2d_ms`` / ``infer_ms`` / ``d2h_ms``: simulated device time; the others are measured host CPU ms.
+    """
+
+    kind: str
+    h2d_ms: float
+    infer_ms: float
+    d2h_ms: float
+    kv_wait_ms: float
+    sampling_ms: float
+    detokenize_ms: float
+    framework_ms: float
+    tokenize_ms: float
+    n_tokens: int
+    request_id: int | None
+
+
+class HostInfo(_Frozen):
+    """This process, measured: CPU % since the previous snapshot, RSS bytes, threads, system CPU %."""
+
+    cpu_percent: float
+    rss_bytes: int
+    threads: int
+    system_cpu_percent: float
+
+
+class FindingView(_Frozen):
+    """A bundle manifest finding (``severity`` warning|error), with the file and field it concerns."""
+
+    severity: str
+    code: str
+    file: str
+    field: str
+    message: str
+    action: str
+
+
+class Snapshot(_Frozen):
+    """One read-only observation of the whole system.
+
+    ``taken_unix_s``: host wall clock; ``sim_now_ms``: the simulated device clock.
+    ``requests`` is the serving metrics summary (``MetricsRegistry.summary``: counters, token counts,
+    latency percentiles in simulated ms, goodput); ``history`` the recent per-request series.
+    Both are JSON-shaped maps owned by the snapshot.
+    """
+
+    taken_unix_s: float
+    sim_now_ms: float
+    device: DeviceInfo
+    jobs: JobCounts
+    kv: KVInfo
+    last_step: StepView
+    last_prefill: StepView
+    last_decode: StepView
+    memory: MemoryView
+    slots: tuple[SlotView, ...]
+    requests: dict[str, Any]
+    stages: dict[str, StageView]
+    history: dict[str, tuple[float, ...]]
+    host: HostInfo
+    findings: tuple[FindingView, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready nested dicts and lists (NaN becomes None), the wire form of a snapshot."""
+        out: dict[str, Any] = _no_nan(msgspec.to_builtins(self))
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Snapshot:
+        """Read the wire form back; raises ``msgspec.ValidationError`` naming the bad field."""
+        return msgspec.convert(data, cls)
+
+
+def _no_nan(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return None if math.isnan(obj) else obj
+    if isinstance(obj, dict):
+        return {k: _no_nan(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_no_nan(v) for v in obj]
+    return obj
+
+
+def convert(data: Any, typ: type[Any]) -> Any:
+    """Build a snapshot section of type ``typ`` from plain data (dicts, lists, numpy scalars)."""
+    return msgspec.convert(data, typ, from_attributes=True, strict=False)
