@@ -201,7 +201,8 @@ class KVMachine(RuleBasedStateMachine):
         src_seq = self.m_seq(src)
         rows = arr[:, [i for _, i in src_seq], :].copy()
         assert self.kv.save_seq_state(src, path, [(arr, 1)]) == len(src_seq)
-        # llama.cpp: the destination sequence is cleared first
+        # llama.cpp: the destination sequence is replaced; all or nothing (issue 9)
+        saved = [[c[0], set(c[1]), c[2]] for c in self.cells]
         for i, c in enumerate(self.cells):
             if dst in c[1]:
                 c[1].discard(dst)
@@ -212,7 +213,9 @@ class KVMachine(RuleBasedStateMachine):
         try:
             n = self.kv.load_seq_state(dst, path, [(target, 1)], timeout=0)
         except KVExhausted:
+            # counting the cells only dst held, still too few: dst keeps its cells
             assert len(src_seq) > len(free_before)
+            self.cells = saved
             return
         assert n == len(src_seq)
         cells, pos = self.kv.seq_cells(dst)
