@@ -825,23 +825,21 @@ def test_injected_kv_fault_not_consumed_by_a_refused_call():
     assert kv.apply(0, 1, timeout=0).size == 1
 
 
-# ------------------------------------------------------------------ perf
+# ------------------------------------------------------------ full size
 
-def test_full_size_ops_are_fast():
+def test_full_size_ops_stay_consistent():
+    # full 40960-cell cache; no timing asserted here (team rule: tests never time anything)
     kv = KVCacheManager()
     for s in range(8):
         kv.apply(s, 4000, timeout=0)
-    n = 200
-    t0 = time.perf_counter()
-    for _ in range(n):
+    for _ in range(200):
         kv.apply(3, 1, timeout=0)
-    t_apply = (time.perf_counter() - t0) / n
-    t0 = time.perf_counter()
-    for _ in range(n):
         kv.seq_rm(3, 3990, -1)
-    t_rm = (time.perf_counter() - t0) / n
-    # generous bound for slow CI; typically ~0.1 ms and ~0.05 ms
-    assert t_apply < 0.005 and t_rm < 0.005
+    assert positions(kv, 3) == list(range(3990))
+    assert kv.occupancy().used_cells == 7 * 4000 + 3990
+    with pytest.raises(KVArgumentError):
+        kv.apply(3, 1, timeout=0, positions=[kv.n_ctx])
+    assert kv.occupancy().used_cells == 7 * 4000 + 3990
 
 
 def test_concurrent_apply_free_is_consistent():
