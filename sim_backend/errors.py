@@ -164,6 +164,34 @@ class KVExhausted(CalError):
         )
 
 
+class KVArgumentError(CalError, ValueError):
+    """A KV manager call was refused before it changed anything.
+
+    Raised for an argument of the wrong type (only ints are ids, counts and
+    positions; ``bool`` and floats are refused, never truncated), out of range
+    (sequence ids ``0..n_seq_max-1``, positions ``0..n_ctx-1``, finite
+    bounded timeouts), or an operation whose result would leave that range.
+    The cache is exactly as it was before the call. Subclasses ``ValueError``
+    so callers that caught the old ``ValueError`` keep working.
+    """
+
+
+class KVStateFileError(KVArgumentError):
+    """A KV sequence-state file cannot be read or written (missing, truncated,
+    malformed, made for another cache, unwritable path). Nothing was changed.
+
+    Attributes:
+        path: the file (str).
+        reason: what is wrong with it.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = str(path)
+        self.reason = reason
+        shown = self.path if len(self.path) <= 200 else self.path[:200] + f"... ({len(self.path)} characters)"
+        super().__init__(f"KV state file {shown}: {reason}")
+
+
 # --- maintenance --------------------------------------------------------------
 
 class MaintenanceRefused(CalError):

@@ -238,3 +238,141 @@ def test_binary_manifest_is_a_typed_error(tmp_path):
     with pytest.raises(ManifestError) as e:
         load_bundle(d)
     assert e.value.field == "<file>" and "UTF-8" in str(e.value)
+
+
+# ----------------------------------------------- issue 9: every size is bounded
+
+def _set_dotted(path: str, value):
+    """``_set`` with a dotted path, list indices as digits: ``"submodels.0.csr"``."""
+    return _set([int(k) if k.isdigit() else k for k in path.split(".")], value)
+
+
+@pytest.mark.parametrize("path, value, field", [
+    ("model.n_layers", 1_000_000_000_000, "model.n_layers"),  # the issue's case: MemoryError in `model --json`
+    ("model.n_layers", 513, "model.n_layers"),
+    ("model.hidden", 65_537, "model.hidden"),
+    ("model.n_q_heads", 2048, "model.n_q_heads"),
+    ("model.n_kv_heads", 2048, "model.n_kv_heads"),
+    ("model.head_dim", 5000, "model.head_dim"),
+    ("model.n_experts", 10**6, "model.n_experts"),
+    ("model.n_experts_active", 300, "model.n_experts_active"),
+    ("model.expert_ffn", 10**9, "model.expert_ffn"),
+    ("model.vocab", 10**7, "model.vocab"),
+    ("context", 10**9, "context"),
+    ("numerics.hidden", 4096, "numerics.hidden"),
+    ("numerics.head_dim", 512, "numerics.head_dim"),
+    ("numerics.expert_ffn", 5000, "numerics.expert_ffn"),
+    ("numerics.seed", 2**64, "numerics.seed"),
+    ("numerics.hidden", 1024, "numerics"),  # each width allowed, the weights (~2.5 GiB) are not
+    ("device_memory_required", "9" * 400 + " MB", "device_memory_required"),
+    ("device_memory_required", 2**60, "device_memory_required"),
+    ("device_memory_required", 0, "device_memory_required"),
+    ("golden.file", "x" * 100_000, "golden.file"),  # the issue's case: OSError traceback
+    ("golden.file", "a\0b.npz", "golden.file"),
+    ("golden.file", "", "golden.file"),
+    ("tokenizer.config", "t" * 300, "tokenizer.config"),
+    ("tokenizer.config", "../../../etc/passwd", "tokenizer.config"),
+    ("name", "n" * 300, "name"),
+    ("calrt_version", "v" * 300, "calrt_version"),
+    ("submodels.0.csr", ["past_kv_cur_seq_len", "cur_seq_len"] + ["r"] * 100, "submodels[0].csr"),
+    ("submodels.0.inputs.0.shape", [1, 10**12], "submodels[0].inputs[0].shape"),
+    ("submodels.0.inputs.0.shape", [1] * 9 + [40960], "submodels[0].inputs[0].shape"),
+    ("submodels.0.inputs", [{"name": f"t{i}", "dtype": "int32", "shape": [1]} for i in range(100)],
+     "submodels[0].inputs"),
+])
+def test_sizes_out_of_bounds_are_refused_naming_file_and_field(tmp_path, path, value, field):
+    d = copy_bundle(tmp_path)
+    mf = edit(d, _set_dotted(path, value))
+    with pytest.raises(ManifestError) as e:
+        load_bundle(d)
+    assert e.value.field == field and e.value.file == str(mf)
+    assert len(str(e.value)) < 600  # a 100k-character value is not echoed back
+
+
+def test_context_and_numerics_kv_footprint_bounded(tmp_path):
+    # 131072 is the largest context; with head_dim 256 the numeric K/V cache would be ~48 GiB
+    d = copy_bundle(tmp_path)
+
+    def fn(doc):
+        doc["context"] = 131_072
+        doc["numerics"]["head_dim"] = 256
+        for sm in doc["submodels"]:
+            if sm["name"] == "prefill":
+                for t in sm["inputs"]:
+                    t["shape"] = [1, 131_072]
+    edit(d, fn)
+    with pytest.raises(ManifestError) as e:
+        load_bundle(d)
+    assert e.value.field == "numerics" and "K/V" in e.value.message
+    # the same context at the shipped widths loads
+    edit(d, _set_dotted("numerics.head_dim", 16))
+    assert load_bundle(d).context == 131_072
+
+
+def test_limits_are_above_the_real_model():
+    from sim_backend.bundle.manifest import (MAX_CONTEXT, MAX_NUMERIC_KV_BYTES, MAX_NUMERIC_WEIGHT_BYTES, MODEL_LIMITS,
+                                    numeric_footprint_bytes)
+    from sim_backend.bundle.shapes import ModelShape, NumericShape
+
+    real = ModelShape()
+    for k, hi in MODEL_LIMITS.items():
+        assert hi >= 4 * getattr(real, k), k
+    assert MAX_CONTEXT == 131_072 > real.n_ctx
+    w, kv = numeric_footprint_bytes(real, NumericShape())
+    assert w == 169_656_064 and kv == 1_006_632_960  # 162 MiB, 0.94 GiB
+    assert MAX_NUMERIC_WEIGHT_BYTES >= 6 * w and MAX_NUMERIC_KV_BYTES >= 8 * kv
+
+
+def test_tokenizer_model_max_length_bounded(tmp_path):
+    d = copy_bundle(tmp_path)
+    tf = d / "tokenizer_config.yaml"
+    tf.write_text(tf.read_text().replace("model_max_length: 131072", "model_max_length: 1099511627776"))
+    with pytest.raises(ManifestError) as e:
+        load_bundle(d)
+    assert e.value.field == "model_max_length" and e.value.file == str(tf)
+
+
+@pytest.mark.parametrize("text, new", [
+    ("n_layers: 48", "n_layers: " + "7" * 5000),  # int literal past Python's digit limit
+    ("n_layers: 48", "n_layers: " + "[" * 5000 + "]" * 5000),  # deep nesting
+])
+def test_pathological_yaml_is_a_typed_error(tmp_path, text, new):
+    d = copy_bundle(tmp_path)
+    mf = d / "calbin.yaml"
+    mf.write_text(mf.read_text().replace(text, new))
+    with pytest.raises(ManifestError) as e:
+        load_bundle(d)
+    assert e.value.file == str(mf) and e.value.field == "<yaml>"
+
+
+def test_manifest_fifo_and_huge_file_refused_without_blocking(tmp_path):
+    import os
+
+    d = tmp_path / "b"
+    d.mkdir()
+    os.mkfifo(d / "calbin.yaml")  # reading it would block forever
+    with pytest.raises(ManifestError) as e:
+        load_bundle(d)
+    assert e.value.field == "<file>" and "regular" in e.value.message
+    (d / "calbin.yaml").unlink()
+    with open(d / "calbin.yaml", "wb") as f:
+        f.truncate(8 << 20)
+    with pytest.raises(ManifestError) as e:
+        load_bundle(d)
+    assert e.value.field == "<file>" and "bytes" in e.value.message
+
+
+def test_overlong_bundle_directory_name_is_a_typed_error():
+    with pytest.raises(ManifestError) as e:
+        load_bundle("x" * 100_000)
+    assert e.value.field == "<bundle>" and len(str(e.value)) < 600
+
+
+def test_cli_model_json_refuses_huge_layer_count(tmp_path, capsys):
+    d = copy_bundle(tmp_path)
+    mf = edit(d, _set_dotted("model.n_layers", 1_000_000_000_000))
+    rc = main(["model", "--json", "--bundle", str(d)])
+    cap = capsys.readouterr()
+    assert rc == 2 and cap.out == ""
+    assert str(mf) in cap.err and "model.n_layers" in cap.err and "Traceback" not in cap.err
+    assert len(cap.err.strip().splitlines()) == 1

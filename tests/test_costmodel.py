@@ -159,3 +159,73 @@ def test_chrome_trace(cm, tmp_path):
     # decode step starts after the prefill ends on the simulated clock
     dec_ops = [e for e in evs if e["ph"] == "X" and e["tid"] == 0 and e["args"]["step"] == "decode 1"]
     assert min(e["ts"] for e in dec_ops) >= pre.total_us
+
+
+# ------------------------------------ issue 9: every hardware number is bounded
+
+def _hw_doc():
+    return yaml.safe_load(DEFAULT_HW_PATH.read_text())
+
+
+@pytest.mark.parametrize("sec, key, value", [
+    ("hardware", "n_chips", 2.5),
+    ("hardware", "n_chips", 10**6),
+    ("hardware", "dram_physical_gib", float("inf")),
+    ("hardware", "dram_physical_gib", float("nan")),
+    ("hardware", "dram_physical_gib", 1e300),
+    ("hardware", "sram_physical_mib", 0),
+    ("hardware", "pcie_gbps", -1.0),
+    ("hardware", "d2d_latency_us", 1e12),
+    ("quantisation", "kv_bytes", 100),
+    ("quantisation", "expert_bytes_per_weight", 0.0),
+    ("memory", "dram_reservation_gib", 1e9),
+    ("memory", "param_file_gib", [8.0]),  # one per chip
+    ("memory", "param_file_gib", "8.759"),
+    ("memory", "param_file_gib", [8.0, float("inf")]),
+    ("memory", "address_union_gib", {"decode": 1.0}),
+    ("memory", "address_union_gib", {"decode": 1.0, "prefill": "x"}),
+    ("memory", "sram_reservation_mib", None),
+    ("fitted", "prefill_m_tile", 0),
+    ("fitted", "prefill_m_tile", 64.5),
+    ("fitted", "host_overhead_ms_per_token", -0.1),
+    ("fitted", "attn_kv_ramp_tokens", 0),
+    ("fitted", "weight_stream_eff", float("nan")),
+])
+def test_hardware_numbers_out_of_range_are_refused(sec, key, value):
+    doc = _hw_doc()
+    doc[sec][key] = value
+    with pytest.raises(ManifestError) as e:
+        HardwareSpec.from_dict(doc, "hw.yaml")
+    assert e.value.file == "hw.yaml" and e.value.field.startswith(f"{sec}.{key}")
+
+
+def test_hardware_yaml_files_that_cannot_be_parsed(tmp_path):
+    import os
+
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # must not block
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(4 << 20)
+    digits = tmp_path / "digits.yaml"
+    digits.write_text(DEFAULT_HW_PATH.read_text().replace("n_chips: 2", "n_chips: " + "9" * 5000))
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("hardware: " + "[" * 5000 + "]" * 5000 + "\n")
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\xff\xfe\x00")
+    for p in (fifo, big, digits, deep, binary, tmp_path / "missing.yaml", tmp_path / ("x" * 300)):
+        with pytest.raises(ManifestError) as e:
+            HardwareSpec.load(p)
+        assert len(str(e.value)) < 600
+
+
+def test_cli_model_refuses_bad_hardware_yaml(tmp_path, capsys):
+    from calconsole.cli import main
+
+    doc = _hw_doc()
+    doc["hardware"]["dram_physical_gib"] = 1e300
+    p = tmp_path / "hw.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    assert main(["model", "--json", "--hardware", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert "hardware.dram_physical_gib" in err and len(err.strip().splitlines()) == 1

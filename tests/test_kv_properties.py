@@ -10,6 +10,7 @@ and from then on every cell must match exactly.
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -201,7 +202,8 @@ class KVMachine(RuleBasedStateMachine):
         src_seq = self.m_seq(src)
         rows = arr[:, [i for _, i in src_seq], :].copy()
         assert self.kv.save_seq_state(src, path, [(arr, 1)]) == len(src_seq)
-        # llama.cpp: the destination sequence is cleared first
+        # llama.cpp: the destination sequence is replaced; all or nothing (issue 9)
+        saved = [[c[0], set(c[1]), c[2]] for c in self.cells]
         for i, c in enumerate(self.cells):
             if dst in c[1]:
                 c[1].discard(dst)
@@ -212,7 +214,9 @@ class KVMachine(RuleBasedStateMachine):
         try:
             n = self.kv.load_seq_state(dst, path, [(target, 1)], timeout=0)
         except KVExhausted:
+            # counting the cells only dst held, still too few: dst keeps its cells
             assert len(src_seq) > len(free_before)
+            self.cells = saved
             return
         assert n == len(src_seq)
         cells, pos = self.kv.seq_cells(dst)
@@ -264,3 +268,199 @@ KVMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVStateful = KVMachine.TestCase
+
+
+# ----------------------------------------------------------------------------
+# Garbage arguments (issue 9): every public method either completes or raises a
+# typed error, and a refused call leaves the full state dump unchanged.
+
+from sim_backend.errors import KVArgumentError, RequestCancelled  # noqa: E402
+from sim_backend.device.kv import MAX_TIMEOUT_S  # noqa: E402
+
+G_CELLS = 32
+_FILES = tempfile.TemporaryDirectory()  # read-only inputs shared by every example
+_FILE_DIR = Path(_FILES.name)
+
+
+def _make_state_files() -> dict[str, Path]:
+    src = KVCacheManager(n_cells=G_CELLS)
+    src.apply(0, 5, timeout=0)
+    arr = np.arange(2 * G_CELLS * 3, dtype=np.float32).reshape(2, G_CELLS, 3)
+    good = _FILE_DIR / "good.npz"
+    src.save_seq_state(0, good, [(arr, 1)])
+    empty = _FILE_DIR / "empty_arrays.npz"
+    src.save_seq_state(0, empty)
+    raw = good.read_bytes()
+    (_FILE_DIR / "truncated.npz").write_bytes(raw[: len(raw) // 2])
+    (_FILE_DIR / "junk.npz").write_bytes(b"PK\x03\x04" + bytes(range(200)))
+    data = dict(np.load(good))
+    data["positions"] = np.array([0, -1, 2, 3, 4])
+    with open(_FILE_DIR / "negative.npz", "wb") as f:
+        np.savez(f, **data)
+    return {p.stem: p for p in _FILE_DIR.iterdir()}
+
+
+_STATE_FILES = _make_state_files()
+
+_SET = threading.Event()
+_SET.set()
+GARBAGE = st.one_of(
+    st.none(), st.booleans(), st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-(2**70), 2**70), st.text(max_size=3), st.binary(max_size=2),
+    st.sampled_from([[], [1, 2], (0,), {0: 1}, np.int64(1), np.float64(1.0), np.bool_(True), np.array([1]),
+                     complex(1, 0), object()]),
+)
+
+
+def mostly(valid, bad):
+    """Valid about five times in six, so whole calls with several arguments often get through too."""
+    return st.integers(0, 5).flatmap(lambda i: bad if i == 0 else valid)
+
+
+SEQ_ARG = mostly(st.integers(0, 3), st.one_of(st.sampled_from([-1, 63, 64, 2**63, -(2**63)]), GARBAGE))
+COUNT_ARG = mostly(st.integers(0, 12), st.one_of(st.sampled_from([-1, G_CELLS + 1, 2**62, 2**70]), GARBAGE))
+POS_ARG = mostly(st.integers(-3, 40),
+                 st.one_of(st.sampled_from([40959, 40960, 40961, -40960, -40961, 2**63 - 2, -(2**63), 2**70]),
+                           GARBAGE))
+TIMEOUT_ARG = mostly(st.sampled_from([0, 0.0, 0.001, np.float64(0)]),
+                     st.sampled_from([-0.001, float("inf"), float("nan"), None, "0", True, MAX_TIMEOUT_S * 2]))
+CANCEL_ARG = mostly(st.sampled_from([None, None, threading.Event(), _SET]), st.sampled_from(["set", 1, True]))
+POSITIONS_ARG = st.one_of(st.lists(POS_ARG, max_size=6), st.lists(st.integers(0, 30), max_size=6),
+                          st.sampled_from([np.array([1, 2]), np.array([0.5]), np.arange(3, dtype=np.uint8),
+                                           np.array([[1]]), "ab", range(3)]), GARBAGE)
+
+
+def _arrays_arg():
+    rw = np.zeros((2, G_CELLS, 3), np.float32)
+    ro = np.zeros((2, G_CELLS, 3), np.float32)
+    ro.flags.writeable = False
+    return mostly(st.sampled_from([(), [(rw, 1)], [(rw, -2)]]),
+                  st.sampled_from([[(ro, 1)], [(rw, 1.0)], [(rw, 0)], [(np.zeros(5), 0)], [rw], "kv", None,
+                                   [(rw, 1), (rw, 1)], [(rw.astype(np.float64), 1)]]))
+
+
+LOAD_PATH = mostly(st.sampled_from([_STATE_FILES["good"], _STATE_FILES["empty_arrays"]]),
+                   st.sampled_from(list(_STATE_FILES.values()) + [None, 42, "", "a\0b", _FILE_DIR, _FILE_DIR / "none",
+                                                                  "x" * 300, "/proc/nope/x"]))
+
+
+def _same(a: dict, b: dict, with_counters: bool) -> None:
+    for k in ("pos", "seqs", "shift"):
+        assert np.array_equal(a[k], b[k]), k
+    assert a["epoch"] == b["epoch"]
+    if with_counters:
+        assert a["counters"] == b["counters"]
+
+
+class KVGarbageMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = KVCacheManager(n_cells=G_CELLS, block_size=BLOCK)
+        self.tmp = tempfile.TemporaryDirectory()
+
+    def teardown(self) -> None:
+        self.tmp.cleanup()
+
+    def call(self, name: str, *args, **kw):
+        before = self.kv.state_snapshot()
+        try:
+            result = getattr(self.kv, name)(*args, **kw)
+        except KVArgumentError:
+            event(f"{name}: refused")
+            _same(self.kv.state_snapshot(), before, with_counters=True)
+            return None
+        except (KVExhausted, RequestCancelled) as e:
+            event(f"{name}: {type(e).__name__}")
+            _same(self.kv.state_snapshot(), before, with_counters=False)  # only the apply counters move
+            return None
+        event(f"{name}: done")
+        return result
+
+    @initialize()
+    def some_cells(self):
+        self.kv.apply(0, 6, timeout=0)
+        self.kv.seq_cp(0, 1, 0, 3)
+        self.kv.apply(2, 3, timeout=0, positions=[20, 21, 22])
+
+    @rule(s=SEQ_ARG, n=COUNT_ARG, timeout=TIMEOUT_ARG, cancel=CANCEL_ARG)
+    def apply(self, s, n, timeout, cancel):
+        cells = self.call("apply", s, n, timeout=timeout, cancel=cancel)
+        if cells is not None:
+            assert cells.dtype == np.int64 and cells.size == n
+
+    @rule(s=SEQ_ARG, positions=POSITIONS_ARG, n=st.one_of(st.none(), COUNT_ARG), timeout=TIMEOUT_ARG)
+    def apply_positions(self, s, positions, n, timeout):
+        if n is None:  # usually the matching count, so valid positions get through
+            n = len(positions) if isinstance(positions, (list, range, np.ndarray)) else 1
+        self.call("apply", s, n, timeout=timeout, positions=positions)
+
+    @rule(n=COUNT_ARG)
+    def can_allocate(self, n):
+        r = self.call("can_allocate", n)
+        assert r is None or isinstance(r, bool)
+
+    @rule(s=SEQ_ARG)
+    def free(self, s):
+        self.call("free", s)
+
+    @rule(s=SEQ_ARG, n=COUNT_ARG)
+    def remove_tokens_at_end(self, s, n):
+        self.call("remove_tokens_at_end", s, n)
+
+    @rule(s=SEQ_ARG, p0=POS_ARG, p1=POS_ARG)
+    def seq_rm(self, s, p0, p1):
+        self.call("seq_rm", s, p0, p1)
+
+    @rule(src=SEQ_ARG, dst=SEQ_ARG, p0=POS_ARG, p1=POS_ARG)
+    def seq_cp(self, src, dst, p0, p1):
+        self.call("seq_cp", src, dst, p0, p1)
+
+    @rule(s=SEQ_ARG)
+    def seq_keep(self, s):
+        self.call("seq_keep", s)
+
+    @rule(s=SEQ_ARG, p0=POS_ARG, p1=POS_ARG, delta=POS_ARG)
+    def seq_add(self, s, p0, p1, delta):
+        self.call("seq_add", s, p0, p1, delta)
+
+    @rule(s=SEQ_ARG, p0=POS_ARG, p1=POS_ARG, d=POS_ARG)
+    def seq_div(self, s, p0, p1, d):
+        self.call("seq_div", s, p0, p1, d)
+
+    @rule(s=SEQ_ARG, which=st.sampled_from(["seq_pos_min", "seq_pos_max", "seq_cells"]))
+    def queries(self, s, which):
+        self.call(which, s)
+
+    @rule(which=st.sampled_from(["take_shift", "occupancy", "counters", "cells_snapshot", "clear"]))
+    def no_arguments(self, which):
+        self.call(which)
+        assert isinstance(self.kv.has_shift, bool)
+
+    @rule(s=SEQ_ARG, arrays=_arrays_arg(),
+          where=mostly(st.just("ok"), st.sampled_from([None, 42, "", "a\0b", "dir", "missing/x", "x" * 300])))
+    def save_seq_state(self, s, arrays, where):
+        base = Path(self.tmp.name)
+        path = {"ok": base / "s.npz", "dir": base, "missing/x": base / "missing" / "x"}.get(where, where)
+        self.call("save_seq_state", s, path, arrays)
+        assert not any(p.name.endswith(".tmp") for p in base.iterdir())
+
+    @rule(s=SEQ_ARG, path=LOAD_PATH, arrays=_arrays_arg(), timeout=TIMEOUT_ARG, cancel=CANCEL_ARG)
+    def load_seq_state(self, s, path, arrays, timeout, cancel):
+        self.call("load_seq_state", s, path, arrays, timeout=timeout, cancel=cancel)
+
+    @invariant()
+    def cells_well_formed(self):
+        d = self.kv.state_snapshot()
+        used = d["seqs"] != 0
+        assert ((d["pos"][used] >= 0) & (d["pos"][used] < self.kv.n_ctx)).all()
+        assert (d["pos"][~used] == -1).all() and (d["shift"][~used] == 0).all()
+        assert (np.abs(d["shift"]) < self.kv.n_ctx).all()
+
+
+KVGarbageMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestKVGarbage = KVGarbageMachine.TestCase

@@ -10,7 +10,9 @@ are reported as ``Finding`` s with a severity and what the loader did.
 from __future__ import annotations
 
 import math
+import os
 import re
+import stat
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,50 @@ REQUIRED_SUBMODELS = ("prefill", "decode")
 KNOWN_TYPES = ("llm_prefill", "llm_decode")
 # Chips on the simulated board; a manifest for another topology is refused.
 DEVICE_CHIPS = 2
+
+# --- bounds on every size the loader reads (issue 9) ---------------------------
+# Upper limits generous above Qwen3-30B-A3B's figures (FACTS F2, in brackets)
+# and above any public transformer, yet small enough that what the simulator
+# derives from them (op graph, cost model, memory plan) stays small. A value
+# outside refuses the bundle with ManifestError(file, field) instead of a
+# MemoryError minutes later.
+MODEL_LIMITS: dict[str, int] = {
+    "n_layers": 512,           # [48]; the deepest public LLMs have ~128
+    "hidden": 65_536,          # [2048]; largest public ~16-18K
+    "n_q_heads": 1024,         # [32]
+    "n_kv_heads": 1024,        # [4]
+    "head_dim": 1024,          # [128]; public models use 64-256
+    "n_experts": 4096,         # [128]; largest public MoE 256-384
+    "n_experts_active": 256,   # [8]
+    "expert_ffn": 262_144,     # [768]; dense FFNs reach ~53K
+    "vocab": 1_048_576,        # [151936]; largest public ~256K
+}
+#: Longest calbin context: the tokenizer's model_max_length 131072 (FACTS F1),
+#: 3.2x the calbin's 40960, the most Qwen3 is ever configured for.
+MAX_CONTEXT = 131_072
+#: Reduced numeric widths [64 / 16 / 16] the CPU numerics run at.
+NUMERIC_LIMITS: dict[str, int] = {"hidden": 1024, "head_dim": 256, "expert_ffn": 1024}
+#: The numerics keep the full layer, head, expert and vocab counts, so their
+#: size is a product of the figures above; bound the product. Shipped bundle:
+#: 162 MiB of float32 weights and a 0.94 GiB (lazily committed) K/V cache at
+#: full context; the limits are about 6x and 8x that.
+MAX_NUMERIC_WEIGHT_BYTES = 1 << 30
+MAX_NUMERIC_KV_BYTES = 8 << 30
+#: Structure of the manifest: sub-models [2], tensors per sub-model [2-3],
+#: tensor rank [2], CSR registers [2].
+MAX_SUBMODELS = 16
+MAX_TENSORS = 64
+MAX_RANK = 8
+MAX_CSR = 64
+#: Longest string field (names, versions, file names): NAME_MAX on Linux.
+MAX_STR = 255
+#: A manifest or tokenizer config is a few KiB; refuse to parse a huge file.
+MAX_YAML_BYTES = 1 << 20
+#: device_memory_required above 1 PiB (64x the known 16 TiB defect) is refused,
+#: below it an impossible value is a finding (FACTS F4).
+MAX_DEVICE_MEMORY_BYTES = 1 << 50
+#: Tokenizer model_max_length is only reported (FACTS F1 [131072]); at most 2**24.
+MAX_TOKENIZER_LENGTH = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -133,27 +179,64 @@ class _Reader:
             raise self.fail(fld, f"expected {getattr(typ, '__name__', typ)}, got bool")
         if not isinstance(val, typ):
             tn = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
-            raise self.fail(fld, f"expected {tn}, got {type(val).__name__} ({val!r})")
+            raise self.fail(fld, f"expected {tn}, got {type(val).__name__} ({_short(val)})")
+        if isinstance(val, str) and len(val) > MAX_STR:
+            raise self.fail(fld, f"{len(val)} characters, at most {MAX_STR}")
+        if isinstance(val, list) and len(val) > MAX_TENSORS:
+            raise self.fail(fld, f"list of {len(val)} items, at most {MAX_TENSORS}")
         return val
 
-    def pos_int(self, node: Any, key: str, fld: str) -> int:
+    def pos_int(self, node: Any, key: str, fld: str, hi: int | None = None) -> int:
+        """A required int in ``1..hi`` (``hi`` None: any positive int; only for fields checked for equality)."""
         v = self.get(node, key, fld, int)
         if v <= 0:
-            raise self.fail(fld, f"must be > 0, got {v}")
+            raise self.fail(fld, f"must be > 0, got {_short(v)}")
+        if hi is not None and v > hi:
+            raise self.fail(fld, f"must be at most {hi:,}, got {_short(v)}")
         return v
+
+    def file_name(self, node: Any, key: str, fld: str, bdir: Path) -> Path:
+        """A companion file named relative to the bundle directory; must stay inside it."""
+        name = self.get(node, key, fld, str)
+        if not name or "\0" in name:
+            raise self.fail(fld, "must be a non-empty file name without NUL characters")
+        try:
+            full = (bdir / name).resolve()
+            inside = not Path(name).is_absolute() and bdir.resolve() in full.parents
+        except (OSError, RuntimeError) as e:  # RuntimeError: symlink loop on older Pythons
+            raise self.fail(fld, f"cannot resolve {_short(name)}: {getattr(e, 'strerror', None) or e}") from None
+        if not inside:
+            raise self.fail(fld, f"must be a file inside the bundle directory, got {_short(name)}")
+        return full
+
+
+def _short(v: Any) -> str:
+    try:
+        r = repr(v)
+    except ValueError:  # an int too long to print
+        return f"<{type(v).__name__}>"
+    return r if len(r) <= 60 else r[:57] + "..."
 
 
 def _load_yaml(path: Path) -> Any:
     try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or device would block the read
+            raise ManifestError(str(path), "<file>", "not a regular file")
+        if st.st_size > MAX_YAML_BYTES:
+            raise ManifestError(str(path), "<file>", f"{st.st_size:,} bytes, at most {MAX_YAML_BYTES:,}")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ManifestError(str(path), "<file>", "file not found") from None
     except UnicodeDecodeError as e:
         raise ManifestError(str(path), "<file>", f"not UTF-8 text (byte {e.start}): not a YAML manifest") from None
     except OSError as e:
-        raise ManifestError(str(path), "<file>", f"cannot read: {e}") from None
+        raise ManifestError(str(path), "<file>", f"cannot read: {e.strerror or e}") from None
     try:
         return yaml.safe_load(text)
+    except (ValueError, RecursionError) as e:
+        # ValueError: an integer literal too long to convert; RecursionError: absurd nesting
+        raise ManifestError(str(path), "<yaml>", f"malformed YAML: {str(e)[:120]}") from None
     except yaml.YAMLError as e:
         where = ""
         mark = getattr(e, "problem_mark", None)
@@ -163,7 +246,8 @@ def _load_yaml(path: Path) -> Any:
 
 
 def _parse_memory(text: str) -> int | None:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", text)
+    # at most 20 digits before the point: a size, not a number too large for a float
+    m = re.fullmatch(r"\s*(\d{1,20}(?:\.\d{1,20})?)\s*([A-Za-z]+)\s*", text)
     if not m or m.group(2).upper() not in _UNITS:
         return None
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
@@ -183,9 +267,27 @@ def _tensors(r: _Reader, node: Any, fld: str) -> tuple[TensorSpec, ...]:
         dtype = r.get(t, "dtype", f + ".dtype", str)
         shape = r.get(t, "shape", f + ".shape", list)
         if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
-            raise r.fail(f + ".shape", f"expected a list of positive ints, got {shape!r}")
+            raise r.fail(f + ".shape", f"expected a list of positive ints, got {_short(shape)}")
+        if len(shape) > MAX_RANK or max(shape) > max(MAX_CONTEXT, MODEL_LIMITS["vocab"]):
+            raise r.fail(f + ".shape", f"at most {MAX_RANK} dims of at most "
+                                       f"{max(MAX_CONTEXT, MODEL_LIMITS['vocab']):,}, got {_short(shape)}")
         out.append(TensorSpec(name, dtype, tuple(shape)))
     return tuple(out)
+
+
+def numeric_footprint_bytes(shape: ModelShape, num: NumericShape) -> tuple[int, int]:
+    """Bytes of the CPU numerics for ``shape`` at ``num`` widths: ``(float32 weights, float32 K/V cache)``.
+
+    Weights as ``numerics.make_weights`` draws them (the chip shards copy
+    about as much again); the K/V cache over all chips at the full context
+    ``shape.n_ctx`` (committed lazily, page by page, as cells are written).
+    """
+    L, H, D, F = shape.n_layers, num.hidden, num.head_dim, num.expert_ffn
+    Hq, Hkv, E, V = shape.n_q_heads, shape.n_kv_heads, shape.n_experts, shape.vocab
+    per_layer = 2 * H + H * (Hq + 2 * Hkv) * D + 2 * D + Hq * D * H + H * E + 3 * E * H * F
+    weights = 4 * (L * per_layer + 2 * V * H + H + V)
+    kv = 4 * 2 * L * Hkv * shape.n_ctx * D
+    return weights, kv
 
 
 def load_bundle(path: str | Path | None = None) -> Bundle:
@@ -195,11 +297,20 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
         ManifestError: the directory, ``calbin.yaml`` or a companion file is
             missing or malformed, or a fatal check fails (missing or duplicate
             sub-model, unknown type, dtype/shape mismatch, batch != 1, chip
-            topology != the device's 2 chiplets). The message names file and field.
+            topology != the device's 2 chiplets), or a size is outside its
+            bound (``MODEL_LIMITS``, ``MAX_CONTEXT``, ``NUMERIC_LIMITS``, the
+            numerics footprint, string / list / file lengths). The message
+            names file and field.
     """
     bdir = Path(path) if path is not None else DEFAULT_BUNDLE_DIR
-    if not bdir.is_dir():
-        raise ManifestError(str(bdir), "<bundle>", "bundle directory not found")
+    shown = str(bdir) if len(str(bdir)) <= 300 else str(bdir)[:300] + f"... ({len(str(bdir))} characters)"
+    try:
+        is_dir = bdir.is_dir()
+    except (OSError, ValueError) as e:  # name too long, NUL character
+        raise ManifestError(shown, "<bundle>", f"not a usable directory name: {getattr(e, 'strerror', None) or e}"
+                            ) from None
+    if not is_dir:
+        raise ManifestError(shown, "<bundle>", "bundle directory not found")
     mf = bdir / MANIFEST_NAME
     doc = _load_yaml(mf)
     r = _Reader(mf)
@@ -224,7 +335,7 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     m = r.get(doc, "model", "model", dict)
     ints = ("n_layers", "hidden", "n_q_heads", "n_kv_heads", "head_dim", "n_experts", "n_experts_active",
             "expert_ffn", "vocab")
-    mvals = {k: r.pos_int(m, k, f"model.{k}") for k in ints}
+    mvals = {k: r.pos_int(m, k, f"model.{k}", MODEL_LIMITS[k]) for k in ints}
     rope_theta = r.get(m, "rope_theta", "model.rope_theta", float)
     if not (math.isfinite(rope_theta) and rope_theta > 1.0):
         raise r.fail("model.rope_theta", f"must be a finite number > 1, got {rope_theta}")
@@ -236,7 +347,7 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     if mvals["n_experts_active"] > mvals["n_experts"]:
         raise r.fail("model.n_experts_active", "cannot exceed n_experts")
 
-    context = r.pos_int(doc, "context", "context")
+    context = r.pos_int(doc, "context", "context", MAX_CONTEXT)
     batch = r.pos_int(doc, "max_batch_size", "max_batch_size")
     if batch != 1:
         raise r.fail("max_batch_size", f"the device runs batch 1 only (FACTS F1), manifest says {batch}")
@@ -257,12 +368,17 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
                        n_chips=chips, **mvals)
 
     nm = r.get(doc, "numerics", "numerics", dict)
-    numeric = NumericShape(hidden=r.pos_int(nm, "hidden", "numerics.hidden"),
-                           head_dim=r.pos_int(nm, "head_dim", "numerics.head_dim"),
-                           expert_ffn=r.pos_int(nm, "expert_ffn", "numerics.expert_ffn"),
+    numeric = NumericShape(**{k: r.pos_int(nm, k, f"numerics.{k}", hi) for k, hi in NUMERIC_LIMITS.items()},
                            seed=r.get(nm, "seed", "numerics.seed", int))
-    if numeric.seed < 0:
-        raise r.fail("numerics.seed", f"must be >= 0, got {numeric.seed}")
+    if not 0 <= numeric.seed < 2**64:  # numpy's PCG64 seeds are 64-bit here
+        raise r.fail("numerics.seed", f"must be in 0..2**64-1, got {_short(numeric.seed)}")
+    w_bytes, kv_bytes = numeric_footprint_bytes(shape, numeric)
+    if w_bytes > MAX_NUMERIC_WEIGHT_BYTES:
+        raise r.fail("numerics", f"numeric weights would take {w_bytes / 2**30:.1f} GiB (model x numerics widths), "
+                                 f"at most {MAX_NUMERIC_WEIGHT_BYTES / 2**30:.0f} GiB")
+    if kv_bytes > MAX_NUMERIC_KV_BYTES:
+        raise r.fail("numerics", f"numeric K/V cache at context {context} would take {kv_bytes / 2**30:.1f} GiB, "
+                                 f"at most {MAX_NUMERIC_KV_BYTES / 2**30:.0f} GiB")
     if numeric.head_dim % 2:
         raise r.fail("numerics.head_dim", "must be even (RoPE rotates pairs)")
     if numeric.expert_ffn % chips:
@@ -272,9 +388,11 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     dmr_bytes = None
     dmr = r.get(doc, "device_memory_required", "device_memory_required", (str, int), required=False)
     if dmr is not None:
-        dmr_bytes = _parse_memory(str(dmr)) if isinstance(dmr, str) else int(dmr)
+        dmr_bytes = _parse_memory(dmr) if isinstance(dmr, str) else int(dmr)
         if dmr_bytes is None:
-            raise r.fail("device_memory_required", f"cannot parse {dmr!r} (expected '<number> <unit>')")
+            raise r.fail("device_memory_required", f"cannot parse {_short(dmr)} (expected '<number> <unit>')")
+        if not 0 < dmr_bytes <= MAX_DEVICE_MEMORY_BYTES:
+            raise r.fail("device_memory_required", f"{_short(dmr)} is outside 1 B .. 1 PiB")
         physical = 2 * 16 * 2**30  # two chiplets, 16 GiB DRAM each (simulated board)
         if dmr_bytes > 64 * physical:
             num = float(str(dmr).split()[0]) if isinstance(dmr, str) else float(dmr)
@@ -287,6 +405,8 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
 
     # --- sub-models: exact names, exact types -----------------------------
     sms = r.get(doc, "submodels", "submodels", list)
+    if len(sms) > MAX_SUBMODELS:
+        raise r.fail("submodels", f"{len(sms)} sub-models, at most {MAX_SUBMODELS}")
     submodels: dict[str, SubModelSpec] = {}
     for i, sm in enumerate(sms):
         f = f"submodels[{i}]"
@@ -298,6 +418,8 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
         if stype not in KNOWN_TYPES:
             raise r.fail(f + ".smodel_type", f"unknown type {stype!r} (known: {', '.join(KNOWN_TYPES)})")
         csr = tuple(r.get(sm, "csr", f + ".csr", list))
+        if len(csr) > MAX_CSR or not all(isinstance(c, str) and len(c) <= MAX_STR for c in csr):
+            raise r.fail(f + ".csr", f"expected at most {MAX_CSR} register names, got {_short(list(csr))}")
         for c in ("past_kv_cur_seq_len", "cur_seq_len"):
             if c not in csr:
                 raise r.fail(f + ".csr", f"missing CSR register {c!r}")
@@ -353,10 +475,12 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     tok_max = None
     tok = r.get(doc, "tokenizer", "tokenizer", dict, required=False, default=None)
     if tok is not None:
-        tfile = bdir / r.get(tok, "config", "tokenizer.config", str)
+        tfile = r.file_name(tok, "config", "tokenizer.config", bdir)
         tdoc = _load_yaml(tfile)
         tr = _Reader(tfile)
         tok_max = tr.get(tdoc, "model_max_length", "model_max_length", int, required=False)
+        if tok_max is not None and not 0 < tok_max <= MAX_TOKENIZER_LENGTH:
+            raise tr.fail("model_max_length", f"must be in 1..{MAX_TOKENIZER_LENGTH:,}, got {_short(tok_max)}")
         if tok_max is not None and tok_max != context:
             finding("warning", "context_mismatch", "model_max_length",
                     f"tokenizer model_max_length {tok_max} != calbin context {context}",
@@ -366,14 +490,15 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     golden_tol = 0.05
     g = r.get(doc, "golden", "golden", dict, required=False, default=None)
     if g is not None:
-        gname = r.get(g, "file", "golden.file", str)
-        golden_file = (bdir / gname).resolve()
-        if Path(gname).is_absolute() or bdir.resolve() not in golden_file.parents:
-            raise r.fail("golden.file", f"must be a file inside the bundle directory, got {gname!r}")
+        golden_file = r.file_name(g, "file", "golden.file", bdir)
         golden_tol = r.get(g, "max_abs_error", "golden.max_abs_error", float, required=False, default=0.05)
         if not (math.isfinite(golden_tol) and golden_tol > 0):
             raise r.fail("golden.max_abs_error", f"must be a finite number > 0, got {golden_tol}")
-        if not golden_file.exists():
+        try:
+            exists = golden_file.is_file()
+        except OSError as e:
+            raise r.fail("golden.file", f"cannot check: {e.strerror or e}") from None
+        if not exists:
             finding("warning", "golden_missing", "golden.file", f"{golden_file.name} not found",
                     "golden self-test unavailable")
             golden_file = None

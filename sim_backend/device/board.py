@@ -242,6 +242,8 @@ class FaultInjectingKV(KVCacheManager):
 
     def apply(self, seq_id: int, n_tokens: int, *, timeout: float, cancel: Any = None,
               positions: Any = None) -> np.ndarray:
+        # bad arguments get the typed error and leave the armed fault for a real call
+        self._check_apply_args(seq_id, n_tokens, timeout, cancel, positions)
         faults = self._faults_source() if self._faults_source is not None else None
         if faults is not None and faults.take("kv_exhaust_next"):
             occ = self.occupancy()

@@ -25,8 +25,16 @@ cells (well under a millisecond on 40960 cells):
   in the cell. Hence sequence ids are limited to ``0 .. n_seq_max - 1`` with
   ``n_seq_max <= 64`` (llama.cpp's ``LLAMA_MAX_SEQ`` is also 64/256-ish; the
   server uses one id per slot and FACTS F1 says the hardware batch is 1, so 64
-  is ample). Ids outside that range raise ``ValueError`` (except in
+  is ample). Ids outside that range raise ``KVArgumentError`` (except in
   ``seq_rm``, see there).
+
+Arguments are checked at this edge, before anything changes (issue 9):
+ids, counts, positions and bounds must be ints (Python or numpy; ``bool``
+and floats are refused, never truncated); a cell's position is always in
+``0 .. n_ctx - 1``; timeouts are finite and at most ``MAX_TIMEOUT_S``. A
+refused call raises ``KVArgumentError`` (a bad state file
+``KVStateFileError``, its subclass) and leaves the cache exactly as it was;
+every operation either completes or changes nothing.
 
 The manager holds metadata only. The K/V numbers live in arrays owned by the
 device, indexed by cell along one axis; ``apply`` and ``seq_cells`` return
@@ -48,15 +56,19 @@ from __future__ import annotations
 
 import math
 import os
+import stat
+import struct
 import threading
 import time
+import zipfile
+import zlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape
-from sim_backend.errors import KVExhausted, RequestCancelled
+from sim_backend.errors import KVArgumentError, KVExhausted, KVStateFileError, RequestCancelled
 
 __all__ = [
     "KVCacheManager",
@@ -65,6 +77,8 @@ __all__ = [
     "N_SEQ_MAX",
     "KV_STATE_FORMAT",
     "KV_STATE_VERSION",
+    "MAX_TIMEOUT_S",
+    "MAX_CELLS",
 ]
 
 #: Largest number of distinct sequence ids (ids 0..63): one bit each in a uint64 mask.
@@ -79,6 +93,15 @@ KV_STATE_VERSION = 1
 # cancel Event is noticed (Event.set() cannot notify our Condition).
 _BACKOFF_START_S = 0.001
 _BACKOFF_MAX_S = 0.050
+
+#: Longest wait an ``apply`` / ``load_seq_state`` accepts (host wall seconds):
+#: 30x the engine's 120 s step timeout; anything longer is a hang, not a wait.
+MAX_TIMEOUT_S = 3600.0
+
+#: Largest cache: 2**22 = 4,194,304 cells, 32x the 131,072-token ceiling the
+#: bundle loader accepts for a context (102x the calbin's 40960); metadata is
+#: 24 B a cell, so at most 96 MiB.
+MAX_CELLS = 1 << 22
 
 _POS_INF = np.iinfo(np.int64).max
 _EMPTY = np.int64(-1)
@@ -139,15 +162,54 @@ def _bit(seq_id: int) -> np.uint64:
     return np.uint64(1) << np.uint64(seq_id)
 
 
-def _norm_range(p0: int, p1: int) -> tuple[int, int]:
-    """llama.cpp's negative-bound convention: p0 < 0 -> 0, p1 < 0 -> +infinity."""
-    p0 = int(p0)
-    p1 = int(p1)
-    if p0 < 0:
-        p0 = 0
-    if p1 < 0:
-        p1 = _POS_INF
+def _show(v: Any) -> str:
+    """Short repr for an error message (a garbage argument may be huge)."""
+    try:
+        r = repr(v)
+    except Exception:  # e.g. an int beyond sys.get_int_max_str_digits()
+        r = f"<{type(v).__name__}>"
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _as_int(v: Any, name: str) -> int:
+    """``v`` as a Python int; only int / numpy integer, not bool (a bool is almost surely a bug)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise KVArgumentError(f"{name} must be an int, got {type(v).__name__} {_show(v)}")
+    return int(v)
+
+
+def _norm_range(p0: Any, p1: Any) -> tuple[int, int]:
+    """llama.cpp's negative-bound convention: p0 < 0 -> 0, p1 < 0 -> +infinity.
+
+    Both must be ints (any size); bounds above int64 are clamped to it, which
+    changes nothing since every position is < n_ctx.
+    """
+    p0 = _as_int(p0, "p0")
+    p1 = _as_int(p1, "p1")
+    p0 = 0 if p0 < 0 else min(p0, _POS_INF)
+    p1 = _POS_INF if p1 < 0 else min(p1, _POS_INF)
     return p0, p1
+
+
+def _reason(e: BaseException) -> str:
+    """``Type: message`` without the (possibly huge) file name an OSError repeats."""
+    msg = getattr(e, "strerror", None) or _show(str(e))
+    return f"{type(e).__name__}: {msg}"
+
+
+def _check_timeout(v: Any) -> float:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise KVArgumentError(f"timeout must be a number of seconds, got {type(v).__name__} {_show(v)}")
+    t = float(v)
+    if not (math.isfinite(t) and 0.0 <= t <= MAX_TIMEOUT_S):
+        raise KVArgumentError(f"timeout must be finite seconds in 0..{MAX_TIMEOUT_S:g}, got {_show(v)}")
+    return t
+
+
+def _check_cancel(v: Any) -> threading.Event | None:
+    if v is not None and not isinstance(v, threading.Event):
+        raise KVArgumentError(f"cancel must be a threading.Event or None, got {type(v).__name__}")
+    return v
 
 
 class KVCacheManager:
@@ -163,6 +225,13 @@ class KVCacheManager:
         block_size: cells per block for the paged display view (allocation
             unit stays the cell, as in llama.cpp).
         n_seq_max: number of usable sequence ids, ``1..64`` (ids ``0..n_seq_max-1``).
+        n_ctx: positions a cell may hold are ``0..n_ctx-1`` (tokens). Default
+            ``max(n_cells, 40960)``: the calbin context (FACTS F2), or the
+            cache size if that is larger.
+
+    Raises:
+        KVArgumentError: an argument is not an int, or ``n_cells`` is outside
+            ``1..MAX_CELLS``, ``n_seq_max`` outside ``1..64``, another size <= 0.
     """
 
     def __init__(
@@ -173,22 +242,26 @@ class KVCacheManager:
         block_size: int = 256,
         *,
         n_seq_max: int = N_SEQ_MAX,
+        n_ctx: int | None = None,
     ) -> None:
-        if int(n_cells) <= 0:
-            raise ValueError(f"n_cells must be > 0, got {n_cells}")
-        if int(n_chips) <= 0:
-            raise ValueError(f"n_chips must be > 0, got {n_chips}")
-        if int(bytes_per_token_per_chip) <= 0:
-            raise ValueError(f"bytes_per_token_per_chip must be > 0, got {bytes_per_token_per_chip}")
-        if int(block_size) <= 0:
-            raise ValueError(f"block_size must be > 0, got {block_size}")
-        if not 1 <= int(n_seq_max) <= N_SEQ_MAX:
-            raise ValueError(f"n_seq_max must be in 1..{N_SEQ_MAX} (uint64 bitmask), got {n_seq_max}")
-        self.n_cells = int(n_cells)
+        n_cells = _as_int(n_cells, "n_cells")
+        if not 1 <= n_cells <= MAX_CELLS:
+            raise KVArgumentError(f"n_cells must be in 1..{MAX_CELLS}, got {n_cells}")
+        for name, v in (("n_chips", n_chips), ("bytes_per_token_per_chip", bytes_per_token_per_chip),
+                        ("block_size", block_size)):
+            if _as_int(v, name) <= 0:
+                raise KVArgumentError(f"{name} must be > 0, got {v}")
+        if not 1 <= _as_int(n_seq_max, "n_seq_max") <= N_SEQ_MAX:
+            raise KVArgumentError(f"n_seq_max must be in 1..{N_SEQ_MAX} (uint64 bitmask), got {n_seq_max}")
+        n_ctx = max(n_cells, ModelShape().n_ctx) if n_ctx is None else _as_int(n_ctx, "n_ctx")
+        if not 1 <= n_ctx <= MAX_CELLS:
+            raise KVArgumentError(f"n_ctx must be in 1..{MAX_CELLS}, got {n_ctx}")
+        self.n_cells = n_cells
         self.n_chips = int(n_chips)
         self.bytes_per_token_per_chip = int(bytes_per_token_per_chip)
         self.block_size = int(block_size)
         self.n_seq_max = int(n_seq_max)
+        self.n_ctx = n_ctx
 
         self._pos = np.full(self.n_cells, -1, dtype=np.int64)
         self._seqs = np.zeros(self.n_cells, dtype=np.uint64)
@@ -209,11 +282,38 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ helpers
 
-    def _check_seq(self, seq_id: int, name: str = "seq_id") -> int:
-        s = int(seq_id)
+    def _check_seq(self, seq_id: Any, name: str = "seq_id") -> int:
+        s = _as_int(seq_id, name)
         if not 0 <= s < self.n_seq_max:
-            raise ValueError(f"{name} must be in 0..{self.n_seq_max - 1} (n_seq_max={self.n_seq_max}), got {seq_id}")
+            raise KVArgumentError(f"{name} must be in 0..{self.n_seq_max - 1} (n_seq_max={self.n_seq_max}), "
+                                  f"got {_show(seq_id)}")
         return s
+
+    def _check_positions(self, positions: Any, n: int) -> np.ndarray | None:
+        """``positions`` (None, list/tuple/range of ints or 1-D int array) as int64[n] in 0..n_ctx-1."""
+        if positions is None:
+            return None
+        if isinstance(positions, np.ndarray):
+            if positions.ndim != 1 or (positions.size and positions.dtype.kind not in "iu"):
+                raise KVArgumentError(f"positions must be a 1-D integer array, got {positions.ndim}-D "
+                                      f"{positions.dtype}")
+            vals = positions
+        elif isinstance(positions, (list, tuple, range)):
+            if len(positions) != n:
+                raise KVArgumentError(f"positions has {len(positions)} entries, n_tokens is {n}")
+            if not all(type(p) is int for p in positions):  # fast path; bool is not int here
+                for i, p in enumerate(positions):
+                    _as_int(p, f"positions[{i}]")
+            vals = positions
+        else:
+            raise KVArgumentError(f"positions must be a list of ints or an int array, got {type(positions).__name__}")
+        if len(vals) != n:
+            raise KVArgumentError(f"positions has {len(vals)} entries, n_tokens is {n}")
+        if n:
+            lo, hi = (int(vals.min()), int(vals.max())) if isinstance(vals, np.ndarray) else (min(vals), max(vals))
+            if not (0 <= lo and hi < self.n_ctx):
+                raise KVArgumentError(f"positions must be in 0..{self.n_ctx - 1} (n_ctx), got {_show(lo)}..{_show(hi)}")
+        return np.array(vals, dtype=np.int64).reshape(-1)
 
     def _has(self, seq_id: int) -> np.ndarray:
         return (self._seqs & _bit(seq_id)) != _ZERO
@@ -330,33 +430,37 @@ class KVCacheManager:
             KVExhausted: more than capacity requested (at once, waited_s 0),
                 or not enough free cells when ``timeout`` passes.
             RequestCancelled: ``cancel`` was set ("kv apply cancelled").
-            ValueError: bad seq_id, n_tokens, timeout or positions.
+            KVArgumentError: seq_id, n_tokens or a position not an int or out
+                of range (positions ``0..n_ctx-1``), timeout not finite in
+                ``0..MAX_TIMEOUT_S``, cancel not an Event.
 
         Nothing is allocated when an exception is raised. If too few cells
         are free it waits on the Condition with exponential back-off (1 ms
         doubling to 50 ms, bounded by the deadline), woken at once by any
         operation that frees cells; never a busy loop.
         """
+        args = self._check_apply_args(seq_id, n_tokens, timeout, cancel, positions)
         with self._cond:
-            return self._apply_locked(seq_id, n_tokens, timeout=timeout, cancel=cancel, positions=positions)
+            return self._apply_locked(*args)
 
-    def _apply_locked(self, seq_id, n_tokens, *, timeout, cancel, positions) -> np.ndarray:
+    def _check_apply_args(self, seq_id, n_tokens, timeout, cancel, positions):
+        """Validated ``(seq_id, n, timeout, cancel, positions int64[n] | None)``; raises KVArgumentError."""
         s = self._check_seq(seq_id)
-        n = int(n_tokens)
+        n = _as_int(n_tokens, "n_tokens")
         if n < 0:
-            raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
-        timeout = float(timeout)
-        if not math.isfinite(timeout) or timeout < 0:
-            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {timeout}")
-        if positions is not None:
-            pos_req = np.asarray(positions, dtype=np.int64).reshape(-1)
-            if pos_req.size != n:
-                raise ValueError(f"positions has {pos_req.size} entries, n_tokens is {n}")
-            if pos_req.size and int(pos_req.min()) < 0:
-                raise ValueError("positions must be >= 0")
-        else:
-            pos_req = None
+            raise KVArgumentError(f"n_tokens must be >= 0, got {n}")
+        timeout = _check_timeout(timeout)
+        cancel = _check_cancel(cancel)
+        pos_req = self._check_positions(positions, n)
+        return s, n, timeout, cancel, pos_req
 
+    def _wait_for(self, n: int, available: Callable[[], int], timeout: float,
+                  cancel: threading.Event | None) -> None:
+        """Wait (lock held, released while waiting) until ``available() >= n``.
+
+        Counts the call in the apply counters. Raises KVExhausted (oversize:
+        at once; else at the deadline) or RequestCancelled; changes no cell.
+        """
         self._apply_calls += 1
         if n > self.n_cells:
             # Can never fit: fail now instead of waiting out the timeout.
@@ -372,9 +476,9 @@ class KVCacheManager:
                 if cancel is not None and cancel.is_set():
                     self._apply_cancels += 1
                     raise RequestCancelled("kv apply cancelled")
-                free = self.n_cells - self._n_used()
+                free = available()
                 if free >= n:
-                    break
+                    return
                 now = time.monotonic()
                 remaining = deadline - now
                 if remaining <= 0:
@@ -390,11 +494,27 @@ class KVCacheManager:
             if wait_start is not None:
                 self._kv_wait_s += time.monotonic() - wait_start
 
+    def _apply_locked(self, s: int, n: int, timeout: float, cancel: threading.Event | None,
+                      pos_req: np.ndarray | None) -> np.ndarray:
+        if pos_req is None:
+            self._check_next_positions(s, n)  # before the counters or a wait
+        self._wait_for(n, lambda: self.n_cells - self._n_used(), timeout, cancel)
+        return self._allocate(s, n, pos_req)
+
+    def _check_next_positions(self, s: int, n: int) -> None:
+        pos_max = self._seq_pos_max(s)
+        if n and pos_max + n >= self.n_ctx:
+            raise KVArgumentError(f"sequence {s} ends at position {pos_max}; {n} more tokens pass "
+                                  f"n_ctx={self.n_ctx}")
+
+    def _allocate(self, s: int, n: int, pos_req: np.ndarray | None) -> np.ndarray:
+        """Give ``n`` free cells to ``s`` (caller checked they are free, lock held)."""
         if n == 0:
             return np.empty(0, dtype=np.int64)
         has = self._has(s)
         pos_max = int(self._pos[has].max()) if has.any() else -1
         if pos_req is None:
+            self._check_next_positions(s, n)  # again: another thread may have moved s while we waited
             pos_req = np.arange(pos_max + 1, pos_max + 1 + n, dtype=np.int64)
         chosen = self._pick_cells(n, has, pos_max)
         order = np.argsort(pos_req, kind="stable")
@@ -406,9 +526,13 @@ class KVCacheManager:
         return cells
 
     def can_allocate(self, n_tokens: int) -> bool:
-        """True if ``n_tokens`` cells (tokens) are free right now (CalRT canAllocate, FACTS F5)."""
+        """True if ``n_tokens`` cells (tokens) are free right now (CalRT canAllocate, FACTS F5).
+
+        Any int is accepted (negative -> False). Raises KVArgumentError for a non-int.
+        """
+        n = _as_int(n_tokens, "n_tokens")
         with self._cond:
-            return 0 <= int(n_tokens) <= self.n_cells - self._n_used()
+            return 0 <= n <= self.n_cells - self._n_used()
 
     # ------------------------------------------------------- CalRT-style frees
 
@@ -416,6 +540,7 @@ class KVCacheManager:
         """Remove ``seq_id`` from every cell (CalRT Free). Returns cells freed.
 
         Cells still shared with other sequences stay used and are not counted.
+        Raises KVArgumentError for a bad seq_id.
         """
         s = self._check_seq(seq_id)
         with self._cond:
@@ -428,16 +553,17 @@ class KVCacheManager:
 
         Returns the number of tokens removed from the sequence (``min(n,
         tokens held)``); shared cells stay with their other sequences.
+        Raises KVArgumentError for a bad seq_id or an ``n`` that is not an int >= 0.
         """
         s = self._check_seq(seq_id)
-        n = int(n)
+        n = _as_int(n, "n")
         if n < 0:
-            raise ValueError(f"n must be >= 0, got {n}")
+            raise KVArgumentError(f"n must be >= 0, got {n}")
         with self._cond:
             cells, _ = self._seq_cells_locked(s)
             if n == 0 or cells.size == 0:
                 return 0
-            victims = cells[-n:]
+            victims = cells[-min(n, cells.size):]
             sel = np.zeros(self.n_cells, dtype=bool)
             sel[victims] = True
             self._freed(self._drop_seq(sel, s))
@@ -473,11 +599,14 @@ class KVCacheManager:
             n_seq_max``: no such sequence can exist and nothing is changed.
             (llama.cpp's unified cache always returns True; the bool exists
             for caches that cannot remove a partial range.)
+
+        Raises:
+            KVArgumentError: seq_id, p0 or p1 not an int (nothing changed).
         """
-        s = int(seq_id)
+        s = _as_int(seq_id, "seq_id")
+        p0, p1 = _norm_range(p0, p1)
         if s >= self.n_seq_max:
             return False
-        p0, p1 = _norm_range(p0, p1)
         with self._cond:
             in_range = (self._pos >= p0) & (self._pos < p1)
             if s < 0:
@@ -493,13 +622,13 @@ class KVCacheManager:
         The cells are SHARED, not copied: ``dst`` is added to their sequence
         sets, so the used-cell count does not change. Negative bounds as in
         ``seq_rm``. ``src == dst`` is a no-op. Cells ``dst`` already held are
-        kept.
+        kept. Raises KVArgumentError for bad ids or bounds (nothing changed).
         """
         src = self._check_seq(src, "src")
         dst = self._check_seq(dst, "dst")
+        p0, p1 = _norm_range(p0, p1)
         if src == dst:
             return
-        p0, p1 = _norm_range(p0, p1)
         with self._cond:
             sel = (self._pos >= p0) & (self._pos < p1) & self._has(src)
             self._seqs[sel] |= _bit(dst)
@@ -508,7 +637,7 @@ class KVCacheManager:
         """Keep only ``seq_id`` (llama_memory_seq_keep).
 
         Cells not containing ``seq_id`` are emptied; cells containing it keep
-        only ``seq_id``.
+        only ``seq_id``. Raises KVArgumentError for a bad seq_id.
         """
         s = self._check_seq(seq_id)
         with self._cond:
@@ -526,14 +655,25 @@ class KVCacheManager:
         < 0 is emptied entirely (all its sequences), not just dropped from
         ``seq_id``. ``delta == 0`` or an empty range is a no-op. The shift is
         accumulated per cell for ``take_shift`` (RoPE re-rotation of K).
+
+        Raises:
+            KVArgumentError: a non-int argument, ``|delta| > n_ctx``, or a
+                shifted position that would reach ``n_ctx`` or beyond (then no
+                cell moves: a shift is all or nothing).
         """
         s = self._check_seq(seq_id)
-        delta = int(delta)
         p0, p1 = _norm_range(p0, p1)
+        delta = _as_int(delta, "delta")
+        if abs(delta) > self.n_ctx:
+            # every position is in 0..n_ctx-1: a larger shift is never meaningful (and would overflow int64)
+            raise KVArgumentError(f"delta must be in -{self.n_ctx}..{self.n_ctx} (n_ctx), got {_show(delta)}")
         if delta == 0 or p0 >= p1:
             return
         with self._cond:
             sel = (self._pos >= p0) & (self._pos < p1) & self._has(s)
+            if delta > 0 and sel.any() and int(self._pos[sel].max()) + delta >= self.n_ctx:
+                raise KVArgumentError(f"seq_add({s}, {p0}, {p1}, {delta}) would move position "
+                                      f"{int(self._pos[sel].max())} past n_ctx={self.n_ctx}; nothing moved")
             self._pos[sel] += delta
             self._shift[sel] += delta
             neg = sel & (self._pos < 0)
@@ -544,14 +684,16 @@ class KVCacheManager:
 
         New position = ``pos // d`` (positions are >= 0, so floor = C++
         truncation). Shared cells change for every sequence holding them, as
-        in llama.cpp. ``d == 1`` is a no-op; ``d <= 0`` raises ValueError. The
-        change is accumulated for ``take_shift``.
+        in llama.cpp. ``d == 1`` is a no-op; ``d <= 0`` or a non-int argument
+        raises KVArgumentError (nothing changed). The change is accumulated
+        for ``take_shift``.
         """
         s = self._check_seq(seq_id)
-        d = int(d)
-        if d <= 0:
-            raise ValueError(f"d must be >= 1, got {d}")
         p0, p1 = _norm_range(p0, p1)
+        d = _as_int(d, "d")
+        if d <= 0:
+            raise KVArgumentError(f"d must be >= 1, got {d}")
+        d = min(d, self.n_ctx)  # same quotients (positions < n_ctx), no int64 overflow
         if d == 1 or p0 >= p1:
             return
         with self._cond:
@@ -623,8 +765,15 @@ class KVCacheManager:
         temp file then renamed, so a crash never leaves a half file.
 
         Returns the number of tokens saved.
+
+        Raises:
+            KVArgumentError: bad seq_id, ``path`` not a path, ``arrays`` not a
+                list of ``(numpy array with an n_cells axis, int axis)``.
+            KVStateFileError: the file cannot be written (no temp file is left).
         """
         s = self._check_seq(seq_id)
+        path = self._check_path(path)
+        targets = self._check_arrays(arrays, for_load=False)
         with self._cond:
             cells, pos = self._seq_cells_locked(s)
         payload: dict[str, np.ndarray] = {
@@ -634,17 +783,22 @@ class KVCacheManager:
             "bytes_per_token_per_chip": np.array(self.bytes_per_token_per_chip, dtype=np.int64),
             "seq_id": np.array(s, dtype=np.int64),
             "positions": pos,
-            "n_arrays": np.array(len(arrays), dtype=np.int64),
+            "n_arrays": np.array(len(targets), dtype=np.int64),
         }
-        for i, (arr, axis) in enumerate(arrays):
-            axis = self._check_array(arr, axis, i)
+        for i, (arr, axis) in enumerate(targets):
             payload[f"axis_{i}"] = np.array(axis, dtype=np.int64)
             payload[f"rows_{i}"] = np.take(arr, cells, axis=axis)
-        path = os.fspath(path)
         tmp = path + ".tmp"
-        with open(tmp, "wb") as f:  # explicit file: np.savez would append ".npz" to a str
-            np.savez(f, **payload)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:  # explicit file: np.savez would append ".npz" to a str
+                np.savez(f, **payload)
+            os.replace(tmp, path)
+        except (OSError, ValueError) as e:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise KVStateFileError(path, f"cannot write ({_reason(e)})") from None
         return int(cells.size)
 
     def load_seq_state(
@@ -658,75 +812,182 @@ class KVCacheManager:
     ) -> int:
         """Load a sequence state saved by ``save_seq_state`` into ``seq_id``.
 
-        The whole file is validated first (format, version, ``n_cells``,
-        ``bytes_per_token_per_chip``, array count/axis/shape/dtype); any
-        mismatch raises ``ValueError`` and changes nothing. Then, as
-        llama.cpp does, ``seq_id``'s current cells are removed and fresh
-        cells are applied at the saved positions (bounded: ``timeout`` host
-        wall seconds, ``cancel``; may raise ``KVExhausted`` /
-        ``RequestCancelled``, in which case ``seq_id`` is left empty), and the
-        saved rows are written into ``arrays`` at those cells.
+        All or nothing. The arguments and the whole file are validated first
+        (a regular file no larger than such a state can be; an ``.npz`` with
+        every field of the right dtype and shape: format, version,
+        ``n_cells``, ``bytes_per_token_per_chip``, positions ``0..n_ctx-1``,
+        array count/axis/shape/dtype). Then, as llama.cpp does, ``seq_id``'s
+        current cells are replaced by fresh cells at the saved positions and
+        the saved rows are written into ``arrays`` at those cells. The swap
+        happens only once enough cells are free counting those ``seq_id``
+        holds alone (bounded wait: ``timeout`` host wall seconds, ``cancel``).
 
         Returns the number of tokens loaded.
+
+        Raises:
+            KVStateFileError: the file is missing, unreadable, truncated,
+                malformed or made for another cache.
+            KVArgumentError: bad seq_id, timeout, cancel or arrays (arrays
+                must be writeable).
+            KVExhausted / RequestCancelled: not enough cells in time / cancelled.
+            On any of these nothing changed: ``seq_id`` keeps its cells and
+            ``arrays`` their contents.
         """
         s = self._check_seq(seq_id)
-        path = os.fspath(path)
-        try:
-            npz = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not a readable KV state file ({e})") from e
-        with npz:
-            data = {k: npz[k] for k in npz.files}
-        if "format" not in data or str(data["format"]) != KV_STATE_FORMAT:
-            raise ValueError(f"{path}: not a {KV_STATE_FORMAT} file")
-        version = int(data["version"])
-        if version != KV_STATE_VERSION:
-            raise ValueError(f"{path}: KV state format version {version}, this build reads {KV_STATE_VERSION}")
-        f_cells = int(data["n_cells"])
-        f_bpt = int(data["bytes_per_token_per_chip"])
-        if f_cells != self.n_cells or f_bpt != self.bytes_per_token_per_chip:
-            raise ValueError(
-                f"{path}: made for n_cells={f_cells}, bytes_per_token_per_chip={f_bpt}; "
-                f"this cache has n_cells={self.n_cells}, bytes_per_token_per_chip={self.bytes_per_token_per_chip}"
-            )
-        pos = data["positions"].astype(np.int64)
+        path = self._check_path(path)
+        timeout = _check_timeout(timeout)
+        cancel = _check_cancel(cancel)
+        targets = self._check_arrays(arrays, for_load=True)
+        pos, rows = self._read_state_file(path, targets)
         n = int(pos.size)
-        n_arrays = int(data["n_arrays"])
-        if n_arrays != len(arrays):
-            raise ValueError(f"{path}: file has {n_arrays} arrays, {len(arrays)} given")
-        targets = []
-        for i, (arr, axis) in enumerate(arrays):
-            axis = self._check_array(arr, axis, i)
-            f_axis = int(data[f"axis_{i}"])
-            rows = data[f"rows_{i}"]
-            if f_axis != axis:
-                raise ValueError(f"{path}: array {i} saved with cell axis {f_axis}, given axis {axis}")
-            want = list(arr.shape)
-            want[axis] = n
-            if list(rows.shape) != want or rows.dtype != arr.dtype:
-                raise ValueError(
-                    f"{path}: array {i} rows are {rows.shape} {rows.dtype}, expected {tuple(want)} {arr.dtype}"
-                )
-            targets.append((arr, axis, rows))
-
+        bit = _bit(s)
         with self._cond:
+            # cells only s holds come back when s is replaced: they count as available
+            self._wait_for(n, lambda: self.n_cells - self._n_used() + int(np.count_nonzero(self._seqs == bit)),
+                           timeout, cancel)
+            # checked and committed under the lock, with no wait in between
             self._freed(self._drop_seq(self._has(s), s))
-            cells = self._apply_locked(s, n, timeout=timeout, cancel=cancel, positions=pos)
+            cells = self._allocate(s, n, pos)
         # The device owns the arrays; rows are written outside our lock.
-        for arr, axis, rows in targets:
+        for (arr, axis), r in zip(targets, rows):
             idx = [slice(None)] * arr.ndim
             idx[axis] = cells
-            arr[tuple(idx)] = rows
+            arr[tuple(idx)] = r
         return n
+
+    # Failures numpy / zipfile may raise while parsing a damaged file.
+    _READ_ERRORS = (OSError, ValueError, KeyError, EOFError, TypeError, OverflowError, RuntimeError,
+                    NotImplementedError, SyntaxError, RecursionError, zipfile.BadZipFile, zlib.error,
+                    struct.error)
+    # Slack for the .npy headers and zip directory of a state file (bytes).
+    _FILE_SLACK = 1 << 16
+
+    def _read_state_file(self, path: str, targets: list[tuple[np.ndarray, int]]
+                         ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Read and validate a state file. Returns ``(positions int64[n], rows per array)``."""
+        def bad(reason: str) -> KVStateFileError:
+            return KVStateFileError(path, reason)
+
+        # A state file holds at most n_cells positions and n_cells rows of each array.
+        max_bytes = self.n_cells * 8 + sum(a.nbytes for a, _ in targets) + self._FILE_SLACK
+        try:
+            # O_NONBLOCK: opening a FIFO must not wait for a writer
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        except FileNotFoundError:
+            raise bad("not found") from None
+        except (OSError, ValueError) as e:
+            raise bad(f"cannot open ({_reason(e)})") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise bad("not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            if st.st_size > max_bytes:
+                raise bad(f"{st.st_size} bytes, more than a state for this cache can be ({max_bytes})")
+            try:
+                head = f.read(4)
+                f.seek(0)
+                if head not in (b"PK\x03\x04", b"PK\x05\x06"):  # zip local header / empty archive
+                    raise bad("not an .npz archive (empty, truncated at the start, or another format)")
+                npz = np.load(f, allow_pickle=False)
+                if not isinstance(npz, np.lib.npyio.NpzFile):
+                    raise bad("not an .npz archive")
+                with npz:
+                    unpacked = sum(i.file_size for i in npz.zip.infolist())
+                    if unpacked > max_bytes:
+                        raise bad(f"unpacks to {unpacked} bytes, more than a state for this cache can be")
+                    data = self._state_fields(npz, targets, bad)
+            except KVStateFileError:
+                raise
+            except self._READ_ERRORS as e:
+                raise bad(f"unreadable or truncated ({type(e).__name__}: {_show(str(e))})") from None
+        return data
+
+    def _state_fields(self, npz: Any, targets: list[tuple[np.ndarray, int]], bad: Callable[[str], Exception]
+                      ) -> tuple[np.ndarray, list[np.ndarray]]:
+        def field(key: str) -> np.ndarray:
+            if key not in npz.files:
+                raise bad(f"missing field {key!r}")
+            return npz[key]
+
+        def scalar(key: str) -> int:
+            v = field(key)
+            if v.shape != () or v.dtype.kind not in "iu":
+                raise bad(f"field {key!r} must be an integer scalar, got {v.dtype} {v.shape}")
+            return int(v)
+
+        fmt = field("format")
+        if fmt.shape != () or fmt.dtype.kind != "U" or str(fmt) != KV_STATE_FORMAT:
+            raise bad(f"not a {KV_STATE_FORMAT} file")
+        version = scalar("version")
+        if version != KV_STATE_VERSION:
+            raise bad(f"KV state format version {version}, this build reads {KV_STATE_VERSION}")
+        f_cells = scalar("n_cells")
+        f_bpt = scalar("bytes_per_token_per_chip")
+        if f_cells != self.n_cells or f_bpt != self.bytes_per_token_per_chip:
+            raise bad(f"made for n_cells={f_cells}, bytes_per_token_per_chip={f_bpt}; this cache has "
+                      f"n_cells={self.n_cells}, bytes_per_token_per_chip={self.bytes_per_token_per_chip}")
+        pos = field("positions")
+        if pos.ndim != 1 or (pos.size and pos.dtype.kind not in "iu"):
+            raise bad(f"field 'positions' must be a 1-D integer array, got {pos.dtype} {pos.shape}")
+        n = int(pos.size)
+        if n > self.n_cells:
+            raise bad(f"{n} positions, more than n_cells={self.n_cells}")
+        if n and not (int(pos.min()) >= 0 and int(pos.max()) < self.n_ctx):
+            raise bad(f"positions must be in 0..{self.n_ctx - 1}, file has {int(pos.min())}..{int(pos.max())}")
+        n_arrays = scalar("n_arrays")
+        if n_arrays != len(targets):
+            raise bad(f"file has {n_arrays} arrays, {len(targets)} given")
+        rows = []
+        for i, (arr, axis) in enumerate(targets):
+            f_axis = scalar(f"axis_{i}")
+            if f_axis != axis:
+                raise bad(f"array {i} saved with cell axis {f_axis}, given axis {axis}")
+            r = field(f"rows_{i}")
+            want = list(arr.shape)
+            want[axis] = n
+            if list(r.shape) != want or r.dtype != arr.dtype:
+                raise bad(f"array {i} rows are {r.shape} {r.dtype}, expected {tuple(want)} {arr.dtype}")
+            rows.append(r)
+        return pos.astype(np.int64), rows
+
+    @staticmethod
+    def _check_path(path: Any) -> str:
+        try:
+            p = os.fspath(path)
+        except TypeError:
+            raise KVArgumentError(f"path must be a str or os.PathLike, got {type(path).__name__}") from None
+        if isinstance(p, bytes):
+            p = os.fsdecode(p)
+        if not p or "\0" in p:
+            raise KVStateFileError(p, "empty path or NUL character in path")
+        return p
+
+    def _check_arrays(self, arrays: Any, *, for_load: bool) -> list[tuple[np.ndarray, int]]:
+        if not isinstance(arrays, (list, tuple)):
+            raise KVArgumentError(f"arrays must be a list of (array, cell_axis) pairs, got {type(arrays).__name__}")
+        out = []
+        for i, item in enumerate(arrays):
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise KVArgumentError(f"arrays[{i}] must be an (array, cell_axis) pair, got {type(item).__name__}")
+            arr, axis = item
+            axis = self._check_array(arr, axis, i)
+            if arr.dtype.hasobject:
+                raise KVArgumentError(f"array {i} has dtype {arr.dtype}: only plain numeric arrays are saved")
+            if for_load and not arr.flags.writeable:
+                raise KVArgumentError(f"array {i} is read-only: loaded rows cannot be written into it")
+            out.append((arr, axis))
+        return out
 
     def _check_array(self, arr: np.ndarray, axis: int, i: int) -> int:
         if not isinstance(arr, np.ndarray):
-            raise ValueError(f"array {i} is not a numpy array")
-        axis = int(axis)
+            raise KVArgumentError(f"array {i} is not a numpy array")
+        axis = _as_int(axis, f"axis of array {i}")
         if axis < 0:
             axis += arr.ndim
         if not 0 <= axis < arr.ndim or arr.shape[axis] != self.n_cells:
-            raise ValueError(f"array {i} of shape {arr.shape} has no axis {axis} of length n_cells={self.n_cells}")
+            raise KVArgumentError(f"array {i} of shape {arr.shape} has no axis {axis} of length "
+                                  f"n_cells={self.n_cells}")
         return axis
 
     # ------------------------------------------------------------ observation
@@ -759,14 +1020,17 @@ class KVCacheManager:
     def counters(self) -> KVCounters:
         """Snapshot of the cumulative apply counters."""
         with self._cond:
-            return KVCounters(
-                apply_calls=self._apply_calls,
-                apply_waits=self._apply_waits,
-                apply_timeouts=self._apply_timeouts,
-                apply_cancels=self._apply_cancels,
-                apply_oversize=self._apply_oversize,
-                kv_wait_s=self._kv_wait_s,
-            )
+            return self._counters_locked()
+
+    def _counters_locked(self) -> KVCounters:
+        return KVCounters(
+            apply_calls=self._apply_calls,
+            apply_waits=self._apply_waits,
+            apply_timeouts=self._apply_timeouts,
+            apply_cancels=self._apply_cancels,
+            apply_oversize=self._apply_oversize,
+            kv_wait_s=self._kv_wait_s,
+        )
 
     @property
     def apply_waits(self) -> int:
@@ -793,6 +1057,17 @@ class KVCacheManager:
         """Cells (tokens) currently used."""
         with self._cond:
             return self._n_used()
+
+    def state_snapshot(self) -> dict:
+        """Everything the manager holds, copied (tests compare it before/after a refused call).
+
+        Keys: ``pos`` int64[n_cells], ``seqs`` uint64[n_cells], ``shift``
+        int64[n_cells] (pending RoPE shift, tokens), ``epoch`` int,
+        ``counters`` :class:`KVCounters`.
+        """
+        with self._cond:
+            return {"pos": self._pos.copy(), "seqs": self._seqs.copy(), "shift": self._shift.copy(),
+                    "epoch": self.epoch, "counters": self._counters_locked()}
 
     def cells_snapshot(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of ``(pos int64[n_cells], seq bitmask uint64[n_cells])`` (debug/tests)."""

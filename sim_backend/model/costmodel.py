@@ -34,6 +34,7 @@ the LM head and the D2H of 303,872 B happen once per step in both kinds.
 from __future__ import annotations
 
 import math
+import stat
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -47,7 +48,9 @@ from sim_backend.bundle.shapes import ModelShape
 from sim_backend.errors import ManifestError
 from sim_backend.model.opgraph import CATEGORIES, OpGraph, build_graph
 
-DEFAULT_HW_PATH = Path(__file__).resolve().parents[1] / "hardware" / "calculet_npu.yaml"
+DEFAULT_HW_PATH = Path(__file__).resolve().parent / "hardware" / "calculet_npu.yaml"
+# A hardware YAML is a few KiB (the shipped one ~6 KiB); refuse to parse anything huge.
+_MAX_HW_BYTES = 1 << 20
 
 _REQUIRED: dict[str, tuple[str, ...]] = {
     "hardware": ("n_chips", "peak_int8_tops", "peak_fp16_tflops", "dram_bw_gbps",
@@ -64,6 +67,49 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
                "per_op_overhead_us", "step_submit_overhead_us", "attn_kv_ramp_us",
                "attn_kv_ramp_tokens", "host_overhead_ms_per_token"),
 }
+
+
+# Accepted range (lo, hi, lo inclusive?) of every number in the hardware YAML, so a
+# typo cannot reach the cost model or memory plan as inf, nan, 0 or 1e300. Wide
+# on purpose: about 10-100x above the shipped figures (and any real accelerator)
+# at the top, just above zero at the bottom; latencies/overheads may be 0.
+_GIB_MAX = 1024.0     # GiB of DRAM per chiplet (shipped 16; 64x)
+_MIB_MAX = 4096.0     # MiB of SRAM per chiplet (shipped 18)
+_RANGES: dict[str, tuple[float, float, bool]] = {
+    "hardware.n_chips": (1, 16, True),
+    "hardware.peak_int8_tops": (0.0, 10_000.0, False),      # shipped 128
+    "hardware.peak_fp16_tflops": (0.0, 10_000.0, False),    # shipped 32
+    "hardware.dram_bw_gbps": (0.0, 100_000.0, False),       # shipped 102.4; HBM3e stacks ~ 1e3-1e4
+    "hardware.dram_physical_gib": (0.0, _GIB_MAX, False),
+    "hardware.sram_physical_mib": (0.0, _MIB_MAX, False),
+    "hardware.d2d_link_gbps": (0.0, 100_000.0, False),
+    "hardware.d2d_latency_us": (0.0, 1e6, True),
+    "hardware.pcie_gbps": (0.0, 10_000.0, False),
+    "hardware.pcie_latency_us": (0.0, 1e6, True),
+    "quantisation.*": (0.0, 8.0, False),                    # bytes per weight / element: at most FP64
+    "quantisation.csr_bytes": (0.0, 65_536.0, False),
+    "memory.*_gib": (0.0, _GIB_MAX, False),
+    "memory.*_mib": (0.0, _MIB_MAX, False),
+    "fitted.prefill_m_tile": (1, 4096, True),
+    "fitted.attn_kv_ramp_tokens": (0.0, 1e7, False),
+    "fitted.*": (0.0, 1e7, True),                           # overheads (us, ms per token); _eff checked apart
+}
+
+
+def _range_for(sec: str, key: str) -> tuple[float, float, bool]:
+    for pat in (f"{sec}.{key}", f"{sec}.*_{key.rsplit('_', 1)[-1]}", f"{sec}.*"):
+        if pat in _RANGES:
+            return _RANGES[pat]
+    raise KeyError(f"{sec}.{key}")
+
+
+def _check_number(path: str, fld: str, val: Any, rng: tuple[float, float, bool], *, integer: bool = False) -> None:
+    lo, hi, lo_incl = rng
+    if isinstance(val, bool) or not isinstance(val, (int, float)) or (integer and not isinstance(val, int)):
+        raise ManifestError(path, fld, f"must be {'an integer' if integer else 'a number'}, got {val!r:.60}")
+    ok = math.isfinite(val) and (lo <= val if lo_incl else lo < val) and val <= hi
+    if not ok:
+        raise ManifestError(path, fld, f"must be in {'[' if lo_incl else '('}{lo:g}, {hi:g}], got {val!r:.60}")
 
 
 def _freeze(obj: Any) -> Any:
@@ -97,11 +143,19 @@ class HardwareSpec:
         """Load and validate a hardware YAML; raises :class:`ManifestError` on a bad file."""
         p = Path(path) if path is not None else DEFAULT_HW_PATH
         try:
+            st = p.stat()
+            if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read forever
+                raise ManifestError(str(p), "", "not a regular file")
+            if st.st_size > _MAX_HW_BYTES:
+                raise ManifestError(str(p), "", f"{st.st_size} bytes: not a hardware YAML (limit {_MAX_HW_BYTES})")
             doc = yaml.safe_load(p.read_text(encoding="utf-8"))
         except OSError as exc:
-            raise ManifestError(str(p), "", f"cannot read: {exc}") from exc
-        except yaml.YAMLError as exc:
-            raise ManifestError(str(p), "", f"invalid YAML: {exc}") from exc
+            raise ManifestError(str(p), "", f"cannot read: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ManifestError(str(p), "", f"not UTF-8 text (byte {exc.start})") from None
+        except (yaml.YAMLError, ValueError, RecursionError) as exc:
+            # ValueError: an integer too long to convert; RecursionError: absurd nesting
+            raise ManifestError(str(p), "", f"invalid YAML: {str(exc)[:200]}") from None
         return cls.from_dict(doc, str(p))
 
     @classmethod
@@ -117,10 +171,23 @@ class HardwareSpec:
                 if key not in body:
                     raise ManifestError(path, f"{sec}.{key}", "missing field")
                 val = body[key]
-                if sec != "memory" and (isinstance(val, bool) or not isinstance(val, (int, float))):
-                    raise ManifestError(path, f"{sec}.{key}", f"must be a number, got {val!r}")
-                if sec == "fitted" and key.endswith("_eff") and not 0 < val <= 1:
-                    raise ManifestError(path, f"{sec}.{key}", f"efficiency must be in (0, 1], got {val}")
+                fld = f"{sec}.{key}"
+                if sec == "fitted" and key.endswith("_eff"):
+                    _check_number(path, fld, val, (0.0, 1.0, False))
+                elif key == "param_file_gib":  # one file size per chip
+                    n = sections["hardware"]["n_chips"]
+                    if not isinstance(val, list) or len(val) != n:
+                        raise ManifestError(path, fld, f"must be a list of {n} numbers (one per chip), got {val!r:.60}")
+                    for i, v in enumerate(val):
+                        _check_number(path, f"{fld}[{i}]", v, _RANGES["memory.*_gib"])
+                elif key == "address_union_gib":
+                    if not isinstance(val, Mapping) or set(val) != {"decode", "prefill"}:
+                        raise ManifestError(path, fld, f"must map decode and prefill to GiB, got {val!r:.60}")
+                    for k, v in val.items():
+                        _check_number(path, f"{fld}.{k}", v, _RANGES["memory.*_gib"])
+                else:
+                    _check_number(path, fld, val, _range_for(sec, key),
+                                  integer=key in ("n_chips", "prefill_m_tile"))
             sections[sec] = _freeze(dict(body))
         return cls(path=path, **sections)
 
