@@ -127,7 +127,7 @@ def test_enter_cancels_streaming_request_after_bounded_drain_and_refuses_new_one
     m, inf = system.maintenance, system.inference
     h = inf.submit(req("tell me a long story", 4000))
     assert first_token(h)
-    modes: list[dict] = []
+    modes: list = []
     stop = threading.Event()
 
     def sample():
@@ -148,9 +148,9 @@ def test_enter_cancels_streaming_request_after_bounded_drain_and_refuses_new_one
     assert res.error["message"] == "device entering maintenance: not finished within the 0.3 s drain"
     assert m.last_drain["cancelled"] == 1 and m.last_drain["drained"] == 0
     # the snapshots showed draining (with the holder) before exclusive
-    seen = [(d["mode"], d["lease_holder"]) for d in modes]
+    seen = [(d.mode, d.lease_holder) for d in modes]
     assert ("draining", "alice") in seen
-    assert system.observation.snapshot().device["mode"] == "exclusive"
+    assert system.observation.snapshot().device.mode == "exclusive"
     # new requests are refused at once, llama.cpp style
     with pytest.raises(UnavailableError) as ei:
         inf.submit(req())
@@ -237,7 +237,7 @@ def test_reset_health_check_passes(system):
                                                              "chip1 ready", "decode probe job"}
     assert rep["health"]["sim_us"] > 0
     assert b.kv.occupancy().used_cells == 0  # the probe's scratch sequence was freed
-    assert system.observation.snapshot().jobs["resets"] == 1
+    assert system.observation.snapshot().jobs.resets == 1
     m.leave_exclusive(lease)
 
 
@@ -288,7 +288,7 @@ def test_clear_memory_refuses_inference_until_reload(system):
     lease = m.enter_exclusive("alice")
     rep = m.clear_device_memory(lease)
     assert rep["next"] == "reload_model" and b.memory_cleared
-    assert system.observation.snapshot().device["status"] == "memory cleared"
+    assert system.observation.snapshot().device.status == "memory cleared"
     assert [c.state for c in b.chiplets()] == ["cleared", "cleared"]
     probe = m.probe_request(lease)
     assert probe["status"] == "failed" and probe["error"]["type"] == "DeviceNotReady"
@@ -402,12 +402,12 @@ def test_fault_hits_one_probe_then_device_recovers(system, kind, error):
     lease = m.enter_exclusive("alice")
     rep = m.inject_fault(lease, kind)
     assert len(rep["armed"]) == 1
-    assert list(system.observation.snapshot().device["faults"]) == rep["armed"]
+    assert list(system.observation.snapshot().device.faults) == rep["armed"]
     first = m.probe_request(lease, "hi", 3)
     assert first["status"] == "failed" and first["error"]["type"] == error
     second = m.probe_request(lease, "hi", 3)
     assert second["status"] == "finished" and second["n_tokens"] == 3
-    assert list(system.observation.snapshot().device["faults"]) == []
+    assert list(system.observation.snapshot().device.faults) == []
     assert system.board.kv.occupancy().used_cells == 0
     assert [e["status"] for e in m.audit.entries()][-3:] == ["granted", "failed", "granted"]
     m.leave_exclusive(lease)
@@ -419,14 +419,14 @@ def test_armed_fault_fails_one_live_request_while_others_are_served(system, kind
     lease = m.enter_exclusive("alice")
     m.inject_fault(lease, kind)
     m.leave_exclusive(lease)  # a rehearsal under live traffic: the fault stays armed
-    assert system.observation.snapshot().device["status"] == "degraded"
+    assert system.observation.snapshot().device.status == "degraded"
     hs = [system.inference.submit(req(f"request {i}", 5)) for i in range(3)]
     results = [h.result(60) for h in hs]
     failed = [r for r in results if r.status == "failed"]
     assert len(failed) == 1 and failed[0].error["type_name"] == error
     assert sum(r.status == "finished" for r in results) == 2
     assert system.inference.generate(req(), timeout=60).status == "finished"
-    assert system.observation.snapshot().device["faults"] == ()
+    assert system.observation.snapshot().device.faults == ()
 
 
 def test_slow_chip_slows_steps_and_shows_in_snapshot(system):
@@ -442,8 +442,8 @@ def test_slow_chip_slows_steps_and_shows_in_snapshot(system):
         m.inject_fault(lease, "melt_down")
     m.inject_fault(lease, "slow_chip", chip=1, factor=3.0)
     snap = system.observation.snapshot()
-    assert "slow_chip1 x3" in snap.device["faults"]
-    assert [c["slow_factor"] for c in snap.device["chiplets"]] == [1.0, 3.0]
+    assert "slow_chip1 x3" in snap.device.faults
+    assert [c.slow_factor for c in snap.device.chiplets] == [1.0, 3.0]
     m.leave_exclusive(lease)
     system.inference.generate(req("warm", 3), timeout=60)
     slow = system.board.last_steps["decode"]

@@ -48,7 +48,7 @@ from sim_backend.bundle.shapes import ModelShape
 from sim_backend.errors import ManifestError
 from sim_backend.model.opgraph import CATEGORIES, OpGraph, build_graph
 
-DEFAULT_HW_PATH = Path(__file__).resolve().parent / "hardware" / "calculet_npu.yaml"
+DEFAULT_HW_PATH = Path(__file__).resolve().parents[1] / "hardware" / "calculet_npu.yaml"
 # A hardware YAML is a few KiB (the shipped one ~6 KiB); refuse to parse anything huge.
 _MAX_HW_BYTES = 1 << 20
 
