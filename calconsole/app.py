@@ -14,8 +14,8 @@ from rich.text import Text
 from textual import events
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.css.query import NoMatches
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.widgets import Footer, Static
 
 from .layout import Layout
@@ -76,7 +76,7 @@ class CalConsoleApp(App):
         else:
             from .panes.maintenance import MaintenancePane
 
-            w = MaintenancePane(self.system.maintenance, self.system.bundle.device_name, id="maintenance",
+            w = MaintenancePane(self.system.maintenance, self.system.observation.snapshot().device.name, id="maintenance",
                                 classes="pane")
             w.border_title = "Maintenance (guarded)"
         return w

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _start_up_error(args: argparse.Namespace) -> str | None:
     """The one-line reason a shared option is unusable (checked before any command runs), or None."""
-    from sim_backend.errors import CalError
+    from sim_backend.planes import CalError
 
     if args.refresh is not None and not MIN_REFRESH_HZ <= args.refresh <= MAX_REFRESH_HZ:  # also refuses nan
         return f"--refresh must be between {MIN_REFRESH_HZ:g} and {MAX_REFRESH_HZ:g} Hz, got {args.refresh:g}"
@@ -74,7 +74,7 @@ def _start_up_error(args: argparse.Namespace) -> str | None:
 
 
 def run_console(args: argparse.Namespace) -> int:
-    from sim_backend.errors import CalError
+    from sim_backend.planes import CalError
 
     from .layout import LayoutError, load_layout
 

@@ -10,13 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sim_backend.errors import InvalidRequestError
+from sim_backend.tools.bench_host import bench_host
 from sim_backend.serving.sampling import (
     N_VALID,
     VOCAB_SIZE,
     Sampler,
     SamplingParams,
     _apply_penalties,
-    bench_host,
     bf16_to_f32,
     f32_to_bf16,
     naive_sample,

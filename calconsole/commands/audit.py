@@ -29,7 +29,7 @@ def register(sub, common) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from sim_backend.planes.audit import AuditLog, AuditLogError, summarize
+    from sim_backend.planes import AuditLog, AuditLogError, summarize
 
     log = AuditLog(getattr(args, "audit_log", None))
     if args.tail is not None and args.tail < 1:

@@ -38,15 +38,19 @@ def _fmt(v: float, unit: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim_backend.tools.calibration import price_step_cost_us, run_calibration, run_engine_cases
-    from sim_backend.model.costmodel import CostModel
-    from sim_backend.errors import CalError
+    from sim_backend.planes import CalError
+    from sim_backend.tools.calibration import (
+        CostModel,
+        price_step_cost_us,
+        run_calibration,
+        run_engine_cases,
+    )
 
     try:
         cm = CostModel.load(args.hardware)
         cases = run_calibration(cm)
         if not args.no_engine:
-            from sim_backend.planes.system import build_system
+            from sim_backend.planes import build_system
 
             with build_system(numerics=False, maintenance=False, n_slots=1, hardware=args.hardware) as system:
                 cases += run_engine_cases(system)

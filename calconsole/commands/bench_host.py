@@ -29,7 +29,7 @@ def register(bsub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim_backend.serving.sampling import bench_host
+    from sim_backend.tools.bench_host import bench_host
 
     if not 1 <= args.iterations <= 100_000:
         return fail(f"--iterations must be in 1..100000, got {args.iterations}")

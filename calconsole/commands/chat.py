@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sim_backend.errors import CalError, RequestError
+from sim_backend.planes import CalError, RequestError
 
 from .common import add_common_options, build_from_args, fail, print_json, read_prompt
 
@@ -47,8 +47,7 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
 
 
 def request_from_args(args: argparse.Namespace, prompt: str):
-    from sim_backend.serving.engine import ChatRequest
-    from sim_backend.serving.sampling import SamplingParams
+    from sim_backend.planes import ChatRequest, SamplingParams
 
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
@@ -82,7 +81,7 @@ def register(sub, common) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim_backend.serving.engine import validate_request
+    from sim_backend.planes import validate_request
 
     try:
         prompt = read_prompt(args.prompt)
@@ -102,14 +101,14 @@ def run(args: argparse.Namespace) -> int:
             handle = system.inference.submit(req)
         except RequestError as e:
             return fail(f"{e.error_type}: {e}")
-        n_ctx = system.engine.n_ctx
+        n_ctx = system.inference.n_ctx
         room = n_ctx - handle.prompt_n + 1  # the engine stops once prompt + generated > n_ctx
         if req.max_tokens > room:
             print(f"calconsole: note: --max-tokens {req.max_tokens} is more than the context leaves: the "
                   f"reply stops at the context end ({n_ctx} tokens, {handle.prompt_n} of them prompt) after "
                   f"at most {room} tokens", file=sys.stderr)
         try:
-            for ev in handle.stream(timeout=system.engine.step_timeout_s):
+            for ev in handle.stream(timeout=system.inference.step_timeout_s):
                 if hasattr(ev, "text") and not args.json:
                     sys.stdout.write(ev.text)
                     sys.stdout.flush()

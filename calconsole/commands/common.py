@@ -7,8 +7,7 @@ import json
 import sys
 from typing import Any
 
-from sim_backend.device.board import Pacing, PacingMode
-
+from sim_backend.planes import Pacing, PacingMode
 
 # Defaults of the shared options. Sub-command parsers register the options with
 # SUPPRESS so a value given before the sub-command (``calconsole --bundle D
@@ -66,7 +65,7 @@ def check_common(args: argparse.Namespace, *, maintenance: bool, audit_log: bool
     will write to it), so an unusable path is refused at start-up, not at the first action;
     ``audit_log=False`` skips that (``calconsole audit`` only reads the log).
     """
-    from sim_backend.planes.audit import AuditLog
+    from sim_backend.planes import AuditLog
 
     lo, hi = CLI_SPEED_RANGE
     if not lo <= args.speed <= hi:  # also refuses nan
@@ -80,7 +79,7 @@ def check_common(args: argparse.Namespace, *, maintenance: bool, audit_log: bool
 def build_from_args(args: argparse.Namespace, *, maintenance: bool = True, **kw: Any):
     """Build the System from common options (after ``check_common``).
     Raises ManifestError / ValueError / AuditLogError on bad input."""
-    from sim_backend.planes.system import build_system
+    from sim_backend.planes import build_system
 
     check_common(args, maintenance=maintenance)
     return build_system(args.bundle, pacing=Pacing(PacingMode(args.pacing), args.speed),

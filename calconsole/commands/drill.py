@@ -35,7 +35,7 @@ import getpass
 import time
 from typing import Any, Callable
 
-from sim_backend.errors import CalError
+from sim_backend.planes import CalError
 
 from .common import add_common_options, build_from_args, fail, print_json
 
@@ -84,18 +84,22 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
     means "behaved as described" (a refusal that should happen is ok). Never raises for a
     step's outcome; every wait is bounded.
     """
-    from sim_backend.serving.engine import ChatRequest, DoneEvent, TokenEvent
-    from sim_backend.errors import MaintenanceRefused, RequestError
+    from sim_backend.planes import (
+        ChatRequest,
+        DoneEvent,
+        MaintenanceRefused,
+        RequestError,
+        TokenEvent,
+    )
 
     m = system.maintenance
     if m is None:
         raise ValueError("the drill needs the maintenance plane (built without --observe-only)")
-    clock = system.board.clock
     steps: list[dict] = []
     state: dict[str, Any] = {"lease": None, "stream": None}
 
     def step(action: str, fn: Callable[[], tuple[bool | None, bool, str]]) -> None:
-        t0, s0 = time.perf_counter(), clock.now_us
+        t0, s0 = time.perf_counter(), _sim_now_us(system)
         try:
             granted, ok, detail = fn()
         except CalError as e:
@@ -103,7 +107,7 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
         except Exception as e:  # noqa: BLE001 - a drill reports, it does not crash
             granted, ok, detail = None, False, f"internal error {type(e).__name__}: {e}"
         rec = {"step": len(steps) + 1, "action": action, "granted": granted, "ok": bool(ok), "detail": detail,
-               "sim_ms": round((clock.now_us - s0) / 1e3, 3), "wall_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+               "sim_ms": round((_sim_now_us(system) - s0) / 1e3, 3), "wall_ms": round((time.perf_counter() - t0) * 1e3, 3)}
         steps.append(rec)
         try:
             m.audit.event(f"drill:{action}", {"step": rec["step"]}, granted=bool(granted), ok=rec["ok"],
@@ -243,3 +247,8 @@ def _print_table(steps: list[dict], audit_path: str, ok: bool) -> None:
     c.print(f"audit log: {audit_path}")
     c.print(Text("drill passed" if ok else "drill FAILED: see the steps marked NOT AS EXPECTED",
                  style="bold green" if ok else "bold red"))
+
+
+def _sim_now_us(system: Any) -> float:
+    """The device's simulated clock (µs), read through the observation plane."""
+    return float(system.observation.snapshot().sim_now_ms) * 1e3

@@ -41,7 +41,7 @@ def parse_slo(spec: str):
     """``--slo ttft:MS,tpot:MS,e2el:MS`` -> ``SLO`` (simulated ms). Raises ValueError with a
     one-line message naming the offending field (``SLO.parse`` itself reports a bad number
     with Python's float() message, which does not say which field)."""
-    from sim_backend.serving.metrics import SLO
+    from sim_backend.planes import SLO
 
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, _, val = part.partition(":")
@@ -56,9 +56,7 @@ def parse_slo(spec: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim_backend.serving.engine import ChatRequest
-    from sim_backend.errors import CalError
-    from sim_backend.serving.sampling import SamplingParams
+    from sim_backend.planes import CalError, ChatRequest, SamplingParams
 
     if not 0 <= args.warmup <= 10_000:
         return fail(f"--warmup must be in 0..10000, got {args.warmup}")
@@ -75,17 +73,17 @@ def run(args: argparse.Namespace) -> int:
     except (CalError, ValueError) as e:
         return fail(str(e))
     with system:
-        engine = system.engine
+        n_slots = system.observation.snapshot().device.n_slots
         # batches of n_slots concurrent requests: the queue limit is never hit
-        for start in range(0, args.warmup, engine.n_slots):
-            batch = [engine.submit(ChatRequest.from_prompt(WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)],
+        for start in range(0, args.warmup, n_slots):
+            batch = [system.inference.submit(ChatRequest.from_prompt(WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)],
                                                            max_tokens=args.max_tokens,
                                                            sampling=SamplingParams(seed=i), client="metrics-warmup"))
-                     for i in range(start, min(args.warmup, start + engine.n_slots))]
+                     for i in range(start, min(args.warmup, start + n_slots))]
             for h in batch:
                 h.result(600.0)
         text = system.observation.metrics_text()
-        summary = engine.metrics.summary()
+        summary = system.observation.snapshot().requests
     if args.json:
         print_json(summary)
     else:

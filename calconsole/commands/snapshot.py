@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from sim_backend.errors import CalError
+from sim_backend.planes import CalError
 
 from .common import add_common_options, build_from_args, fail, print_json
 

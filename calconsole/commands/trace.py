@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from sim_backend.errors import CalError, RequestError
+from sim_backend.planes import CalError, RequestError
 
 from .common import add_common_options, build_from_args, fail, print_json, read_prompt
 
@@ -41,9 +41,8 @@ def register(sub, common) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim_backend.serving.engine import ChatRequest
-    from sim_backend.serving.sampling import SamplingParams
-    from sim_backend.model.trace import StepRecorder, steps_from_results, write_chrome_trace
+    from sim_backend.planes import ChatRequest, SamplingParams
+    from sim_backend.tools.trace_capture import capture_request_trace
 
     if not 1 <= args.max_tokens <= MAX_TRACE_TOKENS:
         # one event per op per chip: ~2,500 events (~0.5 MB of JSON) per decode step
@@ -65,23 +64,16 @@ def run(args: argparse.Namespace) -> int:
     except (CalError, ValueError) as e:
         return fail(str(e))
     with system:
-        rec = StepRecorder()
-        system.board.add_listener(rec)
         try:
-            res = system.engine.generate(req, timeout=max(60.0, system.engine.step_timeout_s))
+            res, cap = capture_request_trace(system, req, out)
         except RequestError as e:
             return fail(f"{e.error_type}: {e}")
-        # the listener runs on the device thread just after each job is marked done
-        steps = rec.wait_for(system.board.counters().finished, timeout=5.0)
     if res.status != "finished":
         return fail(f"request ended {res.status}: {(res.error or {}).get('message', '')}", code=1)
-    trace_steps = steps_from_results(steps)
-    write_chrome_trace(out, trace_steps)
-    chip_events = [sum(len(r.cost.graph.ops_on_chip(c)) for r in steps) for c in range(system.bundle.shape.n_chips)]
-    span_us = (steps[-1].sim_end_us - steps[0].sim_start_us) if steps else 0.0
+    chip_events, span_us, n_steps = cap["op_events_per_chip"], cap["simulated_span_us"], cap["n_steps"]
     summary = {
         "out": str(out), "prompt_n": res.timings.prompt_n, "predicted_n": res.timings.predicted_n,
-        "steps": {"prefill": sum(r.kind == "prefill" for r in steps), "decode": sum(r.kind == "decode" for r in steps)},
+        "steps": cap["steps"],
         "op_events_per_chip": chip_events, "numerics": res.timings.numerics,
         "simulated_span_us": span_us, "e2e_ms": res.timings.e2e_ms,
         "time_unit": "simulated device us",
@@ -89,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(summary)
     else:
-        print(f"wrote {out}: {len(steps)} steps ({summary['steps']['prefill']} prefill, "
+        print(f"wrote {out}: {n_steps} steps ({summary['steps']['prefill']} prefill, "
               f"{summary['steps']['decode']} decode), op events per chip {chip_events}, "
               f"{span_us / 1e3:.1f} ms simulated (prompt {res.timings.prompt_n} tok, "
               f"{res.timings.predicted_n} generated); open in https://ui.perfetto.dev or chrome://tracing")

@@ -17,11 +17,16 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Collapsible, Input, Label, RichLog, Static
 
-from sim_backend.serving.engine import ChatRequest, DoneEvent, RequestHandle, TokenEvent
+from sim_backend.planes import (
+    ChatRequest,
+    DoneEvent,
+    RequestError,
+    RequestStream,
+    SamplingParams,
+    TokenEvent,
+)
 
 from ..widgets.render import set_subtitle
-from sim_backend.errors import RequestError
-from sim_backend.serving.sampling import SamplingParams
 
 SYNTHETIC_NOTICE = ("Weights are synthetic: the text is not meaningful. Tokens, timings and KV are real "
                     "products of the simulated run. Times are simulated device ms.")
@@ -58,7 +63,7 @@ class ChatPane(Vertical):
         super().__init__(**kw)
         self.inference = inference
         self.history: list[dict] = []
-        self.handle: RequestHandle | None = None
+        self.handle: RequestStream | None = None
         self._stream_text = ""
         self._submitting = False
         self._wall_start = time.monotonic()
@@ -183,7 +188,7 @@ class ChatPane(Vertical):
         self._log_error(f"request {request_id}: no progress for {NO_PROGRESS_S:.0f} s; cancelled and abandoned")
         self.query_one("#chat-input", Input).value = prompt
 
-    def _on_started(self, req: ChatRequest, handle: RequestHandle) -> None:
+    def _on_started(self, req: ChatRequest, handle: RequestStream) -> None:
         self.handle = handle
         self._submitting = False
         self._stream_text = ""

@@ -25,7 +25,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, RichLog, Static
 
-from sim_backend.errors import CalError
+from sim_backend.planes import CalError
 
 from ..widgets.confirm import ConfirmModal
 from ..widgets.render import set_subtitle

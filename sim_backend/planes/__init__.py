@@ -1,1 +1,51 @@
-"""sim_backend.planes."""
+"""The planes' public surface: the only part of ``sim_backend`` that clients (the console, the
+headless commands, the HTTP serving face) import.
+
+- contracts: ``InferencePlane``, ``ObservationPlane``, ``MaintenancePlane``, ``RequestStream``,
+  ``Lease`` (``sim_backend.planes.contracts``);
+- snapshot types: ``Snapshot`` and its sections (``sim_backend.planes.snapshot``);
+- request/result types: ``ChatRequest``, ``SamplingParams``, ``TokenEvent``, ``DoneEvent``,
+  ``RequestResult``, ``validate_request``; ``SLO`` for goodput;
+- errors: the typed errors every plane raises (``sim_backend.errors``);
+- a factory: ``build_system`` (the in-process simulator, with ``Pacing`` / ``PacingMode``);
+- the audit log reader: ``AuditLog``, ``summarize``.
+
+Heavy members (the factory, which starts the simulator) load on first use, so importing this
+package for its types stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sim_backend.device.clock import Pacing, PacingMode
+from sim_backend.errors import (CalError, DeviceError, ExceedContextSizeError, InvalidRequestError, KVExhausted,
+                                MaintenanceRefused, ManifestError, RequestCancelled, RequestError, UnavailableError)
+from sim_backend.planes.contracts import (AuditReader, InferencePlane, Lease, MaintenancePlane, ObservationPlane,
+                                          Report, RequestStream)
+from sim_backend.planes.snapshot import Snapshot
+from sim_backend.serving.api import ChatRequest, DoneEvent, RequestResult, SamplingParams, TokenEvent, validate_request
+from sim_backend.serving.metrics import SLO
+
+if TYPE_CHECKING:
+    from sim_backend.planes.audit import AuditLog, AuditLogError, summarize
+    from sim_backend.planes.system import System, build_system
+
+_LAZY = {"build_system": "sim_backend.planes.system", "System": "sim_backend.planes.system",
+         "AuditLog": "sim_backend.planes.audit", "AuditLogError": "sim_backend.planes.audit",
+         "summarize": "sim_backend.planes.audit"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'sim_backend.planes' has no attribute {name!r}")
+
+
+__all__ = ["AuditLog", "AuditLogError", "AuditReader", "CalError", "ChatRequest", "DeviceError", "DoneEvent",
+           "ExceedContextSizeError", "InferencePlane", "InvalidRequestError", "KVExhausted", "Lease",
+           "MaintenancePlane", "MaintenanceRefused", "ManifestError", "ObservationPlane", "Pacing", "PacingMode",
+           "Report", "RequestCancelled", "RequestError", "RequestResult", "RequestStream", "SLO", "SamplingParams",
+           "Snapshot", "System", "TokenEvent", "UnavailableError", "build_system", "summarize", "validate_request"]

@@ -1,4 +1,4 @@
-"""The three planes (FACTS F9): inference, read-only observation, controlled maintenance.
+"""In-process implementations of the inference and observation planes (contracts in ``contracts``).
 
 The console talks to the simulator only through these. A future
 real-hardware backend implements the same three classes.
@@ -39,11 +39,17 @@ class InferencePlane:
         """Context in tokens (calbin, 40960; FACTS F2)."""
         return self._engine.n_ctx
 
+    @property
+    def step_timeout_s(self) -> float:
+        """Bound on one device step (host wall s): the longest a client waits for the next event."""
+        return float(self._engine.step_timeout_s)
+
     def submit(self, req: ChatRequest) -> RequestHandle:
         """See ``Engine.submit``: returns a handle; raises typed request errors, allocating nothing."""
         return self._engine.submit(req)
 
     def generate(self, req: ChatRequest, timeout: float = 600.0) -> RequestResult:
+        """Submit and wait up to ``timeout`` host s; see ``Engine.generate``."""
         return self._engine.generate(req, timeout)
 
     def count_prompt_tokens(self, req: ChatRequest) -> int:

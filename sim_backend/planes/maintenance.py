@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from sim_backend.planes.contracts import Lease
 from sim_backend.planes.audit import AuditLog
 from sim_backend.device.board import SimulatedBoard
 from sim_backend.serving.engine import ChatRequest, Engine
@@ -58,18 +59,6 @@ MAINTENANCE_REASON = "device in maintenance"
 SCRATCH_SEQ = 63
 FAULT_KINDS = ("ccu_exception", "kv_exhaustion", "link_error", "slow_chip")
 EOS_IDS = (151645, 151643)
-
-
-@dataclass(frozen=True)
-class Lease:
-    """Proof of exclusive mode. Only one exists at a time; actions check it is the current one."""
-
-    id: str
-    holder: str
-    granted_unix_s: float
-
-    def to_dict(self) -> dict:
-        return {"lease": self.id[:8], "holder": self.holder, "granted_unix_s": round(self.granted_unix_s, 3)}
 
 
 class MaintenancePlane:

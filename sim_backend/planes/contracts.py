@@ -1,0 +1,202 @@
+"""The three planes as contracts (FACTS F9): what any backend implements and any client uses.
+
+The console, the headless commands and (next) the HTTP serving face are written against these
+Protocols only. The in-process simulator (``sim_backend.planes.inprocess`` and
+``sim_backend.planes.maintenance``) is one implementation; a remote client of the serving face
+or a real-hardware backend is another. ``tests/planes/test_contracts.py`` holds the behaviour
+every implementation must show.
+
+- ``InferencePlane``: submit / stream / cancel chat requests. No registers, no reset, no raw
+  memory (FACTS F5 C4).
+- ``ObservationPlane``: read-only; ``snapshot()`` returns an immutable typed ``Snapshot``.
+- ``MaintenancePlane``: exclusive lease, then guarded actions; every call is audited. Absent
+  (None) in observe-only mode.
+
+Times: arguments named ``timeout`` / ``*_s`` are host wall seconds; results name their unit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from sim_backend.planes.snapshot import Snapshot
+from sim_backend.serving.api import ChatRequest, DoneEvent, RequestResult, TokenEvent
+
+#: Maintenance results are JSON-shaped maps: {"ok": bool, "detail": str, ...action fields}.
+Report = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Proof of exclusive mode. Only one exists at a time; actions check it is the current one.
+
+    ``id``: opaque token (never logged in full); ``holder``: who asked; ``granted_unix_s``: host wall clock.
+    """
+
+    id: str
+    holder: str
+    granted_unix_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        """Loggable form: the first 8 characters of the id only."""
+        return {"lease": self.id[:8], "holder": self.holder, "granted_unix_s": round(self.granted_unix_s, 3)}
+
+
+@runtime_checkable
+class RequestStream(Protocol):
+    """Client side of one submitted request: stream events, cancel, wait for the result. Thread-safe."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def prompt_n(self) -> int: ...
+
+    @property
+    def done(self) -> bool: ...
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    def cancel(self, reason: str = "cancelled by client") -> None:
+        """Cancel in any state; idempotent; returns at once. The request ends within one device step."""
+        ...
+
+    def next_event(self, timeout: float) -> TokenEvent | DoneEvent | None:
+        """The next event within ``timeout`` host seconds, or None."""
+        ...
+
+    def stream(self, timeout: float = 60.0) -> Iterator[TokenEvent | DoneEvent]:
+        """Events until the DoneEvent; TimeoutError if none arrives for ``timeout`` s. Closing it cancels."""
+        ...
+
+    def result(self, timeout: float) -> RequestResult:
+        """The final result within ``timeout`` host seconds; TimeoutError otherwise."""
+        ...
+
+
+@runtime_checkable
+class InferencePlane(Protocol):
+    """Submit, stream and cancel chat requests (the ordinary serving API)."""
+
+    @property
+    def n_ctx(self) -> int:
+        """Context in tokens per sequence (the calbin's, 40960; FACTS F2)."""
+        ...
+
+    @property
+    def step_timeout_s(self) -> float:
+        """Longest a client should wait for one event of a running request (host s)."""
+        ...
+
+    def submit(self, req: ChatRequest) -> RequestStream:
+        """Queue a request. Raises InvalidRequestError / ExceedContextSizeError / UnavailableError
+        (llama-server's error types) before anything is allocated."""
+        ...
+
+    def generate(self, req: ChatRequest, timeout: float = 600.0) -> RequestResult:
+        """Submit and wait for the result (failures are results, not exceptions, once admitted)."""
+        ...
+
+    def count_prompt_tokens(self, req: ChatRequest) -> int:
+        """Prompt tokens with the chat template applied, as the context limit counts them."""
+        ...
+
+
+@runtime_checkable
+class ObservationPlane(Protocol):
+    """Read-only view of device, jobs, KV, steps, requests and host. Nothing here changes the device."""
+
+    def snapshot(self) -> Snapshot:
+        """One immutable observation (see ``sim_backend.planes.snapshot``)."""
+        ...
+
+    def metrics_text(self) -> str:
+        """Prometheus text exposition, ``llamacpp:`` names (vLLM's metric definitions)."""
+        ...
+
+
+@runtime_checkable
+class AuditReader(Protocol):
+    """The maintenance audit log as a reader sees it."""
+
+    @property
+    def path(self) -> Path: ...
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Every record, oldest first (corrupt lines as records marked corrupt)."""
+        ...
+
+
+@runtime_checkable
+class MaintenancePlane(Protocol):
+    """Exclusive mode and guarded device actions. Every call, granted or refused, is audited.
+
+    Actions take the current ``Lease`` and raise ``MaintenanceRefused`` without it (or with an old
+    one); they return a ``Report``. Reset and memory clear are confirmed by the caller (typed
+    device name in the console) before they are called.
+    """
+
+    @property
+    def audit(self) -> AuditReader: ...
+
+    @property
+    def lease(self) -> Lease | None:
+        """The current lease, if any (held by whoever entered exclusive mode)."""
+        ...
+
+    def mode(self) -> Mapping[str, Any]:
+        """{"mode": serving | draining | exclusive, "lease_holder": str | None, "since_unix_s": float}."""
+        ...
+
+    def status(self) -> Mapping[str, Any]:
+        """Mode, armed faults, memory state, audit log path (read-only, not audited)."""
+        ...
+
+    def enter_exclusive(self, holder: str, drain_timeout_s: float | None = None) -> Lease:
+        """Stop admission, drain or cancel in-flight work within the bounded time, return the lease."""
+        ...
+
+    def leave_exclusive(self, lease: Lease | None, *, force: bool = False) -> Report: ...
+
+    def reset(self, lease: Lease | None) -> Report:
+        """Reset the device and run a health check; ``ok`` False if the check fails."""
+        ...
+
+    def clear_device_memory(self, lease: Lease | None) -> Report:
+        """ClearAllDevMem: weights and KV gone; inference refused until ``reload_model``."""
+        ...
+
+    def reload_model(self, lease: Lease | None) -> Report: ...
+
+    def clear_kv(self, lease: Lease | None) -> Report: ...
+
+    def dump(self, lease: Lease | None, path: str | Path | None = None) -> Report:
+        """Trace + config metadata + registers to a JSON file (default: beside the audit log)."""
+        ...
+
+    def self_test(self, lease: Lease | None) -> Report:
+        """Golden self-test (``sim_backend.model.golden.compare``'s rule)."""
+        ...
+
+    def health_check(self, lease: Lease | None) -> Report: ...
+
+    def read_register(self, lease: Lease | None, key: str | int) -> Report: ...
+
+    def write_register(self, lease: Lease | None, key: str | int, value: int | str) -> Report: ...
+
+    def dump_registers(self, lease: Lease | None) -> Report: ...
+
+    def inject_fault(self, lease: Lease | None, kind: str, *, chip: int = 1, factor: float = 4.0,
+                     count: int = 1) -> Report:
+        """Arm a fault: ccu_exception | kv_exhaustion | link_error | slow_chip."""
+        ...
+
+    def clear_faults(self, lease: Lease | None) -> Report: ...
+
+    def probe_request(self, lease: Lease | None, prompt: str = "hi", max_tokens: int = 8) -> Report:
+        """A request on the scratch sequence while exclusive (greedy), with its step timings."""
+        ...
