@@ -696,6 +696,14 @@ class Engine:
         with self._lock:
             return len(self._queue)
 
+    def buffer_pool_state(self, timeout: float = 0.0) -> tuple[int, int]:
+        """(free, size) of the device buffer pairs, after waiting up to ``timeout`` host s for all to be free.
+
+        Used by the maintenance health check: after a reset every job has ended,
+        so every pair must come back (a pair whose job never ends stays out).
+        """
+        return self.rt.pool.wait_all_free(timeout), self.rt.pool.size
+
     def stage_summary(self) -> dict:
         """P50/P95/P99/mean of each stage (FACTS F8) over the recent steps, per kind.
 
