@@ -513,6 +513,87 @@ def test_cancel_while_decoding_frees_kv_and_slot_takes_next(make):
     assert h.engine.metrics.summary()["counters"]["cancelled"] == 1
 
 
+
+def _latency_counts(h: Harness) -> dict:
+    """Samples per latency in the summary window and in the Prometheus histograms (``_count``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    lat = h.engine.metrics.summary()["latency_ms"]
+    fam = {f.name: f for f in text_string_to_metric_families(h.engine.metrics.prometheus_text())}
+    prom = {k: next(x.value for x in fam[f"llamacpp:{name}"].samples if x.name.endswith("_count"))
+            for k, name in (("ttft", "time_to_first_token_seconds"), ("itl", "inter_token_latency_seconds"),
+                            ("e2e", "e2e_request_latency_seconds"), ("tpot", "time_per_output_token_seconds"))}
+    return {k: (lat[k]["n"], int(prom[k])) for k in prom}
+
+
+def test_cancel_after_first_token_counts_in_ttft_not_e2e(make):
+    """A reply stopped (Esc) after its first tokens: its TTFT and streamed ITLs are samples, E2E/TPOT not."""
+    h = make(n_slots=1)
+    h.gate.block()
+    a = h.engine.submit(ChatRequest.from_prompt("first", max_tokens=50, sampling=GREEDY))
+    h.gate.wait_blocked("prefill")
+    h.gate.allow(3)  # prefill (first token at 400 ms) + 2 decodes (425, 450 ms)
+    h.gate.wait_blocked("decode", step=3)
+    # recorded when the first token was produced, while the request still runs
+    assert a.state is RequestState.DECODING
+    assert _latency_counts(h) == {"ttft": (1, 1), "itl": (2, 2), "e2e": (0, 0), "tpot": (0, 0)}
+    a.cancel("Esc")
+    h.gate.allow(1)
+    res = a.result(10)
+    assert res.status == "cancelled" and res.timings.ttft_ms == 400.0 and res.timings.itl_ms == (25.0, 25.0)
+    assert _latency_counts(h) == {"ttft": (1, 1), "itl": (2, 2), "e2e": (0, 0), "tpot": (0, 0)}
+    s = h.engine.metrics.summary()
+    assert s["latency_ms"]["ttft"]["p50"] == 400.0 and s["latency_ms"]["e2e"]["p50"] is None
+    h.gate.open()
+    rb, _ = run(h, ChatRequest.from_prompt("second", max_tokens=2, sampling=GREEDY))
+    assert rb.status == "finished"
+    assert _latency_counts(h) == {"ttft": (2, 2), "itl": (3, 3), "e2e": (1, 1), "tpot": (1, 1)}
+
+
+def test_failure_after_first_token_counts_in_ttft_not_e2e(make):
+    h = make(n_slots=1)
+    h.gate.block()
+    a = h.engine.submit(ChatRequest.from_prompt("first", max_tokens=50, sampling=GREEDY))
+    h.gate.wait_blocked("prefill")
+    h.gate.allow(2)  # prefill + 1 decode; the third job is held on the device
+    h.gate.wait_blocked("decode", step=2)
+    h.board.faults.arm("ccu_next")  # the job after the held one fails with a CCU exception
+    h.gate.open()
+    res = a.result(10)
+    assert res.status == "failed" and res.error["type_name"] == "CCUException"
+    assert res.timings.ttft_ms == 400.0 and res.timings.predicted_n == 3
+    assert _latency_counts(h) == {"ttft": (1, 1), "itl": (2, 2), "e2e": (0, 0), "tpot": (0, 0)}
+
+
+def test_cancel_with_only_held_text_still_counts_its_ttft(make):
+    """The first token was sampled but held (first byte of a UTF-8 character): TTFT = that token's time."""
+    h = make(n_slots=1)
+    emoji = [byte_token(b) for b in "\U0001F600".encode()]
+    req = ChatRequest.from_prompt("first", max_tokens=50, sampling=GREEDY)
+    h.script(req, emoji[:2])  # two of its four bytes by the time it is cancelled: nothing is shown
+    h.gate.block()
+    a = h.engine.submit(req)
+    h.gate.wait_blocked("prefill")
+    h.gate.allow(2)
+    h.gate.wait_blocked("decode", step=2)
+    a.cancel("Esc")
+    h.gate.open()
+    res = a.result(10)
+    assert res.status == "cancelled" and res.text == "" and res.timings.ttft_ms == 400.0
+    assert _latency_counts(h) == {"ttft": (1, 1), "itl": (0, 0), "e2e": (0, 0), "tpot": (0, 0)}
+
+
+def test_cancel_before_first_token_gives_no_ttft(make):
+    h = make(n_slots=1)
+    h.gate.block()
+    a = h.engine.submit(ChatRequest.from_prompt("first", max_tokens=50, sampling=GREEDY))
+    h.gate.wait_blocked("prefill")
+    a.cancel("Esc")
+    h.gate.open()
+    res = a.result(10)
+    assert res.status == "cancelled" and res.timings.ttft_ms is None
+    assert _latency_counts(h) == {"ttft": (0, 0), "itl": (0, 0), "e2e": (0, 0), "tpot": (0, 0)}
+
 def test_stream_consumer_leaving_cancels(make):
     h = make()
     h.gate.block()

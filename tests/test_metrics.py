@@ -56,6 +56,11 @@ def test_slo_met_is_inclusive_and_parse():
 def _done(reg: MetricsRegistry, status="finished", *, arrival=0.0, ttft=400.0, tpot=25.0, n=5, e2e=500.0,
           prompt_n=20, cache_n=0, live=(0, 0, 0.0)):
     itl = tuple([tpot] * (n - 1)) if tpot is not None else ()
+    # as the engine does: TTFT and each ITL gap when produced, the rest when the request ends
+    if ttft is not None:
+        reg.on_first_token(ttft)
+    for g in itl:
+        reg.on_token_gap(g)
     reg.on_done(status, prompt_n=prompt_n, cache_n=cache_n, predicted_n=n, prompt_ms=ttft or 0.0,
                 predicted_ms=(e2e - (ttft or 0.0)), ttft=ttft, tpot=tpot, itl=itl, e2e=e2e, queue_ms=0.0,
                 done_ms=arrival + e2e, arrival_ms=arrival, live=live)
@@ -91,8 +96,36 @@ def test_counters_and_samples_by_status():
     s = reg.summary()
     assert s["balanced"] and s["counters"]["cancelled"] == s["counters"]["failed"] == s["counters"]["finished"] == 1
     assert s["tokens"] == {"prompt": 32 + 15, "cached": 5, "predicted": 5}
-    assert s["latency_ms"]["ttft"]["n"] == 1  # only finished requests give latency samples
+    assert s["latency_ms"]["ttft"]["n"] == 1  # only the finished one produced a token here
     assert s["kv_cache_usage_ratio"] == 0.05
+
+
+def test_stopped_after_first_token_counts_in_ttft_and_itl_not_in_e2e_or_tpot():
+    # vLLM's time_to_first_token_seconds counts every request with a first token; E2E/TPOT only finished
+    reg = MetricsRegistry(slo=SLO(ttft_ms=1000.0))
+    for _ in range(3):
+        reg.on_submitted(live=(0, 1, 0.0))
+    _done(reg, "finished", ttft=100.0, tpot=10.0, n=3, e2e=120.0)
+    _done(reg, "cancelled", ttft=900.0, tpot=10.0, n=4, e2e=930.0)  # the user stopped it after 4 tokens
+    _done(reg, "failed", ttft=700.0, tpot=None, n=1, e2e=800.0)  # a device error after its first token
+    s = reg.summary()
+    lat = s["latency_ms"]
+    assert lat["ttft"]["n"] == 3 and lat["ttft"]["p50"] == 700.0
+    assert lat["itl"]["n"] == 2 + 3
+    assert lat["e2e"]["n"] == 1 and lat["e2e"]["p50"] == 120.0
+    assert lat["tpot"]["n"] == 1
+    assert s["goodput"]["good_requests"] == 1  # goodput stays over finished requests
+    assert "every request that produced a first token" in s["latency_sampled_from"]["ttft"]
+    assert s["latency_sampled_from"]["e2e"] == "finished requests only"
+    fam = _families(reg.prometheus_text())
+    count = {f: next(x.value for x in fam[f"llamacpp:{f}"].samples if x.name.endswith("_count"))
+             for f in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                       "e2e_request_latency_seconds", "time_per_output_token_seconds")}
+    assert count == {"time_to_first_token_seconds": 3, "inter_token_latency_seconds": 5,
+                     "e2e_request_latency_seconds": 1, "time_per_output_token_seconds": 1}
+    assert "every request that produced a first token" in fam["llamacpp:time_to_first_token_seconds"].documentation
+    assert "finished requests only" in fam["llamacpp:e2e_request_latency_seconds"].documentation
+    assert "finished requests" in fam["llamacpp:time_per_output_token_seconds"].documentation
 
 
 def test_unbalanced_is_detected():

@@ -4,7 +4,8 @@ By default prints the registry of a freshly built simulator (counters at 0).
 ``--warmup N`` first runs a short scripted workload of N requests (timing-only
 unless ``--numerics``) so the histograms have samples. Latencies are
 SIMULATED device seconds (Prometheus base unit), with measured host work
-included on the same clock.
+included on the same clock. TTFT and ITL count every request that produced
+tokens (cancelled or failed ones too); E2E and TPOT finished requests only.
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ def register(sub, common) -> None:
         description="Print the serving metrics in Prometheus text exposition format, with llama.cpp's "
                     "'llamacpp:' names (prompt_tokens_total, tokens_predicted_total, requests_processing, "
                     "requests_deferred, kv_cache_usage_ratio, ...) plus histograms of TTFT, ITL, TPOT, E2E "
-                    "and queue time in SIMULATED device seconds. Without --warmup the registry is fresh.")
+                    "and queue time in SIMULATED device seconds. TTFT counts every request that produced a "
+                    "first token (also those cancelled or failed after it, as vLLM counts it), ITL every "
+                    "streamed gap; E2E and TPOT count finished requests only. Without --warmup the registry "
+                    "is fresh.")
     add_common_options(p, default_pacing="fast")
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="run N short scripted requests first (default 0: print the fresh registry)")

@@ -136,7 +136,8 @@ def requests_panel(snap: dict) -> Group:
         head.append(f"{c[k]}  ", style="bold")
     if not r["balanced"]:
         head.append("UNBALANCED", style="bold red")
-    t = plain_table()
+    # which requests give samples (metrics.SAMPLED_FROM): a reply stopped after its first token counts in TTFT
+    t = plain_table("TTFT, ITL: every request with a token (stopped or failed too) · TPOT, E2E: finished only")
     t.add_column("sim ms")
     for q in ("p50", "p95", "p99", "n"):
         t.add_column(q, justify="right")

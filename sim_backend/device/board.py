@@ -93,10 +93,13 @@ class Job:
         self.state = JobState.PENDING
         self.result: StepResult | None = None
         self.error: DeviceError | None = None
+        self.generation = 0  # the board's reset generation it was submitted in (set by submit)
+        self._counted = "pending"  # which board counter holds it: "pending" | "running" | "" (ended)
         self._done = threading.Event()
         self._lock = threading.Lock()
 
     def _finish(self, state: JobState, result: StepResult | None = None, error: DeviceError | None = None) -> bool:
+        # only SimulatedBoard._end_job_locked calls this (under the board lock), so the counters move with it
         with self._lock:
             if self._done.is_set():
                 return False  # already ended (e.g. failed by a reset); later outcomes are dropped
@@ -258,9 +261,13 @@ class SimulatedBoard:
         self._ids = itertools.count(1)
         self._queue: queue.Queue[tuple[int, Job] | None] = queue.Queue()
         self._generation = 0
-        self._interrupt = threading.Event()
         self._stop = threading.Event()
-        self._running_job: Job | None = None
+        self._resetting = False  # between a reset's start and its end submits are refused
+        self._reset_lock = threading.Lock()  # one reset at a time
+        self._running_job: Job | None = None  # the job the device thread is executing (even if already ended)
+        # every job submitted and not yet ended (id -> Job). A reset ends all of them under the lock,
+        # so no interleaving of submit / device thread / reset can leave a job that nobody will end.
+        self._live: dict[int, Job] = {}
         self._submitted = self._pending = self._running = self._finished = self._failed = 0
         self._ccu = self._resets = 0
         self._chip_jobs = [0] * self.shape.n_chips
@@ -333,7 +340,8 @@ class SimulatedBoard:
         (T,) the sequence's cells sorted by position, including the new ones.
         numeric=False runs this job timing-only even on a numeric board (the
         engine does so for prompts too long for exact numerics in Python).
-        Raises DeviceNotReady if memory was cleared, SubmitError on bad input.
+        Raises DeviceNotReady if memory was cleared or a reset is under way,
+        SubmitError on bad input or after ``close``.
         """
         if kind not in ("prefill", "decode"):
             raise SubmitError(f"unknown sub-model {kind!r}")
@@ -342,6 +350,9 @@ class SimulatedBoard:
             raise SubmitError(f"bad input buffers: tokens {tokens.shape}, positions {positions.shape}, cells {new_cells.shape}")
         if kind == "decode" and n != 1:
             raise SubmitError(f"decode takes exactly 1 token (cur_seq_len), got {n}")
+        if ctx_cells.shape != ctx_positions.shape or ctx_cells.shape[0] < n:
+            raise SubmitError(f"context cells {ctx_cells.shape} / positions {ctx_positions.shape} must hold the "
+                              f"{n} new token(s) (KV cleared since apply?)")
         if n > self.bundle.context or ctx_cells.shape[0] > self.bundle.context:
             raise SubmitError(f"cur_seq_len {n} / context {ctx_cells.shape[0]} exceed calbin context {self.bundle.context}")
         if self._memory_cleared:
@@ -351,16 +362,54 @@ class SimulatedBoard:
                   past_len, self.clock.now_us, task_type)
         job.numeric = bool(numeric) and self.numerics
         with self._lock:
+            if self._stop.is_set():
+                raise SubmitError("device closed: no job can be submitted")
+            if self._resetting:
+                raise DeviceNotReady("device is resetting: submit again when the reset has finished")
+            # counted, registered and queued in one step: a reset sees the job either not at all
+            # (then it ran before the reset) or as live (then the reset ends it)
+            job.generation = self._generation
             self._submitted += 1
             self._pending += 1
-            gen = self._generation
-        self._queue.put((gen, job))
+            self._live[job.id] = job
+            self._queue.put((job.generation, job))  # unbounded queue: never blocks under the lock
         return job
 
     def counters(self) -> JobCounters:
+        """One consistent read: ``submitted == finished + failed + pending + running`` always holds."""
         with self._lock:
             return JobCounters(self._submitted, self._pending, self._running, self._finished, self._failed,
                                self._ccu, self._resets)
+
+    def accounting_problems(self) -> list[str]:
+        """Check the job bookkeeping; returns what is wrong (empty list: consistent).
+
+        Checked in one read under the board lock: the counters balance
+        (``submitted == finished + failed + pending + running``); pending +
+        running equals the jobs not yet ended; every such job is really not
+        ended and belongs to the current reset generation (a job from before
+        the last reset that has not ended would never end).
+        """
+        with self._lock:
+            c = (self._submitted, self._finished, self._failed, self._pending, self._running)
+            live = list(self._live.values())
+            gen = self._generation
+        sub, fin, fail, pend, run = c
+        out = []
+        if sub != fin + fail + pend + run:
+            out.append(f"job counters do not balance: submitted {sub} != finished {fin} + failed {fail} + "
+                       f"pending {pend} + running {run}")
+        if min(pend, run) < 0:
+            out.append(f"negative job counter: pending {pend}, running {run}")
+        if len(live) != pend + run:
+            out.append(f"{len(live)} jobs not ended but pending + running = {pend + run}")
+        stale = [j.id for j in live if j.generation != gen]
+        if stale:
+            out.append(f"{len(stale)} job(s) from before the last reset never ended (ids {stale[:5]})")
+        ended = [j.id for j in live if j.done]
+        if ended:
+            out.append(f"{len(ended)} ended job(s) still counted as in flight (ids {ended[:5]})")
+        return out
 
     def chiplets(self) -> list[ChipletStatus]:
         with self._lock:
@@ -391,23 +440,49 @@ class SimulatedBoard:
                 break
             gen, job = item
             with self._lock:
+                if job.done:
+                    continue  # ended by a reset while queued (and counted then)
+                if gen != self._generation:  # cannot happen (a reset ends every live job); never lose it
+                    self._end_job_locked(job, JobState.FAILED, error=DeviceReset(f"job {job.id} dropped by device reset"))
+                    continue
                 self._pending -= 1
-                if gen != self._generation or job.done:
-                    continue  # failed by a reset while queued
                 self._running += 1
+                job._counted = "running"
                 self._running_job = job
                 job.state = JobState.RUNNING
             try:
                 self._execute(job, gen)
+            except Exception as e:  # noqa: BLE001 - a simulator bug must fail the job, not kill the device thread
+                self._fail(job, JobState.FAILED, DeviceError(f"job {job.id} failed in the simulator: {e!r}"))
             finally:
                 with self._lock:
-                    self._running -= 1
                     self._running_job = None
+                # _execute always ends the job; if it did not (a bug), end it here rather than lose it
+                self._fail(job, JobState.FAILED, DeviceError(f"job {job.id} left unfinished by the device"))
 
-    def _fail(self, job: Job, state: JobState, err: DeviceError) -> None:
-        if job._finish(state, error=err):
-            with self._lock:
-                self._failed += 1
+    def _end_job_locked(self, job: Job, state: JobState, result: StepResult | None = None,
+                        error: DeviceError | None = None) -> bool:
+        """End ``job`` once (caller holds ``self._lock``): its outcome and the counters move together.
+
+        Returns False if it had already ended (e.g. failed by a reset): later outcomes are dropped.
+        """
+        if not job._finish(state, result=result, error=error):
+            return False
+        if job._counted == "running":
+            self._running -= 1
+        elif job._counted == "pending":
+            self._pending -= 1
+        job._counted = ""
+        self._live.pop(job.id, None)
+        if state is JobState.DONE:
+            self._finished += 1
+        else:
+            self._failed += 1
+        return True
+
+    def _fail(self, job: Job, state: JobState, err: DeviceError) -> bool:
+        with self._lock:
+            return self._end_job_locked(job, state, error=err)
 
     def _execute(self, job: Job, gen: int) -> None:
         wall0 = time.perf_counter()
@@ -449,27 +524,29 @@ class SimulatedBoard:
         self._device_free_us = end
         if self.pacing.mode is PacingMode.REALTIME:
             remaining = self._pacing_deadline(wall0, start, end) - time.perf_counter()
-            if remaining > 0 and self._interrupt.wait(remaining):
-                return  # reset interrupted the pacing sleep; the job was already failed
-        if gen != self._generation:
-            return
-        self.clock.advance_to(end)
-        self._pace_log.append((time.perf_counter(), end, self._pace_epoch))
+            # sleep on the job's own end: a reset (or close) that ends it wakes us; nothing else can
+            if remaining > 0 and job._done.wait(remaining):
+                return  # ended by a reset during the pacing sleep (and counted then)
+        if job.done:
+            return  # ended by a reset while computing
         res = StepResult(job.id, job.kind, job.seq_id, int(job.tokens.shape[0]), job.past_len, logits_bf16,
                          touched, cost, sim_us, start, end, compute_ms)
-        if job._finish(JobState.DONE, result=res):
-            with self._lock:
-                self._finished += 1
-                for c in range(self.shape.n_chips):
-                    self._chip_jobs[c] += 1
-                self.last_steps[job.kind] = res
+        with self._lock:
+            if job.done:
+                return  # a reset ended it just now
+            self.clock.advance_to(end)  # before the waiter wakes, as it reads the clock
+            self._pace_log.append((time.perf_counter(), end, self._pace_epoch))
+            self._end_job_locked(job, JobState.DONE, result=res)
             for c in range(self.shape.n_chips):
-                self.registers.bump(f"CHIP{c}_JOBS_DONE")
-            for fn in list(self._listeners):
-                try:
-                    fn(res)
-                except Exception:  # noqa: BLE001 - a listener must never break the device
-                    pass
+                self._chip_jobs[c] += 1
+            self.last_steps[job.kind] = res
+        for c in range(self.shape.n_chips):
+            self.registers.bump(f"CHIP{c}_JOBS_DONE")
+        for fn in list(self._listeners):
+            try:
+                fn(res)
+            except Exception:  # noqa: BLE001 - a listener must never break the device
+                pass
 
     _device_free_us = 0.0
     _pace_anchor: tuple[float, float] | None = None  # (wall s, sim µs) pacing is measured from
@@ -526,75 +603,89 @@ class SimulatedBoard:
         Returns {"failed_jobs", "calbin", "resets", "wall_ms"} (``wall_ms`` host
         wall time; a reset takes no simulated device time); raises DeviceError if
         the device thread does not leave the aborted job within ``timeout`` host
-        seconds. Armed faults are disarmed (power-on state).
+        seconds (or another reset holds the board that long). Armed faults are
+        disarmed (power-on state).
+
+        Race-free with ``submit``: every job submitted before the reset took
+        the board lock ends with DeviceReset (queued, just taken by the device
+        thread, running or in its pacing sleep); a submit while the reset is
+        under way raises DeviceNotReady; jobs after it run normally. So
+        ``submitted == finished + failed + pending + running`` holds at every
+        moment (``accounting_problems`` checks it).
         """
         t0 = time.perf_counter()
-        failed = 0
+        if not self._reset_lock.acquire(timeout=max(0.0, timeout)):
+            raise DeviceError(f"another reset still under way after {timeout:.1f} s")
+        try:
+            return self._reset(t0, timeout)
+        finally:
+            self._reset_lock.release()
+
+    def _reset(self, t0: float, timeout: float) -> dict:
         with self._lock:
+            # one step under the lock: every job submitted so far (queued, taken off the queue but not
+            # yet started, running, or being paced) ends with DeviceReset; later submits are new work
             self._generation += 1
+            self._resetting = True
             running = self._running_job
-        self._interrupt.set()
-        if running is not None and running._finish(JobState.FAILED, error=DeviceReset(f"job {running.id} aborted by device reset")):
-            failed += 1
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is None:
-                continue
-            _, job = item
+            failed = 0
+            for job in sorted(self._live.values(), key=lambda j: j.id):
+                verb = "aborted" if job._counted == "running" else "dropped"
+                if self._end_job_locked(job, JobState.FAILED, error=DeviceReset(f"job {job.id} {verb} by device reset")):
+                    failed += 1
+            while True:  # what is queued now has ended: drop it (the device thread would skip it)
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+        try:
+            # wait (bounded) for the device thread to leave the aborted job (it may be computing it)
+            deadline = t0 + timeout
+            while True:
+                with self._lock:
+                    idle = running is None or self._running_job is not running
+                if idle or time.perf_counter() > deadline:
+                    break
+                time.sleep(0.002)
+            if not idle:
+                raise DeviceError(f"device thread still busy {timeout:.1f} s after reset")
             with self._lock:
-                self._pending -= 1
-            if job._finish(JobState.FAILED, error=DeviceReset(f"job {job.id} dropped by device reset")):
-                failed += 1
-        # wait (bounded) for the device thread to leave the running job
-        deadline = t0 + timeout
-        while True:
-            with self._lock:
-                idle = self._running_job is None or self._running_job is not running
-            if idle or time.perf_counter() > deadline:
-                break
-            time.sleep(0.002)
-        if not idle:
-            raise DeviceError(f"device thread still busy {timeout:.1f} s after reset")
-        self._interrupt.clear()
-        with self._lock:
-            self._failed += failed
-            self._resets += 1
-            self.faults = Faults()
-            self.last_steps = {}
-        self.registers.power_on()
-        self.kv.clear()
-        if self.model is not None:
-            if getattr(self.model, "broken", False):
-                self.load_model()  # the numerics worker died or hung: a reset starts a fresh one
+                self._resets += 1
+                self.faults = Faults()
+                self.last_steps = {}
+            self.registers.power_on()
+            self.kv.clear()
+            if self.model is not None:
+                if getattr(self.model, "broken", False):
+                    self.load_model()  # the numerics worker died or hung: a reset starts a fresh one
+                else:
+                    self.model.clear_kv()  # KV back to power-on zeros (fresh lazy pages); weights stay
+            if self._memory_cleared:
+                # a reset does not bring weights back: the chips stay "memory cleared" until load_model
+                for c in range(self.shape.n_chips):
+                    self.registers.set_bits(f"CHIP{c}_STATUS", 0x4, True)
+                calbin = "not configured (device memory cleared: reload the model)"
             else:
-                self.model.clear_kv()  # KV back to power-on zeros (fresh lazy pages); weights stay
-        if self._memory_cleared:
-            # a reset does not bring weights back: the chips stay "memory cleared" until load_model
-            for c in range(self.shape.n_chips):
-                self.registers.set_bits(f"CHIP{c}_STATUS", 0x4, True)
-            calbin = "not configured (device memory cleared: reload the model)"
-        else:
-            self.registers.set_bits("BOARD_STATUS", 0x2, True)  # calbin reconfigured
-            calbin = "reconfigured"
+                self.registers.set_bits("BOARD_STATUS", 0x2, True)  # calbin reconfigured
+                calbin = "reconfigured"
+        finally:
+            with self._lock:
+                self._resetting = False
         return {"failed_jobs": failed, "calbin": calbin, "resets": self._resets,
                 "wall_ms": (time.perf_counter() - t0) * 1e3}
 
     def close(self) -> None:
-        """Stop the device thread (pending jobs fail with DeviceReset)."""
+        """Stop the device thread (pending and running jobs fail with DeviceReset "device closed")."""
         self._stop.set()
-        self._interrupt.set()
         with self._lock:
             self._generation += 1
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[1]._finish(JobState.FAILED, error=DeviceReset("device closed"))
+            for job in sorted(self._live.values(), key=lambda j: j.id):
+                self._end_job_locked(job, JobState.FAILED, error=DeviceReset("device closed"))
+            while True:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
         self._queue.put(None)
         self._thread.join(timeout=2.0)
         model, self.model = self.model, None

@@ -323,7 +323,8 @@ class MaintenancePlane:
         return self._run("self_test", {}, lease, self._self_test)
 
     def health_check(self, lease: Lease | None) -> dict:
-        """Status registers + one decode probe job (bounded). {"ok", "checks", "detail", "sim_us", "wall_ms"}."""
+        """Status registers, job accounting, buffer pool, one decode probe job (bounded).
+        {"ok", "checks", "detail", "sim_us", "wall_ms"}."""
         return self._run("health_check", {}, lease, self._health)
 
     def read_register(self, lease: Lease | None, key: str | int) -> dict:
@@ -437,7 +438,9 @@ class MaintenancePlane:
         return job.wait(self.reset_timeout_s)
 
     def _health(self) -> dict:
-        """Health check after reset/reload: status registers, then one decode job on the scratch sequence."""
+        """Health check after reset/reload: status registers, job accounting (counters balance, nothing
+        in flight, no job from before the reset left unended), the engine's buffer pool full (bounded
+        wait, at most 1 s), then one decode job on the scratch sequence."""
         b = self._board
         t0 = time.perf_counter()
         checks: list[dict] = []
@@ -450,6 +453,15 @@ class MaintenancePlane:
         check("calbin configured", bool(b.registers.read("BOARD_STATUS") & 0x2))
         for ch in b.chiplets():
             check(f"chip{ch.index} ready", ch.state == "ready", ch.state)
+        # after a reset every job must have ended and been counted, and every buffer pair be back:
+        # a job lost by the bookkeeping would hang its request and hold its pair forever
+        problems = b.accounting_problems()
+        c = b.counters()
+        check("job accounting", not problems, "; ".join(problems) or
+              f"submitted {c.submitted} = finished {c.finished} + failed {c.failed} + in flight {c.left}")
+        check("no job in flight", c.left == 0, f"pending {c.pending}, running {c.running}")
+        free, size = self._engine.buffer_pool_state(timeout=min(1.0, self.reset_timeout_s))
+        check("buffer pool full", free == size, f"{free} of {size} buffer pairs free")
         sim_us = 0.0
         if all(c["ok"] for c in checks):
             b.kv.free(SCRATCH_SEQ)

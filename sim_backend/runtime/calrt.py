@@ -599,6 +599,23 @@ class BufferPool:
         with self._cond:
             return len(self._free)
 
+    def wait_all_free(self, timeout: float) -> int:
+        """Wait up to ``timeout`` host seconds for every pair to be back; returns the free count then.
+
+        Reclaims discarded pairs whose job has ended, like ``acquire``. Never raises.
+        """
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            for p in self._pairs:
+                if p.out._discarded and p.out._job is not None and p.out._job.done:
+                    p.out._end()
+            with self._cond:
+                left = deadline - time.monotonic()
+                if len(self._free) == self.size or left <= 0:
+                    return len(self._free)
+                # release() notifies; a discarded job's end does not: look again every 10 ms
+                self._cond.wait(min(left, 0.01))
+
 
 # --- the whole submission path, as the engine would use it -----------------------------
 

@@ -265,8 +265,9 @@ class Timings:
       predicted_per_second = 1e3 * predicted_n / predicted_ms: llama.cpp divides
       the n - 1 gaps by n; ``tpot_ms`` is the exact per-gap figure. None
       where llama.cpp would divide by zero.
-    Field metrics (FACTS F7): ttft_ms = arrival -> first visible piece (None if
-    nothing was shown); tpot_ms = (e2e - ttft) / (n - 1) (None when n < 2);
+    Field metrics (FACTS F7): ttft_ms = arrival -> first visible piece, or ->
+    first token sampled if nothing was shown (None if no token was produced,
+    whatever the status); tpot_ms = (e2e - ttft) / (n - 1) (None when n < 2);
     itl_ms = gaps between consecutive visible pieces; e2e_ms = arrival -> end;
     queue_ms = arrival -> slot assigned (None if never assigned).
     arrival_ms / done_ms: the request's timestamps on the simulated clock.
@@ -430,6 +431,7 @@ class _Request:
         self.generated: list[int] = []
         self.pending_token: int | None = None  # sampled, not yet fed to the model
         self.pieces_ms: list[float] = []
+        self.ttft_recorded = False  # its TTFT sample went into the metrics (once per request)
         self.text_parts: list[str] = []
         self.prefill_start_ms: float | None = None
         self.first_token_ms: float | None = None  # first token sampled (llama.cpp t_start_generation)
@@ -695,6 +697,14 @@ class Engine:
     def queued_count(self) -> int:
         with self._lock:
             return len(self._queue)
+
+    def buffer_pool_state(self, timeout: float = 0.0) -> tuple[int, int]:
+        """(free, size) of the device buffer pairs, after waiting up to ``timeout`` host s for all to be free.
+
+        Used by the maintenance health check: after a reset every job has ended,
+        so every pair must come back (a pair whose job never ends stays out).
+        """
+        return self.rt.pool.wait_all_free(timeout), self.rt.pool.size
 
     def stage_summary(self) -> dict:
         """P50/P95/P99/mean of each stage (FACTS F8) over the recent steps, per kind.
@@ -1069,6 +1079,13 @@ class Engine:
                 r.handle.state = RequestState.DECODING
             r.last_token_ms = t_end / 1e3
         if visible:
+            # TTFT / ITL are recorded as the pieces stream, so a reply stopped later still counts
+            if not r.pieces_ms:
+                if not r.ttft_recorded:
+                    r.ttft_recorded = True
+                    self.metrics.on_first_token(t_end / 1e3 - r.arrival_ms)
+            else:
+                self.metrics.on_token_gap(t_end / 1e3 - r.pieces_ms[-1])
             r.pieces_ms.append(t_end / 1e3)
             r.text_parts.append(visible)
             r.handle._events.put(TokenEvent(r.id, visible, len(r.generated), t_end / 1e3))
@@ -1149,11 +1166,14 @@ class Engine:
                 s.cache_tokens = []
         n = len(r.generated)
         ttft, tpot, itl, e2e = request_latencies(r.arrival_ms, r.pieces_ms, now_ms, n)
-        if ttft is None and status == "finished" and r.first_token_ms is not None:
-            # nothing visible (e.g. EOS first, or only special tokens): the response started
-            # when its first token was sampled
+        if ttft is None and r.first_token_ms is not None:
+            # nothing visible (e.g. EOS first, only special tokens, or text held back when the
+            # request was stopped): the response started when its first token was sampled
             ttft, tpot, itl, e2e = request_latencies(r.arrival_ms, [r.first_token_ms], now_ms, n)
             itl = ()
+        if ttft is not None and not r.ttft_recorded:
+            r.ttft_recorded = True
+            self.metrics.on_first_token(ttft)
         pn = r.n_prefilled - r.cache_n
         if r.first_token_ms is not None and r.prefill_start_ms is not None:
             prompt_ms = r.first_token_ms - r.prefill_start_ms

@@ -3,7 +3,8 @@ Prometheus exposition in llama.cpp's ``llamacpp:`` style.
 
 Definitions (all in simulated milliseconds on the device clock, which
 includes measured host work):
-- TTFT: request in -> first visible token.
+- TTFT: request in -> first visible token (or, if no token was ever shown,
+  the first token sampled).
 - TPOT: (E2E - TTFT) / (n - 1) for n generated tokens; absent when n == 1.
 - ITL: every gap between consecutive visible pieces, the first excluded.
 - E2E: request in -> done. Queue time: request in -> slot assigned.
@@ -15,8 +16,19 @@ includes measured host work):
 
 Aggregates (P50/P95/P99, mean) are over a window of the most recent
 ``window`` samples of each latency; the Prometheus histograms and counters
-are cumulative since start. TTFT/TPOT/ITL/E2E samples come from FINISHED
-requests only; queue time from every request that got a slot.
+are cumulative since start. Which requests give samples (as vLLM's
+``time_to_first_token_seconds`` / ``inter_token_latency_seconds`` and
+llama.cpp count them):
+- TTFT: EVERY request that produced a first token, whatever its end
+  (finished, cancelled or stopped by the user, failed), recorded when that
+  token is produced (``on_first_token``); a request ended before its first
+  token gives none.
+- ITL: every gap between pieces that were actually streamed, of every
+  request, recorded as each piece is streamed (``on_token_gap``).
+- E2E and TPOT: FINISHED requests only (``on_done``): a cancelled or failed
+  request's duration says when it was stopped, not how long a reply takes.
+- Queue time: every request that got a slot.
+Leaving stopped replies out of TTFT would bias it toward short replies.
 """
 
 from __future__ import annotations
@@ -32,6 +44,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 # Histogram bucket upper bounds in seconds (Prometheus convention is base units).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+#: Which requests each latency's samples come from (said in the snapshot and the Prometheus HELP).
+SAMPLED_FROM = {
+    "ttft": "every request that produced a first token (finished, cancelled or failed after it)",
+    "itl": "every streamed piece after the first, of every request (finished, cancelled or failed)",
+    "e2e": "finished requests only",
+    "tpot": "finished requests with 2 or more tokens only",
+    "queue": "every request that got a slot",
+}
 
 
 def request_latencies(arrival_ms: float, piece_times_ms: Sequence[float], done_ms: float,
@@ -154,12 +175,30 @@ class MetricsRegistry:
         with self._lock:
             self.rejected += 1
 
+    def on_first_token(self, ttft_ms: float) -> None:
+        """A request produced its first token ``ttft_ms`` simulated ms after it arrived.
+
+        Called once per request at that moment, whatever the request's end
+        will be (vLLM and llama.cpp count TTFT this way).
+        """
+        with self._lock:
+            self.hist["ttft"].observe_ms(ttft_ms)
+
+    def on_token_gap(self, itl_ms: float) -> None:
+        """A piece was streamed ``itl_ms`` simulated ms after the request's previous piece (one ITL sample)."""
+        with self._lock:
+            self.hist["itl"].observe_ms(itl_ms)
+
     def on_done(self, status: str, *, prompt_n: int, cache_n: int, predicted_n: int, prompt_ms: float,
                 predicted_ms: float, ttft: float | None, tpot: float | None, itl: Sequence[float], e2e: float,
                 queue_ms: float | None, done_ms: float, arrival_ms: float | None = None,
                 live: tuple[int, int, float] | None = None) -> None:
         """Record a request that ended (status finished | failed | cancelled). Times in simulated ms.
 
+        E2E and TPOT samples (and goodput) come from finished requests only.
+        ``ttft`` and ``itl`` are NOT recorded here: the engine recorded them as
+        the tokens were produced (``on_first_token`` / ``on_token_gap``), for
+        every request; ``ttft`` is used for the SLO check and the history.
         prompt_n: prompt tokens whose KV was written (cached prefix included);
         cache_n: the reused prefix, so ``prompt_tokens_total`` grows by
         ``prompt_n - cache_n`` (processed tokens, as llama.cpp counts them).
@@ -182,12 +221,8 @@ class MetricsRegistry:
             if queue_ms is not None:
                 self.hist["queue"].observe_ms(queue_ms)
             if status == "finished":
-                if ttft is not None:
-                    self.hist["ttft"].observe_ms(ttft)
                 if tpot is not None:
                     self.hist["tpot"].observe_ms(tpot)
-                for g in itl:
-                    self.hist["itl"].observe_ms(g)
                 self.hist["e2e"].observe_ms(e2e)
                 if self.slo.met(ttft, tpot, e2e):
                     self.good_requests += 1
@@ -213,6 +248,7 @@ class MetricsRegistry:
                 "balanced": self.submitted == self.finished + self.failed + self.cancelled + self.queued + self.running,
                 "tokens": {"prompt": self.prompt_tokens, "cached": self.cache_tokens, "predicted": self.predicted_tokens},
                 "latency_ms": {k: percentiles(h.recent) for k, h in self.hist.items()},
+                "latency_sampled_from": dict(SAMPLED_FROM),
                 "goodput": {
                     "slo": self.slo.to_dict(),
                     "good_requests": self.good_requests,
@@ -270,7 +306,8 @@ class MetricsRegistry:
                 h = self.hist[key]
                 buckets = [(f"{b:g}", float(c)) for b, c in zip(LATENCY_BUCKETS_S, h.counts)]
                 buckets.append(("+Inf", float(h.count)))
-                yield HistogramMetricFamily(f"llamacpp:{name}", f"{doc} (simulated device seconds).",
+                yield HistogramMetricFamily(f"llamacpp:{name}",
+                                            f"{doc} (simulated device seconds); samples from {SAMPLED_FROM[key]}.",
                                             buckets=buckets, sum_value=h.sum_s)
 
     def prometheus_text(self) -> str:
