@@ -21,13 +21,13 @@ import time
 import numpy as np
 import pytest
 
-from sim_backend.bundle import load_bundle
-from sim_backend.costmodel import CostModel
-from sim_backend.device import Job, JobState, Pacing, PacingMode, SimulatedBoard
-from sim_backend.engine import ChatRequest
+from sim_backend.bundle.manifest import load_bundle
+from sim_backend.model.costmodel import CostModel
+from sim_backend.device.board import Job, JobState, Pacing, PacingMode, SimulatedBoard
+from sim_backend.serving.engine import ChatRequest
 from sim_backend.errors import DeviceNotReady, DeviceReset, KVExhausted, SubmitError, WaitTimeout
-from sim_backend.runtime import RuntimeSession
-from sim_backend.system import build_system
+from sim_backend.runtime.calrt import RuntimeSession
+from sim_backend.planes.system import build_system
 
 RESETS = 150  # iterations of the reset thread; submitters run until it is done
 SWITCH_S = 1e-5  # host s between forced GIL switches (default 5e-3)
