@@ -29,7 +29,7 @@ from threadpoolctl import threadpool_limits
 from sim_backend.bundle.manifest import Bundle
 from sim_backend.errors import (CCUException, DeviceError, DeviceNotReady, DeviceReset, KVExhausted, LinkError, SubmitError,
                      WaitTimeout)
-from sim_backend.device.board.clock import Pacing, PacingMode, SimClock
+from sim_backend.device.clock import Pacing, PacingMode, SimClock
 from sim_backend.device.kv import KVCacheManager
 from sim_backend.model.numerics import ShardedModel
 from sim_backend.device.registers import RegisterFile

@@ -47,7 +47,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from sim_backend.planes.inprocess.contracts import Lease
+from sim_backend.planes.contracts import Lease
 from sim_backend.planes.audit import AuditLog
 from sim_backend.device.board import SimulatedBoard
 from sim_backend.serving.engine import ChatRequest, Engine
