@@ -7,7 +7,10 @@ steps of one request: sampling, detokenising, KV bookkeeping, submit, the
 numerics (in this process, or in the spawned worker the console uses,
 ``numerics_process=True``) and every copy in between. Requests are short
 (``--tokens-per-request``) so the context stays near ``--context`` tokens.
-Host wall milliseconds, never simulated time; a benchmark, not a test.
+Also reported: this process's CPU milliseconds per decode step (all its
+threads; with the worker, the numerics' CPU is the worker's and not
+counted), which a loaded machine disturbs less than wall time.
+Host wall / CPU milliseconds, never simulated time; a benchmark, not a test.
 """
 
 from __future__ import annotations
@@ -42,8 +45,9 @@ def measure_step(worker: bool, *, steps: int = 200, context: int = 100, tokens_p
     """Wall ms per decode step on a fresh system (``worker``: numerics in the spawned process).
 
     Returns ``{"mode", "steps", "median_ms", "p95_ms", "mean_ms", "device_compute_median_ms",
-    "context_min", "context_max", "token_ids"}``; ``*_ms`` are host wall milliseconds
-    (``device_compute``: the device thread's numerics call, IPC included for the worker).
+    "process_cpu_median_ms", "process_cpu_mean_ms", "context_min", "context_max", "requests", "token_ids"}``;
+    ``*_ms`` are host wall milliseconds (``device_compute``: the device thread's numerics call, IPC
+    included for the worker) except ``process_cpu_*``: this process's CPU ms per decode step.
     Raises CalError if a request does not finish or yields no decode steps.
     """
     from sim_backend.device import Pacing, PacingMode
@@ -51,7 +55,7 @@ def measure_step(worker: bool, *, steps: int = 200, context: int = 100, tokens_p
     from sim_backend.sampling import SamplingParams
     from sim_backend.system import build_system
 
-    marks: list[tuple[float, str, int, int, float]] = []  # (wall s, kind, seq, past_len, compute ms)
+    marks: list[tuple[float, str, int, int, float, float]] = []  # (wall s, kind, seq, past_len, compute ms, cpu s)
     words = max(1, int(context * 0.6))  # ~1.6 tokens per word of this prompt with the chat template
     token_ids: list[list[int]] = []
     ctx_seen: list[int] = []
@@ -60,10 +64,11 @@ def measure_step(worker: bool, *, steps: int = 200, context: int = 100, tokens_p
         s.inference.generate(ChatRequest.from_prompt("warm up", max_tokens=3,
                                                      sampling=SamplingParams(temperature=0.0)), timeout_s)
         s.board.add_listener(lambda r: marks.append((time.perf_counter(), r.kind, r.seq_id, r.past_len,
-                                                     r.compute_wall_ms)))
+                                                     r.compute_wall_ms, time.process_time())))
         i = 0
         gaps: list[float] = []
         compute: list[float] = []
+        cpu: list[float] = []
         while len(gaps) < steps:
             if i > 4 * steps:
                 raise CalError("requests end too early to collect the decode steps asked for")
@@ -79,13 +84,15 @@ def measure_step(worker: bool, *, steps: int = 200, context: int = 100, tokens_p
                 if cur[1] == "decode" and prev[1] == "decode" and cur[2] == prev[2]:
                     gaps.append((cur[0] - prev[0]) * 1e3)
                     compute.append(cur[4])
+                    cpu.append((cur[5] - prev[5]) * 1e3)
                     ctx_seen.append(cur[3] + 1)
-    gaps, compute, ctx_seen = gaps[:steps], compute[:steps], ctx_seen[:steps]
+    gaps, compute, cpu, ctx_seen = gaps[:steps], compute[:steps], cpu[:steps], ctx_seen[:steps]
     if not gaps:
         raise CalError("no decode steps were measured")
     return {"mode": "worker" if worker else "in-process", "steps": len(gaps),
             "median_ms": statistics.median(gaps), "p95_ms": _pct(gaps, 0.95), "mean_ms": statistics.fmean(gaps),
             "device_compute_median_ms": statistics.median(compute),
+            "process_cpu_median_ms": statistics.median(cpu), "process_cpu_mean_ms": statistics.fmean(cpu),
             "context_min": min(ctx_seen), "context_max": max(ctx_seen), "requests": i, "token_ids": token_ids}
 
 
@@ -129,5 +136,6 @@ def run(args: argparse.Namespace) -> int:
         r = rep[m]
         print(f"  {m:11}: median {r['median_ms']:.3f} ms   p95 {r['p95_ms']:.3f} ms   "
               f"(device thread numerics median {r['device_compute_median_ms']:.3f} ms; "
+              f"this process's CPU median {r['process_cpu_median_ms']:.3f} ms; "
               f"context {r['context_min']}..{r['context_max']})")
     return 0
