@@ -32,7 +32,6 @@ from .errors import (CCUException, DeviceError, DeviceNotReady, DeviceReset, KVE
 from .kv import KVCacheManager
 from .numerics import ShardedModel
 from .registers import RegisterFile
-from .sampling import f32_to_bf16
 
 
 class PacingMode(str, Enum):
@@ -569,7 +568,7 @@ class SimulatedBoard:
         try:
             if job.numeric:
                 out = model.forward(job.tokens, job.positions, job.new_cells, job.ctx_cells, job.ctx_positions)
-                logits_bf16 = f32_to_bf16(out.logits)
+                logits_bf16 = out.bf16()  # converted once, where the logits were made (the worker sends BF16)
                 touched = tuple(out.experts_touched)
             cost = self.cost_model.price_step(self.shape, job.kind, int(job.tokens.shape[0]), job.past_len,
                                               experts_touched=list(touched) if touched else None)

@@ -48,6 +48,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .audit import AuditLog
+from .bf16 import bf16_to_f32
 from .device import SimulatedBoard
 from .engine import ChatRequest, Engine
 from .errors import CalError, DeviceError, KVExhausted, MaintenanceRefused
@@ -479,8 +480,7 @@ class MaintenancePlane:
             try:
                 res = self._job("decode", [151644], 0)
                 sim_us = res.sim_us
-                ok = res.logits_bf16 is None or bool(np.isfinite(
-                    (res.logits_bf16.astype(np.uint32) << 16).view(np.float32)).all())
+                ok = res.logits_bf16 is None or bool(np.isfinite(bf16_to_f32(res.logits_bf16)).all())
                 check("decode probe job", ok, f"{res.sim_us / 1e3:.2f} sim ms" + ("" if ok else ", non-finite logits"))
             except (DeviceError, KVExhausted, CalError) as e:
                 check("decode probe job", False, f"{type(e).__name__}: {e}")
@@ -537,7 +537,7 @@ class MaintenancePlane:
                 if res.logits_bf16 is None:
                     tok = 0  # timing-only device: no logits
                 else:
-                    tok = int(np.argmax((res.logits_bf16.astype(np.uint32) << 16).view(np.float32)))
+                    tok = int(np.argmax(bf16_to_f32(res.logits_bf16)))
                 out.append(tok)
                 if tok in EOS_IDS or len(out) >= max_tokens:
                     break
