@@ -1,8 +1,9 @@
-"""sim_backend never imports Textual: statically (no import statement) and at run time."""
+"""sim_backend never imports Textual: statically (no import statement) and at run time; BF16 has one home."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,3 +44,10 @@ def test_headless_stack_runs_without_textual_loaded():
                          capture_output=True, text=True, timeout=120)
     (ROOT / ".pytest_audit_tmp.jsonl").unlink(missing_ok=True)
     assert out.returncode == 0, out.stderr
+
+
+def test_bf16_bit_shift_lives_only_in_the_bf16_module():
+    shift = re.compile(r"(<<|>>)\s*(np\.uint32\()?16\b|left_shift\(")
+    offenders = [f"{py.relative_to(ROOT)}:{i}" for py in (ROOT / "sim_backend").rglob("*.py") if py.name != "bf16.py"
+                 for i, line in enumerate(py.read_text(encoding="utf-8").splitlines(), 1) if shift.search(line)]
+    assert offenders == []

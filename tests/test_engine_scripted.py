@@ -23,6 +23,7 @@ from sim_backend.device.board import Pacing, PacingMode, SimulatedBoard
 from sim_backend.serving.engine import (ChatRequest, DoneEvent, Engine, RequestState, ScriptedHostTimer, TokenEvent)
 from sim_backend.errors import UnavailableError
 from sim_backend.serving.metrics import SLO
+from sim_backend.model.numerics import StepNumerics
 from sim_backend.serving.sampling import SamplingParams
 from sim_backend.model.tokenizer import IM_END, get_tokenizer
 
@@ -120,12 +121,6 @@ class Gate:
             return self.waiting
 
 
-@dataclass
-class _Out:
-    logits: np.ndarray
-    experts_touched: tuple = ()
-
-
 class FakeModel:
     """ShardedModel stand-in: logits one-hot on ``by_pos[last position]`` (else ``default``)."""
 
@@ -140,7 +135,7 @@ class FakeModel:
         self.gate.enter(("prefill" if tokens.shape[0] > 1 else "decode", -1, last))
         logits = np.zeros(VOCAB, dtype=np.float32)
         logits[self.by_pos.get(last, self.default)] = 50.0
-        return _Out(logits)
+        return StepNumerics(logits=logits, experts_touched=[])
 
 
 class ScriptedBoard(SimulatedBoard):

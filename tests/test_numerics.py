@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sim_backend.model.bf16 import f32_to_bf16
 from sim_backend.bundle.shapes import ModelShape, NumericShape
-from sim_backend.model.numerics import (FIRST_PADDING_ID, ReferenceModel, ShardedModel, apply_rope, make_weights,
-                                  rope_tables, route)
+from sim_backend.model.numerics import (FIRST_PADDING_ID, ReferenceModel, ShardedModel, StepNumerics, apply_rope,
+                                  make_weights, rope_tables, route)
 
 SHAPE = ModelShape()  # all 48 layers, 32:4 GQA, 128 experts top-8, vocab 151936
 NUM = NumericShape()
@@ -93,3 +94,15 @@ def test_routing_spreads_like_a_trained_router(models):
     out = sharded.forward(ids, np.arange(27), cells, cells, np.arange(27))
     assert np.mean(out.experts_touched) > 90
     assert min(out.experts_touched[24:]) > 80
+
+
+def test_step_numerics_converts_to_bf16_once():
+    logits = np.array([1.0, -2.5, 3.140625, 1.0 + 2.0**-8], dtype=np.float32)
+    out = StepNumerics(logits=logits, experts_touched=[8])
+    bits = out.bf16()
+    assert bits.dtype == np.uint16 and np.array_equal(bits, f32_to_bf16(logits))
+    assert out.bf16() is bits and out.logits_bf16 is bits  # kept, not converted again
+    given = StepNumerics(logits=None, experts_touched=[8], logits_bf16=bits)  # as the worker returns it
+    assert given.bf16() is bits
+    with pytest.raises(ValueError, match="no logits"):
+        StepNumerics(logits=None, experts_touched=[8]).bf16()

@@ -21,11 +21,13 @@ def test_worker_matches_in_process_model_and_dies_typed():
         pos = np.arange(5)
         a = proc.forward(toks, pos, pos, pos, pos)
         b = local.forward(toks, pos, pos, pos, pos)
-        assert np.array_equal(a.logits, b.logits) and a.experts_touched == b.experts_touched
+        # only BF16 crosses the pipe: the worker's bits are the local model's logits converted once
+        assert a.logits is None and a.logits_bf16.dtype == np.uint16
+        assert np.array_equal(a.bf16(), b.bf16()) and a.experts_touched == b.experts_touched
         ctx = np.arange(6)
         a = proc.forward(np.array([11]), np.array([5]), np.array([5]), ctx, ctx)
         b = local.forward(np.array([11]), np.array([5]), np.array([5]), ctx, ctx)
-        assert np.array_equal(a.logits, b.logits)
+        assert np.array_equal(a.bf16(), b.bf16())
         proc.clear_kv()
         proc._proc.kill()
         proc._proc.join(5)

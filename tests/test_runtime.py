@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 
+from sim_backend.model.bf16 import bf16_to_f32
 from sim_backend.bundle.manifest import load_bundle
 from sim_backend.model.costmodel import CostModel
 from sim_backend.device.board import SimulatedBoard
@@ -390,13 +391,17 @@ def test_golden_check_compares_logits(bundle, tmp_path):
         s = RuntimeSession(b)
         ids = np.array([9707, 11, 1879, 0])
         cells = s.kv.apply(5, 4, timeout=0.1)
-        res = s.step("prefill", 5, ids, np.arange(4), cells).wait(WAIT)
+        out = s.step("prefill", 5, ids, np.arange(4), cells)
+        res = out.wait(WAIT)
+        # the D2H array is handed over as is: the OutputBuf shows the result's bits, no second copy
+        assert res.logits_bf16.dtype == np.uint16 and res.logits_bf16.shape == (bundle.shape.vocab,)
+        assert out.logits_bf16 is res.logits_bf16
         s.kv.free(5)
         np.savez(tmp_path / "golden.npz", input_ids=ids, logits=res.logits_bf16)
         mr = MaintenanceRuntime(b)
         rep = mr.golden_check("lease", tmp_path / "golden.npz")
         assert rep["ok"] and rep["max_abs_error"] == 0.0 and rep["n_tokens"] == 4
-        bad = (res.logits_bf16.astype(np.uint32) << 16).view(np.float32) + 1.0
+        bad = bf16_to_f32(res.logits_bf16) + 1.0
         np.savez(tmp_path / "bad.npz", input_ids=ids, logits=bad)
         rep = mr.golden_check("lease", tmp_path / "bad.npz")
         assert not rep["ok"] and rep["max_abs_error"] >= 0.9
@@ -419,3 +424,13 @@ def test_discarded_buffer_returns_to_the_pool_when_its_job_ends(board):
     s.pool.release(pair)
     s.kv.free(0)
     assert _prefill(s, 0).wait(WAIT).kind == "prefill"
+
+
+def test_output_buffer_logits_none_before_a_result_and_in_timing_only_mode(board):
+    s = _session(board)
+    board.gate.close()
+    out = _prefill(s, 0)
+    assert out.logits_bf16 is None  # still running: no result yet
+    board.gate.open()
+    res = out.wait(WAIT)
+    assert res.logits_bf16 is None and out.logits_bf16 is None  # timing-only board: no logits exist

@@ -326,6 +326,36 @@ def test_sampler_equals_naive_property(seed, n, quantised, cfg):
         assert fast.sample(x, recent) == naive_sample(x, p, ref_rng, recent)
 
 
+def test_sample_bf16_equals_sample_of_widened_logits():
+    """The engine's path (BF16 widened into the sampler's scratch) picks what sample(bf16_to_f32(...)) picks."""
+    rng = np.random.default_rng(77)
+    for ci, cfg in enumerate(CONFIGS):
+        bits = f32_to_bf16(peaked_logits(rng, hot=int(rng.integers(1, 100))))
+        keep = bits.copy()
+        recent = rng.integers(0, N_VALID, size=40).tolist()
+        p = SamplingParams(**{**cfg.__dict__, "seed": ci})
+        a, b = Sampler(p), Sampler(p)
+        for _ in range(3):
+            assert b.sample_bf16(bits, recent) == a.sample(bf16_to_f32(bits), recent)
+        assert np.array_equal(bits, keep)  # the D2H bits are not modified
+
+
+def test_sample_bf16_refuses_wrong_shape_and_dtype():
+    s = Sampler(SamplingParams.greedy(top_k=0), vocab_size=8)
+    with pytest.raises(ValueError, match="shape"):
+        s.sample_bf16(np.zeros(7, np.uint16))
+    with pytest.raises(TypeError, match="uint16"):
+        s.sample_bf16(np.zeros(8, np.float32))
+
+
+def test_bf16_has_one_home():
+    from sim_backend.model import bf16, golden
+
+    assert bf16_to_f32 is bf16.bf16_to_f32 and f32_to_bf16 is bf16.f32_to_bf16  # old import path kept
+    u = np.array([0x3F80, 0xC020, 0x7FC0], np.uint16)
+    assert np.array_equal(golden.bf16_bits_to_f32(u).view(np.uint32), bf16.bf16_to_f32(u).view(np.uint32))
+
+
 # --- benchmark -------------------------------------------------------------------------------
 
 

@@ -45,7 +45,7 @@ def parse_slo(spec: str):
     """``--slo ttft:MS,tpot:MS,e2el:MS`` -> ``SLO`` (simulated ms). Raises ValueError with a
     one-line message naming the offending field (``SLO.parse`` itself reports a bad number
     with Python's float() message, which does not say which field)."""
-    from sim_backend.planes.inprocess import SLO
+    from sim_backend.planes import SLO
 
     for part in filter(None, (p.strip() for p in spec.split(","))):
         key, _, val = part.partition(":")
@@ -60,7 +60,7 @@ def parse_slo(spec: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim_backend.planes.inprocess import CalError, ChatRequest, SamplingParams
+    from sim_backend.planes import CalError, ChatRequest, SamplingParams
 
     if not 0 <= args.warmup <= 10_000:
         return fail(f"--warmup must be in 0..10000, got {args.warmup}")

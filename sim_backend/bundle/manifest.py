@@ -10,7 +10,6 @@ are reported as ``Finding`` s with a severity and what the loader did.
 from __future__ import annotations
 
 import math
-import os
 import re
 import stat
 from dataclasses import dataclass, field, replace

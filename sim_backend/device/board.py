@@ -33,7 +33,6 @@ from sim_backend.device.clock import Pacing, PacingMode, SimClock
 from sim_backend.device.kv import KVCacheManager
 from sim_backend.model.numerics import ShardedModel
 from sim_backend.device.registers import RegisterFile
-from sim_backend.serving.sampling import f32_to_bf16
 
 
 class JobState(str, Enum):
@@ -508,7 +507,7 @@ class SimulatedBoard:
         try:
             if job.numeric:
                 out = model.forward(job.tokens, job.positions, job.new_cells, job.ctx_cells, job.ctx_positions)
-                logits_bf16 = f32_to_bf16(out.logits)
+                logits_bf16 = out.bf16()  # converted once, where the logits were made (the worker sends BF16)
                 touched = tuple(out.experts_touched)
             cost = self.cost_model.price_step(self.shape, job.kind, int(job.tokens.shape[0]), job.past_len,
                                               experts_touched=list(touched) if touched else None)

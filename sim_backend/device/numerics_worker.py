@@ -5,7 +5,7 @@ hold the GIL; in the console they share one interpreter with Textual's
 rendering and the engine, and real-time pacing fell behind (about 0.75x
 on 2 cores). Here the ``ShardedModel`` (weights and per-chip KV cache)
 lives in a spawned worker process; the device thread sends it one step at
-a time over a pipe and gets the last token's logits back.
+a time over a pipe and gets the last token's logits back, as BF16 bits.
 
 Same code, same weights, single-threaded BLAS: results are identical to
 the in-process model. Every call is bounded by a timeout and ends in a
@@ -42,7 +42,8 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int) -> Non
         try:
             if op == "forward":
                 out = model.forward(*args)
-                conn.send((True, (out.logits, out.experts_touched)))
+                # BF16 where the logits are made: the device only returns BF16, and it is half the pipe bytes
+                conn.send((True, (out.bf16(), out.experts_touched)))
             elif op == "clear_kv":
                 model.clear_kv()
                 conn.send((True, None))
@@ -114,10 +115,14 @@ class NumericsProcess:
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray, ctx_cells: np.ndarray,
                 ctx_positions: np.ndarray) -> StepNumerics:
-        """One step in the worker; same contract as ``ShardedModel.forward``."""
-        logits, touched = self._call("forward", (tokens, positions, new_cells, ctx_cells, ctx_positions),
-                                     self.step_timeout_s)
-        return StepNumerics(logits=logits, experts_touched=list(touched))
+        """One step in the worker; as ``ShardedModel.forward``, but only the BF16 logits come back.
+
+        Returns StepNumerics with ``logits`` None and ``logits_bf16`` uint16 (vocab,) set
+        (the bits ``ShardedModel.forward(...).bf16()`` gives). Raises DeviceError.
+        """
+        bits, touched = self._call("forward", (tokens, positions, new_cells, ctx_cells, ctx_positions),
+                                   self.step_timeout_s)
+        return StepNumerics(logits=None, experts_touched=list(touched), logits_bf16=bits)
 
     def clear_kv(self) -> None:
         self._call("clear_kv", (), CONTROL_TIMEOUT_S)

@@ -54,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sim_backend.model.bf16 import bf16_to_f32, f32_to_bf16
 from sim_backend.errors import ManifestError
 
 GOLDEN_FORMAT = "calconsole-golden/1"
@@ -88,13 +89,13 @@ class Golden:
 
 
 def bf16_bits_to_f32(u16: np.ndarray) -> np.ndarray:
-    return (np.asarray(u16, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    """BF16 bits (taken as uint16, any shape) -> float32, the same shape."""
+    return bf16_to_f32(np.asarray(u16, dtype=np.uint16))
 
 
 def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
-    from sim_backend.serving.sampling import f32_to_bf16
-
-    return np.asarray(f32_to_bf16(np.asarray(x, dtype=np.float32)), dtype=np.uint16)
+    """float32 (anything array-like) -> BF16 bits, uint16 of the same shape."""
+    return f32_to_bf16(x)
 
 
 def reference_logits(bundle) -> np.ndarray:

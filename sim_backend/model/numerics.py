@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sim_backend.model.bf16 import f32_to_bf16
 from sim_backend.bundle.shapes import ModelShape, NumericShape
 
 F32 = np.float32
@@ -254,13 +255,28 @@ class StepNumerics:
     """What one step's numerics produced.
 
     logits: (vocab,) float32 for the LAST token of the step (llama.cpp only
-    needs the last position's logits); experts_touched: per layer, the number
-    of distinct experts the router chose across the step's tokens (list of
-    n_layers ints) — the cost model prices expert weights by these.
+    needs the last position's logits), or None when only the BF16 bits were
+    kept (the numerics worker process sends those, half the bytes);
+    experts_touched: per layer, the number of distinct experts the router
+    chose across the step's tokens (list of n_layers ints) — the cost model
+    prices expert weights by these. logits_bf16: (vocab,) uint16 BF16 bits,
+    made from ``logits`` once, on first :meth:`bf16`.
     """
 
-    logits: np.ndarray
+    logits: np.ndarray | None
     experts_touched: list[int]
+    logits_bf16: np.ndarray | None = None
+
+    def bf16(self) -> np.ndarray:
+        """The last token's logits as BF16 bits, uint16 (vocab,): what the device returns (D2H).
+
+        Converted from ``logits`` once and kept. Raises ValueError if neither is set.
+        """
+        if self.logits_bf16 is None:
+            if self.logits is None:
+                raise ValueError("StepNumerics has no logits")
+            self.logits_bf16 = f32_to_bf16(self.logits)
+        return self.logits_bf16
 
 
 class ChipShard:

@@ -16,8 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import psutil
 

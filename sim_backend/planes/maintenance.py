@@ -41,14 +41,14 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from sim_backend.planes.contracts import Lease
 from sim_backend.planes.audit import AuditLog
+from sim_backend.planes.contracts import Lease
+from sim_backend.model.bf16 import bf16_to_f32
 from sim_backend.device.board import SimulatedBoard
 from sim_backend.serving.engine import ChatRequest, Engine
 from sim_backend.errors import CalError, DeviceError, KVExhausted, MaintenanceRefused
@@ -468,8 +468,7 @@ class MaintenancePlane:
             try:
                 res = self._job("decode", [151644], 0)
                 sim_us = res.sim_us
-                ok = res.logits_bf16 is None or bool(np.isfinite(
-                    (res.logits_bf16.astype(np.uint32) << 16).view(np.float32)).all())
+                ok = res.logits_bf16 is None or bool(np.isfinite(bf16_to_f32(res.logits_bf16)).all())
                 check("decode probe job", ok, f"{res.sim_us / 1e3:.2f} sim ms" + ("" if ok else ", non-finite logits"))
             except (DeviceError, KVExhausted, CalError) as e:
                 check("decode probe job", False, f"{type(e).__name__}: {e}")
@@ -526,7 +525,7 @@ class MaintenancePlane:
                 if res.logits_bf16 is None:
                     tok = 0  # timing-only device: no logits
                 else:
-                    tok = int(np.argmax((res.logits_bf16.astype(np.uint32) << 16).view(np.float32)))
+                    tok = int(np.argmax(bf16_to_f32(res.logits_bf16)))
                 out.append(tok)
                 if tok in EOS_IDS or len(out) >= max_tokens:
                     break

@@ -312,6 +312,11 @@ class Calbin:
         Refuses at once (SubmitError) if that task type is busy, or any job
         is in flight with parallel mode off; see the module docstring.
         """
+        return self._submit(submodel, inbuf, outbuf, task_type=task_type, numeric=numeric, ctx=None)
+
+    def _submit(self, submodel: SubModel, inbuf: "InputBuf", outbuf: "OutputBuf", *, task_type: str,
+                numeric: bool, ctx: tuple[np.ndarray, np.ndarray] | None) -> "OutputBuf":
+        """``submit_job``; ``ctx``: the sequence's ``kv.seq_cells`` if the caller has just read them."""
         if task_type not in TASK_TYPES + ("auto",):
             raise SubmitError(f"task_type must be ping, pong or auto, got {task_type!r}")
         if not self.configured:
@@ -329,7 +334,7 @@ class Calbin:
         board = self.device._board
         n = inbuf.cur_seq_len
         try:
-            ctx_cells, ctx_pos = board.kv.seq_cells(inbuf.seq_id)
+            ctx_cells, ctx_pos = board.kv.seq_cells(inbuf.seq_id) if ctx is None else ctx
             if ctx_cells.shape[0] != inbuf.past_kv_cur_seq_len + n:
                 raise SubmitError(f"CSR past_kv_cur_seq_len={inbuf.past_kv_cur_seq_len} + cur_seq_len={n} != "
                                   f"{ctx_cells.shape[0]} KV cells held by sequence {inbuf.seq_id}")
@@ -456,8 +461,9 @@ class OutputBuf:
     """Host output buffer of one in-flight request; the job handle of CalRT.
 
     ``state``: "idle" (never submitted) | pending | running | done |
-    ccu_exception | failed. ``logits_bf16`` is a preallocated (vocab,)
-    uint16 array the D2H copies into (FACTS F1: 303,872 B per token).
+    ccu_exception | failed. ``logits_bf16`` is the finished step's (vocab,)
+    uint16 BF16 logits (FACTS F1: 303,872 B per token D2H), handed over
+    without a copy; None before a result or in timing-only mode.
     Class counter ``OutputBuf.constructed`` counts constructions.
     """
 
@@ -466,7 +472,6 @@ class OutputBuf:
     def __init__(self, calbin: Calbin) -> None:
         OutputBuf.constructed += 1
         self._calbin = calbin
-        self.logits_bf16 = np.zeros(calbin.bundle.shape.vocab, dtype=np.uint16)
         self._job: Job | None = None
         self._task_type: str | None = None
         self._on_end: Callable[[], None] | None = None
@@ -490,13 +495,21 @@ class OutputBuf:
         return self._task_type
 
     @property
+    def logits_bf16(self) -> np.ndarray | None:
+        """The last ``wait()`` result's BF16 logits, uint16 (vocab,); None before one or in timing-only mode.
+
+        The device's D2H array itself (no copy into a second host buffer: nothing reads one).
+        """
+        return None if self.result is None else self.result.logits_bf16
+
+    @property
     def job_id(self) -> int | None:
         return None if self._job is None else self._job.id
 
     def wait(self, timeout: float) -> StepResult:
         """Wait(): block at most ``timeout`` host seconds.
 
-        Returns the StepResult (logits also copied into ``logits_bf16``), or
+        Returns the StepResult (its logits are also ``logits_bf16``), or
         raises WaitTimeout (job keeps running; wait again), CCUException,
         DeviceReset, LinkError, DeviceNotReady or DeviceError. SubmitError if
         nothing was submitted.
@@ -513,8 +526,6 @@ class OutputBuf:
         except DeviceError:
             self._end()
             raise
-        if res.logits_bf16 is not None:
-            np.copyto(self.logits_bf16, res.logits_bf16)  # D2H into the pooled buffer
         self.result = res
         self._end()
         return res
@@ -657,10 +668,10 @@ class RuntimeSession:
         try:
             pair.inp.write(seq_id, tokens, positions, cells)
             n = pair.inp.n_tokens
-            held = self.kv.seq_cells(seq_id)[0].shape[0]
-            pair.inp.set_csr(past_kv_cur_seq_len=held - n, cur_seq_len=n)
-            out = self.calbin.submit_job(self.submodels[kind], pair.inp, pair.out, task_type=task_type,
-                                         numeric=numeric)
+            ctx = self.kv.seq_cells(seq_id)  # read once: the CSR here, the attention context in the submit
+            pair.inp.set_csr(past_kv_cur_seq_len=ctx[0].shape[0] - n, cur_seq_len=n)
+            out = self.calbin._submit(self.submodels[kind], pair.inp, pair.out, task_type=task_type,
+                                      numeric=numeric, ctx=ctx)
         except BaseException:
             self.pool.release(pair)
             raise

@@ -69,7 +69,7 @@ from sim_backend.errors import (CalError, DeviceError, DeviceReset, ExceedContex
                      RequestCancelled, UnavailableError)
 from sim_backend.runtime.calrt import RuntimeSession
 from sim_backend.serving.metrics import SLO, MetricsRegistry, percentiles, request_latencies
-from sim_backend.serving.sampling import VOCAB_SIZE, Sampler, SamplingParams, bf16_to_f32
+from sim_backend.serving.sampling import VOCAB_SIZE, Sampler, SamplingParams
 from sim_backend.model.tokenizer import EOS_IDS, StopStringMatcher, StreamDecoder, get_tokenizer
 
 STOP_TYPES = ("eos", "limit", "word", "none")
@@ -977,7 +977,7 @@ class Engine:
         now = time.monotonic()
         k0 = self.host_timer.now()
         try:
-            cells = kv.apply(seq, n, timeout=0.0, cancel=r.handle._cancel, positions=positions.tolist())
+            cells = kv.apply(seq, n, timeout=0.0, cancel=r.handle._cancel, positions=positions)
         except KVExhausted as e:
             occ = kv.occupancy()
             if getattr(e, "injected", False) or n > occ.capacity_cells:
@@ -1099,8 +1099,8 @@ class Engine:
         if res.logits_bf16 is None or not r.numeric:
             # timing-only: no logits exist; a seeded generator stands in (labelled in Timings.numerics)
             return int(r.fallback_rng.integers(0, 151643))
-        logits = bf16_to_f32(res.logits_bf16)
-        return r.sampler.sample(logits, r.prompt + r.generated if r.req.sampling.has_penalties else ())
+        # BF16 bits widen straight into the sampler's scratch buffer: no FP32 copy per step
+        return r.sampler.sample_bf16(res.logits_bf16, r.prompt + r.generated if r.req.sampling.has_penalties else ())
 
     def _consume_token(self, r: _Request, tok: int) -> tuple[str, tuple[str, str] | None]:
         """Apply stop rules to a sampled token; returns (visible text, (stop_type, word) or None).

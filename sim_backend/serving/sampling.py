@@ -39,6 +39,7 @@ from typing import Sequence
 
 import numpy as np
 
+from sim_backend.model import bf16 as _bf16
 from sim_backend.errors import InvalidRequestError
 
 __all__ = [
@@ -65,48 +66,10 @@ _BISECT_ABOVE = 2048
 
 
 # --- BF16 <-> FP32 ----------------------------------------------------------------
+# One home: sim_backend.model.bf16. Re-exported here, where the host path has always imported them from.
 
-
-def bf16_to_f32(u16: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """BF16 bit patterns -> FP32 values.
-
-    Args:
-        u16: ``uint16`` array of BF16 bits, any shape (a decode step's logits are
-            shape (151936,), 303,872 B; FACTS F1/F4).
-        out: optional ``float32`` array of the same shape to write into
-            (e.g. a preallocated landing buffer); must not alias ``u16``.
-
-    Returns:
-        ``float32`` array (``out`` if given). Exact: BF16 is the top half of FP32,
-        so this is a 16-bit left shift, with no temporaries beyond ``out``.
-    """
-    u16 = np.asarray(u16)
-    if u16.dtype != np.uint16:
-        raise TypeError(f"bf16_to_f32 expects uint16 bit patterns, got {u16.dtype}")
-    if out is None:
-        out = np.empty(u16.shape, dtype=np.float32)
-    elif out.dtype != np.float32 or out.shape != u16.shape:
-        raise ValueError(f"out must be float32 with shape {u16.shape}, got {out.dtype} {out.shape}")
-    # dtype=uint32 makes the ufunc widen in small buffered chunks, not a full copy.
-    np.left_shift(u16, 16, out=out.view(np.uint32), dtype=np.uint32)
-    return out
-
-
-def f32_to_bf16(f32: np.ndarray) -> np.ndarray:
-    """FP32 values -> BF16 bit patterns (``uint16``, same shape).
-
-    Round to nearest, ties to even (what the device's BF16 casts do); values
-    past the BF16 range round to +-inf; NaN stays NaN (quiet bit forced so a
-    payload in the low bits cannot truncate to inf).
-    """
-    f = np.ascontiguousarray(f32, dtype=np.float32)
-    bits = f.view(np.uint32)
-    bias = ((bits >> np.uint32(16)) & np.uint32(1)) + np.uint32(0x7FFF)
-    rounded = ((bits + bias) >> np.uint32(16)).astype(np.uint16)
-    nan = np.isnan(f)
-    if nan.any():
-        rounded[nan] = ((bits[nan] >> np.uint32(16)) | np.uint32(0x0040)).astype(np.uint16)
-    return rounded
+bf16_to_f32 = _bf16.bf16_to_f32
+f32_to_bf16 = _bf16.f32_to_bf16
 
 
 # --- parameters --------------------------------------------------------------------
@@ -364,12 +327,33 @@ class Sampler:
         Returns:
             Token id in ``[0, n_valid)`` (int).
         """
-        p = self.params
-        n, nv = self.vocab_size, self.n_valid
+        n = self.vocab_size
         if logits.shape != (n,):
             raise ValueError(f"logits must have shape ({n},), got {logits.shape}")
+        np.copyto(self._x[:n], logits)
+        return self._sample_scratch(recent)
+
+    def sample_bf16(self, logits_bf16: np.ndarray, recent: Sequence[int] = ()) -> int:
+        """:meth:`sample` from BF16 bits, widened straight into the scratch buffer (no FP32 temp copy).
+
+        Args:
+            logits_bf16: ``uint16`` shape (vocab_size,), the BF16 bits of one step's logits (the D2H).
+            recent: as for :meth:`sample`.
+
+        Returns the same token :meth:`sample` returns for ``bf16_to_f32(logits_bf16)``.
+        Raises ValueError (wrong shape), TypeError (not uint16).
+        """
+        n = self.vocab_size
+        if logits_bf16.shape != (n,):
+            raise ValueError(f"logits must have shape ({n},), got {logits_bf16.shape}")
+        _bf16.bf16_to_f32(logits_bf16, out=self._x[:n])
+        return self._sample_scratch(recent)
+
+    def _sample_scratch(self, recent: Sequence[int]) -> int:
+        """The sampler chain over the logits already in ``self._x[:vocab_size]`` (modified in place)."""
+        p = self.params
+        n, nv = self.vocab_size, self.n_valid
         x = self._x[:n]
-        np.copyto(x, logits)
         _apply_penalties(x, recent, p)
         x[nv:] = -np.inf
         np.max(self._grid, axis=0, out=self._colmax)
