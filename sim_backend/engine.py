@@ -813,6 +813,10 @@ class Engine:
 
     # --- KV pressure (module docstring, "KV pressure") ----------------------------------
 
+    def _kv_free(self) -> int:
+        """Free cells now (cheaper than ``occupancy()``, which counts every sequence)."""
+        return self.board.kv.n_cells - self.board.kv.used_cells
+
     def _kv_held(self, r: _Request) -> int:
         """Cells ``r``'s sequence holds now."""
         return 0 if r.slot is None else int(self.board.kv.seq_cells(r.slot.seq_id)[0].size)
@@ -858,11 +862,11 @@ class Engine:
         parked = [r for r in running if r.kv_deadline is not None and r.kv_end is None]
         if not parked:
             return
-        cap = self.board.kv.occupancy().capacity_cells
+        cap = self.board.kv.n_cells
 
         def free_pending() -> tuple[int, int]:
             # free cells now, and cells of requests chosen to end once their step in flight is done
-            return (self.board.kv.occupancy().free_cells,
+            return (self._kv_free(),
                     sum(self._kv_held(q) for q in self._kv_running_locked() if q.kv_end is not None))
 
         free, pending = free_pending()
@@ -928,8 +932,7 @@ class Engine:
         running = self._kv_running_locked()
         if not running or any(r.kv_deadline is None or r.kv_end is not None for r in running):
             return False
-        occ = self.board.kv.occupancy()
-        cap, free = occ.capacity_cells, occ.free_cells
+        cap, free = self.board.kv.n_cells, self._kv_free()
         if any(r.kv_need <= free for r in running):
             changed = False
             for r in running:
@@ -964,7 +967,7 @@ class Engine:
             survivors.remove(v)
             self._kv_end_locked(v, set(), "deadlock", KVExhausted(v.kv_need, free, cap, now - v.kv_wait_start, why),
                                 held[v.id])
-            free = self.board.kv.occupancy().free_cells
+            free = self._kv_free()
         for q in survivors:
             if q.kv_need <= free:
                 q.kv_retry_at = 0.0

@@ -144,15 +144,16 @@ _request = st.tuples(st.floats(0.05, 0.95), st.integers(1, 40))
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cells=st.integers(48, 256), n_slots=st.integers(2, 4), chunk=st.sampled_from([8, 16, 64, 2048]),
-       timeout_s=st.sampled_from([0.05, 30.0]), reqs=st.lists(_request, min_size=2, max_size=5))
-def test_property_kv_pressure_rule(cells, n_slots, chunk, timeout_s, reqs):
+       timeout_s=st.sampled_from([0.05, 30.0]), max_inflight=st.sampled_from([1, 2]),
+       reqs=st.lists(_request, min_size=2, max_size=5))
+def test_property_kv_pressure_rule(cells, n_slots, chunk, timeout_s, max_inflight, reqs):
     """Random prompt sizes and max_tokens against a small pool (timing-only):
     - whenever some request fits the pool alone, at least one request finishes;
     - no request that fits alone is ended while one that cannot fit alone holds cells, and no request
       whose step fits the free cells is ended; each error carries those true numbers;
     - every request ends finished or with KVExhausted, and no KV cell leaks."""
     with build_system(numerics=False, kv_cells=cells, kv_timeout_s=timeout_s, n_slots=n_slots,
-                      queue_limit=8, maintenance=False) as s:
+                      queue_limit=8, max_inflight=max_inflight, maintenance=False) as s:
         s.engine.prefill_chunk = chunk
         hs, totals = [], {}
         for i, (frac, mt) in enumerate(reqs):
