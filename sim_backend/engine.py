@@ -465,7 +465,7 @@ class _Request:
         self.kv_last_attempt_us = 0.0
         self.kv_parked_once = False
         self.kv_need = 0  # cells the parked step asks for: its prefill chunk (<= prefill_chunk) or 1 (decode)
-        self.kv_end: dict | None = None  # chosen by the KV pressure rule while its step ran: ended when it is done
+        self.kv_hold = False  # to be ended for KV once its step in flight is done: start no new step
         self.fallback_rng = np.random.default_rng(self.sampler.seed)
 
     @property
@@ -828,11 +828,11 @@ class Engine:
     def _kv_running_locked(self) -> list[_Request]:
         return [s.req for s in self.slots if s.req is not None and s.req.handle._result is None]
 
-    def _kv_end_locked(self, r: _Request, busy: set, cause: str, err: KVExhausted, held: int) -> None:
-        """End ``r`` for KV pressure with ``err`` (its true numbers); if its step is in flight, when the step is done.
+    def _kv_end_locked(self, r: _Request, cause: str, err: KVExhausted, held: int) -> None:
+        """End ``r`` (not in flight) for KV pressure with ``err``, which carries its true numbers.
 
-        Records the decision in ``kv_pressure_log`` (what every other running request held at that moment),
-        so the rule can be checked from outside.
+        Records the decision in ``kv_pressure_log`` with what every other running request held at that
+        moment, so the rule can be checked from outside.
         """
         cap = err.capacity
         self.kv_stats["timeouts"] += 1
@@ -841,46 +841,38 @@ class Engine:
             "held": held, "fits_alone": self._kv_fits_alone(r, cap),
             "others": tuple({"request_id": q.id, "held": self._kv_held(q), "fits_alone": self._kv_fits_alone(q, cap),
                              "parked": q.kv_deadline is not None, "kv_need": q.kv_need}
-                            for q in self._kv_running_locked() if q is not r and q.kv_end is None)})
-        body = _err(err)
-        if id(r) in busy:
-            r.kv_end = body  # its cells are in use by the running job; _reap_cancelled_locked ends it after
-        else:
-            self._end_locked(r, "failed", "none", body)
+                            for q in self._kv_running_locked() if q is not r)})
+        self._end_locked(r, "failed", "none", _err(err))
 
     def _kv_deadlines_locked(self, busy: set) -> None:
         """Parked requests: retry at once when cells came back; at a request's own deadline, decide who ends.
 
-        At the deadline of parked request ``r`` (it waited ``kv_timeout_s`` while others held the cells):
-        1. requests that cannot finish in the pool even alone (``total_cells > capacity``) and hold cells
-           go first, newest first, until ``r``'s step fits (unless ``r`` itself cannot fit alone);
-        2. else one newer parked request whose cells alone let ``r`` continue is ended (newest first): one
-           ended either way, and the newer one has waited less;
+        At the deadline of parked request ``r`` (it waited ``kv_timeout_s`` while others held the cells),
+        if ``r`` fits alone:
+        1. requests that cannot finish in the pool even alone and hold cells are ended, newest first,
+           until ``r``'s step fits;
+        2. if that is not enough, one newer parked request whose cells are enough is ended (one ended
+           either way, and the newer one has waited less);
         3. else ``r`` ends with KVExhausted (its step's cells, the free cells, the pool size).
+        A request chosen while its step is in flight gets no new step, and the next pass (within a step)
+        decides again.
         """
         running = self._kv_running_locked()
-        parked = [r for r in running if r.kv_deadline is not None and r.kv_end is None]
+        for q in running:
+            q.kv_hold = False
+        parked = [r for r in running if r.kv_deadline is not None]
         if not parked:
             return
-        cap = self.board.kv.n_cells
-
-        def free_pending() -> tuple[int, int]:
-            # free cells now, and cells of requests chosen to end once their step in flight is done
-            return (self._kv_free(),
-                    sum(self._kv_held(q) for q in self._kv_running_locked() if q.kv_end is not None))
-
-        free, pending = free_pending()
+        cap, free = self.board.kv.n_cells, self._kv_free()
         for r in parked:
             if r.kv_need <= free:
                 r.kv_retry_at = 0.0  # cells came back: retry now rather than after the back-off
         now = time.monotonic()
         for r in sorted(parked, key=lambda q: (q.arrival_ms, q.id)):
-            if r.handle._result is not None or r.kv_end is not None or now < r.kv_deadline:
+            if r.handle._result is not None or now < r.kv_deadline or r.kv_need <= free:
                 continue
-            if r.kv_need <= free + pending:
-                continue  # it gets its cells at its next attempt
-            short = r.kv_need - free - pending
-            others = [q for q in self._kv_running_locked() if q is not r and q.kv_end is None]
+            short = r.kv_need - free
+            others = [q for q in self._kv_running_locked() if q is not r]
             held = {q.id: self._kv_held(q) for q in others}
             newest_first = sorted(others, key=lambda q: (q.arrival_ms, q.id), reverse=True)
             victims: list[_Request] = []
@@ -896,9 +888,13 @@ class Engine:
                                 and got + held[q.id] >= short), None)
                     if one is not None:
                         victims.append(one)
+                if any(id(q) in busy for q in victims):
+                    for q in victims:
+                        q.kv_hold = True  # its step in flight uses its cells: end it when that is done
+                    continue
             for q in victims:
-                total = q.total_cells(self.n_ctx)
                 if not self._kv_fits_alone(q, cap):
+                    total = q.total_cells(self.n_ctx)
                     why = (f"it needs up to {total} cells to finish (prompt {len(q.prompt)} + max_tokens "
                            f"{int(q.req.max_tokens)}, context {self.n_ctx}), more than the {cap}-cell pool, so it "
                            f"was ended to give its cells to request {r.id}, which fits")
@@ -908,17 +904,16 @@ class Engine:
                            f"request was ended so it could continue")
                     req = q.kv_need
                 waited = now - q.kv_wait_start if q.kv_deadline is not None else 0.0
-                self._kv_end_locked(q, busy, "for_other", KVExhausted(req, free, cap, waited, why), held[q.id])
-                free, pending = free_pending()
-            if r.kv_need <= free + pending:
+                self._kv_end_locked(q, "for_other", KVExhausted(req, free, cap, waited, why), held[q.id])
+                free = self._kv_free()
+            if r.kv_need <= free:
                 r.kv_retry_at = 0.0
                 continue
-            waited = now - r.kv_wait_start
-            self._kv_end_locked(r, busy, "deadline", KVExhausted(
-                r.kv_need, free, cap, waited,
+            self._kv_end_locked(r, "deadline", KVExhausted(
+                r.kv_need, free, cap, now - r.kv_wait_start,
                 f"waited out its {self.kv_timeout_s:g} s KV deadline while other requests held the cells"),
                 self._kv_held(r))
-            free, pending = free_pending()
+            free = self._kv_free()
 
     def _break_kv_deadlock_locked(self) -> bool:
         """Nothing in flight and every running request parked: end the fewest so the rest can continue.
@@ -930,7 +925,7 @@ class Engine:
         True if something changed (the scheduler looks for work again at once).
         """
         running = self._kv_running_locked()
-        if not running or any(r.kv_deadline is None or r.kv_end is not None for r in running):
+        if not running or any(r.kv_deadline is None for r in running):
             return False
         cap, free = self.board.kv.n_cells, self._kv_free()
         if any(r.kv_need <= free for r in running):
@@ -965,7 +960,7 @@ class Engine:
                        f"{v.total_cells(self.n_ctx)} cells to finish, more than the {cap}-cell pool, so it was "
                        f"ended first to let the others continue")
             survivors.remove(v)
-            self._kv_end_locked(v, set(), "deadlock", KVExhausted(v.kv_need, free, cap, now - v.kv_wait_start, why),
+            self._kv_end_locked(v, "deadlock", KVExhausted(v.kv_need, free, cap, now - v.kv_wait_start, why),
                                 held[v.id])
             free = self._kv_free()
         for q in survivors:
@@ -990,8 +985,6 @@ class Engine:
             r = s.req
             if r is not None and r.handle.cancelled and id(r) not in busy:
                 self._end_locked(r, "cancelled", "none", None)
-            elif r is not None and r.kv_end is not None and id(r) not in busy:
-                self._end_locked(r, "failed", "none", r.kv_end)  # chosen by the KV pressure rule
 
     def _drop_stale_caches_locked(self) -> None:
         """Forget prefix caches whose cells a KV clear (reset, ClearAllDevMem, Clear KV) removed."""
@@ -1038,7 +1031,7 @@ class Engine:
 
         def ready(r: _Request | None, state: RequestState) -> bool:
             return (r is not None and r.state is state and id(r) not in busy and not r.handle.cancelled
-                    and r.kv_end is None and r.kv_retry_at <= now)  # parked on KV: not before its retry time
+                    and not r.kv_hold and r.kv_retry_at <= now)  # parked on KV: not before its retry time
 
         def next_decode() -> tuple[_Request, str, int] | None:
             for k in range(n):

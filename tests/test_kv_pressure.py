@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -121,11 +122,13 @@ def test_a_request_that_cannot_fit_alone_is_ended_before_an_older_one_that_fits_
         _assert_no_leak(s)
 
 
-def test_at_a_deadline_a_request_that_cannot_fit_alone_gives_its_cells_to_one_that_fits():
+@pytest.mark.parametrize("max_inflight", [1, 2])
+def test_at_a_deadline_a_request_that_cannot_fit_alone_gives_its_cells_to_one_that_fits(max_inflight):
     """B (older, cannot fit alone) decodes slowly (real-time pacing) holding most of the pool; A (fits)
-    waits. At A's 0.2 s deadline B is ended for A instead of A timing out."""
+    waits. At A's 0.2 s deadline B is ended for A instead of A timing out (with ping/pong too, where
+    B's step may be in flight when the deadline passes)."""
     with build_system(numerics=False, kv_cells=512, kv_timeout_s=0.2, n_slots=2, maintenance=False,
-                      pacing=Pacing(PacingMode.REALTIME, speed=2.0)) as s:
+                      max_inflight=max_inflight, pacing=Pacing(PacingMode.REALTIME, speed=2.0)) as s:
         hb = s.inference.submit(_req("big", 380, 1000))
         ha = s.inference.submit(_req("small", 120, 20))
         rb, ra = hb.result(RESULT_S), ha.result(RESULT_S)
@@ -173,5 +176,25 @@ def test_property_kv_pressure_rule(cells, n_slots, chunk, timeout_s, max_infligh
         event(f"ended {len(log)} of {len(rs)}: " + ",".join(sorted({e['cause'] for e in log})))
         _assert_rule(log, rs)
         assert {e["request_id"] for e in log} == {i for i, r in rs.items() if r.status == "failed"}
+        _wait_idle(s)
+        _assert_no_leak(s)
+
+
+def test_at_a_deadline_holders_that_cannot_fit_alone_are_ended_even_while_they_ping_pong():
+    """Two older requests that cannot fit alone decode in ping/pong (one of them has a step in flight
+    at almost every moment); the newer A fits and waits. At A's deadline the one to end gets no new
+    step, is ended when its step is done, and A finishes: nothing waits past its deadline for long."""
+    with build_system(numerics=False, kv_cells=512, kv_timeout_s=0.2, n_slots=3, maintenance=False,
+                      max_inflight=2, pacing=Pacing(PacingMode.REALTIME, speed=2.0)) as s:
+        hb = s.inference.submit(_req("big", 190, 1000))
+        hc = s.inference.submit(_req("huge", 190, 1000))
+        ha = s.inference.submit(_req("small", 140, 20))
+        assert _total(hb.prompt_n, 1000) > 512 and ha.prompt_n + hb.prompt_n + hc.prompt_n > 512
+        ra, rb, rc = ha.result(RESULT_S), hb.result(RESULT_S), hc.result(RESULT_S)
+        assert ra.status == "finished" and ra.timings.predicted_n == 20
+        assert rb.status == rc.status == "failed"
+        log = list(s.engine.kv_pressure_log)
+        assert log[0]["request_id"] == hc.id and log[0]["cause"] == "for_other"  # the newest doomed first
+        _assert_rule(log, {ha.id: ra, hb.id: rb, hc.id: rc})
         _wait_idle(s)
         _assert_no_leak(s)
