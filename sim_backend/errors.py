@@ -153,15 +153,21 @@ class KVExhausted(CalError):
         waited_s: host wall seconds spent waiting.
     """
 
-    def __init__(self, requested: int, free: int, capacity: int, waited_s: float) -> None:
+    def __init__(self, requested: int, free: int, capacity: int, waited_s: float, reason: str = "") -> None:
         self.requested = requested
         self.free = free
         self.capacity = capacity
         self.waited_s = waited_s
+        self.reason = reason  # why this request was the one ended (engine KV pressure rule), or ""
         super().__init__(
             f"KV cache exhausted: requested {requested} tokens, {free} free of {capacity} "
-            f"after waiting {waited_s * 1000:.0f} ms"
+            f"after waiting {waited_s * 1000:.0f} ms" + (f"; {reason}" if reason else "")
         )
+
+    def to_dict(self) -> dict:
+        """Error body with the numbers: requested / free / capacity (cells = tokens), waited_s (host wall s)."""
+        return {"code": 503, "message": str(self), "type": "KVExhausted", "requested": self.requested,
+                "free": self.free, "capacity": self.capacity, "waited_s": self.waited_s}
 
 
 class KVArgumentError(CalError, ValueError):

@@ -38,6 +38,9 @@ def test_second_request_fails_with_kv_exhausted_and_device_keeps_serving(max_inf
         assert r2.status == "failed"
         assert r2.error["type_name"] == "KVExhausted"
         assert "KV cache exhausted" in r2.error["message"] and "of 512" in r2.error["message"]
+        # its own numbers: the prefill it asked for (its whole prompt, one chunk), what was free, the pool
+        assert (r2.error["requested"], r2.error["capacity"]) == (h2.prompt_n, 512)
+        assert r2.error["requested"] > r2.error["free"] and "KV deadline" in r2.error["message"]
         kvc = s.board.kv.counters()
         assert kvc.apply_timeouts >= 1  # non-blocking attempts that found the cache full
         # it waited (bounded, with back-off) for its deadline instead of spinning or aborting

@@ -43,11 +43,24 @@ request spends parked waiting for KV cells is wall time and is booked too.
 ``Timings.host_ms`` holds the measured host parts and ``Timings.device_ms``
 the simulated device parts (h2d, infer, d2h).
 
-KV pressure: a step that finds the cache full does not block the scheduler;
-its request is parked and retried with back-off until its own deadline
-(``kv_timeout_s``), then fails with ``KVExhausted``. If every running
-request is parked, idle prefix caches are evicted first, and otherwise the
-newest request is ended at once so the others can finish.
+KV pressure: a step that finds too few free cells (a prefill chunk asks for
+up to ``prefill_chunk`` cells, a decode for 1) does not block the scheduler;
+its request is parked and retried with back-off, and at once when cells come
+back. Rule for ending requests (``_break_kv_deadlock_locked``,
+``_kv_deadlines_locked``): end the fewest requests needed so the rest can make
+progress, newest first; a request whose step fits the free cells is never
+ended; a request that could finish with the pool to itself ("fits alone":
+``min(prompt + max_tokens - 1, n_ctx) <= capacity``) is never ended while one
+that cannot fit alone still holds cells (those go first, whatever their age).
+- Every running request parked and none of their steps fits: idle prefix
+  caches are evicted; then holders are ended one at a time (cannot-fit-alone
+  first, then the newest) until some survivor's step fits.
+- A request parked for its own deadline (``kv_timeout_s``) while others hold
+  the cells: cannot-fit-alone holders are ended for it if that frees enough,
+  or else one newer parked holder whose cells suffice; otherwise it fails.
+Each ended request gets ``KVExhausted`` with its true numbers (the cells it
+asked for, the cells free at that moment, the pool size, the time it waited)
+and the reason; ``Engine.kv_pressure_log`` records each decision.
 """
 
 from __future__ import annotations
@@ -453,11 +466,17 @@ class _Request:
         self.kv_last_wait_us = 0.0
         self.kv_last_attempt_us = 0.0
         self.kv_parked_once = False
+        self.kv_need = 0  # cells the parked step asks for: its prefill chunk (<= prefill_chunk) or 1 (decode)
+        self.kv_hold = False  # to be ended for KV once its step in flight is done: start no new step
         self.fallback_rng = np.random.default_rng(self.sampler.seed)
 
     @property
     def state(self) -> RequestState:
         return self.handle.state
+
+    def total_cells(self, n_ctx: int) -> int:
+        """KV cells this request holds when it ends at ``max_tokens`` or the context end (the last token is not fed)."""
+        return min(len(self.prompt) + int(self.req.max_tokens) - 1, n_ctx)
 
 
 class _Slot:
@@ -520,6 +539,10 @@ class Engine:
         self.rt = RuntimeSession(board, parallel=max_inflight > 1)
         # requests that found the KV full and were parked; those that hit their deadline; host wall ms waited
         self.kv_stats = {"parked_requests": 0, "timeouts": 0, "wait_wall_ms": 0.0}
+        #: recent requests ended for KV pressure: dicts with request_id, cause (deadline | deadlock | for_other),
+        #: requested / free / capacity / held cells, fits_alone, and "others" (what each other running request
+        #: held then). Read by tests and diagnostics; bounded.
+        self.kv_pressure_log: deque[dict] = deque(maxlen=512)
         self.tokenizer = get_tokenizer()
         self.n_ctx = board.bundle.context
         self.n_slots = n_slots
@@ -761,6 +784,7 @@ class Engine:
                     return
                 self._admit_locked()
                 busy = {id(r) for r, _, _ in inflight}
+                self._kv_deadlines_locked(busy)
                 work = None
                 if len(inflight) < self.max_inflight and not self._stop:
                     work = self._next_work_locked(busy)
@@ -797,33 +821,167 @@ class Engine:
             self._end_locked(r, "failed", "none", {"code": 500, "type": "server_error", "type_name": type(e).__name__,
                                                    "message": f"internal error in the engine: {type(e).__name__}: {e}"})
 
+    # --- KV pressure (module docstring, "KV pressure") ----------------------------------
+
+    def _kv_free(self) -> int:
+        """Free cells now (cheaper than ``occupancy()``, which counts every sequence)."""
+        return self.board.kv.n_cells - self.board.kv.used_cells
+
+    def _kv_held(self, r: _Request) -> int:
+        """Cells ``r``'s sequence holds now."""
+        return 0 if r.slot is None else int(self.board.kv.seq_cells(r.slot.seq_id)[0].size)
+
+    def _kv_fits_alone(self, r: _Request, capacity: int) -> bool:
+        """True if ``r`` could run to its end (max_tokens or context end) with the whole pool to itself."""
+        return r.total_cells(self.n_ctx) <= capacity
+
+    def _kv_running_locked(self) -> list[_Request]:
+        return [s.req for s in self.slots if s.req is not None and s.req.handle._result is None]
+
+    def _kv_end_locked(self, r: _Request, cause: str, err: KVExhausted, held: int) -> None:
+        """End ``r`` (not in flight) for KV pressure with ``err``, which carries its true numbers.
+
+        Records the decision in ``kv_pressure_log`` with what every other running request held at that
+        moment, so the rule can be checked from outside.
+        """
+        cap = err.capacity
+        self.kv_stats["timeouts"] += 1
+        self.kv_pressure_log.append({
+            "request_id": r.id, "cause": cause, "requested": err.requested, "free": err.free, "capacity": cap,
+            "held": held, "fits_alone": self._kv_fits_alone(r, cap),
+            "others": tuple({"request_id": q.id, "held": self._kv_held(q), "fits_alone": self._kv_fits_alone(q, cap),
+                             "parked": q.kv_deadline is not None, "kv_need": q.kv_need}
+                            for q in self._kv_running_locked() if q is not r)})
+        self._end_locked(r, "failed", "none", _err(err))
+
+    def _kv_deadlines_locked(self, busy: set) -> None:
+        """Parked requests: retry at once when cells came back; at a request's own deadline, decide who ends.
+
+        At the deadline of parked request ``r`` (it waited ``kv_timeout_s`` while others held the cells),
+        if ``r`` fits alone:
+        1. requests that cannot finish in the pool even alone and hold cells are ended, newest first,
+           until ``r``'s step fits;
+        2. if that is not enough, one newer parked request whose cells are enough is ended (one ended
+           either way, and the newer one has waited less);
+        3. else ``r`` ends with KVExhausted (its step's cells, the free cells, the pool size).
+        A request chosen while its step is in flight gets no new step, and the next pass (within a step)
+        decides again.
+        """
+        running = self._kv_running_locked()
+        for q in running:
+            q.kv_hold = False
+        parked = [r for r in running if r.kv_deadline is not None]
+        if not parked:
+            return
+        cap, free = self.board.kv.n_cells, self._kv_free()
+        for r in parked:
+            if r.kv_need <= free:
+                r.kv_retry_at = 0.0  # cells came back: retry now rather than after the back-off
+        now = time.monotonic()
+        for r in sorted(parked, key=lambda q: (q.arrival_ms, q.id)):
+            if r.handle._result is not None or now < r.kv_deadline or r.kv_need <= free:
+                continue
+            short = r.kv_need - free
+            others = [q for q in self._kv_running_locked() if q is not r]
+            held = {q.id: self._kv_held(q) for q in others}
+            newest_first = sorted(others, key=lambda q: (q.arrival_ms, q.id), reverse=True)
+            victims: list[_Request] = []
+            if self._kv_fits_alone(r, cap):
+                got = 0
+                for q in newest_first:  # rule 1
+                    if got < short and held[q.id] > 0 and not self._kv_fits_alone(q, cap):
+                        victims.append(q)
+                        got += held[q.id]
+                if got < short:  # rule 2
+                    one = next((q for q in newest_first if q not in victims and q.kv_deadline is not None
+                                and q.kv_need > free and (q.arrival_ms, q.id) > (r.arrival_ms, r.id)
+                                and got + held[q.id] >= short), None)
+                    if one is not None:
+                        victims.append(one)
+                if any(id(q) in busy for q in victims):
+                    for q in victims:
+                        q.kv_hold = True  # its step in flight uses its cells: end it when that is done
+                    continue
+            for q in victims:
+                if not self._kv_fits_alone(q, cap):
+                    total = q.total_cells(self.n_ctx)
+                    why = (f"it needs up to {total} cells to finish (prompt {len(q.prompt)} + max_tokens "
+                           f"{int(q.req.max_tokens)}, context {self.n_ctx}), more than the {cap}-cell pool, so it "
+                           f"was ended to give its cells to request {r.id}, which fits")
+                    req = total - held[q.id]
+                else:
+                    why = (f"request {r.id} had waited {self.kv_timeout_s:g} s for KV cells; this newer waiting "
+                           f"request was ended so it could continue")
+                    req = q.kv_need
+                waited = now - q.kv_wait_start if q.kv_deadline is not None else 0.0
+                self._kv_end_locked(q, "for_other", KVExhausted(req, free, cap, waited, why), held[q.id])
+                free = self._kv_free()
+            if r.kv_need <= free:
+                r.kv_retry_at = 0.0
+                continue
+            self._kv_end_locked(r, "deadline", KVExhausted(
+                r.kv_need, free, cap, now - r.kv_wait_start,
+                f"waited out its {self.kv_timeout_s:g} s KV deadline while other requests held the cells"),
+                self._kv_held(r))
+            free = self._kv_free()
+
     def _break_kv_deadlock_locked(self) -> bool:
-        """If every running request is parked waiting for KV, none can free cells: fail the newest
-        at once (its cells go back) instead of idling until every deadline passes. True if one ended."""
-        active = [s.req for s in self.slots if s.req is not None]
-        if not active or any(r.kv_deadline is None for r in active):
+        """Nothing in flight and every running request parked: end the fewest so the rest can continue.
+
+        A parked request whose step now fits is not stuck: it retries at once. If all are stuck, idle
+        prefix caches are evicted first; then, one at a time until some survivor's step fits, requests
+        holding cells are ended: those that cannot finish in the pool even alone first, then the newest.
+        Each gets KVExhausted with its own step's cells, the cells free at that moment and the pool size.
+        True if something changed (the scheduler looks for work again at once).
+        """
+        running = self._kv_running_locked()
+        if not running or any(r.kv_deadline is None for r in running):
             return False
+        cap, free = self.board.kv.n_cells, self._kv_free()
+        if any(r.kv_need <= free for r in running):
+            changed = False
+            for r in running:
+                if r.kv_need <= free and r.kv_retry_at > 0.0:
+                    r.kv_retry_at = 0.0
+                    changed = True
+            return changed
         idle = [s for s in self.slots if s.req is None and s.cache_tokens]
         if idle:  # cached prefixes of finished requests go first; then retry at once
             for s in idle:
                 self.board.kv.free(s.seq_id)
                 s.cache_tokens = []
-            for r in active:
+            for r in running:
                 r.kv_retry_at = 0.0
             return True
-        victim = max(active, key=lambda r: (r.arrival_ms, r.id))
-        occ = self.board.kv.occupancy()
-        waited = time.monotonic() - victim.kv_wait_start
-        self.kv_stats["timeouts"] += 1
-        err = _err(KVExhausted(1, occ.free_cells, occ.capacity_cells, waited))
-        err["message"] += ("; every running request was waiting for KV cells, so the newest was ended "
-                           "to let the others finish")
-        self._end_locked(victim, "failed", "none", err)
+        held = {r.id: self._kv_held(r) for r in running}
+        order = sorted(running, key=lambda r: (self._kv_fits_alone(r, cap), -r.arrival_ms, -r.id))
+        survivors = list(running)
+        now = time.monotonic()
+        for v in order:
+            if any(q.kv_need <= free for q in survivors):
+                break
+            if held[v.id] == 0:
+                continue  # ending it would free nothing
+            if self._kv_fits_alone(v, cap):
+                why = ("every running request was waiting for KV cells and none could continue; it was the "
+                       "newest holding cells, so it was ended to let the others continue")
+            else:
+                why = (f"every running request was waiting for KV cells; it needs up to "
+                       f"{v.total_cells(self.n_ctx)} cells to finish, more than the {cap}-cell pool, so it was "
+                       f"ended first to let the others continue")
+            survivors.remove(v)
+            self._kv_end_locked(v, "deadlock", KVExhausted(v.kv_need, free, cap, now - v.kv_wait_start, why),
+                                held[v.id])
+            free = self._kv_free()
+        for q in survivors:
+            if q.kv_need <= free:
+                q.kv_retry_at = 0.0
         return True
 
     def _idle_wait_s(self) -> float:
         """How long the idle scheduler sleeps: until the earliest KV retry, at most 0.25 s."""
-        retry = [s.req.kv_retry_at for s in self.slots if s.req is not None and s.req.kv_deadline is not None]
+        retry = [min(s.req.kv_retry_at, s.req.kv_deadline) for s in self.slots
+                 if s.req is not None and s.req.kv_deadline is not None]
         if not retry:
             return 0.25
         return min(0.25, max(0.001, min(retry) - time.monotonic()))
@@ -883,7 +1041,7 @@ class Engine:
 
         def ready(r: _Request | None, state: RequestState) -> bool:
             return (r is not None and r.state is state and id(r) not in busy and not r.handle.cancelled
-                    and r.kv_retry_at <= now)  # parked on KV: not before its retry time
+                    and not r.kv_hold and r.kv_retry_at <= now)  # parked on KV: not before its retry time
 
         def next_decode() -> tuple[_Request, str, int] | None:
             for k in range(n):
@@ -964,13 +1122,15 @@ class Engine:
     def _apply_kv(self, r: _Request, seq: int, positions: np.ndarray) -> np.ndarray | None:
         """Take KV cells without blocking the scheduler.
 
-        One non-blocking ``apply`` per attempt; if the cache is full the
-        request is parked with exponential back-off (1 ms doubling to 50 ms)
-        while other requests keep running (they are what frees cells), until
-        its own deadline ``kv_timeout_s`` (host wall s) passes: then
-        KVExhausted, carrying the time really waited. The wait is put on the
-        simulated clock, so the request's E2E includes it.
-        Raises KVExhausted, RequestCancelled.
+        One non-blocking ``apply`` per attempt; if too few cells are free the
+        request is parked (``kv_need`` = the cells this step asks for) with
+        exponential back-off (1 ms doubling to 50 ms) while other requests
+        keep running (they are what frees cells). Its deadline ``kv_timeout_s``
+        (host wall s) and deadlocks are decided under the engine lock by
+        ``_kv_deadlines_locked`` / ``_break_kv_deadlock_locked``, which know
+        every request. The wait is put on the simulated clock, so the
+        request's E2E includes it.
+        Raises KVExhausted (injected fault, or more cells than the pool has), RequestCancelled.
         """
         kv = self.board.kv
         n = int(positions.shape[0])
@@ -990,17 +1150,11 @@ class Engine:
                 r.kv_wait_start = now
                 r.kv_wait_start_sim = self.board.clock.now_us
                 r.kv_backoff_s = 0.001
-            if now >= r.kv_deadline:
-                waited = now - r.kv_wait_start
-                self.board.clock.host_span(r.kv_wait_start_sim, waited * 1e6)
-                r.host["kv_wait"] += waited * 1e3
-                r.kv_deadline = None
-                self.kv_stats["timeouts"] += 1
-                self.kv_stats["wait_wall_ms"] += waited * 1e3
-                raise KVExhausted(n, occ.free_cells, occ.capacity_cells, waited) from None
+            r.kv_need = n  # the deadline and the deadlock breaker decide under the lock (_kv_deadlines_locked)
             r.kv_retry_at = now + r.kv_backoff_s
             r.kv_backoff_s = min(0.05, r.kv_backoff_s * 2)
             return None
+        r.kv_need = 0
         r.kv_last_attempt_us = self.host_timer.now() - k0  # the apply itself (CPU)
         r.kv_last_wait_us = r.kv_last_attempt_us
         if r.kv_deadline is not None:
