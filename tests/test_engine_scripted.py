@@ -20,6 +20,7 @@ import pytest
 
 from sim_backend.bundle.manifest import load_bundle
 from sim_backend.device.board import Pacing, PacingMode, SimulatedBoard
+from sim_backend.runtime import RuntimeSession
 from sim_backend.serving.engine import (ChatRequest, DoneEvent, Engine, RequestState, ScriptedHostTimer, TokenEvent)
 from sim_backend.errors import UnavailableError
 from sim_backend.serving.metrics import SLO
@@ -162,7 +163,7 @@ class Harness:
         self.gate = self.board.gate
         self.model: FakeModel = self.board.model
         engine_kw.setdefault("host_timer", ScriptedHostTimer(host_step_us))
-        self.engine = Engine(self.board, **engine_kw)
+        self.engine = Engine(RuntimeSession(self.board, parallel=engine_kw.get("max_inflight", 1) > 1), **engine_kw)
 
     def script(self, req: ChatRequest, tokens: list[int]) -> int:
         """Make the model produce ``tokens`` after ``req``'s prompt; returns the prompt length."""

@@ -26,7 +26,7 @@ from sim_backend.model.costmodel import CostModel
 from sim_backend.device.board import Job, JobState, Pacing, PacingMode, SimulatedBoard
 from sim_backend.serving.engine import ChatRequest
 from sim_backend.errors import DeviceNotReady, DeviceReset, KVExhausted, SubmitError, WaitTimeout
-from sim_backend.runtime.calrt import RuntimeSession
+from sim_backend.runtime import RuntimeSession
 from sim_backend.planes.system import build_system
 
 RESETS = 150  # iterations of the reset thread; submitters run until it is done

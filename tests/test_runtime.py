@@ -18,7 +18,7 @@ from sim_backend.model.costmodel import CostModel
 from sim_backend.device.board import SimulatedBoard
 from sim_backend.errors import (CalError, CCUException, DeviceError, DeviceNotReady, MaintenanceRefused, SubmitError,
                                 WaitTimeout)
-from sim_backend.runtime.calrt import (BufferPool, Calbin, InputBuf, MaintenanceRuntime, OutputBuf, RuntimeSession,
+from sim_backend.runtime import (BufferPool, Calbin, InputBuf, MaintenanceRuntime, OutputBuf, RuntimeSession,
                                  SubModelNotFound, VirtualDevice, calrt_version)
 
 WAIT = 30.0  # host seconds: generous bound for a wait that must succeed

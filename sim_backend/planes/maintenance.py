@@ -77,7 +77,7 @@ class MaintenancePlane:
     def __init__(self, board: SimulatedBoard, engine: Engine, audit: AuditLog, *,
                  drain_timeout_s: float = 5.0, reset_timeout_s: float = 10.0, memory_plan: Any = None,
                  dump_dir: str | Path | None = None) -> None:
-        from sim_backend.runtime.calrt import MaintenanceRuntime
+        from sim_backend.runtime import MaintenanceRuntime
 
         self._board = board
         self._engine = engine

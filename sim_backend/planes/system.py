@@ -19,6 +19,7 @@ from sim_backend.planes.audit import AuditLog
 from sim_backend.bundle.manifest import Bundle, load_bundle
 from sim_backend.model.costmodel import CostModel
 from sim_backend.device.board import Pacing, PacingMode, SimulatedBoard
+from sim_backend.runtime import RuntimeSession
 from sim_backend.serving.engine import Engine, HostTimer
 from sim_backend.device.memory import MemoryPlan
 from sim_backend.planes.inprocess import InferencePlane, ObservationPlane
@@ -62,7 +63,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     cost = CostModel.load(hardware)
     board = SimulatedBoard(bundle, cost, numerics=numerics, pacing=pacing or Pacing(PacingMode.FAST),
                            kv_cells=kv_cells, numerics_process=numerics_process)
-    engine = Engine(board, n_slots=n_slots, queue_limit=queue_limit, max_inflight=max_inflight,
+    engine = Engine(RuntimeSession(board, parallel=max_inflight > 1), n_slots=n_slots, queue_limit=queue_limit, max_inflight=max_inflight,
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt,
                     slo=slo)  # slo: metrics.SLO for goodput (simulated ms); None = no objectives
     memory_plan = MemoryPlan.for_bundle(bundle.shape, cost.hw)

@@ -1,1 +1,18 @@
-"""sim_backend.runtime."""
+"""The CalRT-0.7.6-like runtime over the simulated board (FACTS F1, F5): two doors.
+
+- inference: ``RuntimeSession`` (session.py) over ``VirtualDevice`` (calrt.py), ``Calbin`` /
+  ``SubModel`` / ``InputBuf`` / ``OutputBuf`` (calbin.py) and a ``BufferPool`` (buffers.py), with
+  the ``KVView`` / ``ClockView`` it hands upward (views.py);
+- maintenance: ``MaintenanceRuntime`` (maintenance.py), every method behind an explicit lease.
+"""
+
+from sim_backend.runtime.buffers import BufferPair, BufferPool
+from sim_backend.runtime.calbin import Calbin, InputBuf, OutputBuf, SubModel, SubModelNotFound
+from sim_backend.runtime.calrt import CALRT_VERSION, DEVICE_KINDS, TASK_TYPES, DeviceStatus, VirtualDevice, calrt_version
+from sim_backend.runtime.maintenance import MaintenanceRuntime, require_lease
+from sim_backend.runtime.session import RuntimeSession
+from sim_backend.runtime.views import ClockView, KVView
+
+__all__ = ["BufferPair", "BufferPool", "CALRT_VERSION", "Calbin", "ClockView", "DEVICE_KINDS", "DeviceStatus",
+           "InputBuf", "KVView", "MaintenanceRuntime", "OutputBuf", "RuntimeSession", "SubModel", "SubModelNotFound",
+           "TASK_TYPES", "VirtualDevice", "calrt_version", "require_lease"]

@@ -77,10 +77,9 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from sim_backend.device.board import Job, SimulatedBoard
 from sim_backend.errors import (CalError, DeviceError, DeviceReset, ExceedContextSizeError, InvalidRequestError, KVExhausted,
                      RequestCancelled, UnavailableError)
-from sim_backend.runtime.calrt import RuntimeSession
+from sim_backend.runtime import OutputBuf, RuntimeSession
 from sim_backend.serving.metrics import SLO, MetricsRegistry, percentiles, request_latencies
 from sim_backend.serving.sampling import VOCAB_SIZE, Sampler, SamplingParams
 from sim_backend.model.tokenizer import EOS_IDS, StopStringMatcher, StreamDecoder, get_tokenizer
@@ -503,10 +502,11 @@ class SlotInfo:
 
 
 class Engine:
-    """Slots + admission + scheduler thread over a ``SimulatedBoard``.
+    """Slots + admission + scheduler thread over a ``RuntimeSession`` (its only door to the device).
 
     Args:
-        board: the simulated device.
+        rt: the runtime session (submission path, KV view, simulated clock); its parallel mode
+            must match ``max_inflight`` (2 needs ping/pong).
         n_slots: concurrent sequences (default 4); each slot is a KV sequence id.
         queue_limit: requests allowed to wait beyond the free slots; one more ->
             UnavailableError at once.
@@ -523,7 +523,7 @@ class Engine:
             simulated ms); default none (every finished request is good).
     """
 
-    def __init__(self, board: SimulatedBoard, *, n_slots: int = 4, queue_limit: int = 16, prefill_chunk: int = 2048,
+    def __init__(self, rt: RuntimeSession, *, n_slots: int = 4, queue_limit: int = 16, prefill_chunk: int = 2048,
                  max_inflight: int = 1, kv_timeout_s: float = 2.0, step_timeout_s: float = 120.0,
                  numerics_max_prompt: int = 1024, host_timer: HostTimer | None = None,
                  metrics: MetricsRegistry | None = None, slo: SLO | None = None) -> None:
@@ -535,8 +535,9 @@ class Engine:
             raise ValueError("queue_limit must be >= 0")
         if prefill_chunk < 1:
             raise ValueError("prefill_chunk must be >= 1")
-        self.board = board
-        self.rt = RuntimeSession(board, parallel=max_inflight > 1)
+        if rt.parallel != (max_inflight > 1):
+            raise ValueError("max_inflight 2 needs a runtime session in parallel mode, 1 a serial one")
+        self.rt = rt
         # requests that found the KV full and were parked; those that hit their deadline; host wall ms waited
         self.kv_stats = {"parked_requests": 0, "timeouts": 0, "wait_wall_ms": 0.0}
         #: recent requests ended for KV pressure: dicts with request_id, cause (deadline | deadlock | for_other),
@@ -544,7 +545,7 @@ class Engine:
         #: held then). Read by tests and diagnostics; bounded.
         self.kv_pressure_log: deque[dict] = deque(maxlen=512)
         self.tokenizer = get_tokenizer()
-        self.n_ctx = board.bundle.context
+        self.n_ctx = rt.context
         self.n_slots = n_slots
         self.queue_limit = queue_limit
         self.prefill_chunk = prefill_chunk
@@ -581,7 +582,7 @@ class Engine:
 
     def validate(self, req: ChatRequest) -> None:
         """Raise InvalidRequestError for bad parameters (nothing is allocated)."""
-        validate_request(req, self.board.shape.vocab)
+        validate_request(req, self.rt.vocab)
 
     def tokenize_prompt(self, req: ChatRequest) -> list[int]:
         """Prompt token ids with the chat template applied (what counts against the context)."""
@@ -590,7 +591,7 @@ class Engine:
 
     def _live_locked(self) -> tuple[int, int, float]:
         running = sum(1 for s in self.slots if s.req is not None)
-        occ = self.board.kv.occupancy()
+        occ = self.rt.kv.occupancy()
         return len(self._queue), running, occ.used_cells / max(1, occ.capacity_cells)
 
     def submit(self, req: ChatRequest) -> RequestHandle:
@@ -612,14 +613,14 @@ class Engine:
         except InvalidRequestError:
             self.metrics.on_rejected()
             raise
-        arrival = self.board.clock.now_us
+        arrival = self.rt.clock.now_us
         t0 = self.host_timer.now()
         prompt = self.tokenize_prompt(req)
         tok_us = self.host_timer.now() - t0
         if len(prompt) > self.n_ctx:
             self.metrics.on_rejected()
             raise ExceedContextSizeError(len(prompt), self.n_ctx)
-        kv_cap = self.board.kv.occupancy().capacity_cells
+        kv_cap = self.rt.kv.occupancy().capacity_cells
         if len(prompt) > kv_cap:  # a board built with a KV pool smaller than the context
             self.metrics.on_rejected()
             raise ExceedContextSizeError(len(prompt), kv_cap, f"the prompt has {len(prompt)} tokens but the KV "
@@ -636,7 +637,7 @@ class Engine:
             rid = next(self._ids)
             handle = RequestHandle(rid, len(prompt))
             handle._engine_wake = lambda rid=rid: self._on_cancel(rid)
-            self.board.clock.host_span(arrival, tok_us)  # tokenising is host work on the request's clock
+            self.rt.clock.host_span(arrival, tok_us)  # tokenising is host work on the request's clock
             r = _Request(rid, req, prompt, handle, arrival / 1e3, tok_us / 1e3)
             self._queue.append(r)
             self.metrics.on_submitted(live=self._live_locked())
@@ -687,7 +688,7 @@ class Engine:
         Admission should be paused first. Bounded: never waits past timeout + one device step.
         """
         t0 = time.perf_counter()
-        sim0 = self.board.clock.now_us
+        sim0 = self.rt.clock.now_us
         with self._lock:
             initial = {r.id: r for r in self._queue} | {s.req.id: s.req for s in self.slots if s.req is not None}
             deadline = t0 + timeout_s
@@ -701,7 +702,7 @@ class Engine:
         for r in remaining:
             r.handle._done.wait(max(0.0, end - time.perf_counter()))
         return {"drained": len(initial) - len(remaining), "cancelled": len(remaining),
-                "wall_ms": (time.perf_counter() - t0) * 1e3, "sim_ms": (self.board.clock.now_us - sim0) / 1e3}
+                "wall_ms": (time.perf_counter() - t0) * 1e3, "sim_ms": (self.rt.clock.now_us - sim0) / 1e3}
 
     def _active_locked(self) -> bool:
         return bool(self._queue) or any(s.req is not None for s in self.slots)
@@ -773,7 +774,7 @@ class Engine:
     # --- scheduler -------------------------------------------------------------------
 
     def _loop(self) -> None:
-        inflight: deque[tuple[_Request, Job, dict]] = deque()
+        inflight: deque[tuple[_Request, OutputBuf, dict]] = deque()
         while True:
             with self._lock:
                 self._reap_cancelled_locked(inflight)
@@ -816,7 +817,7 @@ class Engine:
         log.exception("request %s failed inside the engine", r.id)
         with self._lock:
             if r.slot is not None:
-                self.board.kv.free(r.slot.seq_id)
+                self.rt.kv.free(r.slot.seq_id)
                 r.slot.cache_tokens = []
             self._end_locked(r, "failed", "none", {"code": 500, "type": "server_error", "type_name": type(e).__name__,
                                                    "message": f"internal error in the engine: {type(e).__name__}: {e}"})
@@ -825,11 +826,11 @@ class Engine:
 
     def _kv_free(self) -> int:
         """Free cells now (cheaper than ``occupancy()``, which counts every sequence)."""
-        return self.board.kv.n_cells - self.board.kv.used_cells
+        return self.rt.kv.n_cells - self.rt.kv.used_cells
 
     def _kv_held(self, r: _Request) -> int:
         """Cells ``r``'s sequence holds now."""
-        return 0 if r.slot is None else int(self.board.kv.seq_cells(r.slot.seq_id)[0].size)
+        return 0 if r.slot is None else int(self.rt.kv.seq_cells(r.slot.seq_id)[0].size)
 
     def _kv_fits_alone(self, r: _Request, capacity: int) -> bool:
         """True if ``r`` could run to its end (max_tokens or context end) with the whole pool to itself."""
@@ -873,7 +874,7 @@ class Engine:
         parked = [r for r in running if r.kv_deadline is not None]
         if not parked:
             return
-        cap, free = self.board.kv.n_cells, self._kv_free()
+        cap, free = self.rt.kv.n_cells, self._kv_free()
         for r in parked:
             if r.kv_need <= free:
                 r.kv_retry_at = 0.0  # cells came back: retry now rather than after the back-off
@@ -937,7 +938,7 @@ class Engine:
         running = self._kv_running_locked()
         if not running or any(r.kv_deadline is None for r in running):
             return False
-        cap, free = self.board.kv.n_cells, self._kv_free()
+        cap, free = self.rt.kv.n_cells, self._kv_free()
         if any(r.kv_need <= free for r in running):
             changed = False
             for r in running:
@@ -948,7 +949,7 @@ class Engine:
         idle = [s for s in self.slots if s.req is None and s.cache_tokens]
         if idle:  # cached prefixes of finished requests go first; then retry at once
             for s in idle:
-                self.board.kv.free(s.seq_id)
+                self.rt.kv.free(s.seq_id)
                 s.cache_tokens = []
             for r in running:
                 r.kv_retry_at = 0.0
@@ -998,7 +999,7 @@ class Engine:
 
     def _drop_stale_caches_locked(self) -> None:
         """Forget prefix caches whose cells a KV clear (reset, ClearAllDevMem, Clear KV) removed."""
-        epoch = self.board.kv.epoch
+        epoch = self.rt.kv.epoch
         for s in self.slots:
             if s.cache_epoch != epoch:
                 if s.req is None:
@@ -1016,7 +1017,7 @@ class Engine:
             best = max(free, key=lambda s: (_common_prefix(s.cache_tokens, r.prompt), -s.last_used))
             # keep at least one prompt token to prefill: its logits give the first token
             n_common = min(_common_prefix(best.cache_tokens, r.prompt), len(r.prompt) - 1)
-            kv = self.board.kv
+            kv = self.rt.kv
             if n_common <= 0:
                 kv.free(best.seq_id)
                 n_common = 0
@@ -1026,10 +1027,10 @@ class Engine:
             best.req = r
             r.slot = best
             r.cache_n = r.n_prefilled = n_common
-            r.assigned_ms = self.board.clock.now_us / 1e3
+            r.assigned_ms = self.rt.clock.now_us / 1e3
             r.kv_epoch = kv.epoch
             r.handle.state = RequestState.PREFILLING
-            r.numeric = self.board.numerics and len(r.prompt) <= self.numerics_max_prompt
+            r.numeric = self.rt.numerics and len(r.prompt) <= self.numerics_max_prompt
             self._round_served.discard(best.idx)
             self._update_live_locked()
 
@@ -1067,13 +1068,13 @@ class Engine:
             return next_decode()
         return None
 
-    def _start_step(self, r: _Request, kind: str, n: int) -> tuple[_Request, Job, dict] | None:
+    def _start_step(self, r: _Request, kind: str, n: int) -> tuple[_Request, OutputBuf, dict] | None:
         """Apply KV cells and submit one job. On failure the request ends with a typed error.
 
         The host work before the submit (KV apply, buffer set-up) is put on the
         simulated clock first, so the device step starts after it.
         """
-        if r.kv_epoch != self.board.kv.epoch:
+        if r.kv_epoch != self.rt.kv.epoch:
             # the KV was cleared under this request (reset / ClearAllDevMem / Clear KV): its context is gone
             with self._lock:
                 self._end_locked(r, "failed", "none", _err(DeviceReset(
@@ -1081,7 +1082,7 @@ class Engine:
             return None
         ht = self.host_timer
         t0 = ht.now()
-        start_sim = self.board.clock.now_us
+        start_sim = self.rt.clock.now_us
         seq = r.slot.seq_id
         if kind == "prefill":
             toks = r.prompt[r.n_prefilled:r.n_prefilled + n]
@@ -1090,7 +1091,7 @@ class Engine:
             toks = [r.pending_token]
             p0 = len(r.prompt) + len(r.generated) - 1
         positions = np.arange(p0, p0 + len(toks), dtype=np.int64)
-        kv = self.board.kv
+        kv = self.rt.kv
         kv_wait_us = 0.0
         try:
             if not kv.can_allocate(len(toks)):
@@ -1100,7 +1101,7 @@ class Engine:
                 return None  # parked: KV is full; retried after a back-off while others run
             kv_wait_us = r.kv_last_wait_us
             host_us = ht.now() - t0
-            self.board.clock.host_span(start_sim, host_us)  # the job is submitted after this host work
+            self.rt.clock.host_span(start_sim, host_us)  # the job is submitted after this host work
             if kind == "prefill" and r.prefill_start_ms is None:
                 r.prefill_start_ms = start_sim / 1e3
             # CalRT path (FACTS F1): pooled buffers, CSR set and checked, ping/pong task type
@@ -1132,7 +1133,7 @@ class Engine:
         request's E2E includes it.
         Raises KVExhausted (injected fault, or more cells than the pool has), RequestCancelled.
         """
-        kv = self.board.kv
+        kv = self.rt.kv
         n = int(positions.shape[0])
         now = time.monotonic()
         k0 = self.host_timer.now()
@@ -1148,7 +1149,7 @@ class Engine:
                     self.kv_stats["parked_requests"] += 1
                 r.kv_deadline = now + self.kv_timeout_s
                 r.kv_wait_start = now
-                r.kv_wait_start_sim = self.board.clock.now_us
+                r.kv_wait_start_sim = self.rt.clock.now_us
                 r.kv_backoff_s = 0.001
             r.kv_need = n  # the deadline and the deadlock breaker decide under the lock (_kv_deadlines_locked)
             r.kv_retry_at = now + r.kv_backoff_s
@@ -1161,14 +1162,14 @@ class Engine:
             waited = now - r.kv_wait_start
             r.kv_last_wait_us += waited * 1e6
             self.kv_stats["wait_wall_ms"] += waited * 1e3
-            self.board.clock.host_span(r.kv_wait_start_sim, waited * 1e6)
+            self.rt.clock.host_span(r.kv_wait_start_sim, waited * 1e6)
             r.kv_deadline = None
             r.kv_retry_at = 0.0
         return cells
 
     def _evict_idle(self, need: int) -> None:
         """Free KV of idle slots' cached prefixes, least recently used first, until ``need`` cells fit."""
-        kv = self.board.kv
+        kv = self.rt.kv
         with self._lock:
             idle = sorted((s for s in self.slots if s.req is None and s.cache_tokens), key=lambda s: s.last_used)
             for s in idle:
@@ -1177,7 +1178,7 @@ class Engine:
                 kv.free(s.seq_id)
                 s.cache_tokens = []
 
-    def _finish_step(self, r: _Request, job: Job, info: dict) -> None:
+    def _finish_step(self, r: _Request, job: OutputBuf, info: dict) -> None:
         """Wait for the job, sample, apply stop rules, stream the visible piece, account host work."""
         ht = self.host_timer
         try:
@@ -1218,7 +1219,7 @@ class Engine:
         host_us = ht.now() - t0
         framework_us = max(0.0, host_us - sampling_us - detok_us) + info["submit_host_us"]
         r.host["framework"] += framework_us / 1e3
-        t_end = self.board.clock.host_span(res.sim_end_us, host_us)
+        t_end = self.rt.clock.host_span(res.sim_end_us, host_us)
         tok_ms = 0.0
         if kind == "prefill" and not r.tokenize_reported:
             r.tokenize_reported = True
@@ -1304,9 +1305,9 @@ class Engine:
             waited = time.monotonic() - r.kv_wait_start
             r.host["kv_wait"] += waited * 1e3
             self.kv_stats["wait_wall_ms"] += waited * 1e3
-            self.board.clock.host_span(r.kv_wait_start_sim, waited * 1e6)
+            self.rt.clock.host_span(r.kv_wait_start_sim, waited * 1e6)
             r.kv_deadline = None
-        now_ms = self.board.clock.now_us / 1e3 if done_ms is None else done_ms
+        now_ms = self.rt.clock.now_us / 1e3 if done_ms is None else done_ms
         if r in self._queue:
             self._queue.remove(r)
         s = r.slot
@@ -1316,7 +1317,7 @@ class Engine:
             self._round_served.discard(s.idx)
             if status != "finished":
                 # cancelled/failed: free this sequence's KV now (the in-flight step, if any, has ended)
-                self.board.kv.free(s.seq_id)
+                self.rt.kv.free(s.seq_id)
                 s.cache_tokens = []
         n = len(r.generated)
         ttft, tpot, itl, e2e = request_latencies(r.arrival_ms, r.pieces_ms, now_ms, n)

@@ -1,0 +1,83 @@
+"""The inference door of the runtime: the engine's only way to the device.
+
+``RuntimeSession`` binds device + configured calbin + sub-models + buffer pool once, and hands
+out the inference-plane subset of the KV manager (``KVView``, no whole-cache clear) and a
+read-and-book view of the simulated clock (``ClockView``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+from sim_backend.bundle.manifest import Bundle
+from sim_backend.device.board import JobCounters, SimulatedBoard
+from sim_backend.errors import SubmitError
+from sim_backend.runtime.buffers import BufferPool
+from sim_backend.runtime.calbin import Calbin, OutputBuf
+from sim_backend.runtime.calrt import VirtualDevice
+from sim_backend.runtime.views import ClockView
+
+# --- the whole submission path, as the engine would use it -----------------------------
+
+
+class RuntimeSession:
+    """The FACTS F1 submission path, bound once: device + configured calbin + sub-models + pool.
+
+    ``step()`` does, per job: take a pooled buffer pair, write input, set the
+    CSR, submit with a fixed task type, and returns the OutputBuf; the pair
+    goes back to the pool when its ``wait()`` ends (result or error).
+
+    Args:
+        board: the simulated board.
+        parallel: enable parallel mode (ping/pong); pool size 2, else 1.
+    """
+
+    def __init__(self, board: SimulatedBoard, *, parallel: bool = False, bundle: Bundle | None = None) -> None:
+        self.device = VirtualDevice(board, "PCIE")
+        self.device.enable_parallel_mode(parallel)
+        self.calbin = Calbin.create(self.device, bundle)
+        self.calbin.configure()
+        self.submodels = {"prefill": self.calbin.get_submodel("prefill", "llm_prefill"),
+                          "decode": self.calbin.get_submodel("decode", "llm_decode")}
+        self.pool = BufferPool(self.calbin, 2 if parallel else 1)
+        self.kv = self.calbin.kv
+        self.clock = ClockView(board.clock)
+        self._board = board
+        b = bundle or board.bundle
+        #: context per sequence in tokens (the calbin's, FACTS F2) and the logits' vocabulary size
+        self.context: int = b.context
+        self.vocab: int = board.shape.vocab
+        self.parallel = parallel
+        self._rr = 0
+
+    @property
+    def numerics(self) -> bool:
+        """True when the device computes logits (False: timing-only, no logits come back)."""
+        return bool(self._board.numerics)
+
+    def step(self, kind: str, seq_id: int, tokens: Any, positions: Any, cells: Any, *,
+             task_type: str = "auto", acquire_timeout: float = 0.0, numeric: bool = True) -> OutputBuf:
+        """Submit one prefill/decode step of ``seq_id`` whose new ``cells`` were applied in the KV.
+
+        past_kv_cur_seq_len is the sequence's other cells. Raises SubmitError,
+        DeviceNotReady, or the errors of ``Calbin.submit_job``; on error the
+        buffer pair is back in the pool.
+        """
+        if kind not in self.submodels:
+            raise SubmitError(f"unknown step kind {kind!r} (prefill or decode)")
+        pair = self.pool.acquire(acquire_timeout)
+        try:
+            pair.inp.write(seq_id, tokens, positions, cells)
+            n = pair.inp.n_tokens
+            ctx = self.kv.seq_cells(seq_id)  # read once: the CSR here, the attention context in the submit
+            pair.inp.set_csr(past_kv_cur_seq_len=ctx[0].shape[0] - n, cur_seq_len=n)
+            out = self.calbin._submit(self.submodels[kind], pair.inp, pair.out, task_type=task_type,
+                                      numeric=numeric, ctx=ctx)
+        except BaseException:
+            self.pool.release(pair)
+            raise
+        out._on_end = lambda: self.pool.release(pair)
+        return out
+
+    def job_counters(self) -> JobCounters:
+        return self.device.job_counters()
