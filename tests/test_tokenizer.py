@@ -10,6 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sim_backend.errors import InvalidRequestError
+from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder
 from sim_backend.model.tokenizer import (
     END_THINK,
     ENDOFTEXT,
@@ -20,8 +21,6 @@ from sim_backend.model.tokenizer import (
     SPECIAL_TOKENS,
     THINK,
     VOCAB_SIZE,
-    StopStringMatcher,
-    StreamDecoder,
     get_tokenizer,
 )
 

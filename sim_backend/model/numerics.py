@@ -26,13 +26,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim_backend.model.bf16 import f32_to_bf16
+from sim_backend.model.vocab import N_TOKENS
 from sim_backend.bundle.shapes import ModelShape, NumericShape
 
 F32 = np.float32
 # Real vocabulary ends at 151668 (</think>); ids above are padding rows of the
 # 151936-wide LM head. Trained Qwen3 gives them very low logits; our
 # synthetic weights get an explicit bias so they are (practically) never drawn.
-FIRST_PADDING_ID = 151669
+FIRST_PADDING_ID = N_TOKENS
 PADDING_LOGIT_BIAS = -30.0
 
 

@@ -82,7 +82,8 @@ from sim_backend.errors import (CalError, DeviceError, DeviceReset, ExceedContex
 from sim_backend.runtime import OutputBuf, RuntimeSession
 from sim_backend.serving.metrics import SLO, MetricsRegistry, percentiles, request_latencies
 from sim_backend.serving.sampling import VOCAB_SIZE, Sampler, SamplingParams
-from sim_backend.model.tokenizer import EOS_IDS, StopStringMatcher, StreamDecoder, get_tokenizer
+from sim_backend.model.tokenizer import EOS_IDS, get_tokenizer
+from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder
 
 STOP_TYPES = ("eos", "limit", "word", "none")
 ROLES = ("system", "user", "assistant")

@@ -41,6 +41,7 @@ import numpy as np
 
 from sim_backend.model import bf16 as _bf16
 from sim_backend.errors import InvalidRequestError
+from sim_backend.model.vocab import N_TOKENS, VOCAB_SIZE
 
 __all__ = [
     "VOCAB_SIZE",
@@ -52,10 +53,8 @@ __all__ = [
     "f32_to_bf16",
 ]
 
-#: Logits per token (FACTS F2 vocab 151936).
-VOCAB_SIZE = 151936
-#: Real tokenizer ids (151643 BPE + 26 specials); 151669..151935 are padding rows.
-N_VALID = 151669
+#: Real tokenizer ids (151643 BPE + 26 specials); 151669..151935 are padding rows (model.vocab).
+N_VALID = N_TOKENS
 
 _GREEDY_TOP_P = 1e-6
 # Logits are grouped as a (64, n/64) matrix; the k-th largest of the column
