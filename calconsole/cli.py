@@ -41,7 +41,8 @@ def _raise_broken_pipe(self) -> None:
 def main(argv: list[str] | None = None) -> int:
     import rich.console
 
-    rich.console.Console.on_broken_pipe = _raise_broken_pipe
+    # rich's default quits the process on a closed pipe; raise instead so main() exits 0 cleanly
+    rich.console.Console.on_broken_pipe = _raise_broken_pipe  # type: ignore[method-assign]
     parser = build_parser()
     args = finalize(parser.parse_args(argv))
     err = _start_up_error(args)

@@ -7,6 +7,8 @@ production integration's failures this replaces).
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CalError(Exception):
     """Base of all calconsole / sim_backend errors."""
@@ -37,7 +39,7 @@ class RequestError(CalError):
     error_type = "server_error"
     http_status = 500
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """llama.cpp-style error body: ``{"code", "message", "type"}``."""
         return {"code": self.http_status, "message": str(self), "type": self.error_type}
 
@@ -73,7 +75,7 @@ class ExceedContextSizeError(RequestError):
             f"tokens, context is {n_ctx} tokens"
         )
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         body = super().to_dict()
         body.update(n_prompt_tokens=self.n_prompt_tokens, n_ctx=self.n_ctx)
         return body
@@ -101,7 +103,7 @@ class DeviceError(CalError):
 
     code = -1
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"code": self.code, "message": str(self), "type": type(self).__name__}
 
 
@@ -164,7 +166,7 @@ class KVExhausted(CalError):
             f"after waiting {waited_s * 1000:.0f} ms" + (f"; {reason}" if reason else "")
         )
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """Error body with the numbers: requested / free / capacity (cells = tokens), waited_s (host wall s)."""
         return {"code": 503, "message": str(self), "type": "KVExhausted", "requested": self.requested,
                 "free": self.free, "capacity": self.capacity, "waited_s": self.waited_s}

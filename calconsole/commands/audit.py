@@ -73,14 +73,14 @@ def run(args: argparse.Namespace) -> int:
     t.add_column("sim ms", justify="right", no_wrap=True)
     styles = {"granted": "green", "ok": "green", "refused": "yellow", "failed": "red", "not as expected": "red",
               "did not finish": "bold red", "corrupt": "bold red"}
-    for e in entries:
-        action = Text(e["action"], style="bold")
-        if e["args"]:
-            action.append("\n" + _kv(e["args"]), style="dim")
-        row = [Text(e["time"][11:19] or "?")] + ([] if one_user else [Text(str(e["user"]))]) + [
-            action, Text(e["status"], style=styles.get(e["status"], "")), Text(brief(e["result"])),
-            "" if e["duration_ms"] is None else f"{e['duration_ms']:.1f}",
-            "" if e["sim_ms"] is None else f"{e['sim_ms']:.1f}"]
+    for ent in entries:
+        action = Text(ent["action"], style="bold")
+        if ent["args"]:
+            action.append("\n" + _kv(ent["args"]), style="dim")
+        row = [Text(ent["time"][11:19] or "?")] + ([] if one_user else [Text(str(ent["user"]))]) + [
+            action, Text(ent["status"], style=styles.get(ent["status"], "")), Text(brief(ent["result"])),
+            Text("" if ent["duration_ms"] is None else f"{ent['duration_ms']:.1f}"),
+            Text("" if ent["sim_ms"] is None else f"{ent['sim_ms']:.1f}")]
         t.add_row(*row)
     c.print(t)
     if n_corrupt:

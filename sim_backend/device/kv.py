@@ -293,6 +293,7 @@ class KVCacheManager:
         """``positions`` (None, list/tuple/range of ints or 1-D int array) as int64[n] in 0..n_ctx-1."""
         if positions is None:
             return None
+        vals: Any
         if isinstance(positions, np.ndarray):
             if positions.ndim != 1 or (positions.size and positions.dtype.kind not in "iu"):
                 raise KVArgumentError(f"positions must be a 1-D integer array, got {positions.ndim}-D "
@@ -791,7 +792,7 @@ class KVCacheManager:
         tmp = path + ".tmp"
         try:
             with open(tmp, "wb") as f:  # explicit file: np.savez would append ".npz" to a str
-                np.savez(f, **payload)
+                np.savez(f, **payload)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
             os.replace(tmp, path)
         except (OSError, ValueError) as e:
             try:
@@ -850,7 +851,7 @@ class KVCacheManager:
             cells = self._allocate(s, n, pos)
         # The device owns the arrays; rows are written outside our lock.
         for (arr, axis), r in zip(targets, rows):
-            idx = [slice(None)] * arr.ndim
+            idx: list[Any] = [slice(None)] * arr.ndim
             idx[axis] = cells
             arr[tuple(idx)] = r
         return n
@@ -893,7 +894,8 @@ class KVCacheManager:
                 if not isinstance(npz, np.lib.npyio.NpzFile):
                     raise bad("not an .npz archive")
                 with npz:
-                    unpacked = sum(i.file_size for i in npz.zip.infolist())
+                    assert npz.zip is not None  # open NpzFile
+                    unpacked = sum(int(i.file_size) for i in npz.zip.infolist())
                     if unpacked > max_bytes:
                         raise bad(f"unpacks to {unpacked} bytes, more than a state for this cache can be")
                     data = self._state_fields(npz, targets, bad)

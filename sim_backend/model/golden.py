@@ -155,7 +155,7 @@ def write_golden(bundle_dir: str | Path | None = None, path: str | Path | None =
     out = Path(path) if path is not None else bundle.path / GOLDEN_FILE_NAME
     arrays = compute_golden(bundle)
     tmp = out.with_name(out.name + ".tmp.npz")
-    np.savez_compressed(tmp, **arrays)
+    np.savez_compressed(tmp, **arrays)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
     tmp.replace(out)
     return out
 

@@ -384,7 +384,9 @@ class ShardedModel:
         if n == 1 and (ctx_positions.size == 0 or ctx_positions.max() <= positions[0]):
             return self._decode(int(tokens[0]), int(positions[0]), int(new_cells[0]), ctx_cells)
         # embedding on chip0, broadcast to chip1 (sync D2D)
-        x = self.chips[0].embed[tokens].astype(F32)
+        embed = self.chips[0].embed
+        assert embed is not None  # chip0 holds the embedding
+        x = embed[tokens].astype(F32)
         cos, sin = rope_tables(positions, D, shape.rope_theta)
         touched: list[int] = []
         ctx_index = _cell_index(ctx_cells)
@@ -436,7 +438,9 @@ class ShardedModel:
         qh, kvh = shape.q_heads_per_chip, shape.kv_heads_per_chip
         group = shape.n_q_heads // shape.n_kv_heads
         scale = F32(1.0 / np.sqrt(D))
-        x = self.chips[0].embed[token].astype(F32)[None]  # (1, H) on chip0, broadcast
+        embed = self.chips[0].embed
+        assert embed is not None  # chip0 holds the embedding
+        x = embed[token].astype(F32)[None]  # (1, H) on chip0, broadcast
         cos, sin = rope_tables(np.array([position]), D, shape.rope_theta)
         idx = _cell_index(ctx_cells)
         kcache, vcache = self.k_cache, self.v_cache

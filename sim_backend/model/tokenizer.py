@@ -19,7 +19,7 @@ import importlib.resources
 import operator
 import threading
 import unicodedata
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence, cast
 
 import tiktoken
 
@@ -273,7 +273,7 @@ def _chat_segments(
     # assistant turns before it are history and lose their reasoning.
     last_query = len(messages) - 1
     for i in range(len(messages) - 1, -1, -1):
-        c = messages[i]["content"]
+        c = cast(str, messages[i]["content"])  # validated above: role and content are strings
         if messages[i]["role"] == "user" and not (
             c.startswith("<tool_response>") and c.endswith("</tool_response>")
         ):
@@ -282,7 +282,7 @@ def _chat_segments(
 
     segs: list[int | str] = []
     for i, m in enumerate(messages):
-        role, content = m["role"], m["content"]
+        role, content = cast(str, m["role"]), cast(str, m["content"])
         segs += [IM_START, role + "\n"]
         if role == "assistant":
             reasoning = ""

@@ -23,7 +23,7 @@ class _Frozen(msgspec.Struct, frozen=True, kw_only=True):
     """Base of the snapshot sections (frozen, keyword-only)."""
 
 
-class ChipletInfo(_Frozen):
+class ChipletInfo(_Frozen, frozen=True, kw_only=True):
     """One chiplet: ``state`` ready|busy|cleared|fault; ``slow_factor`` >= 1 (1 = nominal)."""
 
     index: int
@@ -33,7 +33,7 @@ class ChipletInfo(_Frozen):
     jobs_done: int
 
 
-class DeviceInfo(_Frozen):
+class DeviceInfo(_Frozen, frozen=True, kw_only=True):
     """The board: identity, health ``status``, maintenance ``mode``, pacing and faults.
 
     ``pacing_speed``: simulated seconds per wall second asked for; ``achieved_speed`` the measured
@@ -58,7 +58,7 @@ class DeviceInfo(_Frozen):
     admitting: bool
 
 
-class JobCounts(_Frozen):
+class JobCounts(_Frozen, frozen=True, kw_only=True):
     """Device job counters (device steps, not requests)."""
 
     submitted: int
@@ -71,7 +71,7 @@ class JobCounts(_Frozen):
     resets: int
 
 
-class KVInfo(_Frozen):
+class KVInfo(_Frozen, frozen=True, kw_only=True):
     """KV cache occupancy (tokens = cells; bytes per chip) and wait counters.
 
     ``waits`` / ``timeouts``: requests the engine parked for cells / that timed out;
@@ -94,7 +94,7 @@ class KVInfo(_Frozen):
     apply_full_attempts: int
 
 
-class LayerTiming(_Frozen):
+class LayerTiming(_Frozen, frozen=True, kw_only=True):
     """One decoder layer of a step: simulated µs per chip, and per op category per chip."""
 
     layer: int
@@ -103,7 +103,7 @@ class LayerTiming(_Frozen):
     slowest_category: str
 
 
-class StepView(_Frozen):
+class StepView(_Frozen, frozen=True, kw_only=True):
     """The last device step of a kind (all times simulated µs, but ``compute_wall_ms``: host wall).
 
     ``kind`` is None (and everything else empty) before the first step.
@@ -127,7 +127,7 @@ class StepView(_Frozen):
     time_unit: str | None = None
 
 
-class MemoryRegion(_Frozen):
+class MemoryRegion(_Frozen, frozen=True, kw_only=True):
     """One region of a chip's memory plan (bytes); ``kind`` dram|sram."""
 
     name: str
@@ -137,7 +137,7 @@ class MemoryRegion(_Frozen):
     physical_bytes: int
 
 
-class ChipMemory(_Frozen):
+class ChipMemory(_Frozen, frozen=True, kw_only=True):
     """One chip's memory plan (bytes)."""
 
     chip: int
@@ -146,7 +146,7 @@ class ChipMemory(_Frozen):
     regions: tuple[MemoryRegion, ...]
 
 
-class MemoryView(_Frozen):
+class MemoryView(_Frozen, frozen=True, kw_only=True):
     """Per-chip memory map (FACTS F4) with KV use filled in; all sizes bytes. Empty if no plan."""
 
     unit: str = "bytes"
@@ -159,7 +159,7 @@ class MemoryView(_Frozen):
     chips: tuple[ChipMemory, ...] = ()
 
 
-class SlotView(_Frozen):
+class SlotView(_Frozen, frozen=True, kw_only=True):
     """One serving slot (llama-server's slot): its request and token counts."""
 
     index: int
@@ -171,7 +171,7 @@ class SlotView(_Frozen):
     cached_tokens: int
 
 
-class StageView(_Frozen):
+class StageView(_Frozen, frozen=True, kw_only=True):
     """Where the last prefill or decode step's time went, in ms.
 
     ``h2d_ms`` / ``infer_ms`` / ``d2h_ms``: simulated device time; the others are measured host CPU ms.
@@ -190,7 +190,7 @@ class StageView(_Frozen):
     request_id: int | None
 
 
-class HostInfo(_Frozen):
+class HostInfo(_Frozen, frozen=True, kw_only=True):
     """This process, measured: CPU % since the previous snapshot, RSS bytes, threads, system CPU %."""
 
     cpu_percent: float
@@ -199,7 +199,7 @@ class HostInfo(_Frozen):
     system_cpu_percent: float
 
 
-class FindingView(_Frozen):
+class FindingView(_Frozen, frozen=True, kw_only=True):
     """A bundle manifest finding (``severity`` warning|error), with the file and field it concerns."""
 
     severity: str
@@ -210,7 +210,7 @@ class FindingView(_Frozen):
     action: str
 
 
-class Snapshot(_Frozen):
+class Snapshot(_Frozen, frozen=True, kw_only=True):
     """One read-only observation of the whole system.
 
     ``taken_unix_s``: host wall clock; ``sim_now_ms``: the simulated device clock.

@@ -134,10 +134,11 @@ class Calbin:
         inbuf._check_ready(submodel)
         used = self.device._claim(task_type, outbuf)
         board = self.device._board
-        n = inbuf.cur_seq_len
+        n, past = inbuf.cur_seq_len, inbuf.past_kv_cur_seq_len
+        assert n is not None and past is not None  # _check_ready: the CSR is set
         try:
             ctx_cells, ctx_pos = board.kv.seq_cells(inbuf.seq_id) if ctx is None else ctx
-            if ctx_cells.shape[0] != inbuf.past_kv_cur_seq_len + n:
+            if ctx_cells.shape[0] != past + n:
                 raise SubmitError(f"CSR past_kv_cur_seq_len={inbuf.past_kv_cur_seq_len} + cur_seq_len={n} != "
                                   f"{ctx_cells.shape[0]} KV cells held by sequence {inbuf.seq_id}")
             if not np.isin(inbuf.cells_view, ctx_cells).all():

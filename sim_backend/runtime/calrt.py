@@ -162,7 +162,7 @@ class VirtualDevice:
             if not self._parallel:
                 if busy:
                     t, ob = next(iter(busy.items()))
-                    raise SubmitError(f"a job is in flight ({t}, job {ob._job.id}); parallel mode is off: "
+                    raise SubmitError(f"a job is in flight ({t}, job {ob.job_id}); parallel mode is off: "
                                       "wait() it first or enable_parallel_mode(True)")
                 task_type = "ping" if task_type == "auto" else task_type
             elif task_type == "auto":
@@ -171,7 +171,7 @@ class VirtualDevice:
                     raise SubmitError("both task types (ping, pong) are busy: wait() one of them first")
                 task_type = free[0]
             elif task_type in busy:
-                raise SubmitError(f"task type {task_type} is busy with job {busy[task_type]._job.id}: "
+                raise SubmitError(f"task type {task_type} is busy with job {busy[task_type].job_id}: "
                                   "wait() it first")
             busy[task_type] = out
             out._claimed = True  # busy from now, before the job exists

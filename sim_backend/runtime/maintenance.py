@@ -149,6 +149,8 @@ class MaintenanceRuntime:
             res = job.wait(timeout)
         finally:
             b.kv.free(seq_id)
+        if res.logits_bf16 is None:
+            raise MaintenanceRefused("golden_check", "the device returned no logits (timing-only)")
         rep = compare(golden, res.logits_bf16, b.bundle.golden_max_abs_error)
         if rep["max_abs_error"] is None:
             raise MaintenanceRefused("golden_check", rep["detail"])

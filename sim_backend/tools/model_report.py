@@ -4,6 +4,7 @@ memory plan (FACTS F4, bytes) and manifest findings. Nothing runs on a device.""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from sim_backend.bundle.manifest import load_bundle
 from sim_backend.device.memory import MemoryPlan
@@ -30,7 +31,7 @@ def model_info(bundle_dir: str | Path | None = None, hardware: str | Path | None
     for name, sm in bundle.submodels.items():
         kind = "prefill" if sm.effective_type == "llm_prefill" else "decode"
         g = build_graph(shape, kind)
-        per_chip_cat = [{} for _ in range(shape.n_chips)]
+        per_chip_cat: list[dict[str, int]] = [{} for _ in range(shape.n_chips)]
         for op in g.ops:
             for c in op.profile_chips:
                 per_chip_cat[c][op.category] = per_chip_cat[c].get(op.category, 0) + 1
@@ -44,7 +45,7 @@ def model_info(bundle_dir: str | Path | None = None, hardware: str | Path | None
             "csr": list(sm.csr), "dynamic_d2d": sm.dynamic_d2d,
         }
     plan = MemoryPlan.for_bundle(shape, hw)
-    per_chip = []
+    per_chip: list[dict[str, Any]] = []
     for c, regs in enumerate(plan.chips):
         per_chip.append({
             "chip": c,

@@ -49,7 +49,8 @@ def run_mode(max_inflight: int, *, n_requests: int, max_tokens: int, numerics: b
             for i in range(n_requests)]
         results = [h.result(timeout_s) for h in handles]
         sim1, wall1 = s.board.clock.now_us, time.perf_counter()
-        steps = list(s.engine.stage_history)[n_hist:] if n_hist < s.engine.stage_history.maxlen else []
+        hist = s.engine.stage_history
+        steps = list(hist)[n_hist:] if hist.maxlen is None or n_hist < hist.maxlen else []
     bad = [r for r in results if r.status != "finished"]
     if bad:
         raise CalError(f"request {bad[0].request_id} ended {bad[0].status}: {bad[0].error}")
