@@ -51,3 +51,14 @@ def test_bf16_bit_shift_lives_only_in_the_bf16_module():
     offenders = [f"{py.relative_to(ROOT)}:{i}" for py in (ROOT / "sim_backend").rglob("*.py") if py.name != "bf16.py"
                  for i, line in enumerate(py.read_text(encoding="utf-8").splitlines(), 1) if shift.search(line)]
     assert offenders == []
+
+
+def test_import_contracts_hold():
+    """The layer and door contracts in pyproject.toml ([tool.importlinter]) hold for the tree."""
+    import shutil
+
+    exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+    p = subprocess.run([exe, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
+    assert "0 broken" in p.stdout
