@@ -860,7 +860,7 @@ class KVCacheManager:
                     NotImplementedError, SyntaxError, RecursionError, zipfile.BadZipFile, zlib.error,
                     struct.error)
     # Slack for the .npy headers and zip directory of a state file (bytes).
-    _FILE_SLACK = 1 << 16
+    _FILE_SLACK = 64 * 1024
 
     def _read_state_file(self, path: str, targets: list[tuple[np.ndarray, int]]
                          ) -> tuple[np.ndarray, list[np.ndarray]]:
