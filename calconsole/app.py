@@ -22,7 +22,7 @@ from .layout import Layout
 from .messages import SnapshotReady
 from .panes.chat import ChatPane
 from .panes.observation import ObservationPane
-from .widgets.render import mode_text
+from .widgets.render import mode_text, status_text
 
 MIN_WIDTH, MIN_HEIGHT = 80, 24
 log = logging.getLogger(__name__)
@@ -121,8 +121,9 @@ class CalConsoleApp(App):
         snap = message.snap
         self.last_snapshot = snap
         d = snap["device"]
-        bar = Text.assemble(("calconsole ", "bold"), f"{d['name']} · ", mode_text(d),
-                            f" · {d['status']} · jobs done {snap['jobs']['finished']} · "
+        req = snap["requests"]["counters"]
+        bar = Text.assemble(("calconsole ", "bold"), f"{d['name']} · ", mode_text(d), " · ", status_text(d),
+                            f" · requests done {req['finished']} · device steps {snap['jobs']['finished']} · "
                             f"KV {snap['kv']['used_tokens']}/{snap['kv']['capacity_tokens']} · "
                             f"sim clock {snap['sim_now_ms'] / 1e3:.2f} s")
         if bar.plain != self._topbar_text:  # an idle console redraws nothing

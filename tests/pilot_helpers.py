@@ -18,6 +18,18 @@ async def wait_for(pilot, cond, timeout_s: float = 20.0, step: float = 0.05) -> 
     return cond()
 
 
+async def click_button(pilot, sel: str, timeout_s: float = 5.0) -> None:
+    """Click a Button as a person would: not while its press effect from the previous click lasts.
+
+    Textual's Button ignores a click while it still shows the ``-active`` press effect
+    (0.2 s after a press), so a second click on the same button that quickly is dropped:
+    a test clicking it again as soon as the first result arrives is then timing-dependent.
+    """
+    button = pilot.app.screen.query_one(sel)
+    assert await wait_for(pilot, lambda: not button.has_class("-active"), timeout_s), f"{sel} stays pressed"
+    assert await pilot.click(sel), f"the click on {sel} landed on another widget"
+
+
 def log_lines(app, sel: str) -> list[str]:
     """The log's visible lines (as wrapped on screen)."""
     return [line.text for line in app.screen_stack[0].query_one(sel, RichLog).lines]

@@ -10,7 +10,7 @@ from calconsole.layout import load_layout
 from sim_backend.device.board import Pacing, PacingMode
 from sim_backend.planes.system import build_system
 
-from pilot_helpers import log_lines, wait_for
+from pilot_helpers import click_button, log_lines, wait_for
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ async def test_reset_disabled_outside_exclusive_and_works_inside(system):
         assert await wait_for(pilot, lambda: len(app.screen_stack) == 1)
         assert await wait_for(pilot, lambda: any("cancelled" in line for line in log_lines(app, "#m-log")))
         assert app.last_snapshot["jobs"]["resets"] == 0
-        await pilot.click("#m-reset")
+        await click_button(pilot, "#m-reset")  # a second click on the same button
         assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
         modal = app.screen
         await pilot.press(*"calculet")

@@ -229,3 +229,25 @@ def test_cli_model_refuses_bad_hardware_yaml(tmp_path, capsys):
     assert main(["model", "--json", "--hardware", str(p)]) == 2
     err = capsys.readouterr().err
     assert "hardware.dram_physical_gib" in err and len(err.strip().splitlines()) == 1
+
+@pytest.mark.parametrize("kind,n,past", [("decode", 1, 100), ("prefill", 27, 0)])
+def test_slow_chip_is_priced_on_its_own_column(cm, kind, n, past):
+    base = cm.price_step(SHAPE, kind, n, past)
+    slow = cm.price_step(SHAPE, kind, n, past, chip_scale=[1.0, 4.0])
+    assert base.chip_scale == (1.0, 1.0) and slow.chip_scale == (1.0, 4.0)
+    # chip0 keeps its own time, chip1 takes 4x; the host link (PCIe) is not the chip
+    assert np.allclose(slow.layer_chip_us[:, 0], base.layer_chip_us[:, 0])
+    assert np.allclose(slow.layer_chip_us[:, 1], 4.0 * base.layer_chip_us[:, 1])
+    assert (slow.h2d_us, slow.d2h_us) == (base.h2d_us, base.d2h_us)
+    assert slow.total_us == pytest.approx(slow.h2d_us + slow.infer_us + slow.d2h_us)
+    # chips align at every barrier: the slow chip gates the step, by at most its factor
+    assert 3.0 * base.infer_us < slow.infer_us <= 4.0 * base.infer_us
+    # and the other chip waits at the barriers: its ops start later than in the nominal step
+    assert np.nanmax(slow.op_start_us[0]) > 3.0 * np.nanmax(base.op_start_us[0])
+
+
+@pytest.mark.parametrize("bad", [[1.0], [1.0, 0.5], [1.0, float("nan")], [1.0, float("inf")], [1.0, 2.0, 3.0]])
+def test_bad_chip_scale_is_refused(cm, bad):
+    with pytest.raises(ValueError, match="chip_scale"):
+        cm.price_step(SHAPE, "decode", 1, 10, chip_scale=bad)
+

@@ -419,14 +419,84 @@ def test_armed_fault_fails_one_live_request_while_others_are_served(system, kind
     lease = m.enter_exclusive("alice")
     m.inject_fault(lease, kind)
     m.leave_exclusive(lease)  # a rehearsal under live traffic: the fault stays armed
-    assert system.observation.snapshot().device.status == "degraded"
+    d = system.observation.snapshot().device
+    # armed is not a failure: nothing has happened yet
+    assert d.status == "ok" and len(d.faults_armed) == 1 and d.faults_fired == ()
     hs = [system.inference.submit(req(f"request {i}", 5)) for i in range(3)]
     results = [h.result(60) for h in hs]
     failed = [r for r in results if r.status == "failed"]
     assert len(failed) == 1 and failed[0].error["type_name"] == error
+    assert "injected fault" in failed[0].error["message"]
     assert sum(r.status == "finished" for r in results) == 2
     assert system.inference.generate(req(), timeout=60).status == "finished"
-    assert system.observation.snapshot().device.faults == ()
+    d = system.observation.snapshot().device
+    assert d.faults == () and d.faults_armed == ()
+    # the fault that fired stays visible after the device served requests again, until acknowledged
+    assert d.status == "fault" and [f.fault for f in d.faults_fired] == [FIRED[kind]]
+    with pytest.raises(MaintenanceRefused):
+        m.acknowledge_faults("")
+    rep = m.acknowledge_faults("alice")  # no lease needed: it changes nothing on the device
+    assert [a["fault"] for a in rep["acknowledged"]] == [FIRED[kind]]
+    d = system.observation.snapshot().device
+    assert d.status == "ok" and d.faults_fired == ()
+    assert m.acknowledge_faults("alice")["acknowledged"] == []
+    assert [(e["action"], e["status"]) for e in m.audit.entries()][-3:] == [
+        ("acknowledge_faults", "refused"), ("acknowledge_faults", "granted"), ("acknowledge_faults", "granted")]
+
+
+FIRED = {"ccu_exception": "ccu_exception", "kv_exhaustion": "kv_exhaustion", "link_error": "d2d_link_error"}
+
+
+def test_fired_fault_stays_until_reset(system):
+    m = system.maintenance
+    lease = m.enter_exclusive("alice")
+    m.inject_fault(lease, "ccu_exception")
+    assert system.observation.snapshot().device["status"] == "ok"
+    assert m.probe_request(lease, "hi", 2)["status"] == "failed"
+    d = system.observation.snapshot().device
+    assert d.status == "fault" and "job" in d.faults_fired[0]["detail"]
+    assert m.probe_request(lease, "hi", 2)["status"] == "finished"  # serving again, still shown
+    assert system.observation.snapshot().device["status"] == "fault"
+    m.reset(lease)
+    d = system.observation.snapshot().device
+    assert d.status == "ok" and d.faults_fired == ()
+    m.leave_exclusive(lease)
+
+
+def test_probe_and_self_test_steps_show_in_the_stage_table(system):
+    m = system.maintenance
+    lease = m.enter_exclusive("alice")
+    assert m.probe_request(lease, "hi", 3)["status"] == "finished"
+    stages = system.observation.snapshot().stages
+    assert stages["prefill"]["source"] == "probe" and stages["decode"]["source"] == "probe"
+    last = system.board.last_steps["decode"]
+    assert stages["decode"]["infer_ms"] == pytest.approx(last.cost.infer_us / 1e3)
+    assert m.self_test(lease)["ok"]
+    assert system.observation.snapshot().stages["prefill"]["source"] == "self-test"
+    m.leave_exclusive(lease)
+    system.inference.generate(req("served", 2), timeout=60)
+    assert system.observation.snapshot().stages["decode"]["source"] == "request"
+
+
+def test_self_test_on_cleared_memory_says_nothing_ran(system):
+    m = system.maintenance
+    lease = m.enter_exclusive("alice")
+    m.clear_device_memory(lease)
+    jobs = system.board.counters().submitted
+    rep = m.self_test(lease)
+    assert rep["ok"] is False and "not run: device memory is cleared" in rep["detail"]
+    assert rep.get("top1_match") is None and system.board.counters().submitted == jobs
+    m.reload_model(lease)
+    m.leave_exclusive(lease)
+
+
+def test_unknown_register_message_keeps_its_quotes(system):
+    m = system.maintenance
+    lease = m.enter_exclusive("alice")
+    with pytest.raises(MaintenanceRefused) as ei:
+        m.read_register(lease, "nosuch")
+    assert str(ei.value) == "read_register refused: no register named 'NOSUCH'"
+    m.leave_exclusive(lease)
 
 
 def test_slow_chip_slows_steps_and_shows_in_snapshot(system):
@@ -443,12 +513,21 @@ def test_slow_chip_slows_steps_and_shows_in_snapshot(system):
     m.inject_fault(lease, "slow_chip", chip=1, factor=3.0)
     snap = system.observation.snapshot()
     assert "slow_chip1 x3" in snap.device.faults
+    assert snap.device.status == "degraded" and snap.device.faults_in_effect == ("slow_chip1 x3",)
     assert [c.slow_factor for c in snap.device.chiplets] == [1.0, 3.0]
     m.leave_exclusive(lease)
     system.inference.generate(req("warm", 3), timeout=60)
     slow = system.board.last_steps["decode"]
-    assert slow.sim_us == pytest.approx(3.0 * slow.cost.total_us)
+    c = slow.cost
+    # the parts add up to the step, and the slow chip shows on its own column
+    assert slow.sim_us == pytest.approx(c.h2d_us + c.infer_us + c.d2h_us, rel=1e-12)
+    assert c.h2d_us == pytest.approx(base.cost.h2d_us) and c.d2h_us == pytest.approx(base.cost.d2h_us)
+    assert np.allclose(c.layer_chip_us[:, 0], base.cost.layer_chip_us[:, 0])
+    assert np.allclose(c.layer_chip_us[:, 1], 3.0 * base.cost.layer_chip_us[:, 1])
     assert slow.sim_us > 2.5 * base.sim_us
+    view = system.observation.snapshot().last_decode
+    assert view["sim_us"] == pytest.approx(view["h2d_us"] + view["infer_us"] + view["d2h_us"], rel=1e-12)
+    assert all(layer["chip_us"][1] > 2.9 * layer["chip_us"][0] for layer in view["layers"])
     lease = m.enter_exclusive("alice")
     assert m.clear_faults(lease)["disarmed"] == ["slow_chip1 x3"]
     m.leave_exclusive(lease)

@@ -18,7 +18,7 @@ from calconsole.panes.maintenance import MaintenancePane
 from sim_backend.device.board import Pacing, PacingMode
 from sim_backend.planes.system import build_system
 
-from pilot_helpers import has, log_text, wait_for
+from pilot_helpers import click_button, has, log_text, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +73,7 @@ async def test_full_maintenance_window(system):
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         try:
-            await pilot.click("#m-enter")
+            await click_button(pilot, "#m-enter")
             assert await wait_for(pilot, lambda: pane.lease is not None)
         finally:
             stop.set()
@@ -90,7 +90,7 @@ async def test_full_maintenance_window(system):
         assert await wait_for(pilot, lambda: has(app, "#chat-log", "unavailable_error: device in maintenance"))
 
         # reset: the modal opens with the name field focused; Enter cancels unless the name is typed
-        await pilot.click("#m-reset")
+        await click_button(pilot, "#m-reset")
         assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
         modal = app.screen
         assert app.focused.id == "confirm-name"
@@ -102,35 +102,34 @@ async def test_full_maintenance_window(system):
         assert ok_button.disabled  # not the full name yet
         await pilot.press("0")
         assert not ok_button.disabled
-        await pilot.click("#confirm-ok")
+        await click_button(pilot, "#confirm-ok")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "reset: ok"))
         assert "health ok: healthy" in log_text(app, "#m-log")
         assert await wait_for(pilot, lambda: app.last_snapshot["jobs"]["resets"] == 1)
 
         # clear memory: Escape at the confirmation does nothing
-        await pilot.click("#m-clear")
+        await click_button(pilot, "#m-clear")
         assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
         await pilot.press("escape")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "clear_device_memory: cancelled at the confirmation"))
         assert not system.board.memory_cleared
 
         # golden self-test
-        await pilot.click("#m-selftest")
+        await click_button(pilot, "#m-selftest")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "self_test: ok · pass: max abs error"))
 
         # CCU fault: visible in the snapshot; the next request fails typed, the one after succeeds
-        await pilot.click("#m-f-ccu")
+        await click_button(pilot, "#m-f-ccu")
         assert await wait_for(pilot, lambda: "ccu_exception x1" in app.last_snapshot["device"]["faults"])
-        # Button.press(): a second click at the same spot can land on the first click's tooltip
-        app.query_one("#m-probe", Button).press()
+        await click_button(pilot, "#m-probe")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "request failed: CCUException")), log_text(app, "#m-log")
-        app.query_one("#m-probe", Button).press()
+        await click_button(pilot, "#m-probe")  # a second click on the same button: see click_button
         assert await wait_for(pilot, lambda: has(app, "#m-log", "probe_request: ok · request finished"))
         assert await wait_for(pilot, lambda: app.last_snapshot["device"]["faults"] == ()
                               or app.last_snapshot["device"]["faults"] == [])
 
         # leave exclusive and chat again
-        await pilot.click("#m-leave")
+        await click_button(pilot, "#m-leave")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "left exclusive mode"))
         assert app.query_one("#m-reset", Button).disabled
         await chat(pilot, app, "hi again", 6)
@@ -146,7 +145,7 @@ async def test_clear_memory_offers_reload_and_leaving_needs_it(system):
     app = CalConsoleApp(system, load_layout("operator"))
     async with app.run_test(size=(160, 50)) as pilot:
         pane = app.query_one(MaintenancePane)
-        await pilot.click("#m-enter")
+        await click_button(pilot, "#m-enter")
         assert await wait_for(pilot, lambda: pane.lease is not None)
         app.query_one("#m-log").focus()
         await pilot.pause()
@@ -158,22 +157,24 @@ async def test_clear_memory_offers_reload_and_leaving_needs_it(system):
         assert await wait_for(pilot, lambda: has(app, "#m-log", "model is reloaded: press Reload"))
         assert system.board.memory_cleared
         assert app.focused.id == "m-reload"
-        await pilot.click("#m-leave")
+        await click_button(pilot, "#m-leave")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "reload the model first"))
         assert pane.lease is not None
-        await pilot.click("#m-reload")
+        await click_button(pilot, "#m-reload")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "reload_model: ok"))
         # registers: read any, write only writable ones
         app.query_one("#m-reg").value = "BOARD_ID"
-        await pilot.click("#m-reg-read")
+        await click_button(pilot, "#m-reg-read")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "BOARD_ID (0x0000) = "))
         app.query_one("#m-reg-value").value = "7"
-        await pilot.click("#m-reg-write")
+        await click_button(pilot, "#m-reg-write")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "register BOARD_ID is read-only"))
         app.query_one("#m-reg").value = "chip1_scratch"
-        await pilot.click("#m-reg-write")
+        # the second click on Write: a click within 0.2 s of the first is dropped by Textual's
+        # Button (press effect), which made this step fail on fast machines
+        await click_button(pilot, "#m-reg-write")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "CHIP1_SCRATCH: 0 -> 7"))
-        await pilot.click("#m-leave")
+        await click_button(pilot, "#m-leave")
         assert await wait_for(pilot, lambda: pane.lease is None)
 
 

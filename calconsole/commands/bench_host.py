@@ -16,8 +16,8 @@ from .common import fail, print_json
 def register(bsub) -> None:
     p = bsub.add_parser(
         "host", help="host path per token: fast sampler vs naive full-sort sampler (host wall ms)",
-        description="Time the per-token host path over the 151936 BF16 logits of one step (303,872 B D2H, "
-                    "report §4): copy into a landing buffer, BF16 -> FP32, sample (default parameters: "
+        description="Time the per-token host path over the 151936 BF16 logits of one step (303,872 B D2H "
+                    "per token): copy into a landing buffer, BF16 -> FP32, sample (default parameters: "
                     "temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, with penalties over 64 recent ids). "
                     "The same run times a naive sampler (fresh FP32 copy, full softmax, full argsort). "
                     "Figures are measured HOST WALL milliseconds per token, not simulated time.")

@@ -1,10 +1,10 @@
 """``calconsole bench overlap``: serial vs ping/pong overlapped serving, measured in one run.
 
 Runs the same N concurrent requests twice on fresh systems: serial
-(``max_inflight=1``, infer() + Wait() per step, as production does, FACTS
-F1) and overlapped (``max_inflight=2``: a second job is submitted before the
+(``max_inflight=1``, infer() + Wait() per step, as production does)
+and overlapped (``max_inflight=2``: a second job is submitted before the
 first is waited, so one request's host work — sampling, detokenising, KV
-bookkeeping — overlaps another request's device step; FACTS F5 C1 ping/pong
+bookkeeping — overlaps another request's device step; the runtime's ping/pong
 + parallel mode). Reports requests/s and tokens/s on the SIMULATED device
 clock and in measured HOST WALL time.
 
@@ -33,7 +33,7 @@ from .common import fail, print_json
 
 def register(bsub) -> None:
     p = bsub.add_parser("overlap", help="serial vs ping/pong overlapped serving: requests/s, tokens/s",
-                        description=__doc__.replace("``", "").replace("FACTS\nF1", "report §4").replace("FACTS F1", "report §4").replace("FACTS F5 C1", "report §8").split("\n\n")[1] + " " + CLOCK_NOTE + ".",
+                        description=__doc__.replace("``", "").split("\n\n")[1] + " " + CLOCK_NOTE + ".",
                         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=4, help="concurrent requests (default 4)")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")

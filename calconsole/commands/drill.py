@@ -42,7 +42,7 @@ from .common import add_common_options, build_from_args, fail, print_json
 
 def register(sub, common) -> None:
     p = sub.add_parser("drill", help="run a scripted maintenance window and check every step",
-                       description=__doc__.replace("``", "").replace("FACTS F1", "report §4").replace("FACTS F5 C1", "report §8").split("\n\n")[0] + " Prints each step; exit code 1 if any step did "
+                       description=__doc__.replace("``", "").split("\n\n")[0] + " Prints each step; exit code 1 if any step did "
                                    "not behave as described. sim_ms is simulated device time, wall_ms host time.")
     add_common_options(p, default_pacing="fast")
     p.add_argument("--json", action="store_true", help="print the steps as JSON")

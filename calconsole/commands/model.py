@@ -23,8 +23,8 @@ def register(sub, common) -> None:
     p = sub.add_parser(
         "model", help="print the bundle: sub-models, op counts, memory plan, manifest findings",
         description="Print the calbin bundle: sub-models (declared and effective type, I/O), op counts by "
-                    "category and per chip (generated from the model shape; report §5), the per-chip memory "
-                    "plan (report §7) and the manifest findings. Nothing runs on the device.")
+                    "category and per chip (generated from the model shape, as the real bundle's profile counts them), "
+                    "the per-chip memory plan and the manifest findings. Nothing runs on the device.")
     p.add_argument("--bundle", metavar="DIR", default=None,
                    help="calbin bundle directory (default: the built-in Qwen3-30B-A3B simulator bundle)")
     p.add_argument("--hardware", metavar="YAML", default=None,
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     con.print(f"[b]{b['name']}[/b] ({b['path']}) device {b['device']}, CalRT {b['calrt_version']}, "
               f"context {b['context']} tokens, batch {b['max_batch_size']}")
     names = list(info["submodels"])
-    t = Table(title="Op counts by category (generated from the model shape; real bundle: report §5)")
+    t = Table(title="Op counts by category (generated from the model shape, counted as in the real bundle's profile)")
     t.add_column("category", no_wrap=True)
     for n in names:
         t.add_column(n, justify="right")
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     t.add_row("declared / effective type",
               *(f"{info['submodels'][n]['smodel_type']} / {info['submodels'][n]['effective_type']}" for n in names))
     con.print(t)
-    m = Table(title="Memory plan per chip (used / reserved / physical; real bundle: report §7)")
+    m = Table(title="Memory plan per chip (used / reserved / physical, as the real bundle plans it)")
     m.add_column("region", no_wrap=True)
     m.add_column("kind")
     chips = info["memory"]["per_chip"]

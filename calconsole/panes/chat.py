@@ -27,6 +27,7 @@ from sim_backend.planes import (
 )
 
 from ..widgets.render import set_subtitle
+from ..widgets.wraplog import WrapLog
 
 SYNTHETIC_NOTICE = ("Weights are synthetic: the text is not meaningful. Tokens, timings and KV are real "
                     "products of the simulated run. Times are simulated device ms.")
@@ -70,8 +71,8 @@ class ChatPane(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(SYNTHETIC_NOTICE, id="chat-notice", classes="dim")
-        # min_width: RichLog renders at least 78 columns by default, cutting lines in a narrower pane
-        yield RichLog(id="chat-log", max_lines=LOG_MAX_LINES, wrap=True, markup=False, auto_scroll=True, min_width=20)
+        # WrapLog: re-wraps on resize, renders a long reply in slices (keys stay responsive at its end)
+        yield WrapLog(id="chat-log", max_lines=LOG_MAX_LINES, auto_scroll=True, min_width=20)
         yield Static("", id="chat-stream")
         yield Static("", id="chat-status", classes="dim")
         with Collapsible(title="sampling parameters", collapsed=True, id="chat-params"):

@@ -9,8 +9,12 @@ no lease. Reset and Clear device memory open a ``ConfirmModal`` where the
 operator types the device name; Cancel is focused by default.
 
 Keys (focus inside the pane; F3 focuses it): x enter exclusive, l leave,
-r reset, c clear device memory, t self-test, p probe request, f inject a
-CCU exception.
+r reset, c clear device memory, o reload the model, t self-test, p probe
+request, f inject a CCU exception, a acknowledge the faults that fired.
+
+Acknowledge is the one action besides "Enter exclusive" that needs no lease
+(it changes nothing on the device): a fault that fired keeps the device
+status at ``fault`` until someone acknowledges it (audited) or resets.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from textual.widgets import Button, Input, RichLog, Static
 from sim_backend.planes import CalError
 
 from ..widgets.confirm import ConfirmModal
-from ..widgets.render import set_subtitle
+from ..widgets.render import set_subtitle, status_text
+from ..widgets.wraplog import WrapLog
 
 #: buttons enabled only while this pane holds the lease
 GUARDED = ("#m-leave", "#m-reset", "#m-clear", "#m-reload", "#m-selftest", "#m-health", "#m-probe", "#m-clearkv",
@@ -50,6 +55,7 @@ class MaintenancePane(Vertical):
                                     text-wrap: nowrap; text-overflow: ellipsis; }
     MaintenancePane .m-row Input { width: 100%; }
     MaintenancePane #m-row-reg { grid-columns: 2fr 1fr 1fr 1fr 1fr; }
+    MaintenancePane #m-row-faults { grid-size: 6 1; }
     MaintenancePane #m-mode { height: 2; margin: 0; }
     MaintenancePane #m-log { height: 1fr; min-height: 3; }
     """
@@ -63,6 +69,7 @@ class MaintenancePane(Vertical):
         Binding("t", "self_test", "self-test"),
         Binding("p", "probe", "probe"),
         Binding("f", "fault_ccu", "CCU fault"),
+        Binding("a", "acknowledge", "ack faults"),
     ]
 
     def __init__(self, maintenance, device_name: str, **kw) -> None:
@@ -72,6 +79,7 @@ class MaintenancePane(Vertical):
         self.device_name = device_name
         self.lease = None
         self._entering = False
+        self._fired: list = []  # unacknowledged fired faults of the last snapshot
         try:
             self.holder = f"{getpass.getuser()}@console"
         except Exception:  # noqa: BLE001 - no passwd entry in some containers
@@ -91,19 +99,21 @@ class MaintenancePane(Vertical):
             yield Button("Probe", id="m-probe", disabled=True, compact=True)
             yield Button("Clear KV", id="m-clearkv", disabled=True, compact=True)
             yield Button("Dump", id="m-dump", disabled=True, compact=True)
-        with Horizontal(classes="m-row"):
+        with Horizontal(classes="m-row", id="m-row-faults"):
             yield Button("CCU fault", id="m-f-ccu", disabled=True, tooltip="inject: CCU exception on the next job", compact=True)
             yield Button("KV fault", id="m-f-kv", disabled=True, tooltip="inject: the next KV apply fails (KVExhausted)", compact=True)
             yield Button("D2D fault", id="m-f-link", disabled=True, tooltip="inject: D2D link error on the next job", compact=True)
             yield Button("Slow chip", id="m-f-slow", disabled=True, tooltip="inject: chip1 runs 4x slower", compact=True)
             yield Button("No faults", id="m-f-clear", disabled=True, tooltip="disarm every injected fault", compact=True)
+            yield Button("Ack", id="m-ack", disabled=True, compact=True,
+                         tooltip="acknowledge the faults that fired (status back from 'fault'); no lease needed")
         with Horizontal(classes="m-row", id="m-row-reg"):
             yield Input(placeholder="register / 0xADDR", id="m-reg", compact=True)
             yield Input(placeholder="value", id="m-reg-value", compact=True)
             yield Button("Read", id="m-reg-read", disabled=True, compact=True)
             yield Button("Write", id="m-reg-write", disabled=True, compact=True)
             yield Button("All", id="m-reg-all", disabled=True, compact=True)
-        yield RichLog(id="m-log", max_lines=500, wrap=True, markup=False, min_width=20)  # see chat pane
+        yield WrapLog(id="m-log", max_lines=500, min_width=20)  # re-wraps on resize (see chat pane)
 
     def on_mount(self) -> None:
         self._sync_buttons()
@@ -113,6 +123,7 @@ class MaintenancePane(Vertical):
         had_focus = self.app.focused is not None and self in self.app.focused.ancestors_with_self
         held = self.lease is not None
         self.query_one("#m-enter", Button).disabled = held or self._entering
+        self.query_one("#m-ack", Button).disabled = not self._fired
         for sel in GUARDED:
             self.query_one(sel, Button).disabled = not held
         # a disabled button loses focus: keep it in this pane so its keys keep working
@@ -128,6 +139,8 @@ class MaintenancePane(Vertical):
             return None
         if action == "enter" and (self.lease is not None or self._entering):
             return None
+        if action == "acknowledge" and not self._fired:
+            return None
         return True
 
     def _log(self, text: str, style: str = "") -> None:
@@ -138,12 +151,14 @@ class MaintenancePane(Vertical):
         mode = d["mode"] + (f" (lease: {d['lease_holder']})" if d.get("lease_holder") else "")
         set_subtitle(self, mode)
         style = {"serving": "green", "draining": "yellow", "exclusive": "bold red"}.get(d["mode"], "")
-        line = Text.assemble("mode ", (mode, style), " · device ", (d["status"], "green" if d["status"] == "ok" else "red"))
-        if d.get("faults"):
-            line.append(f" · faults armed: {', '.join(d['faults'])}", style="yellow")
+        line = Text.assemble("mode ", (mode, style), " · device ", status_text(d))
         if line.plain != self._mode_line:  # unchanged: no redraw, no relayout
             self._mode_line = line.plain
             self.query_one("#m-mode", Static).update(line)
+        fired = list(d.get("faults_fired") or ())
+        if fired != self._fired:
+            self._fired = fired
+            self._sync_buttons()
 
     def _need_lease(self, what: str) -> bool:
         if self.lease is None:
@@ -193,6 +208,14 @@ class MaintenancePane(Vertical):
     def action_probe(self) -> None:
         if self._need_lease("probe request"):
             self._run("probe_request", lambda: self.maintenance.probe_request(self.lease, "hi", max_tokens=4))
+
+    def action_acknowledge(self) -> None:
+        if self._fired:
+            self._run("acknowledge_faults", lambda: self.maintenance.acknowledge_faults(self.holder))
+
+    @on(Button.Pressed, "#m-ack")
+    def _b_ack(self) -> None:
+        self.action_acknowledge()
 
     def action_fault_ccu(self) -> None:
         if self._need_lease("inject fault"):
@@ -344,8 +367,14 @@ def summarize_result(action: str, r) -> str:
         return (f"{extra}health {'ok' if h.get('ok') else 'FAILED'}: {h.get('detail')} "
                 f"({h.get('sim_us', 0) / 1e3:.1f} sim ms, {h.get('wall_ms', 0):.0f} wall ms)")
     if action == "self_test":
+        if r.get("top1_match") is None:  # nothing was compared (no inference ran, or no logits)
+            return str(r.get("detail"))
         return (f"{r.get('detail')} · top-1 {'match' if r.get('top1_match') else 'differs'} · "
                 f"{r.get('sim_ms', 0):.1f} sim ms")
+    if action == "acknowledge_faults":
+        acked = r.get("acknowledged", [])
+        return ("acknowledged: " + "; ".join(f"{a['fault']} ({a['detail']})" for a in acked)) if acked \
+            else "nothing to acknowledge"
     if action == "probe_request":
         if r.get("status") == "finished":
             return f"request finished: {r['n_tokens']} tokens in {r['sim_ms']:.1f} sim ms"

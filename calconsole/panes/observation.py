@@ -19,10 +19,10 @@ class ObservationPane(VerticalScroll):
     """Device, jobs, KV, slots, request metrics, per-layer timings, memory, host, findings.
 
     Fed by ``update_snapshot(snap)`` from the app's refresh timer. Key ``t``
-    switches the per-layer table between the last decode and last prefill.
+    cycles the per-layer table: last step / last decode / last prefill (README says the same).
     """
 
-    BINDINGS = [Binding("t", "toggle_step", "prefill/decode layers")]
+    BINDINGS = [Binding("t", "toggle_step", "per-layer: step/decode/prefill")]
     can_focus = True
 
     def __init__(self, **kw) -> None:

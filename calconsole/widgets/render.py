@@ -61,13 +61,45 @@ def mode_text(device: dict) -> Text:
     return t
 
 
+def status_text(device: dict) -> Text:
+    """The device status as the operator reads it: armed faults are armed (not a failure), a fault
+    that fired stays a fault until acknowledged (maintenance key ``a``) or reset."""
+    status = device["status"]
+    style = {"ok": "green", "degraded": "yellow"}.get(status, "bold red")
+    t = Text(status, style=style)
+    fired = device.get("faults_fired") or ()
+    if fired:
+        kinds = ", ".join(dict.fromkeys(f["fault"] for f in fired))
+        last = fired[-1]["detail"]
+        t.append(f": {kinds} fired ({len(fired)} unacknowledged, last {last}; a acknowledges)", style="bold red")
+    in_effect = device.get("faults_in_effect") or ()
+    if in_effect:
+        t.append(f" ({', '.join(in_effect)})", style="yellow")
+    armed = device.get("faults_armed") or ()
+    if armed:
+        t.append(f" · armed: {', '.join(armed)}", style="yellow")
+    return t
+
+
+def numerics_text(device: dict) -> str:
+    """What the tokens are made from right now, honest while a long prompt runs timing-only."""
+    if not device["numerics"]:
+        return "numerics off (timing-only)"
+    limit = device.get("numerics_max_prompt")
+    running = device.get("timing_only_running") or ()
+    if running:
+        ids = ", ".join(str(i) for i in running)
+        return (f"numerics on, but request{'s' if len(running) > 1 else ''} {ids} timing-only "
+                f"(prompt > {limit} tok)")
+    return f"numerics on (prompts <= {limit} tok)" if limit else "numerics on"
+
+
 def device_panel(snap: dict) -> Group:
     d = snap["device"]
-    status_style = {"ok": "green", "degraded": "yellow"}.get(d["status"], "red")
     head = Text()
     head.append(f"{d['name']} ", style="bold")
     head.append(f"[{d['bundle']}] ")
-    head.append(d["status"], style=status_style)
+    head.append_text(status_text(d))
     head.append("  mode ")
     head.append_text(mode_text(d))
     head.append(f"\nCalRT {d['calrt_version']}  fw {d['firmware_commit']}  pacing {d['pacing']}"
@@ -77,18 +109,19 @@ def device_panel(snap: dict) -> Group:
         behind = ach < 0.9 * d["pacing_speed"]
         head.append(f" (achieved x{ach:.2f}{': host behind, streaming slower than sim time' if behind else ''})",
                     style="bold yellow" if behind else "grey62")
-    head.append(f"  numerics {'on' if d['numerics'] else 'off (timing-only)'}  sim clock {snap['sim_now_ms'] / 1e3:.3f} s")
+    head.append(f"  {numerics_text(d)}  sim clock {snap['sim_now_ms'] / 1e3:.3f} s")
     chips = Table.grid(padding=(0, 2))
     for c in d["chiplets"]:
         st = {"ready": "green", "fault": "red", "cleared": "yellow"}.get(c["state"], "white")
         chips.add_row(Text(f"chip{c['index']}", style="bold"), Text(c["state"], style=st),
                       Text("busy" if c["busy"] else "idle", style="cyan" if c["busy"] else "grey50"),
                       Text(f"jobs {c['jobs_done']}"),
+                      Text(f"ccu_exc {c.get('ccu_exceptions', 0)}", style="red" if c.get("ccu_exceptions") else "grey50"),
                       Text(f"slow x{c['slow_factor']:g}", style="red") if c["slow_factor"] != 1 else Text(""))
-    parts: list[Any] = [head, chips]
-    if d["faults"]:
-        parts.append(Text("faults armed: " + ", ".join(d["faults"]), style="bold red"))
-    return Group(*parts)
+    link_err = d.get("d2d_link_errors", 0)
+    link = Text(f"d2d link chip0<->chip1: {link_err} error{'s' if link_err != 1 else ''} since power-on",
+                style="red" if link_err else "grey50")
+    return Group(head, chips, link)
 
 
 def jobs_panel(snap: dict) -> Text:
@@ -155,7 +188,9 @@ def requests_panel(snap: dict) -> Group:
     else:  # without an SLO every finished request counts: this is plain throughput
         gp = Text(f"no SLO set (metrics --slo): {n} finished request{'s' if n != 1 else ''}" + rate, style="grey70")
     tok = r["tokens"]
-    toks = Text(f"tokens prompt {tok['prompt']} cached {tok['cached']} predicted {tok['predicted']}", style="grey70")
+    # the counters are llama.cpp's: "prompt" counts processed tokens (the reused prefix excluded)
+    toks = Text(f"tokens prompt {tok['prompt'] + tok['cached']} (processed {tok['prompt']} + cached {tok['cached']})"
+                f" predicted {tok['predicted']}", style="grey70")
     return Group(head, t, gp, toks)
 
 
@@ -165,7 +200,9 @@ def stages_panel(snap: dict) -> Table:
     for col in cols:
         t.add_column(col, justify="right" if col != "kind" else "left")
     for kind, s in snap["stages"].items():
-        t.add_row(kind, fmt_ms(s["h2d_ms"], 3), fmt_ms(s["infer_ms"], 2), fmt_ms(s["d2h_ms"], 3),
+        src = s.get("source", "request")
+        label = kind if src == "request" else f"{kind} ({src})"  # a maintenance step, not a served request
+        t.add_row(label, fmt_ms(s["h2d_ms"], 3), fmt_ms(s["infer_ms"], 2), fmt_ms(s["d2h_ms"], 3),
                   fmt_ms(s["kv_wait_ms"], 3), fmt_ms(s["sampling_ms"], 3), fmt_ms(s["detokenize_ms"], 3),
                   fmt_ms(s["framework_ms"], 3))
     return t

@@ -349,7 +349,7 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     context = r.pos_int(doc, "context", "context", MAX_CONTEXT)
     batch = r.pos_int(doc, "max_batch_size", "max_batch_size")
     if batch != 1:
-        raise r.fail("max_batch_size", f"the device runs batch 1 only (FACTS F1), manifest says {batch}")
+        raise r.fail("max_batch_size", f"the device runs batch 1 only, manifest says {batch}")
 
     topo = r.get(doc, "topology", "topology", dict)
     chips = r.pos_int(topo, "chips", "topology.chips")
@@ -465,7 +465,7 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
             raise r.fail(f"submodels[{i}].outputs", "missing output tensor 'logits'")
         j, lt = outs["logits"]
         if lt.dtype != "bf16":
-            raise r.fail(f"submodels[{i}].outputs[{j}].dtype", f"logits must be bf16 (FACTS F1), got {lt.dtype}")
+            raise r.fail(f"submodels[{i}].outputs[{j}].dtype", f"logits must be bf16 (what the device returns), got {lt.dtype}")
         if lt.shape != (1, shape.vocab):
             raise r.fail(f"submodels[{i}].outputs[{j}].shape",
                          f"logits must be [1, {shape.vocab}], got {list(lt.shape)}")

@@ -53,7 +53,8 @@ class StepResult:
     303,872 B D2H of FACTS F1), or None in timing-only mode.
     experts_touched: distinct experts per layer (numeric mode) or None.
     cost: the cost model's ``StepCost`` (simulated µs, per layer/chip/category).
-    sim_us: simulated device time of the step (µs), = cost.total_us x slow-chip factor.
+    sim_us: simulated device time of the step (µs), = cost.total_us (h2d + infer + d2h; a slow
+        chip is priced per chip by the cost model, see ``CostModel.price_step(chip_scale=...)``).
     sim_start_us / sim_end_us: on the simulated clock.
     compute_wall_ms: host wall milliseconds the simulator spent computing the step.
     """
@@ -126,11 +127,15 @@ class Job:
 
 @dataclass
 class Faults:
-    """Injected faults (maintenance plane), visible in the observation snapshot (``active()``).
+    """Injected faults (maintenance plane), visible in the observation snapshot.
 
     ``ccu_next`` / ``link_error_next`` / ``kv_exhaust_next`` are "the next N jobs / KV applies":
     each one fires once and disarms itself. ``slow_chip`` maps chip -> time multiplier and stays
     until cleared or the device is reset. ``fired`` counts faults that have fired since the last reset.
+
+    Armed is not a failure: ``armed()`` lists what will fire, ``in_effect()`` what acts on every job
+    now (a slow chip), and ``unacknowledged()`` the faults that did fire, each kept until the operator
+    acknowledges it (``acknowledge()``) or the device is reset (which makes a fresh ``Faults``).
     """
 
     ccu_next: int = 0
@@ -138,10 +143,17 @@ class Faults:
     kv_exhaust_next: int = 0
     slow_chip: dict[int, float] = field(default_factory=dict)  # chip -> time multiplier
     fired: dict[str, int] = field(default_factory=dict)
+    _unacked: list = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def take(self, name: str) -> bool:
-        """Consume one armed ``name`` fault (e.g. "ccu_next"); True if one fired. Thread-safe."""
+    #: fired faults kept for the operator at most (older ones are counted, not listed)
+    MAX_UNACKED = 20
+
+    def take(self, name: str, detail: str = "") -> bool:
+        """Consume one armed ``name`` fault (e.g. "ccu_next"); True if one fired. Thread-safe.
+
+        A fired fault is recorded (``detail``: where it hit, e.g. "job 12") until acknowledged.
+        """
         with self._lock:
             n = getattr(self, name)
             if n <= 0:
@@ -149,13 +161,16 @@ class Faults:
             setattr(self, name, n - 1)
             key = name.removesuffix("_next")
             self.fired[key] = self.fired.get(key, 0) + 1
+            self._unacked.append({"fault": FIRED_NAMES.get(key, key), "detail": detail})
+            del self._unacked[:-self.MAX_UNACKED]
             return True
 
     def arm(self, name: str, count: int = 1) -> None:
         with self._lock:
             setattr(self, name, getattr(self, name) + int(count))
 
-    def active(self) -> list[str]:
+    def armed(self) -> list[str]:
+        """One-shot faults waiting to fire, e.g. ``["ccu_exception x1"]``."""
         out = []
         if self.ccu_next:
             out.append(f"ccu_exception x{self.ccu_next}")
@@ -163,9 +178,30 @@ class Faults:
             out.append(f"d2d_link_error x{self.link_error_next}")
         if self.kv_exhaust_next:
             out.append(f"kv_exhaustion x{self.kv_exhaust_next}")
-        for c, f in sorted(self.slow_chip.items()):
-            out.append(f"slow_chip{c} x{f:g}")
         return out
+
+    def in_effect(self) -> list[str]:
+        """Faults acting on every job now, e.g. ``["slow_chip1 x4"]``."""
+        return [f"slow_chip{c} x{f:g}" for c, f in sorted(self.slow_chip.items())]
+
+    def active(self) -> list[str]:
+        """Everything injected and not yet spent: ``armed() + in_effect()``."""
+        return self.armed() + self.in_effect()
+
+    def unacknowledged(self) -> list[dict]:
+        """Faults that fired and are not acknowledged: [{"fault", "detail"}], oldest first."""
+        with self._lock:
+            return [dict(e) for e in self._unacked]
+
+    def acknowledge(self) -> list[dict]:
+        """Mark every fired fault as seen; returns the ones acknowledged."""
+        with self._lock:
+            out, self._unacked = self._unacked, []
+            return out
+
+
+#: Faults.fired key -> the name the operator reads
+FIRED_NAMES = {"ccu": "ccu_exception", "link_error": "d2d_link_error", "kv_exhaust": "kv_exhaustion"}
 
 
 class FaultInjectingKV(KVCacheManager):
@@ -186,10 +222,12 @@ class FaultInjectingKV(KVCacheManager):
         # bad arguments get the typed error and leave the armed fault for a real call
         self._check_apply_args(seq_id, n_tokens, timeout, cancel, positions)
         faults = self._faults_source() if self._faults_source is not None else None
-        if faults is not None and faults.take("kv_exhaust_next"):
+        if faults is not None and faults.take("kv_exhaust_next", f"KV apply of {int(n_tokens)} tokens, seq {seq_id}"):
             occ = self.occupancy()
             err = KVExhausted(int(n_tokens), occ.free_cells, occ.capacity_cells, 0.0)
             err.injected = True  # retrying cannot clear an injected fault: callers fail the request at once
+            # say so: the free count shows the cache was not really full
+            err.args = (f"{err}: injected fault (maintenance inject_fault kv_exhaustion), not a full cache",)
             raise err
         return super().apply(seq_id, n_tokens, timeout=timeout, cancel=cancel, positions=positions)
 
@@ -486,17 +524,17 @@ class SimulatedBoard:
     def _execute(self, job: Job, gen: int) -> None:
         wall0 = time.perf_counter()
         faults = self.faults
-        if faults.take("ccu_next"):
+        if faults.take("ccu_next", f"chip0, job {job.id} ({job.kind})"):
             with self._lock:
                 self._ccu += 1
-            for c in range(self.shape.n_chips):
-                self.registers.bump(f"CHIP{c}_CCU_EXC")
+            self.registers.bump("CHIP0_CCU_EXC")  # the chip the exception is on, not every chip
             self._fail(job, JobState.CCU_EXCEPTION,
                        CCUException(f"CCU exception on chip0 while running job {job.id} ({job.kind}), injected fault"))
             return
-        if faults.take("link_error_next"):
+        if faults.take("link_error_next", f"chip0<->chip1, job {job.id} ({job.kind})"):
             self.registers.bump("D2D_LINK_ERR")
-            self._fail(job, JobState.FAILED, LinkError(f"D2D link error between chip0 and chip1 in job {job.id}"))
+            self._fail(job, JobState.FAILED, LinkError(f"D2D link error between chip0 and chip1 in job {job.id}, "
+                                                       "injected fault"))
             return
         model = self.model
         if self._memory_cleared or (job.numeric and model is None):
@@ -509,13 +547,14 @@ class SimulatedBoard:
                 out = model.forward(job.tokens, job.positions, job.new_cells, job.ctx_cells, job.ctx_positions)
                 logits_bf16 = out.bf16()  # converted once, where the logits were made (the worker sends BF16)
                 touched = tuple(out.experts_touched)
+            slow = dict(self.faults.slow_chip)
+            scale = [slow.get(c, 1.0) for c in range(self.shape.n_chips)] if slow else None
             cost = self.cost_model.price_step(self.shape, job.kind, int(job.tokens.shape[0]), job.past_len,
-                                              experts_touched=list(touched) if touched else None)
+                                              experts_touched=list(touched) if touched else None, chip_scale=scale)
         except Exception as e:  # a numerics bug must fail this job, not kill the device thread
             self._fail(job, JobState.FAILED, DeviceError(f"job {job.id} failed in the simulator: {e!r}"))
             return
-        slow = max(self.faults.slow_chip.values(), default=1.0)
-        sim_us = float(cost.total_us) * slow  # chips sync every layer: the slowest gates the step
+        sim_us = float(cost.total_us)  # a slow chip is priced on its own timeline; barriers let it gate the step
         compute_ms = (time.perf_counter() - wall0) * 1e3
         # the device is serial: a step starts when submitted or when the previous one ended
         start = max(job.submit_sim_us, self._device_free_us)

@@ -224,9 +224,12 @@ class StepCost:
         categories: category ids (FACTS F3 order) indexing the last axis.
         global_us: time of ops outside the layers on the busiest chip (embedding,
             final norm, lm_head, logits gather/sync, layout conversions).
-        op_us: float64 ``(n_ops,)`` per op of ``graph.ops`` (same on every chip running it).
+        op_us: float64 ``(n_ops,)`` per op of ``graph.ops`` on a chip at normal speed;
+            on chip ``c`` the op takes ``op_us * chip_scale[c]``.
         op_start_us: float64 ``(n_chips, n_ops)``: start on each chip's timeline,
             relative to the start of ``infer``; NaN where the chip does not run the op.
+        chip_scale: per-chip time multiplier the step was priced with (1.0 = nominal;
+            a slow-chip fault makes it > 1 for that chip only).
         dram_bytes: per-chip DRAM bytes by stream (``weights``, ``lm_head``, ``kv``, ``activations``)
             on chip0.
         graph: the priced :class:`~sim_backend.model.opgraph.OpGraph`.
@@ -247,6 +250,7 @@ class StepCost:
     op_start_us: np.ndarray
     dram_bytes: Mapping[str, float] = field(default_factory=dict)
     graph: OpGraph | None = None
+    chip_scale: tuple[float, ...] = ()
 
     @property
     def slowest_category_per_layer(self) -> list[str]:
@@ -272,6 +276,7 @@ class StepCost:
             "layer_chip_category_us": self.layer_chip_category_us.tolist(),
             "slowest_category_per_layer": self.slowest_category_per_layer,
             "dram_bytes": dict(self.dram_bytes),
+            "chip_scale": list(self.chip_scale),
         }
 
 
@@ -454,7 +459,8 @@ class CostModel:
         return t, wbytes
 
     def price_step(self, shape: ModelShape, kind: str, n_tokens: int, past_len: int,
-                   experts_touched: Sequence[int] | None = None) -> StepCost:
+                   experts_touched: Sequence[int] | None = None,
+                   chip_scale: Sequence[float] | None = None) -> StepCost:
         """Simulated cost of one step.
 
         Args:
@@ -465,13 +471,21 @@ class CostModel:
             experts_touched: per layer, the number of distinct experts the router
                 chose in this step (length ``n_layers``); None -> the expectation
                 :func:`expected_experts_touched`.
+            chip_scale: per chip (length ``n_chips``), a time multiplier >= 1 for
+                every op that chip runs (a slow-chip fault); None -> all 1.0. Each
+                chip's column of ``layer_chip_us`` shows its own time; the chips
+                align at every barrier, so the slowest chip gates ``infer_us``.
+                PCIe H2D/D2H are the host link and are not scaled.
+
+        Raises:
+            ValueError: bad kind, token counts, context, ``experts_touched`` or ``chip_scale``.
         """
         if kind not in ("prefill", "decode"):
             raise ValueError(f"kind must be 'prefill' or 'decode', not {kind!r}")
         if n_tokens < 1 or past_len < 0:
             raise ValueError("n_tokens must be >= 1 and past_len >= 0")
         if kind == "decode" and n_tokens != 1:
-            raise ValueError("the decode sub-model takes exactly 1 token (batch 1, FACTS F1)")
+            raise ValueError("the decode sub-model takes exactly 1 token (hardware batch 1)")
         if past_len + n_tokens > shape.n_ctx:
             raise ValueError(f"context {past_len + n_tokens} exceeds n_ctx {shape.n_ctx}")
         L = shape.n_layers
@@ -485,14 +499,21 @@ class CostModel:
             if (touched < 1).any() or (touched > hi).any():
                 raise ValueError(f"experts_touched entries must be in [1, {hi}] for {n_tokens} tokens")
 
+        if chip_scale is None:
+            scale = np.ones(shape.n_chips)
+        else:
+            scale = np.asarray(chip_scale, dtype=np.float64)
+            if scale.shape != (shape.n_chips,) or not np.isfinite(scale).all() or (scale < 1).any():
+                raise ValueError(f"chip_scale must be {shape.n_chips} finite factors >= 1, got {list(chip_scale)!r}")
+
         p = self._prep(shape, kind)
         t, dram = self._role_costs(shape, kind, n_tokens, past_len, touched)
         op_us = np.empty(p.n_ops, dtype=np.float64)
         for role, idx in p.role_ops.items():
             op_us[idx] = t[role]
 
-        # Chip timelines: each chip runs its ops in order; all chips align at each barrier.
-        d = p.chip_mask * op_us                                   # (C, n_ops)
+        # Chip timelines: each chip runs its ops in order (at its own speed); all chips align at each barrier.
+        d = p.chip_mask * op_us * scale[:, None]                  # (C, n_ops)
         seg_sum = np.stack([np.bincount(p.seg, weights=row, minlength=p.n_seg) for row in d])
         seg_len = seg_sum.max(axis=0)
         seg_start = np.concatenate(([0.0], np.cumsum(seg_len)[:-1]))
@@ -521,7 +542,7 @@ class CostModel:
             h2d_us=float(h2d), infer_us=infer, d2h_us=float(d2h), total_us=float(h2d + infer + d2h),
             layer_chip_us=layer_chip, layer_chip_category_us=layer_chip_cat, categories=CATEGORIES,
             global_us=global_us, op_us=op_us, op_start_us=op_start,
-            dram_bytes=MappingProxyType(dram), graph=p.graph,
+            dram_bytes=MappingProxyType(dram), graph=p.graph, chip_scale=tuple(float(x) for x in scale),
         )
 
 

@@ -76,8 +76,9 @@ def chrome_trace(steps: Sequence[tuple[str, StepCost, float]]) -> dict:
             dur = float(durs[op.index])
             if op.profile_chips:
                 for c in op.profile_chips:
+                    c_dur = dur * (cost.chip_scale[c] if cost.chip_scale else 1.0)  # a slow chip's own time
                     events.append({"ph": "X", "pid": DEVICE_PID, "tid": c, "name": name,
-                                   "cat": op.category, "ts": t0 + float(starts[c, op.index]), "dur": dur,
+                                   "cat": op.category, "ts": t0 + float(starts[c, op.index]), "dur": c_dur,
                                    "args": {"layer": op.layer, "role": op.role, "chip": c, "step": label}})
             else:
                 c = op.chips[0]

@@ -120,13 +120,17 @@ class ObservationPlane:
         mode = self._mode_source() if self._mode_source else {"mode": "serving", "lease_holder": None}
         chips = [
             {"index": ch.index, "state": ch.state, "busy": ch.busy, "slow_factor": ch.slow_factor,
-             "jobs_done": ch.jobs_done}
+             "jobs_done": ch.jobs_done, "ccu_exceptions": b.registers.read(f"CHIP{ch.index}_CCU_EXC")}
             for ch in b.chiplets()
         ]
         faults = b.faults.active()
+        fired = b.faults.unacknowledged()
+        in_effect = b.faults.in_effect()
+        # an armed fault is not a failure (nothing happened yet); one that fired stays a fault until
+        # acknowledged or reset; a slow chip degrades every job while it lasts
         status = ("memory cleared" if b.memory_cleared else
                   "fault: numerics worker down (reset or reload the model)" if b.numerics_broken else
-                  "degraded" if faults else "ok")
+                  "fault" if fired else "degraded" if in_effect else "ok")
         steps = dict(b.last_steps)
         last = max(steps.values(), key=lambda r: r.job_id) if steps else None
         memory = {}
@@ -149,7 +153,12 @@ class ObservationPlane:
                 "firmware_commit": f"{b.registers.read('CALCORERT_COMMIT'):07x}",
                 "pacing": b.pacing.mode.value, "pacing_speed": b.pacing.speed, "numerics": b.numerics,
                 "achieved_speed": b.achieved_speed(),
-                "chiplets": chips, "faults": faults, "context_tokens": self._bundle.context,
+                "chiplets": chips, "faults": faults, "faults_armed": b.faults.armed(), "faults_in_effect": in_effect,
+                "faults_fired": fired, "d2d_link_errors": b.registers.read("D2D_LINK_ERR"),
+                "context_tokens": self._bundle.context,
+                "numerics_max_prompt": e.numerics_max_prompt if b.numerics else 0,
+                "timing_only_running": [s.request_id for s in e.slot_info()
+                                        if s.request_id is not None and s.numeric is False],
                 "n_slots": e.n_slots, "admitting": e.admitting,
             },
             jobs={"submitted": c.submitted, "pending": c.pending, "running": c.running, "finished": c.finished,

@@ -19,7 +19,9 @@ Actions (each needs the current lease): ``reset``, ``clear_device_memory``,
 ``reload_model``, ``clear_kv``, ``dump`` (config metadata + Chrome trace
 JSON), ``self_test`` (golden input vs golden output), ``health_check``,
 ``read_register`` / ``write_register`` / ``dump_registers``,
-``inject_fault`` / ``clear_faults`` and ``probe_request``.
+``inject_fault`` / ``clear_faults`` and ``probe_request``. ``acknowledge_faults``
+needs no lease (it changes nothing on the device) and is audited like the rest:
+a fault that fired shows as the device status ``fault`` until acknowledged or reset.
 
 Probe requests: while exclusive, the engine refuses every request, so a
 rehearsal cannot see an injected fault through the chat path. ``probe_request``
@@ -401,6 +403,19 @@ class MaintenancePlane:
 
         return self._run("clear_faults", {}, lease, go)
 
+    def acknowledge_faults(self, holder: str) -> dict:
+        """Acknowledge every fault that fired: the snapshot's ``device.faults_fired`` empties and the
+        status no longer reads ``fault`` (armed faults stay armed). Needs no lease: it changes nothing
+        on the device, it records that ``holder`` saw the faults (audited with their list).
+        {"ok", "acknowledged": [{"fault", "detail"}]}. Refused for an empty ``holder``.
+        """
+        def go() -> dict:
+            if not holder or not isinstance(holder, str):
+                raise MaintenanceRefused("acknowledge_faults", "holder must be a non-empty name")
+            return {"ok": True, "acknowledged": self._board.faults.acknowledge()}
+
+        return self._run("acknowledge_faults", {"holder": holder}, None, go, needs_lease=False)
+
     def probe_request(self, lease: Lease | None, prompt: str = "hi", max_tokens: int = 8) -> dict:
         """A test request through the device while exclusive (see module docstring).
 
@@ -416,7 +431,8 @@ class MaintenancePlane:
 
     def status(self) -> dict:
         """Mode, armed faults, memory state (read-only; not audited)."""
-        return {**self.mode(), "faults": self._board.faults.active(), "memory_cleared": self._board.memory_cleared,
+        return {**self.mode(), "faults": self._board.faults.active(),
+                "faults_fired": self._board.faults.unacknowledged(), "memory_cleared": self._board.memory_cleared,
                 "audit_log": str(self.audit.path)}
 
     # --- internals ------------------------------------------------------------------
@@ -425,17 +441,30 @@ class MaintenancePlane:
         try:
             return self._board.registers.resolve(key)
         except KeyError as e:
-            raise MaintenanceRefused(action, str(e).strip("'\"")) from None
+            # the message itself, not str(KeyError), which quotes it (and strip() would eat its closing quote)
+            raise MaintenanceRefused(action, str(e.args[0]) if e.args else "no such register") from None
 
-    def _job(self, kind: str, tokens: list[int], p0: int):
-        """Apply KV on the scratch sequence, submit one job, wait (bounded). Returns the StepResult."""
+    def _job_timed(self, kind: str, tokens: list[int], p0: int):
+        """Apply KV on the scratch sequence, submit one job, wait (bounded).
+
+        Returns (StepResult, host ms of the KV apply and submit, measured like the engine's framework stage).
+        """
         b = self._board
+        ht = self._engine.host_timer
         n = len(tokens)
+        h0 = ht.now()
         positions = np.arange(p0, p0 + n, dtype=np.int64)
         cells = b.kv.apply(SCRATCH_SEQ, n, timeout=1.0, positions=positions.tolist())
         ctx, pos = b.kv.seq_cells(SCRATCH_SEQ)
         job = b.submit(kind, SCRATCH_SEQ, np.asarray(tokens, dtype=np.int64), positions, np.asarray(cells), ctx, pos)
-        return job.wait(self.reset_timeout_s)
+        host_ms = (ht.now() - h0) / 1e3
+        return job.wait(self.reset_timeout_s), host_ms
+
+    def _job(self, kind: str, tokens: list[int], p0: int, source: str):
+        """``_job_timed``, and the step shown in the observation's stage table as ``source``. Returns the StepResult."""
+        res, host_ms = self._job_timed(kind, tokens, p0)
+        self._engine.record_stages(res, source=source, framework_ms=host_ms)
+        return res
 
     def _health(self) -> dict:
         """Health check after reset/reload: status registers, job accounting (counters balance, nothing
@@ -466,7 +495,7 @@ class MaintenancePlane:
         if all(c["ok"] for c in checks):
             b.kv.free(SCRATCH_SEQ)
             try:
-                res = self._job("decode", [151644], 0)
+                res = self._job("decode", [151644], 0, "health check")
                 sim_us = res.sim_us
                 ok = res.logits_bf16 is None or bool(np.isfinite(bf16_to_f32(res.logits_bf16)).all())
                 check("decode probe job", ok, f"{res.sim_us / 1e3:.2f} sim ms" + ("" if ok else ", non-finite logits"))
@@ -494,13 +523,15 @@ class MaintenancePlane:
             return fail("no golden file in the bundle (run: python -m sim_backend.model.golden --write)")
         if not b.numerics:
             return fail("device runs timing-only: no logits to compare")
+        if b.memory_cleared:
+            return fail("not run: device memory is cleared (no weights to infer with); reload the model first")
         try:
             golden = load_golden(b.bundle.golden_file)
         except (GoldenFileError, OSError, ValueError) as e:
             return fail(f"golden file unreadable: {e}")
         b.kv.free(SCRATCH_SEQ)
         try:
-            res = self._job("prefill", golden.input_ids.tolist(), 0)
+            res = self._job("prefill", golden.input_ids.tolist(), 0, "self-test")
         except CalError as e:
             return fail(f"{type(e).__name__}: {e}")
         finally:
@@ -520,16 +551,18 @@ class MaintenancePlane:
         b.kv.free(SCRATCH_SEQ)
         status, error = "finished", None
         try:
-            res = self._job("prefill", ids, 0)
+            res, host_ms = self._job_timed("prefill", ids, 0)
             while True:
+                s0 = e.host_timer.now()
                 if res.logits_bf16 is None:
                     tok = 0  # timing-only device: no logits
                 else:
                     tok = int(np.argmax(bf16_to_f32(res.logits_bf16)))
+                e.record_stages(res, source="probe", framework_ms=host_ms, sampling_ms=(e.host_timer.now() - s0) / 1e3)
                 out.append(tok)
                 if tok in EOS_IDS or len(out) >= max_tokens:
                     break
-                res = self._job("decode", [tok], len(ids) + len(out) - 1)
+                res, host_ms = self._job_timed("decode", [tok], len(ids) + len(out) - 1)
         except CalError as err:
             status = "failed"
             error = {"type": type(err).__name__, "message": str(err), **({"code": err.code} if hasattr(err, "code") else {})}

@@ -19,11 +19,11 @@ from typing import Any
 import msgspec
 
 
-class _Frozen(msgspec.Struct, frozen=True, kw_only=True):
+class _Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Base of the snapshot sections (frozen, keyword-only)."""
 
 
-class ChipletInfo(_Frozen, frozen=True, kw_only=True):
+class ChipletInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One chiplet: ``state`` ready|busy|cleared|fault; ``slow_factor`` >= 1 (1 = nominal)."""
 
     index: int
@@ -31,13 +31,25 @@ class ChipletInfo(_Frozen, frozen=True, kw_only=True):
     busy: bool
     slow_factor: float
     jobs_done: int
+    ccu_exceptions: int = 0
 
 
-class DeviceInfo(_Frozen, frozen=True, kw_only=True):
+class FaultEvent(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A fault that fired and is not yet acknowledged: its name and where it hit (chip, job)."""
+
+    fault: str
+    detail: str
+
+
+class DeviceInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The board: identity, health ``status``, maintenance ``mode``, pacing and faults.
 
     ``pacing_speed``: simulated seconds per wall second asked for; ``achieved_speed`` the measured
-    ratio over the last paced run (None before one). ``faults``: armed or active fault names.
+    ratio over the last paced run (None before one). ``faults``: armed or in-effect fault names;
+    ``faults_armed`` waiting to fire, ``faults_in_effect`` acting on every job (a slow chip),
+    ``faults_fired`` happened and not yet acknowledged (``status`` is "fault" until then).
+    ``timing_only_running``: ids of running requests whose tokens come from the seeded generator
+    (prompts over ``numerics_max_prompt`` tokens; 0 = the device runs timing-only).
     """
 
     name: str
@@ -53,12 +65,18 @@ class DeviceInfo(_Frozen, frozen=True, kw_only=True):
     achieved_speed: float | None
     chiplets: tuple[ChipletInfo, ...]
     faults: tuple[str, ...]
+    faults_armed: tuple[str, ...] = ()
+    faults_in_effect: tuple[str, ...] = ()
+    faults_fired: tuple[FaultEvent, ...] = ()
+    d2d_link_errors: int = 0
     context_tokens: int
+    numerics_max_prompt: int = 0
+    timing_only_running: tuple[int, ...] = ()
     n_slots: int
     admitting: bool
 
 
-class JobCounts(_Frozen, frozen=True, kw_only=True):
+class JobCounts(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Device job counters (device steps, not requests)."""
 
     submitted: int
@@ -71,7 +89,7 @@ class JobCounts(_Frozen, frozen=True, kw_only=True):
     resets: int
 
 
-class KVInfo(_Frozen, frozen=True, kw_only=True):
+class KVInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """KV cache occupancy (tokens = cells; bytes per chip) and wait counters.
 
     ``waits`` / ``timeouts``: requests the engine parked for cells / that timed out;
@@ -94,7 +112,7 @@ class KVInfo(_Frozen, frozen=True, kw_only=True):
     apply_full_attempts: int
 
 
-class LayerTiming(_Frozen, frozen=True, kw_only=True):
+class LayerTiming(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One decoder layer of a step: simulated µs per chip, and per op category per chip."""
 
     layer: int
@@ -103,7 +121,7 @@ class LayerTiming(_Frozen, frozen=True, kw_only=True):
     slowest_category: str
 
 
-class StepView(_Frozen, frozen=True, kw_only=True):
+class StepView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The last device step of a kind (all times simulated µs, but ``compute_wall_ms``: host wall).
 
     ``kind`` is None (and everything else empty) before the first step.
@@ -127,7 +145,7 @@ class StepView(_Frozen, frozen=True, kw_only=True):
     time_unit: str | None = None
 
 
-class MemoryRegion(_Frozen, frozen=True, kw_only=True):
+class MemoryRegion(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One region of a chip's memory plan (bytes); ``kind`` dram|sram."""
 
     name: str
@@ -137,7 +155,7 @@ class MemoryRegion(_Frozen, frozen=True, kw_only=True):
     physical_bytes: int
 
 
-class ChipMemory(_Frozen, frozen=True, kw_only=True):
+class ChipMemory(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One chip's memory plan (bytes)."""
 
     chip: int
@@ -146,7 +164,7 @@ class ChipMemory(_Frozen, frozen=True, kw_only=True):
     regions: tuple[MemoryRegion, ...]
 
 
-class MemoryView(_Frozen, frozen=True, kw_only=True):
+class MemoryView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Per-chip memory map (FACTS F4) with KV use filled in; all sizes bytes. Empty if no plan."""
 
     unit: str = "bytes"
@@ -159,7 +177,7 @@ class MemoryView(_Frozen, frozen=True, kw_only=True):
     chips: tuple[ChipMemory, ...] = ()
 
 
-class SlotView(_Frozen, frozen=True, kw_only=True):
+class SlotView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One serving slot (llama-server's slot): its request and token counts."""
 
     index: int
@@ -169,9 +187,10 @@ class SlotView(_Frozen, frozen=True, kw_only=True):
     n_prefilled: int
     predicted_n: int
     cached_tokens: int
+    numeric: bool | None = None
 
 
-class StageView(_Frozen, frozen=True, kw_only=True):
+class StageView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where the last prefill or decode step's time went, in ms.
 
     ``h2d_ms`` / ``infer_ms`` / ``d2h_ms``: simulated device time; the others are measured host CPU ms.
@@ -188,9 +207,10 @@ class StageView(_Frozen, frozen=True, kw_only=True):
     tokenize_ms: float
     n_tokens: int
     request_id: int | None
+    source: str = "request"
 
 
-class HostInfo(_Frozen, frozen=True, kw_only=True):
+class HostInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """This process, measured: CPU % since the previous snapshot, RSS bytes, threads, system CPU %."""
 
     cpu_percent: float
@@ -199,7 +219,7 @@ class HostInfo(_Frozen, frozen=True, kw_only=True):
     system_cpu_percent: float
 
 
-class FindingView(_Frozen, frozen=True, kw_only=True):
+class FindingView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """A bundle manifest finding (``severity`` warning|error), with the file and field it concerns."""
 
     severity: str
@@ -210,7 +230,7 @@ class FindingView(_Frozen, frozen=True, kw_only=True):
     action: str
 
 
-class Snapshot(_Frozen, frozen=True, kw_only=True):
+class Snapshot(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One read-only observation of the whole system.
 
     ``taken_unix_s``: host wall clock; ``sim_now_ms``: the simulated device clock.

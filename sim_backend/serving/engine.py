@@ -226,7 +226,7 @@ class RequestState(str, Enum):
 class StageTimes:
     """Per-step stage times (FACTS F8).
 
-    h2d_ms / infer_ms / d2h_ms: SIMULATED device ms (cost model, x slow-chip factor).
+    h2d_ms / infer_ms / d2h_ms: SIMULATED device ms (cost model; a slow chip is priced per chip).
     tokenize_ms / kv_wait_ms / sampling_ms / detokenize_ms / framework_ms:
     measured host ms (thread CPU time; kv_wait adds the wall time spent parked;
     scripted in tests). ``tokenize_ms`` is the
@@ -247,6 +247,7 @@ class StageTimes:
     tokenize_ms: float = 0.0
     n_tokens: int = 0
     request_id: int = 0
+    source: str = "request"  # "request" (served by the engine) or a maintenance step: "probe", "self-test", ...
 
     @property
     def device_ms(self) -> float:
@@ -500,6 +501,7 @@ class SlotInfo:
     n_prefilled: int
     predicted_n: int
     cached_tokens: int
+    numeric: bool | None = None  # the request's tokens come from the model (False: timing-only); None when idle
 
 
 class Engine:
@@ -716,7 +718,7 @@ class Engine:
                 r = s.req
                 out.append(SlotInfo(s.idx, "idle" if r is None else r.state.value, r.id if r else None,
                                     len(r.prompt) if r else 0, r.n_prefilled if r else 0,
-                                    len(r.generated) if r else 0, len(s.cache_tokens)))
+                                    len(r.generated) if r else 0, len(s.cache_tokens), r.numeric if r else None))
             return out
 
     def queued_count(self) -> int:
@@ -730,6 +732,20 @@ class Engine:
         so every pair must come back (a pair whose job never ends stays out).
         """
         return self.rt.pool.wait_all_free(timeout), self.rt.pool.size
+
+    def record_stages(self, res: Any, *, source: str, framework_ms: float = 0.0, sampling_ms: float = 0.0) -> StageTimes:
+        """Show a step the engine did not schedule (a maintenance probe, self-test or health check)
+        as the last step of its kind in ``last_stage``.
+
+        ``res``: the device's StepResult (device stages from its cost, simulated ms);
+        ``framework_ms`` / ``sampling_ms``: measured host ms of the caller. Not added to
+        ``stage_history``: the stage percentiles stay those of served requests.
+        """
+        cost = res.cost
+        st = StageTimes(res.kind, cost.h2d_us / 1e3, cost.infer_us / 1e3, cost.d2h_us / 1e3, 0.0, sampling_ms, 0.0,
+                        framework_ms, 0.0, res.n_tokens, 0, source)
+        self.last_stage[res.kind] = st
+        return st
 
     def stage_summary(self) -> dict:
         """P50/P95/P99/mean of each stage (FACTS F8) over the recent steps, per kind.
@@ -1191,10 +1207,9 @@ class Engine:
             return
         t0 = ht.now()
         cost = res.cost
+        # the parts add up to the step's sim time (a slow chip is already in the per-chip pricing)
         dev = {"h2d": cost.h2d_us / 1e3, "infer": cost.infer_us / 1e3, "d2h": cost.d2h_us / 1e3}
-        scale = res.sim_us / cost.total_us if cost.total_us else 1.0  # slow-chip fault scales the step
         for k in dev:
-            dev[k] *= scale
             r.device[k] += dev[k]
         kind = info["kind"]
         sampling_us = detok_us = 0.0
