@@ -451,12 +451,12 @@ def test_fired_fault_stays_until_reset(system):
     m = system.maintenance
     lease = m.enter_exclusive("alice")
     m.inject_fault(lease, "ccu_exception")
-    assert system.observation.snapshot().device["status"] == "ok"
+    assert system.observation.snapshot().device.status == "ok"
     assert m.probe_request(lease, "hi", 2)["status"] == "failed"
     d = system.observation.snapshot().device
-    assert d.status == "fault" and "job" in d.faults_fired[0]["detail"]
+    assert d.status == "fault" and "job" in d.faults_fired[0].detail
     assert m.probe_request(lease, "hi", 2)["status"] == "finished"  # serving again, still shown
-    assert system.observation.snapshot().device["status"] == "fault"
+    assert system.observation.snapshot().device.status == "fault"
     m.reset(lease)
     d = system.observation.snapshot().device
     assert d.status == "ok" and d.faults_fired == ()
@@ -468,14 +468,14 @@ def test_probe_and_self_test_steps_show_in_the_stage_table(system):
     lease = m.enter_exclusive("alice")
     assert m.probe_request(lease, "hi", 3)["status"] == "finished"
     stages = system.observation.snapshot().stages
-    assert stages["prefill"]["source"] == "probe" and stages["decode"]["source"] == "probe"
+    assert stages["prefill"].source == "probe" and stages["decode"].source == "probe"
     last = system.board.last_steps["decode"]
-    assert stages["decode"]["infer_ms"] == pytest.approx(last.cost.infer_us / 1e3)
+    assert stages["decode"].infer_ms == pytest.approx(last.cost.infer_us / 1e3)
     assert m.self_test(lease)["ok"]
-    assert system.observation.snapshot().stages["prefill"]["source"] == "self-test"
+    assert system.observation.snapshot().stages["prefill"].source == "self-test"
     m.leave_exclusive(lease)
     system.inference.generate(req("served", 2), timeout=60)
-    assert system.observation.snapshot().stages["decode"]["source"] == "request"
+    assert system.observation.snapshot().stages["decode"].source == "request"
 
 
 def test_self_test_on_cleared_memory_says_nothing_ran(system):
@@ -526,8 +526,8 @@ def test_slow_chip_slows_steps_and_shows_in_snapshot(system):
     assert np.allclose(c.layer_chip_us[:, 1], 3.0 * base.cost.layer_chip_us[:, 1])
     assert slow.sim_us > 2.5 * base.sim_us
     view = system.observation.snapshot().last_decode
-    assert view["sim_us"] == pytest.approx(view["h2d_us"] + view["infer_us"] + view["d2h_us"], rel=1e-12)
-    assert all(layer["chip_us"][1] > 2.9 * layer["chip_us"][0] for layer in view["layers"])
+    assert view.sim_us == pytest.approx(view.h2d_us + view.infer_us + view.d2h_us, rel=1e-12)
+    assert all(layer.chip_us[1] > 2.9 * layer.chip_us[0] for layer in view.layers)
     lease = m.enter_exclusive("alice")
     assert m.clear_faults(lease)["disarmed"] == ["slow_chip1 x3"]
     m.leave_exclusive(lease)
