@@ -21,7 +21,7 @@ from typing import Any
 import psutil
 
 from sim_backend.bundle.manifest import Bundle, Finding
-from sim_backend.device.board import SimulatedBoard
+from sim_backend.runtime.monitor import DeviceMonitor
 from sim_backend.serving.engine import ChatRequest, Engine, RequestHandle, RequestResult
 from sim_backend.planes.freeze import thaw
 from sim_backend.planes.snapshot import Snapshot, convert
@@ -85,9 +85,9 @@ def step_view(res: Any | None) -> dict:
 class ObservationPlane:
     """Read-only snapshots of device, jobs, KV, last steps, requests and host."""
 
-    def __init__(self, board: SimulatedBoard, engine: Engine, bundle: Bundle, memory_plan: Any = None,
+    def __init__(self, monitor: DeviceMonitor, engine: Engine, bundle: Bundle, memory_plan: Any = None,
                  mode_source: Any = None) -> None:
-        self._board = board
+        self._mon = monitor
         self._engine = engine
         self._bundle = bundle
         self._memory_plan = memory_plan
@@ -113,25 +113,24 @@ class ObservationPlane:
             return v
 
     def snapshot(self) -> Snapshot:
-        b, e = self._board, self._engine
+        b, e = self._mon, self._engine
         c = b.counters()
-        occ = b.kv.occupancy()
-        kvc = b.kv.counters()
+        occ = b.kv_occupancy()
+        kvc = b.kv_counters()
         mode = self._mode_source() if self._mode_source else {"mode": "serving", "lease_holder": None}
         chips = [
             {"index": ch.index, "state": ch.state, "busy": ch.busy, "slow_factor": ch.slow_factor,
-             "jobs_done": ch.jobs_done, "ccu_exceptions": b.registers.read(f"CHIP{ch.index}_CCU_EXC")}
+             "jobs_done": ch.jobs_done, "ccu_exceptions": b.read_register(f"CHIP{ch.index}_CCU_EXC")}
             for ch in b.chiplets()
         ]
-        faults = b.faults.active()
-        fired = b.faults.unacknowledged()
-        in_effect = b.faults.in_effect()
+        fstate = b.faults()
+        faults, fired, in_effect = fstate["active"], fstate["fired"], fstate["in_effect"]
         # an armed fault is not a failure (nothing happened yet); one that fired stays a fault until
         # acknowledged or reset; a slow chip degrades every job while it lasts
         status = ("memory cleared" if b.memory_cleared else
                   "fault: numerics worker down (reset or reload the model)" if b.numerics_broken else
                   "fault" if fired else "degraded" if in_effect else "ok")
-        steps = dict(b.last_steps)
+        steps = b.last_steps()
         last = max(steps.values(), key=lambda r: r.job_id) if steps else None
         memory = {}
         if self._memory_plan is not None:
@@ -145,16 +144,16 @@ class ObservationPlane:
                     "threads": self._proc.num_threads(), "system_cpu_percent": psutil.cpu_percent(None)}
         data: dict[str, Any] = dict(
             taken_unix_s=time.time(),
-            sim_now_ms=b.clock.now_us / 1e3,
+            sim_now_ms=b.now_us / 1e3,
             device={
                 "name": self._bundle.device_name, "bundle": self._bundle.name, "status": status,
                 "mode": mode.get("mode", "serving"), "lease_holder": mode.get("lease_holder"),
                 "calrt_version": self._bundle.calrt_version,
-                "firmware_commit": f"{b.registers.read('CALCORERT_COMMIT'):07x}",
+                "firmware_commit": f"{b.read_register('CALCORERT_COMMIT'):07x}",
                 "pacing": b.pacing.mode.value, "pacing_speed": b.pacing.speed, "numerics": b.numerics,
                 "achieved_speed": b.achieved_speed(),
-                "chiplets": chips, "faults": faults, "faults_armed": b.faults.armed(), "faults_in_effect": in_effect,
-                "faults_fired": fired, "d2d_link_errors": b.registers.read("D2D_LINK_ERR"),
+                "chiplets": chips, "faults": faults, "faults_armed": fstate["armed"], "faults_in_effect": in_effect,
+                "faults_fired": fired, "d2d_link_errors": b.read_register("D2D_LINK_ERR"),
                 "context_tokens": self._bundle.context,
                 "numerics_max_prompt": e.numerics_max_prompt if b.numerics else 0,
                 "timing_only_running": [s.request_id for s in e.slot_info()

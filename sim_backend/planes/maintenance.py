@@ -51,23 +51,22 @@ import numpy as np
 from sim_backend.planes.audit import AuditLog
 from sim_backend.planes.contracts import Lease
 from sim_backend.model.bf16 import bf16_to_f32
-from sim_backend.device.board import SimulatedBoard
+from sim_backend.model.vocab import EOS_IDS, IM_START
+from sim_backend.runtime.maintenance import MaintenanceRuntime
 from sim_backend.serving.engine import ChatRequest, Engine
 from sim_backend.errors import CalError, DeviceError, KVExhausted, MaintenanceRefused
-from sim_backend.device.registers import REGISTER_MAP
 
 MAINTENANCE_REASON = "device in maintenance"
 #: KV sequence id used by health checks, the golden self-test and probe requests (never a slot).
 SCRATCH_SEQ = 63
 FAULT_KINDS = ("ccu_exception", "kv_exhaustion", "link_error", "slow_chip")
-EOS_IDS = (151645, 151643)
 
 
 class MaintenancePlane:
     """Exclusive mode and guarded device actions.
 
     Args:
-        board / engine: the simulated device and the serving engine (public API only).
+        rt: the maintenance runtime (the only door to the device); engine: the serving engine.
         audit: the audit log every call is appended to.
         drain_timeout_s: default bounded drain (host wall s) before in-flight
             requests are cancelled with a reason.
@@ -76,19 +75,18 @@ class MaintenancePlane:
         dump_dir: default directory of ``dump`` files (default: next to the audit log).
     """
 
-    def __init__(self, board: SimulatedBoard, engine: Engine, audit: AuditLog, *,
+    def __init__(self, rt: MaintenanceRuntime, engine: Engine, audit: AuditLog, *,
                  drain_timeout_s: float = 5.0, reset_timeout_s: float = 10.0, memory_plan: Any = None,
                  dump_dir: str | Path | None = None) -> None:
-        from sim_backend.runtime import MaintenanceRuntime
-
-        self._board = board
+        self._rt = rt
+        rt.lease_check = self._check  # a stale lease is refused by the runtime too
+        self._mon = rt.monitor
         self._engine = engine
         self.audit = audit
         self.drain_timeout_s = drain_timeout_s
         self.reset_timeout_s = reset_timeout_s
         self.memory_plan = memory_plan
         self.dump_dir = Path(dump_dir) if dump_dir is not None else self.audit.path.parent / "dumps"
-        self._rt = MaintenanceRuntime(board, lease_check=self._check, memory_plan=memory_plan)
         self._lock = threading.RLock()
         self._op_lock = threading.Lock()  # one guarded action at a time
         self._op_name = ""
@@ -129,12 +127,12 @@ class MaintenancePlane:
         record without its ``finished`` one.
         """
         t0 = time.perf_counter()
-        sim0 = self._board.clock.now_us
+        sim0 = self._mon.now_us
         aid = self.audit.start(action, args)
 
         def done(**kw: Any) -> None:
             self.audit.finish(aid, action, args, duration_ms=(time.perf_counter() - t0) * 1e3,
-                              sim_ms=(self._board.clock.now_us - sim0) / 1e3, **kw)
+                              sim_ms=(self._mon.now_us - sim0) / 1e3, **kw)
 
         locked = False
         try:
@@ -210,14 +208,14 @@ class MaintenancePlane:
         DeviceNotReady) unless ``force``: reload the model first.
         """
         def go() -> dict:
-            if self._board.memory_cleared and not force:
+            if self._mon.memory_cleared and not force:
                 raise MaintenanceRefused("leave_exclusive", "device memory is cleared: reload the model first "
                                          "(or leave with force; requests then fail with DeviceNotReady)")
             with self._lock:
                 self._lease = None
                 self._mode, self._since = "serving", time.time()
             self._engine.resume_admission()
-            return {"ok": True, "admitting": True, "faults_armed": self._board.faults.active()}
+            return {"ok": True, "admitting": True, "faults_armed": self._mon.faults()["active"]}
 
         return self._run("leave_exclusive", {"force": force}, lease, go)
 
@@ -235,7 +233,7 @@ class MaintenancePlane:
         ``"ok": False``. Raises DeviceError if the device does not come back in time.
         """
         def go() -> dict:
-            rep = self._board.reset(timeout=self.reset_timeout_s)
+            rep = self._rt.reset(lease, self.reset_timeout_s)
             health = self._health()
             return {"ok": health["ok"], "failed_jobs": rep["failed_jobs"], "calbin": rep["calbin"],
                     "resets": rep["resets"], "reset_wall_ms": rep["wall_ms"], "health": health}
@@ -246,7 +244,7 @@ class MaintenancePlane:
         """ClearAllDevMem: zero weights and KV on both chips. Inference is refused (DeviceNotReady)
         until ``reload_model``, which the result offers ("next": "reload_model")."""
         def go() -> dict:
-            self._board.clear_memory()
+            self._rt.clear_memory(lease)
             return {"ok": True, "memory_cleared": True, "inference": "refused until the model is reloaded",
                     "next": "reload_model"}
 
@@ -255,7 +253,7 @@ class MaintenancePlane:
     def reload_model(self, lease: Lease | None) -> dict:
         """Reload weights, reconfigure the calbin, then health-check. {"ok", "load_wall_ms", "health"}."""
         def go() -> dict:
-            wall = self._board.load_model()
+            wall = self._rt.load_model(lease)
             health = self._health()
             return {"ok": health["ok"], "load_wall_ms": wall * 1e3, "health": health}
 
@@ -264,7 +262,7 @@ class MaintenancePlane:
     def clear_kv(self, lease: Lease | None) -> dict:
         """Clear the whole KV cache (every sequence). {"ok", "freed_tokens"}."""
         def go() -> dict:
-            used = self._board.kv.occupancy().used_cells
+            used = self._mon.kv_occupancy().used_cells
             self._rt.clear_kv(lease)
             return {"ok": True, "freed_tokens": used}
 
@@ -281,25 +279,25 @@ class MaintenancePlane:
         """
         if path is None:
             stamp = time.strftime("%Y%m%dT%H%M%S")
-            path = self.dump_dir / f"{self._board.bundle.device_name}-dump-{stamp}-{uuid.uuid4().hex[:4]}.json"
+            path = self.dump_dir / f"{self._mon.bundle.device_name}-dump-{stamp}-{uuid.uuid4().hex[:4]}.json"
 
         def go() -> dict:
             from sim_backend.model.trace import chrome_trace
 
-            b = self._board
-            steps = sorted(b.last_steps.values(), key=lambda r: r.job_id)
+            mon = self._mon
+            steps = sorted(mon.last_steps().values(), key=lambda r: r.job_id)
             trace = chrome_trace([(f"{r.kind} job {r.job_id}", r.cost, r.sim_start_us) for r in steps])
-            regs = b.registers.dump()
+            regs = self._rt.dump_registers(lease)
             doc = {
                 "format": "calconsole-dump/1",
                 "taken": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "sim_now_ms": b.clock.now_us / 1e3,
+                "sim_now_ms": mon.now_us / 1e3,
                 "metadata": self._rt.config_metadata(lease),
                 "registers": {r.name: {"address": f"0x{r.address:04X}", "value": regs[r.name],
-                                       "hex": f"0x{regs[r.name]:08X}", "writable": r.writable} for r in REGISTER_MAP},
+                                       "hex": f"0x{regs[r.name]:08X}", "writable": r.writable} for r in mon.register_map()},
                 "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
-                "job_counters": b.counters().__dict__,
-                "faults_armed": b.faults.active(),
+                "job_counters": mon.counters().__dict__,
+                "faults_armed": mon.faults()["active"],
                 "recent_steps": [{"kind": r.kind, "job_id": r.job_id, "seq_id": r.seq_id, "n_tokens": r.n_tokens,
                                   "past_len": r.past_len, "sim_us": r.sim_us, "sim_start_us": r.sim_start_us,
                                   "h2d_us": r.cost.h2d_us, "infer_us": r.cost.infer_us, "d2h_us": r.cost.d2h_us,
@@ -350,7 +348,7 @@ class MaintenancePlane:
                 v = int(value, 0) if isinstance(value, str) else int(value)
             except (TypeError, ValueError):
                 raise MaintenanceRefused("write_register", f"value must be an integer, got {value!r}") from None
-            old = self._board.registers.read(d.name)
+            old = self._rt.read_register(lease, d.name)
             self._rt.write_register(lease, d.name, v)
             return {"ok": True, "name": d.name, "old": old, "new": v, "hex": f"0x{v:08X}"}
 
@@ -373,33 +371,25 @@ class MaintenancePlane:
         args = {"kind": kind, "count": count} | ({"chip": chip, "factor": factor} if kind == "slow_chip" else {})
 
         def go() -> dict:
-            f = self._board.faults
             if kind not in FAULT_KINDS:
                 raise MaintenanceRefused("inject_fault", f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
             if not isinstance(count, int) or not 1 <= count <= 1000:
                 raise MaintenanceRefused("inject_fault", f"count must be 1..1000, got {count!r}")
             if kind == "slow_chip":
-                if chip not in range(self._board.shape.n_chips):
-                    raise MaintenanceRefused("inject_fault", f"no chip {chip} (device has {self._board.shape.n_chips})")
+                n_chips = self._mon.shape.n_chips
+                if chip not in range(n_chips):
+                    raise MaintenanceRefused("inject_fault", f"no chip {chip} (device has {n_chips})")
                 if not (isinstance(factor, (int, float)) and 1.0 <= factor <= 1000.0):
                     raise MaintenanceRefused("inject_fault", f"slow factor must be in [1, 1000], got {factor!r}")
-                f.slow_chip[chip] = float(factor)
-            else:
-                f.arm({"ccu_exception": "ccu_next", "kv_exhaustion": "kv_exhaust_next",
-                       "link_error": "link_error_next"}[kind], count)
-            return {"ok": True, "armed": f.active()}
+            armed = self._rt.arm_fault(lease, kind, chip=chip, factor=float(factor), count=count)
+            return {"ok": True, "armed": armed}
 
         return self._run("inject_fault", args, lease, go)
 
     def clear_faults(self, lease: Lease | None) -> dict:
         """Disarm every injected fault. {"ok", "disarmed"}."""
         def go() -> dict:
-            f = self._board.faults
-            before = f.active()
-            with f._lock:
-                f.ccu_next = f.link_error_next = f.kv_exhaust_next = 0
-                f.slow_chip.clear()
-            return {"ok": True, "disarmed": before}
+            return {"ok": True, "disarmed": self._rt.disarm_faults(lease)}
 
         return self._run("clear_faults", {}, lease, go)
 
@@ -412,7 +402,7 @@ class MaintenancePlane:
         def go() -> dict:
             if not holder or not isinstance(holder, str):
                 raise MaintenanceRefused("acknowledge_faults", "holder must be a non-empty name")
-            return {"ok": True, "acknowledged": self._board.faults.acknowledge()}
+            return {"ok": True, "acknowledged": self._rt.acknowledge_faults()}
 
         return self._run("acknowledge_faults", {"holder": holder}, None, go, needs_lease=False)
 
@@ -431,15 +421,16 @@ class MaintenancePlane:
 
     def status(self) -> dict:
         """Mode, armed faults, memory state (read-only; not audited)."""
-        return {**self.mode(), "faults": self._board.faults.active(),
-                "faults_fired": self._board.faults.unacknowledged(), "memory_cleared": self._board.memory_cleared,
+        f = self._mon.faults()
+        return {**self.mode(), "faults": f["active"], "faults_fired": f["fired"],
+                "memory_cleared": self._mon.memory_cleared,
                 "audit_log": str(self.audit.path)}
 
     # --- internals ------------------------------------------------------------------
 
     def _resolve(self, key: str | int, action: str):
         try:
-            return self._board.registers.resolve(key)
+            return self._mon.resolve_register(key)
         except KeyError as e:
             # the message itself, not str(KeyError), which quotes it (and strip() would eat its closing quote)
             raise MaintenanceRefused(action, str(e.args[0]) if e.args else "no such register") from None
@@ -449,16 +440,11 @@ class MaintenancePlane:
 
         Returns (StepResult, host ms of the KV apply and submit, measured like the engine's framework stage).
         """
-        b = self._board
         ht = self._engine.host_timer
-        n = len(tokens)
         h0 = ht.now()
-        positions = np.arange(p0, p0 + n, dtype=np.int64)
-        cells = b.kv.apply(SCRATCH_SEQ, n, timeout=1.0, positions=positions.tolist())
-        ctx, pos = b.kv.seq_cells(SCRATCH_SEQ)
-        job = b.submit(kind, SCRATCH_SEQ, np.asarray(tokens, dtype=np.int64), positions, np.asarray(cells), ctx, pos)
+        out = self._rt.scratch_submit(self._lease, kind, SCRATCH_SEQ, tokens, p0)
         host_ms = (ht.now() - h0) / 1e3
-        return job.wait(self.reset_timeout_s), host_ms
+        return out.wait(self.reset_timeout_s), host_ms
 
     def _job(self, kind: str, tokens: list[int], p0: int, source: str):
         """``_job_timed``, and the step shown in the observation's stage table as ``source``. Returns the StepResult."""
@@ -470,7 +456,7 @@ class MaintenancePlane:
         """Health check after reset/reload: status registers, job accounting (counters balance, nothing
         in flight, no job from before the reset left unended), the engine's buffer pool full (bounded
         wait, at most 1 s), then one decode job on the scratch sequence."""
-        b = self._board
+        mon = self._mon
         t0 = time.perf_counter()
         checks: list[dict] = []
 
@@ -478,14 +464,14 @@ class MaintenancePlane:
             checks.append({"check": name, "ok": bool(ok), "detail": detail})
             return ok
 
-        check("memory loaded", not b.memory_cleared, "device memory cleared" if b.memory_cleared else "")
-        check("calbin configured", bool(b.registers.read("BOARD_STATUS") & 0x2))
-        for ch in b.chiplets():
+        check("memory loaded", not mon.memory_cleared, "device memory cleared" if mon.memory_cleared else "")
+        check("calbin configured", bool(mon.read_register("BOARD_STATUS") & 0x2))
+        for ch in mon.chiplets():
             check(f"chip{ch.index} ready", ch.state == "ready", ch.state)
         # after a reset every job must have ended and been counted, and every buffer pair be back:
         # a job lost by the bookkeeping would hang its request and hold its pair forever
-        problems = b.accounting_problems()
-        c = b.counters()
+        problems = mon.accounting_problems()
+        c = mon.counters()
         check("job accounting", not problems, "; ".join(problems) or
               f"submitted {c.submitted} = finished {c.finished} + failed {c.failed} + in flight {c.left}")
         check("no job in flight", c.left == 0, f"pending {c.pending}, running {c.running}")
@@ -493,16 +479,16 @@ class MaintenancePlane:
         check("buffer pool full", free == size, f"{free} of {size} buffer pairs free")
         sim_us = 0.0
         if all(c["ok"] for c in checks):
-            b.kv.free(SCRATCH_SEQ)
+            self._rt.free_seq(self._lease, SCRATCH_SEQ)
             try:
-                res = self._job("decode", [151644], 0, "health check")
+                res = self._job("decode", [IM_START], 0, "health check")
                 sim_us = res.sim_us
                 ok = res.logits_bf16 is None or bool(np.isfinite(bf16_to_f32(res.logits_bf16)).all())
                 check("decode probe job", ok, f"{res.sim_us / 1e3:.2f} sim ms" + ("" if ok else ", non-finite logits"))
             except (DeviceError, KVExhausted, CalError) as e:
                 check("decode probe job", False, f"{type(e).__name__}: {e}")
             finally:
-                b.kv.free(SCRATCH_SEQ)
+                self._rt.free_seq(self._lease, SCRATCH_SEQ)
         ok = all(c["ok"] for c in checks)
         failed = [f"{c['check']}: {c['detail']}" for c in checks if not c["ok"]]
         return {"ok": ok, "detail": "healthy" if ok else "; ".join(failed), "checks": checks, "sim_us": sim_us,
@@ -511,7 +497,7 @@ class MaintenancePlane:
     def _self_test(self) -> dict:
         from sim_backend.model.golden import GoldenFileError, compare, load_golden
 
-        b = self._board
+        b = self._mon
         t0 = time.perf_counter()
         tol = b.bundle.golden_max_abs_error
         base = {"tolerance": tol, "max_abs_error": None}
@@ -529,13 +515,13 @@ class MaintenancePlane:
             golden = load_golden(b.bundle.golden_file)
         except (GoldenFileError, OSError, ValueError) as e:
             return fail(f"golden file unreadable: {e}")
-        b.kv.free(SCRATCH_SEQ)
+        self._rt.free_seq(self._lease, SCRATCH_SEQ)
         try:
             res = self._job("prefill", golden.input_ids.tolist(), 0, "self-test")
         except CalError as e:
             return fail(f"{type(e).__name__}: {e}")
         finally:
-            b.kv.free(SCRATCH_SEQ)
+            self._rt.free_seq(self._lease, SCRATCH_SEQ)
         rep = compare(golden, res.logits_bf16, tol)
         rep.update(golden=golden.path.name, n_tokens=int(golden.input_ids.size), sim_ms=res.sim_us / 1e3,
                    wall_ms=(time.perf_counter() - t0) * 1e3,
@@ -543,12 +529,12 @@ class MaintenancePlane:
         return rep
 
     def _probe(self, prompt: str, max_tokens: int) -> dict:
-        b, e = self._board, self._engine
+        b, e = self._mon, self._engine
         t0 = time.perf_counter()
-        sim0 = b.clock.now_us
+        sim0 = b.now_us
         ids = e.tokenize_prompt(ChatRequest.from_prompt(prompt, max_tokens=max_tokens))
         out: list[int] = []
-        b.kv.free(SCRATCH_SEQ)
+        self._rt.free_seq(self._lease, SCRATCH_SEQ)
         status, error = "finished", None
         try:
             res, host_ms = self._job_timed("prefill", ids, 0)
@@ -567,10 +553,10 @@ class MaintenancePlane:
             status = "failed"
             error = {"type": type(err).__name__, "message": str(err), **({"code": err.code} if hasattr(err, "code") else {})}
         finally:
-            b.kv.free(SCRATCH_SEQ)
+            self._rt.free_seq(self._lease, SCRATCH_SEQ)
         text = e.tokenizer.decode([t for t in out if t not in EOS_IDS]) if b.numerics else ""
         return {"ok": status == "finished", "status": status, "text": text, "n_tokens": len(out), "prompt_n": len(ids),
-                "error": error, "sim_ms": (b.clock.now_us - sim0) / 1e3, "wall_ms": (time.perf_counter() - t0) * 1e3}
+                "error": error, "sim_ms": (b.now_us - sim0) / 1e3, "wall_ms": (time.perf_counter() - t0) * 1e3}
 
 
 def _reg_key(key: Any, action: str) -> str | int:

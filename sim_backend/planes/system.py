@@ -20,6 +20,7 @@ from sim_backend.bundle.manifest import Bundle, load_bundle
 from sim_backend.model.costmodel import CostModel
 from sim_backend.device.board import Pacing, PacingMode, SimulatedBoard
 from sim_backend.runtime import RuntimeSession
+from sim_backend.runtime.monitor import DeviceMonitor
 from sim_backend.serving.engine import Engine, HostTimer
 from sim_backend.device.memory import MemoryPlan
 from sim_backend.planes.inprocess import InferencePlane, ObservationPlane
@@ -67,11 +68,13 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt,
                     slo=slo)  # slo: metrics.SLO for goodput (simulated ms); None = no objectives
     memory_plan = MemoryPlan.for_bundle(bundle.shape, cost.hw)
-    observation = ObservationPlane(board, engine, bundle, memory_plan)
+    observation = ObservationPlane(DeviceMonitor(board), engine, bundle, memory_plan)
     mplane = None
     if maintenance:
         from sim_backend.planes.maintenance import MaintenancePlane  # imported only when asked for (--observe-only proof)
-        mplane = MaintenancePlane(board, engine, AuditLog(audit_path), drain_timeout_s=drain_timeout_s,
+        from sim_backend.runtime import MaintenanceRuntime
+
+        mplane = MaintenancePlane(MaintenanceRuntime(board, memory_plan=memory_plan), engine, AuditLog(audit_path), drain_timeout_s=drain_timeout_s,
                                   reset_timeout_s=reset_timeout_s, memory_plan=memory_plan)
         observation.set_mode_source(mplane.mode)
     return System(bundle, board, engine, InferencePlane(engine), observation, mplane)

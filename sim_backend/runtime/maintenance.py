@@ -3,14 +3,15 @@ golden I/O, each behind an explicit lease the maintenance plane checks (FACTS F5
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from sim_backend.device.board import SimulatedBoard
 from sim_backend.runtime.calrt import CALRT_VERSION
+from sim_backend.runtime.monitor import DeviceMonitor
+from sim_backend.runtime.calbin import OutputBuf
+from sim_backend.runtime.session import RuntimeSession
 from sim_backend.errors import MaintenanceRefused
 
 # --- maintenance-only runtime functions ------------------------------------------------
@@ -39,12 +40,16 @@ class MaintenanceRuntime:
     def __init__(self, board: SimulatedBoard, lease_check: Callable[[str, Any], None] = require_lease,
                  memory_plan: Any = None) -> None:
         self._board = board
-        self._check = lease_check
+        #: callable(action, lease) raising MaintenanceRefused; the maintenance plane installs its own
+        self.lease_check = lease_check
         self._memory_plan = memory_plan
+        #: read-only status (no lease): what the maintenance plane shows and checks
+        self.monitor = DeviceMonitor(board)
+        self._session: RuntimeSession | None = None
 
     def read_register(self, lease: Any, key: str | int) -> int:
         """Any register of the map, by name or address (KeyError-like MaintenanceRefused if unknown)."""
-        self._check("read_register", lease)
+        self.lease_check("read_register", lease)
         try:
             return self._board.registers.read(key)
         except KeyError as e:
@@ -52,35 +57,19 @@ class MaintenanceRuntime:
 
     def write_register(self, lease: Any, key: str | int, value: int) -> None:
         """Write a register the map marks writable; MaintenanceRefused otherwise."""
-        self._check("write_register", lease)
+        self.lease_check("write_register", lease)
         try:
             self._board.registers.write(key, value)
         except (KeyError, PermissionError, ValueError) as e:
             raise MaintenanceRefused("write_register", str(e)) from None
 
     def dump_registers(self, lease: Any) -> dict[str, int]:
-        self._check("dump_registers", lease)
+        self.lease_check("dump_registers", lease)
         return self._board.registers.dump()
-
-    def chip_memory(self, lease: Any, chip: int) -> dict:
-        """Per-chip memory: the plan's regions (bytes) with KV in use now, and the chip's status."""
-        self._check("chip_memory", lease)
-        b = self._board
-        if not 0 <= chip < b.shape.n_chips:
-            raise MaintenanceRefused("chip_memory", f"no chip {chip} (device has {b.shape.n_chips})")
-        occ = b.kv.occupancy()
-        out: dict = {"chip": chip, "kv_used_tokens": occ.used_cells,
-                     "kv_used_bytes": occ.used_cells * b.shape.kv_bytes_per_token_per_chip,
-                     "kv_capacity_bytes": occ.bytes_capacity_per_chip, "memory_cleared": b.memory_cleared}
-        if self._memory_plan is not None:
-            plan = self._memory_plan.with_kv_used(min(occ.used_cells, self._memory_plan.shape.n_ctx))
-            out["regions"] = [{"name": r.name, "kind": r.kind, "used_bytes": r.used_bytes,
-                               "reserved_bytes": r.reserved_bytes} for r in plan.chips[chip]]
-        return out
 
     def config_metadata(self, lease: Any) -> dict:
         """Config metadata: bundle identity, sub-models with I/O specs and CSRs, findings, registers."""
-        self._check("config_metadata", lease)
+        self.lease_check("config_metadata", lease)
         b = self._board.bundle
         return {
             "bundle": b.name, "path": str(b.path), "calrt_version": b.calrt_version,
@@ -95,63 +84,77 @@ class MaintenanceRuntime:
             "registers": self._board.registers.dump(),
         }
 
-    def dump_trace(self, lease: Any, path: str | Path) -> dict:
-        """Write config metadata + a Chrome trace of the last prefill/decode steps to ``path`` (JSON).
-
-        Returns {"path", "steps", "bytes"}.
-        """
-        self._check("dump_trace", lease)
-        from sim_backend.model.trace import chrome_trace
-
-        steps = sorted(self._board.last_steps.values(), key=lambda r: r.job_id)
-        trace = chrome_trace([(f"{r.kind} job {r.job_id}", r.cost, r.sim_start_us) for r in steps])
-        meta = self.config_metadata(lease)
-        doc = {"metadata": meta, **trace}
-        text = json.dumps(doc, default=str)
-        p = Path(path)
-        p.write_text(text, encoding="utf-8")
-        return {"path": str(p), "steps": len(steps), "bytes": len(text.encode())}
-
     def clear_kv(self, lease: Any) -> None:
         """Clear the whole KV cache (every sequence)."""
-        self._check("clear_kv", lease)
+        self.lease_check("clear_kv", lease)
         self._board.kv.clear()
 
-    def golden_check(self, lease: Any, golden_file: str | Path | None = None, *, seq_id: int = 62,
-                     timeout: float = 60.0) -> dict:
-        """Golden self-test: run the golden input as one prefill on a scratch sequence, compare logits.
+    # --- device state ---------------------------------------------------------------
 
-        Golden file (npz): ``input_ids`` (1-D int token ids) and ``logits``
-        (last-token logits, float32, or uint16 BF16 bits). Defaults to the
-        bundle's golden file. Returns {"ok", "max_abs_error", "tolerance",
-        "n_tokens", "sim_us"}; raises MaintenanceRefused if there is no
-        golden file, and the device's typed errors if the job fails.
-        """
-        self._check("golden_check", lease)
-        b = self._board
-        gf = Path(golden_file) if golden_file is not None else b.bundle.golden_file
-        if gf is None or not Path(gf).exists():
-            raise MaintenanceRefused("golden_check", "no golden file in this bundle")
-        if not b.numerics:
-            raise MaintenanceRefused("golden_check", "device runs timing-only (no logits to compare)")
-        from sim_backend.model.golden import GoldenFileError, compare, load_golden
+    def reset(self, lease: Any, timeout: float) -> dict[str, Any]:
+        """Reset the device: every pending/running job ends with DeviceReset, registers, KV and faults
+        back to power-on, the calbin reconfigured. {"failed_jobs", "calbin", "resets", "wall_ms"}.
+        Raises DeviceError if the device thread does not come back within ``timeout`` host s."""
+        self.lease_check("reset", lease)
+        return self._board.reset(timeout=timeout)
 
-        try:
-            golden = load_golden(gf)
-        except GoldenFileError as e:
-            raise MaintenanceRefused("golden_check", str(e)) from None
-        ids = golden.input_ids
-        n = ids.shape[0]
-        cells = b.kv.apply(seq_id, n, timeout=1.0, positions=list(range(n)))
-        try:
-            ctx, pos = b.kv.seq_cells(seq_id)
-            job = b.submit("prefill", seq_id, ids, np.arange(n, dtype=np.int64), np.asarray(cells), ctx, pos)
-            res = job.wait(timeout)
-        finally:
-            b.kv.free(seq_id)
-        if res.logits_bf16 is None:
-            raise MaintenanceRefused("golden_check", "the device returned no logits (timing-only)")
-        rep = compare(golden, res.logits_bf16, b.bundle.golden_max_abs_error)
-        if rep["max_abs_error"] is None:
-            raise MaintenanceRefused("golden_check", rep["detail"])
-        return {**rep, "n_tokens": n, "sim_us": res.sim_us}
+    def clear_memory(self, lease: Any) -> None:
+        """ClearAllDevMem: weights and KV zeroed on both chips; jobs refused until ``load_model``."""
+        self.lease_check("clear_device_memory", lease)
+        self._board.clear_memory()
+
+    def load_model(self, lease: Any) -> float:
+        """Load the weights again (after ClearAllDevMem); returns host wall seconds taken."""
+        self.lease_check("reload_model", lease)
+        return self._board.load_model()
+
+    def free_seq(self, lease: Any, seq_id: int) -> None:
+        """Free every KV cell of ``seq_id`` (the maintenance scratch sequence)."""
+        self.lease_check("free_seq", lease)
+        self._board.kv.free(seq_id)
+
+    # --- faults ---------------------------------------------------------------------------
+
+    def arm_fault(self, lease: Any, kind: str, *, chip: int = 1, factor: float = 4.0, count: int = 1) -> list[str]:
+        """Arm ``kind`` (ccu_exception | kv_exhaustion | link_error: the next ``count`` jobs/applies;
+        slow_chip: ``chip`` runs ``factor`` x slower until cleared or reset). Returns the armed list.
+        Arguments are the caller's to validate (MaintenancePlane.inject_fault)."""
+        self.lease_check("inject_fault", lease)
+        f = self._board.faults
+        if kind == "slow_chip":
+            with f._lock:
+                f.slow_chip[int(chip)] = float(factor)
+        else:
+            f.arm({"ccu_exception": "ccu_next", "kv_exhaustion": "kv_exhaust_next",
+                   "link_error": "link_error_next"}[kind], count)
+        return f.active()
+
+    def disarm_faults(self, lease: Any) -> list[str]:
+        """Disarm every injected fault; returns what was armed or in effect."""
+        self.lease_check("clear_faults", lease)
+        f = self._board.faults
+        before = f.active()
+        with f._lock:
+            f.ccu_next = f.link_error_next = f.kv_exhaust_next = 0
+            f.slow_chip.clear()
+        return before
+
+    def acknowledge_faults(self) -> list[dict[str, Any]]:
+        """Mark the faults that fired as seen (no lease: the device is not changed); returns them."""
+        return self._board.faults.acknowledge()
+
+    # --- scratch jobs -------------------------------------------------------------------
+
+    def scratch_submit(self, lease: Any, kind: str, seq_id: int, tokens: Any, p0: int) -> OutputBuf:
+        """Submit one prefill/decode job of ``seq_id`` (the scratch sequence) through the runtime's
+        checked path (InputBuf checks, CSR, sub-model by exact name) after applying KV for positions
+        ``p0..p0+n-1``. Returns the OutputBuf at once (``wait(timeout)`` gives the StepResult); raises
+        the runtime's typed errors (KVExhausted, SubmitError, DeviceNotReady, ...)."""
+        self.lease_check("scratch_submit", lease)
+        if self._session is None:
+            self._session = RuntimeSession(self._board, parallel=False)
+        s = self._session
+        toks = np.asarray(tokens, dtype=np.int64)
+        positions = np.arange(p0, p0 + toks.shape[0], dtype=np.int64)
+        cells = s.kv.apply(seq_id, int(toks.shape[0]), timeout=1.0, positions=positions)
+        return s.step(kind, seq_id, toks, positions, np.asarray(cells))
