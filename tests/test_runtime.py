@@ -12,7 +12,6 @@ import threading
 import numpy as np
 import pytest
 
-from sim_backend.model.bf16 import bf16_to_f32
 from sim_backend.bundle.manifest import load_bundle
 from sim_backend.model.costmodel import CostModel
 from sim_backend.device.board import SimulatedBoard
