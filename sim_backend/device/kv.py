@@ -54,21 +54,19 @@ operation that frees cells.
 
 from __future__ import annotations
 
-import math
-import os
-import stat
-import struct
 import threading
 import time
-import zipfile
-import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape
-from sim_backend.errors import KVArgumentError, KVExhausted, KVStateFileError, RequestCancelled
+from sim_backend.errors import KVArgumentError, KVExhausted, KVStateFileError, RequestCancelled  # noqa: F401
+from sim_backend.device.kv_common import (_BACKOFF_MAX_S, _BACKOFF_START_S, _EMPTY, _POS_INF, _ZERO,  # noqa: F401
+                                          KV_STATE_FORMAT, KV_STATE_VERSION, MAX_CELLS, MAX_TIMEOUT_S, N_SEQ_MAX,
+                                          _as_int, _bit, _check_cancel, _check_timeout, _norm_range, _reason, _show)
+from sim_backend.device.kv_state import KVStateFiles
 
 __all__ = [
     "KVCacheManager",
@@ -80,33 +78,6 @@ __all__ = [
     "MAX_TIMEOUT_S",
     "MAX_CELLS",
 ]
-
-#: Largest number of distinct sequence ids (ids 0..63): one bit each in a uint64 mask.
-N_SEQ_MAX = 64
-
-#: Identifier and version written into every saved sequence-state file.
-KV_STATE_FORMAT = "calconsole-kv-seq-state"
-KV_STATE_VERSION = 1
-
-# Back-off of a waiting apply (host wall seconds): 1 ms doubling to 50 ms.
-# Any free() notifies the Condition, so the back-off only bounds how late a
-# cancel Event is noticed (Event.set() cannot notify our Condition).
-_BACKOFF_START_S = 0.001
-_BACKOFF_MAX_S = 0.050
-
-#: Longest wait an ``apply`` / ``load_seq_state`` accepts (host wall seconds):
-#: 30x the engine's 120 s step timeout; anything longer is a hang, not a wait.
-MAX_TIMEOUT_S = 3600.0
-
-#: Largest cache: 2**22 = 4,194,304 cells, 32x the 131,072-token ceiling the
-#: bundle loader accepts for a context (102x the calbin's 40960); metadata is
-#: 24 B a cell, so at most 96 MiB.
-MAX_CELLS = 1 << 22
-
-_POS_INF = np.iinfo(np.int64).max
-_EMPTY = np.int64(-1)
-_ZERO = np.uint64(0)
-
 
 @dataclass(frozen=True)
 class KVOccupancy:
@@ -158,61 +129,7 @@ class KVCounters:
     kv_wait_s: float
 
 
-def _bit(seq_id: int) -> np.uint64:
-    return np.uint64(1) << np.uint64(seq_id)
-
-
-def _show(v: Any) -> str:
-    """Short repr for an error message (a garbage argument may be huge)."""
-    try:
-        r = repr(v)
-    except Exception:  # e.g. an int beyond sys.get_int_max_str_digits()
-        r = f"<{type(v).__name__}>"
-    return r if len(r) <= 60 else r[:57] + "..."
-
-
-def _as_int(v: Any, name: str) -> int:
-    """``v`` as a Python int; only int / numpy integer, not bool (a bool is almost surely a bug)."""
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-        raise KVArgumentError(f"{name} must be an int, got {type(v).__name__} {_show(v)}")
-    return int(v)
-
-
-def _norm_range(p0: Any, p1: Any) -> tuple[int, int]:
-    """llama.cpp's negative-bound convention: p0 < 0 -> 0, p1 < 0 -> +infinity.
-
-    Both must be ints (any size); bounds above int64 are clamped to it, which
-    changes nothing since every position is < n_ctx.
-    """
-    p0 = _as_int(p0, "p0")
-    p1 = _as_int(p1, "p1")
-    p0 = 0 if p0 < 0 else min(p0, _POS_INF)
-    p1 = _POS_INF if p1 < 0 else min(p1, _POS_INF)
-    return p0, p1
-
-
-def _reason(e: BaseException) -> str:
-    """``Type: message`` without the (possibly huge) file name an OSError repeats."""
-    msg = getattr(e, "strerror", None) or _show(str(e))
-    return f"{type(e).__name__}: {msg}"
-
-
-def _check_timeout(v: Any) -> float:
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise KVArgumentError(f"timeout must be a number of seconds, got {type(v).__name__} {_show(v)}")
-    t = float(v)
-    if not (math.isfinite(t) and 0.0 <= t <= MAX_TIMEOUT_S):
-        raise KVArgumentError(f"timeout must be finite seconds in 0..{MAX_TIMEOUT_S:g}, got {_show(v)}")
-    return t
-
-
-def _check_cancel(v: Any) -> threading.Event | None:
-    if v is not None and not isinstance(v, threading.Event):
-        raise KVArgumentError(f"cancel must be a threading.Event or None, got {type(v).__name__}")
-    return v
-
-
-class KVCacheManager:
+class KVCacheManager(KVStateFiles):
     """Cell-based KV cache metadata (llama.cpp unified KV cache semantics).
 
     Args:
@@ -754,245 +671,6 @@ class KVCacheManager:
             return bool(self._shift.any())
 
     # ------------------------------------------------------------- state files
-
-    def save_seq_state(self, seq_id: int, path, arrays: Sequence[tuple[np.ndarray, int]] = ()) -> int:
-        """Save one sequence's state to ``path`` (``np.savez``; llama_state_seq_save_file).
-
-        Saved: format id and version, ``n_cells`` and
-        ``bytes_per_token_per_chip`` the file was made with, the sequence's
-        positions (sorted), and for each ``(array, cell_axis)`` the rows of
-        ``array`` at the sequence's cells along ``cell_axis`` (e.g. K/V shaped
-        ``(layers, kv_heads, n_cells, head_dim)`` with axis 2). Written to a
-        temp file then renamed, so a crash never leaves a half file.
-
-        Returns the number of tokens saved.
-
-        Raises:
-            KVArgumentError: bad seq_id, ``path`` not a path, ``arrays`` not a
-                list of ``(numpy array with an n_cells axis, int axis)``.
-            KVStateFileError: the file cannot be written (no temp file is left).
-        """
-        s = self._check_seq(seq_id)
-        path = self._check_path(path)
-        targets = self._check_arrays(arrays, for_load=False)
-        with self._cond:
-            cells, pos = self._seq_cells_locked(s)
-        payload: dict[str, np.ndarray] = {
-            "format": np.array(KV_STATE_FORMAT),
-            "version": np.array(KV_STATE_VERSION, dtype=np.int64),
-            "n_cells": np.array(self.n_cells, dtype=np.int64),
-            "bytes_per_token_per_chip": np.array(self.bytes_per_token_per_chip, dtype=np.int64),
-            "seq_id": np.array(s, dtype=np.int64),
-            "positions": pos,
-            "n_arrays": np.array(len(targets), dtype=np.int64),
-        }
-        for i, (arr, axis) in enumerate(targets):
-            payload[f"axis_{i}"] = np.array(axis, dtype=np.int64)
-            payload[f"rows_{i}"] = np.take(arr, cells, axis=axis)
-        tmp = path + ".tmp"
-        try:
-            with open(tmp, "wb") as f:  # explicit file: np.savez would append ".npz" to a str
-                np.savez(f, **payload)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
-            os.replace(tmp, path)
-        except (OSError, ValueError) as e:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise KVStateFileError(path, f"cannot write ({_reason(e)})") from None
-        return int(cells.size)
-
-    def load_seq_state(
-        self,
-        seq_id: int,
-        path,
-        arrays: Sequence[tuple[np.ndarray, int]] = (),
-        *,
-        timeout: float,
-        cancel: threading.Event | None = None,
-    ) -> int:
-        """Load a sequence state saved by ``save_seq_state`` into ``seq_id``.
-
-        All or nothing. The arguments and the whole file are validated first
-        (a regular file no larger than such a state can be; an ``.npz`` with
-        every field of the right dtype and shape: format, version,
-        ``n_cells``, ``bytes_per_token_per_chip``, positions ``0..n_ctx-1``,
-        array count/axis/shape/dtype). Then, as llama.cpp does, ``seq_id``'s
-        current cells are replaced by fresh cells at the saved positions and
-        the saved rows are written into ``arrays`` at those cells. The swap
-        happens only once enough cells are free counting those ``seq_id``
-        holds alone (bounded wait: ``timeout`` host wall seconds, ``cancel``).
-
-        Returns the number of tokens loaded.
-
-        Raises:
-            KVStateFileError: the file is missing, unreadable, truncated,
-                malformed or made for another cache.
-            KVArgumentError: bad seq_id, timeout, cancel or arrays (arrays
-                must be writeable).
-            KVExhausted / RequestCancelled: not enough cells in time / cancelled.
-            On any of these nothing changed: ``seq_id`` keeps its cells and
-            ``arrays`` their contents.
-        """
-        s = self._check_seq(seq_id)
-        path = self._check_path(path)
-        timeout = _check_timeout(timeout)
-        cancel = _check_cancel(cancel)
-        targets = self._check_arrays(arrays, for_load=True)
-        pos, rows = self._read_state_file(path, targets)
-        n = int(pos.size)
-        bit = _bit(s)
-        with self._cond:
-            # cells only s holds come back when s is replaced: they count as available
-            self._wait_for(n, lambda: self.n_cells - self._n_used() + int(np.count_nonzero(self._seqs == bit)),
-                           timeout, cancel)
-            # checked and committed under the lock, with no wait in between
-            self._freed(self._drop_seq(self._has(s), s))
-            cells = self._allocate(s, n, pos)
-        # The device owns the arrays; rows are written outside our lock.
-        for (arr, axis), r in zip(targets, rows):
-            idx: list[Any] = [slice(None)] * arr.ndim
-            idx[axis] = cells
-            arr[tuple(idx)] = r
-        return n
-
-    # Failures numpy / zipfile may raise while parsing a damaged file.
-    _READ_ERRORS = (OSError, ValueError, KeyError, EOFError, TypeError, OverflowError, RuntimeError,
-                    NotImplementedError, SyntaxError, RecursionError, zipfile.BadZipFile, zlib.error,
-                    struct.error)
-    # Slack for the .npy headers and zip directory of a state file (bytes).
-    _FILE_SLACK = 64 * 1024
-
-    def _read_state_file(self, path: str, targets: list[tuple[np.ndarray, int]]
-                         ) -> tuple[np.ndarray, list[np.ndarray]]:
-        """Read and validate a state file. Returns ``(positions int64[n], rows per array)``."""
-        def bad(reason: str) -> KVStateFileError:
-            return KVStateFileError(path, reason)
-
-        # A state file holds at most n_cells positions and n_cells rows of each array.
-        max_bytes = self.n_cells * 8 + sum(a.nbytes for a, _ in targets) + self._FILE_SLACK
-        try:
-            # O_NONBLOCK: opening a FIFO must not wait for a writer
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        except FileNotFoundError:
-            raise bad("not found") from None
-        except (OSError, ValueError) as e:
-            raise bad(f"cannot open ({_reason(e)})") from None
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            os.close(fd)
-            raise bad("not a regular file")
-        with os.fdopen(fd, "rb") as f:
-            if st.st_size > max_bytes:
-                raise bad(f"{st.st_size} bytes, more than a state for this cache can be ({max_bytes})")
-            try:
-                head = f.read(4)
-                f.seek(0)
-                if head not in (b"PK\x03\x04", b"PK\x05\x06"):  # zip local header / empty archive
-                    raise bad("not an .npz archive (empty, truncated at the start, or another format)")
-                npz = np.load(f, allow_pickle=False)
-                if not isinstance(npz, np.lib.npyio.NpzFile):
-                    raise bad("not an .npz archive")
-                with npz:
-                    assert npz.zip is not None  # open NpzFile
-                    unpacked = sum(int(i.file_size) for i in npz.zip.infolist())
-                    if unpacked > max_bytes:
-                        raise bad(f"unpacks to {unpacked} bytes, more than a state for this cache can be")
-                    data = self._state_fields(npz, targets, bad)
-            except KVStateFileError:
-                raise
-            except self._READ_ERRORS as e:
-                raise bad(f"unreadable or truncated ({type(e).__name__}: {_show(str(e))})") from None
-        return data
-
-    def _state_fields(self, npz: Any, targets: list[tuple[np.ndarray, int]], bad: Callable[[str], Exception]
-                      ) -> tuple[np.ndarray, list[np.ndarray]]:
-        def field(key: str) -> np.ndarray:
-            if key not in npz.files:
-                raise bad(f"missing field {key!r}")
-            return npz[key]
-
-        def scalar(key: str) -> int:
-            v = field(key)
-            if v.shape != () or v.dtype.kind not in "iu":
-                raise bad(f"field {key!r} must be an integer scalar, got {v.dtype} {v.shape}")
-            return int(v)
-
-        fmt = field("format")
-        if fmt.shape != () or fmt.dtype.kind != "U" or str(fmt) != KV_STATE_FORMAT:
-            raise bad(f"not a {KV_STATE_FORMAT} file")
-        version = scalar("version")
-        if version != KV_STATE_VERSION:
-            raise bad(f"KV state format version {version}, this build reads {KV_STATE_VERSION}")
-        f_cells = scalar("n_cells")
-        f_bpt = scalar("bytes_per_token_per_chip")
-        if f_cells != self.n_cells or f_bpt != self.bytes_per_token_per_chip:
-            raise bad(f"made for n_cells={f_cells}, bytes_per_token_per_chip={f_bpt}; this cache has "
-                      f"n_cells={self.n_cells}, bytes_per_token_per_chip={self.bytes_per_token_per_chip}")
-        pos = field("positions")
-        if pos.ndim != 1 or (pos.size and pos.dtype.kind not in "iu"):
-            raise bad(f"field 'positions' must be a 1-D integer array, got {pos.dtype} {pos.shape}")
-        n = int(pos.size)
-        if n > self.n_cells:
-            raise bad(f"{n} positions, more than n_cells={self.n_cells}")
-        if n and not (int(pos.min()) >= 0 and int(pos.max()) < self.n_ctx):
-            raise bad(f"positions must be in 0..{self.n_ctx - 1}, file has {int(pos.min())}..{int(pos.max())}")
-        n_arrays = scalar("n_arrays")
-        if n_arrays != len(targets):
-            raise bad(f"file has {n_arrays} arrays, {len(targets)} given")
-        rows = []
-        for i, (arr, axis) in enumerate(targets):
-            f_axis = scalar(f"axis_{i}")
-            if f_axis != axis:
-                raise bad(f"array {i} saved with cell axis {f_axis}, given axis {axis}")
-            r = field(f"rows_{i}")
-            want = list(arr.shape)
-            want[axis] = n
-            if list(r.shape) != want or r.dtype != arr.dtype:
-                raise bad(f"array {i} rows are {r.shape} {r.dtype}, expected {tuple(want)} {arr.dtype}")
-            rows.append(r)
-        return pos.astype(np.int64), rows
-
-    @staticmethod
-    def _check_path(path: Any) -> str:
-        try:
-            p = os.fspath(path)
-        except TypeError:
-            raise KVArgumentError(f"path must be a str or os.PathLike, got {type(path).__name__}") from None
-        if isinstance(p, bytes):
-            p = os.fsdecode(p)
-        if not p or "\0" in p:
-            raise KVStateFileError(p, "empty path or NUL character in path")
-        return p
-
-    def _check_arrays(self, arrays: Any, *, for_load: bool) -> list[tuple[np.ndarray, int]]:
-        if not isinstance(arrays, (list, tuple)):
-            raise KVArgumentError(f"arrays must be a list of (array, cell_axis) pairs, got {type(arrays).__name__}")
-        out = []
-        for i, item in enumerate(arrays):
-            if not isinstance(item, (list, tuple)) or len(item) != 2:
-                raise KVArgumentError(f"arrays[{i}] must be an (array, cell_axis) pair, got {type(item).__name__}")
-            arr, axis = item
-            axis = self._check_array(arr, axis, i)
-            if arr.dtype.hasobject:
-                raise KVArgumentError(f"array {i} has dtype {arr.dtype}: only plain numeric arrays are saved")
-            if for_load and not arr.flags.writeable:
-                raise KVArgumentError(f"array {i} is read-only: loaded rows cannot be written into it")
-            out.append((arr, axis))
-        return out
-
-    def _check_array(self, arr: np.ndarray, axis: int, i: int) -> int:
-        if not isinstance(arr, np.ndarray):
-            raise KVArgumentError(f"array {i} is not a numpy array")
-        axis = _as_int(axis, f"axis of array {i}")
-        if axis < 0:
-            axis += arr.ndim
-        if not 0 <= axis < arr.ndim or arr.shape[axis] != self.n_cells:
-            raise KVArgumentError(f"array {i} of shape {arr.shape} has no axis {axis} of length "
-                                  f"n_cells={self.n_cells}")
-        return axis
-
-    # ------------------------------------------------------------ observation
 
     def occupancy(self) -> KVOccupancy:
         """Snapshot of KV usage in cells, blocks and bytes per chip (FACTS F4)."""

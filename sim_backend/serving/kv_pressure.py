@@ -17,6 +17,7 @@ from sim_backend.errors import (KVExhausted)
 from sim_backend.serving.sampling import Sampler
 from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder
 
+from sim_backend.runtime import KV_BACKOFF_MAX_S, KV_BACKOFF_START_S
 from sim_backend.serving.api import ChatRequest, RequestHandle, RequestState
 from sim_backend.serving.api import error_dict as _err
 
@@ -54,7 +55,7 @@ class _Request:
         # KV parking (see Engine._apply_kv): deadline/retry in time.monotonic() seconds
         self.kv_deadline: float | None = None
         self.kv_retry_at = 0.0
-        self.kv_backoff_s = 0.001
+        self.kv_backoff_s = KV_BACKOFF_START_S
         self.kv_wait_start = 0.0
         self.kv_wait_start_sim = 0.0
         self.kv_last_wait_us = 0.0
@@ -272,10 +273,10 @@ class KVPressure:
                 r.kv_deadline = now + self.kv_timeout_s
                 r.kv_wait_start = now
                 r.kv_wait_start_sim = self.rt.clock.now_us
-                r.kv_backoff_s = 0.001
+                r.kv_backoff_s = KV_BACKOFF_START_S
             r.kv_need = n  # the deadline and the deadlock breaker decide under the lock (_kv_deadlines_locked)
             r.kv_retry_at = now + r.kv_backoff_s
-            r.kv_backoff_s = min(0.05, r.kv_backoff_s * 2)
+            r.kv_backoff_s = min(KV_BACKOFF_MAX_S, r.kv_backoff_s * 2)
             return None
         r.kv_need = 0
         r.kv_last_attempt_us = self.host_timer.now() - k0  # the apply itself (CPU)
