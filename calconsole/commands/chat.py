@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sim_backend.planes import CalError, RequestError
+from sim_backend.planes import CalError, RequestError, SamplingParams
 
 from .common import add_common_options, build_from_args, fail, print_json, read_prompt
 
@@ -29,15 +29,21 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
                    help="tokens to generate at most, > 0 (default 128). A reply also stops at the context end "
                         "(40960 tokens, prompt and chat template included; stop=limit): a larger value is "
                         "accepted and a note on stderr says how many tokens the reply can have at most")
-    g.add_argument("--temperature", type=_number, default=0.8, help=">= 0; 0 = greedy (default 0.8)")
-    g.add_argument("--top-k", type=_number, default=40, help="integer in [0, 151936]; 0 = disabled (default 40)")
-    g.add_argument("--top-p", type=_number, default=0.95, help="nucleus mass in (0, 1]; tiny = greedy (default 0.95)")
-    g.add_argument("--min-p", type=_number, default=0.05, help="in [0, 1] (default 0.05)")
-    g.add_argument("--repeat-penalty", type=_number, default=1.0, help="in (0, 10]; 1.0 = off (default)")
-    g.add_argument("--repeat-last-n", type=_number, default=64,
-                   help="tokens the penalties look back over (-1 = all, 0 = off; default 64)")
-    g.add_argument("--presence-penalty", type=_number, default=0.0, help="in [-2, 2] (default 0)")
-    g.add_argument("--frequency-penalty", type=_number, default=0.0, help="in [-2, 2] (default 0)")
+    d = SamplingParams()  # one home for the defaults (llama-server's)
+    g.add_argument("--temperature", type=_number, default=d.temperature,
+                   help=f">= 0; 0 = greedy (default {d.temperature:g})")
+    g.add_argument("--top-k", type=_number, default=d.top_k, help=f"integer in [0, 151936]; 0 = disabled (default {d.top_k})")
+    g.add_argument("--top-p", type=_number, default=d.top_p,
+                   help=f"nucleus mass in (0, 1]; tiny = greedy (default {d.top_p:g})")
+    g.add_argument("--min-p", type=_number, default=d.min_p, help=f"in [0, 1] (default {d.min_p:g})")
+    g.add_argument("--repeat-penalty", type=_number, default=d.repeat_penalty,
+                   help=f"in (0, 10]; 1.0 = off (default {d.repeat_penalty:g})")
+    g.add_argument("--repeat-last-n", type=_number, default=d.repeat_last_n,
+                   help=f"tokens the penalties look back over (-1 = all, 0 = off; default {d.repeat_last_n})")
+    g.add_argument("--presence-penalty", type=_number, default=d.presence_penalty,
+                   help=f"in [-2, 2] (default {d.presence_penalty:g})")
+    g.add_argument("--frequency-penalty", type=_number, default=d.frequency_penalty,
+                   help=f"in [-2, 2] (default {d.frequency_penalty:g})")
     g.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop string, non-empty (repeatable)")
     g.add_argument("--seed", type=_number, default=None,
