@@ -62,8 +62,9 @@ import threading
 import time
 import zipfile
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -850,7 +851,7 @@ class KVCacheManager:
             self._freed(self._drop_seq(self._has(s), s))
             cells = self._allocate(s, n, pos)
         # The device owns the arrays; rows are written outside our lock.
-        for (arr, axis), r in zip(targets, rows):
+        for (arr, axis), r in zip(targets, rows, strict=True):
             idx: list[Any] = [slice(None)] * arr.ndim
             idx[axis] = cells
             arr[tuple(idx)] = r

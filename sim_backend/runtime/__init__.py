@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from sim_backend.runtime.buffers import BufferPair, BufferPool
 from sim_backend.runtime.calbin import Calbin, InputBuf, OutputBuf, SubModel, SubModelNotFound
-from sim_backend.runtime.calrt import CALRT_VERSION, DEVICE_KINDS, TASK_TYPES, DeviceStatus, VirtualDevice, calrt_version
+from sim_backend.runtime.calrt import (
+    CALRT_VERSION,
+    DEVICE_KINDS,
+    TASK_TYPES,
+    DeviceStatus,
+    VirtualDevice,
+    calrt_version,
+)
 from sim_backend.runtime.session import RuntimeSession
 from sim_backend.runtime.views import ClockView, KVView
 
