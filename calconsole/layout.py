@@ -76,7 +76,7 @@ class Layout:
     def panes(self) -> list[str]:
         return [p.pane for c in self.columns for p in c.panes]
 
-    def without(self, pane: str) -> "Layout":
+    def without(self, pane: str) -> Layout:
         cols = tuple(ColumnSpec(c.width, tuple(p for p in c.panes if p.pane != pane)) for c in self.columns)
         return Layout(self.name, self.path, self.refresh_hz, tuple(c for c in cols if c.panes))
 

@@ -153,13 +153,17 @@ class KVExhausted(CalError):
         free: free cells when giving up.
         capacity: total cells (40960, FACTS F4).
         waited_s: host wall seconds spent waiting.
+        injected: raised by an injected fault (maintenance ``inject_fault kv_exhaustion``), not a
+            full cache; retrying cannot clear it.
     """
 
-    def __init__(self, requested: int, free: int, capacity: int, waited_s: float, reason: str = "") -> None:
+    def __init__(self, requested: int, free: int, capacity: int, waited_s: float, reason: str = "", *,
+                 injected: bool = False) -> None:
         self.requested = requested
         self.free = free
         self.capacity = capacity
         self.waited_s = waited_s
+        self.injected = injected
         self.reason = reason  # why this request was the one ended (engine KV pressure rule), or ""
         super().__init__(
             f"KV cache exhausted: requested {requested} tokens, {free} free of {capacity} "

@@ -17,7 +17,8 @@ from .common import fail, print_json
 def register(bsub) -> None:
     p = bsub.add_parser(
         "calibrate", help="simulated vs the real device's measurements, with the error of each case",
-        description="Run the calibration cases (measurements of the real device): 27-token prefill tok/s, 246-token decode tok/s and the "
+        description="Run the calibration cases (measurements of the real device): 27-token prefill tok/s, "
+                    "246-token decode tok/s and the "
                     "4.41 s end-to-end request (each within ±3%), decode tok/s inside the historical bands "
                     "by context, and the two trends. Cost-model cases price steps directly (simulated device "
                     "time; the E2E case adds the fitted host allowance). Engine cases run the serving engine "
@@ -68,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="Calibration: simulator vs measurements of the real device; simulated time, engine rows include measured host work")
+    t = Table(title="Calibration: simulator vs measurements of the real device; "
+                    "simulated time, engine rows include measured host work")
     t.add_column("case", no_wrap=True)
     t.add_column("path", no_wrap=True)
     for col in ("real device", "simulated"):

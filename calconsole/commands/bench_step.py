@@ -23,6 +23,7 @@ from sim_backend.tools.step_bench import MODES, measure_step  # noqa: F401 (re-e
 
 from .common import fail, print_json
 
+
 def register(bsub) -> None:
     p = bsub.add_parser("step", help="host wall ms per decode step: in-process numerics vs the console's worker",
                         description=__doc__.replace("``", "").split("\n\n")[1],

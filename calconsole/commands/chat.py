@@ -32,7 +32,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     d = SamplingParams()  # one home for the defaults (llama-server's)
     g.add_argument("--temperature", type=_number, default=d.temperature,
                    help=f">= 0; 0 = greedy (default {d.temperature:g})")
-    g.add_argument("--top-k", type=_number, default=d.top_k, help=f"integer in [0, 151936]; 0 = disabled (default {d.top_k})")
+    g.add_argument("--top-k", type=_number, default=d.top_k,
+                   help=f"integer in [0, 151936]; 0 = disabled (default {d.top_k})")
     g.add_argument("--top-p", type=_number, default=d.top_p,
                    help=f"nucleus mass in (0, 1]; tiny = greedy (default {d.top_p:g})")
     g.add_argument("--min-p", type=_number, default=d.min_p, help=f"in [0, 1] (default {d.min_p:g})")

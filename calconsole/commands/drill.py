@@ -33,7 +33,8 @@ from __future__ import annotations
 import argparse
 import getpass
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sim_backend.planes import CalError
 
@@ -42,8 +43,9 @@ from .common import add_common_options, build_from_args, fail, print_json
 
 def register(sub, common) -> None:
     p = sub.add_parser("drill", help="run a scripted maintenance window and check every step",
-                       description=__doc__.replace("``", "").split("\n\n")[0] + " Prints each step; exit code 1 if any step did "
-                                   "not behave as described. sim_ms is simulated device time, wall_ms host time.")
+                       description=__doc__.replace("``", "").split("\n\n")[0]
+                       + " Prints each step; exit code 1 if any step did "
+                         "not behave as described. sim_ms is simulated device time, wall_ms host time.")
     add_common_options(p, default_pacing="fast")
     p.add_argument("--json", action="store_true", help="print the steps as JSON")
     p.add_argument("--drain-timeout", type=float, default=0.3, metavar="S",
@@ -107,7 +109,8 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
         except Exception as e:  # noqa: BLE001 - a drill reports, it does not crash
             granted, ok, detail = None, False, f"internal error {type(e).__name__}: {e}"
         rec = {"step": len(steps) + 1, "action": action, "granted": granted, "ok": bool(ok), "detail": detail,
-               "sim_ms": round((_sim_now_us(system) - s0) / 1e3, 3), "wall_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+               "sim_ms": round((_sim_now_us(system) - s0) / 1e3, 3),
+               "wall_ms": round((time.perf_counter() - t0) * 1e3, 3)}
         steps.append(rec)
         try:
             m.audit.event(f"drill:{action}", {"step": rec["step"]}, granted=bool(granted), ok=rec["ok"],
@@ -130,7 +133,8 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
         while time.perf_counter() < deadline:
             ev = h.next_event(0.5)
             if isinstance(ev, TokenEvent):
-                return True, True, f"request {h.id} streaming (prompt {h.prompt_n} tokens, max_tokens {stream_max_tokens})"
+                return True, True, (f"request {h.id} streaming (prompt {h.prompt_n} tokens, "
+                                    f"max_tokens {stream_max_tokens})")
             if isinstance(ev, DoneEvent):
                 return True, False, f"request {h.id} ended before exclusive mode: {ev.result.status}"
         return True, False, f"request {h.id}: no token within 60 s"
@@ -182,7 +186,8 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
                                                    if r["status"] == "finished" else f"failed: {r['error']}")
             err = r.get("error") or {}
             return (r["status"] == "failed" and err.get("type") == error_type,
-                    f"{r['status']}: {err.get('type')}: {err.get('message')}" if err else "finished (expected a failure)")
+                    f"{r['status']}: {err.get('type')}: {err.get('message')}" if err
+                    else "finished (expected a failure)")
         return lambda L: m.probe_request(L, "hi", max_tokens=4), check
 
     def final_request():

@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     con.print(m)
     mem = info["memory"]
     con.print(f"KV {mem['kv_bytes_per_token_per_chip']:,} B per token per chip "
-              f"(x {mem['kv_context_tokens']} = {_size(mem['kv_bytes_per_token_per_chip'] * mem['kv_context_tokens'])}); "
+              f"(x {mem['kv_context_tokens']} = "
+              f"{_size(mem['kv_bytes_per_token_per_chip'] * mem['kv_context_tokens'])}); "
               f"logits {mem['logits_bytes_per_token']:,} B per token to the host")
     con.print("[b]Findings[/b]" if info["findings"] else "no findings")
     for f in info["findings"]:

@@ -33,7 +33,8 @@ def register(sub, common) -> None:
     p.add_argument("prompt", nargs="?", default=None,
                    help=f"user message ('-' reads stdin; default: {DEFAULT_PROMPT!r})")
     p.add_argument("--out", required=True, metavar="FILE", help="trace file to write (JSON)")
-    p.add_argument("--max-tokens", type=int, default=8, help=f"tokens to generate (default 8, at most {MAX_TRACE_TOKENS})")
+    p.add_argument("--max-tokens", type=int, default=8,
+                   help=f"tokens to generate (default 8, at most {MAX_TRACE_TOKENS})")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--json", action="store_true", help="print a JSON summary instead of text")
     add_common_options(p, default_pacing="fast")

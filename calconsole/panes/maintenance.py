@@ -88,8 +88,10 @@ class MaintenancePane(Vertical):
     def compose(self) -> ComposeResult:
         yield Static(id="m-mode")
         with Horizontal(classes="m-row"):
-            yield Button("Exclusive", id="m-enter", tooltip="enter exclusive mode (drains the device first)", variant="warning", compact=True)
-            yield Button("Leave", id="m-leave", disabled=True, tooltip="leave exclusive mode; requests admitted again", compact=True)
+            yield Button("Exclusive", id="m-enter", tooltip="enter exclusive mode (drains the device first)",
+                         variant="warning", compact=True)
+            yield Button("Leave", id="m-leave", disabled=True,
+                         tooltip="leave exclusive mode; requests admitted again", compact=True)
             yield Button("Reset…", id="m-reset", variant="error", disabled=True, compact=True)
             yield Button("Clear mem…", id="m-clear", variant="error", disabled=True, compact=True)
             yield Button("Reload", id="m-reload", disabled=True, compact=True)
@@ -100,11 +102,16 @@ class MaintenancePane(Vertical):
             yield Button("Clear KV", id="m-clearkv", disabled=True, compact=True)
             yield Button("Dump", id="m-dump", disabled=True, compact=True)
         with Horizontal(classes="m-row", id="m-row-faults"):
-            yield Button("CCU fault", id="m-f-ccu", disabled=True, tooltip="inject: CCU exception on the next job", compact=True)
-            yield Button("KV fault", id="m-f-kv", disabled=True, tooltip="inject: the next KV apply fails (KVExhausted)", compact=True)
-            yield Button("D2D fault", id="m-f-link", disabled=True, tooltip="inject: D2D link error on the next job", compact=True)
-            yield Button("Slow chip", id="m-f-slow", disabled=True, tooltip="inject: chip1 runs 4x slower", compact=True)
-            yield Button("No faults", id="m-f-clear", disabled=True, tooltip="disarm every injected fault", compact=True)
+            yield Button("CCU fault", id="m-f-ccu", disabled=True, compact=True,
+                         tooltip="inject: CCU exception on the next job")
+            yield Button("KV fault", id="m-f-kv", disabled=True, compact=True,
+                         tooltip="inject: the next KV apply fails (KVExhausted)")
+            yield Button("D2D fault", id="m-f-link", disabled=True, compact=True,
+                         tooltip="inject: D2D link error on the next job")
+            yield Button("Slow chip", id="m-f-slow", disabled=True, compact=True,
+                         tooltip="inject: chip1 runs 4x slower")
+            yield Button("No faults", id="m-f-clear", disabled=True, compact=True,
+                         tooltip="disarm every injected fault")
             yield Button("Ack", id="m-ack", disabled=True, compact=True,
                          tooltip="acknowledge the faults that fired (status back from 'fault'); no lease needed")
         with Horizontal(classes="m-row", id="m-row-reg"):
@@ -285,7 +292,9 @@ class MaintenancePane(Vertical):
     def _b_fault(self, event: Button.Pressed) -> None:
         if not self._need_lease("inject fault"):
             return
-        kind, kw = FAULT_BUTTONS[event.button.id]
+        bid = event.button.id
+        assert bid is not None  # the handler's selector matches buttons by id
+        kind, kw = FAULT_BUTTONS[bid]
         self._run("inject_fault", lambda: self.maintenance.inject_fault(self.lease, kind, **kw))
 
     @on(Button.Pressed, "#m-f-clear")
@@ -342,7 +351,8 @@ class MaintenancePane(Vertical):
         elif action == "leave_exclusive" and ok:
             self.lease = None
             self._log("left exclusive mode; requests admitted again"
-                      + (f" (faults still armed: {', '.join(result['faults_armed'])})" if result.get("faults_armed") else ""),
+                      + (f" (faults still armed: {', '.join(result['faults_armed'])})"
+                         if result.get("faults_armed") else ""),
                       "green")
         elif not ok:
             self._log(f"{action}: refused/failed: {result}", "bold red")

@@ -135,7 +135,7 @@ class ObservationPane(VerticalScroll):
 
 def _shape_key(snap: dict, keys: tuple[str, ...]) -> tuple:
     """What decides a section's height: row counts, and text length in 20-char buckets."""
-    out = []
+    out: list[int | tuple[int, int] | None] = []
     for k in keys:
         v = snap[k]
         if isinstance(v, (list, tuple)):

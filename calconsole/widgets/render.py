@@ -116,7 +116,8 @@ def device_panel(snap: dict) -> Group:
         chips.add_row(Text(f"chip{c['index']}", style="bold"), Text(c["state"], style=st),
                       Text("busy" if c["busy"] else "idle", style="cyan" if c["busy"] else "grey50"),
                       Text(f"jobs {c['jobs_done']}"),
-                      Text(f"ccu_exc {c.get('ccu_exceptions', 0)}", style="red" if c.get("ccu_exceptions") else "grey50"),
+                      Text(f"ccu_exc {c.get('ccu_exceptions', 0)}",
+                           style="red" if c.get("ccu_exceptions") else "grey50"),
                       Text(f"slow x{c['slow_factor']:g}", style="red") if c["slow_factor"] != 1 else Text(""))
     link_err = d.get("d2d_link_errors", 0)
     link = Text(f"d2d link chip0<->chip1: {link_err} error{'s' if link_err != 1 else ''} since power-on",
@@ -228,7 +229,8 @@ def layers_panel(step: dict, max_rows: int | None = None) -> Any:
     lo, hi = min(per_layer), max(per_layer)
     uniform = layers_uniform(step)
     title = (f"last {step['kind']}: {step['n_tokens']} tok @ ctx {step['past_len']} · "
-             f"{step['sim_us'] / 1e3:.2f} ms sim (h2d {step['h2d_us'] / 1e3:.3f} / infer {step['infer_us'] / 1e3:.2f} / "
+             f"{step['sim_us'] / 1e3:.2f} ms sim (h2d {step['h2d_us'] / 1e3:.3f} / "
+             f"infer {step['infer_us'] / 1e3:.2f} / "
              f"d2h {step['d2h_us'] / 1e3:.3f} ms) · {step['compute_wall_ms']:.1f} ms wall to compute"
              + (" · all layers equal" if uniform else ""))
     # title as its own line: a Table title wraps at the (narrow) table width
@@ -245,7 +247,7 @@ def layers_panel(step: dict, max_rows: int | None = None) -> Any:
                   Text(first["slowest_category"], style="magenta"))
         return Group(Text(title, style="grey70"), t)
     rows = layers if max_rows is None else layers[:max_rows]
-    for layer, v in zip(rows, per_layer):
+    for layer, v in zip(rows, per_layer, strict=False):  # rows may be the first max_rows
         heat = Text("uniform", style="grey50") if uniform else bar((v - lo) / (hi - lo), 12, warn=0.7, crit=0.95)
         t.add_row(str(layer["layer"]), *[f"{u:.1f}" for u in layer["chip_us"]], heat,
                   Text(layer["slowest_category"], style="magenta"))

@@ -422,14 +422,16 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
         for c in ("past_kv_cur_seq_len", "cur_seq_len"):
             if c not in csr:
                 raise r.fail(f + ".csr", f"missing CSR register {c!r}")
-        spec = SubModelSpec(sname, stype, _tensors(r, sm.get("inputs") if isinstance(sm, dict) else None, f + ".inputs"),
+        spec = SubModelSpec(sname, stype,
+                            _tensors(r, sm.get("inputs") if isinstance(sm, dict) else None, f + ".inputs"),
                             _tensors(r, sm.get("outputs") if isinstance(sm, dict) else None, f + ".outputs"),
-                            csr, bool(r.get(sm, "dynamic_d2d", f + ".dynamic_d2d", bool, required=False, default=False)))
+                            csr, bool(r.get(sm, "dynamic_d2d", f + ".dynamic_d2d", bool,
+                                            required=False, default=False)))
         submodels[sname] = spec
     for req in REQUIRED_SUBMODELS:
         if req not in submodels:
             raise r.fail("submodels", f"missing sub-model {req!r} (have: {', '.join(submodels) or 'none'})")
-    for sname, spec in submodels.items():
+    for sname in submodels:
         if sname not in REQUIRED_SUBMODELS:
             finding("info", "extra_submodel", f"submodels.{sname}", f"sub-model {sname!r} is not used",
                     "ignored")
@@ -465,7 +467,8 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
             raise r.fail(f"submodels[{i}].outputs", "missing output tensor 'logits'")
         j, lt = outs["logits"]
         if lt.dtype != "bf16":
-            raise r.fail(f"submodels[{i}].outputs[{j}].dtype", f"logits must be bf16 (what the device returns), got {lt.dtype}")
+            raise r.fail(f"submodels[{i}].outputs[{j}].dtype",
+                         f"logits must be bf16 (what the device returns), got {lt.dtype}")
         if lt.shape != (1, shape.vocab):
             raise r.fail(f"submodels[{i}].outputs[{j}].shape",
                          f"logits must be [1, {shape.vocab}], got {list(lt.shape)}")

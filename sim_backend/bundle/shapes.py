@@ -56,7 +56,7 @@ class ModelShape:
         """BF16 logits D2H per token: vocab x 2 B = 303,872 B (FACTS F1/F4)."""
         return self.vocab * 2
 
-    def with_layers(self, n_layers: int) -> "ModelShape":
+    def with_layers(self, n_layers: int) -> ModelShape:
         return replace(self, n_layers=n_layers)
 
 

@@ -15,23 +15,28 @@ measured separately and labelled as such.
 from __future__ import annotations
 
 import itertools
-from collections import deque
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from sim_backend.bundle.manifest import Bundle
-from sim_backend.errors import (CCUException, DeviceError, DeviceNotReady, DeviceReset, LinkError, SubmitError)
 from sim_backend.device.clock import Pacing, PacingMode, SimClock
 from sim_backend.device.faults import FIRED_NAMES, FaultInjectingKV, Faults  # noqa: F401
 from sim_backend.device.jobs import Job, JobCounters, JobState, StepResult  # noqa: F401
-from sim_backend.model.numerics import ShardedModel
 from sim_backend.device.registers import RegisterFile
+from sim_backend.errors import CCUException, DeviceError, DeviceNotReady, DeviceReset, LinkError, SubmitError
+from sim_backend.model.numerics import ShardedModel
+
+if TYPE_CHECKING:
+    from sim_backend.device.numerics_worker import NumericsProcess
+
+_DEFAULT_PACING = Pacing()  # frozen: one shared default is safe
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class SimulatedBoard:
     """
 
     def __init__(self, bundle: Bundle, cost_model: Any, *, numerics: bool = True,
-                 pacing: Pacing = Pacing(), kv_cells: int | None = None, numerics_process: bool = False) -> None:
+                 pacing: Pacing = _DEFAULT_PACING, kv_cells: int | None = None, numerics_process: bool = False) -> None:
         # single-threaded BLAS: small ops, 2 cores shared with host threads (see sim_backend/__init__)
         threadpool_limits(limits=1, user_api="blas")
         self.bundle = bundle
@@ -77,7 +82,7 @@ class SimulatedBoard:
         self.kv = FaultInjectingKV(n_cells=n_cells, n_chips=self.shape.n_chips,
                                    bytes_per_token_per_chip=self.shape.kv_bytes_per_token_per_chip,
                                    faults=lambda: self.faults)
-        self.model: ShardedModel | None = None
+        self.model: ShardedModel | NumericsProcess | None = None
         self._memory_cleared = False
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -169,20 +174,21 @@ class SimulatedBoard:
             raise SubmitError(f"unknown sub-model {kind!r}")
         n = int(tokens.shape[0])
         if n < 1 or positions.shape != tokens.shape or new_cells.shape != tokens.shape:
-            raise SubmitError(f"bad input buffers: tokens {tokens.shape}, positions {positions.shape}, cells {new_cells.shape}")
+            raise SubmitError(f"bad input buffers: tokens {tokens.shape}, positions {positions.shape}, "
+                              f"cells {new_cells.shape}")
         if kind == "decode" and n != 1:
             raise SubmitError(f"decode takes exactly 1 token (cur_seq_len), got {n}")
         if ctx_cells.shape != ctx_positions.shape or ctx_cells.shape[0] < n:
             raise SubmitError(f"context cells {ctx_cells.shape} / positions {ctx_positions.shape} must hold the "
                               f"{n} new token(s) (KV cleared since apply?)")
         if n > self.bundle.context or ctx_cells.shape[0] > self.bundle.context:
-            raise SubmitError(f"cur_seq_len {n} / context {ctx_cells.shape[0]} exceed calbin context {self.bundle.context}")
+            raise SubmitError(f"cur_seq_len {n} / context {ctx_cells.shape[0]} "
+                              f"exceed calbin context {self.bundle.context}")
         if self._memory_cleared:
             raise DeviceNotReady("device memory cleared: reload the model before inference")
         past_len = int(ctx_cells.shape[0]) - n
         job = Job(next(self._ids), kind, seq_id, tokens, positions, new_cells, ctx_cells, ctx_positions,
-                  past_len, self.clock.now_us, task_type)
-        job.numeric = bool(numeric) and self.numerics
+                  past_len, self.clock.now_us, task_type, numeric=bool(numeric) and self.numerics)
         with self._lock:
             if self._stop.is_set():
                 raise SubmitError("device closed: no job can be submitted")
@@ -265,7 +271,8 @@ class SimulatedBoard:
                 if job.done:
                     continue  # ended by a reset while queued (and counted then)
                 if gen != self._generation:  # cannot happen (a reset ends every live job); never lose it
-                    self._end_job_locked(job, JobState.FAILED, error=DeviceReset(f"job {job.id} dropped by device reset"))
+                    self._end_job_locked(job, JobState.FAILED,
+                                         error=DeviceReset(f"job {job.id} dropped by device reset"))
                     continue
                 self._pending -= 1
                 self._running += 1
@@ -329,6 +336,7 @@ class SimulatedBoard:
         touched = None
         try:
             if job.numeric:
+                assert model is not None  # refused above
                 out = model.forward(job.tokens, job.positions, job.new_cells, job.ctx_cells, job.ctx_positions)
                 logits_bf16 = out.bf16()  # converted once, where the logits were made (the worker sends BF16)
                 touched = tuple(out.experts_touched)
@@ -454,7 +462,8 @@ class SimulatedBoard:
             failed = 0
             for job in sorted(self._live.values(), key=lambda j: j.id):
                 verb = "aborted" if job._counted == "running" else "dropped"
-                if self._end_job_locked(job, JobState.FAILED, error=DeviceReset(f"job {job.id} {verb} by device reset")):
+                reset_err = DeviceReset(f"job {job.id} {verb} by device reset")
+                if self._end_job_locked(job, JobState.FAILED, error=reset_err):
                     failed += 1
             while True:  # what is queued now has ended: drop it (the device thread would skip it)
                 try:

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from sim_backend.errors import (KVExhausted)
 from sim_backend.device.kv import KVCacheManager
+from sim_backend.errors import KVExhausted
 
 
 @dataclass
@@ -112,8 +112,8 @@ class FaultInjectingKV(KVCacheManager):
         faults = self._faults_source() if self._faults_source is not None else None
         if faults is not None and faults.take("kv_exhaust_next", f"KV apply of {int(n_tokens)} tokens, seq {seq_id}"):
             occ = self.occupancy()
-            err = KVExhausted(int(n_tokens), occ.free_cells, occ.capacity_cells, 0.0)
-            err.injected = True  # retrying cannot clear an injected fault: callers fail the request at once
+            # retrying cannot clear an injected fault: callers fail the request at once
+            err = KVExhausted(int(n_tokens), occ.free_cells, occ.capacity_cells, 0.0, injected=True)
             # say so: the free count shows the cache was not really full
             err.args = (f"{err}: injected fault (maintenance inject_fault kv_exhaustion), not a full cache",)
             raise err

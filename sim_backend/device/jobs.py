@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from sim_backend.errors import (DeviceError, WaitTimeout)
+from sim_backend.errors import DeviceError, WaitTimeout
 
 
 class JobState(str, Enum):
@@ -56,7 +56,7 @@ class Job:
 
     def __init__(self, job_id: int, kind: str, seq_id: int, tokens: np.ndarray, positions: np.ndarray,
                  new_cells: np.ndarray, ctx_cells: np.ndarray, ctx_positions: np.ndarray, past_len: int,
-                 submit_sim_us: float, task_type: str) -> None:
+                 submit_sim_us: float, task_type: str, *, numeric: bool = True) -> None:
         self.id = job_id
         self.kind = kind
         self.seq_id = seq_id
@@ -68,6 +68,7 @@ class Job:
         self.past_len = past_len
         self.submit_sim_us = submit_sim_us
         self.task_type = task_type
+        self.numeric = numeric  # compute logits; False: timing only
         self.state = JobState.PENDING
         self.result: StepResult | None = None
         self.error: DeviceError | None = None

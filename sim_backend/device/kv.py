@@ -56,17 +56,34 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape
-from sim_backend.errors import KVArgumentError, KVExhausted, KVStateFileError, RequestCancelled  # noqa: F401
-from sim_backend.device.kv_common import (_BACKOFF_MAX_S, _BACKOFF_START_S, _EMPTY, _POS_INF, _ZERO,  # noqa: F401
-                                          KV_STATE_FORMAT, KV_STATE_VERSION, MAX_CELLS, MAX_TIMEOUT_S, N_SEQ_MAX,
-                                          _as_int, _bit, _check_cancel, _check_timeout, _norm_range, _reason, _show)
+from sim_backend.device.kv_common import (  # noqa: F401
+    _BACKOFF_MAX_S,
+    _BACKOFF_START_S,
+    _EMPTY,
+    _POS_INF,
+    _ZERO,
+    KV_STATE_FORMAT,
+    KV_STATE_VERSION,
+    MAX_CELLS,
+    MAX_TIMEOUT_S,
+    N_SEQ_MAX,
+    _as_int,
+    _bit,
+    _check_cancel,
+    _check_timeout,
+    _norm_range,
+    _reason,
+    _show,
+)
 from sim_backend.device.kv_state import KVStateFiles
+from sim_backend.errors import KVArgumentError, KVExhausted, KVStateFileError, RequestCancelled  # noqa: F401
 
 __all__ = [
     "KVCacheManager",

@@ -13,19 +13,45 @@ import struct
 import threading
 import zipfile
 import zlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sim_backend.errors import KVArgumentError, KVStateFileError
-
 #: Largest number of distinct sequence ids (ids 0..63): one bit each in a uint64 mask.
-from sim_backend.device.kv_common import (KV_STATE_FORMAT, KV_STATE_VERSION, _as_int, _bit, _check_cancel,
-                                          _check_timeout, _reason, _show)
+from sim_backend.device.kv_common import (
+    KV_STATE_FORMAT,
+    KV_STATE_VERSION,
+    _as_int,
+    _bit,
+    _check_cancel,
+    _check_timeout,
+    _reason,
+    _show,
+)
+from sim_backend.errors import KVArgumentError, KVStateFileError
 
 
 class KVStateFiles:
     """Mixin of ``KVCacheManager``: ``save_seq_state`` / ``load_seq_state`` and their file checks."""
+
+    # what the mixin uses of KVCacheManager (declared for the type checker; defined there)
+    n_cells: int
+    n_ctx: int
+    bytes_per_token_per_chip: int
+    _cond: threading.Condition
+    _seqs: np.ndarray
+
+    if TYPE_CHECKING:
+        def _check_seq(self, seq_id: Any, name: str = "seq_id") -> int: ...
+        def _has(self, seq_id: int) -> np.ndarray: ...
+        def _n_used(self) -> int: ...
+        def _drop_seq(self, sel: np.ndarray, seq_id: int) -> int: ...
+        def _freed(self, n: int) -> None: ...
+        def _wait_for(self, n: int, available: Callable[[], int], timeout: float,
+                      cancel: threading.Event | None) -> None: ...
+        def _allocate(self, s: int, n: int, pos_req: np.ndarray | None) -> np.ndarray: ...
+        def _seq_cells_locked(self, s: int) -> tuple[np.ndarray, np.ndarray]: ...
 
     def save_seq_state(self, seq_id: int, path, arrays: Sequence[tuple[np.ndarray, int]] = ()) -> int:
         """Save one sequence's state to ``path`` (``np.savez``; llama_state_seq_save_file).
@@ -122,7 +148,7 @@ class KVStateFiles:
             self._freed(self._drop_seq(self._has(s), s))
             cells = self._allocate(s, n, pos)
         # The device owns the arrays; rows are written outside our lock.
-        for (arr, axis), r in zip(targets, rows):
+        for (arr, axis), r in zip(targets, rows, strict=True):
             idx: list[Any] = [slice(None)] * arr.ndim
             idx[axis] = cells
             arr[tuple(idx)] = r

@@ -105,7 +105,7 @@ class MemoryPlan:
 
     @classmethod
     def for_bundle(cls, shape: ModelShape | None = None, hw: HardwareSpec | None = None,
-                   kv_used_tokens: int = 0) -> "MemoryPlan":
+                   kv_used_tokens: int = 0) -> MemoryPlan:
         """Build the plan for ``shape`` (default full Qwen3-30B-A3B) on ``hw`` (default shipped YAML)."""
         shape = shape or ModelShape()
         hw = hw or HardwareSpec.load()
@@ -143,7 +143,7 @@ class MemoryPlan:
         )
         return plan.with_kv_used(kv_used_tokens)
 
-    def with_kv_used(self, tokens: int) -> "MemoryPlan":
+    def with_kv_used(self, tokens: int) -> MemoryPlan:
         """Copy with ``tokens`` KV cells in use on every chip (0..n_ctx)."""
         if not 0 <= tokens <= self.shape.n_ctx:
             raise ValueError(f"KV tokens must be in [0, {self.shape.n_ctx}], got {tokens}")

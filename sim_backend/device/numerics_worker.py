@@ -30,7 +30,8 @@ CONTROL_TIMEOUT_S = 30.0
 
 def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int) -> None:
     """Worker main loop: build the model, then answer (op, args) requests until "close"."""
-    from sim_backend.model.numerics import ShardedModel  # sim_backend/__init__ pins BLAS to one thread before numpy loads
+    # sim_backend/__init__ pins BLAS to one thread before numpy loads
+    from sim_backend.model.numerics import ShardedModel
 
     model = ShardedModel(shape, num, n_cells=n_cells)
     conn.send((True, "ready"))

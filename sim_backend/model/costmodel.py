@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import math
 import stat
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import yaml
@@ -139,7 +140,7 @@ class HardwareSpec:
     fitted: Mapping[str, Any]
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> "HardwareSpec":
+    def load(cls, path: str | Path | None = None) -> HardwareSpec:
         """Load and validate a hardware YAML; raises :class:`ManifestError` on a bad file."""
         p = Path(path) if path is not None else DEFAULT_HW_PATH
         try:
@@ -159,7 +160,7 @@ class HardwareSpec:
         return cls.from_dict(doc, str(p))
 
     @classmethod
-    def from_dict(cls, doc: Any, path: str = "<dict>") -> "HardwareSpec":
+    def from_dict(cls, doc: Any, path: str = "<dict>") -> HardwareSpec:
         if not isinstance(doc, Mapping):
             raise ManifestError(path, "", "top level must be a mapping")
         sections: dict[str, Mapping[str, Any]] = {}
@@ -191,7 +192,7 @@ class HardwareSpec:
             sections[sec] = _freeze(dict(body))
         return cls(path=path, **sections)
 
-    def with_fitted(self, **overrides: float) -> "HardwareSpec":
+    def with_fitted(self, **overrides: float) -> HardwareSpec:
         """Copy with some ``fitted`` values replaced (offline fitting, what-if studies)."""
         unknown = set(overrides) - set(self.fitted)
         if unknown:
@@ -324,11 +325,11 @@ class CostModel:
         self._prepared: dict[tuple[ModelShape, str], _Prepared] = {}
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> "CostModel":
+    def load(cls, path: str | Path | None = None) -> CostModel:
         """Load from a hardware YAML (default: the shipped ``hardware/calculet_npu.yaml``)."""
         return cls(HardwareSpec.load(path))
 
-    def with_fitted(self, **overrides: float) -> "CostModel":
+    def with_fitted(self, **overrides: float) -> CostModel:
         """A new model with some fitted parameters replaced."""
         return CostModel(self.hw.with_fitted(**overrides))
 
@@ -351,7 +352,7 @@ class CostModel:
         key = (shape, kind)
         p = self._prepared.get(key)
         if p is None:
-            p = self._prepared[key] = _Prepared(build_graph(shape, kind))  # type: ignore[arg-type]
+            p = self._prepared[key] = _Prepared(build_graph(shape, kind))
         return p
 
     # ------------------------------------------------------------------ pricing

@@ -54,8 +54,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sim_backend.model.bf16 import bf16_to_f32, f32_to_bf16
 from sim_backend.errors import ManifestError
+from sim_backend.model.bf16 import bf16_to_f32, f32_to_bf16
 
 GOLDEN_FORMAT = "calconsole-golden/1"
 GOLDEN_TEXT = "<|im_start|>user\nhi<|im_end|>\n"

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from sim_backend.bundle.shapes import ModelShape, NumericShape
 from sim_backend.model.bf16 import f32_to_bf16
 from sim_backend.model.vocab import N_TOKENS
-from sim_backend.bundle.shapes import ModelShape, NumericShape
 
 F32 = np.float32
 # Real vocabulary ends at 151668 (</think>); ids above are padding rows of the
@@ -242,7 +242,7 @@ def moe_ffn(x: np.ndarray, ids: np.ndarray, w: np.ndarray, gate: np.ndarray, up:
     flat_e, flat_t, flat_w = flat_e[order], flat_t[order], flat_w[order]
     bounds = np.flatnonzero(np.diff(flat_e)) + 1
     for grp_t, grp_w, e in zip(np.split(flat_t, bounds), np.split(flat_w, bounds),
-                               flat_e[np.r_[0, bounds]]):
+                               flat_e[np.r_[0, bounds]], strict=True):
         xe = x[grp_t]
         g = xe @ gate[e]
         u = xe @ up[e]
@@ -303,7 +303,8 @@ class ChipShard:
             self.layers.append(
                 dict(
                     # fused QKV projection: one matmul per layer on each chip
-                    wqkv=np.ascontiguousarray(np.concatenate([lw.wq[:, q0:q1], lw.wk[:, k0:k1], lw.wv[:, k0:k1]], axis=1)),
+                    wqkv=np.ascontiguousarray(
+                        np.concatenate([lw.wq[:, q0:q1], lw.wk[:, k0:k1], lw.wv[:, k0:k1]], axis=1)),
                     wo=np.ascontiguousarray(lw.wo[q0:q1]),
                     qk_norm=np.concatenate([np.tile(lw.q_norm, (qh, 1)), np.tile(lw.k_norm, (kvh, 1))]),
                     gate=np.ascontiguousarray(lw.gate[:, :, f0:f1]),
@@ -470,7 +471,8 @@ class ShardedModel:
             x = x + np.matmul(a[:, :, None, :], st["down"][:, e]).sum(axis=(0, 1))  # reduce partial sums
         last = rms_norm(x, self.weights.final_norm, shape.rms_eps)[0]
         logits = np.concatenate([last @ c.lm_head + c.lm_bias for c in self.chips])
-        return StepNumerics(logits=logits.astype(F32, copy=False), experts_touched=[shape.n_experts_active] * shape.n_layers)
+        return StepNumerics(logits=logits.astype(F32, copy=False),
+                            experts_touched=[shape.n_experts_active] * shape.n_layers)
 
 
 class ReferenceModel:

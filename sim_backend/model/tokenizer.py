@@ -19,13 +19,13 @@ import importlib.resources
 import operator
 import threading
 import unicodedata
-from typing import Iterable, Mapping, Sequence, cast
+from collections.abc import Iterable, Mapping, Sequence
+from typing import cast
 
 import tiktoken
 
 from sim_backend.errors import InvalidRequestError
-from sim_backend.model.vocab import (END_THINK, ENDOFTEXT, EOS_IDS, IM_END, IM_START, N_BPE, N_TOKENS, THINK,  # noqa: F401
-                                     VOCAB_SIZE)
+from sim_backend.model.vocab import END_THINK, ENDOFTEXT, EOS_IDS, IM_END, IM_START, N_BPE, N_TOKENS, THINK, VOCAB_SIZE  # noqa: F401
 
 __all__ = [
     "VOCAB_SIZE",

@@ -19,10 +19,27 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from sim_backend.device.clock import Pacing, PacingMode
-from sim_backend.errors import (CalError, DeviceError, ExceedContextSizeError, InvalidRequestError, KVExhausted,
-                                MaintenanceRefused, ManifestError, RequestCancelled, RequestError, UnavailableError)
-from sim_backend.planes.contracts import (AuditReader, InferencePlane, Lease, MaintenancePlane, ObservationPlane,
-                                          Report, RequestStream)
+from sim_backend.errors import (
+    CalError,
+    DeviceError,
+    ExceedContextSizeError,
+    InvalidRequestError,
+    KVExhausted,
+    MaintenanceRefused,
+    ManifestError,
+    RequestCancelled,
+    RequestError,
+    UnavailableError,
+)
+from sim_backend.planes.contracts import (
+    AuditReader,
+    InferencePlane,
+    Lease,
+    MaintenancePlane,
+    ObservationPlane,
+    Report,
+    RequestStream,
+)
 from sim_backend.planes.snapshot import Snapshot
 from sim_backend.serving.api import ChatRequest, DoneEvent, RequestResult, SamplingParams, TokenEvent, validate_request
 from sim_backend.serving.metrics import SLO

@@ -21,10 +21,10 @@ from typing import Any
 import psutil
 
 from sim_backend.bundle.manifest import Bundle, Finding
-from sim_backend.runtime.monitor import DeviceMonitor
-from sim_backend.serving.engine import ChatRequest, Engine, RequestHandle, RequestResult
 from sim_backend.planes.freeze import thaw
 from sim_backend.planes.snapshot import Snapshot, convert
+from sim_backend.runtime.monitor import DeviceMonitor
+from sim_backend.serving.engine import ChatRequest, Engine, RequestHandle, RequestResult
 
 
 class InferencePlane:

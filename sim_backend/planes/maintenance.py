@@ -43,18 +43,19 @@ import json
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from sim_backend.planes.audit import AuditLog
-from sim_backend.planes.contracts import Lease
+from sim_backend.errors import CalError, DeviceError, KVExhausted, MaintenanceRefused
 from sim_backend.model.bf16 import bf16_to_f32
 from sim_backend.model.vocab import EOS_IDS, IM_START
+from sim_backend.planes.audit import AuditLog
+from sim_backend.planes.contracts import Lease
 from sim_backend.runtime.maintenance import MaintenanceRuntime
 from sim_backend.serving.engine import ChatRequest, Engine
-from sim_backend.errors import CalError, DeviceError, KVExhausted, MaintenanceRefused
 
 MAINTENANCE_REASON = "device in maintenance"
 #: KV sequence id used by health checks, the golden self-test and probe requests (never a slot).
@@ -294,7 +295,8 @@ class MaintenancePlane:
                 "sim_now_ms": mon.now_us / 1e3,
                 "metadata": self._rt.config_metadata(lease),
                 "registers": {r.name: {"address": f"0x{r.address:04X}", "value": regs[r.name],
-                                       "hex": f"0x{regs[r.name]:08X}", "writable": r.writable} for r in mon.register_map()},
+                                       "hex": f"0x{regs[r.name]:08X}", "writable": r.writable}
+                              for r in mon.register_map()},
                 "memory_plan": self.memory_plan.to_dict() if self.memory_plan is not None else None,
                 "job_counters": mon.counters().__dict__,
                 "faults_armed": mon.faults()["active"],
@@ -551,7 +553,8 @@ class MaintenancePlane:
                 res, host_ms = self._job_timed("decode", [tok], len(ids) + len(out) - 1)
         except CalError as err:
             status = "failed"
-            error = {"type": type(err).__name__, "message": str(err), **({"code": err.code} if hasattr(err, "code") else {})}
+            error = {"type": type(err).__name__, "message": str(err),
+                     **({"code": err.code} if hasattr(err, "code") else {})}
         finally:
             self._rt.free_seq(self._lease, SCRATCH_SEQ)
         text = e.tokenizer.decode([t for t in out if t not in EOS_IDS]) if b.numerics else ""

@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sim_backend.planes.audit import AuditLog
 from sim_backend.bundle.manifest import Bundle, load_bundle
-from sim_backend.model.costmodel import CostModel
 from sim_backend.device.board import Pacing, PacingMode, SimulatedBoard
+from sim_backend.device.memory import MemoryPlan
+from sim_backend.model.costmodel import CostModel
+from sim_backend.planes.audit import AuditLog
+from sim_backend.planes.inprocess import InferencePlane, ObservationPlane
 from sim_backend.runtime import RuntimeSession
 from sim_backend.runtime.monitor import DeviceMonitor
 from sim_backend.serving.engine import Engine, HostTimer
-from sim_backend.device.memory import MemoryPlan
-from sim_backend.planes.inprocess import InferencePlane, ObservationPlane
 
 
 @dataclass
@@ -41,7 +41,7 @@ class System:
         self.engine.close()
         self.board.close()
 
-    def __enter__(self) -> "System":
+    def __enter__(self) -> System:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -64,17 +64,20 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     cost = CostModel.load(hardware)
     board = SimulatedBoard(bundle, cost, numerics=numerics, pacing=pacing or Pacing(PacingMode.FAST),
                            kv_cells=kv_cells, numerics_process=numerics_process)
-    engine = Engine(RuntimeSession(board, parallel=max_inflight > 1), n_slots=n_slots, queue_limit=queue_limit, max_inflight=max_inflight,
+    engine = Engine(RuntimeSession(board, parallel=max_inflight > 1), n_slots=n_slots, queue_limit=queue_limit,
+                    max_inflight=max_inflight,
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt,
                     slo=slo)  # slo: metrics.SLO for goodput (simulated ms); None = no objectives
     memory_plan = MemoryPlan.for_bundle(bundle.shape, cost.hw)
     observation = ObservationPlane(DeviceMonitor(board), engine, bundle, memory_plan)
     mplane = None
     if maintenance:
-        from sim_backend.planes.maintenance import MaintenancePlane  # imported only when asked for (--observe-only proof)
+        # imported only when asked for (--observe-only proof)
+        from sim_backend.planes.maintenance import MaintenancePlane
         from sim_backend.runtime import MaintenanceRuntime
 
-        mplane = MaintenancePlane(MaintenanceRuntime(board, memory_plan=memory_plan), engine, AuditLog(audit_path), drain_timeout_s=drain_timeout_s,
-                                  reset_timeout_s=reset_timeout_s, memory_plan=memory_plan)
+        mplane = MaintenancePlane(MaintenanceRuntime(board, memory_plan=memory_plan), engine, AuditLog(audit_path),
+                                  drain_timeout_s=drain_timeout_s, reset_timeout_s=reset_timeout_s,
+                                  memory_plan=memory_plan)
         observation.set_mode_source(mplane.mode)
     return System(bundle, board, engine, InferencePlane(engine), observation, mplane)

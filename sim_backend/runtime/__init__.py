@@ -13,7 +13,14 @@ from sim_backend.device.kv_common import _BACKOFF_MAX_S as KV_BACKOFF_MAX_S
 from sim_backend.device.kv_common import _BACKOFF_START_S as KV_BACKOFF_START_S
 from sim_backend.runtime.buffers import BufferPair, BufferPool
 from sim_backend.runtime.calbin import Calbin, InputBuf, OutputBuf, SubModel, SubModelNotFound
-from sim_backend.runtime.calrt import CALRT_VERSION, DEVICE_KINDS, TASK_TYPES, DeviceStatus, VirtualDevice, calrt_version
+from sim_backend.runtime.calrt import (
+    CALRT_VERSION,
+    DEVICE_KINDS,
+    TASK_TYPES,
+    DeviceStatus,
+    VirtualDevice,
+    calrt_version,
+)
 from sim_backend.runtime.session import RuntimeSession
 from sim_backend.runtime.views import ClockView, KVView
 
@@ -29,6 +36,25 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'sim_backend.runtime' has no attribute {name!r}")
 
 
-__all__ = ["KV_BACKOFF_MAX_S", "KV_BACKOFF_START_S", "BufferPair", "BufferPool", "CALRT_VERSION", "Calbin", "ClockView", "DEVICE_KINDS", "DeviceStatus",
-           "InputBuf", "KVView", "MaintenanceRuntime", "OutputBuf", "RuntimeSession", "SubModel", "SubModelNotFound",
-           "TASK_TYPES", "VirtualDevice", "calrt_version", "require_lease"]
+__all__ = [
+    "BufferPair",
+    "BufferPool",
+    "CALRT_VERSION",
+    "Calbin",
+    "ClockView",
+    "DEVICE_KINDS",
+    "DeviceStatus",
+    "InputBuf",
+    "KVView",
+    "KV_BACKOFF_MAX_S",
+    "KV_BACKOFF_START_S",
+    "MaintenanceRuntime",
+    "OutputBuf",
+    "RuntimeSession",
+    "SubModel",
+    "SubModelNotFound",
+    "TASK_TYPES",
+    "VirtualDevice",
+    "calrt_version",
+    "require_lease",
+]

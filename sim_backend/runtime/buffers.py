@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 
-
 from sim_backend.errors import SubmitError
 from sim_backend.runtime.calbin import Calbin, InputBuf, OutputBuf
 

@@ -3,17 +3,18 @@ with the CSR checks of the real SDK (FACTS F1, F6). Times: simulated µs in resu
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from sim_backend.bundle.manifest import Bundle, SubModelSpec, load_bundle
 from sim_backend.device.board import Job, StepResult
 from sim_backend.errors import CalError, DeviceError, DeviceNotReady, SubmitError, WaitTimeout
-from sim_backend.runtime.views import KVView
 from sim_backend.runtime.calrt import CALRT_VERSION, TASK_TYPES, VirtualDevice
+from sim_backend.runtime.views import KVView
 
 # --- calbin, sub-models, buffers ---------------------------------------------------
 
@@ -42,7 +43,7 @@ class Calbin:
         self.kv = KVView(device._board.kv)
 
     @classmethod
-    def create(cls, device: VirtualDevice, bundle: Bundle | str | Path | None = None) -> "Calbin":
+    def create(cls, device: VirtualDevice, bundle: Bundle | str | Path | None = None) -> Calbin:
         """CreateCalbin: ``bundle`` is a loaded Bundle, a bundle directory, or None (the board's own).
 
         Raises ManifestError (bad directory) or DeviceError if the calbin is
@@ -93,13 +94,14 @@ class Calbin:
         accepted = {sm.smodel_type, sm.effective_type}
         if smodel_type not in accepted:
             raise SubModelNotFound(f"sub-model {name!r} has type {sm.smodel_type!r}"
-                                   + (f" (corrected: {sm.effective_type!r})" if sm.effective_type != sm.smodel_type else "")
+                                   + (f" (corrected: {sm.effective_type!r})"
+                                      if sm.effective_type != sm.smodel_type else "")
                                    + f", not {smodel_type!r}")
         return SubModel(name, sm.smodel_type, sm)
 
     # --- submission ---------------------------------------------------------------
 
-    def infer(self, submodel: SubModel, inbuf: "InputBuf", outbuf: "OutputBuf") -> "OutputBuf":
+    def infer(self, submodel: SubModel, inbuf: InputBuf, outbuf: OutputBuf) -> OutputBuf:
         """Non-blocking infer(): submit one whole-graph step with an automatic task type.
 
         Returns ``outbuf`` (state pending). Raises SubmitError (bad buffers,
@@ -107,8 +109,8 @@ class Calbin:
         """
         return self.submit_job(submodel, inbuf, outbuf, task_type="auto")
 
-    def submit_job(self, submodel: SubModel, inbuf: "InputBuf", outbuf: "OutputBuf", *,
-                   task_type: str = "auto", numeric: bool = True) -> "OutputBuf":
+    def submit_job(self, submodel: SubModel, inbuf: InputBuf, outbuf: OutputBuf, *,
+                   task_type: str = "auto", numeric: bool = True) -> OutputBuf:
         """SubmitJob / infer_with_fixed_task_type (FACTS F5 C1). ``task_type``: "ping" | "pong" | "auto".
 
         Refuses at once (SubmitError) if that task type is busy, or any job
@@ -116,8 +118,8 @@ class Calbin:
         """
         return self._submit(submodel, inbuf, outbuf, task_type=task_type, numeric=numeric, ctx=None)
 
-    def _submit(self, submodel: SubModel, inbuf: "InputBuf", outbuf: "OutputBuf", *, task_type: str,
-                numeric: bool, ctx: tuple[np.ndarray, np.ndarray] | None) -> "OutputBuf":
+    def _submit(self, submodel: SubModel, inbuf: InputBuf, outbuf: OutputBuf, *, task_type: str,
+                numeric: bool, ctx: tuple[np.ndarray, np.ndarray] | None) -> OutputBuf:
         """``submit_job``; ``ctx``: the sequence's ``kv.seq_cells`` if the caller has just read them."""
         if task_type not in TASK_TYPES + ("auto",):
             raise SubmitError(f"task_type must be ping, pong or auto, got {task_type!r}")

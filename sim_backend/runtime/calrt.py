@@ -37,11 +37,9 @@ are host wall seconds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import threading
 from dataclasses import dataclass
-
+from typing import TYPE_CHECKING
 
 from sim_backend.device.board import ChipletStatus, JobCounters, SimulatedBoard
 from sim_backend.errors import DeviceError, SubmitError
@@ -149,13 +147,13 @@ class VirtualDevice:
         with self._lock:
             return tuple(sorted(self._busy_locked()))
 
-    def _busy_locked(self) -> dict[str, "OutputBuf"]:
+    def _busy_locked(self) -> dict[str, OutputBuf]:
         # drop task types whose job has ended (done or failed): they are free again
         for t in [t for t, ob in self._busy.items() if not ob._claimed and (ob._job is None or ob._job.done)]:
             del self._busy[t]
         return self._busy
 
-    def _claim(self, task_type: str, out: "OutputBuf") -> str:
+    def _claim(self, task_type: str, out: OutputBuf) -> str:
         """Reserve a task type for ``out``'s next job; returns the type used. SubmitError if busy."""
         with self._lock:
             busy = self._busy_locked()
@@ -177,7 +175,7 @@ class VirtualDevice:
             out._claimed = True  # busy from now, before the job exists
             return task_type
 
-    def _unclaim(self, task_type: str, out: "OutputBuf") -> None:
+    def _unclaim(self, task_type: str, out: OutputBuf) -> None:
         with self._lock:
             out._claimed = False
             if self._busy.get(task_type) is out:

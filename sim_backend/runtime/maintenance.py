@@ -3,16 +3,17 @@ golden I/O, each behind an explicit lease the maintenance plane checks (FACTS F5
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from sim_backend.device.board import SimulatedBoard
+from sim_backend.errors import MaintenanceRefused
+from sim_backend.runtime.calbin import OutputBuf
 from sim_backend.runtime.calrt import CALRT_VERSION
 from sim_backend.runtime.monitor import DeviceMonitor
-from sim_backend.runtime.calbin import OutputBuf
 from sim_backend.runtime.session import RuntimeSession
-from sim_backend.errors import MaintenanceRefused
 
 # --- maintenance-only runtime functions ------------------------------------------------
 
@@ -73,11 +74,13 @@ class MaintenanceRuntime:
         b = self._board.bundle
         return {
             "bundle": b.name, "path": str(b.path), "calrt_version": b.calrt_version,
-            "runtime_version": CALRT_VERSION, "firmware_commit": f"{self._board.registers.read('CALCORERT_COMMIT'):07x}",
+            "runtime_version": CALRT_VERSION,
+            "firmware_commit": f"{self._board.registers.read('CALCORERT_COMMIT'):07x}",
             "context": b.context, "max_batch_size": b.max_batch_size, "chips": b.shape.n_chips,
             "submodels": {n: {"smodel_type": s.smodel_type, "effective_type": s.effective_type, "csr": list(s.csr),
                               "inputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in s.inputs],
-                              "outputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in s.outputs]}
+                              "outputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)}
+                                          for t in s.outputs]}
                           for n, s in b.submodels.items()},
             "findings": [{"severity": f.severity, "code": f.code, "file": f.file, "field": f.field,
                           "message": f.message, "action": f.action} for f in b.findings],

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-
 from sim_backend.bundle.manifest import Bundle
 from sim_backend.device.board import JobCounters, SimulatedBoard
 from sim_backend.errors import SubmitError

@@ -8,7 +8,6 @@ from typing import Any
 from sim_backend.device.clock import SimClock
 from sim_backend.device.kv import KVCacheManager
 
-
 # --- KV view (inference-plane subset of the KV manager) ------------------------------
 
 

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
 from sim_backend.errors import CalError, InvalidRequestError
 from sim_backend.model.vocab import VOCAB_SIZE
 from sim_backend.serving.sampling import SamplingParams
-
 
 STOP_TYPES = ("eos", "limit", "word", "none")
 ROLES = ("system", "user", "assistant")
@@ -44,11 +44,11 @@ class ChatRequest:
     client: str = "api"
 
     @staticmethod
-    def from_prompt(prompt: str, **kw: Any) -> "ChatRequest":
+    def from_prompt(prompt: str, **kw: Any) -> ChatRequest:
         return ChatRequest(messages=({"role": "user", "content": prompt},), **kw)
 
     @staticmethod
-    def from_dict(body: Mapping[str, Any]) -> "ChatRequest":
+    def from_dict(body: Mapping[str, Any]) -> ChatRequest:
         """Build from a llama.cpp/OpenAI-style JSON body; raises InvalidRequestError.
 
         ``messages`` (or ``prompt``) and ``max_tokens`` (or ``n_predict``) are

@@ -65,27 +65,47 @@ and the reason; ``Engine.kv_pressure_log`` records each decision.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any, TypeGuard
 
 import numpy as np
 
-from sim_backend.errors import (DeviceError, DeviceReset, ExceedContextSizeError, InvalidRequestError, KVExhausted,
-                     RequestCancelled, UnavailableError)
-from sim_backend.runtime import OutputBuf, RuntimeSession
-from sim_backend.serving.metrics import SLO, MetricsRegistry, percentiles, request_latencies
+from sim_backend.errors import (
+    DeviceError,
+    DeviceReset,
+    ExceedContextSizeError,
+    InvalidRequestError,
+    KVExhausted,
+    RequestCancelled,
+    UnavailableError,
+)
 from sim_backend.model.tokenizer import EOS_IDS, get_tokenizer
-
-from sim_backend.serving.api import (ROLES, STAGES, STOP_TYPES, ChatRequest, DoneEvent, RequestHandle,  # noqa: F401
-                                     RequestResult, RequestState, SlotInfo, StageTimes, Timings, TokenEvent,
-                                     validate_request)
-from sim_backend.serving.hosttime import HostTimer, ScriptedHostTimer  # noqa: F401
+from sim_backend.runtime import OutputBuf, RuntimeSession
+from sim_backend.serving.api import (  # noqa: F401
+    ROLES,
+    STAGES,
+    STOP_TYPES,
+    ChatRequest,
+    DoneEvent,
+    RequestHandle,
+    RequestResult,
+    RequestState,
+    SlotInfo,
+    StageTimes,
+    Timings,
+    TokenEvent,
+    validate_request,
+)
 from sim_backend.serving.api import error_dict as _err
+from sim_backend.serving.hosttime import HostTimer, ScriptedHostTimer  # noqa: F401
 from sim_backend.serving.kv_pressure import KVPressure, _Request, _Slot
+from sim_backend.serving.metrics import SLO, MetricsRegistry, percentiles, request_latencies
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +245,7 @@ class Engine(KVPressure):
                 raise UnavailableError(f"server busy: {len(self._queue)} requests queued (limit {self.queue_limit})")
             rid = next(self._ids)
             handle = RequestHandle(rid, len(prompt))
-            handle._engine_wake = lambda rid=rid: self._on_cancel(rid)
+            handle._engine_wake = functools.partial(self._on_cancel, rid)
             self.rt.clock.host_span(arrival, tok_us)  # tokenising is host work on the request's clock
             r = _Request(rid, req, prompt, handle, arrival / 1e3, tok_us / 1e3)
             self._queue.append(r)
@@ -319,7 +339,8 @@ class Engine(KVPressure):
         """
         return self.rt.pool.wait_all_free(timeout), self.rt.pool.size
 
-    def record_stages(self, res: Any, *, source: str, framework_ms: float = 0.0, sampling_ms: float = 0.0) -> StageTimes:
+    def record_stages(self, res: Any, *, source: str, framework_ms: float = 0.0,
+                      sampling_ms: float = 0.0) -> StageTimes:
         """Show a step the engine did not schedule (a maintenance probe, self-test or health check)
         as the last step of its kind in ``last_stage``.
 
@@ -441,9 +462,9 @@ class Engine(KVPressure):
             self._queue.remove(r)
             self._end_locked(r, "cancelled", "none", None)
         for s in self.slots:
-            r = s.req
-            if r is not None and r.handle.cancelled and id(r) not in busy:
-                self._end_locked(r, "cancelled", "none", None)
+            q = s.req
+            if q is not None and q.handle.cancelled and id(q) not in busy:
+                self._end_locked(q, "cancelled", "none", None)
 
     def _drop_stale_caches_locked(self) -> None:
         """Forget prefix caches whose cells a KV clear (reset, ClearAllDevMem, Clear KV) removed."""
@@ -488,7 +509,7 @@ class Engine(KVPressure):
 
         now = time.monotonic()
 
-        def ready(r: _Request | None, state: RequestState) -> bool:
+        def ready(r: _Request | None, state: RequestState) -> TypeGuard[_Request]:
             return (r is not None and r.state is state and id(r) not in busy and not r.handle.cancelled
                     and not r.kv_hold and r.kv_retry_at <= now)  # parked on KV: not before its retry time
 
@@ -531,11 +552,13 @@ class Engine(KVPressure):
         ht = self.host_timer
         t0 = ht.now()
         start_sim = self.rt.clock.now_us
+        assert r.slot is not None  # set at admission, never cleared; only admitted requests get steps
         seq = r.slot.seq_id
         if kind == "prefill":
             toks = r.prompt[r.n_prefilled:r.n_prefilled + n]
             p0 = r.n_prefilled
         else:
+            assert r.pending_token is not None  # a decoding request has its sampled token to feed
             toks = [r.pending_token]
             p0 = len(r.prompt) + len(r.generated) - 1
         positions = np.arange(p0, p0 + len(toks), dtype=np.int64)
@@ -586,10 +609,12 @@ class Engine(KVPressure):
             r.device[k] += dev[k]
         kind = info["kind"]
         sampling_us = detok_us = 0.0
+        assert r.slot is not None  # set at admission, never cleared
         if kind == "prefill":
             r.n_prefilled += info["n"]
             r.slot.cache_tokens = r.prompt[: r.n_prefilled]
         else:
+            assert r.pending_token is not None  # the decode step just fed it
             r.slot.cache_tokens.append(r.pending_token)
         visible = ""
         stop: tuple[str, str] | None = None
@@ -661,7 +686,7 @@ class Engine(KVPressure):
         visible, word = r.matcher.push(piece) if piece else ("", None)
         if word is not None:
             return visible, ("word", word)
-        if len(r.generated) >= r.req.max_tokens:
+        if len(r.generated) >= r.max_tokens:
             return visible, ("limit", "")
         # context end: feeding the pending token needs position len(prompt)+len(generated)-1 < n_ctx
         if len(r.prompt) + len(r.generated) > self.n_ctx:
@@ -725,7 +750,8 @@ class Engine(KVPressure):
             prompt_ms = now_ms - r.prefill_start_ms  # ended during prefill
         else:
             prompt_ms = 0.0
-        predicted_ms = (r.last_token_ms - r.first_token_ms) if r.first_token_ms is not None else 0.0
+        predicted_ms = (r.last_token_ms - r.first_token_ms) if (
+            r.first_token_ms is not None and r.last_token_ms is not None) else 0.0  # set together
         done_prefill = r.first_token_ms is not None
         timings = Timings(
             prompt_n=pn, prompt_ms=prompt_ms,
@@ -744,7 +770,8 @@ class Engine(KVPressure):
         text = "".join(r.text_parts)
         result = RequestResult(r.id, status, text, tuple(r.generated), stop_type, stopping_word, error, timings,
                                r.sampler.seed)
-        r.handle.state = {"finished": RequestState.FINISHED, "failed": RequestState.FAILED}.get(status, RequestState.CANCELLED)
+        r.handle.state = {"finished": RequestState.FINISHED,
+                          "failed": RequestState.FAILED}.get(status, RequestState.CANCELLED)
         self.metrics.on_done(status, prompt_n=r.n_prefilled, cache_n=r.cache_n, predicted_n=n, prompt_ms=prompt_ms,
                              predicted_ms=predicted_ms, ttft=ttft, tpot=tpot, itl=itl, e2e=e2e,
                              queue_ms=timings.queue_ms, done_ms=now_ms, arrival_ms=r.arrival_ms,

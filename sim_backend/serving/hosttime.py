@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+
 class HostTimer:
     """Measures host work in microseconds of this thread's CPU time. Tests inject a scripted one.
 

@@ -9,17 +9,24 @@ progress (cannot-fit-alone first, then newest), each with ``KVExhausted`` carryi
 
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from sim_backend.errors import (KVExhausted)
-from sim_backend.serving.sampling import Sampler
-from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder
-
+from sim_backend.errors import KVExhausted
 from sim_backend.runtime import KV_BACKOFF_MAX_S, KV_BACKOFF_START_S
 from sim_backend.serving.api import ChatRequest, RequestHandle, RequestState
 from sim_backend.serving.api import error_dict as _err
+from sim_backend.serving.sampling import Sampler
+from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder
+
+if TYPE_CHECKING:
+    from sim_backend.runtime import RuntimeSession
+    from sim_backend.serving.hosttime import HostTimer
+
 
 class _Request:
     """Engine-side state of one request. Times in simulated ms unless named host."""
@@ -28,6 +35,9 @@ class _Request:
                  tokenize_ms: float) -> None:
         self.id = rid
         self.req = req
+        if req.max_tokens is None:  # validate_request refuses this before a _Request is made
+            raise ValueError("max_tokens is required")
+        self.max_tokens = int(req.max_tokens)
         self.prompt = prompt
         self.handle = handle
         self.arrival_ms = arrival_ms
@@ -71,7 +81,7 @@ class _Request:
 
     def total_cells(self, n_ctx: int) -> int:
         """KV cells this request holds when it ends at ``max_tokens`` or the context end (the last token is not fed)."""
-        return min(len(self.prompt) + int(self.req.max_tokens) - 1, n_ctx)
+        return min(len(self.prompt) + self.max_tokens - 1, n_ctx)
 
 
 class _Slot:
@@ -87,6 +97,20 @@ class _Slot:
 class KVPressure:
     """Mixin of ``Engine``: the KV parking and request-ending policy. Uses the engine's ``rt`` (KV
     view), ``slots``, ``_lock``, ``kv_timeout_s``, ``kv_stats``, ``kv_pressure_log`` and ``_end_locked``."""
+
+    # set by Engine.__init__
+    rt: RuntimeSession
+    slots: list[_Slot]
+    _lock: threading.Lock
+    n_ctx: int
+    kv_timeout_s: float
+    kv_stats: dict[str, float]
+    kv_pressure_log: deque[dict[str, Any]]
+    host_timer: HostTimer
+
+    if TYPE_CHECKING:  # defined by Engine
+        def _end_locked(self, r: _Request, status: str, stop_type: str, error: dict[str, Any] | None,
+                        stopping_word: str = "", done_ms: float | None = None) -> None: ...
 
     def _kv_free(self) -> int:
         """Free cells now (cheaper than ``occupancy()``, which counts every sequence)."""
@@ -144,7 +168,7 @@ class KVPressure:
                 r.kv_retry_at = 0.0  # cells came back: retry now rather than after the back-off
         now = time.monotonic()
         for r in sorted(parked, key=lambda q: (q.arrival_ms, q.id)):
-            if r.handle._result is not None or now < r.kv_deadline or r.kv_need <= free:
+            if r.handle._result is not None or r.kv_deadline is None or now < r.kv_deadline or r.kv_need <= free:
                 continue
             short = r.kv_need - free
             others = [q for q in self._kv_running_locked() if q is not r]
@@ -171,7 +195,7 @@ class KVPressure:
                 if not self._kv_fits_alone(q, cap):
                     total = q.total_cells(self.n_ctx)
                     why = (f"it needs up to {total} cells to finish (prompt {len(q.prompt)} + max_tokens "
-                           f"{int(q.req.max_tokens)}, context {self.n_ctx}), more than the {cap}-cell pool, so it "
+                           f"{q.max_tokens}, context {self.n_ctx}), more than the {cap}-cell pool, so it "
                            f"was ended to give its cells to request {r.id}, which fits")
                     req = total - held[q.id]
                 else:
@@ -264,7 +288,7 @@ class KVPressure:
             cells = kv.apply(seq, n, timeout=0.0, cancel=r.handle._cancel, positions=positions)
         except KVExhausted as e:
             occ = kv.occupancy()
-            if getattr(e, "injected", False) or n > occ.capacity_cells:
+            if e.injected or n > occ.capacity_cells:
                 raise  # retrying cannot help
             if r.kv_deadline is None:
                 if not r.kv_parked_once:  # count requests that waited, not parkings

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from itertools import pairwise
 
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
@@ -67,7 +68,7 @@ def request_latencies(arrival_ms: float, piece_times_ms: Sequence[float], done_m
     if not piece_times_ms:
         return None, None, (), e2e
     ttft = piece_times_ms[0] - arrival_ms
-    itl = tuple(float(b - a) for a, b in zip(piece_times_ms, piece_times_ms[1:]))
+    itl = tuple(float(b - a) for a, b in pairwise(piece_times_ms))
     tpot = (e2e - ttft) / (n_tokens - 1) if n_tokens > 1 else None
     return ttft, tpot, itl, e2e
 
@@ -96,7 +97,7 @@ class SLO:
                 raise ValueError(f"SLO {name} must be a positive number of ms or None, got {v!r}")
 
     @staticmethod
-    def parse(spec: str) -> "SLO":
+    def parse(spec: str) -> SLO:
         """``"ttft:500,tpot:50,e2el:5000"`` (ms, vLLM's ``--goodput`` keys) -> SLO."""
         kw: dict[str, float] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
@@ -246,7 +247,8 @@ class MetricsRegistry:
                     "rejected": self.rejected,
                 },
                 "balanced": self.submitted == self.finished + self.failed + self.cancelled + self.queued + self.running,
-                "tokens": {"prompt": self.prompt_tokens, "cached": self.cache_tokens, "predicted": self.predicted_tokens},
+                "tokens": {"prompt": self.prompt_tokens, "cached": self.cache_tokens,
+                           "predicted": self.predicted_tokens},
                 "latency_ms": {k: percentiles(h.recent) for k, h in self.hist.items()},
                 "latency_sampled_from": dict(SAMPLED_FROM),
                 "goodput": {
@@ -284,12 +286,15 @@ class MetricsRegistry:
             yield counter("requests_submitted_total", "Requests accepted into the queue.", self.submitted)
             yield counter("requests_finished_total", "Requests that finished.", self.finished)
             yield counter("requests_failed_total", "Requests that failed with an error.", self.failed)
-            yield counter("requests_cancelled_total", "Requests cancelled by the client or maintenance.", self.cancelled)
+            yield counter("requests_cancelled_total", "Requests cancelled by the client or maintenance.",
+                          self.cancelled)
             yield counter("requests_rejected_total", "Requests refused at admission.", self.rejected)
             yield counter("requests_good_total", "Finished requests meeting every configured SLO (goodput).",
                           self.good_requests)
-            yield GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.", value=self.running)
-            yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred (queued).", value=self.queued)
+            yield GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.",
+                                    value=self.running)
+            yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred (queued).",
+                                    value=self.queued)
             yield GaugeMetricFamily("llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
                                     value=self.kv_usage_ratio)
             pt = self.prompt_ms_total / 1e3
@@ -304,7 +309,7 @@ class MetricsRegistry:
                                    ("tpot", "time_per_output_token_seconds", "Time per output token"),
                                    ("queue", "request_queue_time_seconds", "Time in queue before a slot")):
                 h = self.hist[key]
-                buckets = [(f"{b:g}", float(c)) for b, c in zip(LATENCY_BUCKETS_S, h.counts)]
+                buckets = [(f"{b:g}", float(c)) for b, c in zip(LATENCY_BUCKETS_S, h.counts, strict=True)]
                 buckets.append(("+Inf", float(h.count)))
                 yield HistogramMetricFamily(f"llamacpp:{name}",
                                             f"{doc} (simulated device seconds); samples from {SAMPLED_FROM[key]}.",

@@ -34,13 +34,13 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Sequence
 
 import numpy as np
 
-from sim_backend.model import bf16 as _bf16
 from sim_backend.errors import InvalidRequestError
+from sim_backend.model import bf16 as _bf16
 from sim_backend.model.vocab import N_TOKENS, VOCAB_SIZE
 
 __all__ = [
@@ -106,7 +106,7 @@ class SamplingParams:
     seed: int | None = None
 
     @classmethod
-    def greedy(cls, **overrides) -> "SamplingParams":
+    def greedy(cls, **overrides) -> SamplingParams:
         """Greedy decoding (temperature 0): always the arg-max token."""
         return cls(**{"temperature": 0.0, **overrides})
 

@@ -53,7 +53,8 @@ start-up), not a mechanism the report describes.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
+from itertools import pairwise
 
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.model.costmodel import CostModel
@@ -138,10 +139,10 @@ def run_calibration(cost_model: CostModel | None = None) -> list[dict]:
                     "band": [lo, hi], "context": ctx, "ok": lo <= sim <= hi})
     pf = [[n, prefill_tok_s(cm, n, shape)] for n in PREFILL_TREND_LENGTHS]
     out.append({"name": "prefill_rises_with_prompt_length", "measured": None, "simulated": pf,
-                "unit": "tok/s", "ok": all(b[1] > a[1] for a, b in zip(pf, pf[1:]))})
+                "unit": "tok/s", "ok": all(b[1] > a[1] for a, b in pairwise(pf))})
     dc = [[c, decode_step_tok_s(cm, c, shape)] for c in DECODE_TREND_CONTEXTS]
     out.append({"name": "decode_falls_with_context", "measured": None, "simulated": dc,
-                "unit": "tok/s", "ok": all(b[1] < a[1] for a, b in zip(dc, dc[1:]))})
+                "unit": "tok/s", "ok": all(b[1] < a[1] for a, b in pairwise(dc))})
     return out
 
 
@@ -173,8 +174,8 @@ def run_engine_cases(system=None, *, prompt: str = ENGINE_PROMPT, max_tokens: in
     """
     import time
 
-    from sim_backend.serving.engine import ChatRequest
     from sim_backend.planes.system import build_system
+    from sim_backend.serving.engine import ChatRequest
 
     own = system is None
     if own:

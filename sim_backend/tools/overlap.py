@@ -8,7 +8,8 @@ Times: ``sim_s`` simulated device seconds, ``wall_s`` host wall seconds; step me
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.errors import CalError

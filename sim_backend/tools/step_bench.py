@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from itertools import pairwise
 from typing import Any
 
 from sim_backend.device.clock import Pacing, PacingMode
@@ -66,7 +67,7 @@ def measure_step(worker: bool, *, steps: int = 200, context: int = 100, tokens_p
                 raise CalError(f"request {res.request_id} ended {res.status}: {res.error}")
             token_ids.append(list(res.tokens))
             i += 1
-            for prev, cur in zip(marks, marks[1:]):
+            for prev, cur in pairwise(marks):
                 if cur[1] == "decode" and prev[1] == "decode" and cur[2] == prev[2]:
                     gaps.append((cur[0] - prev[0]) * 1e3)
                     compute.append(cur[4])
