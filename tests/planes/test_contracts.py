@@ -19,9 +19,25 @@ from typing import Any
 import msgspec
 import pytest
 
-from sim_backend.planes import (ChatRequest, DoneEvent, ExceedContextSizeError, InferencePlane, InvalidRequestError,
-                                Lease, MaintenancePlane, MaintenanceRefused, ObservationPlane, Pacing, PacingMode,
-                                RequestStream, SamplingParams, Snapshot, TokenEvent, UnavailableError, build_system)
+from sim_backend.planes import (
+    ChatRequest,
+    DoneEvent,
+    ExceedContextSizeError,
+    InferencePlane,
+    InvalidRequestError,
+    Lease,
+    MaintenancePlane,
+    MaintenanceRefused,
+    ObservationPlane,
+    Pacing,
+    PacingMode,
+    RequestStream,
+    SamplingParams,
+    Snapshot,
+    TokenEvent,
+    UnavailableError,
+    build_system,
+)
 
 Planes = tuple[InferencePlane, ObservationPlane, MaintenancePlane]
 

@@ -1,0 +1,61 @@
+"""Shared fixtures: the simulator bundle and a factory for whole systems.
+
+``make_system(**kw)`` is ``build_system(**kw)`` with FAST pacing and an audit log under the
+test's temporary directory unless ``kw`` says otherwise; every system it built is closed at
+teardown. ``make_module_system`` is the same for module-scoped fixtures (one directory per
+module). The first system of a scope logs to ``<dir>/audit.jsonl``, later ones to
+``audit-2.jsonl``, ``audit-3.jsonl``... so two systems never share a log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sim_backend.bundle.manifest import Bundle, load_bundle
+from sim_backend.device.clock import Pacing, PacingMode
+from sim_backend.planes.system import System, build_system
+
+
+class SystemFactory:
+    """Builds systems for one fixture scope and closes them all at its end."""
+
+    def __init__(self, audit_dir: Path) -> None:
+        self.audit_dir = audit_dir
+        self.systems: list[System] = []
+
+    def __call__(self, **kw: Any) -> System:
+        kw.setdefault("pacing", Pacing(PacingMode.FAST))
+        if "audit_path" not in kw:
+            n = len(self.systems) + 1
+            kw["audit_path"] = self.audit_dir / ("audit.jsonl" if n == 1 else f"audit-{n}.jsonl")
+        system = build_system(**kw)
+        self.systems.append(system)
+        return system
+
+    def close_all(self) -> None:
+        while self.systems:
+            self.systems.pop().close()
+
+
+@pytest.fixture
+def make_system(tmp_path: Path) -> Iterator[SystemFactory]:
+    factory = SystemFactory(tmp_path)
+    yield factory
+    factory.close_all()
+
+
+@pytest.fixture(scope="module")
+def make_module_system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SystemFactory]:
+    factory = SystemFactory(tmp_path_factory.mktemp("audit"))
+    yield factory
+    factory.close_all()
+
+
+@pytest.fixture(scope="session")
+def bundle() -> Bundle:
+    """The shipped simulator bundle (frozen dataclass, safe to share across the session)."""
+    return load_bundle()

@@ -1,0 +1,155 @@
+"""The console used as a person uses it: Pilot presses keys and reads widgets."""
+
+from __future__ import annotations
+
+import pytest
+from textual.widgets import Button, Static
+
+from calconsole.app import CalConsoleApp
+from calconsole.layout import load_layout
+from sim_backend.device.clock import Pacing, PacingMode
+from tests.console.pilot_helpers import click_button, log_lines, wait_for
+
+
+@pytest.fixture
+def system(make_system):
+    return make_system(pacing=Pacing(PacingMode.REALTIME, speed=1.0), drain_timeout_s=0.5)
+
+
+def set_max_tokens(app, n):
+    app.query_one("#p-max-tokens").value = str(n)
+
+
+async def test_typed_prompt_streams_reply_and_counters_rise(system, monkeypatch):
+    from calconsole.panes.chat import ChatPane
+
+    shown: list[tuple[bool, str]] = []  # (request still running, text on the stream line) per piece
+    orig = ChatPane._on_piece
+
+    def on_piece(self, text):
+        orig(self, text)
+        shown.append((self.handle is not None, str(self.query_one("#chat-stream", Static).render())))
+
+    monkeypatch.setattr(ChatPane, "_on_piece", on_piece)
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        await wait_for(pilot, lambda: app.last_snapshot is not None)
+        finished_before = app.last_snapshot["jobs"]["finished"]
+        set_max_tokens(app, 80)
+        await pilot.click("#chat-input")
+        await pilot.press(*"Hello there")
+        await pilot.press("enter")
+        assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None)
+        # streamed: many pieces arrived while the request was running, shown on the stream line
+        assert len(shown) >= 10 and all(running for running, _ in shown)
+        assert shown[0][1].startswith("model ") and len(shown[-1][1]) > len(shown[0][1])
+        assert str(app.query_one("#chat-stream", Static).render()) == ""  # moved into the log when done
+        lines = log_lines(app, "#chat-log")
+        assert lines[0] == "you Hello there"
+        assert lines[1].startswith("model ")
+        metrics = " ".join(" ".join(lines[1:]).split())  # reply + metrics line, wrapping undone
+        assert "TTFT" in metrics and "TPOT" in metrics and "sim ms (device time + measured host work)" in metrics
+        assert "generated 80 tok" in metrics
+        # the observation pane's finished-jobs counter rises (1 prefill + 79 decode jobs)
+        assert await wait_for(pilot, lambda: app.last_snapshot["jobs"]["finished"] >= finished_before + 80)
+        jobs_text = str(app.query_one("#obs-jobs", Static).render())
+        assert f"finished {app.last_snapshot['jobs']['finished']}" in jobs_text
+        assert app.last_snapshot["kv"]["used_tokens"] > 0
+        assert len(app.last_snapshot["last_step"]["layers"]) == 48
+
+
+async def test_escape_cancels_and_marks_reply(system):
+    app = CalConsoleApp(system, load_layout("chat"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        set_max_tokens(app, 2000)
+        await pilot.click("#chat-input")
+        await pilot.press(*"go on")
+        await pilot.press("enter")
+        assert await wait_for(pilot, lambda: app.query_one("#chat").handle is not None)
+        await pilot.pause(0.3)
+        await pilot.press("escape")
+        assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None)
+        lines = log_lines(app, "#chat-log")
+        assert any("[cancelled:" in line for line in lines)
+        assert app.query_one("#chat-input").value == "go on"  # prompt restored
+        assert app.query_one("#chat").history == []
+
+
+async def test_reset_disabled_outside_exclusive_and_works_inside(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        reset = app.query_one("#m-reset", Button)
+        clear = app.query_one("#m-clear", Button)
+        assert reset.disabled and clear.disabled
+        await pilot.click("#m-reset")  # does nothing: no modal
+        assert len(app.screen_stack) == 1
+        await pilot.click("#m-enter")
+        assert await wait_for(pilot, lambda: not reset.disabled)
+        assert await wait_for(pilot, lambda: app.last_snapshot and app.last_snapshot["device"]["mode"] == "exclusive")
+        await pilot.click("#m-reset")
+        assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
+        modal = app.screen
+        assert app.focused.id == "confirm-name"  # typing goes straight into the name field
+        assert modal.query_one("#confirm-ok", Button).disabled
+        await pilot.press("enter")  # Enter without the name: the default, Cancel
+        assert await wait_for(pilot, lambda: len(app.screen_stack) == 1)
+        assert await wait_for(pilot, lambda: any("cancelled" in line for line in log_lines(app, "#m-log")))
+        assert app.last_snapshot["jobs"]["resets"] == 0
+        await click_button(pilot, "#m-reset")  # a second click on the same button
+        assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
+        modal = app.screen
+        await pilot.press(*"calculet")
+        assert modal.query_one("#confirm-ok", Button).disabled  # not the exact name yet
+        await pilot.press("0")
+        assert not modal.query_one("#confirm-ok", Button).disabled
+        await pilot.press("enter")
+        assert await wait_for(pilot, lambda: any("reset: ok" in line for line in log_lines(app, "#m-log")))
+        assert await wait_for(pilot, lambda: app.last_snapshot["jobs"]["resets"] == 1)
+        await pilot.click("#m-leave")
+        assert await wait_for(pilot, lambda: reset.disabled)
+
+
+async def test_a_second_send_while_submitting_is_refused(system):
+    app = CalConsoleApp(system, load_layout("chat"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        set_max_tokens(app, 30)
+        from textual.widgets import Input
+
+        chat = app.query_one("#chat")
+        inp = app.query_one("#chat-input", Input)
+        # two Enters handled back to back, before the worker has submitted the first request
+        inp.post_message(Input.Submitted(inp, "first"))
+        inp.post_message(Input.Submitted(inp, "second"))
+        assert await wait_for(pilot, lambda: chat.handle is None and not chat._submitting and chat.history)
+        await pilot.pause(0.3)
+        assert system.engine.metrics.summary()["counters"]["submitted"] == 1
+        assert [m["content"] for m in chat.history if m["role"] == "user"] == ["first"]
+
+
+async def test_maintenance_keys_keep_working_after_entering_exclusive(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        await pilot.press("f3")
+        assert app.focused.id == "m-enter"
+        await pilot.press("x")
+        pane = app.query_one("#maintenance")
+        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await pilot.pause()
+        assert app.focused is not None and pane in app.focused.ancestors_with_self and not app.focused.disabled
+        await pilot.press("r")  # the pane's key still reaches it: the confirmation opens
+        assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
+        await pilot.press("escape")
+
+
+async def test_hidden_panes_take_no_keys_when_the_terminal_is_too_small(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        await pilot.resize_terminal(70, 20)
+        await pilot.pause()
+        assert app.query_one("#too-small").display
+        await pilot.press("f2", *"hidden", "enter")
+        await pilot.pause(0.3)
+        assert system.engine.metrics.summary()["counters"]["submitted"] == 0
+        await pilot.resize_terminal(170, 50)
+        await pilot.pause()
+        assert not app.query_one("#too-small").display and app.query_one("#columns").display

@@ -1,0 +1,53 @@
+"""Snapshot tests where the picture matters (pytest-textual-snapshot).
+
+Only deterministic screens: the live console shows host CPU/RSS, which change
+from run to run. Regenerate with ``pytest tests/console/test_snapshots.py --snapshot-update``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual.app import App
+
+from calconsole.widgets.confirm import ConfirmModal
+
+CSS = Path(__file__).resolve().parents[2] / "calconsole" / "styles.tcss"
+
+
+class ConfirmHost(App):
+    CSS_PATH = str(CSS)
+
+    def on_mount(self) -> None:
+        self.push_screen(ConfirmModal("Reset device", "Fails in-flight jobs, clears KV, reconfigures the calbin, "
+                                      "then runs a health check.", "calculet0"))
+
+
+def test_confirm_modal_opens_with_name_field_and_disabled_confirm(snap_compare):
+    # name field focused and empty, the destructive button disabled until the device name is typed
+    assert snap_compare(ConfirmHost(), terminal_size=(80, 20))
+
+
+def test_confirm_modal_enabled_after_typing_name(snap_compare):
+    async def type_name(pilot):
+        await pilot.press(*"calculet0")
+
+    assert snap_compare(ConfirmHost(), terminal_size=(80, 20), run_before=type_name)
+
+
+async def test_enter_without_the_name_cancels():
+    results = []
+
+    class Host(App):
+        def on_mount(self) -> None:
+            self.push_screen(ConfirmModal("Reset device", "detail", "calculet0"), results.append)
+
+    app = Host()
+    async with app.run_test() as pilot:
+        await pilot.press("enter")  # nothing typed: plain cancel
+        await pilot.pause()
+        app.push_screen(ConfirmModal("Reset device", "detail", "calculet0"), results.append)
+        await pilot.pause()
+        await pilot.press(*"calc", "enter")  # a wrong name: cancel, reported as a mismatch
+        await pilot.pause()
+    assert results == [False, None]
