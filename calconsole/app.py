@@ -129,7 +129,7 @@ class CalConsoleApp(App):
         self.last_snapshot = snap
         d = snap["device"]
         req = snap["requests"]["counters"]
-        bar = Text.assemble(("calconsole ", "bold"), f"{d['name']} · ", mode_text(d), " · ", status_text(d),
+        bar = Text.assemble(("calconsole ", "bold"), f"{d['name']} · ", mode_text(d), " · ", status_text(d, compact=True),
                             f" · requests done {req['finished']} · device steps {snap['jobs']['finished']} · "
                             f"KV {snap['kv']['used_tokens']}/{snap['kv']['capacity_tokens']} · "
                             f"sim clock {snap['sim_now_ms'] / 1e3:.2f} s")

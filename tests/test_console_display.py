@@ -61,7 +61,8 @@ async def test_header_shows_armed_then_fired_until_acknowledged(system):
         assert app.query_one("#m-ack").disabled
         await click_button(pilot, "#m-probe")
         assert await wait_for(pilot, lambda: "ccu_exception fired" in topbar(app))
-        assert "fault: ccu_exception fired (1 unacknowledged" in topbar(app)
+        assert "fault: ccu_exception fired (a acks)" in topbar(app)
+        assert "fired (1 unacknowledged, last chip0, job" in shown(render.device_panel(app.last_snapshot))
         assert await wait_for(pilot, lambda: "chip0  ready  idle  jobs 0  ccu_exc 1" in shown(
             render.device_panel(app.last_snapshot)))  # on chip0's own row, not on both
         await click_button(pilot, "#m-probe")  # the device serves again: the fault is still shown
