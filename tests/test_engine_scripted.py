@@ -66,7 +66,7 @@ class FakeCostModel:
         self.prefill_us_per_token = prefill_us_per_token
         self.calls: list[tuple[str, int, int]] = []
 
-    def price_step(self, shape, kind, n_tokens, past_len, experts_touched=None):
+    def price_step(self, shape, kind, n_tokens, past_len, experts_touched=None, chip_scale=None):
         self.calls.append((kind, n_tokens, past_len))
         total = (self.prefill_us + self.prefill_us_per_token * n_tokens) if kind == "prefill" else self.decode_us
         h2d, d2h = 1_000.0, 2_000.0
