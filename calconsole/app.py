@@ -7,6 +7,7 @@ UI's event loop.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 
@@ -16,6 +17,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
+from textual.widget import Widget
 from textual.widgets import Footer, Static
 
 from .layout import Layout
@@ -66,7 +68,8 @@ class CalConsoleApp(App):
         yield Static("terminal too small: need at least 80x24", id="too-small")
         yield Footer()
 
-    def _make_pane(self, name: str):
+    def _make_pane(self, name: str) -> Widget:
+        w: Widget
         if name == "observation":
             w = ObservationPane(id="observation", classes="pane")
             w.border_title = "Observation (read-only)"
@@ -76,12 +79,17 @@ class CalConsoleApp(App):
         else:
             from .panes.maintenance import MaintenancePane
 
-            w = MaintenancePane(self.system.maintenance, self.system.observation.snapshot().device.name, id="maintenance",
-                                classes="pane")
+            device_name = self.system.observation.snapshot().device.name
+            w = MaintenancePane(self.system.maintenance, device_name, id="maintenance", classes="pane")
             w.border_title = "Maintenance (guarded)"
         return w
 
     def on_mount(self) -> None:
+        # The start-up objects (tokenizer ranks, weights, CSS, widgets) live as long as the console:
+        # frozen, a full garbage collection no longer walks them, which took 60-80 ms of the UI
+        # thread every few seconds while a long reply streamed. Collected first, so no garbage is kept.
+        gc.collect()
+        gc.freeze()
         if self.screen_stack[0].query("#chat-input"):
             self.action_focus_pane("chat")
         # one long-lived sampler thread (nvitop-style): cheaper than a Textual worker per refresh
@@ -116,13 +124,15 @@ class CalConsoleApp(App):
 
     def on_unmount(self) -> None:
         self._sampler_stop.set()
+        gc.unfreeze()  # collectable again once the console is gone (tests run many apps in one process)
 
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
         snap = message.snap
         self.last_snapshot = snap
         d = snap["device"]
         req = snap["requests"]["counters"]
-        bar = Text.assemble(("calconsole ", "bold"), f"{d['name']} · ", mode_text(d), " · ", status_text(d),
+        bar = Text.assemble(("calconsole ", "bold"), f"{d['name']} · ", mode_text(d), " · ",
+                            status_text(d, compact=True),
                             f" · requests done {req['finished']} · device steps {snap['jobs']['finished']} · "
                             f"KV {snap['kv']['used_tokens']}/{snap['kv']['capacity_tokens']} · "
                             f"sim clock {snap['sim_now_ms'] / 1e3:.2f} s")

@@ -9,12 +9,13 @@ small Static that is updated at most ~15 times a second.
 from __future__ import annotations
 
 import time
+from typing import Any, cast
 
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Grid, Vertical
 from textual.widgets import Collapsible, Input, Label, RichLog, Static
 
 from sim_backend.planes import (
@@ -37,19 +38,22 @@ CANCEL_GRACE_S = 10.0  # after a no-progress cancel, how long to wait for the re
 NO_PROGRESS_S = 300.0  # a request that streams nothing for this long is cancelled (host wall s)
 LOG_MAX_LINES = 2000
 
-# (input id, label, default, parser)
+# (input id, label, default, parser, the engine's parameter name)
 PARAMS = (
-    ("p-temperature", "temp", "0.8", float),
-    ("p-top-k", "top_k", "40", int),
-    ("p-top-p", "top_p", "0.95", float),
-    ("p-min-p", "min_p", "0.05", float),
-    ("p-max-tokens", "max_tokens", "128", int),
-    ("p-seed", "seed", "", int),
-    ("p-repeat-penalty", "repeat_pen", "1.0", float),
-    ("p-presence", "presence", "0.0", float),
-    ("p-frequency", "frequency", "0.0", float),
-    ("p-stop", "stop (| sep)", "", str),
+    ("p-temperature", "temp", "0.8", float, "temperature"),
+    ("p-top-k", "top_k", "40", int, "top_k"),
+    ("p-top-p", "top_p", "0.95", float, "top_p"),
+    ("p-min-p", "min_p", "0.05", float, "min_p"),
+    ("p-max-tokens", "max_tok", "128", int, "max_tokens"),
+    ("p-seed", "seed", "", int, "seed"),
+    ("p-repeat-penalty", "rep_pen", "1.0", float, "repeat_penalty"),
+    ("p-presence", "pres", "0.0", float, "presence_penalty"),
+    ("p-frequency", "freq", "0.0", float, "frequency_penalty"),
+    ("p-stop", "stop", "", str, "stop"),
 )
+PARAM_INPUT = {name: pid for pid, _, _, _, name in PARAMS}
+PARAM_HELP = {"seed": "seed (empty: a random one, shown under the reply)",
+              "stop": "stop strings, separated by |", "max_tokens": "max_tokens (the reply stops at the context end)"}
 
 
 class ChatPane(Vertical):
@@ -76,37 +80,36 @@ class ChatPane(Vertical):
         yield Static("", id="chat-stream")
         yield Static("", id="chat-status", classes="dim")
         with Collapsible(title="sampling parameters", collapsed=True, id="chat-params"):
-            with Horizontal(classes="param-row"):
-                for pid, label, default, _ in PARAMS[:5]:
-                    with Vertical(classes="param"):
-                        yield Label(label)
-                        yield Input(default, id=pid, classes="param-input")
-            with Horizontal(classes="param-row"):
-                for pid, label, default, _ in PARAMS[5:]:
-                    with Vertical(classes="param"):
-                        yield Label(label)
-                        yield Input(default, id=pid, classes="param-input", placeholder="none")
+            # label + borderless input pairs, two per row: each value gets ~1/3 of the pane, not 5 cells
+            with Grid(id="param-grid"):
+                for pid, label, default, _, name in PARAMS:
+                    yield Label(label, classes="param-label")
+                    yield Input(default, id=pid, classes="param-input", compact=True,
+                                tooltip=PARAM_HELP.get(name, name), placeholder="none" if default == "" else "")
         yield Input(placeholder="Type a message, Enter to send · Esc cancels · Ctrl+L new chat", id="chat-input")
 
     # --- parameters ---------------------------------------------------------------
 
-    def read_params(self) -> tuple[SamplingParams, int, tuple[str, ...]]:
-        """Parse the parameter inputs. Raises ValueError naming the field on bad text."""
-        vals = {}
-        for pid, label, _, parser in PARAMS:
+    def read_params(self) -> tuple[SamplingParams, int | str, tuple[str, ...]]:
+        """The parameter inputs as the request's values (nothing is checked here).
+
+        A number that does not parse is passed on as its text, so the engine refuses it
+        (``InvalidRequestError`` naming the parameter) exactly as any other bad value: the
+        pane's errors and the engine's read the same and count in the same ``rejected``.
+        An empty seed means a random one.
+        """
+        vals: dict[str, Any] = {}
+        for pid, _, _, parser, _ in PARAMS:
             raw = self.query_one(f"#{pid}", Input).value.strip()
             if parser is str:
                 vals[pid] = raw
-                continue
-            if raw == "":
-                if pid == "p-seed":
-                    vals[pid] = None
-                    continue
-                raise ValueError(f"{label} is empty")
-            try:
-                vals[pid] = parser(raw)
-            except ValueError:
-                raise ValueError(f"{label} must be {'an integer' if parser is int else 'a number'}, got {raw!r}") from None
+            elif raw == "" and pid == "p-seed":
+                vals[pid] = None
+            else:
+                try:
+                    vals[pid] = parser(raw)
+                except ValueError:
+                    vals[pid] = raw
         sp = SamplingParams(temperature=vals["p-temperature"], top_k=vals["p-top-k"], top_p=vals["p-top-p"],
                             min_p=vals["p-min-p"], repeat_penalty=vals["p-repeat-penalty"],
                             presence_penalty=vals["p-presence"], frequency_penalty=vals["p-frequency"],
@@ -124,13 +127,11 @@ class ChatPane(Vertical):
         if self.handle is not None or self._submitting:
             self.notify("a reply is still streaming: Esc cancels it", severity="warning")
             return
-        try:
-            sp, max_tokens, stops = self.read_params()
-        except ValueError as e:
-            self._log_error(f"invalid parameter: {e}")
-            return
-        req = ChatRequest(messages=tuple(self.history + [{"role": "user", "content": text}]), max_tokens=max_tokens,
-                          sampling=sp, stop=stops, client="chat-pane")
+        sp, max_tokens, stops = self.read_params()
+        self._mark_param(None)
+        # an unparsed max_tokens stays text on purpose: the engine refuses it by name, like any bad value
+        req = ChatRequest(messages=tuple(self.history + [{"role": "user", "content": text}]),
+                          max_tokens=cast(Any, max_tokens), sampling=sp, stop=stops, client="chat-pane")
         event.input.value = ""
         self._submitting = True  # set now: the handle only exists once the worker has submitted
         log = self.query_one("#chat-log", RichLog)
@@ -176,9 +177,26 @@ class ChatPane(Vertical):
 
     def _on_refused(self, e: RequestError, prompt: str) -> None:
         self._submitting = False
-        self._log_error(f"{e.error_type}: {e}")
-        self.query_one("#chat-status", Static).update("")
+        msg = f"{e.error_type}: {e}"
+        self._log_error(msg)
         self.query_one("#chat-input", Input).value = prompt
+        pid = PARAM_INPUT.get(getattr(e, "param", None) or "")
+        # the status line sits by the input: a refusal is seen there even when the log is scrolled
+        self.query_one("#chat-status", Static).update(Text(msg, style="bold red"))
+        if pid is not None:
+            self._mark_param(pid)
+
+    def _mark_param(self, pid: str | None) -> None:
+        """Show the refused field (open the collapsed panel, mark and focus it); None clears the mark."""
+        for inp in self.query(".param-input"):
+            inp.set_class(inp.id == pid, "-refused")
+        if pid is not None:
+            self.query_one("#chat-params", Collapsible).collapsed = False
+            self.query_one(f"#{pid}", Input).focus()
+
+    @on(Input.Changed, ".param-input")
+    def _param_edited(self, event: Input.Changed) -> None:
+        event.input.remove_class("-refused")
 
     def _on_abandoned(self, request_id: int, prompt: str) -> None:
         """The request made no progress and did not end after cancel: free the pane anyway."""

@@ -158,7 +158,7 @@ class MaintenancePane(Vertical):
         mode = d["mode"] + (f" (lease: {d['lease_holder']})" if d.get("lease_holder") else "")
         set_subtitle(self, mode)
         style = {"serving": "green", "draining": "yellow", "exclusive": "bold red"}.get(d["mode"], "")
-        line = Text.assemble("mode ", (mode, style), " · device ", status_text(d))
+        line = Text.assemble("mode ", (mode, style), " · device ", status_text(d, compact=True))
         if line.plain != self._mode_line:  # unchanged: no redraw, no relayout
             self._mode_line = line.plain
             self.query_one("#m-mode", Static).update(line)

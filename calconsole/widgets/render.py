@@ -61,9 +61,12 @@ def mode_text(device: dict) -> Text:
     return t
 
 
-def status_text(device: dict) -> Text:
+def status_text(device: dict, compact: bool = False) -> Text:
     """The device status as the operator reads it: armed faults are armed (not a failure), a fault
-    that fired stays a fault until acknowledged (maintenance key ``a``) or reset."""
+    that fired stays a fault until acknowledged (maintenance key ``a``) or reset.
+
+    ``compact``: one short phrase per kind (header, maintenance mode line); the observation pane
+    gives the count and where the last one hit."""
     status = device["status"]
     style = {"ok": "green", "degraded": "yellow"}.get(status, "bold red")
     t = Text(status, style=style)
@@ -71,7 +74,8 @@ def status_text(device: dict) -> Text:
     if fired:
         kinds = ", ".join(dict.fromkeys(f["fault"] for f in fired))
         last = fired[-1]["detail"]
-        t.append(f": {kinds} fired ({len(fired)} unacknowledged, last {last}; a acknowledges)", style="bold red")
+        t.append(f": {kinds} fired (a acks)" if compact else
+                 f": {kinds} fired ({len(fired)} unacknowledged, last {last}; a acknowledges)", style="bold red")
     in_effect = device.get("faults_in_effect") or ()
     if in_effect:
         t.append(f" ({', '.join(in_effect)})", style="yellow")

@@ -18,6 +18,7 @@ Rich renderables other than text are written at once, as ``RichLog`` does.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 
@@ -26,9 +27,11 @@ from textual.events import Resize
 from textual.widgets import RichLog
 
 #: a write longer than this is rendered in slices
-SLICE_CHARS = 4096
+SLICE_CHARS = 2048
 #: UI time one rendering turn may take before yielding to other events (wall s)
-TURN_BUDGET_S = 0.010
+TURN_BUDGET_S = 0.008
+#: the pause between turns (wall s): long enough for a key to reach its widget through the app
+YIELD_S = 0.002
 #: widest terminal assumed when bounding what is kept for re-wrapping (cells)
 MAX_WIDTH = 1000
 
@@ -42,9 +45,9 @@ class WrapLog(RichLog):
 
     def __init__(self, *, max_lines: int, min_width: int = 20, **kw) -> None:
         super().__init__(max_lines=max_lines, min_width=min_width, wrap=True, markup=False, **kw)
-        self._entries: deque[Text] = deque()  # what was written, newest last (for re-wrapping)
+        self._entries: deque = deque()  # what was written (str or Text), newest last, for re-wrapping
         self._entries_chars = 0
-        self._todo: deque[Text] = deque()  # text still to render, in order
+        self._todo: deque[tuple[Text, bool]] = deque()  # (text, continued) still to render, in order
         self._wrap_width: int | None = None  # the width the lines on screen were wrapped at
         self._scheduled = False
 
@@ -53,18 +56,19 @@ class WrapLog(RichLog):
         return bool(self._todo)
 
     def write(self, content, width=None, expand=False, shrink=True, scroll_end=None, animate=False):
+        """Append ``content``; ``str`` and ``Text`` are rendered in slices (a ``Text`` must not be
+        changed after it is written). Other renderables are written at once, as by ``RichLog``."""
         if not isinstance(content, (str, Text)):
             return super().write(content, width, expand, shrink, scroll_end, animate)
-        text = Text(content) if isinstance(content, str) else content.copy()
-        text.expand_tabs()
-        self._remember(text)
+        # every O(length) operation on a Text costs ~13 ms per 200,000 characters: cut first, then build
+        self._remember(content)
         if not self._size_known or self._wrap_width != self._width():
             self._rewrap()  # the width is new: re-wrap what is kept (this entry included)
             return self
-        tail = self._visible_tail([text])[0]
-        if len(tail) < len(text):  # this entry alone fills the log: what is queued before it would be trimmed
+        cut, _ = _tail_index(_plain(content), self._width(), self.max_lines)
+        if cut:  # this entry alone fills the log: what is queued before it would be trimmed
             self._todo.clear()
-        self._todo.append(tail)
+        self._todo.append((_as_text(content, cut), False))
         self._schedule()
         return self
 
@@ -88,30 +92,29 @@ class WrapLog(RichLog):
         if self._wrap_width != self._width():
             self._rewrap()
 
-    def _remember(self, text: Text) -> None:
+    def _remember(self, content: str | Text) -> None:
         limit = self.max_lines or 10_000
         cap = limit * MAX_WIDTH  # at any width, this many characters fill max_lines
-        if len(text) > cap:
-            text = text[len(text) - cap:]
-        self._entries.append(text)
-        self._entries_chars += len(text)
+        if len(content) > cap:
+            content = content[len(content) - cap:]
+        self._entries.append(content)
+        self._entries_chars += len(content)
         # each entry is at least one line: the newest max_lines entries always fill the log
         while len(self._entries) > limit or self._entries_chars - len(self._entries[0]) >= cap:
             self._entries_chars -= len(self._entries.popleft())
 
-    def _visible_tail(self, entries: list[Text]) -> list[Text]:
+    def _visible_tail(self, entries: list) -> list[Text]:
         """The newest entries (the oldest of them possibly cut at a word) whose lines fill ``max_lines``
         at the current width; what comes before would be trimmed anyway."""
-        if self.max_lines is None:
-            return list(entries)
         width, need = self._width(), self.max_lines
         out: list[Text] = []
-        for text in reversed(entries):
-            tail, rows = _tail_rows(text, width, need)
-            out.append(tail)
-            need -= rows
-            if need <= 0:
-                break
+        for content in reversed(entries):
+            cut, rows = _tail_index(_plain(content), width, need)
+            out.append(_as_text(content, cut))
+            if need is not None:
+                need -= rows
+                if need <= 0:
+                    break
         return out[::-1]
 
     def _rewrap(self) -> None:
@@ -120,45 +123,84 @@ class WrapLog(RichLog):
             self._todo.clear()
             return
         self._wrap_width = self._width()
-        self._todo = deque(self._visible_tail(list(self._entries)))
+        self._todo = deque((t, False) for t in self._visible_tail(list(self._entries)))
         self._schedule()
 
     def _schedule(self) -> None:
         if not self._scheduled and self._todo:
             self._scheduled = True
-            self.call_later(self._render_some)
+            # an async worker on the UI loop: between turns it really yields to the event loop (a
+            # chain of call_later callbacks would not: the widget's message pump runs them back to back)
+            self.run_worker(self._render_loop(), group="wraplog-render", exit_on_error=False)
+
+    async def _render_loop(self) -> None:
+        try:
+            while self._todo and self.is_attached:
+                self._render_some()
+                await asyncio.sleep(YIELD_S)
+        finally:
+            self._scheduled = False
 
     def _render_some(self) -> None:
-        """Render slices for at most TURN_BUDGET_S, then yield to the event loop."""
-        self._scheduled = False
+        """Render slices for at most TURN_BUDGET_S.
+
+        ``_todo`` holds (text, continued): ``continued`` means the next item goes on the same
+        line (a long text cut into slices once, with ``Text.divide``, not re-sliced per turn).
+        """
         width = self._width()
         if self._wrap_width != width:
             self._rewrap()
             return
         t0 = time.perf_counter()
         console = self.app.console
-        while self._todo and time.perf_counter() - t0 < TURN_BUDGET_S:
-            text = self._todo.popleft()
-            if len(text) <= SLICE_CHARS:
-                super().write(text)
+        todo = self._todo
+        while todo and time.perf_counter() - t0 < TURN_BUDGET_S:
+            text, continued = todo.popleft()
+            if not continued and len(text) > SLICE_CHARS:
+                todo.extendleft(reversed(_slices(text)))
                 continue
-            cut = text.plain.rfind(" ", SLICE_CHARS // 2, SLICE_CHARS)  # end the slice before a space
-            cut = cut if cut > 0 else SLICE_CHARS
-            lines = text[:cut].wrap(console, width)
+            # width given: RichLog would otherwise cap it at the app console's width
+            if not continued:
+                super().write(text, width=width)
+                continue
+            lines = text.wrap(console, width)
             if len(lines) > 1:
-                super().write(Text("\n").join(lines[:-1]))
+                super().write(Text("\n").join(lines[:-1]), width=width)
             # the last line may still grow with the next slice: carry it over
-            self._todo.appendleft(lines[-1] + text[cut:] if len(lines) else text[cut:])
-        self._schedule()
+            nxt, nxt_continued = todo.popleft()
+            todo.appendleft((lines[-1] + nxt if len(lines) else nxt, nxt_continued))
 
 
-def _tail_rows(text: Text, width: int, need: int) -> tuple[Text, int]:
-    """``text``, or its tail from a word start, wrapping to at least ``need`` lines of ``width``.
-
-    Returns (tail, a lower bound of its lines). A paragraph takes at least ceil(len / width)
-    lines (one if empty), whatever its words.
-    """
+def _slices(text: Text) -> list[tuple[Text, bool]]:
+    """``text`` cut before spaces into pieces of at most SLICE_CHARS; all but the last are ``continued``."""
     plain = text.plain
+    cuts, pos = [], 0
+    while len(plain) - pos > SLICE_CHARS:
+        cut = plain.rfind(" ", pos + SLICE_CHARS // 2, pos + SLICE_CHARS)  # end a slice before a space
+        pos = cut if cut > pos else pos + SLICE_CHARS
+        cuts.append(pos)
+    pieces = list(text.divide(cuts))
+    return [(p, i < len(pieces) - 1) for i, p in enumerate(pieces)]
+
+
+def _plain(content: str | Text) -> str:
+    return content if isinstance(content, str) else content.plain
+
+
+def _as_text(content: str | Text, cut: int) -> Text:
+    if isinstance(content, str):
+        return Text(content[cut:])
+    return content[cut:] if cut else content
+
+
+def _tail_index(plain: str, width: int, need: int | None) -> tuple[int, int]:
+    """Where the tail of ``plain`` that wraps to at least ``need`` lines of ``width`` starts (at a
+    word), and a lower bound of the lines from there: (0, lines) when the whole text is needed.
+
+    A paragraph takes at least ceil(len / width) lines (one if empty), whatever its words.
+    """
+    if need is None:
+        return 0, 0
     rows, end = 0, len(plain)
     while True:
         start = plain.rfind("\n", 0, end) + 1  # the paragraph [start, end)
@@ -168,8 +210,8 @@ def _tail_rows(text: Text, width: int, need: int) -> tuple[Text, int]:
             if cut > start:  # back to a word start: keeps a little more, never fewer lines
                 space = plain.rfind(" ", start, cut)
                 cut = space + 1 if space != -1 else start
-            return (text[cut:] if cut else text), need
+            return cut, need
         rows += r
         if start == 0:
-            return text, rows
+            return 0, rows
         end = start - 1

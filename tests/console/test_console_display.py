@@ -1,0 +1,287 @@
+"""What the console shows: status, per-chip times, sampling fields, log wrapping, honest labels (Pilot)."""
+
+from __future__ import annotations
+
+import argparse
+import html
+import io
+import re
+
+import pytest
+from rich.console import Console
+from rich.text import Text
+from textual.app import App
+
+from calconsole.app import CalConsoleApp
+from calconsole.layout import load_layout
+from calconsole.widgets import render
+from calconsole.widgets.wraplog import SLICE_CHARS, WrapLog
+from sim_backend.device.clock import Pacing, PacingMode
+from sim_backend.planes.system import build_system
+from tests.console.pilot_helpers import click_button, has, wait_for
+
+
+@pytest.fixture
+def system(tmp_path):
+    s = build_system(pacing=Pacing(PacingMode.FAST), audit_path=tmp_path / "audit.jsonl", drain_timeout_s=0.5)
+    yield s
+    s.close()
+
+
+def topbar(app) -> str:
+    return app._topbar_text
+
+
+def shown(renderable, width: int = 200) -> str:
+    """A renderable as the text a person reads."""
+    console = Console(width=width, file=io.StringIO(), record=True)
+    console.print(renderable)
+    return console.export_text()
+
+
+def screen_text(app) -> str:
+    svg = app.export_screenshot()
+    return html.unescape(re.sub(r"<[^>]+>", "", svg)).replace("\xa0", " ")
+
+
+# --- status: armed is armed, fired stays until acknowledged -------------------------------------
+
+
+async def test_header_shows_armed_then_fired_until_acknowledged(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    m = system.maintenance
+    async with app.run_test(size=(200, 50)) as pilot:
+        pane = app.query_one("#maintenance")
+        await click_button(pilot, "#m-enter")
+        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await click_button(pilot, "#m-f-ccu")
+        assert await wait_for(pilot, lambda: "armed: ccu_exception x1" in topbar(app))
+        assert " · ok · " in topbar(app)  # armed is not a failure
+        assert app.query_one("#m-ack").disabled
+        await click_button(pilot, "#m-probe")
+        assert await wait_for(pilot, lambda: "ccu_exception fired" in topbar(app))
+        assert "fault: ccu_exception fired (a acks)" in topbar(app)
+        assert "fired (1 unacknowledged, last chip0, job" in shown(render.device_panel(app.last_snapshot))
+        assert await wait_for(pilot, lambda: "chip0  ready  idle  jobs 0  ccu_exc 1" in shown(
+            render.device_panel(app.last_snapshot)))  # on chip0's own row, not on both
+        await click_button(pilot, "#m-probe")  # the device serves again: the fault is still shown
+        assert await wait_for(pilot, lambda: has(app, "#m-log", "probe_request: ok"))
+        await pilot.pause(0.3)
+        assert "fired" in topbar(app)
+        await click_button(pilot, "#m-leave")
+        assert await wait_for(pilot, lambda: pane.lease is None)
+        # acknowledging needs no lease: key a in the pane
+        assert await wait_for(pilot, lambda: not app.query_one("#m-ack").disabled)
+        app.query_one("#m-log").focus()
+        await pilot.press("a")
+        assert await wait_for(pilot, lambda: has(app, "#m-log", "acknowledge_faults: ok · acknowledged: ccu_exception"))
+        assert await wait_for(pilot, lambda: " · ok · " in topbar(app) and "fired" not in topbar(app))
+    assert [e["action"] for e in m.audit.entries()][-1] == "acknowledge_faults"
+
+
+def test_status_text_and_header_counts_say_what_they_count():
+    d = {"status": "degraded", "faults_in_effect": ["slow_chip1 x4"], "faults_armed": ["d2d_link_error x1"],
+         "faults_fired": []}
+    assert render.status_text(d).plain == "degraded (slow_chip1 x4) · armed: d2d_link_error x1"
+    d = {"numerics": True, "numerics_max_prompt": 1024, "timing_only_running": [7]}
+    assert render.numerics_text(d) == "numerics on, but request 7 timing-only (prompt > 1024 tok)"
+    assert render.numerics_text({**d, "timing_only_running": []}) == "numerics on (prompts <= 1024 tok)"
+    assert render.numerics_text({"numerics": False}) == "numerics off (timing-only)"
+
+
+async def test_long_prompt_running_timing_only_is_named_in_the_device_line(tmp_path):
+    s = build_system(pacing=Pacing(PacingMode.REALTIME, speed=0.05), audit_path=tmp_path / "a.jsonl",
+                     numerics_max_prompt=8)
+    try:
+        from sim_backend.serving.api import ChatRequest
+
+        h = s.inference.submit(ChatRequest.from_prompt("a prompt longer than eight tokens " * 3, max_tokens=50))
+        snap = s.observation.snapshot().to_dict()
+        assert h.id in snap["device"]["timing_only_running"]
+        assert f"request {h.id} timing-only" in render.device_panel(snap).renderables[0].plain
+        h.cancel("test over")
+    finally:
+        s.close()
+
+
+def test_tokens_line_never_shows_more_cached_than_prompt():
+    snap = {"requests": {"counters": {k: 0 for k in ("submitted", "finished", "failed", "cancelled", "queued",
+                                                      "running", "rejected")},
+                         "balanced": True,
+                         "latency_ms": {k: {"p50": None, "p95": None, "p99": None, "n": 0}
+                                        for k in ("ttft", "tpot", "itl", "e2e", "queue")},
+                         "goodput": {"slo": {}, "good_requests": 0, "tokens_per_s": None},
+                         "tokens": {"prompt": 2295, "cached": 2312, "predicted": 10}}}
+    toks = render.requests_panel(snap).renderables[-1].plain
+    assert toks == "tokens prompt 4607 (processed 2295 + cached 2312) predicted 10"
+
+
+# --- per-chip times and the stage table -----------------------------------------------------------
+
+
+async def test_slow_chip_shows_on_its_own_column_and_probe_updates_stages(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(200, 60)) as pilot:
+        pane = app.query_one("#maintenance")
+        await click_button(pilot, "#m-enter")
+        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await click_button(pilot, "#m-f-slow")
+        assert await wait_for(pilot, lambda: "degraded (slow_chip1 x4)" in topbar(app))
+        await click_button(pilot, "#m-probe")
+        assert await wait_for(pilot, lambda: has(app, "#m-log", "probe_request: ok"))
+        assert await wait_for(pilot, lambda: "decode (probe)" in shown(render.stages_panel(app.last_snapshot)))
+        step = app.last_snapshot["last_decode"]
+        assert step["sim_us"] == pytest.approx(step["h2d_us"] + step["infer_us"] + step["d2h_us"], rel=1e-12)
+        layer = step["layers"][0]["chip_us"]
+        assert layer[1] == pytest.approx(4.0 * layer[0], rel=0.05)
+
+
+# --- sampling parameters ----------------------------------------------------------------------
+
+
+async def test_sampling_fields_show_their_whole_value_and_a_refusal_is_visible_and_counted(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(120, 36)) as pilot:
+        app.query_one("#chat-params").collapsed = False
+        await pilot.pause()
+        top_p = app.query_one("#p-top-p")
+        top_p.value = "20.95"
+        app.query_one("#p-seed").value = "1234567890"
+        await pilot.pause()
+        for inp in app.query(".param-input"):
+            assert inp.content_region.width > max(len(inp.value), 5), (inp.id, inp.value)
+        app.query_one("#chat-params").collapsed = True
+        inp = app.query_one("#chat-input")
+        inp.focus()
+        await pilot.pause()
+        await pilot.press(*"hello", "enter")
+        msg = "invalid_request_error: top_p must be in (0, 1]; got 20.95"
+        assert await wait_for(pilot, lambda: has(app, "#chat-log", msg))
+        status = app.query_one("#chat-status")
+        assert msg == str(status.content) and status.region.height >= 2  # by the input, not only in the log
+        assert not app.query_one("#chat-params").collapsed and top_p.has_class("-refused")
+        assert app.focused is top_p
+        # a value the pane cannot even parse reads and counts the same way: the engine refuses it
+        top_p.value = "0.9"
+        app.query_one("#p-temperature").value = "abc"
+        inp.focus()
+        await pilot.pause()
+        await pilot.press("enter")
+        msg2 = "invalid_request_error: temperature must be a finite number; got 'abc'"
+        assert await wait_for(pilot, lambda: has(app, "#chat-log", msg2))
+        assert not top_p.has_class("-refused") and app.query_one("#p-temperature").has_class("-refused")
+        assert system.observation.snapshot().requests["counters"]["rejected"] == 2
+
+
+# --- the log: slices, re-wrap on resize ------------------------------------------------------
+
+
+class LogHost(App):
+    def __init__(self, max_lines: int = 2000) -> None:
+        super().__init__()
+        self.max_lines = max_lines
+
+    def compose(self):
+        yield WrapLog(id="log", max_lines=self.max_lines)
+
+
+def _text(n: int) -> str:
+    words = ("alpha", "be", "gamma", "delta", "epsilon", "zeta", "etaetaetaeta", "theta")
+    out, i = [], 0
+    while sum(map(len, out)) < n:
+        out.append(words[i % len(words)] + ("\n" if i % 97 == 96 else " "))
+        i += 1
+    return "".join(out)[:n]
+
+
+def _rich_lines(text: str, width: int) -> list[str]:
+    console = Console(width=width, file=open("/dev/null", "w"))
+    return [line.plain.rstrip() for line in Text(text).wrap(console, width)]
+
+
+async def test_long_text_is_rendered_in_slices_and_wraps_as_one_write():
+    text = _text(12 * SLICE_CHARS)
+    app = LogHost()
+    async with app.run_test(size=(70, 20)) as pilot:
+        log = app.query_one(WrapLog)
+        log.write(text)
+        assert log.pending  # the write returned before the text was rendered
+        assert await wait_for(pilot, lambda: not log.pending)
+        width = log.scrollable_content_region.width
+        assert [s.text.rstrip() for s in log.lines] == _rich_lines(text, width)
+
+
+async def test_only_the_tail_that_fits_max_lines_is_rendered():
+    text = _text(40 * SLICE_CHARS)
+    app = LogHost(max_lines=50)
+    async with app.run_test(size=(70, 20)) as pilot:
+        log = app.query_one(WrapLog)
+        log.write("first entry")
+        log.write(text)
+        assert await wait_for(pilot, lambda: not log.pending)
+        assert len(log.lines) == 50
+        assert log.lines[-1].text.rstrip() == _rich_lines(text, log.scrollable_content_region.width)[-1]
+
+
+async def test_logs_rewrap_when_the_pane_is_resized():
+    text = _text(3000)
+    app = LogHost()
+    async with app.run_test(size=(60, 20)) as pilot:
+        log = app.query_one(WrapLog)
+        log.write(Text(text, style="green"))
+        assert await wait_for(pilot, lambda: not log.pending)
+        narrow = log.scrollable_content_region.width
+        assert max(len(s.text.rstrip()) for s in log.lines) <= narrow
+        await pilot.resize_terminal(120, 20)
+        assert await wait_for(pilot, lambda: log.scrollable_content_region.width > narrow and not log.pending)
+        wide = log.scrollable_content_region.width
+        assert [s.text.rstrip() for s in log.lines] == _rich_lines(text, wide)
+        await pilot.resize_terminal(50, 20)  # shrinking re-wraps too: nothing is clipped
+        assert await wait_for(pilot, lambda: log.scrollable_content_region.width < narrow and not log.pending)
+        small = log.scrollable_content_region.width
+        assert [s.text.rstrip() for s in log.lines] == _rich_lines(text, small)
+
+
+async def test_chat_transcript_rewraps_on_resize(system):
+    app = CalConsoleApp(system, load_layout("chat"))
+    async with app.run_test(size=(100, 30)) as pilot:
+        log = app.query_one("#chat-log")
+        log.write(_text(600))
+        assert await wait_for(pilot, lambda: not log.pending)
+        before = log.scrollable_content_region.width
+        await pilot.resize_terminal(160, 30)
+        assert await wait_for(pilot, lambda: log.scrollable_content_region.width > before and not log.pending)
+        assert max(len(s.text.rstrip()) for s in log.lines) > before
+
+
+# --- words a user has --------------------------------------------------------------------------
+
+
+def _all_help(parser: argparse.ArgumentParser) -> str:
+    out = [parser.format_help()]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out.append(_all_help(sub))
+    return "\n".join(out)
+
+
+def test_help_texts_cite_no_documents_the_user_does_not_have():
+    from calconsole.cli import build_parser
+
+    text = _all_help(build_parser())
+    assert "bench" in text and "keys" in text
+    assert not re.search(r"FACTS|report §|§\d", text), re.findall(r".{30}(?:FACTS|§).{30}", text)
+
+
+async def test_panes_cite_no_documents_and_the_footer_says_what_t_does(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(160, 50)) as pilot:
+        assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+        app.query_one("#observation").focus()
+        await pilot.pause(0.3)
+        screen = screen_text(app)
+        assert "FACTS" not in screen and "§" not in screen
+        assert "per-layer: step/decode/prefill" in screen  # the footer, as the README says
+    readme = (__import__("pathlib").Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert "`t` cycles the per-layer table (last step / decode / prefill)" in readme
