@@ -119,7 +119,7 @@ class ObservationPane(VerticalScroll):
                 self._update(wid, fn(snap), _shape_key(snap, keys))
         q = self.query_one
         if prev.get("history") != snap["history"]:
-            tps = [x for x in snap["history"]["tokens_per_s"] if x == x][-120:]
+            tps = [x for x in snap["history"]["tokens_per_s"] if isinstance(x, (int, float)) and x == x][-120:]
             spark = q("#obs-spark", Sparkline)
             spark.display = len(tps) >= 2  # a flat placeholder would read as data
             q("#obs-spark-label", Static).display = spark.display

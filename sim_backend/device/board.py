@@ -485,6 +485,9 @@ class SimulatedBoard:
                 self._resets += 1
                 self.faults = Faults()
                 self.last_steps = {}
+                # pacing re-anchors at the next step: an aborted step booked its whole price on the clock,
+                # and the next one must not wait for the wall to catch up with time that never ran
+                self._pace_anchor = self._pace_prev = None
             self.registers.power_on()
             self.kv.clear()
             if self.model is not None:

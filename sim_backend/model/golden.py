@@ -297,6 +297,10 @@ def check_golden(bundle_dir: str | Path | None = None) -> dict:
     if bundle.golden_file is None:
         return {"ok": False, "detail": "no golden file in the bundle"}
     g = load_golden(bundle.golden_file)
+    if tuple(int(i) for i in g.input_ids) != GOLDEN_IDS:
+        # the device self-test feeds the stored ids: a file whose ids were changed must not pass here
+        return {"ok": False, "path": str(g.path), "detail": f"input_ids {g.input_ids.tolist()} are not the golden "
+                                                            f"input {list(GOLDEN_IDS)}"}
     ref = reference_logits(bundle)
     rep = compare(g, _f32_to_bf16_bits(ref), bundle.golden_max_abs_error)
     drift = float(np.max(np.abs(ref[g.ref_topk_ids.astype(np.int64)] - g.ref_topk_logits))) \
@@ -320,7 +324,11 @@ def main(argv: list[str] | None = None) -> int:
         out = write_golden(a.bundle, a.out)
         print(f"wrote {out} ({out.stat().st_size} bytes)")
     if a.check:
-        rep = check_golden(a.bundle)
+        try:
+            rep = check_golden(a.bundle)
+        except ManifestError as e:  # a damaged golden file or bundle: one line, not a traceback
+            print(f"golden --check: {e}", file=sys.stderr)
+            return 2
         print(json.dumps(rep))
         return 0 if rep["ok"] else 1
     return 0

@@ -178,7 +178,9 @@ class ObservationPlane:
             slots=[thaw(s) for s in e.slot_info()],
             requests=e.metrics.summary(),
             stages={k: thaw(v) for k, v in e.last_stage.items()},
-            history=e.metrics.history_series(),
+            # NaN (no first token) is None on the wire and in the typed snapshot alike
+            history={k: [None if isinstance(x, float) and x != x else x for x in v]
+                     for k, v in e.metrics.history_series().items()},
             host=host,
             findings=[thaw(f) for f in self._bundle.findings],
         )

@@ -40,6 +40,9 @@ Units: ``*_wall_ms`` / ``duration_ms`` are host wall milliseconds;
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
 import threading
 import time
 import uuid
@@ -52,7 +55,7 @@ import numpy as np
 from sim_backend.errors import CalError, DeviceError, KVExhausted, MaintenanceRefused
 from sim_backend.model.bf16 import bf16_to_f32
 from sim_backend.model.vocab import EOS_IDS, IM_START
-from sim_backend.planes.audit import AuditLog
+from sim_backend.planes.audit import AuditLog, AuditLogError
 from sim_backend.planes.contracts import Lease
 from sim_backend.runtime.maintenance import MaintenanceRuntime
 from sim_backend.serving.engine import ChatRequest, Engine
@@ -129,9 +132,12 @@ class MaintenancePlane:
         """
         t0 = time.perf_counter()
         sim0 = self._mon.now_us
+        args = {k: _brief(v) for k, v in args.items()}  # the log keeps arguments bounded and JSON
         aid = self.audit.start(action, args)
 
         def done(**kw: Any) -> None:
+            if isinstance(kw.get("result"), str) and len(kw["result"]) > 4 * MAX_AUDIT_ARG_CHARS:
+                kw["result"] = kw["result"][:4 * MAX_AUDIT_ARG_CHARS] + f"... ({len(kw['result'])} characters)"
             self.audit.finish(aid, action, args, duration_ms=(time.perf_counter() - t0) * 1e3,
                               sim_ms=(self._mon.now_us - sim0) / 1e3, **kw)
 
@@ -159,7 +165,18 @@ class MaintenancePlane:
                 self._op_name = ""
                 self._op_lock.release()
         ok = not (isinstance(result, dict) and result.get("ok") is False)
-        done(granted=True, ok=ok, result=describe(result) if describe else result)
+        try:
+            done(granted=True, ok=ok, result=describe(result) if describe else result)
+        except Exception as e:
+            # an outcome that cannot be audited: undo what can be undone (a lease nobody received
+            # would strand the device in exclusive mode), then say so with a typed error
+            if action == "enter_exclusive" and isinstance(result, Lease):
+                with self._lock:
+                    self._lease = None
+                    self._mode, self._since = "serving", time.time()
+                self._engine.resume_admission()
+            raise AuditLogError(self.audit.path, f"{action} done but its outcome could not be audited: "
+                                                 f"{type(e).__name__}: {e}") from None
         return result
 
     # --- exclusive mode --------------------------------------------------------
@@ -177,8 +194,7 @@ class MaintenancePlane:
         def go() -> Lease:
             if not isinstance(timeout, (int, float)) or not 0 <= timeout <= 600:
                 raise MaintenanceRefused("enter_exclusive", f"drain_timeout_s must be in [0, 600] s, got {timeout!r}")
-            if not holder or not isinstance(holder, str):
-                raise MaintenanceRefused("enter_exclusive", "holder must be a non-empty name")
+            _check_holder(holder, "enter_exclusive")
             with self._lock:
                 if self._lease is not None or self._mode != "serving":
                     who = self._lease.holder if self._lease else self._pending_holder
@@ -278,12 +294,15 @@ class MaintenancePlane:
         stage times: device stages simulated ms, host stages measured ms), plus ``traceEvents``
         so the file opens directly in Perfetto / chrome://tracing. {"ok", "path", "bytes", "steps"}.
         """
+        default = path is None
         if path is None:
             stamp = time.strftime("%Y%m%dT%H%M%S")
             path = self.dump_dir / f"{self._mon.bundle.device_name}-dump-{stamp}-{uuid.uuid4().hex[:4]}.json"
 
         def go() -> dict:
             from sim_backend.model.trace import chrome_trace
+
+            p = self._dump_target(path, default)
 
             mon = self._mon
             steps = sorted(mon.last_steps().values(), key=lambda r: r.job_id)
@@ -309,13 +328,45 @@ class MaintenancePlane:
                 "units": "sim_us / *_us: simulated device µs; *_wall_ms: host wall ms",
                 **trace,
             }
-            p = Path(path)
-            p.parent.mkdir(parents=True, exist_ok=True)
             text = json.dumps(doc, default=str)
-            p.write_text(text, encoding="utf-8")
+            try:
+                # "x": never overwrite (an existing file, or the audit log itself); a FIFO or device
+                # path was refused above, so this cannot block
+                with open(p, "x", encoding="utf-8") as f:
+                    f.write(text)
+            except OSError as e:
+                raise MaintenanceRefused("dump", f"cannot write {p}: {e.strerror or e}") from None
             return {"ok": True, "path": str(p), "bytes": len(text.encode()), "steps": len(steps)}
 
         return self._run("dump", {"path": str(path)}, lease, go)
+
+    def _dump_target(self, path: Any, default: bool) -> Path:
+        """The dump file to create: a new regular file, never the audit log, in an existing directory
+        (only the default dump directory is created). MaintenanceRefused says why not."""
+        if not isinstance(path, (str, Path)) or str(path).strip() == "" or "\0" in str(path):
+            raise MaintenanceRefused("dump", f"path must be a file name, got {path!r}")
+        p = Path(path).expanduser()
+        if default:
+            try:
+                p.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise MaintenanceRefused("dump", f"cannot create {p.parent}: {e.strerror or e}") from None
+        try:
+            parent = p.parent.resolve(strict=True)
+        except (OSError, RuntimeError):
+            raise MaintenanceRefused("dump", f"directory {p.parent} does not exist") from None
+        if not parent.is_dir():
+            raise MaintenanceRefused("dump", f"{p.parent} is not a directory")
+        target = parent / p.name
+        try:
+            audit = self.audit.path.resolve()
+        except (OSError, RuntimeError):
+            audit = self.audit.path
+        if target == audit or (target.exists() and audit.exists() and os.path.samefile(target, audit)):
+            raise MaintenanceRefused("dump", "refusing to write over the audit log")
+        if target.exists() or target.is_symlink():
+            raise MaintenanceRefused("dump", f"{target} exists: dumps never overwrite a file")
+        return target
 
     def self_test(self, lease: Lease | None) -> dict:
         """Golden self-test: the bundle's golden input as one prefill on the scratch sequence,
@@ -346,10 +397,7 @@ class MaintenancePlane:
             d = self._resolve(_reg_key(key, "write_register"), "write_register")
             if not d.writable:
                 raise MaintenanceRefused("write_register", f"register {d.name} is read-only")
-            try:
-                v = int(value, 0) if isinstance(value, str) else int(value)
-            except (TypeError, ValueError):
-                raise MaintenanceRefused("write_register", f"value must be an integer, got {value!r}") from None
+            v = _reg_value(value)
             old = self._rt.read_register(lease, d.name)
             self._rt.write_register(lease, d.name, v)
             return {"ok": True, "name": d.name, "old": old, "new": v, "hex": f"0x{v:08X}"}
@@ -375,9 +423,11 @@ class MaintenancePlane:
         def go() -> dict:
             if kind not in FAULT_KINDS:
                 raise MaintenanceRefused("inject_fault", f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
-            if not isinstance(count, int) or not 1 <= count <= 1000:
+            if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1000:
                 raise MaintenanceRefused("inject_fault", f"count must be 1..1000, got {count!r}")
             if kind == "slow_chip":
+                if isinstance(chip, bool) or isinstance(factor, bool):
+                    raise MaintenanceRefused("inject_fault", "chip and factor must be numbers, not true/false")
                 n_chips = self._mon.shape.n_chips
                 if chip not in range(n_chips):
                     raise MaintenanceRefused("inject_fault", f"no chip {chip} (device has {n_chips})")
@@ -402,8 +452,7 @@ class MaintenancePlane:
         {"ok", "acknowledged": [{"fault", "detail"}]}. Refused for an empty ``holder``.
         """
         def go() -> dict:
-            if not holder or not isinstance(holder, str):
-                raise MaintenanceRefused("acknowledge_faults", "holder must be a non-empty name")
+            _check_holder(holder, "acknowledge_faults")
             return {"ok": True, "acknowledged": self._rt.acknowledge_faults()}
 
         return self._run("acknowledge_faults", {"holder": holder}, None, go, needs_lease=False)
@@ -415,8 +464,11 @@ class MaintenancePlane:
         "text", "n_tokens", "prompt_n", "error" (typed: {"type", "message"}), "sim_ms", "wall_ms"}.
         """
         def go() -> dict:
-            if not isinstance(max_tokens, int) or not 1 <= max_tokens <= 256:
+            if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 256:
                 raise MaintenanceRefused("probe_request", f"max_tokens must be 1..256, got {max_tokens!r}")
+            if not isinstance(prompt, str) or not 0 < len(prompt) <= MAX_PROBE_PROMPT_CHARS:
+                raise MaintenanceRefused("probe_request", f"prompt must be text of 1..{MAX_PROBE_PROMPT_CHARS} "
+                                                          "characters")
             return self._probe(prompt, max_tokens)
 
         return self._run("probe_request", {"prompt": prompt, "max_tokens": max_tokens}, lease, go)
@@ -446,7 +498,11 @@ class MaintenancePlane:
         h0 = ht.now()
         out = self._rt.scratch_submit(self._lease, kind, SCRATCH_SEQ, tokens, p0)
         host_ms = (ht.now() - h0) / 1e3
-        return out.wait(self.reset_timeout_s), host_ms
+        try:
+            return out.wait(self.reset_timeout_s), host_ms
+        except DeviceError:
+            out.discard()  # a job that outlives its wait gives its buffer pair back when it ends
+            raise
 
     def _job(self, kind: str, tokens: list[int], p0: int, source: str):
         """``_job_timed``, and the step shown in the observation's stage table as ``source``. Returns the StepResult."""
@@ -535,6 +591,11 @@ class MaintenancePlane:
         t0 = time.perf_counter()
         sim0 = b.now_us
         ids = e.tokenize_prompt(ChatRequest.from_prompt(prompt, max_tokens=max_tokens))
+        limit = e.numerics_max_prompt
+        if b.numerics and len(ids) > limit:
+            # exact attention is O(n^2) in Python: a longer probe would outlast every wait
+            raise MaintenanceRefused("probe_request", f"prompt is {len(ids)} tokens; a probe runs exact numerics "
+                                                      f"and takes at most {limit}")
         out: list[int] = []
         self._rt.free_seq(self._lease, SCRATCH_SEQ)
         status, error = "finished", None
@@ -583,3 +644,50 @@ def _self_test_detail(rep: dict) -> str:
     top1 = f"top-1 {rep['argmax_device']}" + (" agrees" if rep["top1_match"] else f" != golden {rep['argmax_golden']}")
     return (("pass" if rep["ok"] else "FAIL") + f": max abs error {rep['max_abs_error']:.4g}, "
             f"{rep['n_mismatched']} logits over the bound (1 BF16 step + {rep['tolerance']:g}), {top1}")
+
+
+#: Longest holder name accepted (characters); it is shown in the header and the audit log.
+MAX_HOLDER_CHARS = 64
+
+
+def _check_holder(holder: Any, action: str) -> None:
+    """A holder is a short printable name (no newlines or terminal escapes): it is shown and audited."""
+    if not isinstance(holder, str) or not holder.strip():
+        raise MaintenanceRefused(action, "holder must be a non-empty name")
+    if len(holder) > MAX_HOLDER_CHARS or not holder.isprintable():
+        raise MaintenanceRefused(action, f"holder must be at most {MAX_HOLDER_CHARS} printable characters "
+                                         "(no control characters)")
+
+
+#: Longest probe prompt accepted (characters); the token limit is the engine's numerics limit.
+MAX_PROBE_PROMPT_CHARS = 16_384
+#: Longest argument text written to the audit log (characters); longer ones are cut with a marker.
+MAX_AUDIT_ARG_CHARS = 256
+
+
+def _brief(v: Any) -> Any:
+    """An argument as the audit log keeps it: strings over MAX_AUDIT_ARG_CHARS cut with their length."""
+    if isinstance(v, str) and len(v) > MAX_AUDIT_ARG_CHARS:
+        return v[:MAX_AUDIT_ARG_CHARS] + f"... ({len(v)} characters)"
+    if isinstance(v, float) and not math.isfinite(v):
+        return repr(v)  # NaN / inf are not JSON
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    return _brief(repr(v))
+
+
+_REG_VALUE = re.compile(r"(0[xX][0-9a-fA-F]{1,8}|[0-9]{1,10})")
+
+
+def _reg_value(value: Any) -> int:
+    """A register value: an int, or ASCII decimal / 0x-hex text, in 0..2**32-1 (registers are 32-bit)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise MaintenanceRefused("write_register", f"value must be an integer or decimal/0x-hex text, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip()
+        if not _REG_VALUE.fullmatch(text):
+            raise MaintenanceRefused("write_register", f"value must be an integer in decimal or 0x-hex digits, got {_brief(value)!r}")
+        value = int(text, 0) if text[:2].lower() == "0x" else int(text, 10)
+    if not 0 <= value <= 0xFFFFFFFF:
+        raise MaintenanceRefused("write_register", f"value must fit in 32 bits (0..0xFFFFFFFF), got {value}")
+    return value

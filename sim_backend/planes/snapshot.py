@@ -251,7 +251,7 @@ class Snapshot(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     slots: tuple[SlotView, ...]
     requests: dict[str, Any]
     stages: dict[str, StageView]
-    history: dict[str, tuple[float, ...]]
+    history: dict[str, tuple[float | None, ...]]
     host: HostInfo
     findings: tuple[FindingView, ...]
 
@@ -271,7 +271,7 @@ def _no_nan(obj: Any) -> Any:
         return None if math.isnan(obj) else obj
     if isinstance(obj, dict):
         return {k: _no_nan(v) for k, v in obj.items()}
-    if isinstance(obj, list):
+    if isinstance(obj, (list, tuple)):
         return [_no_nan(v) for v in obj]
     return obj
 

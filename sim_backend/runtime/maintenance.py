@@ -99,7 +99,9 @@ class MaintenanceRuntime:
         back to power-on, the calbin reconfigured. {"failed_jobs", "calbin", "resets", "wall_ms"}.
         Raises DeviceError if the device thread does not come back within ``timeout`` host s."""
         self.lease_check("reset", lease)
-        return self._board.reset(timeout=timeout)
+        rep = self._board.reset(timeout=timeout)
+        self._session = None  # a fresh buffer pool: nothing from before the reset can hold one
+        return rep
 
     def clear_memory(self, lease: Any) -> None:
         """ClearAllDevMem: weights and KV zeroed on both chips; jobs refused until ``load_model``."""

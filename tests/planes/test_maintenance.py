@@ -312,6 +312,7 @@ def test_clear_kv_and_dump(system, tmp_path):
     assert b.kv.occupancy().used_cells > 0  # the slot keeps its prefix cached
     lease = m.enter_exclusive("alice")
     path = tmp_path / "dumps" / "d.json"
+    path.parent.mkdir()  # an explicit dump path goes into an existing directory
     rep = m.dump(lease, path)
     doc = json.loads(path.read_text())
     assert rep["path"] == str(path) and rep["bytes"] == path.stat().st_size and rep["steps"] == 2
