@@ -686,7 +686,8 @@ def _reg_value(value: Any) -> int:
     if isinstance(value, str):
         text = value.strip()
         if not _REG_VALUE.fullmatch(text):
-            raise MaintenanceRefused("write_register", f"value must be an integer in decimal or 0x-hex digits, got {_brief(value)!r}")
+            raise MaintenanceRefused("write_register", "value must be an integer in decimal or 0x-hex digits, "
+                                                       f"got {_brief(value)!r}")
         value = int(text, 0) if text[:2].lower() == "0x" else int(text, 10)
     if not 0 <= value <= 0xFFFFFFFF:
         raise MaintenanceRefused("write_register", f"value must fit in 32 bits (0..0xFFFFFFFF), got {value}")
