@@ -16,7 +16,7 @@ from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Vertical
-from textual.widgets import Collapsible, Input, Label, RichLog, Static
+from textual.widgets import Button, Collapsible, Input, Label, RichLog, Static
 
 from sim_backend.planes import (
     ChatRequest,
@@ -30,6 +30,8 @@ from sim_backend.planes import (
 from ..widgets.render import set_subtitle
 from ..widgets.wraplog import WrapLog
 
+#: the one-line banner (the transcript needs the rows); the whole notice is its tooltip
+SYNTHETIC_BANNER = "synthetic weights: the text is not meaningful"
 SYNTHETIC_NOTICE = ("Weights are synthetic: the text is not meaningful. Tokens, timings and KV are real "
                     "products of the simulated run. Times are simulated device ms.")
 STREAM_UPDATE_S = 1 / 10
@@ -38,20 +40,37 @@ CANCEL_GRACE_S = 10.0  # after a no-progress cancel, how long to wait for the re
 NO_PROGRESS_S = 300.0  # a request that streams nothing for this long is cancelled (host wall s)
 LOG_MAX_LINES = 2000
 
-# (input id, label, default, parser, the engine's parameter name)
+#: the pane's reply length; every other default comes from SamplingParams() (the engine's)
+DEFAULT_MAX_TOKENS = 128
+
+# (input id, label, parser, the engine's parameter name)
 PARAMS = (
-    ("p-temperature", "temp", "0.8", float, "temperature"),
-    ("p-top-k", "top_k", "40", int, "top_k"),
-    ("p-top-p", "top_p", "0.95", float, "top_p"),
-    ("p-min-p", "min_p", "0.05", float, "min_p"),
-    ("p-max-tokens", "max_tok", "128", int, "max_tokens"),
-    ("p-seed", "seed", "", int, "seed"),
-    ("p-repeat-penalty", "rep_pen", "1.0", float, "repeat_penalty"),
-    ("p-presence", "pres", "0.0", float, "presence_penalty"),
-    ("p-frequency", "freq", "0.0", float, "frequency_penalty"),
-    ("p-stop", "stop", "", str, "stop"),
+    ("p-temperature", "temp", float, "temperature"),
+    ("p-top-k", "top_k", int, "top_k"),
+    ("p-top-p", "top_p", float, "top_p"),
+    ("p-min-p", "min_p", float, "min_p"),
+    ("p-max-tokens", "max_tok", int, "max_tokens"),
+    ("p-seed", "seed", int, "seed"),
+    ("p-repeat-penalty", "rep_pen", float, "repeat_penalty"),
+    ("p-presence", "pres", float, "presence_penalty"),
+    ("p-frequency", "freq", float, "frequency_penalty"),
+    ("p-stop", "stop", str, "stop"),
 )
-PARAM_INPUT = {name: pid for pid, _, _, _, name in PARAMS}
+
+
+def param_defaults() -> dict[str, str]:
+    """Each parameter input's default text (input id -> value): SamplingParams() for the sampling
+    values, DEFAULT_MAX_TOKENS, no stop strings; an empty seed means a random one."""
+    sp = SamplingParams()
+    vals: dict[str, object] = {"max_tokens": DEFAULT_MAX_TOKENS, "stop": ""}
+    out = {}
+    for pid, _, _, name in PARAMS:
+        v = vals[name] if name in vals else getattr(sp, name)
+        out[pid] = "" if v is None else str(v)
+    return out
+
+
+PARAM_INPUT = {name: pid for pid, _, _, name in PARAMS}
 PARAM_HELP = {"seed": "seed (empty: a random one, shown under the reply)",
               "stop": "stop strings, separated by |", "max_tokens": "max_tokens (the reply stops at the context end)"}
 
@@ -60,8 +79,12 @@ class ChatPane(Vertical):
     """Chat with the simulated model through the inference plane only."""
 
     BINDINGS = [
-        Binding("escape", "cancel", "cancel generation", priority=True),
+        Binding("escape", "cancel", "cancel reply", priority=True),
         Binding("ctrl+l", "new_chat", "new chat"),
+        # the input keeps focus: the transcript scrolls from it (one footer entry for both keys);
+        # priority, as Input binds PageUp/PageDown itself (to scroll its one line)
+        Binding("pageup", "scroll_log(-1)", "scroll", key_display="pgup/pgdn", priority=True),
+        Binding("pagedown", "scroll_log(1)", "scroll", show=False, priority=True),
     ]
 
     def __init__(self, inference, **kw) -> None:
@@ -74,19 +97,25 @@ class ChatPane(Vertical):
         self._wall_start = time.monotonic()
 
     def compose(self) -> ComposeResult:
-        yield Static(SYNTHETIC_NOTICE, id="chat-notice", classes="dim")
+        notice = Static(SYNTHETIC_BANNER, id="chat-notice", classes="dim")
+        notice.tooltip = SYNTHETIC_NOTICE
+        yield notice
         # WrapLog: re-wraps on resize, renders a long reply in slices (keys stay responsive at its end)
         yield WrapLog(id="chat-log", max_lines=LOG_MAX_LINES, auto_scroll=True, min_width=20)
-        yield Static("", id="chat-stream")
-        yield Static("", id="chat-status", classes="dim")
+        yield Static("", id="chat-stream")  # shown while a reply streams
+        yield Static("", id="chat-status", classes="dim")  # shown while it has something to say
         with Collapsible(title="sampling parameters", collapsed=True, id="chat-params"):
             # label + borderless input pairs, two per row: each value gets ~1/3 of the pane, not 5 cells
             with Grid(id="param-grid"):
-                for pid, label, default, _, name in PARAMS:
+                for pid, label, _, name in PARAMS:
+                    default = param_defaults()[pid]
                     yield Label(label, classes="param-label")
                     yield Input(default, id=pid, classes="param-input", compact=True,
                                 tooltip=PARAM_HELP.get(name, name), placeholder="none" if default == "" else "")
-        yield Input(placeholder="Type a message, Enter to send · Esc cancels · Ctrl+L new chat", id="chat-input")
+            yield Button("reset to defaults", id="p-reset", compact=True,
+                         tooltip="every sampling parameter back to its default (Ctrl+L keeps them)")
+        yield Input(placeholder="Type a message, Enter to send · Esc cancels · Ctrl+L new chat · PgUp/PgDn scroll",
+                    id="chat-input", compact=True)
 
     # --- parameters ---------------------------------------------------------------
 
@@ -99,7 +128,7 @@ class ChatPane(Vertical):
         An empty seed means a random one.
         """
         vals: dict[str, Any] = {}
-        for pid, _, _, parser, _ in PARAMS:
+        for pid, _, parser, _ in PARAMS:
             raw = self.query_one(f"#{pid}", Input).value.strip()
             if parser is str:
                 vals[pid] = raw
@@ -135,8 +164,8 @@ class ChatPane(Vertical):
         event.input.value = ""
         self._submitting = True  # set now: the handle only exists once the worker has submitted
         log = self.query_one("#chat-log", RichLog)
-        log.write(Text.assemble(("you ", "bold cyan"), text))
-        self.query_one("#chat-status", Static).update("submitting…")
+        log.write(Text.assemble(("you ", "bold cyan"), text))  # a str/Text write wraps (WrapLog)
+        self._set_status("submitting…")
         self._generate(req, text)
 
     @work(thread=True, group="chat", exit_on_error=False)
@@ -182,7 +211,7 @@ class ChatPane(Vertical):
         self.query_one("#chat-input", Input).value = prompt
         pid = PARAM_INPUT.get(getattr(e, "param", None) or "")
         # the status line sits by the input: a refusal is seen there even when the log is scrolled
-        self.query_one("#chat-status", Static).update(Text(msg, style="bold red"))
+        self._set_status(Text(msg, style="bold red"))
         if pid is not None:
             self._mark_param(pid)
 
@@ -202,17 +231,21 @@ class ChatPane(Vertical):
         """The request made no progress and did not end after cancel: free the pane anyway."""
         self.handle = None
         self._submitting = False
-        self.query_one("#chat-stream", Static).update("")
-        self.query_one("#chat-status", Static).update("")
+        self._set_stream(None)
+        self._set_status("")
         self._log_error(f"request {request_id}: no progress for {NO_PROGRESS_S:.0f} s; cancelled and abandoned")
         self.query_one("#chat-input", Input).value = prompt
+
+    def on_mount(self) -> None:
+        self._set_stream(None)
+        self._set_status("")
 
     def _on_started(self, req: ChatRequest, handle: RequestStream) -> None:
         self.handle = handle
         self._submitting = False
         self._stream_text = ""
         self._wall_start = time.monotonic()
-        self.query_one("#chat-status", Static).update(
+        self._set_status(
             f"request {handle.id}: prompt {handle.prompt_n} tokens (template included) · streaming… Esc cancels")
 
     def _on_piece(self, text: str) -> None:
@@ -222,13 +255,13 @@ class ChatPane(Vertical):
         # reply on every update would make typing lag; the full reply goes to the log when done
         tail = self._stream_text[-STREAM_TAIL_CHARS:]
         prefix = "model …" if len(self._stream_text) > STREAM_TAIL_CHARS else "model "
-        self.query_one("#chat-stream", Static).update(Text.assemble((prefix, "bold green"), tail))
+        self._set_stream(Text.assemble((prefix, "bold green"), tail))
 
     def _on_done(self, req: ChatRequest, result, prompt: str) -> None:
         self.handle = None
         self._submitting = False
         log = self.query_one("#chat-log", RichLog)
-        self.query_one("#chat-stream", Static).update("")
+        self._set_stream(None)
         reply = Text.assemble(("model ", "bold green"), result.text)
         if result.status == "cancelled":
             reply.append(f"  [cancelled: {(result.error or {}).get('message', '')}]", style="bold yellow")
@@ -236,19 +269,25 @@ class ChatPane(Vertical):
             reply.append(f"  [failed: {(result.error or {}).get('type_name', '')}: "
                          f"{(result.error or {}).get('message', '')}]", style="bold red")
         log.write(reply)
-        t = result.timings
-        line = (f"  prompt {t.prompt_n + t.cache_n} tok (cached {t.cache_n}) · generated {t.predicted_n} tok · "
-                f"TTFT {_ms(t.ttft_ms)} · TPOT {_ms(t.tpot_ms)} · E2E {_ms(t.e2e_ms)} · "
-                f"stop {result.stop_type} · seed {result.seed} · sim ms (device time + measured host work)"
-                + ("" if t.numerics else " · timing-only (tokens not from the model)")
-                + f" · streamed in {time.monotonic() - self._wall_start:.2f} s wall")
-        log.write(Text(line, style="grey62"))
-        self.query_one("#chat-status", Static).update("")
+        log.write(Text(metrics_line(result, time.monotonic() - self._wall_start), style="grey62"))
+        self._set_status("")
         if result.status == "finished":
             self.history.extend([{"role": "user", "content": prompt},
                                  {"role": "assistant", "content": result.text}])
         elif result.status == "cancelled":
             self.query_one("#chat-input", Input).value = prompt
+
+    def _set_status(self, content) -> None:
+        """The line by the input; hidden while empty (the transcript gets the row)."""
+        status = self.query_one("#chat-status", Static)
+        status.update(content)
+        status.display = bool(content.plain if isinstance(content, Text) else content)
+
+    def _set_stream(self, content: Text | None) -> None:
+        """The live reply box under the transcript; None hides it."""
+        stream = self.query_one("#chat-stream", Static)
+        stream.update(content or "")
+        stream.display = content is not None
 
     def _log_error(self, msg: str) -> None:
         self.query_one("#chat-log", RichLog).write(Text(msg, style="bold red"))
@@ -258,6 +297,19 @@ class ChatPane(Vertical):
     def action_cancel(self) -> None:
         if self.handle is not None:
             self.handle.cancel("cancelled from the chat pane (Esc)")
+
+    def action_scroll_log(self, pages: int) -> None:
+        """PageUp / PageDown: scroll the transcript a page while the input keeps focus."""
+        log = self.query_one("#chat-log", RichLog)
+        (log.scroll_page_down if pages > 0 else log.scroll_page_up)(animate=False)
+
+    @on(Button.Pressed, "#p-reset")
+    def reset_params(self) -> None:
+        """Every parameter input back to its default (param_defaults); marks cleared."""
+        for pid, value in param_defaults().items():
+            self.query_one(f"#{pid}", Input).value = value
+        self._mark_param(None)
+        self.notify("sampling parameters reset to their defaults")
 
     def action_new_chat(self) -> None:
         if self.handle is not None:
@@ -273,6 +325,27 @@ class ChatPane(Vertical):
     def update_snapshot(self, snap: dict) -> None:
         d = snap["device"]
         set_subtitle(self, d["mode"] + (f" (lease: {d['lease_holder']})" if d.get("lease_holder") else ""))
+
+
+def metrics_line(result, wall_s: float) -> str:
+    """The dim line under a reply: token counts, TTFT / TPOT / E2E (sim ms), stop, seed.
+
+    TPOT and E2E are defined for finished replies only (as the observation pane counts them):
+    a cancelled or failed reply shows what is defined so far (TTFT once a token came, tokens
+    generated so far) and says so. ``wall_s``: host wall seconds the reply streamed.
+    """
+    t = result.timings
+    head = f"  prompt {t.prompt_n + t.cache_n} tok (cached {t.cache_n}) · "
+    if result.status == "finished":
+        body = (f"generated {t.predicted_n} tok · TTFT {_ms(t.ttft_ms)} · TPOT {_ms(t.tpot_ms)} · "
+                f"E2E {_ms(t.e2e_ms)} · stop {result.stop_type}")
+    else:
+        ttft = f"TTFT {_ms(t.ttft_ms)}" if t.predicted_n and t.ttft_ms is not None else "no token came"
+        body = (f"{result.status} after {t.predicted_n} tok · {ttft} · "
+                f"TPOT/E2E are for finished replies only")
+    return (head + body + f" · seed {result.seed} · sim ms (device time + measured host work)"
+            + ("" if t.numerics else " · timing-only (tokens not from the model)")
+            + f" · streamed in {wall_s:.2f} s wall")
 
 
 def _ms(v: float | None) -> str:

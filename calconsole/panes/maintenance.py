@@ -23,7 +23,7 @@ import getpass
 import json
 
 from rich.text import Text
-from textual import on, work
+from textual import events, on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -41,6 +41,17 @@ GUARDED = ("#m-leave", "#m-reset", "#m-clear", "#m-reload", "#m-selftest", "#m-h
            "#m-reg-all")
 #: key actions that need the lease
 GUARDED_ACTIONS = {"leave", "reset", "clear", "reload", "self_test", "probe", "fault_ccu"}
+#: button id -> (label, short label): the short one when the long does not fit the button (a narrow pane);
+#: memory and KV clears stay told apart at any width ("Clr m…" / "Clr KV" at 6 cells)
+LABELS = {"m-enter": ("Exclusive", "Excl."), "m-leave": ("Leave", "Leave"), "m-reset": ("Reset…", "Reset…"),
+          "m-clear": ("Clear mem…", "Clr mem…"), "m-reload": ("Reload", "Reload"),
+          "m-selftest": ("Self-test", "Test"), "m-health": ("Health", "Health"), "m-probe": ("Probe", "Probe"),
+          "m-clearkv": ("Clear KV", "Clr KV"), "m-dump": ("Dump", "Dump"),
+          "m-f-ccu": ("CCU fault", "CCU"), "m-f-kv": ("KV fault", "KV"), "m-f-link": ("D2D fault", "D2D"),
+          "m-f-slow": ("Slow chip", "Slow"), "m-f-clear": ("No faults", "No flt"), "m-ack": ("Ack", "Ack"),
+          "m-reg-read": ("Read", "Read"), "m-reg-write": ("Write", "Write"), "m-reg-all": ("All", "All")}
+#: the hint a guarded key gives outside exclusive mode
+NEED_EXCLUSIVE = "enter exclusive mode first (x)"
 FAULT_BUTTONS = {"m-f-ccu": ("ccu_exception", {}), "m-f-kv": ("kv_exhaustion", {}),
                  "m-f-link": ("link_error", {}), "m-f-slow": ("slow_chip", {"chip": 1, "factor": 4.0})}
 
@@ -48,17 +59,7 @@ FAULT_BUTTONS = {"m-f-ccu": ("ccu_exception", {}), "m-f-kv": ("kv_exhaustion", {
 class MaintenancePane(Vertical):
     """Buttons for the maintenance plane; a log of every outcome."""
 
-    # rows are 5-cell grids, so every button stays visible (labels crop) in a narrow pane
-    DEFAULT_CSS = """
-    MaintenancePane .m-row { layout: grid; grid-size: 5 1; grid-gutter: 0 1; height: 1; }
-    MaintenancePane .m-row Button { min-width: 3; width: 100%; height: 1; padding: 0;
-                                    text-wrap: nowrap; text-overflow: ellipsis; }
-    MaintenancePane .m-row Input { width: 100%; }
-    MaintenancePane #m-row-reg { grid-columns: 2fr 1fr 1fr 1fr 1fr; }
-    MaintenancePane #m-row-faults { grid-size: 6 1; }
-    MaintenancePane #m-mode { height: 2; margin: 0; }
-    MaintenancePane #m-log { height: 1fr; min-height: 3; }
-    """
+    # styles: calconsole/styles.tcss (.m-row grids, #m-mode, #m-log): one home for them
 
     BINDINGS = [
         Binding("x", "enter", "exclusive"),
@@ -123,6 +124,8 @@ class MaintenancePane(Vertical):
         yield WrapLog(id="m-log", max_lines=500, min_width=20)  # re-wraps on resize (see chat pane)
 
     def on_mount(self) -> None:
+        self._guarded_keys = {b.key for b in self.BINDINGS
+                              if isinstance(b, Binding) and b.action in GUARDED_ACTIONS}
         self._sync_buttons()
         self._log(f"audit log: {self.maintenance.audit.path}", "dim")
 
@@ -139,6 +142,31 @@ class MaintenancePane(Vertical):
             enabled = [w for w in self.query("Button") if not w.disabled]
             (enabled[0] if enabled else self.query_one("#m-log")).focus()
         self.refresh_bindings()
+
+    def on_resize(self) -> None:
+        self.call_after_refresh(self._fit_labels)  # the buttons have their new widths after layout
+
+    def _fit_labels(self) -> None:
+        """The long labels in a row where they all fit, else the short ones (a short one that still
+        does not fit is cut with …): one row reads alike."""
+        for row in self.query(".m-row"):
+            buttons = [b for b in row.query(Button) if (b.id or "") in LABELS]
+            if not buttons or not all(b.size.width for b in buttons):
+                continue
+            fits = all(len(LABELS[b.id or ""][0]) <= b.size.width for b in buttons)
+            for b in buttons:
+                label = LABELS[b.id or ""][0 if fits else 1]
+                if str(b.label) != label:
+                    b.label = label
+
+    def on_key(self, event: events.Key) -> None:
+        """A maintenance key outside exclusive mode says why nothing happens (the footer shows it
+        disabled: check_action), instead of silence. Typing into the register inputs never gets here."""
+        if self.lease is None and event.key in self._guarded_keys:
+            event.stop()
+            event.prevent_default()
+            self.notify(NEED_EXCLUSIVE, severity="warning", timeout=4)
+            self._log(f"key {event.key}: {NEED_EXCLUSIVE}", "yellow")
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """Maintenance keys do nothing outside exclusive mode (shown disabled in the footer)."""
@@ -169,7 +197,7 @@ class MaintenancePane(Vertical):
 
     def _need_lease(self, what: str) -> bool:
         if self.lease is None:
-            self._log(f"{what}: needs exclusive mode (press Exclusive first)", "yellow")
+            self._log(f"{what}: needs exclusive mode: {NEED_EXCLUSIVE}", "yellow")
             return False
         return True
 

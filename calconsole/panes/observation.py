@@ -61,8 +61,13 @@ class ObservationPane(VerticalScroll):
         step = snap[self.show_kind]
         view = Text(f"per-layer view: {self.VIEW_NAMES[self.show_kind]} (t cycles last step / decode / prefill)",
                     style="bold grey70")
-        self._update("#obs-layers", Group(view, render.layers_panel(step)),
-                     (self.show_kind, len(step.get("layers", ())), render.layers_uniform(step)))
+        panel = render.layers_panel(step)
+        # the title's length is in the key: its numbers change width (11.9 -> 111.5 ms), the title
+        # then wraps to one more line, and without a relayout the table's row was cut off (blank)
+        head = panel.renderables[0] if isinstance(panel, Group) else None
+        title = head.plain if isinstance(head, Text) else ""
+        self._update("#obs-layers", Group(view, panel),
+                     (self.show_kind, len(step.get("layers", ())), render.layers_uniform(step), len(title)))
 
     # widget id -> (snapshot keys it shows, renderer)
     SECTIONS = {

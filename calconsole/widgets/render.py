@@ -12,6 +12,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+HEAT_WIDTH = 12  # cells of the per-layer heat bar
 GIB = 2**30
 MIB = 2**20
 
@@ -236,15 +237,16 @@ def layers_panel(step: dict, max_rows: int | None = None) -> Any:
              f"{step['sim_us'] / 1e3:.2f} ms sim (h2d {step['h2d_us'] / 1e3:.3f} / "
              f"infer {step['infer_us'] / 1e3:.2f} / "
              f"d2h {step['d2h_us'] / 1e3:.3f} ms) · {step['compute_wall_ms']:.1f} ms wall to compute"
-             + (" · all layers equal" if uniform else ""))
-    # title as its own line: a Table title wraps at the (narrow) table width
+             + (" · all layers equal" if uniform else " · heat: fastest..slowest layer"))
+    # title as its own line: a Table title wraps at the (narrow) table width. Narrow headers and a
+    # fixed-width heat bar: the category column fits 120 columns (a long header widened "heat" to 29)
     t = plain_table()
-    t.add_column("L", justify="right")
+    t.add_column("L", justify="right", no_wrap=True)
     n_chips = len(layers[0]["chip_us"])
     for c in range(n_chips):
-        t.add_column(f"chip{c} µs", justify="right")
-    t.add_column("heat (fastest..slowest layer)" if not uniform else "heat")
-    t.add_column("slowest category")
+        t.add_column(f"chip{c} µs", justify="right", no_wrap=True)
+    t.add_column("heat", width=HEAT_WIDTH if not uniform else None, no_wrap=True)
+    t.add_column("slowest category", no_wrap=True, overflow="ellipsis", min_width=8)
     if uniform:  # 48 identical rows say less than one
         first = layers[0]
         t.add_row(f"0-{len(layers) - 1}", *[f"{u:.1f}" for u in first["chip_us"]], Text("uniform", style="grey50"),
@@ -252,7 +254,7 @@ def layers_panel(step: dict, max_rows: int | None = None) -> Any:
         return Group(Text(title, style="grey70"), t)
     rows = layers if max_rows is None else layers[:max_rows]
     for layer, v in zip(rows, per_layer, strict=False):  # rows may be the first max_rows
-        heat = Text("uniform", style="grey50") if uniform else bar((v - lo) / (hi - lo), 12, warn=0.7, crit=0.95)
+        heat = bar((v - lo) / (hi - lo), HEAT_WIDTH, warn=0.7, crit=0.95)
         t.add_row(str(layer["layer"]), *[f"{u:.1f}" for u in layer["chip_us"]], heat,
                   Text(layer["slowest_category"], style="magenta"))
     return Group(Text(title, style="grey70"), t)

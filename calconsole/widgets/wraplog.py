@@ -50,6 +50,7 @@ class WrapLog(RichLog):
         self._todo: deque[tuple[Text, bool]] = deque()  # (text, continued) still to render, in order
         self._wrap_width: int | None = None  # the width the lines on screen were wrapped at
         self._scheduled = False
+        self._at_end = True  # scrolled to the end as of the last scroll (a resize does not change it)
 
     @property
     def pending(self) -> bool:
@@ -78,10 +79,18 @@ class WrapLog(RichLog):
         self._todo.clear()
         return super().clear()
 
+    def watch_scroll_y(self, old_value: float, new_value: float) -> None:
+        super().watch_scroll_y(old_value, new_value)
+        self._at_end = new_value >= self.max_scroll_y
+
     def on_resize(self, event: Resize) -> None:
         if event.size.width:
             self._size_known = True  # RichLog's own handler would only replay deferred writes (none here)
             self.call_later(self._check_width)  # after layout, when the content region has its new width
+        if self._at_end and self.auto_scroll:
+            # a log that followed its end keeps following when it gets shorter (a box opened under
+            # it): otherwise its newest lines, a turn just written, hide below the bottom edge
+            self.call_after_refresh(self.scroll_end, animate=False, immediate=True)
 
     # --- internals ------------------------------------------------------------------
 

@@ -1,0 +1,256 @@
+"""First-user trial fixes, checked on the screen a person sees (App.run_test + Pilot):
+chat room and scrolling, readable sampling fields and their reset, wrapped user turns,
+honest metrics for a cancelled reply, the per-layer table, maintenance hints and labels."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import fields
+
+import pytest
+
+from calconsole.app import CalConsoleApp
+from calconsole.layout import load_layout
+from calconsole.panes.chat import PARAMS, SYNTHETIC_BANNER, metrics_line, param_defaults
+from calconsole.panes.maintenance import MaintenancePane
+from calconsole.widgets import render
+from sim_backend.device.clock import Pacing, PacingMode
+from sim_backend.planes import SamplingParams
+from tests.console.pilot_helpers import log_text, wait_for
+
+
+@pytest.fixture
+def system(make_system):
+    return make_system(pacing=Pacing(PacingMode.REALTIME, speed=1.0), drain_timeout_s=0.5)
+
+
+@pytest.fixture
+def fast_system(make_system):
+    return make_system(drain_timeout_s=0.5)
+
+
+def screen_text(app) -> str:
+    """The whole screen as one line of text, rows joined (what capture-pane shows)."""
+    strips = app.screen._compositor.render_strips()
+    return re.sub(r"\s+", " ", " ".join(strip.text for strip in strips))
+
+
+def visible_log_text(app, sel: str = "#chat-log") -> str:
+    """The log lines inside its viewport right now (not those scrolled away)."""
+    log = app.screen_stack[0].query_one(sel)
+    top = round(log.scroll_y)
+    shown = log.lines[top: top + log.scrollable_content_region.height]
+    return re.sub(r"\s+", " ", " ".join(s.text for s in shown))
+
+
+async def send(pilot, text: str) -> None:
+    app = pilot.app
+    app.query_one("#chat-input").focus()
+    await pilot.pause()
+    await pilot.press(*text, "enter")
+
+
+# --- 1. the transcript gets the room; PageUp / PageDown scroll it -------------------------------
+
+
+@pytest.mark.parametrize(("size", "min_lines"), [((120, 36), 15), ((80, 24), 5)])
+async def test_operator_chat_transcript_has_room_and_a_one_line_banner(fast_system, size, min_lines):
+    app = CalConsoleApp(fast_system, load_layout("operator"))
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause(0.3)
+        notice = app.query_one("#chat-notice")
+        assert notice.region.height == 1 and SYNTHETIC_BANNER[:20] in screen_text(app)
+        log = app.query_one("#chat-log")
+        assert log.region.height >= min_lines, log.region
+        assert app.query_one("#chat-params").collapsed
+        assert "sampling parameters" in screen_text(app)  # the toggle is on screen at 80x24 too
+        assert "pgup/pgdn scroll" in screen_text(app)  # the footer names the scroll keys
+
+
+async def test_pageup_pagedown_scroll_the_transcript_from_the_input(fast_system):
+    app = CalConsoleApp(fast_system, load_layout("operator"))
+    async with app.run_test(size=(120, 36)) as pilot:
+        log = app.query_one("#chat-log")
+        for i in range(60):
+            log.write(f"line {i}")
+        assert await wait_for(pilot, lambda: not log.pending and log.max_scroll_y > 0)
+        log.scroll_end(animate=False)
+        await pilot.pause()
+        app.query_one("#chat-input").focus()
+        assert "line 59" in visible_log_text(app)
+        await pilot.press("pageup", "pageup")
+        await pilot.pause()
+        assert "line 59" not in visible_log_text(app) and app.focused.id == "chat-input"
+        await pilot.press("pagedown", "pagedown", "pagedown")
+        await pilot.pause()
+        assert "line 59" in visible_log_text(app)
+
+
+# --- 2. sampling fields readable at 120x36; reset to SamplingParams() defaults -------------------
+
+
+def test_parameter_defaults_come_from_sampling_params():
+    sp = SamplingParams()
+    d = param_defaults()
+    names = {pid: name for pid, _, _, name in PARAMS}
+    engine_fields = {f.name for f in fields(SamplingParams)}
+    for pid, name in names.items():
+        if name in engine_fields:
+            v = getattr(sp, name)
+            assert d[pid] == ("" if v is None else str(v)), name
+
+
+async def test_sampling_fields_readable_at_120x36_and_reset_restores_defaults(fast_system):
+    app = CalConsoleApp(fast_system, load_layout("operator"))
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.press("f2", "shift+tab", "enter")  # onto the toggle, open it (as the trial did)
+        await pilot.pause(0.2)
+        assert not app.query_one("#chat-params").collapsed
+        screen = app.screen.region
+        text = screen_text(app)
+        for pid, label, _, _ in PARAMS:
+            inp = app.query_one(f"#{pid}")
+            assert screen.contains_region(inp.region), (pid, inp.region)  # every row on screen
+            assert inp.content_region.width > max(len(inp.value), 4), (pid, inp.content_region)
+            assert f"{label} {inp.value or 'none'}" in text, label  # label, then its whole value
+        assert app.query_one("#chat-log").region.height >= 5  # the transcript keeps room
+        app.query_one("#p-temperature").value = "0.2"
+        app.query_one("#p-top-k").value = "5"
+        app.query_one("#p-stop").value = "END"
+        await pilot.press("ctrl+l")  # new chat keeps the parameters
+        assert app.query_one("#p-top-k").value == "5"
+        app.query_one("#p-reset").focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        assert {pid: app.query_one(f"#{pid}").value for pid, *_ in PARAMS} == param_defaults()
+        assert app.query_one("#p-temperature").value == str(SamplingParams().temperature)
+
+
+# --- 3. the user's turn wraps; 4. a cancelled reply's metrics say what is defined ---------------
+
+
+async def test_long_user_turn_wraps_and_stays_visible_while_the_reply_streams(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    msg = "Hello, what is the status of the device? And what about the second chiplet?"
+    async with app.run_test(size=(120, 36)) as pilot:
+        app.query_one("#p-max-tokens").value = "400"
+        await send(pilot, msg)
+        chat = app.query_one("#chat")
+        assert await wait_for(pilot, lambda: chat.handle is not None and chat._stream_text)
+        await pilot.pause(0.3)
+        assert msg in visible_log_text(app)  # whole, while the stream box takes rows under the log
+        assert app.query_one("#chat-stream").display
+        await pilot.press("escape")
+        assert await wait_for(pilot, lambda: chat.handle is None)
+        text = log_text(app, "#chat-log")
+        assert f"you {msg}" in text
+        assert "[cancelled:" in text and "cancelled after" in text
+        assert "TPOT/E2E are for finished replies only" in text
+        assert "TTFT " in text and "E2E " not in text.replace("TPOT/E2E", "") and "stop none" not in text
+        assert not app.query_one("#chat-stream").display
+
+
+def test_metrics_line_for_finished_cancelled_and_failed_replies():
+    from sim_backend.serving.api import Timings
+
+    base = {f.name: None for f in fields(Timings)}
+
+    class R:
+        def __init__(self, status, n, ttft):
+            t = dict(base, prompt_n=10, cache_n=2, predicted_n=n, ttft_ms=ttft, tpot_ms=12.0, e2e_ms=99.0,
+                     numerics=True)
+            self.timings = Timings(**t)
+            self.status, self.stop_type, self.seed = status, "limit" if status == "finished" else "none", 7
+
+    done = metrics_line(R("finished", 5, 30.0), 1.0)
+    assert "TPOT 12.0 ms" in done and "E2E 99.0 ms" in done and "stop limit" in done
+    cancelled = metrics_line(R("cancelled", 3, 30.0), 1.0)
+    assert "cancelled after 3 tok · TTFT 30.0 ms" in cancelled
+    assert "12.0" not in cancelled and "99.0" not in cancelled and "stop none" not in cancelled
+    failed = metrics_line(R("failed", 0, None), 1.0)
+    assert "failed after 0 tok · no token came" in failed and "TTFT" not in failed
+
+
+# --- 5. the per-layer table -------------------------------------------------------------------
+
+
+async def test_per_layer_table_shows_the_last_step_after_a_cancel(system):
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(120, 36)) as pilot:
+        layers = app.query_one("#obs-layers")
+
+        def shown() -> list[str]:
+            return [strip.text for strip in layers.render_lines(layers.region.reset_offset)]
+
+        assert await wait_for(pilot, lambda: any("no step yet" in ln for ln in shown()))
+        app.query_one("#p-max-tokens").value = "2000"
+        await send(pilot, "go on please")
+        chat = app.query_one("#chat")
+        assert await wait_for(pilot, lambda: chat.handle is not None and len(chat._stream_text) > 20)
+        await pilot.press("escape")
+        assert await wait_for(pilot, lambda: chat.handle is None)
+        layers.scroll_visible(animate=False)
+
+        def row_on_screen() -> bool:
+            lines = shown()
+            return any(re.match(r"\s*0-47\s+[\d.]+\s+[\d.]+\s+uniform\s+moe_dense_group", ln) for ln in lines)
+
+        assert await wait_for(pilot, row_on_screen, timeout_s=10)
+
+
+def test_slowest_category_fits_the_observation_pane_at_120_columns():
+    def layer(i, us):
+        return {"layer": i, "chip_us": (us, us), "slowest_category": "moe_dense_group"}
+
+    step = {"kind": "prefill", "n_tokens": 14, "past_len": 0, "sim_us": 91e3, "h2d_us": 15.0, "infer_us": 91e3,
+            "d2h_us": 40.0, "compute_wall_ms": 120.5, "layers": tuple(layer(i, 1000.0 + 10 * i) for i in range(48))}
+    inner = 120 * 11 // 21 - 4  # the operator layout's observation column, borders and padding off
+    from rich.console import Console
+
+    console = Console(width=inner, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console.print(render.layers_panel(step))
+    text = console.export_text()
+    assert "slowest category" in text
+    assert text.count("moe_dense_group") == 48
+
+
+# --- 6. maintenance: a hint outside exclusive mode, labels that tell memory and KV apart ----------
+
+
+async def test_guarded_key_outside_exclusive_mode_says_enter_exclusive_first(fast_system):
+    app = CalConsoleApp(fast_system, load_layout("operator"))
+    async with app.run_test(size=(120, 36)) as pilot:
+        await pilot.press("f3")
+        await pilot.pause()
+        for key in ("r", "c", "f"):
+            await pilot.press(key)
+            await pilot.pause()
+        notes = [n.message for n in app._notifications]
+        assert notes.count("enter exclusive mode first (x)") == 3
+        assert "key r: enter exclusive mode first (x)" in log_text(app, "#m-log")
+        assert len(app.screen_stack) == 1  # no confirmation opened
+        assert app.query_one("#maintenance").lease is None
+
+
+@pytest.mark.parametrize("size", [(120, 36), (80, 24)])
+async def test_maintenance_buttons_tell_memory_and_kv_apart(fast_system, size):
+    app = CalConsoleApp(fast_system, load_layout("operator"))
+    async with app.run_test(size=size) as pilot:
+        await pilot.pause(0.3)
+
+        def shown(sel: str) -> str:
+            b = app.query_one(sel)
+            return "".join(s.text for s in b.render_lines(b.region.reset_offset)).strip()
+
+        mem, kv = shown("#m-clear"), shown("#m-clearkv")
+        assert mem != kv and "mem" in mem.lower() or mem.startswith("Clr m"), (mem, kv)
+        assert "KV" in kv, kv
+        for b in app.query("#maintenance Button"):
+            assert b.region.width > 0 and app.screen.region.contains_region(b.region), b.id
+        if size == (120, 36):
+            assert (mem, kv) == ("Clear mem…", "Clear KV")
+
+
+def test_maintenance_styles_have_one_home():
+    assert ".m-row" not in (MaintenancePane.DEFAULT_CSS or "")
+    assert "#m-log" not in (MaintenancePane.DEFAULT_CSS or "")
