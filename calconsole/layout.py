@@ -22,26 +22,71 @@ MAX_DEPTH = 16  # YAML nesting; a layout needs 5 levels (columns / column / pane
 MAX_FILE_BYTES = 64 * 1024
 
 
+MAX_INT_DIGITS = 40  # an integer literal longer than this is no layout value (Python refuses > 4300)
+
+
 class _DepthLimitedLoader(yaml.SafeLoader):
-    """SafeLoader that refuses nesting deeper than MAX_DEPTH while composing, before
-    PyYAML's recursive composer and constructor could hit Python's recursion limit."""
+    """SafeLoader that refuses nesting deeper than MAX_DEPTH and any anchor or alias
+    while composing, and keeps over-long integer literals unconverted.
+
+    Nesting: before PyYAML's recursive composer and constructor could hit Python's
+    recursion limit. Anchors/aliases: a 1 KB "billion laughs" file shares one list
+    billions of times; a layout never needs them. Long integers: PyYAML's int() raises
+    a bare ValueError past 4,300 digits; they become ``_LongInt`` so the field check
+    names the field.
+    """
 
     _depth = 0
 
     def compose_node(self, parent, index):  # noqa: ANN001, ANN201 - PyYAML's signature
+        ev = self.peek_event()
+        if isinstance(ev, yaml.AliasEvent) or getattr(ev, "anchor", None) is not None:
+            raise _Refused(ev.start_mark, "YAML anchors and aliases (&name, *name) are not allowed in a layout")
         self._depth += 1
         try:
             if self._depth > MAX_DEPTH:
-                raise _TooDeep(self.peek_event().start_mark)
+                raise _Refused(ev.start_mark, f"nested deeper than {MAX_DEPTH} levels")
             return super().compose_node(parent, index)
         finally:
             self._depth -= 1
 
+    def construct_yaml_int(self, node):  # noqa: ANN001, ANN201 - PyYAML's signature
+        text = str(node.value)
+        if len(text.replace("_", "")) > MAX_INT_DIGITS:
+            return _LongInt(len(text))
+        return super().construct_yaml_int(node)
 
-class _TooDeep(yaml.YAMLError):
-    def __init__(self, mark) -> None:  # noqa: ANN001
+
+_DepthLimitedLoader.add_constructor("tag:yaml.org,2002:int", _DepthLimitedLoader.construct_yaml_int)
+
+
+class _LongInt:
+    """An integer literal too long to be a layout value (kept as its length only)."""
+
+    def __init__(self, n_chars: int) -> None:
+        self.n_chars = n_chars
+
+    def __repr__(self) -> str:
+        return f"<an integer of {self.n_chars} characters>"
+
+
+class _Refused(yaml.YAMLError):
+    def __init__(self, mark, message: str) -> None:  # noqa: ANN001
         self.problem_mark = mark
-        super().__init__(f"nested deeper than {MAX_DEPTH} levels")
+        super().__init__(message)
+
+
+def _show(v: object, limit: int = 40) -> str:
+    """A bounded description of an unchecked value: never formats a large or shared structure."""
+    if isinstance(v, str):
+        return repr(v[:limit]) + (f" (+{len(v) - limit} characters)" if len(v) > limit else "")
+    if isinstance(v, bool | float | _LongInt) or v is None:
+        return repr(v)
+    if isinstance(v, int):
+        return repr(v) if v.bit_length() <= 128 else f"<an integer of {v.bit_length()} bits>"
+    if isinstance(v, list | dict):
+        return f"a {'list' if isinstance(v, list) else 'mapping'} of {len(v)} items"
+    return f"a {type(v).__name__}"
 
 
 class LayoutError(Exception):
@@ -115,7 +160,7 @@ def _size(v: object, file: str, fld: str) -> str:
     s = str(v).strip() if isinstance(v, (str, int, float)) and not isinstance(v, bool) else ""
     m = _SIZE.match(s)
     if not m:
-        raise LayoutError(file, fld, f"size must look like 2fr, 40% or 30 (cells), got {str(v)[:40]!r}")
+        raise LayoutError(file, fld, f"size must look like 2fr, 40% or 30 (cells), got {_show(v)}")
     n, unit = float(m.group(1)), m.group(2)
     lo, hi = SIZE_BOUNDS[unit]
     if not (n >= lo if unit == "" else n > lo) or n > hi:
@@ -134,9 +179,9 @@ def load_layout(name_or_path: str) -> Layout:
             data = fh.read(MAX_FILE_BYTES + 1)
         if len(data) > MAX_FILE_BYTES:
             raise LayoutError(f, "<file>", f"larger than {MAX_FILE_BYTES // 1024} KiB: not a layout file")
-        # a bounded loader: safe tags only, nesting bounded (checked while composing)
+        # a bounded loader: safe tags only, nesting bounded, no anchors/aliases (checked while composing)
         doc = yaml.load(data.decode("utf-8"), Loader=_DepthLimitedLoader)  # noqa: S506 - SafeLoader subclass
-    except _TooDeep as e:
+    except _Refused as e:
         raise LayoutError(f, "<yaml>", f"{e} at line {e.problem_mark.line + 1}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -146,14 +191,18 @@ def load_layout(name_or_path: str) -> Layout:
         raise LayoutError(f, "<file>", str(e)) from None
     except UnicodeDecodeError:
         raise LayoutError(f, "<file>", "not UTF-8 text: not a layout file") from None
+    except (ValueError, OverflowError) as e:  # a constructor's own error (a date 2001-13-45); after the
+        # UnicodeDecodeError clause, which is a ValueError too
+        raise LayoutError(f, "<yaml>", f"malformed YAML value: {str(e)[:120]}") from None
     if not isinstance(doc, dict):
         raise LayoutError(f, "<root>", "expected a mapping")
     name = doc.get("name", path.stem)
     if not isinstance(name, str):
-        raise LayoutError(f, "name", "expected a string")
+        raise LayoutError(f, "name", f"expected a string, got {_show(name)}")
     hz = doc.get("refresh_hz", 2)
     if isinstance(hz, bool) or not isinstance(hz, (int, float)) or not MIN_REFRESH_HZ <= hz <= MAX_REFRESH_HZ:
-        raise LayoutError(f, "refresh_hz", f"expected a number in [{MIN_REFRESH_HZ}, {MAX_REFRESH_HZ}], got {hz!r}")
+        raise LayoutError(f, "refresh_hz",
+                          f"expected a number in [{MIN_REFRESH_HZ}, {MAX_REFRESH_HZ}], got {_show(hz)}")
     cols = doc.get("columns")
     if not isinstance(cols, list) or not cols:
         raise LayoutError(f, "columns", "expected a non-empty list of columns")
@@ -171,8 +220,8 @@ def load_layout(name_or_path: str) -> Layout:
             fld = f"columns[{i}].panes[{j}]"
             if not isinstance(p, dict) or "pane" not in p:
                 raise LayoutError(f, fld, "expected {pane: NAME, height: SIZE}")
-            if p["pane"] not in PANES:
-                raise LayoutError(f, fld + ".pane", f"unknown pane {p['pane']!r} (known: {', '.join(PANES)})")
+            if not isinstance(p["pane"], str) or p["pane"] not in PANES:  # a list or mapping is unhashable
+                raise LayoutError(f, fld + ".pane", f"unknown pane {_show(p['pane'])} (known: {', '.join(PANES)})")
             if p["pane"] in seen:
                 raise LayoutError(f, fld + ".pane", f"pane {p['pane']!r} appears twice")
             seen.add(p["pane"])

@@ -24,7 +24,8 @@ def register(bsub) -> None:
     p.add_argument("--json", action="store_true",
                    help='print {"median_ms", "naive_median_ms", "p95_ms", "naive_p95_ms", "speedup", ...}')
     p.add_argument("--iterations", type=int, default=200, help="measured tokens per path (default 200)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic logits (default 0)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic logits, an integer in [0, 2**64) (default 0)")
     p.set_defaults(func=run)
 
 
@@ -33,6 +34,9 @@ def run(args: argparse.Namespace) -> int:
 
     if not 1 <= args.iterations <= 100_000:
         return fail(f"--iterations must be in 1..100000, got {args.iterations}")
+    if not 0 <= args.seed < 2**64:  # the sampler's seed range; numpy refuses negatives with a traceback
+        shown = str(args.seed) if abs(args.seed) < 10**30 else f"a {len(str(abs(args.seed)))}-digit number"
+        return fail(f"--seed must be an integer in [0, 2**64), got {shown}")
     r = bench_host(iterations=args.iterations, seed=args.seed)
     r["speedup"] = r["naive_median_ms"] / r["median_ms"] if r["median_ms"] > 0 else None
     r["unit"] = "host wall ms per token"

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
+from pathlib import Path
 from typing import Any
 
 from sim_backend.planes import Pacing, PacingMode
@@ -116,6 +119,51 @@ def read_prompt(arg: str) -> str:
     except UnicodeDecodeError as e:
         raise ValueError(f"{where} is not UTF-8 text: byte 0x{data[e.start]:02x} at offset {e.start} "
                          f"({e.reason}); convert it first, e.g. with iconv") from None
+
+
+def prepare_output_file(path: str | Path, option: str = "--out") -> bool:
+    """Check before any work that ``path`` can be written; returns True if this call created it
+    (so a caller whose run fails can remove the empty file again).
+
+    Refuses, with ValueError and a one-line message naming ``option``: a missing directory,
+    a directory, an existing non-regular file (a device or FIFO: writing a trace to
+    /dev/sda would be a disaster, to a FIFO would block), a path on a kernel
+    pseudo-filesystem (/proc, /sys, /dev), and a file that opens but refuses a
+    zero-length probe write. An existing regular file is opened without truncation, so
+    it is unchanged until the caller writes it.
+    """
+    from sim_backend.planes import pseudo_filesystem
+
+    out = Path(path)
+    if not str(path):
+        raise ValueError(f"{option} is empty")
+    try:
+        if not out.parent.exists():
+            raise ValueError(f"directory of {option} does not exist: {out.parent}")
+        if out.is_dir():
+            raise ValueError(f"{option} is a directory, not a file: {out}")
+        existed = out.exists() or out.is_symlink()
+        if existed:
+            mode = os.stat(out).st_mode
+            if not stat.S_ISREG(mode):
+                raise ValueError(f"{option} is not a regular file (a device, FIFO or socket): {out}")
+    except OSError as e:  # a symlink loop, a name too long
+        raise ValueError(f"{option} cannot be used: {e.strerror or e}: {out}") from None
+    pseudo = pseudo_filesystem(out)
+    if pseudo is not None:
+        raise ValueError(f"{option} is on the {pseudo[0]} pseudo-filesystem ({pseudo[1]}), which holds kernel "
+                         f"interfaces, not files: {out}")
+    try:
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        raise ValueError(f"{option} is not writable: {e.strerror or e}: {out}") from None
+    try:
+        os.write(fd, b"")  # zero bytes: changes nothing, fails where a real write would
+    except OSError as e:
+        raise ValueError(f"{option} is not writable (a probe write failed: {e.strerror or e}): {out}") from None
+    finally:
+        os.close(fd)
+    return not existed
 
 
 def print_json(obj: Any) -> None:

@@ -36,7 +36,7 @@ def register(sub, common) -> None:
                    help="run the warm-up with the numerics (default: timing-only, fast)")
     p.add_argument("--slo", default=None, metavar="SPEC",
                    help="goodput SLOs, vLLM style: ttft:MS,tpot:MS,e2el:MS (simulated ms, each a positive "
-                        "finite number; a bad field exits with code 2 naming it)")
+                        "finite number, each key at most once; a bad field exits with code 2 naming it)")
     p.add_argument("--json", action="store_true", help="print the JSON summary (P50/P95/P99, goodput) instead")
     p.set_defaults(func=run)
 
@@ -47,8 +47,16 @@ def parse_slo(spec: str):
     with Python's float() message, which does not say which field)."""
     from sim_backend.planes import SLO
 
-    for part in filter(None, (p.strip() for p in spec.split(","))):
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if not parts:
+        raise ValueError(f"--slo names no objective (got {spec[:40]!r}); expected ttft:MS,tpot:MS,e2el:MS "
+                         "or leave --slo out")
+    seen: set[str] = set()
+    for part in parts:
         key, _, val = part.partition(":")
+        if key in seen:
+            raise ValueError(f"--slo field '{key}' given twice; give each of ttft, tpot, e2el at most once")
+        seen.add(key)
         if key in ("ttft", "tpot", "e2el") and val:
             try:
                 ms = float(val)
@@ -67,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.max_tokens <= 4096:
         return fail(f"--max-tokens must be in 1..4096, got {args.max_tokens}")
     try:
-        slo = parse_slo(args.slo) if args.slo else None
+        slo = parse_slo(args.slo) if args.slo is not None else None
     except ValueError as e:
         return fail(str(e))
     if not args.numerics:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sim_backend.planes import CalError, RequestError
 
-from .common import add_common_options, build_from_args, fail, print_json, read_prompt
+from .common import add_common_options, build_from_args, fail, prepare_output_file, print_json, read_prompt
 
 DEFAULT_PROMPT = "Explain in two sentences how an NPU serves a large language model."
 
@@ -41,6 +41,15 @@ def register(sub, common) -> None:
     p.set_defaults(func=run)
 
 
+def _drop_empty(out: Path, created: bool) -> None:
+    """Remove the file ``prepare_output_file`` created if nothing was written to it."""
+    try:
+        if created and out.stat().st_size == 0:
+            out.unlink()
+    except OSError:
+        pass
+
+
 def run(args: argparse.Namespace) -> int:
     from sim_backend.planes import ChatRequest, SamplingParams
     from sim_backend.tools.trace_capture import capture_request_trace
@@ -54,22 +63,29 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return fail(str(e))
     out = Path(args.out)
-    if out.parent and not out.parent.exists():
-        return fail(f"directory of --out does not exist: {out.parent}")
-    if out.is_dir():
-        return fail(f"--out is a directory, not a file: {out}")
     req = ChatRequest.from_prompt(prompt, max_tokens=args.max_tokens, sampling=SamplingParams(seed=args.seed),
                                   client="cli-trace")
     try:
+        # checked (and created) before anything runs, not found unwritable after the request
+        created = prepare_output_file(args.out, "--out")
+    except ValueError as e:
+        return fail(str(e))
+    try:
         system = build_from_args(args, maintenance=False)
     except (CalError, ValueError) as e:
+        _drop_empty(out, created)
         return fail(str(e))
     with system:
         try:
             res, cap = capture_request_trace(system, req, out)
         except RequestError as e:
+            _drop_empty(out, created)
             return fail(f"{e.error_type}: {e}")
+        except OSError as e:  # the write itself failed (disk full): the run is lost, say so in one line
+            _drop_empty(out, created)
+            return fail(f"cannot write --out {out}: {e.strerror or e}", code=1)
     if res.status != "finished":
+        _drop_empty(out, created)
         return fail(f"request ended {res.status}: {(res.error or {}).get('message', '')}", code=1)
     chip_events, span_us, n_steps = cap["op_events_per_chip"], cap["simulated_span_us"], cap["n_steps"]
     summary = {

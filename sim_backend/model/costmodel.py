@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from sim_backend.bundle.manifest import bounded_repr, safe_load_bounded
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.errors import ManifestError
 from sim_backend.model.opgraph import CATEGORIES, OpGraph, build_graph
@@ -107,10 +108,10 @@ def _range_for(sec: str, key: str) -> tuple[float, float, bool]:
 def _check_number(path: str, fld: str, val: Any, rng: tuple[float, float, bool], *, integer: bool = False) -> None:
     lo, hi, lo_incl = rng
     if isinstance(val, bool) or not isinstance(val, (int, float)) or (integer and not isinstance(val, int)):
-        raise ManifestError(path, fld, f"must be {'an integer' if integer else 'a number'}, got {val!r:.60}")
+        raise ManifestError(path, fld, f"must be {'an integer' if integer else 'a number'}, got {bounded_repr(val)}")
     ok = math.isfinite(val) and (lo <= val if lo_incl else lo < val) and val <= hi
     if not ok:
-        raise ManifestError(path, fld, f"must be in {'[' if lo_incl else '('}{lo:g}, {hi:g}], got {val!r:.60}")
+        raise ManifestError(path, fld, f"must be in {'[' if lo_incl else '('}{lo:g}, {hi:g}], got {bounded_repr(val)}")
 
 
 def _freeze(obj: Any) -> Any:
@@ -149,7 +150,7 @@ class HardwareSpec:
                 raise ManifestError(str(p), "", "not a regular file")
             if st.st_size > _MAX_HW_BYTES:
                 raise ManifestError(str(p), "", f"{st.st_size} bytes: not a hardware YAML (limit {_MAX_HW_BYTES})")
-            doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+            doc = safe_load_bounded(p.read_text(encoding="utf-8"))  # an alias bomb is refused
         except OSError as exc:
             raise ManifestError(str(p), "", f"cannot read: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
@@ -178,12 +179,13 @@ class HardwareSpec:
                 elif key == "param_file_gib":  # one file size per chip
                     n = sections["hardware"]["n_chips"]
                     if not isinstance(val, list) or len(val) != n:
-                        raise ManifestError(path, fld, f"must be a list of {n} numbers (one per chip), got {val!r:.60}")
+                        raise ManifestError(path, fld,
+                                            f"must be a list of {n} numbers (one per chip), got {bounded_repr(val)}")
                     for i, v in enumerate(val):
                         _check_number(path, f"{fld}[{i}]", v, _RANGES["memory.*_gib"])
                 elif key == "address_union_gib":
                     if not isinstance(val, Mapping) or set(val) != {"decode", "prefill"}:
-                        raise ManifestError(path, fld, f"must map decode and prefill to GiB, got {val!r:.60}")
+                        raise ManifestError(path, fld, f"must map decode and prefill to GiB, got {bounded_repr(val)}")
                     for k, v in val.items():
                         _check_number(path, f"{fld}.{k}", v, _RANGES["memory.*_gib"])
                 else:

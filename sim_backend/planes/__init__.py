@@ -8,7 +8,7 @@ headless commands, the HTTP serving face) import.
   ``RequestResult``, ``validate_request``; ``SLO`` for goodput;
 - errors: the typed errors every plane raises (``sim_backend.errors``);
 - a factory: ``build_system`` (the in-process simulator, with ``Pacing`` / ``PacingMode``);
-- the audit log reader: ``AuditLog``, ``summarize``.
+- the audit log reader: ``AuditLog``, ``summarize``; ``pseudo_filesystem`` (is a path on /proc, /sys, /dev?).
 
 Heavy members (the factory, which starts the simulator) load on first use, so importing this
 package for its types stays cheap.
@@ -45,12 +45,12 @@ from sim_backend.serving.api import ChatRequest, DoneEvent, RequestResult, Sampl
 from sim_backend.serving.metrics import SLO
 
 if TYPE_CHECKING:
-    from sim_backend.planes.audit import AuditLog, AuditLogError, summarize
+    from sim_backend.planes.audit import AuditLog, AuditLogError, pseudo_filesystem, summarize
     from sim_backend.planes.system import System, build_system
 
 _LAZY = {"build_system": "sim_backend.planes.system", "System": "sim_backend.planes.system",
          "AuditLog": "sim_backend.planes.audit", "AuditLogError": "sim_backend.planes.audit",
-         "summarize": "sim_backend.planes.audit"}
+         "summarize": "sim_backend.planes.audit", "pseudo_filesystem": "sim_backend.planes.audit"}
 
 
 def __getattr__(name: str) -> Any:
@@ -65,4 +65,5 @@ __all__ = ["AuditLog", "AuditLogError", "AuditReader", "CalError", "ChatRequest"
            "ExceedContextSizeError", "InferencePlane", "InvalidRequestError", "KVExhausted", "Lease",
            "MaintenancePlane", "MaintenanceRefused", "ManifestError", "ObservationPlane", "Pacing", "PacingMode",
            "Report", "RequestCancelled", "RequestError", "RequestResult", "RequestStream", "SLO", "SamplingParams",
-           "Snapshot", "System", "TokenEvent", "UnavailableError", "build_system", "summarize", "validate_request"]
+           "Snapshot", "System", "TokenEvent", "UnavailableError", "build_system", "pseudo_filesystem", "summarize",
+           "validate_request"]

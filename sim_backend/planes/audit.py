@@ -28,6 +28,7 @@ from typing import Any
 
 import aiofiles
 import platformdirs
+import psutil
 
 from sim_backend.errors import CalError
 
@@ -52,6 +53,34 @@ def _kind(mode: int) -> str:
         if test(mode):
             return name
     return "not a regular file"
+
+
+# Kernel pseudo-filesystems: a "file" there is a kernel interface, not storage. Root may
+# open /proc/self/status for writing and only the write fails (EINVAL), so the type of the
+# mount is checked, not just the open.
+PSEUDO_FILESYSTEMS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
+    "configfs", "pstore", "efivarfs", "bpf", "fusectl", "mqueue", "binfmt_misc", "autofs", "nsfs",
+    "rpc_pipefs", "hugetlbfs",
+})
+
+
+def pseudo_filesystem(path: str | Path) -> tuple[str, str] | None:
+    """``(fstype, mount point)`` if ``path`` (symlinks resolved; it need not exist) lies on a
+    kernel pseudo-filesystem (``PSEUDO_FILESYSTEMS``: /proc, /sys, /dev, cgroups, ...), else None.
+    None too when the mount table cannot be read (the write probe still runs)."""
+    real = os.path.realpath(path)
+    try:
+        parts = psutil.disk_partitions(all=True)
+    except Exception:  # noqa: BLE001 - no mount table on this platform: rely on the probe write
+        return None
+    best: tuple[str, str] | None = None
+    for part in parts:  # the deepest mount point holding the path; a later entry is mounted on top
+        mp = part.mountpoint
+        if real == mp or real.startswith(mp.rstrip("/") + "/"):
+            if best is None or len(mp) >= len(best[1]):
+                best = (part.fstype, mp)
+    return best if best is not None and best[0] in PSEUDO_FILESYSTEMS else None
 
 
 def default_audit_path() -> Path:
@@ -91,8 +120,16 @@ class AuditLog:
 
         Creates the parent directories and an empty log if missing (an empty log is a
         valid log: no records). Never blocks (a FIFO is refused, not opened for writing).
+        Refuses a path on a kernel pseudo-filesystem (``pseudo_filesystem``: /proc, /sys,
+        /dev, ...) before creating anything, then makes a zero-length probe write through
+        the opened file (changes nothing in a regular file; fails where writes would,
+        e.g. EINVAL on a /proc file that root can open).
         """
         self._refuse_special()
+        pseudo = pseudo_filesystem(self.path)
+        if pseudo is not None:
+            raise AuditLogError(self.path, f"not writable: on the {pseudo[0]} pseudo-filesystem (mounted at "
+                                           f"{pseudo[1]}), which holds kernel interfaces, not files")
         anc = self.path.parent
         while not anc.exists() and anc != anc.parent:
             anc = anc.parent
@@ -106,6 +143,10 @@ class AuditLog:
             raise AuditLogError(self.path, f"not writable: {e.strerror or e}{where}") from None
         try:
             mode = os.fstat(fd).st_mode
+            if stat.S_ISREG(mode):
+                os.write(fd, b"")  # the probe: O_APPEND, zero bytes
+        except OSError as e:
+            raise AuditLogError(self.path, f"not writable: a probe write failed: {e.strerror or e}") from None
         finally:
             os.close(fd)
         if not stat.S_ISREG(mode):

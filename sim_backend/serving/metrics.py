@@ -98,12 +98,16 @@ class SLO:
 
     @staticmethod
     def parse(spec: str) -> SLO:
-        """``"ttft:500,tpot:50,e2el:5000"`` (ms, vLLM's ``--goodput`` keys) -> SLO."""
+        """``"ttft:500,tpot:50,e2el:5000"`` (ms, vLLM's ``--goodput`` keys) -> SLO.
+
+        Raises ValueError for an unknown key, an empty value or a key given twice."""
         kw: dict[str, float] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, _, val = part.partition(":")
             if key not in ("ttft", "tpot", "e2el") or not val:
-                raise ValueError(f"bad SLO {part!r}: expected ttft:MS, tpot:MS or e2el:MS")
+                raise ValueError(f"bad SLO {part[:60]!r}: expected ttft:MS, tpot:MS or e2el:MS")
+            if f"{key}_ms" in kw:  # the last one would win silently
+                raise ValueError(f"SLO field '{key}' given twice")
             kw[f"{key}_ms"] = float(val)
         return SLO(**kw)
 

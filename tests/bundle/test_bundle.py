@@ -338,17 +338,17 @@ def test_tokenizer_model_max_length_bounded(tmp_path):
     assert e.value.field == "model_max_length" and e.value.file == str(tf)
 
 
-@pytest.mark.parametrize("text, new", [
-    ("n_layers: 48", "n_layers: " + "7" * 5000),  # int literal past Python's digit limit
-    ("n_layers: 48", "n_layers: " + "[" * 5000 + "]" * 5000),  # deep nesting
+@pytest.mark.parametrize("text, new, field", [
+    ("n_layers: 48", "n_layers: " + "7" * 5000, "model.n_layers"),  # int literal past Python's digit limit
+    ("n_layers: 48", "n_layers: " + "[" * 5000 + "]" * 5000, "<yaml>"),  # deep nesting
 ])
-def test_pathological_yaml_is_a_typed_error(tmp_path, text, new):
+def test_pathological_yaml_is_a_typed_error(tmp_path, text, new, field):
     d = copy_bundle(tmp_path)
     mf = d / "calbin.yaml"
     mf.write_text(mf.read_text().replace(text, new))
     with pytest.raises(ManifestError) as e:
         load_bundle(d)
-    assert e.value.file == str(mf) and e.value.field == "<yaml>"
+    assert e.value.file == str(mf) and e.value.field == field
 
 
 def test_manifest_fifo_and_huge_file_refused_without_blocking(tmp_path):

@@ -306,7 +306,8 @@ def test_writer_refuses_a_fifo(tmp_path):
 ])
 def test_unwritable_audit_log_is_refused_at_start_up(capsys, tmp_path, monkeypatch, argv):
     monkeypatch.chdir(tmp_path)
-    refused(capsys, "--audit-log", UNWRITABLE, *argv, says=f"audit log {UNWRITABLE}: not writable: No such file")
+    refused(capsys, "--audit-log", UNWRITABLE, *argv,
+            says=f"audit log {UNWRITABLE}: not writable: on the proc pseudo-filesystem")
     if argv and argv[0] != "model":
         sub = [argv[0], "--audit-log", UNWRITABLE, *argv[1:]]  # the sub-command's own option
         refused(capsys, *sub, says=f"audit log {UNWRITABLE}")
