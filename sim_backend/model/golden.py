@@ -313,7 +313,8 @@ def check_golden(bundle_dir: str | Path | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim_backend.model.golden",
-                                description="Write or check the bundle's golden self-test file (golden input and BF16 output).")
+                                description="Write or check the bundle's golden self-test file "
+                                            "(golden input and BF16 output).")
     p.add_argument("--write", action="store_true", help="regenerate the bundle's golden.npz")
     p.add_argument("--check", action="store_true", help="recompute and compare with the stored file")
     p.add_argument("--bundle", default=None, metavar="DIR")
