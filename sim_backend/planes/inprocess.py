@@ -127,8 +127,10 @@ class ObservationPlane:
         faults, fired, in_effect = fstate["active"], fstate["fired"], fstate["in_effect"]
         # an armed fault is not a failure (nothing happened yet); one that fired stays a fault until
         # acknowledged or reset; a slow chip degrades every job while it lasts
+        health_failed = mode.get("health_failed")
         status = ("memory cleared" if b.memory_cleared else
                   "fault: numerics worker down (reset or reload the model)" if b.numerics_broken else
+                  "fault: last health check failed (reset or reload the model)" if health_failed else
                   "fault" if fired else "degraded" if in_effect else "ok")
         steps = b.last_steps()
         last = max(steps.values(), key=lambda r: r.job_id) if steps else None

@@ -99,17 +99,20 @@ class MaintenancePlane:
         self._pending_holder: str | None = None
         self._since = time.time()
         self.last_drain: dict | None = None
+        self._health_failed: str | None = None
 
     # --- state ---------------------------------------------------------------
 
     def mode(self) -> dict:
-        """{"mode": serving | draining | exclusive, "lease_holder": str | None, "since_unix_s"}.
+        """{"mode": serving | draining | exclusive, "lease_holder": str | None, "since_unix_s",
+        "health_failed": what the last health check found wrong, or None (it passed, or none ran)}.
 
         While draining, ``lease_holder`` is the caller waiting for the lease.
         """
         with self._lock:
             holder = self._lease.holder if self._lease else (self._pending_holder if self._mode == "draining" else None)
-            return {"mode": self._mode, "lease_holder": holder, "since_unix_s": self._since}
+            return {"mode": self._mode, "lease_holder": holder, "since_unix_s": self._since,
+                    "health_failed": self._health_failed}
 
     @property
     def lease(self) -> Lease | None:
@@ -549,6 +552,8 @@ class MaintenancePlane:
                 self._rt.free_seq(self._lease, SCRATCH_SEQ)
         ok = all(c["ok"] for c in checks)
         failed = [f"{c['check']}: {c['detail']}" for c in checks if not c["ok"]]
+        with self._lock:  # the device reads as faulty until a health check passes again
+            self._health_failed = None if ok else "; ".join(failed)
         return {"ok": ok, "detail": "healthy" if ok else "; ".join(failed), "checks": checks, "sim_us": sim_us,
                 "wall_ms": (time.perf_counter() - t0) * 1e3}
 

@@ -101,7 +101,8 @@ def test_one_lease_at_a_time(system):
     lease = m.enter_exclusive("alice")
     with pytest.raises(MaintenanceRefused, match="already exclusive .lease: alice"):
         m.enter_exclusive("bob")
-    assert m.mode() | {"since_unix_s": 0} == {"mode": "exclusive", "lease_holder": "alice", "since_unix_s": 0}
+    assert m.mode() | {"since_unix_s": 0} == {"mode": "exclusive", "lease_holder": "alice", "since_unix_s": 0,
+                                               "health_failed": None}
     m.leave_exclusive(lease)
     assert m.mode()["mode"] == "serving" and m.mode()["lease_holder"] is None
     statuses = [(e["action"], e["status"]) for e in m.audit.entries()]

@@ -157,3 +157,18 @@ def test_snapshot_wire_form_is_strict_json_after_a_cancelled_request(make_system
     back = Snapshot.from_dict(json.loads(text))
     assert back == snap
     assert isinstance(TokenEvent, type)
+
+
+def test_a_failed_health_check_shows_until_one_passes(make_system, monkeypatch):
+    s = make_system(numerics=False)
+    m = s.maintenance
+    lease = m.enter_exclusive("alice")
+    monkeypatch.setattr(s.engine, "buffer_pool_state", lambda timeout=0.0: (0, 1))  # a pair never came back
+    assert m.reset(lease)["ok"] is False
+    status = s.observation.snapshot().device.status
+    assert status.startswith("fault: last health check failed")
+    assert m.mode()["health_failed"].startswith("buffer pool full")
+    monkeypatch.undo()
+    assert m.health_check(lease)["ok"]
+    assert s.observation.snapshot().device.status == "ok" and m.mode()["health_failed"] is None
+    m.leave_exclusive(lease)
