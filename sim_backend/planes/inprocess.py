@@ -1,12 +1,12 @@
 """In-process implementations of the inference and observation planes (contracts in ``contracts``).
 
-The console talks to the simulator only through these. A future
-real-hardware backend implements the same three classes.
+The console talks to the simulator only through the contracts; these classes are the
+in-process simulator's implementation, as the HTTP client planes will be another.
 
 - ``InferencePlane``: submit / stream / cancel chat requests. No registers,
   no reset, no raw memory (FACTS F5 C4).
-- ``ObservationPlane``: ``snapshot()`` returns a deeply frozen ``Snapshot``;
-  nothing reachable from it can change the device.
+- ``ObservationPlane``: ``snapshot()`` returns a typed, frozen ``Snapshot`` built in one
+  conversion; nothing reachable from it can change the device.
 - ``MaintenancePlane``: lives in ``maintenance.py``; built only when asked
   for (``--observe-only`` never constructs it).
 """
@@ -20,8 +20,7 @@ from typing import Any
 
 import psutil
 
-from sim_backend.bundle.manifest import Bundle, Finding
-from sim_backend.planes.freeze import thaw
+from sim_backend.bundle.manifest import Bundle
 from sim_backend.planes.snapshot import Snapshot, convert
 from sim_backend.runtime.monitor import DeviceMonitor
 from sim_backend.serving.engine import ChatRequest, Engine, RequestHandle, RequestResult
@@ -177,14 +176,14 @@ class ObservationPlane:
             last_prefill=self._step(steps.get("prefill")),
             last_decode=self._step(steps.get("decode")),
             memory=memory,
-            slots=[thaw(s) for s in e.slot_info()],
+            slots=e.slot_info(),  # dataclasses: converted by attribute, no dict round trip
             requests=e.metrics.summary(),
-            stages={k: thaw(v) for k, v in e.last_stage.items()},
+            stages=dict(e.last_stage),
             # NaN (no first token) is None on the wire and in the typed snapshot alike
             history={k: [None if isinstance(x, float) and x != x else x for x in v]
                      for k, v in e.metrics.history_series().items()},
             host=host,
-            findings=[thaw(f) for f in self._bundle.findings],
+            findings=self._bundle.findings,
         )
         return convert(data, Snapshot)
 
@@ -192,7 +191,3 @@ class ObservationPlane:
         """Prometheus text exposition (llamacpp: names)."""
         self._engine._notify()
         return self._engine.metrics.prometheus_text()
-
-
-def finding_dict(f: Finding) -> dict:
-    return thaw(f)
