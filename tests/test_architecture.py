@@ -58,7 +58,7 @@ def test_import_contracts_hold():
     import shutil
 
     exe = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
-    p = subprocess.run([exe, "--config", str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True,
+    p = subprocess.run([exe, str(ROOT / "pyproject.toml")], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     assert "0 broken" in p.stdout
