@@ -302,6 +302,29 @@ def _chat_segments(
     return [s for s in segs if s != ""]
 
 
+#: The chat template ``_chat_segments`` implements, as Jinja (what llama-server's ``/props`` reports as
+#: ``chat_template``): Qwen3's template without tools. Reported, never rendered (no Jinja at run time).
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(last_query=messages|length - 1) -%}"
+    "{%- for m in messages[::-1] -%}{%- set i = messages|length - 1 - loop.index0 -%}"
+    "{%- if ns.last_query == messages|length - 1 and m.role == 'user' -%}{%- set ns.last_query = i -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set content = m.content -%}{%- set reasoning = '' -%}"
+    "{%- if m.role == 'assistant' and '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' -}}"
+    "{%- if m.role == 'assistant' and loop.index0 > ns.last_query and (loop.last or reasoning) -%}"
+    "{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') -}}"
+    "{%- else -%}{{- content -}}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if not enable_thinking -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}{%- endif -%}"
+)
+
+
 _TOKENIZER: Qwen3Tokenizer | None = None
 _TOKENIZER_LOCK = threading.Lock()
 

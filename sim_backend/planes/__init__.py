@@ -45,12 +45,13 @@ from sim_backend.serving.api import ChatRequest, DoneEvent, RequestResult, Sampl
 from sim_backend.serving.metrics import SLO
 
 if TYPE_CHECKING:
-    from sim_backend.planes.audit import AuditLog, AuditLogError, pseudo_filesystem, summarize
+    from sim_backend.planes.audit import AuditLog, AuditLogError, audit_origin, pseudo_filesystem, summarize
     from sim_backend.planes.system import System, build_system
 
 _LAZY = {"build_system": "sim_backend.planes.system", "System": "sim_backend.planes.system",
          "AuditLog": "sim_backend.planes.audit", "AuditLogError": "sim_backend.planes.audit",
-         "summarize": "sim_backend.planes.audit", "pseudo_filesystem": "sim_backend.planes.audit"}
+         "summarize": "sim_backend.planes.audit", "pseudo_filesystem": "sim_backend.planes.audit",
+         "audit_origin": "sim_backend.planes.audit"}
 
 
 def __getattr__(name: str) -> Any:
@@ -61,7 +62,8 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'sim_backend.planes' has no attribute {name!r}")
 
 
-__all__ = ["AuditLog", "AuditLogError", "AuditReader", "CalError", "ChatRequest", "DeviceError", "DoneEvent",
+__all__ = ["AuditLog", "AuditLogError", "AuditReader", "CalError", "audit_origin",
+           "ChatRequest", "DeviceError", "DoneEvent",
            "ExceedContextSizeError", "InferencePlane", "InvalidRequestError", "KVExhausted", "Lease",
            "MaintenancePlane", "MaintenanceRefused", "ManifestError", "ObservationPlane", "Pacing", "PacingMode",
            "Report", "RequestCancelled", "RequestError", "RequestResult", "RequestStream", "SLO", "SamplingParams",

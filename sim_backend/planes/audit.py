@@ -16,6 +16,8 @@ rest is still read.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import getpass
 import json
 import os
@@ -98,6 +100,21 @@ def _os_user() -> str:
         return str(os.getuid()) if hasattr(os, "getuid") else "unknown"
 
 
+#: Who is calling, for records written while it is set: {"remote": "host:port", "key": label, "via": "http"}.
+#: Set by the HTTP serving face around each maintenance call (never holds a key, only its label).
+_ORIGIN: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("audit_origin", default=None)
+
+
+@contextlib.contextmanager
+def audit_origin(origin: dict[str, Any]) -> Any:
+    """Records appended inside this block (in this thread/context) carry ``"origin": origin``."""
+    token = _ORIGIN.set(dict(origin))
+    try:
+        yield
+    finally:
+        _ORIGIN.reset(token)
+
+
 class AuditLog:
     """JSON-lines audit log at ``path`` (created with parents on first write)."""
 
@@ -169,6 +186,9 @@ class AuditLog:
         """Write one record (adds time, user, pid) durably; returns it. Safe from any thread."""
         rec = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "unix_s": round(time.time(), 6),
                "user": self.user, "pid": os.getpid(), **record}
+        origin = _ORIGIN.get()
+        if origin is not None and "origin" not in rec:
+            rec["origin"] = origin
         # ASCII only: a line torn by a crash can never end inside a multi-byte character
         line = (json.dumps(rec, default=str, ensure_ascii=True) + "\n").encode("ascii")
         with self._lock:
@@ -338,7 +358,7 @@ def summarize(records: list[Any]) -> list[dict[str, Any]]:
                  "pid": pid if isinstance(pid, int) and not isinstance(pid, bool) else None,
                  "action": rec["action"], "args": args if isinstance(args, dict) else {"args": args},
                  "status": "did not finish", "granted": None, "ok": None, "result": None, "duration_ms": None,
-                 "sim_ms": None}
+                 "sim_ms": None, "origin": rec["origin"] if isinstance(rec.get("origin"), dict) else None}
             out.append(e)
             by_id[rid] = e
         else:
@@ -348,6 +368,6 @@ def summarize(records: list[Any]) -> list[dict[str, Any]]:
             e.update(granted=granted, ok=ok, result=rec.get("result"), duration_ms=_num(rec.get("duration_ms")),
                      sim_ms=_num(rec.get("sim_ms")),
                      status="refused" if granted is False else ("granted" if ok else "failed"))
-            if phase == "event":
+            if phase == "event" and granted is not False:
                 e["status"] = "ok" if ok else "not as expected"
     return out

@@ -17,7 +17,7 @@ Times: arguments named ``timeout`` / ``*_s`` are host wall seconds; results name
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -103,6 +103,29 @@ class InferencePlane(Protocol):
 
     def count_prompt_tokens(self, req: ChatRequest) -> int:
         """Prompt tokens with the chat template applied, as the context limit counts them."""
+        ...
+
+    def tokenize(self, text: str, *, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text`` (Qwen3 BPE; no BOS: Qwen3 adds none). ``parse_special``: text such as
+        ``<|im_end|>`` becomes the control token instead of ordinary text (llama-server ``/tokenize``)."""
+        ...
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Text of ``tokens`` (invalid UTF-8 becomes U+FFFD). InvalidRequestError for an id outside the vocabulary."""
+        ...
+
+    def token_bytes(self, token: int) -> bytes:
+        """The raw bytes of one token's piece (may be part of a UTF-8 character)."""
+        ...
+
+    def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False) -> str:
+        """The chat prompt ``messages`` renders to (generation prompt included), as text.
+        InvalidRequestError for a bad message list."""
+        ...
+
+    @property
+    def chat_template(self) -> str:
+        """The chat template as Jinja text (reported by ``/props``)."""
         ...
 
 
@@ -196,6 +219,10 @@ class MaintenancePlane(Protocol):
         ...
 
     def clear_faults(self, lease: Lease | None) -> Report: ...
+
+    def acknowledge_faults(self, holder: str) -> Report:
+        """Mark the faults that fired as seen (no lease needed: it changes nothing on the device); audited."""
+        ...
 
     def probe_request(self, lease: Lease | None, prompt: str = "hi", max_tokens: int = 8) -> Report:
         """A request on the scratch sequence while exclusive (greedy), with its step timings."""

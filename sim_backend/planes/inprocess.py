@@ -16,11 +16,15 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psutil
 
 from sim_backend.bundle.manifest import Bundle
+from sim_backend.errors import InvalidRequestError
+from sim_backend.model.tokenizer import CHAT_TEMPLATE
+from sim_backend.model.vocab import VOCAB_SIZE
 from sim_backend.planes.snapshot import Snapshot, convert
 from sim_backend.runtime.monitor import DeviceMonitor
 from sim_backend.serving.engine import ChatRequest, Engine, RequestHandle, RequestResult
@@ -53,6 +57,42 @@ class InferencePlane:
     def count_prompt_tokens(self, req: ChatRequest) -> int:
         """Prompt tokens with the chat template, as the context limit counts them."""
         return len(self._engine.tokenize_prompt(req))
+
+    def tokenize(self, text: str, *, parse_special: bool = False) -> list[int]:
+        """Token ids of ``text``; InvalidRequestError if it is not a string."""
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"content must be a string, got {type(text).__name__}", param="content")
+        return self._engine.tokenizer.encode(text, allow_special=bool(parse_special))
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """Text of ``tokens``; InvalidRequestError for a non-integer or out-of-vocabulary id."""
+        return self._engine.tokenizer.decode(_check_ids(tokens))
+
+    def token_bytes(self, token: int) -> bytes:
+        """Raw bytes of one token's piece; InvalidRequestError for an id outside the vocabulary."""
+        return self._engine.tokenizer.token_bytes(_check_ids([token])[0])
+
+    def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False) -> str:
+        """The rendered chat prompt (generation prompt included)."""
+        return self._engine.tokenizer.render_chat(list(messages) if isinstance(messages, (list, tuple)) else messages,
+                                                  add_generation_prompt=True, enable_thinking=bool(enable_thinking))
+
+    @property
+    def chat_template(self) -> str:
+        """Qwen3's chat template (no tools) as Jinja text."""
+        return CHAT_TEMPLATE
+
+
+def _check_ids(tokens: Any) -> list[int]:
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise InvalidRequestError("tokens must be a list of token ids", param="tokens")
+    out = []
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < VOCAB_SIZE:
+            raise InvalidRequestError(f"tokens[{i}] must be a token id in [0, {VOCAB_SIZE}), got {t!r}",
+                                      param="tokens")
+        out.append(t)
+    return out
 
 
 def step_view(res: Any | None) -> dict:

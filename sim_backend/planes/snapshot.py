@@ -188,6 +188,9 @@ class SlotView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     predicted_n: int
     cached_tokens: int
     numeric: bool | None = None
+    #: the request's n_predict (0 when idle) and sampling parameters (llama.cpp names; {} when idle)
+    max_tokens: int = 0
+    params: dict[str, Any] = {}
 
 
 class StageView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):

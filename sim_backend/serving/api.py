@@ -34,6 +34,8 @@ class ChatRequest:
     the last one's content must not be blank. max_tokens: generated tokens at
     most, an int > 0 (required). stop: stop strings (each non-empty).
     sampling: :class:`SamplingParams`. enable_thinking: Qwen3 thinking mode.
+    prompt_tokens: a raw prompt (token ids, no chat template; llama.cpp ``/completion``).
+    id_slot / cache_prompt: llama.cpp's slot choice and prefix reuse.
     """
 
     messages: tuple[dict, ...]
@@ -42,6 +44,12 @@ class ChatRequest:
     stop: tuple[str, ...] = ()
     enable_thinking: bool = False
     client: str = "api"
+    #: a raw prompt as token ids (llama.cpp ``/completion``): no chat template; ``messages`` may be empty
+    prompt_tokens: tuple[int, ...] | None = None
+    #: the slot to run in (llama.cpp ``id_slot``), -1 = any; a busy slot makes the request wait for it
+    id_slot: int = -1
+    #: reuse the KV of a common prefix left in a slot (llama.cpp ``cache_prompt``)
+    cache_prompt: bool = True
 
     @staticmethod
     def from_prompt(prompt: str, **kw: Any) -> ChatRequest:
@@ -94,14 +102,28 @@ def validate_request(req: ChatRequest, vocab: int = VOCAB_SIZE) -> None:
     """
     if not isinstance(req, ChatRequest):
         raise InvalidRequestError(f"expected a ChatRequest, got {type(req).__name__}")
-    if not isinstance(req.messages, (tuple, list)) or not req.messages:
-        raise InvalidRequestError("messages must be a non-empty list", param="messages")
-    for i, m in enumerate(req.messages):
-        if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise InvalidRequestError(
-                f"messages[{i}] must be {{'role': one of {', '.join(ROLES)}, 'content': string}}", param="messages")
-    if not req.messages[-1]["content"].strip():
-        raise InvalidRequestError("the prompt is empty", param="prompt")
+    if req.prompt_tokens is not None:
+        toks = req.prompt_tokens
+        if not isinstance(toks, (tuple, list)) or not toks:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        for i, t in enumerate(toks):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab:
+                raise InvalidRequestError(f"prompt[{i}] must be a token id in [0, {vocab}), got {t!r}",
+                                          param="prompt")
+    else:
+        if not isinstance(req.messages, (tuple, list)) or not req.messages:
+            raise InvalidRequestError("messages must be a non-empty list", param="messages")
+        for i, m in enumerate(req.messages):
+            if not isinstance(m, Mapping) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise InvalidRequestError(
+                    f"messages[{i}] must be {{'role': one of {', '.join(ROLES)}, 'content': string}}",
+                    param="messages")
+        if not req.messages[-1]["content"].strip():
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+    if isinstance(req.id_slot, bool) or not isinstance(req.id_slot, (int, np.integer)) or req.id_slot < -1:
+        raise InvalidRequestError(f"id_slot must be -1 (any) or a slot index, got {req.id_slot!r}", param="id_slot")
+    if not isinstance(req.cache_prompt, bool):
+        raise InvalidRequestError("cache_prompt must be true or false", param="cache_prompt")
     mt = req.max_tokens
     if mt is None:
         raise InvalidRequestError("max_tokens is required", param="max_tokens")
@@ -345,6 +367,8 @@ class SlotInfo:
     predicted_n: int
     cached_tokens: int
     numeric: bool | None = None  # the request's tokens come from the model (False: timing-only); None when idle
+    max_tokens: int = 0  # the request's n_predict (0 when idle)
+    params: dict = field(default_factory=dict)  # the request's sampling parameters, llama.cpp names (idle: {})
 
 
 def error_dict(e: CalError) -> dict[str, Any]:

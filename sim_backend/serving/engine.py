@@ -22,16 +22,14 @@ every ``n_slots`` rounds, so no request starves.
 
 Stop rules (llama.cpp ``stop_type``): ``eos`` (an EOS id was sampled; it
 counts in ``predicted_n`` but prints nothing), ``limit`` (``max_tokens``
-reached, or the context end: the next token would need position >=
-``n_ctx``), ``word`` (a stop string appeared; it and everything after it
-are dropped), ``none`` (cancelled or failed). Context boundary: a prompt of
-more than ``n_ctx`` = 40960 tokens (chat template included) is refused with
-``ExceedContextSizeError``; a prompt that fits is accepted whatever
-``max_tokens`` is and stops at the context end with ``limit`` (40960 prompt
-tokens -> 1 token, sampled from the last prompt position's logits, which
-needs no KV cell; 40959 -> 2 tokens). llama.cpp itself refuses a prompt of
-exactly n_ctx tokens; we accept it because the calbin's 40960-token prefill
-graph runs it and its logits give one valid token.
+reached, or the context end: prompt + generated tokens reached ``n_ctx``),
+``word`` (a stop string appeared; it and everything after it
+are dropped), ``none`` (cancelled or failed). Context boundary, as llama.cpp
+counts it: a prompt of ``n_ctx`` = 40960 tokens or more (chat template
+included) is refused with ``ExceedContextSizeError``; a prompt that fits is
+accepted whatever ``max_tokens`` is and stops with ``limit`` when prompt +
+generated reach ``n_ctx`` (40959 prompt tokens -> 1 token; 40958 -> 2), so
+``usage.total_tokens`` never exceeds ``n_ctx``.
 
 Clocks: request timestamps are SIMULATED device milliseconds on the board's
 clock (``SimClock``). Host work (tokenising, KV apply, buffer set-up,
@@ -65,6 +63,7 @@ and the reason; ``Engine.kv_pressure_log`` records each decision.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -194,7 +193,10 @@ class Engine(KVPressure):
         validate_request(req, self.rt.vocab)
 
     def tokenize_prompt(self, req: ChatRequest) -> list[int]:
-        """Prompt token ids with the chat template applied (what counts against the context)."""
+        """Prompt token ids with the chat template applied (what counts against the context);
+        a raw ``prompt_tokens`` request's own ids."""
+        if req.prompt_tokens is not None:
+            return [int(t) for t in req.prompt_tokens]
         return self.tokenizer.encode_chat(list(req.messages), add_generation_prompt=True,
                                           enable_thinking=req.enable_thinking)
 
@@ -226,9 +228,13 @@ class Engine(KVPressure):
         t0 = self.host_timer.now()
         prompt = self.tokenize_prompt(req)
         tok_us = self.host_timer.now() - t0
-        if len(prompt) > self.n_ctx:
+        if len(prompt) >= self.n_ctx:  # llama.cpp: n_prompt >= n_ctx leaves no room for one token
             self.metrics.on_rejected()
             raise ExceedContextSizeError(len(prompt), self.n_ctx)
+        if req.id_slot >= self.n_slots:
+            self.metrics.on_rejected()
+            raise InvalidRequestError(f"id_slot {req.id_slot} does not exist (slots 0..{self.n_slots - 1})",
+                                      param="id_slot")
         kv_cap = self.rt.kv.occupancy().capacity_cells
         if len(prompt) > kv_cap:  # a board built with a KV pool smaller than the context
             self.metrics.on_rejected()
@@ -324,7 +330,9 @@ class Engine(KVPressure):
                 r = s.req
                 out.append(SlotInfo(s.idx, "idle" if r is None else r.state.value, r.id if r else None,
                                     len(r.prompt) if r else 0, r.n_prefilled if r else 0,
-                                    len(r.generated) if r else 0, len(s.cache_tokens), r.numeric if r else None))
+                                    len(r.generated) if r else 0, len(s.cache_tokens), r.numeric if r else None,
+                                    r.max_tokens if r else 0,
+                                    dataclasses.asdict(r.req.sampling) if r else {}))
             return out
 
     def queued_count(self) -> int:
@@ -477,15 +485,23 @@ class Engine(KVPressure):
 
     def _admit_locked(self) -> None:
         self._drop_stale_caches_locked()
+        waiting: deque[_Request] = deque()  # asked for a busy slot (id_slot): keep their place in the queue
         while self._queue:
             free = [s for s in self.slots if s.req is None]
             if not free:
-                return
+                break
             r = self._queue.popleft()
+            if r.req.id_slot >= 0:
+                free = [s for s in free if s.idx == r.req.id_slot]
+                if not free:
+                    waiting.append(r)
+                    continue
             # llama.cpp: prefer the idle slot sharing the longest prefix with the prompt, then LRU
             best = max(free, key=lambda s: (_common_prefix(s.cache_tokens, r.prompt), -s.last_used))
             # keep at least one prompt token to prefill: its logits give the first token
             n_common = min(_common_prefix(best.cache_tokens, r.prompt), len(r.prompt) - 1)
+            if not r.req.cache_prompt:
+                n_common = 0
             kv = self.rt.kv
             if n_common <= 0:
                 kv.free(best.seq_id)
@@ -502,6 +518,7 @@ class Engine(KVPressure):
             r.numeric = self.rt.numerics and len(r.prompt) <= self.numerics_max_prompt
             self._round_served.discard(best.idx)
             self._update_live_locked()
+        self._queue.extendleft(reversed(waiting))
 
     def _next_work_locked(self, busy: set) -> tuple[_Request, str, int] | None:
         """The round rule (module docstring): each decoding slot once, then one prefill chunk."""
@@ -688,8 +705,8 @@ class Engine(KVPressure):
             return visible, ("word", word)
         if len(r.generated) >= r.max_tokens:
             return visible, ("limit", "")
-        # context end: feeding the pending token needs position len(prompt)+len(generated)-1 < n_ctx
-        if len(r.prompt) + len(r.generated) > self.n_ctx:
+        # context end (llama.cpp): prompt + generated never exceeds n_ctx, so usage.total_tokens <= n_ctx
+        if len(r.prompt) + len(r.generated) >= self.n_ctx:
             return visible, ("limit", "")
         return visible, None
 

@@ -418,11 +418,11 @@ def test_stop_string_after_emoji(make):
 
 
 def test_context_end_stops_with_limit(make):
-    """A prompt that fits generates until position n_ctx - 1 is used; then stop type limit."""
+    """A prompt that fits generates until prompt + generated reach n_ctx; then stop type limit."""
     h = make()
     req = ChatRequest.from_prompt("hi", max_tokens=10, sampling=GREEDY)
     p = h.script(req, words("A", " b", " c"))
-    h.engine.n_ctx = p + 2  # shrink the engine's view of the context: room for 2 fed tokens
+    h.engine.n_ctx = p + 3  # shrink the engine's view of the context: room for 3 tokens in all
     res, _ = run(h, req)
     assert res.stop_type == "limit" and res.timings.predicted_n == 3
 

@@ -1,6 +1,6 @@
 """Request validation (typed llama.cpp errors, nothing allocated) and the context boundary.
 
-Timing-only system (numerics=False): the boundary prompts are 40959..40961 tokens.
+Timing-only system (numerics=False): the boundary prompts are 40957..40961 tokens.
 """
 
 from __future__ import annotations
@@ -146,29 +146,32 @@ def exact_prompt(system, n_tokens: int, word: str = "hello") -> ChatRequest:
     return r
 
 
-def test_prompt_over_context_is_refused(system):
-    r = exact_prompt(system, N_CTX + 1)
+@pytest.mark.parametrize("n_prompt", [N_CTX, N_CTX + 1])
+def test_prompt_of_context_or_more_is_refused(system, n_prompt):
+    """llama.cpp: a prompt of n_ctx tokens or more leaves no room for a token."""
+    r = exact_prompt(system, n_prompt)
     before = state(system)
     with pytest.raises(ExceedContextSizeError) as ei:
         system.inference.submit(r)
     e = ei.value
-    assert (e.n_prompt_tokens, e.n_ctx) == (N_CTX + 1, N_CTX)
+    assert (e.n_prompt_tokens, e.n_ctx) == (n_prompt, N_CTX)
     body = e.to_dict()
-    assert body["type"] == "exceed_context_size_error" and body["n_prompt_tokens"] == 40961
+    assert body["type"] == "exceed_context_size_error" and body["n_prompt_tokens"] == n_prompt
     assert body["n_ctx"] == 40960 and body["code"] == 400
     assert state(system) == before
 
 
-@pytest.mark.parametrize("n_prompt,n_out", [(N_CTX, 1), (N_CTX - 1, 2), (N_CTX - 2, 3)])
+@pytest.mark.parametrize("n_prompt,n_out", [(N_CTX - 1, 1), (N_CTX - 2, 2), (N_CTX - 3, 3)])
 def test_prompt_that_fits_stops_at_context_end(system, n_prompt, n_out):
-    """Decision: accept any prompt <= n_ctx and stop with ``limit`` at the context end
-    (40960 -> 1 token from the last prompt logits; 40959 -> 2; 40958 -> 3), max_tokens 64."""
-    words = {N_CTX: "hello", N_CTX - 1: "world", N_CTX - 2: "token"}  # no prefix reuse between cases
+    """llama.cpp's accounting: a prompt < n_ctx stops with ``limit`` when prompt + generated reach
+    n_ctx (40959 -> 1 token; 40958 -> 2; 40957 -> 3), max_tokens 64: total tokens never exceed n_ctx."""
+    words = {N_CTX - 1: "hello", N_CTX - 2: "world", N_CTX - 3: "token"}  # no prefix reuse between cases
     r = exact_prompt(system, n_prompt, words[n_prompt])
     res = system.inference.generate(r, timeout=120)
     assert res.status == "finished" and res.stop_type == "limit"
     assert res.timings.predicted_n == n_out
     assert res.timings.prompt_n + res.timings.cache_n == n_prompt
+    assert n_prompt + res.timings.predicted_n == N_CTX
     assert res.timings.numerics is False
     assert system.engine.metrics.summary()["balanced"]
 

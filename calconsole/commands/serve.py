@@ -1,0 +1,137 @@
+"""``calconsole serve``: the simulated device behind llama-server's and OpenAI's HTTP API.
+
+Real clients (the openai SDK, curl, Prometheus, benchmark tools) drive the same in-process
+simulator the console runs. Binds 127.0.0.1 by default; binding any other address without an
+API key is refused. Maintenance routes exist only with an admin key. One log line per request
+on stderr; SIGINT/SIGTERM stop it cleanly (streams end with an error event, KV freed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .common import add_common_options, build_from_args, fail
+
+
+def add_key_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("keys (prefer the files or the environment: a flag is visible in ps)")
+    g.add_argument("--api-key", default=None, metavar="KEY",
+                   help="API key every route but /health needs (Authorization: Bearer KEY); "
+                        "also $CALCONSOLE_API_KEY")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="file of API keys, one per line ('KEY' or 'LABEL KEY'; mode 600)")
+    g.add_argument("--admin-key-file", default=None, metavar="FILE",
+                   help="file of admin keys for /maintenance/... (without one, or $CALCONSOLE_ADMIN_KEY, "
+                        "no maintenance route exists)")
+
+
+def register(sub, common) -> None:
+    p = sub.add_parser(
+        "serve", help="serve the simulated device over HTTP (llama-server + OpenAI routes)",
+        description="Serve the simulated device behind llama-server's and OpenAI's HTTP routes: /health, "
+                    "/props, /slots, /metrics, /tokenize, /detokenize, /apply-template, /completion, "
+                    "/v1/models, /v1/completions, /v1/chat/completions (SSE streaming), /snapshot and "
+                    "/snapshot/stream (read-only), and with an admin key /maintenance/... (leases that expire, "
+                    "audited). Timings in responses are simulated device ms.")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs an API key)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
+    add_key_options(p)
+    p.add_argument("--no-slots-endpoint", action="store_true", help="disable /slots (501, as llama-server)")
+    p.add_argument("--no-metrics", action="store_true", help="disable /metrics (501)")
+    p.add_argument("--max-streams", type=int, default=16, metavar="N",
+                   help="generation requests in flight at once, streaming or not (default 16; more: 503)")
+    p.add_argument("--queue-limit", type=int, default=16, metavar="N",
+                   help="requests that may wait for a slot beyond the free ones (default 16; more: 503)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="request body limit (1 MiB)")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="per-request deadline in host seconds (default 600), then the request is cancelled")
+    p.add_argument("--send-timeout", type=float, default=30.0, metavar="S",
+                   help="a stream whose reader takes no chunk for S seconds is closed and cancelled (default 30)")
+    p.add_argument("--lease-ttl", type=float, default=30.0, metavar="S",
+                   help="a maintenance lease not renewed for S seconds lapses (default 30)")
+    p.add_argument("-n", "--n-predict", type=int, default=-1, metavar="N",
+                   help="default generation limit when a request gives none (-1: until the context is full)")
+    p.add_argument("--alias", default="qwen3-30b-a3b", help="model name reported by /v1/models and responses")
+    add_common_options(p, default_pacing="realtime")
+    p.set_defaults(func=run)
+
+
+def build_face(args: argparse.Namespace, system) -> tuple[object, object]:
+    """(ServeConfig, ServingFace) from the options; ValueError / KeySourceError with a one-line reason."""
+    from ..server.face import ServeConfig, ServingFace
+    from ..server.keys import load_keys
+    from ..server.run import is_loopback
+
+    api = load_keys("api", key=getattr(args, "api_key", None), key_file=getattr(args, "api_key_file", None))
+    admin = load_keys("admin", key_file=getattr(args, "admin_key_file", None))
+    if not is_loopback(args.host) and api is None:
+        raise ValueError(f"refusing to listen on {args.host} without an API key: give --api-key-file "
+                         "(or $CALCONSOLE_API_KEY), or bind 127.0.0.1")
+    cfg = ServeConfig(host=args.host, port=args.port, api_keys=api, admin_keys=admin,
+                      slots_endpoint=not getattr(args, "no_slots_endpoint", False),
+                      metrics_endpoint=not getattr(args, "no_metrics", False),
+                      max_streams=getattr(args, "max_streams", 16), max_body_bytes=getattr(args, "max_body_bytes",
+                                                                                           1 << 20),
+                      request_timeout_s=getattr(args, "request_timeout", 600.0),
+                      send_timeout_s=getattr(args, "send_timeout", 30.0), lease_ttl_s=getattr(args, "lease_ttl", 30.0),
+                      n_predict=getattr(args, "n_predict", -1), model_alias=getattr(args, "alias", "qwen3-30b-a3b"))
+    cfg.check()
+    audit = system.maintenance.audit if system.maintenance is not None else None
+    face = ServingFace(system.inference, system.observation, system.maintenance, cfg, audit=audit)
+    return cfg, face
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim_backend.planes import CalError
+
+    from ..server.keys import KeySourceError
+    from ..server.run import bind_socket, serve_foreground
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    # key and bind checks before the simulator is built: a refused start costs nothing
+    try:
+        from ..server.keys import load_keys
+        from ..server.run import is_loopback
+
+        api = load_keys("api", key=args.api_key, key_file=args.api_key_file)
+        load_keys("admin", key_file=args.admin_key_file)
+        if not is_loopback(args.host) and api is None:
+            raise ValueError(f"refusing to listen on {args.host} without an API key: give --api-key-file "
+                             "(or $CALCONSOLE_API_KEY), or bind 127.0.0.1")
+        if not 1 <= args.queue_limit <= 1024:
+            raise ValueError(f"--queue-limit must be in 1..1024, got {args.queue_limit}")
+    except (KeySourceError, ValueError) as e:
+        return fail(str(e))
+    try:
+        system = build_from_args(args, maintenance=args.admin_key_file is not None or _env_admin(),
+                                 queue_limit=args.queue_limit)
+    except (CalError, ValueError) as e:
+        return fail(str(e))
+    try:
+        try:
+            cfg, face = build_face(args, system)
+            sock = bind_socket(args.host, args.port)
+        except (KeySourceError, ValueError) as e:
+            return fail(str(e))
+        except OSError as e:
+            return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
+        host, port = sock.getsockname()[:2]
+        print(f"calconsole serve: listening on http://{host}:{port} ({args.pacing} pacing, "
+              f"{'timing-only' if args.timing_only else 'numerics'}; API key {'required' if cfg.api_keys else 'off'}; "
+              f"maintenance routes {'on' if face.maintenance is not None else 'off'}); Ctrl-C stops",
+              file=sys.stderr, flush=True)
+        serve_foreground(face, sock)
+        print("calconsole serve: stopped", file=sys.stderr, flush=True)
+    finally:
+        system.close()
+    return 0
+
+
+def _env_admin() -> bool:
+    import os
+
+    from ..server.keys import ENV_ADMIN_KEY
+
+    return bool(os.environ.get(ENV_ADMIN_KEY))

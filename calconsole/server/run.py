@@ -1,0 +1,142 @@
+"""Running the face on uvicorn: in the foreground (``calconsole serve``) or in a thread (tests, ``--listen``).
+
+Stopping: SIGINT/SIGTERM (foreground) or ``ServerThread.stop()`` set ``face.closing`` first, so
+every open stream ends with an ``unavailable_error`` event and its request is cancelled (KV
+freed) before uvicorn closes the connections; the caller then closes the system (engine and
+device threads) and the audit log, whose records are already fsync'd one by one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import uvicorn
+
+from .face import ServingFace, build_app
+
+log = logging.getLogger("calconsole.serve")
+#: how long in-flight responses get to finish after a stop is asked (host s); then they are cancelled
+GRACEFUL_S = 5.0
+
+
+def is_loopback(host: str) -> bool:
+    """True for 127.0.0.0/8, ::1 and 'localhost'."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: an ephemeral port). OSError if it cannot bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        sock.set_inheritable(True)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _app_with_lifespan(face: ServingFace) -> Any:
+    from .maintenance_routes import reaper
+
+    app = build_app(face)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            if face.maintenance is not None:
+                tg.start_soon(reaper, face)
+            yield
+            tg.cancel_scope.cancel()
+
+    app.router.lifespan_context = lifespan
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the face to end its streams as soon as a stop is asked."""
+
+    def __init__(self, config: uvicorn.Config, face: ServingFace) -> None:
+        super().__init__(config)
+        self.face = face
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.face.closing.set()
+        super().handle_exit(sig, frame)
+
+
+def _config(face: ServingFace, *, signals: bool) -> uvicorn.Config:
+    c = face.config
+    return uvicorn.Config(_app_with_lifespan(face), log_config=None, access_log=False, lifespan="on",
+                          timeout_graceful_shutdown=int(GRACEFUL_S), timeout_keep_alive=5,
+                          limit_concurrency=c.max_streams + c.max_snapshot_streams + 64,
+                          h11_max_incomplete_event_size=64 * 1024, server_header=False, date_header=True)
+
+
+def serve_foreground(face: ServingFace, sock: socket.socket) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn installs the handlers)."""
+    server = _Server(_config(face, signals=True), face)
+    server.run(sockets=[sock])
+
+
+class ServerThread:
+    """The face served from a background thread (tests bind 127.0.0.1:0; the console's ``--listen``).
+
+    ``start()`` returns once uvicorn listens (bounded); ``url`` is then ``http://host:port``;
+    ``stop()`` ends streams with an error event and joins the thread (bounded).
+    """
+
+    def __init__(self, face: ServingFace, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.face = face
+        self.sock = bind_socket(host, port)
+        h, p = self.sock.getsockname()[:2]
+        self.host, self.port = h, p
+        self.url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"
+        self._server = _Server(_config(face, signals=False), face)
+        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        self._thread = threading.Thread(target=self._run, name="calconsole-serve", daemon=True)
+        self.error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            self._server.run(sockets=[self.sock])
+        except BaseException as e:  # noqa: BLE001 - reported by start()/stop(), never lost
+            self.error = e
+
+    def start(self, timeout_s: float = 10.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"HTTP server did not start on {self.url}: {self.error!r}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout_s: float = GRACEFUL_S + 5.0) -> None:
+        self.face.closing.set()
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
