@@ -234,10 +234,11 @@ class ServingFace:
         """A refusal decided by the face (not the plane) as one audit record with the remote address."""
         if self.audit is None:
             return
+        from sim_backend.planes import audit_origin
+
         try:
-            self.audit.event(action, {**(args or {}), "origin": {"remote": remote_of(request), "key": key_label,
-                                                                  "via": "http"}},
-                             granted=False, ok=False, result=reason, duration_ms=0.0)
+            with audit_origin({"remote": remote_of(request), "key": key_label, "via": "http"}):
+                self.audit.event(action, dict(args or {}), granted=False, ok=False, result=reason, duration_ms=0.0)
         except Exception as e:  # noqa: BLE001 - the refusal still stands; say the audit failed
             log.error("audit log write failed for a refused %s: %s", action, e)
 
@@ -312,10 +313,10 @@ class ServingFace:
         finally:
             self._leave_generation()
 
-    def sse(self, gen: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
+    def sse(self, gen: AsyncIterator[dict[str, Any]], headers: dict[str, str] | None = None) -> EventSourceResponse:
         """An SSE response of ``data: <json>`` events (llama-server framing: ``\\n`` line ends)."""
         return EventSourceResponse(gen, sep="\n", send_timeout=self.config.send_timeout_s,
-                                   ping=self.config.ping_s, headers={"Cache-Control": "no-cache"})
+                                   ping=self.config.ping_s, headers={"Cache-Control": "no-cache", **(headers or {})})
 
     # --- request-level routes -----------------------------------------------------------------
 
@@ -351,7 +352,8 @@ class ServingFace:
             "device": {"name": dev.name, "status": dev.status, "mode": dev.mode, "calrt_version": dev.calrt_version,
                        "firmware_commit": dev.firmware_commit, "chiplets": msgspec.to_builtins(dev.chiplets),
                        "context_tokens": dev.context_tokens, "numerics": dev.numerics, "pacing": dev.pacing,
-                       "pacing_speed": dev.pacing_speed,
+                       "pacing_speed": dev.pacing_speed, "step_timeout_s": self.inference.step_timeout_s,
+                       "maintenance_routes": self.maintenance is not None,
                        "findings": msgspec.to_builtins(snap.findings),
                        "clock": "timings are simulated device ms"},
         })
@@ -426,10 +428,14 @@ class ServingFace:
         body = await self.read_json(request)
         msgs = wire.messages_from(body)
         try:
-            prompt = await self.call(self.inference.apply_template, msgs, enable_thinking=wire._thinking(body))
+            think = wire._thinking(body)
+            prompt = await self.call(self.inference.apply_template, msgs, enable_thinking=think)
+            n = await self.call(self.inference.count_prompt_tokens,
+                                ChatRequest(messages=msgs, max_tokens=1, enable_thinking=think))
         except CalError as e:
             raise wire.bad_request(str(e)) from None
-        return JSONResponse({"prompt": prompt})
+        # n_prompt_tokens: the templated prompt's tokens as the context limit counts them (our addition)
+        return JSONResponse({"prompt": prompt, "n_prompt_tokens": n})
 
     def _client(self, request: Request) -> str:
         return f"http {remote_of(request)}"
@@ -468,6 +474,7 @@ class ServingFace:
                 out.append({"choices": [], "created": created, "id": cid, "model": model, "system_fingerprint": fp,
                             "object": "chat.completion.chunk", "usage": wire.usage(res)})
             out[-1]["timings"] = wire.timings(res)
+            out[-1]["calconsole"] = wire.result_extension(res)
             return out
 
         return first, piece, last, True
@@ -491,6 +498,7 @@ class ServingFace:
             if include_usage:
                 c["usage"] = wire.usage(res)
             c["timings"] = wire.timings(res)
+            c["calconsole"] = wire.result_extension(res)
             return [c]
 
         return await self._stream(req, request, lambda: [],
@@ -559,7 +567,8 @@ class ServingFace:
                         continue
                     res = ev.result
                     if res.status != "finished":
-                        yield {"data": _dumps(wire.result_error(res).body())}
+                        yield {"data": _dumps({**wire.result_error(res).body(),
+                                               "calconsole": wire.result_extension(res)})}
                         return
                     for c in last(res):
                         yield {"data": _dumps(c)}
@@ -575,7 +584,7 @@ class ServingFace:
                     h.cancel("client disconnected")
                 face._leave_generation()
 
-        return self.sse(gen())
+        return self.sse(gen(), headers={"X-Request-Id": str(h.id), "X-Prompt-Tokens": str(h.prompt_n)})
 
     # --- observation ------------------------------------------------------------------------
 

@@ -256,14 +256,21 @@ def finish_reason(res: RequestResult) -> str:
 
 
 def timings(res: RequestResult) -> dict[str, Any]:
-    """llama.cpp ``timings`` (simulated device ms), plus the simulator's field metrics."""
+    """llama.cpp ``timings`` (simulated device ms) first, then the simulator's own fields (TTFT, TPOT,
+    ITL, E2E, queue time, host/device split: ``Timings.to_dict``), so a client can rebuild the result."""
     t = res.timings
-    return {"cache_n": t.cache_n, "prompt_n": t.prompt_n, "prompt_ms": t.prompt_ms,
+    base = {"cache_n": t.cache_n, "prompt_n": t.prompt_n, "prompt_ms": t.prompt_ms,
             "prompt_per_token_ms": t.prompt_per_token_ms, "prompt_per_second": t.prompt_per_second,
             "predicted_n": t.predicted_n, "predicted_ms": t.predicted_ms,
-            "predicted_per_token_ms": t.predicted_per_token_ms, "predicted_per_second": t.predicted_per_second,
-            "ttft_ms": t.ttft_ms, "tpot_ms": t.tpot_ms, "e2e_ms": t.e2e_ms, "queue_ms": t.queue_ms,
-            "numerics": t.numerics, "clock": "simulated device ms (host work measured and included)"}
+            "predicted_per_token_ms": t.predicted_per_token_ms, "predicted_per_second": t.predicted_per_second}
+    return {**base, **{k: v for k, v in t.to_dict().items() if k not in base}}
+
+
+def result_extension(res: RequestResult) -> dict[str, Any]:
+    """The ``calconsole`` key of a final chunk / response: what OpenAI's shapes cannot say (the engine's
+    request id, llama.cpp's stop type and word, token ids, status, error, seed). Clients ignore it."""
+    return {"request_id": res.request_id, "status": res.status, "stop_type": res.stop_type,
+            "stopping_word": res.stopping_word, "tokens": list(res.tokens), "error": res.error, "seed": res.seed}
 
 
 def usage(res: RequestResult) -> dict[str, Any]:
@@ -283,7 +290,7 @@ def chat_completion(res: RequestResult, cid: str, created: int, model: str, fing
     return {"choices": [{"finish_reason": finish_reason(res), "index": 0,
                          "message": {"role": "assistant", "content": res.text}}],
             "created": created, "model": model, "system_fingerprint": fingerprint, "object": "chat.completion",
-            "usage": usage(res), "id": cid, "timings": timings(res)}
+            "usage": usage(res), "id": cid, "timings": timings(res), "calconsole": result_extension(res)}
 
 
 def chat_chunk(cid: str, created: int, model: str, fingerprint: str, delta: dict[str, Any],
