@@ -11,6 +11,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..server.face import ServeConfig, ServingFace
 
 from .common import add_common_options, build_from_args, fail
 
@@ -35,7 +39,8 @@ def register(sub, common) -> None:
                     "/v1/models, /v1/completions, /v1/chat/completions (SSE streaming), /snapshot and "
                     "/snapshot/stream (read-only), and with an admin key /maintenance/... (leases that expire, "
                     "audited). Timings in responses are simulated device ms.")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs an API key)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; any other needs an API key)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     add_key_options(p)
     p.add_argument("--no-slots-endpoint", action="store_true", help="disable /slots (501, as llama-server)")
@@ -58,7 +63,7 @@ def register(sub, common) -> None:
     p.set_defaults(func=run)
 
 
-def build_face(args: argparse.Namespace, system) -> tuple[object, object]:
+def build_face(args: argparse.Namespace, system) -> tuple[ServeConfig, ServingFace]:
     """(ServeConfig, ServingFace) from the options; ValueError / KeySourceError with a one-line reason."""
     from ..server.face import ServeConfig, ServingFace
     from ..server.keys import load_keys
