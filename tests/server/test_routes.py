@@ -358,3 +358,13 @@ def test_a_reader_that_stops_reading_loses_its_slot(make_server):
         assert obs.snapshot().slots[0].state == "idle" and obs.snapshot().kv.used_tokens == 0
     finally:
         sock.close()
+
+
+def test_non_streaming_client_that_gives_up_cancels(make_server):
+    s = make_server(system_kw={"n_slots": 1, "pacing": Pacing(PacingMode.REALTIME, 0.2)})
+    obs = s.system.observation
+    body = {"messages": [{"role": "user", "content": "slow one"}], "max_tokens": 500}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(s.url + CHAT, json=body, timeout=httpx.Timeout(60, read=1.0))
+    assert _wait(lambda: obs.snapshot().requests["counters"]["cancelled"] == 1)
+    assert obs.snapshot().slots[0].state == "idle" and obs.snapshot().kv.used_tokens == 0
