@@ -110,8 +110,9 @@ def run(args: argparse.Namespace) -> int:
     except (KeySourceError, ValueError) as e:
         return fail(str(e))
     try:
+        # numerics in a worker process, as in the console: the event loop and the model would share one GIL
         system = build_from_args(args, maintenance=args.admin_key_file is not None or _env_admin(),
-                                 queue_limit=args.queue_limit)
+                                 queue_limit=args.queue_limit, numerics_process=not args.timing_only)
     except (CalError, ValueError) as e:
         return fail(str(e))
     try:
