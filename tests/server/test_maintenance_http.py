@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from sim_backend.planes import Pacing, PacingMode
-from tests.server.conftest import ADMIN_KEY
+from tests.server.conftest import ADMIN_KEY, wait_until
 
 DEVICE = "calculet0"
 
@@ -24,14 +24,6 @@ def enter(s, holder="ops"):
     assert r.status_code == 200, r.text
     return r.json()
 
-
-def _wait(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @pytest.fixture
@@ -126,7 +118,7 @@ def test_lease_lapses_without_renewal(make_server):
     s = make_server(admin_key=ADMIN_KEY, lease_ttl_s=2.0)
     lid = enter(s, "crashy")["lease_id"]
     assert s.system.maintenance.mode()["mode"] == "exclusive"
-    assert _wait(lambda: s.system.maintenance.mode()["mode"] == "serving", timeout=8)
+    assert wait_until(lambda: s.system.maintenance.mode()["mode"] == "serving", timeout=8)
     assert httpx.get(s.url + "/health").json() == {"status": "ok"}
     r = call(s, "/maintenance/self-test", {"lease_id": lid})
     assert r.status_code == 403

@@ -7,12 +7,12 @@ settings are built per test.
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 
 from sim_backend.planes import Pacing, PacingMode
+from tests.server.conftest import wait_until
 
 CHAT = "/v1/chat/completions"
 
@@ -301,14 +301,6 @@ def test_queue_full_is_503(make_server):
         assert "busy" in error_of(second, 503, "unavailable_error")
 
 
-def _wait(cond, timeout=10.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
-
 
 def test_disconnect_mid_stream_cancels_and_frees_kv(make_server):
     s = make_server(system_kw={"n_slots": 1, "pacing": Pacing(PacingMode.REALTIME, 0.5)})
@@ -320,7 +312,7 @@ def test_disconnect_mid_stream_cancels_and_frees_kv(make_server):
             pass
         assert obs.snapshot().slots[0].state == "decoding"
     # the client is gone: within one device step (~17 ms simulated, x2 at speed 0.5) plus polling
-    assert _wait(lambda: obs.snapshot().slots[0].state == "idle")
+    assert wait_until(lambda: obs.snapshot().slots[0].state == "idle")
     snap = obs.snapshot()
     assert snap.requests["counters"]["cancelled"] == 1 and snap.requests["balanced"]
     assert snap.kv.used_tokens == 0  # a cancelled reply's sequence is freed
@@ -352,9 +344,9 @@ def test_a_reader_that_stops_reading_loses_its_slot(make_server):
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         obs = s.system.observation
-        assert _wait(lambda: obs.snapshot().slots[0].state != "idle")
+        assert wait_until(lambda: obs.snapshot().slots[0].state != "idle")
         # never read: the server's sends block, time out, and the request is cancelled
-        assert _wait(lambda: obs.snapshot().requests["counters"]["cancelled"] == 1, timeout=30)
+        assert wait_until(lambda: obs.snapshot().requests["counters"]["cancelled"] == 1, timeout=30)
         assert obs.snapshot().slots[0].state == "idle" and obs.snapshot().kv.used_tokens == 0
     finally:
         sock.close()
@@ -366,5 +358,5 @@ def test_non_streaming_client_that_gives_up_cancels(make_server):
     body = {"messages": [{"role": "user", "content": "slow one"}], "max_tokens": 500}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(s.url + CHAT, json=body, timeout=httpx.Timeout(60, read=1.0))
-    assert _wait(lambda: obs.snapshot().requests["counters"]["cancelled"] == 1)
+    assert wait_until(lambda: obs.snapshot().requests["counters"]["cancelled"] == 1)
     assert obs.snapshot().slots[0].state == "idle" and obs.snapshot().kv.used_tokens == 0
