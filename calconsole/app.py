@@ -42,9 +42,11 @@ class CalConsoleApp(App):
         Binding("f3", "focus_pane('maintenance')", "maintenance"),
     ]
 
-    def __init__(self, system, layout: Layout, refresh_hz: float | None = None) -> None:
+    def __init__(self, system, layout: Layout, refresh_hz: float | None = None,
+                 listen_url: str | None = None) -> None:
         super().__init__()
         self.system = system
+        self.listen_url = listen_url  # --listen: where this device's HTTP API is served
         # --observe-only: the system has no maintenance plane, so the pane is dropped too
         self.layout_spec = layout if system.maintenance is not None else layout.without("maintenance")
         self.refresh_hz = refresh_hz or layout.refresh_hz
@@ -136,6 +138,8 @@ class CalConsoleApp(App):
                             f" · requests done {req['finished']} · device steps {snap['jobs']['finished']} · "
                             f"KV {snap['kv']['used_tokens']}/{snap['kv']['capacity_tokens']} · "
                             f"sim clock {snap['sim_now_ms'] / 1e3:.2f} s")
+        if self.listen_url:
+            bar.append(f" · HTTP API {self.listen_url}")
         if bar.plain != self._topbar_text:  # an idle console redraws nothing
             self._topbar_text = bar.plain
             self._topbar.update(bar, layout=False)

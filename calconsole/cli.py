@@ -26,6 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh", type=float, default=None, metavar="HZ",
                    help=f"observation refresh rate, {MIN_REFRESH_HZ:g} to {MAX_REFRESH_HZ:g} Hz "
                         f"(default: the layout's, 2 Hz)")
+    p.add_argument("--listen", default=None, metavar="HOST:PORT",
+                   help="also serve this device's HTTP API (as 'calconsole serve') from the console process, so "
+                        "real clients drive the device you watch (keys: --api-key-file, --admin-key-file; "
+                        "any host but loopback needs an API key)")
+    g = p.add_argument_group("keys for --listen (prefer files or the environment: a flag is visible in ps)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="API keys, one per line ('KEY' or 'LABEL KEY'; mode 600); also $CALCONSOLE_API_KEY")
+    g.add_argument("--admin-key-file", default=None, metavar="FILE",
+                   help="admin keys for /maintenance/... (without one no maintenance route exists)")
     add_common_options(p, default_pacing="realtime", top_level=True)
     sub = p.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for mod in load_commands():
@@ -98,12 +107,40 @@ def run_console(args: argparse.Namespace) -> int:
         system = build_from_args(args, maintenance=not args.observe_only, numerics_process=True)
     except (CalError, ValueError) as e:
         return fail(str(e))
+    server = None
     try:
-        app = CalConsoleApp(system, layout, refresh_hz=args.refresh)
+        if args.listen is not None:
+            try:
+                server = start_listening(args, system)
+            except (CalError, ValueError, OSError) as e:
+                return fail(f"--listen {args.listen}: {e}")
+        app = CalConsoleApp(system, layout, refresh_hz=args.refresh, listen_url=server.url if server else None)
         app.run()
     finally:
+        if server is not None:
+            server.stop()
         system.close()
     return 0
+
+
+def parse_listen(spec: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6, ``:PORT`` for 127.0.0.1) -> (host, port); ValueError otherwise."""
+    host, sep, port = spec.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT with a port in 0..65535, got {spec!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
+
+
+def start_listening(args: argparse.Namespace, system):
+    """Serve ``system``'s planes over HTTP from a thread of this process (``--listen``)."""
+    from .commands.serve import build_face
+    from .server.run import ServerThread
+
+    host, port = parse_listen(args.listen)
+    args.host, args.port = host, port
+    _, face = build_face(args, system)
+    return ServerThread(face, host, port).start()
 
 
 if __name__ == "__main__":
