@@ -33,6 +33,8 @@ PREFILL_LENGTHS = (128, 256, 512, 1024, 2048)
 #: KV fill chunk (tokens) used to build a decode context; the engine's default prefill chunk.
 FILL_CHUNK = 2048
 STEP_TIMEOUT_S = 600.0
+#: A prefill run longer than this (host wall ms) is not repeated (its length reports 1 run).
+LONG_RUN_MS = 4000.0
 
 
 def _tokens(n: int, offset: int = 0) -> np.ndarray:
@@ -125,7 +127,8 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
                     bundle: Bundle | None = None, progress: Callable[[str], None] | None = None) -> dict:
     """Measure one backend on a fresh board.
 
-    Prefill: each length in ``prompt_lengths`` as one chunk from position 0, ``runs`` times.
+    Prefill: each length in ``prompt_lengths`` as one chunk from position 0, ``runs`` times
+    (once if a run takes over ``LONG_RUN_MS``; ``prefill_runs`` says how many).
     Decode: at each context in ``contexts`` (KV filled by real prefill chunks first),
     ``runs`` x ``decode_steps`` steps. Returns ``{"decode_rtf": {ctx: median RTF}, "decode_wall_ms",
     "decode_sim_ms", "prefill_rtf": {n: median RTF}, "prefill_wall_ms", "prefill_sim_ms",
@@ -143,14 +146,18 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
         _run(board, "prefill", _tokens(8), 0)  # warm up
         pre_wall: dict[str, float] = {}
         pre_sim: dict[str, float] = {}
+        pre_runs: dict[str, int] = {}
         for n in sorted(prompt_lengths):
             say(f"prefill {n}")
             walls = []
             for _ in range(runs):
                 w, s = _run(board, "prefill", _tokens(n), 0)
                 walls.append(w)
+                if w > LONG_RUN_MS:  # one long run says enough; keeps the default sweep within minutes
+                    break
             pre_wall[str(n)], pre_sim[str(n)] = statistics.median(walls), s
-        filled = 0
+            pre_runs[str(n)] = len(walls)
+        filled = max(prompt_lengths, default=0)  # the prefills wrote real K/V into cells [0, longest)
         dec_wall: dict[str, float] = {}
         dec_sim: dict[str, float] = {}
         for c in sorted(contexts):
@@ -174,7 +181,7 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
     return {"decode_rtf": {k: dec_sim[k] / dec_wall[k] for k in dec_wall}, "decode_wall_ms": dec_wall,
             "decode_sim_ms": dec_sim,
             "prefill_rtf": {k: pre_sim[k] / pre_wall[k] for k in pre_wall}, "prefill_wall_ms": pre_wall,
-            "prefill_sim_ms": pre_sim, "numpy_calls_per_decode_step": calls}
+            "prefill_sim_ms": pre_sim, "prefill_runs": pre_runs, "numpy_calls_per_decode_step": calls}
 
 
 def numeric_limit(prefill_rtf: dict[str, float]) -> int:
