@@ -381,12 +381,12 @@ def _moe_prefill(h: np.ndarray, ids: np.ndarray, w: np.ndarray, used: np.ndarray
     Wt[row, 0] = w.reshape(-1)[order]
     if U < E:
         gu, down = gu[:, :, used], down[:, used]
-    X = X.reshape(U, M, H)
+    Xe = X.reshape(U, M, H)
     C = gu.shape[1]
     # one batched (over experts) BLAS matmul per chip and projection; never a broadcast operand,
     # which would send matmul to numpy's non-BLAS loop
-    g = np.stack([np.matmul(X, gu[0, c]) for c in range(C)])  # (C, U, M, F')
-    u = np.stack([np.matmul(X, gu[1, c]) for c in range(C)])
+    g = np.stack([np.matmul(Xe, gu[0, c]) for c in range(C)])  # (C, U, M, F')
+    u = np.stack([np.matmul(Xe, gu[1, c]) for c in range(C)])
     a = (g / (F32(1.0) + np.exp(-g))) * u
     y = np.matmul(a, down).reshape(-1, U * M, H)  # (C, U*M, H)
     y *= Wt

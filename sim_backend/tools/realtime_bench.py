@@ -206,12 +206,19 @@ def measure(*, backends: Sequence[str] = tuple(BACKENDS), runs: int = 3, decode_
     "runs", "decode_steps", "units"}``.
     """
     out: dict[str, Any] = {}
+
+    def tagged(name: str) -> Callable[[str], None] | None:
+        if progress is None:
+            return None
+        report = progress
+        return lambda m: report(f"{name}: {m}")
+
     for name in backends:
         if name not in BACKENDS:
             raise ValueError(f"unknown backend {name!r} (one of {', '.join(BACKENDS)})")
         out[name] = measure_backend(BACKENDS[name], runs=runs, decode_steps=decode_steps, contexts=contexts,
                                     prompt_lengths=prompt_lengths, bundle=bundle,
-                                    progress=(lambda m, n=name: progress(f"{n}: {m}")) if progress else None)
+                                    progress=tagged(name))
     src = out.get("worker") or out[backends[0]]
     out["numeric_limit_tokens"] = numeric_limit(src["prefill_rtf"])
     out["runs"], out["decode_steps"] = runs, decode_steps
