@@ -64,7 +64,8 @@ async def test_operator_chat_transcript_has_room_and_a_one_line_banner(fast_syst
         assert log.region.height >= min_lines, log.region
         assert app.query_one("#chat-params").collapsed
         assert "sampling parameters" in screen_text(app)  # the toggle is on screen at 80x24 too
-        assert "pgup/pgdn scroll" in screen_text(app)  # the footer names the scroll keys
+        # the footer names the scroll keys (once the chat input has focus: bounded wait, the machine may be busy)
+        assert await wait_for(pilot, lambda: "pgup/pgdn scroll" in screen_text(app)), screen_text(app)
 
 
 async def test_pageup_pagedown_scroll_the_transcript_from_the_input(fast_system):
