@@ -170,10 +170,21 @@ def _error_text(status: int, raw: bytes) -> str:
 
 
 async def stream_chat(client: httpx.AsyncClient, body: Mapping[str, Any], shape: str,
-                      headers: Mapping[str, str] | None = None) -> Record:
+                      headers: Mapping[str, str] | None = None, timeout_s: float | None = None) -> Record:
     """Send one streaming chat request and time it (module docstring). Never raises for a
     failed request: the Record says ``ok=False`` and why (HTTP status and llama-server error,
-    an error event mid-stream, a transport error or timeout, a stream without usage or ``[DONE]``)."""
+    an error event mid-stream, a transport error or timeout, a stream without usage or ``[DONE]``).
+    ``timeout_s``: the whole request's deadline (host s); leaving it closes the stream, which
+    the server counts as a disconnect and cancels."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _stream_chat(client, body, shape, headers)
+    except TimeoutError:
+        return Record(shape, error=f"no complete reply within {timeout_s:g} s")
+
+
+async def _stream_chat(client: httpx.AsyncClient, body: Mapping[str, Any], shape: str,
+                       headers: Mapping[str, str] | None) -> Record:
     rec = Record(shape)
     first = last_content = last_data = None
     usage: dict[str, Any] | None = None

@@ -222,7 +222,7 @@ class Bench:
             for name, shape in self.shapes.items():
                 self.words[name] = await words_for(client, shape, self.args.seed, self.headers)
         for i in range(self.args.warmup):
-            rec = await stream_chat(client, self.body("short", -1 - i), "short", self.headers)
+            rec = await stream_chat(client, self.body("short", -1 - i), "short", self.headers, self.args.timeout)
             if not rec.ok:
                 raise BenchError(f"warm-up request failed: {rec.error}")
 
@@ -238,7 +238,7 @@ class Bench:
 
         async def send(i: int) -> Record:
             shape = plan[i % len(plan)]
-            return await stream_chat(client, self.body(shape, base + i), shape, self.headers)
+            return await stream_chat(client, self.body(shape, base + i), shape, self.headers, self.args.timeout)
 
         before, why = await scrape(client, self.headers)
         cpu0 = time.process_time()
@@ -424,6 +424,8 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e))
     except (CalError, OSError, RuntimeError) as e:
         return fail(f"{type(e).__name__}: {e}")
+    except KeyboardInterrupt:  # the servers were stopped on the way out
+        return fail("interrupted; no report", 130)
     rep["prompt_words"] = b.words
     rep["wall_s"] = time.perf_counter() - t0
     rep["load_average_after"] = list(os.getloadavg())

@@ -219,3 +219,16 @@ def test_metrics_delta_counts_only_the_new_samples():
     assert h["p50"] == pytest.approx(300.0)
     with pytest.raises(ValueError):
         parse_metrics("llamacpp:x{le=}} not prometheus\n")
+
+
+def test_a_reply_past_the_timeout_is_a_failed_request(make_system: Any, capsys):
+    from sim_backend.planes import Pacing, PacingMode
+
+    system = make_system(numerics=False, maintenance=False, pacing=Pacing(PacingMode.REALTIME))
+    face = ServingFace(system.inference, system.observation, None, ServeConfig(host="127.0.0.1", port=0))
+    with ServerThread(face) as thread:
+        # 200 tokens at ~17 simulated ms each, paced in real time: far more than the 1 s allowed
+        assert main(["bench", "serve", "--url", thread.url, "--clients", "1", "--timeout", "1", "--short", "24:200",
+                     "--warmup", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "warm-up request failed: no complete reply within 1 s" in err and err.count("\n") == 1
