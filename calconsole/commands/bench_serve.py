@@ -504,7 +504,7 @@ def print_report(rep: dict[str, Any]) -> None:
     if rep["configurations"]:
         t = Table(title="sweep (closed loop)", show_lines=False)
         for col in ("mix", "clients", "ok/sent", "TTFT P50", "TTFT P99", "TPOT P50", "ITL P50", "ITL P99",
-                    "E2E P50", "queue P50 sim", "req/s", "out tok/s", "goodput req/s"):
+                    "E2E P50", "queue P50 sim", "req/s", "out tok/s", "good (SLO)"):
             t.add_column(col, justify="right" if col not in ("mix",) else "left")
         for r in rep["configurations"]:
             c, s = r["client"], r["server_timings"]
@@ -513,20 +513,21 @@ def print_report(rep: dict[str, Any]) -> None:
                       _pair(c["tpot_ms"], s["tpot_ms"]), _pair(c["itl_ms"], s["itl_ms"]),
                       _pair(c["itl_ms"], s["itl_ms"], "p99"), _pair(c["e2e_ms"], s["e2e_ms"]),
                       _f((s["queue_ms"] or {}).get("p50")), _f(c["request_throughput_rps"], 2),
-                      _f(c["output_throughput_tok_s"]), _f(c["request_goodput_rps"], 2))
+                      _f(c["output_throughput_tok_s"]),
+                      "-" if c["good_requests"] is None else f"{c['good_requests']} / {s['good_requests']}")
         con.print(t)
         m = Table(title="server /metrics deltas (simulated device ms, bucket-interpolated)")
-        for col in ("mix", "clients", "finished", "tokens", "TTFT P50", "ITL P50", "TPOT P50", "E2E P50",
+        for col in ("mix", "clients", "finished", "good", "tokens", "TTFT P50", "ITL P50", "TPOT P50", "E2E P50",
                     "queue P50"):
             m.add_column(col, justify="right" if col != "mix" else "left")
         for r in rep["configurations"]:
             sm = r["server_metrics"]
             if "histograms" not in sm:
-                m.add_row(r["mix"], str(r["clients"]), "-", "-", sm.get("unavailable", "?"), "", "", "", "")
+                m.add_row(r["mix"], str(r["clients"]), "-", "-", "-", sm.get("unavailable", "?"), "", "", "", "")
                 continue
             h, cn = sm["histograms"], sm["counters"]
             m.add_row(r["mix"], str(r["clients"]), str(cn.get("requests_finished_total", "-")),
-                      str(cn.get("tokens_predicted_total", "-")),
+                      str(cn.get("requests_good_total", "-")), str(cn.get("tokens_predicted_total", "-")),
                       *(_f((h.get(k) or {}).get("p50"))
                         for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms")))
         con.print(m)
