@@ -1,0 +1,571 @@
+"""``calconsole bench serve``: closed-loop streaming load over real HTTP, client vs server figures.
+
+Without --url it serves its own in-process simulator (timing-only unless --numerics) on
+127.0.0.1:0, as ``calconsole serve`` would, and runs three phases:
+
+sweep: clients 1, 2, 4, 8, 16 x mixes all short / all long / 10% long + 90% short,
+  --requests per configuration, at --pacing (fast by default). Client-side TTFT / TPOT / ITL /
+  E2E (host wall ms, vLLM's definitions), P50/P95/P99, throughput and goodput, beside the
+  server's final-chunk timings and its /metrics deltas (simulated device ms).
+overhead: HTTP overhead per token at fast pacing. The simulated ITL (~17 ms of priced device
+  time per step) is not what fast pacing spends on the wall, so the wall ITL is compared with
+  the same workload read straight from the in-process inference plane (no HTTP), legs in the
+  order plane, HTTP, HTTP, plane: overhead = P50 of the client ITL over HTTP - P50 of the ITL
+  on the plane (host wall ms per token; medians, which a loaded host disturbs less than means);
+  also the same with means, and per output token of host CPU and of wall time.
+sustained: at real-time pacing (--speed), clients 1, 2, 4, ... for --duration s each, all
+  short; a stream falls behind when its mean client ITL exceeds its mean simulated ITL / speed
+  by more than --lag-margin percent; the figure is the most clients whose streams all kept up
+  (searching upward, stopping at the first that fell behind).
+
+With --url the sweep runs against that server; the overhead needs the in-process plane and is
+skipped; the sustained search runs if the server's /props says it paces in real time.
+Host wall ms and simulated device ms are labelled everywhere; a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..bench.serve_load import (
+    MIXES,
+    BenchError,
+    Record,
+    Shape,
+    closed_loop,
+    metrics_delta,
+    mix_plan,
+    plane_closed_loop,
+    prompt_text,
+    request_body,
+    scrape,
+    stream_chat,
+    summarize,
+    words_for,
+)
+from .common import fail, print_json
+
+PHASES = ("sweep", "overhead", "sustained")
+# Defaults from the operators' experiment matrix (FACTS F8): clients 1..16, the three mixes, prompt
+# and output lengths from its length lists, 3 warm-up runs, at least 20 measured; kept out of the
+# help texts, which cite no document the user does not have.
+ENV_API_KEY = "CALCONSOLE_API_KEY"
+MAX_CLIENTS = 64
+
+
+def register(bsub) -> None:
+    p = bsub.add_parser(
+        "serve", help="closed-loop streaming load over HTTP: client TTFT/TPOT/ITL/E2E beside the server's",
+        description=__doc__.split("\n\n", 1)[1].replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default=None, help="a running server (default: serve an in-process one on 127.0.0.1:0)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help=f"API key for --url: the last field of the file's first line (or ${ENV_API_KEY})")
+    p.add_argument("--clients", default="1,2,4,8,16", help="concurrent closed-loop clients (default 1,2,4,8,16)")
+    p.add_argument("--mix", default="short,long,mixed",
+                   help="mixes: short, long, mixed (10%% long + 90%% short) (default all three)")
+    p.add_argument("--short", default="128:32", metavar="P:O",
+                   help="short request: prompt:output tokens (default 128:32)")
+    p.add_argument("--long", default="4096:128", metavar="P:O",
+                   help="long request: prompt:output tokens (default 4096:128)")
+    p.add_argument("--requests", type=int, default=20,
+                   help="requests per sweep configuration and per overhead leg (default 20)")
+    p.add_argument("--duration", type=float, default=6.0, metavar="S",
+                   help="host wall seconds per sustained-streams configuration (default 6; running requests finish)")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"which phases (default {','.join(PHASES)})")
+    p.add_argument("--overhead-clients", default="1,8", help="client counts of the overhead phase (default 1,8)")
+    p.add_argument("--lag-margin", type=float, default=10.0, metavar="PCT",
+                   help="a real-time stream falls behind when its client ITL exceeds the simulated ITL by more "
+                        "than PCT percent (default 10)")
+    p.add_argument("--slo", default=None, metavar="SPEC",
+                   help="goodput SLOs, vLLM style: ttft:MS,tpot:MS,e2el:MS (client: wall ms; server: simulated ms)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed short requests before each phase (default 3)")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per-request timeout, host s (300)")
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts and mix order (default 0)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    g = p.add_argument_group("in-process server (without --url)")
+    g.add_argument("--bundle", metavar="DIR", default=None, help="calbin bundle directory (default: built-in)")
+    g.add_argument("--pacing", choices=("fast", "realtime"), default="fast",
+                   help="pacing of the sweep's server (default fast; the overhead is always fast, "
+                        "the sustained search always real time)")
+    g.add_argument("--speed", type=float, default=1.0, help="real-time pacing speed, 0.1..1000 (default 1)")
+    g.add_argument("--slots", type=int, default=4,
+                   help="slots of the sweep's server, 1..32 (default 4, as calconsole serve); the real-time "
+                        "server has one slot per client of the largest configuration")
+    g.add_argument("--numerics", action="store_true",
+                   help="run the numerics (default timing-only: on this host a numeric decode step takes "
+                        "longer than the 17 ms it is priced at, so real time cannot hold even for one stream)")
+    p.set_defaults(func=run)
+
+
+# --- options -------------------------------------------------------------------------------------
+
+def _int_list(name: str, spec: str, lo: int, hi: int) -> list[int]:
+    try:
+        vals = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--{name} must be a comma-separated list of integers, got {spec!r}") from None
+    if not vals or any(not lo <= v <= hi for v in vals):
+        raise ValueError(f"--{name} values must be in {lo}..{hi}, got {spec!r}")
+    return sorted(set(vals))
+
+
+def _names(name: str, spec: str, allowed: tuple[str, ...]) -> list[str]:
+    vals = [x.strip() for x in spec.split(",") if x.strip()]
+    bad = [v for v in vals if v not in allowed]
+    if not vals or bad:
+        raise ValueError(f"--{name}: expected some of {', '.join(allowed)}, got {spec!r}")
+    return list(dict.fromkeys(vals))
+
+
+def check_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The checked options; ValueError with a one-line message naming the option."""
+    from .metrics import parse_slo
+
+    o: dict[str, Any] = {
+        "clients": _int_list("clients", args.clients, 1, MAX_CLIENTS),
+        "overhead_clients": _int_list("overhead-clients", args.overhead_clients, 1, MAX_CLIENTS),
+        "mixes": _names("mix", args.mix, tuple(MIXES)),
+        "phases": _names("phases", args.phases, PHASES),
+        "shapes": {"short": Shape.parse("short", args.short), "long": Shape.parse("long", args.long)},
+        "slo": parse_slo(args.slo) if args.slo is not None else None,
+    }
+    for name, v, lo, hi in (("requests", args.requests, 1, 100_000), ("warmup", args.warmup, 0, 1000),
+                            ("slots", args.slots, 1, 32)):
+        if not lo <= v <= hi:
+            raise ValueError(f"--{name} must be in {lo}..{hi}, got {v}")
+    for name, fv, flo, fhi in (("duration", args.duration, 0.5, 3600.0), ("timeout", args.timeout, 1.0, 3600.0),
+                               ("lag-margin", args.lag_margin, 0.0, 1000.0), ("speed", args.speed, 0.1, 1000.0)):
+        if not flo <= fv <= fhi:  # also refuses nan
+            raise ValueError(f"--{name} must be in {flo:g}..{fhi:g}, got {fv:g}")
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"--seed must be in [0, 2**32), got {args.seed}")
+    o["api_key"] = _api_key(args.api_key_file)
+    if args.url is not None and not args.url.startswith(("http://", "https://")):
+        raise ValueError(f"--url must start with http:// or https://, got {args.url!r}")
+    return o
+
+
+def _api_key(path: str | None) -> str | None:
+    if path is None:
+        return os.environ.get(ENV_API_KEY) or None
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = next((ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")), "")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--api-key-file cannot be read: {e}") from None
+    if not line:
+        raise ValueError(f"--api-key-file holds no key: {path}")
+    return line.split()[-1]
+
+
+# --- in-process servers --------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def in_process_server(args: argparse.Namespace, *, pacing: str, slots: int, queue: int, slo: Any
+                      ) -> Iterator[tuple[str, Any]]:
+    """(url, system): a fresh simulator behind the serving face on 127.0.0.1:0, stopped on exit."""
+    from sim_backend.planes import Pacing, PacingMode, build_system
+
+    from ..server.face import ServeConfig, ServingFace
+    from ..server.run import ServerThread
+
+    system = build_system(args.bundle, pacing=Pacing(PacingMode(pacing), args.speed), numerics=args.numerics,
+                          n_slots=slots, queue_limit=queue, maintenance=False, slo=slo)
+    try:
+        face = ServingFace(system.inference, system.observation, None,
+                           ServeConfig(host="127.0.0.1", port=0, max_streams=max(16, queue + slots),
+                                       request_timeout_s=max(600.0, args.timeout)))
+        thread = ServerThread(face).start()
+        try:
+            yield thread.url, system
+        finally:
+            thread.stop()
+    finally:
+        system.close()
+
+
+# --- phases --------------------------------------------------------------------------------------
+
+class Bench:
+    """One run: the HTTP client, prompt sizes and what every phase shares."""
+
+    def __init__(self, args: argparse.Namespace, opts: dict[str, Any]) -> None:
+        self.args = args
+        self.opts = opts
+        self.shapes: dict[str, Shape] = opts["shapes"]
+        self.headers = {"Authorization": f"Bearer {opts['api_key']}"} if opts["api_key"] else {}
+        self.words: dict[str, int] = {}
+        self.model: str | None = None
+        self.next_index = 0  # every prompt of the run is a new one
+
+    def client(self, url: str, clients: int) -> Any:
+        import httpx
+
+        n = clients + 4
+        # trust_env=False: a proxy from the environment would be measured too
+        return httpx.AsyncClient(base_url=url, trust_env=False, timeout=httpx.Timeout(self.args.timeout, connect=10.0),
+                                 limits=httpx.Limits(max_connections=n, max_keepalive_connections=n))
+
+    async def prepare(self, client: Any) -> None:
+        """Prompt word counts from the server's tokenizer (once) and the untimed warm-up."""
+        if not self.words:
+            try:
+                r = await client.get("/v1/models", headers=self.headers)
+                if r.status_code == 200:
+                    data = r.json().get("data") or []
+                    self.model = data[0].get("id") if data else None
+            except Exception:  # noqa: BLE001 - the model name is optional; the warm-up reports a dead server
+                self.model = None
+            for name, shape in self.shapes.items():
+                self.words[name] = await words_for(client, shape, self.args.seed, self.headers)
+        for i in range(self.args.warmup):
+            rec = await stream_chat(client, self.body("short", -1 - i), "short", self.headers, self.args.timeout)
+            if not rec.ok:
+                raise BenchError(f"warm-up request failed: {rec.error}")
+
+    def body(self, shape: str, index: int) -> dict[str, Any]:
+        s = self.shapes[shape]
+        return request_body(prompt_text(index, self.words[shape], self.args.seed), s.output_tokens,
+                            (self.args.seed + index) % 2**32, self.model)
+
+    async def config(self, client: Any, plan: list[str], clients: int, *, n_requests: int | None = None,
+                     duration_s: float | None = None) -> tuple[dict[str, Any], list[Record]]:
+        """One closed-loop configuration, with /metrics scraped before and after."""
+        base = self.next_index
+
+        async def send(i: int) -> Record:
+            shape = plan[i % len(plan)]
+            return await stream_chat(client, self.body(shape, base + i), shape, self.headers, self.args.timeout)
+
+        before, why = await scrape(client, self.headers)
+        cpu0 = time.process_time()
+        records, dur = await closed_loop(send, clients, n_requests=n_requests, duration_s=duration_s)
+        cpu = time.process_time() - cpu0
+        self.next_index += len(records)  # request i of this run was prompt base + i
+        after, why_after = await scrape(client, self.headers)
+        res = summarize(records, dur, self.opts["slo"])
+        res["clients"] = clients
+        # fewer requests than clients: only that many were ever in flight at once
+        res["effective_clients"] = min(clients, n_requests) if n_requests is not None else clients
+        res["process_cpu_s"] = cpu
+        res["per_request"] = [r.row() for r in records]
+        if before is not None and after is not None:
+            res["server_metrics"] = metrics_delta(before, after)
+        else:
+            res["server_metrics"] = {"unavailable": why or why_after}
+        return res, records
+
+
+async def sweep(b: Bench, url: str, pacing: str) -> list[dict[str, Any]]:
+    out = []
+    async with b.client(url, max(b.opts["clients"])) as client:
+        await b.prepare(client)
+        for mix in b.opts["mixes"]:
+            plan = mix_plan(mix, b.args.requests, b.args.seed)
+            for c in b.opts["clients"]:
+                res, _ = await b.config(client, plan, c, n_requests=b.args.requests)
+                out.append({"phase": "sweep", "mix": mix, "pacing": pacing, **res})
+    return out
+
+
+def _pooled_itl(records: list[Record]) -> tuple[float | None, float | None]:
+    import numpy as np
+
+    gaps = [g for r in records if r.ok for g in r.itl_ms]
+    if not gaps:
+        return None, None
+    return float(np.mean(gaps)), float(np.median(gaps))
+
+
+async def overhead(b: Bench, url: str, system: Any) -> dict[str, Any]:
+    """HTTP vs the in-process plane, same workload, fast pacing (module docstring)."""
+    from sim_backend.planes import ChatRequest, SamplingParams
+
+    n = b.args.requests
+    out: dict[str, Any] = {"method": (
+        "legs plane, HTTP, HTTP, plane of --requests short requests each, fast pacing, same server; "
+        "overhead_ms_per_token = P50 of the client's ITL over HTTP (gaps between content chunks) - P50 of the "
+        "ITL of the same requests read straight from the in-process inference plane (gaps between TokenEvents), "
+        "host wall ms, at the first --overhead-clients count; overhead_itl_ms: the same with means; "
+        "overhead_cpu_ms_per_token: this process's CPU (client and server share it) per output token, "
+        "HTTP - plane; overhead_wall_ms_per_token: wall time of the legs per output token, HTTP - plane"),
+        "by_clients": []}
+    async with b.client(url, max(b.opts["overhead_clients"])) as client:
+        await b.prepare(client)
+        for c in b.opts["overhead_clients"]:
+            legs: dict[str, list[tuple[list[Record], float, float]]] = {"plane": [], "http": []}
+            for kind in ("plane", "http", "http", "plane"):
+                if kind == "http":
+                    res, records = await b.config(client, ["short"], c, n_requests=n)
+                    legs[kind].append((records, res["duration_s"], res["process_cpu_s"]))
+                else:
+                    base = b.next_index
+                    b.next_index += n
+                    cpu0 = time.process_time()
+                    reqs = []
+                    for i in range(n):
+                        body = b.body("short", base + i)
+                        reqs.append(("short", ChatRequest(
+                            messages=tuple(body["messages"]), max_tokens=body["max_tokens"],
+                            sampling=SamplingParams(temperature=0.0, seed=body["seed"]), client="bench-plane")))
+                    records, dur = await asyncio.to_thread(plane_closed_loop, system.inference, reqs, c,
+                                                           b.args.timeout)
+                    legs[kind].append((records, dur, time.process_time() - cpu0))
+            row: dict[str, Any] = {"clients": c}
+            for kind, runs in legs.items():
+                recs = [r for rs, _, _ in runs for r in rs]
+                tokens = sum(r.output_tokens or 0 for r in recs if r.ok)
+                mean, p50 = _pooled_itl(recs)
+                row[kind] = {"requests": len(recs), "completed": sum(r.ok for r in recs), "output_tokens": tokens,
+                             "itl_mean_ms": mean, "itl_p50_ms": p50,
+                             "ttft_p50_ms": _p50([r.ttft_ms for r in recs if r.ok]),
+                             "cpu_ms_per_token": sum(cpu for _, _, cpu in runs) * 1e3 / tokens if tokens else None,
+                             "wall_ms_per_token": sum(d for _, d, _ in runs) * 1e3 / tokens if tokens else None}
+            h, p = row["http"], row["plane"]
+            for key, src in (("overhead_itl_ms", "itl_mean_ms"), ("overhead_itl_p50_ms", "itl_p50_ms"),
+                             ("overhead_ttft_p50_ms", "ttft_p50_ms"), ("overhead_cpu_ms_per_token", "cpu_ms_per_token"),
+                             ("overhead_wall_ms_per_token", "wall_ms_per_token")):
+                row[key] = h[src] - p[src] if h[src] is not None and p[src] is not None else None
+            out["by_clients"].append(row)
+    # the headline: medians, which the load of a shared host disturbs far less than means
+    first = out["by_clients"][0]
+    out["overhead_ms_per_token"] = first["overhead_itl_p50_ms"]
+    out["overhead_cpu_ms_per_token"] = first["overhead_cpu_ms_per_token"]
+    out["at_clients"] = first["clients"]
+    return out
+
+
+def _p50(v: Sequence[float | None]) -> float | None:
+    import numpy as np
+
+    x = [a for a in v if a is not None]
+    return float(np.median(x)) if x else None
+
+
+async def sustained(b: Bench, url: str, speed: float) -> dict[str, Any]:
+    """Upward search over --clients at real-time pacing (module docstring)."""
+    from ..bench.serve_load import mean_itl, mean_sim_itl
+
+    margin = b.args.lag_margin / 100.0
+    out: dict[str, Any] = {
+        "method": (f"all-short closed loop for {b.args.duration:g} host s per client count at real-time pacing "
+                   f"(speed {speed:g}); a stream falls behind when its mean client ITL (host wall ms) exceeds "
+                   f"its mean simulated ITL (final-chunk itl_ms) / speed by more than {b.args.lag_margin:g}%; "
+                   "a client count is sustained when every request finished and no stream fell behind; "
+                   "the search goes up the client counts and stops at the first one not sustained"),
+        "speed": speed, "lag_margin_pct": b.args.lag_margin, "by_clients": [], "sustained_streams": 0}
+    async with b.client(url, max(b.opts["clients"])) as client:
+        await b.prepare(client)
+        for c in b.opts["clients"]:
+            res, records = await b.config(client, ["short"], c, duration_s=b.args.duration)
+            lags, behind, judged = [], 0, 0
+            for r in records:
+                wall, sim = mean_itl(r), mean_sim_itl(r)
+                if not r.ok or wall is None or sim is None:
+                    continue
+                judged += 1
+                target = sim / speed
+                lags.append(wall - target)
+                behind += wall > target * (1 + margin)
+            ok = res["requests"]["failed"] == 0 and judged > 0 and behind == 0
+            row = {"clients": c, "sustained": ok, "streams_judged": judged, "streams_behind": behind,
+                   "lag_ms_per_token": _p50(lags),  # client ITL - simulated ITL / speed, median over streams
+                   "client_itl_p50_ms": (res["client"]["itl_ms"] or {}).get("p50"),
+                   "sim_itl_p50_ms": (res["server_timings"]["itl_ms"] or {}).get("p50"),
+                   # one clock at speed 1: simulated ms are wall ms, so these two compare directly
+                   "client_ttft_p50_ms": (res["client"]["ttft_ms"] or {}).get("p50"),
+                   "sim_ttft_p50_ms": (res["server_timings"]["ttft_ms"] or {}).get("p50"),
+                   "requests": res["requests"], "duration_s": res["duration_s"], "process_cpu_s": res["process_cpu_s"],
+                   "per_request": res["per_request"]}
+            out["by_clients"].append(row)
+            if not ok:
+                break
+            out["sustained_streams"] = c
+    # every count tried kept up: the figure is a lower bound (try larger --clients)
+    out["limit_found"] = not all(r["sustained"] for r in out["by_clients"])
+    return out
+
+
+# --- the command ---------------------------------------------------------------------------------
+
+async def _props(b: Bench, url: str) -> dict[str, Any] | None:
+    async with b.client(url, 1) as client:
+        try:
+            r = await client.get("/props", headers=b.headers)
+            return r.json() if r.status_code == 200 else None
+        except Exception:  # noqa: BLE001 - /props is optional (the device block is ours)
+            return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim_backend.planes import CalError
+
+    try:
+        opts = check_args(args)
+    except ValueError as e:
+        return fail(str(e))
+    b = Bench(args, opts)
+    rep: dict[str, Any] = {"tool": "calconsole bench serve", "url": args.url, "in_process": args.url is None,
+                           "load_average_before": list(os.getloadavg()), "cpus": os.cpu_count(),
+                           "clocks": {"client": "host wall ms", "server_timings": "simulated device ms",
+                                      "server_metrics": "simulated device ms"},
+                           "shapes": {k: {"prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens}
+                                      for k, s in b.shapes.items()},
+                           "slo": opts["slo"].to_dict() if opts["slo"] is not None else None,
+                           "configurations": [], "overhead": None, "sustained": None}
+    t0 = time.perf_counter()
+    try:
+        if args.url is not None:
+            _run_remote(b, rep)
+        else:
+            _run_in_process(b, rep)
+    except BenchError as e:
+        return fail(str(e))
+    except (CalError, OSError, RuntimeError) as e:
+        return fail(f"{type(e).__name__}: {e}")
+    except KeyboardInterrupt:  # the servers were stopped on the way out
+        return fail("interrupted; no report", 130)
+    rep["prompt_words"] = b.words
+    rep["wall_s"] = time.perf_counter() - t0
+    rep["load_average_after"] = list(os.getloadavg())
+    if args.json:
+        print_json(rep)
+    else:
+        print_report(rep)
+    return 0
+
+
+def _run_in_process(b: Bench, rep: dict[str, Any]) -> None:
+    args, opts = b.args, b.opts
+    top = max(opts["clients"] + opts["overhead_clients"])
+    queue = max(16, top)
+    rep["server"] = {"numerics": args.numerics, "sweep_pacing": args.pacing, "speed": args.speed,
+                     "sweep_slots": args.slots, "note": "client and server share this process (one interpreter)"}
+    if "sweep" in opts["phases"] or "overhead" in opts["phases"]:
+        with in_process_server(args, pacing=args.pacing, slots=args.slots, queue=queue, slo=opts["slo"]) as (url, sys_):
+            if "sweep" in opts["phases"]:
+                rep["configurations"] = asyncio.run(sweep(b, url, args.pacing))
+            if "overhead" in opts["phases"] and args.pacing == "fast":
+                rep["overhead"] = asyncio.run(overhead(b, url, sys_))
+        if "overhead" in opts["phases"] and args.pacing != "fast":
+            with in_process_server(args, pacing="fast", slots=args.slots, queue=queue, slo=opts["slo"]) as (url, sys_):
+                rep["overhead"] = asyncio.run(overhead(b, url, sys_))
+    if "sustained" in opts["phases"]:
+        slots = min(32, max(args.slots, max(opts["clients"])))
+        rep["server"]["sustained_slots"] = slots
+        with in_process_server(args, pacing="realtime", slots=slots, queue=queue, slo=opts["slo"]) as (url, _):
+            rep["sustained"] = asyncio.run(sustained(b, url, args.speed))
+
+
+def _run_remote(b: Bench, rep: dict[str, Any]) -> None:
+    url, opts = b.args.url, b.opts
+    props = asyncio.run(_props(b, url)) or {}
+    dev = props.get("device") or {}
+    pacing, speed = dev.get("pacing"), dev.get("pacing_speed")
+    rep["server"] = {"numerics": dev.get("numerics"), "pacing": pacing, "speed": speed,
+                     "slots": props.get("total_slots")}
+    if "sweep" in opts["phases"]:
+        rep["configurations"] = asyncio.run(sweep(b, url, str(pacing or "unknown")))
+    if "overhead" in opts["phases"]:
+        rep["overhead"] = {"skipped": "the overhead is measured against the in-process inference plane; "
+                                      "run without --url"}
+    if "sustained" in opts["phases"]:
+        if pacing == "realtime" and isinstance(speed, (int, float)) and speed > 0:
+            rep["sustained"] = asyncio.run(sustained(b, url, float(speed)))
+        else:
+            rep["sustained"] = {"skipped": f"the server's /props says pacing {pacing!r}; the sustained search "
+                                           "needs real-time pacing (calconsole serve --pacing realtime)"}
+
+
+# --- human output --------------------------------------------------------------------------------
+
+def _f(v: Any, nd: int = 1) -> str:
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def _pair(client: dict[str, Any] | None, server: dict[str, Any] | None, key: str = "p50") -> str:
+    return f"{_f((client or {}).get(key))} / {_f((server or {}).get(key))}"
+
+
+def print_report(rep: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=max(140, Console().width))
+    la = rep["load_average_before"]
+    con.print(f"[bold]calconsole bench serve[/] {rep['url'] or '(in-process server, 127.0.0.1)'}; "
+              f"load average {la[0]:.2f} / {rep['load_average_after'][0]:.2f} (before / after) on {rep['cpus']} CPUs; "
+              f"{rep['wall_s']:.0f} s")
+    sh = rep["shapes"]
+    con.print(f"short {sh['short']['prompt_tokens']}->{sh['short']['output_tokens']} tokens, long "
+              f"{sh['long']['prompt_tokens']}->{sh['long']['output_tokens']}; cells are "
+              "client (host wall ms) / server (simulated device ms, final-chunk timings)")
+    if rep["configurations"]:
+        t = Table(title="sweep (closed loop)", show_lines=False)
+        for col in ("mix", "clients", "ok/sent", "TTFT P50", "TTFT P99", "TPOT P50", "ITL P50", "ITL P99",
+                    "E2E P50", "queue P50 sim", "req/s", "out tok/s", "good (SLO)"):
+            t.add_column(col, justify="right" if col not in ("mix",) else "left")
+        for r in rep["configurations"]:
+            c, s = r["client"], r["server_timings"]
+            t.add_row(r["mix"], str(r["clients"]), f"{r['requests']['completed']}/{r['requests']['sent']}",
+                      _pair(c["ttft_ms"], s["ttft_ms"]), _pair(c["ttft_ms"], s["ttft_ms"], "p99"),
+                      _pair(c["tpot_ms"], s["tpot_ms"]), _pair(c["itl_ms"], s["itl_ms"]),
+                      _pair(c["itl_ms"], s["itl_ms"], "p99"), _pair(c["e2e_ms"], s["e2e_ms"]),
+                      _f((s["queue_ms"] or {}).get("p50")), _f(c["request_throughput_rps"], 2),
+                      _f(c["output_throughput_tok_s"]),
+                      "-" if c["good_requests"] is None else f"{c['good_requests']} / {s['good_requests']}")
+        con.print(t)
+        m = Table(title="server /metrics deltas (simulated device ms, bucket-interpolated)")
+        for col in ("mix", "clients", "finished", "good", "tokens", "TTFT P50", "ITL P50", "TPOT P50", "E2E P50",
+                    "queue P50"):
+            m.add_column(col, justify="right" if col != "mix" else "left")
+        for r in rep["configurations"]:
+            sm = r["server_metrics"]
+            if "histograms" not in sm:
+                m.add_row(r["mix"], str(r["clients"]), "-", "-", "-", sm.get("unavailable", "?"), "", "", "", "")
+                continue
+            h, cn = sm["histograms"], sm["counters"]
+            m.add_row(r["mix"], str(r["clients"]), str(cn.get("requests_finished_total", "-")),
+                      str(cn.get("requests_good_total", "-")), str(cn.get("tokens_predicted_total", "-")),
+                      *(_f((h.get(k) or {}).get("p50"))
+                        for k in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "queue_ms")))
+        con.print(m)
+        for r in rep["configurations"]:
+            if r["requests"]["errors"]:
+                con.print(f"[red]{r['mix']} x{r['clients']} errors:[/] {r['requests']['errors']}")
+    ov = rep["overhead"]
+    if ov is not None:
+        if "skipped" in ov:
+            con.print(f"HTTP overhead per token: skipped ({ov['skipped']})")
+        else:
+            con.print(f"[bold]HTTP overhead per token: {_f(ov['overhead_ms_per_token'], 3)} ms[/] wall "
+                      f"(ITL P50 difference at {ov['at_clients']} client(s)), "
+                      f"{_f(ov['overhead_cpu_ms_per_token'], 3)} ms CPU ({ov['method']})")
+            for row in ov["by_clients"]:
+                h, p = row["http"], row["plane"]
+                con.print(f"  {row['clients']:>2} clients: ITL mean {_f(h['itl_mean_ms'], 3)} over HTTP vs "
+                          f"{_f(p['itl_mean_ms'], 3)} on the plane -> [bold]{_f(row['overhead_itl_ms'], 3)} ms/token[/]"
+                          f" (P50 {_f(row['overhead_itl_p50_ms'], 3)}; CPU {_f(row['overhead_cpu_ms_per_token'], 3)} "
+                          f"ms/token; wall per output token {_f(row['overhead_wall_ms_per_token'], 3)}; "
+                          f"TTFT P50 +{_f(row['overhead_ttft_p50_ms'], 2)} ms)")
+    su = rep["sustained"]
+    if su is not None:
+        if "skipped" in su:
+            con.print(f"streams sustained at real time: skipped ({su['skipped']})")
+        else:
+            n = su["sustained_streams"]
+            figure = str(n) if su["limit_found"] else f">= {n} (every count tried kept up)"
+            con.print(f"[bold]streams sustained at real time: {figure}[/] ({su['method']})")
+            for row in su["by_clients"]:
+                con.print(f"  {row['clients']:>2} clients: {'kept up' if row['sustained'] else 'FELL BEHIND'}; "
+                          f"{row['streams_behind']}/{row['streams_judged']} streams behind; lag "
+                          f"{_f(row['lag_ms_per_token'], 2)} ms/token; ITL P50 {_f(row['client_itl_p50_ms'])} wall "
+                          f"vs {_f(row['sim_itl_p50_ms'])} sim; TTFT P50 {_f(row['client_ttft_p50_ms'])} wall vs "
+                          f"{_f(row['sim_ttft_p50_ms'])} sim; failed {row['requests']['failed']}")
