@@ -195,8 +195,8 @@ def run_calibration(cost_model: CostModel | None = None, *, mode: str = "timing-
         err = case_error_pct(name, sim)
         c: dict = {"name": name, "mode": mode, "role": "fitted", "simulated": sim, "error_pct": err,
                    "explained": None}
-        if name in _POINTS:
-            c.update(measured=_POINTS[name], unit="s" if name.startswith("e2e") else "tok/s",
+        if name in POINT_CASES:
+            c.update(measured=POINT_CASES[name], unit="s" if name.startswith("e2e") else "tok/s",
                      ok=abs(err) <= TOLERANCE_PCT)
         else:
             lo, hi = _BANDS[name]
@@ -367,7 +367,8 @@ FIT_INTEGER: tuple[str, ...] = ("attn_max_splits",)
 #: the F7 cases the fit uses (role "fitted"); every other case is held out
 FIT_CASES: tuple[str, ...] = ("prefill_27_tok_s", "decode_246_tok_s", "e2e_27_prompt_246_decode") + tuple(
     b[0] for b in DECODE_BANDS)
-_POINTS = {"prefill_27_tok_s": PREFILL_27_TOK_S, "decode_246_tok_s": DECODE_246_TOK_S,
+#: the three F7 point measurements by case name
+POINT_CASES = {"prefill_27_tok_s": PREFILL_27_TOK_S, "decode_246_tok_s": DECODE_246_TOK_S,
            "e2e_27_prompt_246_decode": E2E_S}
 _BANDS = {name: band for name, _, band in DECODE_BANDS}
 _POINT_SIGMA = 0.01        # a point case's residual unit: 1 % (log)
@@ -399,8 +400,8 @@ def evaluate_cases(cm: CostModel, touched_27: list[float] | None = None,
 
 
 def _residual(name: str, sim: float) -> float:
-    if name in _POINTS:
-        return math.log(sim / _POINTS[name]) / _POINT_SIGMA
+    if name in POINT_CASES:
+        return math.log(sim / POINT_CASES[name]) / _POINT_SIGMA
     lo, hi = _BANDS[name]
     return math.log(sim / band_centre((lo, hi))) / (0.5 * math.log(hi / lo))
 
@@ -413,7 +414,7 @@ def band_miss_pct(name: str, sim: float) -> float:
 
 def case_error_pct(name: str, sim: float) -> float:
     """Error of a fit case in %: vs the measurement (points) or the band's geometric centre (bands)."""
-    ref = _POINTS[name] if name in _POINTS else band_centre(_BANDS[name])
+    ref = POINT_CASES[name] if name in POINT_CASES else band_centre(_BANDS[name])
     return (sim - ref) / ref * 100.0
 
 
