@@ -144,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
     for eng in (c for c in cases if c.get("engine") and c["name"] == "engine_e2e_27_prompt_246_decode"):
         con.print(f"engine request ({eng['mode']}): {eng['prompt_n']} prompt tokens, {eng['predicted_n']} generated; "
                   f"simulated device {eng['device_ms']:.1f} ms + measured host "
-                  f"{eng['host_ms']:.1f} ms; ran in {eng['wall_s']:.2f} s of host wall time")
+                  f"{eng['host_ms']:.1f} ms ({eng['host_ms_per_token']:.3f} ms per token on this machine; the "
+                  f"cost model's fitted allowance is {eng['fitted_host_ms_per_token']:.3f}); ran in "
+                  f"{eng['wall_s']:.2f} s of host wall time")
     if timing is not None:
         con.print(f"price_step host cost: decode {timing['decode']:.0f} us/call, "
                   f"27-token prefill {timing['prefill']:.0f} us/call (host wall time)")
