@@ -31,6 +31,7 @@ from sim_backend.device.faults import FIRED_NAMES, FaultInjectingKV, Faults  # n
 from sim_backend.device.jobs import Job, JobCounters, JobState, StepResult  # noqa: F401
 from sim_backend.device.registers import RegisterFile
 from sim_backend.errors import CCUException, DeviceError, DeviceNotReady, DeviceReset, LinkError, SubmitError
+from sim_backend.model.costmodel import priced_experts_touched
 from sim_backend.model.numerics import ShardedModel
 
 if TYPE_CHECKING:
@@ -339,11 +340,15 @@ class SimulatedBoard:
                 assert model is not None  # refused above
                 out = model.forward(job.tokens, job.positions, job.new_cells, job.ctx_cells, job.ctx_positions)
                 logits_bf16 = out.bf16()  # converted once, where the logits were made (the worker sends BF16)
-                touched = tuple(out.experts_touched)
+                touched = tuple(int(v) for v in out.experts_touched)
             slow = dict(self.faults.slow_chip)
             scale = [slow.get(c, 1.0) for c in range(self.shape.n_chips)] if slow else None
-            cost = self.cost_model.price_step(self.shape, job.kind, int(job.tokens.shape[0]), job.past_len,
-                                              experts_touched=list(touched) if touched else None, chip_scale=scale)
+            n_tok = int(job.tokens.shape[0])
+            # numeric mode prices the router's per-layer pattern at a trained router's mean
+            priced = priced_experts_touched(touched, n_tok, self.shape.n_experts,
+                                            self.shape.n_experts_active) if touched else None
+            cost = self.cost_model.price_step(self.shape, job.kind, n_tok, job.past_len,
+                                              experts_touched=priced, chip_scale=scale)
         except Exception as e:  # a numerics bug must fail this job, not kill the device thread
             self._fail(job, JobState.FAILED, DeviceError(f"job {job.id} failed in the simulator: {e!r}"))
             return

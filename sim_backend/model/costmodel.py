@@ -55,7 +55,7 @@ DEFAULT_HW_PATH = Path(__file__).resolve().parents[1] / "hardware" / "calculet_n
 _MAX_HW_BYTES = 1 << 20
 
 _REQUIRED: dict[str, tuple[str, ...]] = {
-    "hardware": ("n_chips", "peak_int8_tops", "peak_fp16_tflops", "dram_bw_gbps",
+    "hardware": ("n_chips", "peak_int8_tops", "peak_fp16_tflops", "dram_bw_gbps", "sram_bw_gbps",
                  "dram_physical_gib", "sram_physical_mib", "d2d_link_gbps", "d2d_latency_us",
                  "pcie_gbps", "pcie_latency_us"),
     "quantisation": ("attn_proj_bytes_per_weight", "router_bytes_per_weight",
@@ -64,11 +64,13 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
                      "kv_bytes", "token_input_bytes", "csr_bytes"),
     "memory": ("param_dram_shared_gib", "param_file_gib", "param_sram_window_mib",
                "dram_reservation_gib", "sram_reservation_mib", "address_union_gib"),
-    "fitted": ("weight_stream_eff", "kv_read_eff", "activation_eff", "d2d_eff",
+    "fitted": ("weight_stream_eff", "kv_row_overhead_bytes", "attn_kv_block_rows", "attn_max_splits",
+               "attn_split_merge_us", "activation_eff", "d2d_eff",
                "int8_compute_eff", "fp16_compute_eff", "attn_compute_eff", "prefill_m_tile",
-               "per_op_overhead_us", "step_submit_overhead_us", "attn_kv_ramp_us",
-               "attn_kv_ramp_tokens", "host_overhead_ms_per_token"),
+               "per_op_overhead_us", "step_submit_overhead_us", "host_overhead_ms_per_token"),
 }
+#: fitted parameters that must be integers (tile rows, partition counts)
+_INTEGER_FITTED = ("prefill_m_tile", "attn_kv_block_rows", "attn_max_splits")
 
 
 # Accepted range (lo, hi, lo inclusive?) of every number in the hardware YAML, so a
@@ -82,6 +84,7 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "hardware.peak_int8_tops": (0.0, 10_000.0, False),      # shipped 128
     "hardware.peak_fp16_tflops": (0.0, 10_000.0, False),    # shipped 32
     "hardware.dram_bw_gbps": (0.0, 100_000.0, False),       # shipped 102.4; HBM3e stacks ~ 1e3-1e4
+    "hardware.sram_bw_gbps": (0.0, 1_000_000.0, False),     # shipped 2048
     "hardware.dram_physical_gib": (0.0, _GIB_MAX, False),
     "hardware.sram_physical_mib": (0.0, _MIB_MAX, False),
     "hardware.d2d_link_gbps": (0.0, 100_000.0, False),
@@ -93,7 +96,8 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "memory.*_gib": (0.0, _GIB_MAX, False),
     "memory.*_mib": (0.0, _MIB_MAX, False),
     "fitted.prefill_m_tile": (1, 4096, True),
-    "fitted.attn_kv_ramp_tokens": (0.0, 1e7, False),
+    "fitted.attn_kv_block_rows": (1, 1 << 20, True),
+    "fitted.attn_max_splits": (1, 4096, True),
     "fitted.*": (0.0, 1e7, True),                           # overheads (us, ms per token); _eff checked apart
 }
 
@@ -131,7 +135,10 @@ class HardwareSpec:
         hardware: per-chip peaks (TOPS/TFLOPS), DRAM/link/PCIe GB/s, latencies (µs).
         quantisation: bytes per weight by role, activation/KV/input byte widths.
         memory: FACTS F4 figures the model cannot derive (GiB / MiB).
-        fitted: fitted cost-model parameters (efficiencies, overheads µs).
+        fitted: fitted or assumed cost-model parameters (efficiencies, overheads µs, tile sizes).
+        ranges: ``(lo, hi)`` physical range of every ``fitted`` parameter (the YAML's
+            ``ranges`` section): fits stay inside it, sensitivity ranges sweep it, and
+            a value outside it is refused at load.
     """
 
     path: str
@@ -139,6 +146,7 @@ class HardwareSpec:
     quantisation: Mapping[str, Any]
     memory: Mapping[str, Any]
     fitted: Mapping[str, Any]
+    ranges: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> HardwareSpec:
@@ -190,9 +198,36 @@ class HardwareSpec:
                         _check_number(path, f"{fld}.{k}", v, _RANGES["memory.*_gib"])
                 else:
                     _check_number(path, fld, val, _range_for(sec, key),
-                                  integer=key in ("n_chips", "prefill_m_tile"))
+                                  integer=key == "n_chips" or key in _INTEGER_FITTED)
             sections[sec] = _freeze(dict(body))
-        return cls(path=path, **sections)
+        ranges = cls._check_ranges(doc.get("ranges"), sections["fitted"], path)
+        return cls(path=path, ranges=ranges, **sections)
+
+    @staticmethod
+    def _check_ranges(body: Any, fitted: Mapping[str, Any], path: str) -> Mapping[str, tuple[float, float]]:
+        """The ``ranges`` section: a physical ``[lo, hi]`` for EVERY fitted parameter, the value inside it."""
+        if not isinstance(body, Mapping):
+            raise ManifestError(path, "ranges", "missing section (must map every fitted parameter to [lo, hi])")
+        extra = sorted(set(body) - set(fitted))
+        if extra:
+            raise ManifestError(path, f"ranges.{extra[0]}", "not a fitted parameter")
+        out: dict[str, tuple[float, float]] = {}
+        for key, val in fitted.items():
+            fld = f"ranges.{key}"
+            rng = body.get(key)
+            if not isinstance(rng, list) or len(rng) != 2:
+                raise ManifestError(path, fld, f"must be [lo, hi] (physical range of fitted.{key}), "
+                                               f"got {bounded_repr(rng)}")
+            hard = (0.0, 1.0, False) if key.endswith("_eff") else _range_for("fitted", key)
+            for i, v in enumerate(rng):
+                _check_number(path, f"{fld}[{i}]", v, hard, integer=key in _INTEGER_FITTED)
+            lo, hi = float(rng[0]), float(rng[1])
+            if lo > hi:
+                raise ManifestError(path, fld, f"lo {lo:g} > hi {hi:g}")
+            if not lo <= float(val) <= hi:
+                raise ManifestError(path, f"fitted.{key}", f"{val:g} is outside its physical range [{lo:g}, {hi:g}]")
+            out[key] = (lo, hi)
+        return MappingProxyType(out)
 
     def with_fitted(self, **overrides: float) -> HardwareSpec:
         """Copy with some ``fitted`` values replaced (offline fitting, what-if studies)."""
@@ -208,6 +243,35 @@ def expected_experts_touched(n_tokens: int, n_experts: int = 128, k: int = 8) ->
     27 tokens -> 105.6; 1 token -> 8 (STYLE.md "Simulators").
     """
     return n_experts * (1.0 - ((n_experts - k) / n_experts) ** n_tokens)
+
+
+def priced_experts_touched(router_touched: Sequence[int], n_tokens: int, n_experts: int = 128,
+                           k: int = 8) -> np.ndarray:
+    """Per-layer distinct experts to PRICE a step with, from the synthetic router's own choices.
+
+    The synthetic router (random reduced-width weights) routes the tokens of a prompt to
+    fewer distinct experts than a trained one: the 27-token calibration prompt touches 95.9
+    per layer on average where the independent-routing expectation, which we take for the
+    trained Qwen3 router (trained with a load-balancing loss), is 105.6.  F7 was measured with
+    the trained router, so the router's per-layer PATTERN is kept and its mean brought to the
+    expectation: ``touched * expected / mean(touched)``, clipped to ``[k, min(E, n*k)]``.
+    One token (decode) always gives ``k``.  Timing-only mode prices the expectation itself,
+    so both modes price the same mean and F7 holds in both (tests/tools/test_calibration.py).
+
+    Args:
+        router_touched: per layer, distinct experts the router chose in the step (ints >= 1).
+        n_tokens: tokens in the step.
+    Returns:
+        float64 (n_layers,) distinct experts per layer.
+    Raises:
+        ValueError: empty input or entries < 1.
+    """
+    t = np.asarray(router_touched, dtype=np.float64)
+    if t.size == 0 or (t < 1).any():
+        raise ValueError("router_touched must be a non-empty list of counts >= 1")
+    hi = float(min(n_experts, n_tokens * k))
+    scaled = t * (expected_experts_touched(n_tokens, n_experts, k) / t.mean())
+    return np.clip(scaled, min(float(k), hi), hi)
 
 
 @dataclass(frozen=True, eq=False)
@@ -235,6 +299,8 @@ class StepCost:
             a slow-chip fault makes it > 1 for that chip only).
         dram_bytes: per-chip DRAM bytes by stream (``weights``, ``lm_head``, ``kv``, ``activations``)
             on chip0.
+        sram_bytes: per-chip activation bytes that fit the SRAM workspace and were priced at
+            SRAM bandwidth instead (``hardware.sram_bw_gbps``).
         graph: the priced :class:`~sim_backend.model.opgraph.OpGraph`.
     """
 
@@ -252,6 +318,7 @@ class StepCost:
     op_us: np.ndarray
     op_start_us: np.ndarray
     dram_bytes: Mapping[str, float] = field(default_factory=dict)
+    sram_bytes: float = 0.0
     graph: OpGraph | None = None
     chip_scale: tuple[float, ...] = ()
 
@@ -279,6 +346,7 @@ class StepCost:
             "layer_chip_category_us": self.layer_chip_category_us.tolist(),
             "slowest_category_per_layer": self.slowest_category_per_layer,
             "dram_bytes": dict(self.dram_bytes),
+            "sram_bytes": self.sram_bytes,
             "chip_scale": list(self.chip_scale),
         }
 
@@ -332,8 +400,11 @@ class CostModel:
         return cls(HardwareSpec.load(path))
 
     def with_fitted(self, **overrides: float) -> CostModel:
-        """A new model with some fitted parameters replaced."""
-        return CostModel(self.hw.with_fitted(**overrides))
+        """A new model with some fitted parameters replaced (shares the prepared graphs: they
+        depend on the shape only, so a fit that prices thousands of variants builds them once)."""
+        new = CostModel(self.hw.with_fitted(**overrides))
+        new._prepared = self._prepared
+        return new
 
     @property
     def host_overhead_ms_per_token(self) -> float:
@@ -372,7 +443,18 @@ class CostModel:
         ctx = past + n
 
         bw = hw["dram_bw_gbps"] * 1e3                      # bytes per µs
-        w_bw, kv_bw, act_bw = bw * f["weight_stream_eff"], bw * f["kv_read_eff"], bw * f["activation_eff"]
+        w_bw, act_bw = bw * f["weight_stream_eff"], bw * f["activation_eff"]
+        # KV rows: one head's K (or V) for one position, 128 x BF16 = 256 B.  They stream like the
+        # weights (same DRAM, same efficiency) but each row also pays a fixed overhead (page/bank
+        # switch, descriptor), so their efficiency is row / (row + overhead) of the weights'.
+        row = d * q["kv_bytes"]
+        kv_bw = w_bw * row / (row + f["kv_row_overhead_bytes"])
+        # SRAM: what the memory plan reserves beyond the parameters' window is the activation
+        # workspace (FACTS F4: 16.844 - 14.381 MiB per chip); an op whose activations fit in it
+        # reads and writes them at SRAM bandwidth, a larger one streams them through DRAM.
+        sram_ws = max(0.0, (self.hw.memory["sram_reservation_mib"] - self.hw.memory["param_sram_window_mib"])
+                      * 2**20)
+        sram_bw = hw["sram_bw_gbps"] * 1e3
         link = hw["d2d_link_gbps"] * 1e3 * f["d2d_eff"]
         lat = hw["d2d_latency_us"]
         int8 = hw["peak_int8_tops"] * 1e6 * f["int8_compute_eff"]      # ops per µs
@@ -383,19 +465,24 @@ class CostModel:
         rows = (lambda r: np.maximum(r, tile)) if prefill else (lambda r: r)
 
         t: dict[str, Any] = {}
-        wbytes = {"weights": 0.0, "lm_head": 0.0, "kv": 0.0, "activations": 0.0}
+        wbytes = {"weights": 0.0, "lm_head": 0.0, "kv": 0.0, "activations": 0.0, "sram_activations": 0.0}
+
+        def act(nbytes: float, mult: float) -> float:
+            """µs to move an op's activations, booking the bytes (x mult ops) to SRAM or DRAM."""
+            if nbytes <= sram_ws:
+                wbytes["sram_activations"] += nbytes * mult
+                return nbytes / sram_bw
+            wbytes["activations"] += nbytes * mult
+            return nbytes / act_bw
 
         def mm(role: str, m: int, kdim: int, ndim: int, bpw: float, peak: float, key="weights") -> None:
             wb = kdim * ndim * bpw
-            ab = (m * kdim + m * ndim) * a
-            t[role] = max(2.0 * rows(m) * kdim * ndim / peak, wb / w_bw + ab / act_bw) + ov
             mult = shape.n_layers if role not in ("lm_head",) else 1
+            t[role] = max(2.0 * rows(m) * kdim * ndim / peak, wb / w_bw + act((m * kdim + m * ndim) * a, mult)) + ov
             wbytes[key] += wb * mult
-            wbytes["activations"] += ab * mult
 
         def vec(role: str, nbytes: float, layers: bool = True) -> None:
-            t[role] = nbytes / act_bw + ov
-            wbytes["activations"] += nbytes * (shape.n_layers if layers else 1)
+            t[role] = act(nbytes, shape.n_layers if layers else 1) + ov
 
         def d2d(role: str, nbytes: float, profiled: bool = True) -> None:
             t[role] = lat + nbytes / link + (ov if profiled else 0.0)
@@ -413,12 +500,18 @@ class CostModel:
         # flash attention: KV read grows with context; prefill FLOPs are quadratic (causal)
         ctx_eff = past + (n + 1) / 2.0 if prefill else float(ctx)
         attn_flops = 4.0 * n * hq * d * ctx_eff
-        kv_read = ctx * hkv * 2 * d * q["kv_bytes"]
-        attn_act = 2 * n * hq * d * a
-        ramp = f["attn_kv_ramp_us"] * (1.0 - math.exp(-ctx / f["attn_kv_ramp_tokens"]))
-        t["attn"] = max(attn_flops / attn_c, kv_read / kv_bw + attn_act / act_bw) + ramp + ov
+        kv_read = ctx * hkv * 2 * row
+        attn_t = act(2 * n * hq * d * a, shape.n_layers)
+        # Decode is split-KV (flash decoding): the context is cut into blocks of attn_kv_block_rows
+        # positions spread over at most attn_max_splits partitions (cores); each partition ends
+        # with a merge of its partial max / sum / output.  The merges grow with the context until
+        # every partition is used, then stay constant.  Prefill parallelises over query tiles.
+        merge = 0.0
+        if not prefill:
+            splits = min(max(1, math.ceil(ctx / f["attn_kv_block_rows"])), f["attn_max_splits"])
+            merge = splits * f["attn_split_merge_us"]
+        t["attn"] = max(attn_flops / attn_c, kv_read / kv_bw + attn_t) + merge + ov
         wbytes["kv"] += kv_read * shape.n_layers
-        wbytes["activations"] += attn_act * shape.n_layers
         # --- chiplet exchanges: barriers are data-less (CCU, not profiled)
         for role in ("attn_sync", "router_sync", "moe_sync"):
             d2d(role, 0.0, profiled=False)
@@ -443,15 +536,16 @@ class CostModel:
         vec("multiply", 3 * n * k * Fc * a)
         r = n * k / touched                                          # tokens per touched expert
         e_w = touched * H * Fc * q["expert_bytes_per_weight"]        # (n_layers,)
-        e_act = (n * k * H + n * k * Fc) * a
+        e_act_t = act((n * k * H + n * k * Fc) * a, 3 * shape.n_layers)
         e_flops = 2.0 * touched * rows(r) * H * Fc
-        e_t = np.maximum(e_flops / fp16, e_w / w_bw + e_act / act_bw) + ov
+        e_t = np.maximum(e_flops / fp16, e_w / w_bw + e_act_t) + ov
         for role in ("expert_gate", "expert_up", "expert_down"):
             t[role] = e_t
         wbytes["weights"] += 3 * float(e_w.sum())
-        wbytes["activations"] += 3 * e_act * shape.n_layers
         # --- outside the layers
-        t["embedding"] = n * H * (q["embedding_bytes_per_weight"] + a) / act_bw + ov
+        # the embedding rows are gathered from the DRAM table; the output lands in the workspace
+        t["embedding"] = n * H * q["embedding_bytes_per_weight"] / act_bw + act(n * H * a, 1) + ov
+        wbytes["activations"] += n * H * q["embedding_bytes_per_weight"]
         d2d("embed_sync", n * H * a)
         vec("layout_in", 2 * n * H * a, layers=False)
         vec("layout_out", 2 * n * H * a, layers=False)
@@ -462,7 +556,7 @@ class CostModel:
         return t, wbytes
 
     def price_step(self, shape: ModelShape, kind: str, n_tokens: int, past_len: int,
-                   experts_touched: Sequence[int] | None = None,
+                   experts_touched: Sequence[float] | np.ndarray | None = None,
                    chip_scale: Sequence[float] | None = None) -> StepCost:
         """Simulated cost of one step.
 
@@ -511,6 +605,7 @@ class CostModel:
 
         p = self._prep(shape, kind)
         t, dram = self._role_costs(shape, kind, n_tokens, past_len, touched)
+        sram_bytes = dram.pop("sram_activations")
         op_us = np.empty(p.n_ops, dtype=np.float64)
         for role, idx in p.role_ops.items():
             op_us[idx] = t[role]
@@ -545,7 +640,8 @@ class CostModel:
             h2d_us=float(h2d), infer_us=infer, d2h_us=float(d2h), total_us=float(h2d + infer + d2h),
             layer_chip_us=layer_chip, layer_chip_category_us=layer_chip_cat, categories=CATEGORIES,
             global_us=global_us, op_us=op_us, op_start_us=op_start,
-            dram_bytes=MappingProxyType(dram), graph=p.graph, chip_scale=tuple(float(x) for x in scale),
+            dram_bytes=MappingProxyType(dram), sram_bytes=float(sram_bytes), graph=p.graph,
+            chip_scale=tuple(float(x) for x in scale),
         )
 
 

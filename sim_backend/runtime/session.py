@@ -58,6 +58,10 @@ class RuntimeSession:
              task_type: str = "auto", acquire_timeout: float = 0.0, numeric: bool = True) -> OutputBuf:
         """Submit one prefill/decode step of ``seq_id`` whose new ``cells`` were applied in the KV.
 
+        One token always runs the ``decode`` sub-model, whatever ``kind`` says (FACTS F1: the
+        sub-model is chosen by ``n_tokens > 1``); ``kind`` is the caller's stage for its own
+        accounting.
+
         past_kv_cur_seq_len is the sequence's other cells. Raises SubmitError,
         DeviceNotReady, or the errors of ``Calbin.submit_job``; on error the
         buffer pair is back in the pool.
@@ -70,8 +74,10 @@ class RuntimeSession:
             n = pair.inp.n_tokens
             ctx = self.kv.seq_cells(seq_id)  # read once: the CSR here, the attention context in the submit
             pair.inp.set_csr(past_kv_cur_seq_len=ctx[0].shape[0] - n, cur_seq_len=n)
-            out = self.calbin._submit(self.submodels[kind], pair.inp, pair.out, task_type=task_type,
-                                      numeric=numeric, ctx=ctx)
+            # FACTS F1: the real path picks prefill only if the sequence has n_tokens > 1, else decode,
+            # so a leftover 1-token prefill chunk (a 2049-token prompt) runs the decode sub-model
+            sub = self.submodels["decode" if n == 1 else kind]
+            out = self.calbin._submit(sub, pair.inp, pair.out, task_type=task_type, numeric=numeric, ctx=ctx)
         except BaseException:
             self.pool.release(pair)
             raise

@@ -142,11 +142,15 @@ def test_trace_bad_arguments(capsys, tmp_path):
 def test_bench_calibrate_json(capsys):
     # --no-engine: the engine case measures real host work; its figures are checked in
     # test_calibration.py with host work scripted (no timed assertion here)
-    code, out, _ = run(capsys, "bench", "calibrate", "--json", "--no-engine")
+    # --no-loo / --timing-only: the held-out figures are checked in tests/tools/test_calibration.py
+    code, out, _ = run(capsys, "bench", "calibrate", "--json", "--no-engine", "--no-loo", "--timing-only")
     assert code == 0
-    cases = json.loads(out)
-    assert all({"name", "measured", "simulated", "unit", "ok"} <= c.keys() for c in cases)
+    doc = json.loads(out)
+    cases = doc["cases"]
+    assert all({"name", "mode", "role", "measured", "simulated", "unit", "ok", "explained"} <= c.keys() for c in cases)
     assert all(("error_pct" in c) or ("band" in c) or isinstance(c["simulated"], list) for c in cases)
-    assert all(c["ok"] for c in cases)
-    code, out, _ = run(capsys, "bench", "calibrate", "--no-engine")
+    assert all(c["ok"] or c["explained"] for c in cases)
+    assert {c["mode"] for c in cases} == {"timing-only"} and set(doc["summary"]) == {"timing-only"}
+    assert {c["role"] for c in cases} == {"fitted", "held-out"}
+    code, out, _ = run(capsys, "bench", "calibrate", "--no-engine", "--no-loo", "--timing-only")
     assert code == 0 and "decode_246_tok_s" in out and "+-" not in out

@@ -115,12 +115,12 @@ def test_bad_arguments(cm):
 
 def test_bad_yaml_is_a_manifest_error(tmp_path):
     doc = yaml.safe_load(DEFAULT_HW_PATH.read_text())
-    del doc["fitted"]["kv_read_eff"]
+    del doc["fitted"]["kv_row_overhead_bytes"]
     p = tmp_path / "hw.yaml"
     p.write_text(yaml.safe_dump(doc))
     with pytest.raises(ManifestError) as ei:
         CostModel.load(p)
-    assert ei.value.field == "fitted.kv_read_eff"
+    assert ei.value.field == "fitted.kv_row_overhead_bytes"
     doc = yaml.safe_load(DEFAULT_HW_PATH.read_text())
     doc["fitted"]["weight_stream_eff"] = 1.7
     with pytest.raises(ManifestError):
@@ -188,7 +188,10 @@ def _hw_doc():
     ("fitted", "prefill_m_tile", 0),
     ("fitted", "prefill_m_tile", 64.5),
     ("fitted", "host_overhead_ms_per_token", -0.1),
-    ("fitted", "attn_kv_ramp_tokens", 0),
+    ("fitted", "attn_max_splits", 0),
+    ("fitted", "attn_kv_block_rows", 100.5),
+    ("fitted", "attn_split_merge_us", 6.5),      # inside the hard limits, outside its physical range
+    ("fitted", "weight_stream_eff", 0.99),       # likewise
     ("fitted", "weight_stream_eff", float("nan")),
 ])
 def test_hardware_numbers_out_of_range_are_refused(sec, key, value):
@@ -251,3 +254,74 @@ def test_bad_chip_scale_is_refused(cm, bad):
     with pytest.raises(ValueError, match="chip_scale"):
         cm.price_step(SHAPE, "decode", 1, 10, chip_scale=bad)
 
+
+
+# ------------------------------------ issue 13: physical ranges, KV mechanism, SRAM
+
+def test_every_fitted_parameter_has_a_physical_range_and_lies_in_it():
+    hw = HardwareSpec.load()
+    assert set(hw.ranges) == set(hw.fitted)
+    for k, (lo, hi) in hw.ranges.items():
+        assert lo <= hw.fitted[k] <= hi, k
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda d: d.pop("ranges"), "ranges"),
+    (lambda d: d["ranges"].pop("kv_row_overhead_bytes"), "ranges.kv_row_overhead_bytes"),
+    (lambda d: d["ranges"].__setitem__("kv_row_overhead_bytes", [10.0, 1.0]), "ranges.kv_row_overhead_bytes"),
+    (lambda d: d["ranges"].__setitem__("weight_stream_eff", [0.5, 1.5]), "ranges.weight_stream_eff[1]"),
+    (lambda d: d["ranges"].__setitem__("bogus", [0, 1]), "ranges.bogus"),
+])
+def test_bad_ranges_section_is_refused(edit, field):
+    doc = _hw_doc()
+    edit(doc)
+    with pytest.raises(ManifestError) as e:
+        HardwareSpec.from_dict(doc, "hw.yaml")
+    assert e.value.field == field
+
+
+def test_kv_cost_per_context_token_falls_until_the_split_knee(cm):
+    """Split-KV merges grow with the context up to block_rows x max_splits tokens, then stay flat:
+    the marginal decode cost per context token is higher below the knee than above it."""
+    f = cm.hw.fitted
+    knee = int(f["attn_kv_block_rows"] * f["attn_max_splits"])
+
+    def us(ctx):
+        return cm.price_step(SHAPE, "decode", 1, ctx).total_us
+
+    below = (us(knee - 1) - us(255)) / (knee - 256)
+    above = (us(40000) - us(knee + 1)) / (40000 - knee - 1)
+    assert below > 1.3 * above
+    # without merges the KV cost is linear in the context (only the bytes grow)
+    flat = cm.with_fitted(attn_split_merge_us=0.0)
+    def fus(ctx):
+        return flat.price_step(SHAPE, "decode", 1, ctx).total_us
+
+    a, b = fus(knee) - fus(256), fus(2 * knee - 256) - fus(knee)
+    assert a == pytest.approx(b, rel=1e-9)
+    # KV rows stream at the weights' efficiency times row / (row + overhead)
+    fa = CATEGORIES.index("flash_attention")
+    lean = cm.with_fitted(kv_row_overhead_bytes=0.0, attn_split_merge_us=0.0)
+    t_lean = lean.price_step(SHAPE, "decode", 1, 30000).layer_chip_category_us[0, 0, fa]
+    t_flat = flat.price_step(SHAPE, "decode", 1, 30000).layer_chip_category_us[0, 0, fa]
+    row = 128 * 2
+    ratio = (row + f["kv_row_overhead_bytes"]) / row
+    ov = f["per_op_overhead_us"]
+    assert (t_flat - ov) == pytest.approx((t_lean - ov) * ratio, rel=0.02)
+
+
+def test_small_activations_are_priced_at_sram_bandwidth(cm):
+    dec = cm.price_step(SHAPE, "decode", 1, 100)
+    assert dec.sram_bytes > 0 and dec.dram_bytes["activations"] < dec.sram_bytes
+    # a 2048-token prefill chunk's hidden states (8 MiB) do not fit the 2.463 MiB workspace
+    big = cm.price_step(SHAPE, "prefill", 2048, 0)
+    assert big.dram_bytes["activations"] > big.sram_bytes
+    # slower SRAM makes a decode step slower: the SRAM rate is what prices the small activations
+    import dataclasses
+    from types import MappingProxyType
+
+    slow_hw = dataclasses.replace(cm.hw, hardware=MappingProxyType({**cm.hw.hardware, "sram_bw_gbps": 50.0}))
+    assert CostModel(slow_hw).price_step(SHAPE, "decode", 1, 100).total_us > dec.total_us
+    # the workspace is the memory plan's SRAM reservation minus the parameters' window (FACTS F4)
+    mem = cm.hw.memory
+    assert (mem["sram_reservation_mib"] - mem["param_sram_window_mib"]) == pytest.approx(2.463, abs=1e-3)

@@ -428,3 +428,30 @@ def test_output_buffer_logits_none_before_a_result_and_in_timing_only_mode(board
     board.gate.open()
     res = out.wait(WAIT)
     assert res.logits_bf16 is None and out.logits_bf16 is None  # timing-only board: no logits exist
+
+
+def test_a_leftover_one_token_prefill_chunk_runs_the_decode_submodel():
+    """FACTS F1: the sub-model is picked by n_tokens > 1, so a 27-token prompt cut into a
+    26-token chunk and a 1-token chunk runs prefill(26) then the DECODE sub-model for the last
+    token (priced as a decode step), and its first token comes from that step."""
+    from sim_backend.bundle.shapes import ModelShape
+    from sim_backend.model.costmodel import CostModel
+    from sim_backend.model.trace import StepRecorder
+    from sim_backend.planes.system import build_system
+    from sim_backend.serving.api import ChatRequest
+    from sim_backend.serving.hosttime import ScriptedHostTimer
+    from sim_backend.tools.calibration import ENGINE_PROMPT
+
+    with build_system(numerics=False, maintenance=False, n_slots=1, host_timer=ScriptedHostTimer(0.0)) as system:
+        system.engine.prefill_chunk = 26
+        rec = StepRecorder()
+        system.board.add_listener(rec)
+        res = system.engine.generate(ChatRequest.from_prompt(ENGINE_PROMPT, max_tokens=2), timeout=30)
+        steps = rec.wait_for(3)
+    assert res.status == "finished" and res.timings.prompt_n == 27 and res.timings.predicted_n == 2
+    assert [(s.kind, s.n_tokens, s.past_len) for s in steps] == [("prefill", 26, 0), ("decode", 1, 26),
+                                                                   ("decode", 1, 27)]
+    cm = CostModel.load()
+    assert steps[1].cost.total_us == cm.price_step(ModelShape(), "decode", 1, 26).total_us
+    # the engine still counts the 1-token chunk as prompt processing (prompt_ms covers both steps)
+    assert res.timings.prompt_ms * 1e3 == pytest.approx(steps[0].sim_us + steps[1].sim_us, rel=1e-9)
