@@ -256,7 +256,7 @@ class CalConsoleApp(App):
             m = panes.first()
             for title, key, action in PALETTE:
                 yield SystemCommand(f"Maintenance: {title}", f"key {key} in the maintenance pane (F3)",
-                                    lambda action=action: m.run_action(action))
+                                    lambda action=action: getattr(m, f"action_{action}")())
 
     def set_refresh(self, hz: float) -> None:
         self.refresh_hz = hz

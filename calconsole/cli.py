@@ -11,7 +11,6 @@ from .commands import load_commands
 from .commands.common import add_common_options, check_common, fail, finalize
 from .layout import MAX_REFRESH_HZ, MIN_REFRESH_HZ
 
-
 SETTINGS_HELP = """settings: {path} (YAML; optional). Keys: layout, refresh_hz, history_window_s (60|300|900),
 theme, compact (auto|on|off), audit_log, slo {{ttft_ms, tpot_ms}}, thresholds {{NAME: {{warn, crit}}}}
 with NAME one of {names}. Environment overrides: CALCONSOLE_CONFIG (the file),

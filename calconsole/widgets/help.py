@@ -11,7 +11,7 @@ from textual.containers import VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
-from ..settings import Settings
+from ..settings import Settings, settings_path
 
 FIGURES = (
     ("sim", "simulated device time: what the cost model, calibrated to the real device, says the NPU takes "
@@ -27,13 +27,13 @@ FIGURES = (
 )
 
 
-def _keys_table(title: str, bindings: list[tuple[str, str]]) -> Table:
-    t = Table(title=title, title_justify="left", title_style="bold", box=None, padding=(0, 2), show_header=False)
+def _keys_table(title: str, bindings: list[tuple[str, str]]) -> Group:
+    t = Table(box=None, padding=(0, 2), show_header=False)
     t.add_column("key", style="bold cyan", no_wrap=True)
     t.add_column("action")
     for k, d in bindings:
         t.add_row(k, d)
-    return t
+    return Group(Text(title, style="bold"), t)  # a title of its own: a Table title wraps at the table width
 
 
 def help_renderable(pane_title: str, pane_keys: list[tuple[str, str]], global_keys: list[tuple[str, str]],
@@ -43,22 +43,21 @@ def help_renderable(pane_title: str, pane_keys: list[tuple[str, str]], global_ke
     if extra:
         parts.append(Text(extra, style="yellow"))
     parts += [Text(""), _keys_table("global keys", global_keys), Text("")]
-    f = Table(title="what the figures mean", title_justify="left", title_style="bold", box=None, padding=(0, 2),
-              show_header=False)
+    f = Table(box=None, padding=(0, 2), show_header=False)
     f.add_column(style="bold magenta", no_wrap=True)
     f.add_column()
     for k, d in FIGURES:
         f.add_row(k, d)
-    parts += [f, Text("")]
-    th = Table(title="thresholds in force (yellow at warn, red at crit)", title_justify="left", title_style="bold",
-               box=None, padding=(0, 2))
+    parts += [Text("what the figures mean", style="bold"), f, Text("")]
+    th = Table(box=None, padding=(0, 2))
     for col in ("name", "warn", "crit", "unit", "meaning"):
         th.add_column(col, justify="right" if col in ("warn", "crit") else "left")
     for name, t in settings.thresholds.items():
-        th.add_row(name, f"{t.warn:g}", f"{t.crit:g}", t.unit, t.meaning + ("" if t.higher_is_worse else " (low is bad)"))
-    parts.append(th)
+        low = "" if t.higher_is_worse else " (low is bad)"
+        th.add_row(name, f"{t.warn:g}", f"{t.crit:g}", t.unit, t.meaning + low)
+    parts += [Text("thresholds in force (yellow at warn, red at crit)", style="bold"), th]
     parts.append(Text(f"SLO: TTFT {settings.slo_ttft_ms:g} ms, TPOT {settings.slo_tpot_ms:g} ms (sim) · settings file: "
-                      f"{settings.path} (Ctrl+P \"save settings\")", style="grey62"))
+                      f"{settings.path or settings_path()} (Ctrl+P \"save settings\")", style="grey62"))
     parts.append(Text("Esc, q or ? closes this screen.", style="grey50"))
     return Group(*parts)
 

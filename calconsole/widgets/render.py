@@ -343,7 +343,7 @@ def _health(d: dict, compact: bool = False) -> Text:
     status = d["status"]
     word = status.split(":")[0]
     if compact:
-        word = {"degraded": "degr", "memory cleared": "clrd"}.get(word, word[:4])
+        word = {"degraded": "degr", "memory cleared": "clrd", "fault": "FLT"}.get(word, word[:4])
     return Text(word, style={"ok": "green", "degraded": "yellow"}.get(status, "bold red"))
 
 
