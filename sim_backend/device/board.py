@@ -55,9 +55,13 @@ def chip_busy_us(cost: Any) -> list[float]:
     """Simulated µs each chip executes its own ops in a priced step (a chip waiting at a sync is not busy).
 
     ``cost``: a ``StepCost``; chip ``c`` runs the ops whose ``op_start_us[c]`` is not NaN, each taking
-    ``op_us * chip_scale[c]``. Returns one float per chip.
+    ``op_us * chip_scale[c]``. A cost without per-op arrays (a test's stand-in) gives the sum of its
+    ``layer_chip_us`` per chip. Returns one float per chip.
     """
-    runs = ~np.isnan(cost.op_start_us)  # (n_chips, n_ops)
+    op_start = getattr(cost, "op_start_us", None)
+    if op_start is None or getattr(cost, "op_us", None) is None:
+        return [float(x) for x in np.asarray(cost.layer_chip_us).sum(axis=0)]
+    runs = ~np.isnan(op_start)  # (n_chips, n_ops)
     scale = cost.chip_scale or (1.0,) * runs.shape[0]
     return [float(cost.op_us[runs[c]].sum()) * scale[c] for c in range(runs.shape[0])]
 
