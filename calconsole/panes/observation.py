@@ -197,7 +197,9 @@ class ObservationPane(VerticalScroll):
         self._last = snap
         set_subtitle(self, render.mode_text(snap["device"]).plain)
         now = time.monotonic()
-        dev = (snap["device"], snap["jobs"]["finished"], snap.get("load"), snap["memory"], self.compact)
+        # the load's busy % only: its window length (wall s) changes at every sample, idle or not
+        dev = (snap["device"], snap["jobs"]["finished"], (snap.get("load") or {}).get("busy_percent"), snap["memory"],
+               self.compact)
         if self._shown.get("#obs-device") != dev:
             self._shown["#obs-device"] = dev
             self._update("#obs-device", render.device_table(snap, self.compact, self.settings),
@@ -227,9 +229,13 @@ class ObservationPane(VerticalScroll):
             self._shown["#obs-layers"] = layers_data
             self._render_layers(snap)
 
+    #: a graph whose figures did not change since it was drawn is redrawn at most this often (s)
+    FLAT_REDRAW_S = 30.0
+
     def _draw_graphs(self, force: bool = False) -> None:
-        """Redraw the visible graphs about when they would move by one column (at least every 2 s):
-        plotting costs ~10 ms a graph, so a graph is not redrawn at every refresh."""
+        """Redraw a visible graph about when it would move by one column (at least 2 s apart), one graph
+        per refresh (plotting costs ~10 ms a graph, drawn on the UI thread: four at once held keys up),
+        and a graph whose figures have not changed since its last draw only every FLAT_REDRAW_S."""
         now = time.monotonic()
         note = (f"{self.window_s / 60:g} min (wall) · w window · g graph" if self.compact else
                 f"history: last {self.window_s / 60:g} min (x: host wall time before now; w changes it)")
@@ -237,12 +243,22 @@ class ObservationPane(VerticalScroll):
         if self._shown.get("#obs-graph-note") != note:
             self._shown["#obs-graph-note"] = note
             notes.update(note)
+        due = []
         for g in self.query(HistoryGraph):
             if not g.display:
                 continue
-            period = max(2.0, self.window_s / max(20, g.size.width - 8))
-            if force or now - g.drawn_at >= period:
+            if force or not g.drawn_at:  # forced, or never drawn (an empty box would read as broken)
                 g.draw(self.history, self.window_s, now)
+                continue
+            period = max(2.0, self.window_s / max(20, g.size.width - 8))
+            age = now - g.drawn_at
+            if age < period:
+                continue
+            if age < self.FLAT_REDRAW_S and self.history.unchanged_since(g.drawn_at, g.spec.keys):
+                continue
+            due.append((g.drawn_at, g))
+        if due:
+            min(due, key=lambda x: x[0])[1].draw(self.history, self.window_s, now)
 
 
 def _shape_key(snap: dict, keys: tuple[str, ...]) -> tuple:

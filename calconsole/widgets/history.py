@@ -32,6 +32,10 @@ class GraphSpec:
     series: tuple[Series, ...]
     y_max: float | None = None  # fixed top of the scale (percentages); None: from the data
 
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(s.key for s in self.series)
+
 
 GRAPHS: tuple[GraphSpec, ...] = (
     GraphSpec("kv-busy", "KV use and busy, % (sim)",
@@ -67,6 +71,18 @@ class History:
         while self.samples and now - self.samples[0][0] > MAX_WINDOW_S:
             self.samples.popleft()
 
+    def unchanged_since(self, t: float, keys: tuple[str, ...]) -> bool:
+        """No figure of ``keys`` changed in the samples recorded after host time ``t`` (monotonic s)."""
+        prev = None
+        for ts, f in reversed(self.samples):
+            cur = tuple(f.get(k) for k in keys)
+            if prev is not None and cur != prev:
+                return False
+            prev = cur
+            if ts <= t:
+                return True
+        return True
+
     def series(self, key: str, window_s: float, now: float | None = None,
                max_points: int = 400) -> tuple[list[float], list[float]]:
         """(seconds before now, values) of ``key`` within the window, at most ``max_points`` (evenly thinned)."""
@@ -94,6 +110,14 @@ class HistoryGraph(PlotextPlot):
         super().__init__(**kw)
         self.spec = spec
         self.drawn_at = 0.0
+        self._built: tuple[tuple[int, int], object] | None = None  # (size, renderable) of the last build
+
+    def render(self):  # noqa: ANN201 - Textual's RenderResult
+        """The plot, built once per ``draw`` and size: a repaint (a relayout, a scroll) reuses it."""
+        size = (self.size.width, self.size.height)
+        if self._built is None or self._built[0] != size:
+            self._built = (size, super().render())
+        return self._built[1]
 
     def draw(self, history: History, window_s: float, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -117,4 +141,5 @@ class HistoryGraph(PlotextPlot):
         plt.xticks(ticks, [_tick_label(t) for t in ticks])
         # the scale starts at 0 (a bar or line never reads against its own minimum)
         plt.ylim(0, top if top is not None else max(1.0, peak * 1.15))
+        self._built = None
         self.refresh()
