@@ -8,15 +8,20 @@ UI's event loop.
 from __future__ import annotations
 
 import gc
+import json
 import logging
 import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
 
 from rich.text import Text
 from textual import events
-from textual.app import App, ComposeResult
+from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
+from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Static
 
@@ -24,6 +29,8 @@ from .layout import Layout
 from .messages import SnapshotReady
 from .panes.chat import ChatPane
 from .panes.observation import ObservationPane
+from .settings import COMPACT_BELOW, HISTORY_WINDOWS_S, Settings, save_settings
+from .widgets.help import HelpScreen, help_renderable
 from .widgets.render import mode_text, status_text
 
 MIN_WIDTH, MIN_HEIGHT = 80, 24
@@ -40,16 +47,22 @@ class CalConsoleApp(App):
         Binding("f1", "focus_pane('observation')", "observation"),
         Binding("f2", "focus_pane('chat')", "chat"),
         Binding("f3", "focus_pane('maintenance')", "maintenance"),
+        Binding("question_mark", "help", "help"),
     ]
+    #: refresh rates the palette offers (Hz)
+    REFRESH_CHOICES = (0.5, 1.0, 2.0, 4.0)
+    #: themes the palette offers by name (Textual's own "Change theme" lists them all)
+    THEMES = ("textual-dark", "textual-light", "nord", "gruvbox", "monokai", "solarized-light")
 
     def __init__(self, system, layout: Layout, refresh_hz: float | None = None,
-                 listen_url: str | None = None) -> None:
+                 listen_url: str | None = None, settings: Settings | None = None) -> None:
         super().__init__()
+        self.settings = settings or Settings()
         self.system = system
         self.listen_url = listen_url  # --listen: where this device's HTTP API is served
         # --observe-only: the system has no maintenance plane, so the pane is dropped too
         self.layout_spec = layout if system.maintenance is not None else layout.without("maintenance")
-        self.refresh_hz = refresh_hz or layout.refresh_hz
+        self.refresh_hz = refresh_hz or self.settings.refresh_hz or layout.refresh_hz
         self.last_snapshot: dict | None = None
         # widget references: App.query_one searches the *active* screen, which is a modal at times
         self._topbar = Static(id="topbar")
@@ -73,7 +86,7 @@ class CalConsoleApp(App):
     def _make_pane(self, name: str) -> Widget:
         w: Widget
         if name == "observation":
-            w = ObservationPane(id="observation", classes="pane")
+            w = ObservationPane(self.settings, id="observation", classes="pane")
             w.border_title = "Observation (read-only)"
         elif name == "chat":
             w = ChatPane(self.system.inference, id="chat", classes="pane")
@@ -90,6 +103,11 @@ class CalConsoleApp(App):
         # The start-up objects (tokenizer ranks, weights, CSS, widgets) live as long as the console:
         # frozen, a full garbage collection no longer walks them, which took 60-80 ms of the UI
         # thread every few seconds while a long reply streamed. Collected first, so no garbage is kept.
+        if self.settings.theme in self.available_themes:
+            self.theme = self.settings.theme
+        else:
+            self.notify(f"settings: theme {self.settings.theme!r} is not known; using {self.theme}",
+                        severity="warning")
         gc.collect()
         gc.freeze()
         if self.screen_stack[0].query("#chat-input"):
@@ -111,11 +129,24 @@ class CalConsoleApp(App):
         columns = base.query_one("#columns")
         columns.display = not small
         columns.disabled = small  # hidden panes must not take keystrokes (focus keys included)
+        if self.settings.compact == "auto":
+            self._set_compact(size.width < COMPACT_BELOW[0] or size.height < COMPACT_BELOW[1])
+        else:
+            self._set_compact(self.settings.compact == "on")
+
+    def _observation(self) -> ObservationPane | None:
+        panes = self.screen_stack[0].query(ObservationPane)
+        return panes.first() if panes else None
+
+    def _set_compact(self, on: bool) -> None:
+        obs = self._observation()
+        if obs is not None:
+            obs.set_compact(on)
 
     def _sample_loop(self) -> None:
         """Take a snapshot every 1/refresh_hz s off the UI thread and post it (bounded waits only)."""
-        period = 1.0 / self.refresh_hz
         while not self._sampler_stop.is_set():
+            period = 1.0 / self.refresh_hz  # read each time: the palette changes it
             try:
                 snap = self.system.observation.snapshot().to_dict()
             except Exception:  # noqa: BLE001 - a failed sample is skipped, the next one retries
@@ -163,6 +194,113 @@ class CalConsoleApp(App):
             inner = [w for w in target.query("*") if w.focusable]  # skips disabled buttons
             target = inner[0] if inner else target
         target.focus()
+
+    # --- help, palette --------------------------------------------------------------------------
+
+    def _focused_pane(self) -> Widget | None:
+        focused = self.screen_stack[0].focused
+        for pane in self._panes:
+            if focused is not None and pane in focused.ancestors_with_self:
+                return pane
+        return None
+
+    def action_help(self) -> None:
+        """``?``: the keys of the focused pane and the global ones, the figures, the thresholds."""
+        pane = self._focused_pane()
+
+        def keys(bindings) -> list[tuple[str, str]]:
+            out = []
+            for b in bindings:
+                if isinstance(b, Binding) and b.description:
+                    out.append((self.get_key_display(b), b.description))
+            return out
+
+        title = str(pane.border_title) if pane is not None else "no pane focused (F1 / F2 / F3 focus one)"
+        extra = getattr(pane, "HELP_EXTRA", "") if pane is not None else ""
+        global_keys = keys(self.BINDINGS) + [("ctrl+p", "command palette: every action, layouts, refresh, "
+                                                         "history window, compact mode, theme, export snapshot")]
+        content = help_renderable(title, keys(pane.BINDINGS) if pane is not None else [], global_keys,
+                                  self.settings, extra)
+        self.push_screen(HelpScreen(content))
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        """The palette (Ctrl+P): Textual's commands, then the console's own."""
+        yield from super().get_system_commands(screen)
+        yield SystemCommand("Help: keys, figures and thresholds", "the ? screen", self.action_help)
+        yield SystemCommand("Export snapshot to a file", "write the current snapshot as JSON (wire form) "
+                            "in the current directory", self.action_export_snapshot)
+        yield SystemCommand("Save settings", f"write layout, theme, refresh, history window, compact mode and "
+                            f"thresholds to {self.settings.path}", self.action_save_settings)
+        obs = self._observation()
+        if obs is not None:
+            yield SystemCommand("Compact mode: toggle", "observation pane: device rows, header figures, one graph",
+                                obs.action_toggle_compact)
+            for w in HISTORY_WINDOWS_S:
+                yield SystemCommand(f"History window: {w // 60} min", "the graphs' time span (host wall time)",
+                                    lambda w=w: obs.set_window(w))
+            yield SystemCommand("Per-layer view: cycle step / decode / prefill", "observation key t",
+                                obs.action_toggle_step)
+            yield SystemCommand("Per-layer heatmap: chips / op categories", "observation key h",
+                                obs.action_toggle_heat)
+        for hz in self.REFRESH_CHOICES:
+            yield SystemCommand(f"Refresh rate: {hz:g} Hz", f"snapshots per second (now {self.refresh_hz:g})",
+                                lambda hz=hz: self.set_refresh(hz))
+        for name in ("operator", "chat"):
+            yield SystemCommand(f"Layout: {name} (default at next start)", "saved in the settings file; the panes "
+                                "keep their state now", lambda name=name: self.set_default_layout(name))
+        for theme in self.THEMES:
+            if theme in self.available_themes:
+                yield SystemCommand(f"Theme: {theme}", "colours (save settings to keep it)",
+                                    lambda theme=theme: setattr(self, "theme", theme))
+        from .panes.maintenance import PALETTE, MaintenancePane
+
+        panes = self.screen_stack[0].query(MaintenancePane)
+        if panes:
+            m = panes.first()
+            for title, key, action in PALETTE:
+                yield SystemCommand(f"Maintenance: {title}", f"key {key} in the maintenance pane (F3)",
+                                    lambda action=action: getattr(m, f"action_{action}")())
+
+    def set_refresh(self, hz: float) -> None:
+        self.refresh_hz = hz
+        self.notify(f"refresh {hz:g} Hz", timeout=2)
+
+    def set_default_layout(self, name: str) -> None:
+        self.settings = self.settings.replace(layout=name)
+        self.action_save_settings()
+
+    def current_settings(self) -> Settings:
+        """The settings as the console now runs (what 'save settings' writes)."""
+        obs = self._observation()
+        kw: dict = {"theme": self.theme, "refresh_hz": self.refresh_hz}
+        if obs is not None:
+            kw["history_window_s"] = int(obs.window_s)
+            if self.settings.compact != "auto":
+                kw["compact"] = "on" if obs.compact else "off"
+        return self.settings.replace(**kw)
+
+    def action_save_settings(self) -> None:
+        self.settings = self.current_settings()
+        try:
+            path = save_settings(self.settings)
+        except OSError as e:
+            self.notify(f"settings not saved: {e}", severity="error")
+            return
+        self.notify(f"settings saved to {path}", timeout=4)
+
+    def action_export_snapshot(self, directory: Path | None = None) -> Path | None:
+        """Write the last snapshot (wire form) as JSON; returns the path (None if there is none yet)."""
+        if self.last_snapshot is None:
+            self.notify("no snapshot yet", severity="warning")
+            return None
+        path = (directory or Path.cwd()) / f"calconsole-snapshot-{time.strftime('%Y%m%d-%H%M%S')}.json"
+        try:
+            path.write_text(json.dumps(self.last_snapshot, indent=1), encoding="utf-8")
+        except OSError as e:
+            self.notify(f"snapshot not written: {e}", severity="error")
+            return None
+        self.notify(f"snapshot written to {path}", timeout=4)
+        return path
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         # hide focus keys for panes this layout (or --observe-only) does not have

@@ -11,16 +11,27 @@ from .commands import load_commands
 from .commands.common import add_common_options, check_common, fail, finalize
 from .layout import MAX_REFRESH_HZ, MIN_REFRESH_HZ
 
+SETTINGS_HELP = """settings: {path} (YAML; optional). Keys: layout, refresh_hz, history_window_s (60|300|900),
+theme, compact (auto|on|off), audit_log, slo {{ttft_ms, tpot_ms}}, thresholds {{NAME: {{warn, crit}}}}
+with NAME one of {names}. Environment overrides: CALCONSOLE_CONFIG (the file),
+CALCONSOLE_LAYOUT, CALCONSOLE_REFRESH, CALCONSOLE_HISTORY_WINDOW, CALCONSOLE_THEME, CALCONSOLE_COMPACT,
+CALCONSOLE_AUDIT_LOG, CALCONSOLE_SLO_TTFT_MS, CALCONSOLE_SLO_TPOT_MS, CALCONSOLE_THRESHOLD_<NAME>=WARN,CRIT.
+Options given here override both; the console saves its settings from the palette (Ctrl+P)."""
+
 
 def build_parser() -> argparse.ArgumentParser:
+    from .settings import DEFAULT_THRESHOLDS, settings_path
+
     p = argparse.ArgumentParser(
-        prog="calconsole",
+        prog="calconsole", formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=SETTINGS_HELP.format(path=settings_path(), names=", ".join(DEFAULT_THRESHOLDS)),
         description="Operations console for the Calculet dual-chiplet NPU serving Qwen3-30B-A3B "
                     "(built-in simulator). With no sub-command, opens the console. Device timings are "
                     "simulated device time; host figures are measured wall time.")
     p.add_argument("--version", action="version", version=f"calconsole {__version__}")
-    p.add_argument("--layout", default="operator", metavar="NAME|PATH",
-                   help="layout: a name from layouts/ (operator, chat) or a YAML file (default: operator)")
+    p.add_argument("--layout", default=None, metavar="NAME|PATH",
+                   help="layout: a name from layouts/ (operator, chat) or a YAML file (default: the settings', "
+                        "operator)")
     p.add_argument("--observe-only", action="store_true",
                    help="no maintenance pane; the maintenance plane is never constructed")
     p.add_argument("--refresh", type=float, default=None, metavar="HZ",
@@ -54,13 +65,25 @@ def main(argv: list[str] | None = None) -> int:
     rich.console.Console.on_broken_pipe = _raise_broken_pipe  # type: ignore[method-assign]
     parser = build_parser()
     args = finalize(parser.parse_args(argv))
+    settings = None
+    if getattr(args, "func", None) is None:  # the console reads the settings file; headless commands do not
+        from .settings import SettingsError, load_settings
+
+        try:
+            settings = load_settings()
+        except SettingsError as e:
+            return fail(str(e))
+        if args.audit_log is None and settings.audit_log is not None:
+            args.audit_log = settings.audit_log
+    if args.layout is None:
+        args.layout = settings.layout if settings is not None else "operator"
     err = _start_up_error(args)
     if err:
         return fail(err)
     try:
         if getattr(args, "func", None) is not None:
             return args.func(args)
-        return run_console(args)
+        return run_console(args, settings)
     except BrokenPipeError:
         # output piped into e.g. `head` that closed early: not an error of ours
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -83,7 +106,7 @@ def _start_up_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run_console(args: argparse.Namespace) -> int:
+def run_console(args: argparse.Namespace, settings=None) -> int:
     from sim_backend.planes import CalError
 
     from .layout import LayoutError, load_layout
@@ -114,7 +137,8 @@ def run_console(args: argparse.Namespace) -> int:
                 server = start_listening(args, system)
             except (CalError, ValueError, OSError) as e:
                 return fail(f"--listen {args.listen}: {e}")
-        app = CalConsoleApp(system, layout, refresh_hz=args.refresh, listen_url=server.url if server else None)
+        app = CalConsoleApp(system, layout, refresh_hz=args.refresh, listen_url=server.url if server else None,
+                            settings=settings)
         app.run()
     finally:
         if server is not None:

@@ -41,6 +41,16 @@ class SystemFactory:
             self.systems.pop().close()
 
 
+@pytest.fixture(autouse=True)
+def _settings_file_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The console's settings file: never the user's own (CALCONSOLE_CONFIG), and no CALCONSOLE_* from outside."""
+    import os
+
+    for var in [v for v in os.environ if v.startswith("CALCONSOLE_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("CALCONSOLE_CONFIG", str(tmp_path_factory.mktemp("cfg") / "config.yaml"))
+
+
 @pytest.fixture
 def make_system(tmp_path: Path) -> Iterator[SystemFactory]:
     factory = SystemFactory(tmp_path)

@@ -9,8 +9,12 @@ no lease. Reset and Clear device memory open a ``ConfirmModal`` where the
 operator types the device name; Cancel is focused by default.
 
 Keys (focus inside the pane; F3 focuses it): x enter exclusive, l leave,
-r reset, c clear device memory, o reload the model, t self-test, p probe
-request, f inject a CCU exception, a acknowledge the faults that fired.
+r reset, c clear device memory, o reload the model, t self-test, h health
+check, p probe request, k clear KV, d dump, 1 (or f) / 2 / 3 / 4 inject a
+CCU exception / KV exhaustion / D2D link error / slow chip, 0 disarm every
+fault, i the register field (Enter reads, Enter in the value field writes),
+v read the register, w write it, e read every register, a acknowledge the
+faults that fired. Every key is on a button label too ("x Excl").
 
 Acknowledge is the one action besides "Enter exclusive" that needs no lease
 (it changes nothing on the device): a fault that fired keeps the device
@@ -40,20 +44,32 @@ GUARDED = ("#m-leave", "#m-reset", "#m-clear", "#m-reload", "#m-selftest", "#m-h
            "#m-dump", "#m-f-ccu", "#m-f-kv", "#m-f-link", "#m-f-slow", "#m-f-clear", "#m-reg-read", "#m-reg-write",
            "#m-reg-all")
 #: key actions that need the lease
-GUARDED_ACTIONS = {"leave", "reset", "clear", "reload", "self_test", "probe", "fault_ccu"}
-#: button id -> (label, short label): the short one when the long does not fit the button (a narrow pane);
-#: memory and KV clears stay told apart at any width ("Clr m…" / "Clr KV" at 6 cells)
-LABELS = {"m-enter": ("Exclusive", "Excl."), "m-leave": ("Leave", "Leave"), "m-reset": ("Reset…", "Reset…"),
-          "m-clear": ("Clear mem…", "Clr mem…"), "m-reload": ("Reload", "Reload"),
-          "m-selftest": ("Self-test", "Test"), "m-health": ("Health", "Health"), "m-probe": ("Probe", "Probe"),
-          "m-clearkv": ("Clear KV", "Clr KV"), "m-dump": ("Dump", "Dump"),
-          "m-f-ccu": ("CCU fault", "CCU"), "m-f-kv": ("KV fault", "KV"), "m-f-link": ("D2D fault", "D2D"),
-          "m-f-slow": ("Slow chip", "Slow"), "m-f-clear": ("No faults", "No flt"), "m-ack": ("Ack", "Ack"),
-          "m-reg-read": ("Read", "Read"), "m-reg-write": ("Write", "Write"), "m-reg-all": ("All", "All")}
+GUARDED_ACTIONS = {"leave", "reset", "clear", "reload", "self_test", "health", "probe", "clear_kv", "dump",
+                   "fault_ccu", "fault_kv", "fault_link", "fault_slow", "clear_faults", "read_register",
+                   "write_register", "dump_registers"}
+#: button id -> (label, short label), each led by its key: the short one when the long does not fit
+#: the button (a narrow pane); memory and KV clears stay told apart at any width ("c Mem…" / "k KV")
+LABELS = {"m-enter": ("x Exclusive", "x Excl"), "m-leave": ("l Leave", "l Lv"), "m-reset": ("r Reset…", "r Rst…"),
+          "m-clear": ("c Clear mem…", "c Mem…"), "m-reload": ("o Reload", "o Rld"),
+          "m-selftest": ("t Self-test", "t Test"), "m-health": ("h Health", "h Hlth"), "m-probe": ("p Probe", "p Prb"),
+          "m-clearkv": ("k Clear KV", "k KV"), "m-dump": ("d Dump", "d Dmp"),
+          "m-f-ccu": ("1 CCU fault", "1 CCU"), "m-f-kv": ("2 KV fault", "2 KV"), "m-f-link": ("3 D2D fault", "3 D2D"),
+          "m-f-slow": ("4 Slow chip", "4 Slw"), "m-f-clear": ("0 No faults", "0 Off"), "m-ack": ("a Ack", "a Ack"),
+          "m-reg-read": ("v Read", "v Rd"), "m-reg-write": ("w Write", "w Wr"), "m-reg-all": ("e All", "e All")}
+#: the palette's maintenance commands: (title, key, action)
+PALETTE = (("enter exclusive mode", "x", "enter"), ("leave exclusive mode", "l", "leave"),
+           ("reset device…", "r", "reset"), ("clear device memory…", "c", "clear"), ("reload model", "o", "reload"),
+           ("self-test (golden logits)", "t", "self_test"), ("health check", "h", "health"),
+           ("probe request", "p", "probe"), ("clear KV cache", "k", "clear_kv"), ("dump trace + config", "d", "dump"),
+           ("inject fault: CCU exception", "1", "fault_ccu"), ("inject fault: KV exhaustion", "2", "fault_kv"),
+           ("inject fault: D2D link error", "3", "fault_link"), ("inject fault: slow chip1 x4", "4", "fault_slow"),
+           ("disarm every fault", "0", "clear_faults"), ("read register (typed in the field)", "v", "read_register"),
+           ("write register (field and value)", "w", "write_register"), ("read every register", "e", "dump_registers"),
+           ("acknowledge fired faults", "a", "acknowledge"))
 #: the hint a guarded key gives outside exclusive mode
 NEED_EXCLUSIVE = "enter exclusive mode first (x)"
-FAULT_BUTTONS = {"m-f-ccu": ("ccu_exception", {}), "m-f-kv": ("kv_exhaustion", {}),
-                 "m-f-link": ("link_error", {}), "m-f-slow": ("slow_chip", {"chip": 1, "factor": 4.0})}
+FAULTS = {"fault_ccu": ("ccu_exception", {}), "fault_kv": ("kv_exhaustion", {}),
+          "fault_link": ("link_error", {}), "fault_slow": ("slow_chip", {"chip": 1, "factor": 4.0})}
 
 
 class MaintenancePane(Vertical):
@@ -68,10 +84,23 @@ class MaintenancePane(Vertical):
         Binding("c", "clear", "clear mem"),
         Binding("o", "reload", "reload model"),
         Binding("t", "self_test", "self-test"),
+        Binding("h", "health", "health"),
         Binding("p", "probe", "probe"),
-        Binding("f", "fault_ccu", "CCU fault"),
+        Binding("k", "clear_kv", "clear KV"),
+        Binding("d", "dump", "dump"),
+        Binding("1,f", "fault_ccu", "CCU fault"),
+        Binding("2", "fault_kv", "KV fault"),
+        Binding("3", "fault_link", "D2D fault"),
+        Binding("4", "fault_slow", "slow chip"),
+        Binding("0", "clear_faults", "no faults"),
+        Binding("i", "focus_register", "register field"),
+        Binding("v", "read_register", "read reg"),
+        Binding("w", "write_register", "write reg"),
+        Binding("e", "dump_registers", "all regs"),
         Binding("a", "acknowledge", "ack faults"),
     ]
+    HELP_EXTRA = ("Every key but x (enter exclusive), a (acknowledge) and i needs exclusive mode: outside it a "
+                  "key says 'enter exclusive mode first (x)'. Reset and clear memory ask for the device name.")
 
     def __init__(self, maintenance, device_name: str, **kw) -> None:
         super().__init__(**kw)
@@ -89,43 +118,43 @@ class MaintenancePane(Vertical):
     def compose(self) -> ComposeResult:
         yield Static(id="m-mode")
         with Horizontal(classes="m-row"):
-            yield Button("Exclusive", id="m-enter", tooltip="enter exclusive mode (drains the device first)",
+            yield Button(LABELS["m-enter"][0], id="m-enter", tooltip="enter exclusive mode (drains the device first)",
                          variant="warning", compact=True)
-            yield Button("Leave", id="m-leave", disabled=True,
+            yield Button(LABELS["m-leave"][0], id="m-leave", disabled=True,
                          tooltip="leave exclusive mode; requests admitted again", compact=True)
-            yield Button("Reset…", id="m-reset", variant="error", disabled=True, compact=True)
-            yield Button("Clear mem…", id="m-clear", variant="error", disabled=True, compact=True)
-            yield Button("Reload", id="m-reload", disabled=True, compact=True)
+            yield Button(LABELS["m-reset"][0], id="m-reset", variant="error", disabled=True, compact=True)
+            yield Button(LABELS["m-clear"][0], id="m-clear", variant="error", disabled=True, compact=True)
+            yield Button(LABELS["m-reload"][0], id="m-reload", disabled=True, compact=True)
         with Horizontal(classes="m-row"):
-            yield Button("Self-test", id="m-selftest", disabled=True, compact=True)
-            yield Button("Health", id="m-health", disabled=True, compact=True)
-            yield Button("Probe", id="m-probe", disabled=True, compact=True)
-            yield Button("Clear KV", id="m-clearkv", disabled=True, compact=True)
-            yield Button("Dump", id="m-dump", disabled=True, compact=True)
+            yield Button(LABELS["m-selftest"][0], id="m-selftest", disabled=True, compact=True)
+            yield Button(LABELS["m-health"][0], id="m-health", disabled=True, compact=True)
+            yield Button(LABELS["m-probe"][0], id="m-probe", disabled=True, compact=True)
+            yield Button(LABELS["m-clearkv"][0], id="m-clearkv", disabled=True, compact=True)
+            yield Button(LABELS["m-dump"][0], id="m-dump", disabled=True, compact=True)
         with Horizontal(classes="m-row", id="m-row-faults"):
-            yield Button("CCU fault", id="m-f-ccu", disabled=True, compact=True,
+            yield Button(LABELS["m-f-ccu"][0], id="m-f-ccu", disabled=True, compact=True,
                          tooltip="inject: CCU exception on the next job")
-            yield Button("KV fault", id="m-f-kv", disabled=True, compact=True,
+            yield Button(LABELS["m-f-kv"][0], id="m-f-kv", disabled=True, compact=True,
                          tooltip="inject: the next KV apply fails (KVExhausted)")
-            yield Button("D2D fault", id="m-f-link", disabled=True, compact=True,
+            yield Button(LABELS["m-f-link"][0], id="m-f-link", disabled=True, compact=True,
                          tooltip="inject: D2D link error on the next job")
-            yield Button("Slow chip", id="m-f-slow", disabled=True, compact=True,
+            yield Button(LABELS["m-f-slow"][0], id="m-f-slow", disabled=True, compact=True,
                          tooltip="inject: chip1 runs 4x slower")
-            yield Button("No faults", id="m-f-clear", disabled=True, compact=True,
+            yield Button(LABELS["m-f-clear"][0], id="m-f-clear", disabled=True, compact=True,
                          tooltip="disarm every injected fault")
-            yield Button("Ack", id="m-ack", disabled=True, compact=True,
+            yield Button(LABELS["m-ack"][0], id="m-ack", disabled=True, compact=True,
                          tooltip="acknowledge the faults that fired (status back from 'fault'); no lease needed")
         with Horizontal(classes="m-row", id="m-row-reg"):
             yield Input(placeholder="register / 0xADDR", id="m-reg", compact=True)
             yield Input(placeholder="value", id="m-reg-value", compact=True)
-            yield Button("Read", id="m-reg-read", disabled=True, compact=True)
-            yield Button("Write", id="m-reg-write", disabled=True, compact=True)
-            yield Button("All", id="m-reg-all", disabled=True, compact=True)
+            yield Button(LABELS["m-reg-read"][0], id="m-reg-read", disabled=True, compact=True)
+            yield Button(LABELS["m-reg-write"][0], id="m-reg-write", disabled=True, compact=True)
+            yield Button(LABELS["m-reg-all"][0], id="m-reg-all", disabled=True, compact=True)
         yield WrapLog(id="m-log", max_lines=500, min_width=20)  # re-wraps on resize (see chat pane)
 
     def on_mount(self) -> None:
-        self._guarded_keys = {b.key for b in self.BINDINGS
-                              if isinstance(b, Binding) and b.action in GUARDED_ACTIONS}
+        self._guarded_keys = {k.strip() for b in self.BINDINGS if isinstance(b, Binding)
+                              and b.action in GUARDED_ACTIONS for k in b.key.split(",")}
         self._sync_buttons()
         self._log(f"audit log: {self.maintenance.audit.path}", "dim")
 
@@ -198,6 +227,7 @@ class MaintenancePane(Vertical):
     def _need_lease(self, what: str) -> bool:
         if self.lease is None:
             self._log(f"{what}: needs exclusive mode: {NEED_EXCLUSIVE}", "yellow")
+            self.notify(f"{what}: {NEED_EXCLUSIVE}", severity="warning", timeout=4)
             return False
         return True
 
@@ -248,13 +278,8 @@ class MaintenancePane(Vertical):
         if self._fired:
             self._run("acknowledge_faults", lambda: self.maintenance.acknowledge_faults(self.holder))
 
-    @on(Button.Pressed, "#m-ack")
-    def _b_ack(self) -> None:
-        self.action_acknowledge()
-
     def action_fault_ccu(self) -> None:
-        if self._need_lease("inject fault"):
-            self._run("inject_fault", lambda: self.maintenance.inject_fault(self.lease, "ccu_exception"))
+        self._inject("fault_ccu")
 
     def _confirmed(self, ok: bool | None, action: str, fn) -> None:
         if ok is None:
@@ -269,84 +294,89 @@ class MaintenancePane(Vertical):
 
     # --- buttons ---------------------------------------------------------------------
 
-    @on(Button.Pressed, "#m-enter")
-    def _b_enter(self) -> None:
-        self.action_enter()
-
-    @on(Button.Pressed, "#m-leave")
-    def _b_leave(self) -> None:
-        self.action_leave()
-
-    @on(Button.Pressed, "#m-reset")
-    def _b_reset(self) -> None:
-        self.action_reset()
-
-    @on(Button.Pressed, "#m-clear")
-    def _b_clear(self) -> None:
-        self.action_clear()
-
     def action_reload(self) -> None:
         if self._need_lease("reload model"):
             self._run("reload_model", lambda: self.maintenance.reload_model(self.lease))
 
-    @on(Button.Pressed, "#m-reload")
-    def _b_reload(self) -> None:
-        self.action_reload()
-
-    @on(Button.Pressed, "#m-selftest")
-    def _b_selftest(self) -> None:
-        self.action_self_test()
-
-    @on(Button.Pressed, "#m-health")
-    def _b_health(self) -> None:
+    def action_health(self) -> None:
         if self._need_lease("health check"):
             self._run("health_check", lambda: self.maintenance.health_check(self.lease))
 
-    @on(Button.Pressed, "#m-probe")
-    def _b_probe(self) -> None:
-        self.action_probe()
-
-    @on(Button.Pressed, "#m-clearkv")
-    def _b_clearkv(self) -> None:
+    def action_clear_kv(self) -> None:
         if self._need_lease("clear KV"):
             self._run("clear_kv", lambda: self.maintenance.clear_kv(self.lease))
 
-    @on(Button.Pressed, "#m-dump")
-    def _b_dump(self) -> None:
+    def action_dump(self) -> None:
         if self._need_lease("dump"):
             self._run("dump", lambda: self.maintenance.dump(self.lease))
 
-    @on(Button.Pressed, "#m-f-ccu, #m-f-kv, #m-f-link, #m-f-slow")
-    def _b_fault(self, event: Button.Pressed) -> None:
+    def _inject(self, action: str) -> None:
         if not self._need_lease("inject fault"):
             return
-        bid = event.button.id
-        assert bid is not None  # the handler's selector matches buttons by id
-        kind, kw = FAULT_BUTTONS[bid]
+        kind, kw = FAULTS[action]
         self._run("inject_fault", lambda: self.maintenance.inject_fault(self.lease, kind, **kw))
 
-    @on(Button.Pressed, "#m-f-clear")
-    def _b_fault_clear(self) -> None:
+    def action_fault_kv(self) -> None:
+        self._inject("fault_kv")
+
+    def action_fault_link(self) -> None:
+        self._inject("fault_link")
+
+    def action_fault_slow(self) -> None:
+        self._inject("fault_slow")
+
+    def action_clear_faults(self) -> None:
         if self._need_lease("clear faults"):
             self._run("clear_faults", lambda: self.maintenance.clear_faults(self.lease))
 
-    @on(Button.Pressed, "#m-reg-read")
-    def _b_reg_read(self) -> None:
+    def action_focus_register(self) -> None:
+        self.query_one("#m-reg", Input).focus()
+
+    def action_read_register(self) -> None:
         if self._need_lease("read register"):
             key = self.query_one("#m-reg", Input).value.strip()
+            if not key:
+                self._log("read register: type a register name or 0xADDR first (i focuses the field)", "yellow")
+                self.query_one("#m-reg", Input).focus()
+                return
             self._run("read_register", lambda: self.maintenance.read_register(self.lease, key))
 
-    @on(Button.Pressed, "#m-reg-write")
-    def _b_reg_write(self) -> None:
+    def action_write_register(self) -> None:
         if self._need_lease("write register"):
             key = self.query_one("#m-reg", Input).value.strip()
             value = self.query_one("#m-reg-value", Input).value.strip()
+            if not key or not value:
+                self._log("write register: type the register and the value first (i focuses the field)", "yellow")
+                self.query_one("#m-reg" if not key else "#m-reg-value", Input).focus()
+                return
             self._run("write_register", lambda: self.maintenance.write_register(self.lease, key, value))
 
-    @on(Button.Pressed, "#m-reg-all")
-    def _b_reg_all(self) -> None:
+    def action_dump_registers(self) -> None:
         if self._need_lease("read registers"):
             self._run("dump_registers", lambda: self.maintenance.dump_registers(self.lease))
+
+    @on(Input.Submitted, "#m-reg")
+    def _reg_submitted(self) -> None:
+        self.action_read_register()
+
+    @on(Input.Submitted, "#m-reg-value")
+    def _value_submitted(self) -> None:
+        self.action_write_register()
+
+    #: button id -> the action it runs (the keys run the same ones)
+    BUTTON_ACTIONS = {"m-enter": "enter", "m-leave": "leave", "m-reset": "reset", "m-clear": "clear",
+                      "m-reload": "reload", "m-selftest": "self_test", "m-health": "health", "m-probe": "probe",
+                      "m-clearkv": "clear_kv", "m-dump": "dump", "m-f-ccu": "fault_ccu", "m-f-kv": "fault_kv",
+                      "m-f-link": "fault_link", "m-f-slow": "fault_slow", "m-f-clear": "clear_faults",
+                      "m-ack": "acknowledge", "m-reg-read": "read_register", "m-reg-write": "write_register",
+                      "m-reg-all": "dump_registers"}
+
+    @on(Button.Pressed)
+    def _button(self, event: Button.Pressed) -> None:
+        action = self.BUTTON_ACTIONS.get(event.button.id or "")
+        if action is not None:
+            event.stop()
+            getattr(self, f"action_{action}")()
 
     # --- worker ------------------------------------------------------------------------
 

@@ -298,3 +298,234 @@ def findings_panel(snap: dict) -> Any:
         st = {"error": "red", "warning": "yellow"}.get(f["severity"], "cyan")
         t.add_row(Text(f["severity"], style=st), f["field"], f["message"], f["action"])
     return t
+
+
+# --- npu-smi style device table, thresholds, heatmap ------------------------------------------
+
+LEVEL_STYLE = {"ok": "green", "warn": "bold yellow", "crit": "bold red"}
+
+
+def chip_memory(snap: dict) -> list[dict[str, tuple[int, int, int]]]:
+    """Per chip, per kind (dram, sram): (used, reserved, physical) bytes summed over its regions."""
+    out = []
+    for chip in (snap.get("memory") or {}).get("chips") or ():
+        kinds: dict[str, tuple[int, int, int]] = {}
+        for reg in chip["regions"]:
+            u, r, p = kinds.get(reg["kind"], (0, 0, 0))
+            kinds[reg["kind"]] = (u + reg["used_bytes"], r + reg["reserved_bytes"], max(p, reg["physical_bytes"]))
+        out.append(kinds)
+    return out
+
+
+def mem_bar(used: int, reserved: int, physical: int, width: int, warn: float = 0.8, crit: float = 0.95) -> Text:
+    """``used`` █ then reserved-but-unused ▒ then free ░ over ``physical``; yellow/red by reserved share."""
+    if physical <= 0:
+        return Text("-" * width, style="grey37")
+    fu = max(0.0, min(1.0, used / physical))
+    fr = max(fu, min(1.0, reserved / physical))
+    nu, nr = int(round(fu * width)), int(round(fr * width))
+    style = "red" if fr >= crit else ("yellow" if fr >= warn else "green")
+    t = Text("█" * nu, style=style)
+    t.append("▒" * (nr - nu), style=style)
+    t.append("░" * (width - nr), style="grey37")
+    return t
+
+
+def fmt_gib(n: int) -> str:
+    return f"{n / GIB:.1f}" if n >= GIB / 10 else f"{n / MIB:.0f}M"
+
+
+def fmt_pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}%"
+
+
+def _health(d: dict, compact: bool = False) -> Text:
+    status = d["status"]
+    word = status.split(":")[0]
+    if compact:
+        word = {"degraded": "degr", "memory cleared": "clrd", "fault": "FLT"}.get(word, word[:4])
+    return Text(word, style={"ok": "green", "degraded": "yellow"}.get(status, "bold red"))
+
+
+def device_table(snap: dict, compact: bool = False, settings=None) -> Group:
+    """npu-smi style: the board row, then one row per chiplet (health, state, busy % of simulated time
+    over the last interval, jobs, DRAM and SRAM used / reserved / physical as bars), then the faults.
+
+    ``compact`` (a pane ~40 columns wide): no jobs column, bars with the reserved share only."""
+    d = snap["device"]
+    load = snap.get("load") or {}
+    mems = chip_memory(snap)
+    t = Table(box=None, padding=(0, 1, 0, 0), show_edge=False, header_style="bold grey70", pad_edge=False)
+    t.add_column("dev", no_wrap=True)
+    t.add_column("hlth" if compact else "health", no_wrap=True)
+    t.add_column("state", no_wrap=True)
+    t.add_column("busy", justify="right", no_wrap=True)
+    if not compact:
+        t.add_column("jobs", justify="right", no_wrap=True)
+    t.add_column("DRAM" if compact else "DRAM used/rsv/phys", no_wrap=True)
+    t.add_column("SRAM" if compact else "SRAM used/rsv/phys", no_wrap=True)
+    tot = [sum(m.get("dram", (0, 0, 0))[i] for m in mems) for i in range(3)]
+    stot = [sum(m.get("sram", (0, 0, 0))[i] for m in mems) for i in range(3)]
+    jobs = [] if compact else [str(snap["jobs"]["finished"])]
+    mode = mode_text(d)
+    if compact:  # the name and the lease are in the header line; the mode in 5 cells
+        mode = Text({"serving": "serve", "draining": "drain", "exclusive": "excl"}.get(d.get("mode", ""), "?"),
+                    style=mode.style)
+    t.add_row(Text("board" if compact else d["name"], style="bold"), _health(d, compact), mode,
+              Text(fmt_pct(load.get("busy_percent")), style="bold cyan" if load.get("busy_percent") else "grey50"),
+              *jobs, _mem_cell(tot, compact), _mem_cell(stot, compact, sram=True))
+    for c in d["chiplets"]:
+        st = {"ready": "green", "fault": "bold red", "cleared": "yellow"}.get(c["state"], "white")
+        m = mems[c["index"]] if c["index"] < len(mems) else {}
+        health = Text("ok", style="green")
+        if c["state"] == "fault" or c.get("ccu_exceptions"):
+            health = Text(f"ccu {c.get('ccu_exceptions', 0)}" if c.get("ccu_exceptions") else "fault",
+                          style="bold red")
+        elif c["slow_factor"] != 1:
+            health = Text(f"slow x{c['slow_factor']:g}", style="yellow")
+        jobs = [] if compact else [str(c["jobs_done"])]
+        if compact:
+            health.truncate(4)
+        t.add_row(Text(f"{'' if compact else ' '}chip{c['index']}", style="bold"), health,
+                  Text(c["state"][:5], style=st),
+                  Text(fmt_pct(c.get("busy_percent")), style="cyan" if c.get("busy_percent") else "grey50"),
+                  *jobs, _mem_cell(m.get("dram", (0, 0, 0)), compact), _mem_cell(m.get("sram", (0, 0, 0)), compact,
+                                                                                 sram=True))
+    faults = Text("faults ", style="grey62")
+    fired = d.get("faults_fired") or ()
+    parts: list[tuple[str, str]] = []
+    if fired:
+        parts.append((f"fired {', '.join(dict.fromkeys(f['fault'] for f in fired))} (last {fired[-1]['detail']}; "
+                      f"a acknowledges)", "bold red"))
+    parts += [(name, "yellow") for name in d.get("faults_in_effect") or ()]
+    parts += [(f"armed {name}", "yellow") for name in d.get("faults_armed") or ()]
+    link = d.get("d2d_link_errors", 0)
+    if link:
+        parts.append((f"d2d link errors {link}", "red"))
+    if not parts:
+        parts.append(("none", "green"))
+    for i, (txt, style) in enumerate(parts):
+        faults.append(("" if i == 0 else " · ") + txt, style=style)
+    if not compact:
+        faults.append("   busy: % of simulated time executing, last interval", style="grey50")
+    return Group(t, faults)
+
+
+def _mem_cell(m, compact: bool, sram: bool = False) -> Text:
+    used, reserved, physical = m
+    if compact:
+        t = mem_bar(used, reserved, physical, 3)
+        t.append(f"{100 * reserved / physical:3.0f}%" if physical else "  -", style="grey70")
+        return t
+    t = mem_bar(used, reserved, physical, 4 if sram else 6)
+    if sram:
+        t.append(f" {used / MIB:.1f}/{reserved / MIB:.1f}/{physical / MIB:.0f}M", style="grey70")
+    else:
+        t.append(f" {fmt_gib(used)}/{fmt_gib(reserved)}/{physical / GIB:.0f}G", style="grey70")
+    return t
+
+
+def header_line(snap: dict, settings, compact: bool = False) -> Text:
+    """The figures an operator reads first, each coloured by its threshold (settings.thresholds).
+
+    ``compact``: the same figures in about two 36-column lines."""
+    d = snap["device"]
+    kv = snap["kv"]
+    c = snap["requests"]["counters"]
+    lat = snap["requests"]["latency_ms"]
+    cap = kv["capacity_tokens"]
+    kv_pct = 100 * kv["used_tokens"] / cap if cap else 0.0
+    t = Text("KV ")
+    t.append_text(bar(kv_pct / 100, 8 if compact else 16, warn=settings.thresholds["kv_percent"].warn / 100,
+                      crit=settings.thresholds["kv_percent"].crit / 100))
+    t.append(f" {kv_pct:.1f}%", style=settings.style("kv_percent", kv_pct))
+    if not compact:
+        t.append(f" {kv['used_tokens']}/{cap} tok", style="grey62")
+    t.append("  queue " if not compact else " q ")
+    t.append(str(c["queued"]), style=settings.style("queue_depth", c["queued"]))
+    t.append(f" run {c['running']}", style="grey62")
+    tpot = lat["tpot"]["p95"]
+    ttft = lat["ttft"]["p95"]
+    if compact:
+        t.append("\nP95 TTFT ")
+        t.append(fmt_ms(ttft, 0), style=settings.style("ttft_slo_ratio", None if ttft is None
+                                                       else ttft / settings.slo_ttft_ms))
+        t.append(" TPOT ")
+        t.append(fmt_ms(tpot), style=settings.style("tpot_slo_ratio", None if tpot is None
+                                                    else tpot / settings.slo_tpot_ms))
+        t.append(" ms · fail ")
+        t.append(f"{c['failed']}/{snap['jobs']['failed']}", style=settings.style("failed", c["failed"]
+                                                                                  + snap["jobs"]["failed"]))
+        ach = d.get("achieved_speed")
+        if ach is not None and d["pacing"] != "fast" and d["pacing_speed"]:
+            ratio = ach / d["pacing_speed"]
+            if settings.level("pacing_ratio", ratio) != "ok":
+                t.append(f" behind x{ach:.2f}", style=settings.style("pacing_ratio", ratio))
+        return t
+    t.append("  TTFT p95 ")
+    t.append(f"{fmt_ms(ttft, 0)} ms", style=settings.style("ttft_slo_ratio", None if ttft is None
+                                                          else ttft / settings.slo_ttft_ms))
+    t.append("  TPOT p95 ")
+    t.append(f"{fmt_ms(tpot)} ms", style=settings.style("tpot_slo_ratio", None if tpot is None
+                                                       else tpot / settings.slo_tpot_ms))
+    t.append(f" (SLO {settings.slo_tpot_ms:g})", style="grey50")
+    failed = c["failed"] + snap["jobs"]["failed"]
+    t.append("  failed ")
+    t.append(f"{c['failed']} req / {snap['jobs']['failed']} jobs", style=settings.style("failed", failed))
+    ach = d.get("achieved_speed")
+    if ach is not None and d["pacing"] != "fast" and d["pacing_speed"]:
+        ratio = ach / d["pacing_speed"]
+        t.append("  pacing ")
+        t.append(f"x{ach:.2f}/{d['pacing_speed']:g}", style=settings.style("pacing_ratio", ratio))
+        if settings.level("pacing_ratio", ratio) != "ok":
+            t.append(" host behind real time", style=settings.style("pacing_ratio", ratio))
+    tps = (snap.get("load") or {}).get("output_tokens_per_s")
+    if tps is not None:
+        t.append(f"  {tps:.1f} tok/s sim", style="cyan")
+    return t
+
+
+HEAT_STEPS = ("grey23", "dark_green", "green4", "green3", "yellow3", "dark_orange", "red1")
+
+
+def heat_style(frac: float) -> str:
+    """Colour of a heatmap cell on the one shared scale (0 = the scale's low end, 1 = its top)."""
+    i = int(max(0.0, min(1.0, frac)) * (len(HEAT_STEPS) - 1) + 0.5)
+    return HEAT_STEPS[i]
+
+
+def layers_heatmap(step: dict, by: str = "chip", width: int = 80) -> Any:
+    """Layers x chips (``by`` "chip") or layers x op category (``by`` "category", summed over chips):
+    one cell per layer, coloured on one scale from 0 to the step's largest cell (simulated µs), with
+    the legend. A slow or faulted chip shows as a hotter row."""
+    if not step.get("layers"):
+        return Text("no step yet: send a chat message to see per-layer timings", style="grey50")
+    layers = step["layers"]
+    if by == "chip":
+        rows = [(f"chip{c}", [lay["chip_us"][c] for lay in layers]) for c in range(len(layers[0]["chip_us"]))]
+    else:
+        cats: dict[str, list[float]] = {}
+        for li, lay in enumerate(layers):
+            for cat, per_chip in lay["category_us"].items():
+                cats.setdefault(cat, [0.0] * len(layers))[li] = float(sum(per_chip))
+        rows = sorted(cats.items(), key=lambda kv: -sum(kv[1]))
+    top = max((max(v) for _, v in rows), default=0.0) or 1.0
+    label_w = max(len(name) for name, _ in rows) + 1
+    cell = 2 if label_w + 2 * len(layers) + 12 <= width else 1
+    out = Text()
+    axis = Text(" " * label_w)
+    for li in range(len(layers)):
+        axis.append(f"{li:<{cell * 8}}" if li % 8 == 0 else "", style="grey50")
+    out.append_text(axis[: label_w + cell * len(layers)])
+    out.append("  layer\n", style="grey50")
+    for name, vals in rows:
+        out.append(f"{name:<{label_w}}", style="bold")
+        for v in vals:
+            out.append("█" * cell, style=heat_style(v / top))
+        out.append(f"  max {max(vals):.0f} µs\n", style="grey62")
+    legend = Text(" " * label_w + "scale 0 ")
+    for i in range(len(HEAT_STEPS)):
+        legend.append("██", style=HEAT_STEPS[i])
+    legend.append(f" {top:.0f} µs sim per layer (one scale for every row)", style="grey62")
+    out.append_text(legend)
+    return out

@@ -49,6 +49,22 @@ class ChipletStatus:
     busy: bool
     slow_factor: float
     jobs_done: int
+    busy_us: float = 0.0  # simulated µs this chip spent executing ops since power-on (chip_busy_us)
+
+
+def chip_busy_us(cost: Any) -> list[float]:
+    """Simulated µs each chip executes its own ops in a priced step (a chip waiting at a sync is not busy).
+
+    ``cost``: a ``StepCost``; chip ``c`` runs the ops whose ``op_start_us[c]`` is not NaN, each taking
+    ``op_us * chip_scale[c]``. A cost without per-op arrays (a test's stand-in) gives the sum of its
+    ``layer_chip_us`` per chip. Returns one float per chip.
+    """
+    op_start = getattr(cost, "op_start_us", None)
+    if op_start is None or getattr(cost, "op_us", None) is None:
+        return [float(x) for x in np.asarray(cost.layer_chip_us).sum(axis=0)]
+    runs = ~np.isnan(op_start)  # (n_chips, n_ops)
+    scale = cost.chip_scale or (1.0,) * runs.shape[0]
+    return [float(cost.op_us[runs[c]].sum()) * scale[c] for c in range(runs.shape[0])]
 
 
 class SimulatedBoard:
@@ -99,6 +115,9 @@ class SimulatedBoard:
         self._submitted = self._pending = self._running = self._finished = self._failed = 0
         self._ccu = self._resets = 0
         self._chip_jobs = [0] * self.shape.n_chips
+        # simulated µs executing since power-on: per chip (its own ops) and the board (whole steps)
+        self._chip_busy_us = [0.0] * self.shape.n_chips
+        self._board_busy_us = 0.0
         self.last_steps: dict[str, StepResult] = {}
         self._pace_log: deque[tuple[float, float, int]] = deque(maxlen=256)  # (wall s, sim end µs, epoch)
         self._listeners: list[Any] = []
@@ -247,8 +266,15 @@ class SimulatedBoard:
             for c in range(self.shape.n_chips):
                 st = self.registers.read(f"CHIP{c}_STATUS")
                 state = "cleared" if st & 0x4 else ("fault" if st & 0x2 or self.numerics_broken else "ready")
-                out.append(ChipletStatus(c, state, busy, self.faults.slow_chip.get(c, 1.0), self._chip_jobs[c]))
+                out.append(ChipletStatus(c, state, busy, self.faults.slow_chip.get(c, 1.0), self._chip_jobs[c],
+                                         self._chip_busy_us[c]))
             return out
+
+    @property
+    def busy_us(self) -> float:
+        """Simulated µs the board spent executing steps (h2d + infer + d2h) since power-on."""
+        with self._lock:
+            return self._board_busy_us
 
     @property
     def numerics_broken(self) -> bool:
@@ -367,14 +393,17 @@ class SimulatedBoard:
             return  # ended by a reset while computing
         res = StepResult(job.id, job.kind, job.seq_id, int(job.tokens.shape[0]), job.past_len, logits_bf16,
                          touched, cost, sim_us, start, end, compute_ms)
+        chip_busy = chip_busy_us(cost)
         with self._lock:
             if job.done:
                 return  # a reset ended it just now
             self.clock.advance_to(end)  # before the waiter wakes, as it reads the clock
             self._pace_log.append((time.perf_counter(), end, self._pace_epoch))
             self._end_job_locked(job, JobState.DONE, result=res)
+            self._board_busy_us += sim_us
             for c in range(self.shape.n_chips):
                 self._chip_jobs[c] += 1
+                self._chip_busy_us[c] += chip_busy[c]
             self.last_steps[job.kind] = res
         for c in range(self.shape.n_chips):
             self.registers.bump(f"CHIP{c}_JOBS_DONE")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -121,6 +122,54 @@ def step_view(res: Any | None) -> dict:
     }
 
 
+#: host wall seconds the load figures (busy %, output tok/s) are taken over, at least
+LOAD_INTERVAL_S = 1.0
+
+
+class _LoadSampler:
+    """Busy % and output rate over the last ~LOAD_INTERVAL_S of wall time, in simulated time.
+
+    Each snapshot adds a sample of cumulative counters (simulated µs busy per chip and board,
+    tokens generated, the simulated clock); figures compare it with the newest sample at least
+    ``interval_s`` older (or the oldest one kept). Thread-safe; keeps at most ``maxlen`` samples.
+    """
+
+    def __init__(self, interval_s: float = LOAD_INTERVAL_S, maxlen: int = 64) -> None:
+        self.interval_s = interval_s
+        self._samples: deque[tuple[float, float, float, tuple[float, ...], int]] = deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def sample(self, sim_now_us: float, board_busy_us: float, chip_busy_us: tuple[float, ...],
+               predicted: int) -> tuple[dict, list[float | None]]:
+        """Record a sample; returns (LoadInfo fields, busy % per chip or None each)."""
+        now = time.monotonic()
+        cur = (now, sim_now_us, board_busy_us, chip_busy_us, predicted)
+        with self._lock:
+            ref = None
+            for smp in self._samples:  # oldest first: keep the newest one old enough
+                if now - smp[0] >= self.interval_s:
+                    ref = smp
+            if ref is None and self._samples:
+                ref = self._samples[0]
+            while len(self._samples) > 1 and now - self._samples[1][0] >= self.interval_s:
+                self._samples.popleft()  # the newest old-enough sample stays as the next reference
+            self._samples.append(cur)
+        out: dict = {"interval_s": self.interval_s}
+        if ref is None:
+            return out, [None] * len(chip_busy_us)
+        d_sim = sim_now_us - ref[1]
+        out["window_wall_s"] = now - ref[0]
+        out["window_sim_ms"] = d_sim / 1e3
+
+        def pct(d_busy: float) -> float:
+            return 0.0 if d_sim <= 0 else min(100.0, max(0.0, 100.0 * d_busy / d_sim))
+
+        out["busy_percent"] = pct(board_busy_us - ref[2])
+        out["output_tokens_per_s"] = 0.0 if d_sim <= 0 else max(0, predicted - ref[4]) / (d_sim / 1e6)
+        chips: list[float | None] = [pct(b - r) for b, r in zip(chip_busy_us, ref[3], strict=False)]
+        return out, chips
+
+
 class ObservationPlane:
     """Read-only snapshots of device, jobs, KV, last steps, requests and host."""
 
@@ -135,6 +184,7 @@ class ObservationPlane:
         self._proc.cpu_percent(None)  # prime: later calls report usage since the previous call
         self._lock = threading.Lock()
         self._step_cache: dict[int, dict] = {}
+        self._load = _LoadSampler()
 
     def set_mode_source(self, fn: Any) -> None:
         self._mode_source = fn
@@ -157,10 +207,17 @@ class ObservationPlane:
         occ = b.kv_occupancy()
         kvc = b.kv_counters()
         mode = self._mode_source() if self._mode_source else {"mode": "serving", "lease_holder": None}
+        chiplets = b.chiplets()
+        requests = e.metrics.summary()
+        slots = e.slot_info()
+        # generated so far: ended requests' tokens plus those of the requests in the slots now
+        generated = int(requests["tokens"]["predicted"]) + sum(s.predicted_n for s in slots if s.request_id is not None)
+        load, chip_pct = self._load.sample(b.now_us, b.busy_us, tuple(ch.busy_us for ch in chiplets), generated)
         chips = [
             {"index": ch.index, "state": ch.state, "busy": ch.busy, "slow_factor": ch.slow_factor,
-             "jobs_done": ch.jobs_done, "ccu_exceptions": b.read_register(f"CHIP{ch.index}_CCU_EXC")}
-            for ch in b.chiplets()
+             "jobs_done": ch.jobs_done, "ccu_exceptions": b.read_register(f"CHIP{ch.index}_CCU_EXC"),
+             "busy_us": ch.busy_us, "busy_percent": pct}
+            for ch, pct in zip(chiplets, chip_pct, strict=True)
         ]
         fstate = b.faults()
         faults, fired, in_effect = fstate["active"], fstate["fired"], fstate["in_effect"]
@@ -216,14 +273,15 @@ class ObservationPlane:
             last_prefill=self._step(steps.get("prefill")),
             last_decode=self._step(steps.get("decode")),
             memory=memory,
-            slots=e.slot_info(),  # dataclasses: converted by attribute, no dict round trip
-            requests=e.metrics.summary(),
+            slots=slots,  # dataclasses: converted by attribute, no dict round trip
+            requests=requests,
             stages=dict(e.last_stage),
             # NaN (no first token) is None on the wire and in the typed snapshot alike
             history={k: [None if isinstance(x, float) and x != x else x for x in v]
                      for k, v in e.metrics.history_series().items()},
             host=host,
             findings=self._bundle.findings,
+            load=load,
         )
         return convert(data, Snapshot)
 

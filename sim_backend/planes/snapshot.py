@@ -24,7 +24,12 @@ class _Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 class ChipletInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One chiplet: ``state`` ready|busy|cleared|fault; ``slow_factor`` >= 1 (1 = nominal)."""
+    """One chiplet: ``state`` ready|busy|cleared|fault; ``slow_factor`` >= 1 (1 = nominal).
+
+    ``busy_us``: simulated µs the chip spent executing its own ops since power-on (waiting at a
+    sync is not busy); ``busy_percent``: its share of the simulated time of the last load interval
+    (``LoadInfo``), None before there are two samples.
+    """
 
     index: int
     state: str
@@ -32,6 +37,8 @@ class ChipletInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True
     slow_factor: float
     jobs_done: int
     ccu_exceptions: int = 0
+    busy_us: float = 0.0
+    busy_percent: float | None = None
 
 
 class FaultEvent(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -233,10 +240,29 @@ class FindingView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True
     action: str
 
 
+class LoadInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Load over the last interval, from two samples of cumulative counters (simulated device time).
+
+    ``window_sim_ms``: simulated ms between the samples (0: the simulated clock did not move, so
+    nothing ran and every figure is 0); ``window_wall_s``: host wall s between them (about
+    ``interval_s``, longer when snapshots are rarer). ``busy_percent``: share of the simulated
+    window the board spent executing steps (h2d + infer + d2h; a step counts when it ends, so a
+    step longer than the window is capped at 100). ``output_tokens_per_s``: tokens generated per
+    simulated second. All None before the second sample.
+    """
+
+    interval_s: float = 1.0
+    window_sim_ms: float | None = None
+    window_wall_s: float | None = None
+    busy_percent: float | None = None
+    output_tokens_per_s: float | None = None
+
+
 class Snapshot(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One read-only observation of the whole system.
 
     ``taken_unix_s``: host wall clock; ``sim_now_ms``: the simulated device clock.
+    ``load``: busy % and output rate over the last interval (simulated time).
     ``requests`` is the serving metrics summary (``MetricsRegistry.summary``: counters, token counts,
     latency percentiles in simulated ms, goodput); ``history`` the recent per-request series.
     Both are JSON-shaped maps owned by the snapshot.
@@ -257,6 +283,7 @@ class Snapshot(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     history: dict[str, tuple[float | None, ...]]
     host: HostInfo
     findings: tuple[FindingView, ...]
+    load: LoadInfo = LoadInfo()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready nested dicts and lists (NaN becomes None), the wire form of a snapshot."""

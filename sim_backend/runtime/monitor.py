@@ -59,6 +59,11 @@ class DeviceMonitor:
         """Simulated seconds per wall second over the last paced run (None before one)."""
         return self._board.achieved_speed()
 
+    @property
+    def busy_us(self) -> float:
+        """Simulated µs the board spent executing steps since power-on (per chip: ``chiplets()[c].busy_us``)."""
+        return self._board.busy_us
+
     def counters(self) -> JobCounters:
         return self._board.counters()
 

@@ -279,9 +279,9 @@ async def test_panes_cite_no_documents_and_the_footer_says_what_t_does(system):
     async with app.run_test(size=(160, 50)) as pilot:
         assert await wait_for(pilot, lambda: app.last_snapshot is not None)
         app.query_one("#observation").focus()
-        await pilot.pause(0.3)
+        # the footer, as the README says (it is redrawn after the focus moves)
+        assert await wait_for(pilot, lambda: "per-layer: step/decode/prefill" in screen_text(app), timeout_s=5)
         screen = screen_text(app)
         assert "FACTS" not in screen and "§" not in screen
-        assert "per-layer: step/decode/prefill" in screen  # the footer, as the README says
     readme = (__import__("pathlib").Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert "`t` cycles the per-layer table (last step / decode / prefill)" in readme

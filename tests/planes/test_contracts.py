@@ -226,3 +226,19 @@ def test_reset_reports_a_health_check(planes: Planes) -> None:
     assert rep["ok"] and rep["health"]["ok"]
     assert obs.snapshot().jobs.resets == 1
     mnt.leave_exclusive(lease)
+
+
+def test_load_figures_come_from_simulated_busy_time(planes: Planes) -> None:
+    # busy % and output rate: simulated device time over the interval between two samples
+    inf, obs, _ = planes
+    a = obs.snapshot()
+    assert a.load.busy_percent is None or 0 <= a.load.busy_percent <= 100
+    inf.generate(req(n=6), timeout=60)
+    b = obs.snapshot()
+    assert b.load.window_sim_ms is not None and b.load.window_sim_ms > 0
+    assert b.load.busy_percent is not None and 0 < b.load.busy_percent <= 100
+    assert b.load.output_tokens_per_s is not None and b.load.output_tokens_per_s > 0
+    for before, after in zip(a.device.chiplets, b.device.chiplets, strict=True):
+        assert after.busy_us > before.busy_us  # both chiplets run their shard of every step
+        assert after.busy_percent is not None and 0 < after.busy_percent <= 100
+    assert Snapshot.from_dict(json.loads(json.dumps(b.to_dict()))) == b

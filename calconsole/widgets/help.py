@@ -1,0 +1,81 @@
+"""The ``?`` help screen: keys of the focused pane and the global ones, what the figures mean, thresholds."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Static
+
+from ..settings import Settings, settings_path
+
+FIGURES = (
+    ("sim", "simulated device time: what the cost model, calibrated to the real device, says the NPU takes "
+            "(step and layer times, TTFT / TPOT / ITL / E2E, busy %, tok/s, the sim clock)"),
+    ("wall", "measured host time on this machine (compute of a step, drains, waits, host CPU and RSS)"),
+    ("busy", "share of the simulated time of the last ~1 s interval the board (or chip) spent executing; "
+             "0 % when the simulated clock did not move (nothing ran)"),
+    ("DRAM / SRAM", "used / reserved / physical bytes per chip: █ used, ▒ reserved and unused, ░ free"),
+    ("KV", "KV cache cells used of the context capacity (tokens)"),
+    ("P95", "over the recent requests (TTFT, ITL: every request with a token; TPOT, E2E: finished ones)"),
+    ("history", "graphs over the last 1 / 5 / 15 min; x axis: host wall seconds before now"),
+    ("heatmap", "per-layer simulated µs of the chosen step, one colour scale for all rows (legend below it)"),
+)
+
+
+def _keys_table(title: str, bindings: list[tuple[str, str]]) -> Group:
+    t = Table(box=None, padding=(0, 2), show_header=False)
+    t.add_column("key", style="bold cyan", no_wrap=True)
+    t.add_column("action")
+    for k, d in bindings:
+        t.add_row(k, d)
+    return Group(Text(title, style="bold"), t)  # a title of its own: a Table title wraps at the table width
+
+
+def help_renderable(pane_title: str, pane_keys: list[tuple[str, str]], global_keys: list[tuple[str, str]],
+                    settings: Settings, extra: str = "") -> Group:
+    """The help screen's content (pure: tests read it as text)."""
+    parts: list = [_keys_table(f"{pane_title}: keys", pane_keys or [("-", "no keys of its own")])]
+    if extra:
+        parts.append(Text(extra, style="yellow"))
+    parts += [Text(""), _keys_table("global keys", global_keys), Text("")]
+    f = Table(box=None, padding=(0, 2), show_header=False)
+    f.add_column(style="bold magenta", no_wrap=True)
+    f.add_column()
+    for k, d in FIGURES:
+        f.add_row(k, d)
+    parts += [Text("what the figures mean", style="bold"), f, Text("")]
+    th = Table(box=None, padding=(0, 2))
+    for col in ("name", "warn", "crit", "unit", "meaning"):
+        th.add_column(col, justify="right" if col in ("warn", "crit") else "left")
+    for name, t in settings.thresholds.items():
+        low = "" if t.higher_is_worse else " (low is bad)"
+        th.add_row(name, f"{t.warn:g}", f"{t.crit:g}", t.unit, t.meaning + low)
+    parts += [Text("thresholds in force (yellow at warn, red at crit)", style="bold"), th]
+    parts.append(Text(f"SLO: TTFT {settings.slo_ttft_ms:g} ms, TPOT {settings.slo_tpot_ms:g} ms (sim) · settings file: "
+                      f"{settings.path or settings_path()} (Ctrl+P \"save settings\")", style="grey62"))
+    parts.append(Text("Esc, q or ? closes this screen.", style="grey50"))
+    return Group(*parts)
+
+
+class HelpScreen(ModalScreen[None]):
+    """A modal listing keys, figures and thresholds; Esc / q / ? close it."""
+
+    BINDINGS = [Binding("escape", "dismiss", "close"), Binding("q", "dismiss", "close", show=False),
+                Binding("question_mark", "dismiss", "close", show=False)]
+
+    def __init__(self, content: Group) -> None:
+        super().__init__()
+        self.content = content
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll(id="help-box") as v:
+            v.border_title = "calconsole help"
+            yield Static(self.content, id="help-text")
+
+    async def action_dismiss(self, result: None = None) -> None:
+        self.dismiss(None)

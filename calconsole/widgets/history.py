@@ -1,0 +1,145 @@
+"""History of snapshot figures over the last 15 minutes, and the graphs that draw it (plotext).
+
+``History.record(snap)`` keeps, per snapshot, figures read from it (no metric is computed here:
+busy % and output tok/s come from ``Snapshot.load``, latencies from the request metrics, all in
+simulated device time). The x axis is host wall seconds before now: snapshots are taken on a wall
+clock (nvitop draws its history the same way).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from textual_plotext import PlotextPlot
+
+MAX_WINDOW_S = 900.0
+
+
+@dataclass(frozen=True)
+class Series:
+    key: str
+    label: str
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One graph: its series, title (with units and the time base) and a fixed y range if any."""
+
+    id: str
+    title: str
+    series: tuple[Series, ...]
+    y_max: float | None = None  # fixed top of the scale (percentages); None: from the data
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(s.key for s in self.series)
+
+
+GRAPHS: tuple[GraphSpec, ...] = (
+    GraphSpec("kv-busy", "KV use and busy, % (sim)",
+              (Series("kv_percent", "KV %"), Series("busy_percent", "busy %")), 100.0),
+    GraphSpec("tok-s", "output tokens/s (sim)", (Series("tok_s", "tok/s"),)),
+    GraphSpec("latency", "TTFT / TPOT P95, ms (sim)", (Series("ttft_p95", "TTFT"), Series("tpot_p95", "TPOT"))),
+    GraphSpec("queue", "queue depth, requests", (Series("queued", "queued"), Series("running", "running"))),
+)
+
+
+def figures(snap: dict) -> dict[str, float | None]:
+    """The plotted figures of one snapshot (``Snapshot.to_dict()`` form)."""
+    kv = snap["kv"]
+    cap = kv["capacity_tokens"]
+    load = snap.get("load") or {}
+    lat = snap["requests"]["latency_ms"]
+    c = snap["requests"]["counters"]
+    return {"kv_percent": 100.0 * kv["used_tokens"] / cap if cap else None,
+            "busy_percent": load.get("busy_percent"), "tok_s": load.get("output_tokens_per_s"),
+            "ttft_p95": lat["ttft"]["p95"], "tpot_p95": lat["tpot"]["p95"],
+            "queued": float(c["queued"]), "running": float(c["running"])}
+
+
+class History:
+    """Figures per snapshot, kept MAX_WINDOW_S of host wall time."""
+
+    def __init__(self) -> None:
+        self.samples: deque[tuple[float, dict[str, float | None]]] = deque()
+
+    def record(self, snap: dict, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.samples.append((now, figures(snap)))
+        while self.samples and now - self.samples[0][0] > MAX_WINDOW_S:
+            self.samples.popleft()
+
+    def unchanged_since(self, t: float, keys: tuple[str, ...]) -> bool:
+        """No figure of ``keys`` changed in the samples recorded after host time ``t`` (monotonic s)."""
+        prev = None
+        for ts, f in reversed(self.samples):
+            cur = tuple(f.get(k) for k in keys)
+            if prev is not None and cur != prev:
+                return False
+            prev = cur
+            if ts <= t:
+                return True
+        return True
+
+    def series(self, key: str, window_s: float, now: float | None = None,
+               max_points: int = 400) -> tuple[list[float], list[float]]:
+        """(seconds before now, values) of ``key`` within the window, at most ``max_points`` (evenly thinned)."""
+        now = time.monotonic() if now is None else now
+        pts = [(t - now, f[key]) for t, f in self.samples if now - t <= window_s and f.get(key) is not None]
+        if len(pts) > max_points:
+            step = len(pts) / max_points
+            pts = [pts[int(i * step)] for i in range(max_points)] + [pts[-1]]
+        return [p[0] for p in pts], [float(p[1]) for p in pts if p[1] is not None]
+
+
+#: window (s) -> tick step (s): round minutes past one minute
+TICK_STEP_S = {60: 15, 300: 60, 900: 180}
+
+
+def _tick_label(s: float) -> str:
+    s = abs(s)
+    return "now" if s == 0 else f"-{s / 60:g}m" if s % 60 == 0 else f"-{s:g}s"
+
+
+class HistoryGraph(PlotextPlot):
+    """A braille line graph of one ``GraphSpec`` with its y scale, a time axis and a legend."""
+
+    def __init__(self, spec: GraphSpec, **kw) -> None:
+        super().__init__(**kw)
+        self.spec = spec
+        self.drawn_at = 0.0
+        self._built: tuple[tuple[int, int], object] | None = None  # (size, renderable) of the last build
+
+    def render(self):  # noqa: ANN201 - Textual's RenderResult
+        """The plot, built once per ``draw`` and size: a repaint (a relayout, a scroll) reuses it."""
+        size = (self.size.width, self.size.height)
+        if self._built is None or self._built[0] != size:
+            self._built = (size, super().render())
+        return self._built[1]
+
+    def draw(self, history: History, window_s: float, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.drawn_at = now
+        plt = self.plt
+        plt.clear_figure()
+        plt.title(self.spec.title)
+        top = self.spec.y_max
+        peak = 0.0
+        for s in self.spec.series:
+            xs, ys = history.series(s.key, window_s, now)
+            if xs:
+                plt.plot(xs, ys, marker="braille", label=s.label)
+                peak = max(peak, max(ys))
+        if not any(history.series(s.key, window_s, now)[0] for s in self.spec.series):
+            plt.text("no data yet", x=-window_s / 2, y=0.5)
+            peak = 1.0
+        plt.xlim(-window_s, 0)
+        step = TICK_STEP_S.get(int(window_s), window_s / 4)
+        ticks = [-window_s + i * step for i in range(int(window_s // step) + 1)]
+        plt.xticks(ticks, [_tick_label(t) for t in ticks])
+        # the scale starts at 0 (a bar or line never reads against its own minimum)
+        plt.ylim(0, top if top is not None else max(1.0, peak * 1.15))
+        self._built = None
+        self.refresh()

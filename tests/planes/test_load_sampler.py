@@ -1,0 +1,46 @@
+"""The load sampler behind ``Snapshot.load`` and ``ChipletInfo.busy_percent`` (simulated time)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim_backend.planes import inprocess
+from sim_backend.planes.inprocess import _LoadSampler
+
+
+def test_first_sample_has_no_figures() -> None:
+    load, chips = _LoadSampler().sample(0.0, 0.0, (0.0, 0.0), 0)
+    assert load == {"interval_s": 1.0} and chips == [None, None]
+
+
+def test_busy_share_and_rate_over_the_simulated_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = [100.0]
+    monkeypatch.setattr(inprocess.time, "monotonic", lambda: t[0])
+    s = _LoadSampler(interval_s=1.0)
+    s.sample(0.0, 0.0, (0.0, 0.0), 0)
+    t[0] += 1.0
+    # 1 s simulated: board busy 0.5 s, chip0 0.4 s, chip1 0.25 s; 20 tokens generated
+    load, chips = s.sample(1e6, 5e5, (4e5, 2.5e5), 20)
+    assert load["window_sim_ms"] == 1000.0 and load["busy_percent"] == 50.0
+    assert load["output_tokens_per_s"] == 20.0 and chips == [40.0, 25.0]
+
+
+def test_a_clock_standing_still_means_nothing_ran(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = [0.0]
+    monkeypatch.setattr(inprocess.time, "monotonic", lambda: t[0])
+    s = _LoadSampler(interval_s=1.0)
+    s.sample(5e6, 4e6, (4e6, 4e6), 100)
+    t[0] += 2.0
+    load, chips = s.sample(5e6, 4e6, (4e6, 4e6), 100)  # idle: the simulated clock did not move
+    assert load["busy_percent"] == 0.0 and load["output_tokens_per_s"] == 0.0 and chips == [0.0, 0.0]
+
+
+def test_the_reference_is_the_newest_sample_old_enough(monkeypatch: pytest.MonkeyPatch) -> None:
+    t = [0.0]
+    monkeypatch.setattr(inprocess.time, "monotonic", lambda: t[0])
+    s = _LoadSampler(interval_s=1.0)
+    for i in range(5):  # a sample every 0.5 s, 0.5 s simulated each, fully busy
+        s.sample(i * 5e5, i * 5e5, (i * 5e5,), 0)
+        t[0] += 0.5
+    load, _ = s.sample(5 * 5e5, 5 * 5e5, (5 * 5e5,), 0)
+    assert load["window_wall_s"] == 1.0 and load["window_sim_ms"] == 1000.0 and load["busy_percent"] == 100.0
