@@ -333,7 +333,11 @@ class BatchedCostModel:
 def price_decode_batch(cm: CostModel | BatchedCostModel, shape: ModelShape, past_lens: Sequence[int],
                        experts_touched: Sequence[float] | None = None,
                        chip_scale: Sequence[float] | None = None) -> StepCost:
-    """Batched decode price with ``cm`` (a plain CostModel gets no switches). See
-    :meth:`BatchedCostModel.price_decode_batch`."""
-    bm = cm if isinstance(cm, BatchedCostModel) else BatchedCostModel(cm)
-    return bm.price_decode_batch(shape, past_lens, experts_touched, chip_scale)
+    """Batched decode price with ``cm``: its own ``price_decode_batch`` if it has one (a
+    :class:`BatchedCostModel`, or a test's scripted model), else a plain CostModel without
+    switches. See :meth:`BatchedCostModel.price_decode_batch`."""
+    own = getattr(cm, "price_decode_batch", None)
+    if own is not None:
+        out: StepCost = own(shape, past_lens, experts_touched, chip_scale)
+        return out
+    return BatchedCostModel(cm).price_decode_batch(shape, past_lens, experts_touched, chip_scale)
