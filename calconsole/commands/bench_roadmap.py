@@ -13,8 +13,7 @@ import argparse
 import sys
 
 from sim_backend.planes import CalError
-from sim_backend.serving.metrics import SLO
-from sim_backend.tools.roadmap import CLIENTS, DEFAULT_SLO, MIXES, OUTPUT_TOKENS, STAGE_NAMES, fmt, run_roadmap
+from sim_backend.tools.roadmap import CLIENTS, DEFAULT_SLO, MIXES, OUTPUT_TOKENS, SLO, STAGE_NAMES, fmt, run_roadmap
 
 from .common import fail, print_json
 
@@ -59,7 +58,11 @@ def run(args: argparse.Namespace) -> int:
     rpc = args.requests_per_client
     if args.quick:
         clients, mixes, rpc = [c for c in (1, 4, 16)], [m for m in ("short", "mixed")], 1
-    prog = None if args.json else (lambda msg: sys.stderr.write(f"\r  running {msg:<28}") or sys.stderr.flush())
+    def progress(msg: str) -> None:
+        sys.stderr.write(f"\r  running {msg:<28}")
+        sys.stderr.flush()
+
+    prog = None if args.json else progress
     try:
         rep = run_roadmap(stages=stages, mixes=mixes, clients=clients, requests_per_client=rpc,
                           max_tokens=args.max_tokens, slo=slo, progress=prog)

@@ -442,8 +442,9 @@ class SimulatedBoard:
                 lg, t = out.bf16(), tuple(out.experts_touched)
             rows.append(BatchRow(r.seq_id, r.past_len, lg, t))
         counts = [r.experts_touched for r in rows]
-        union = (expected_union_touched(len(rows), self.shape, counts)
-                 if all(counts) else None)  # () from a model that reports none: expectation
+        union = None  # a model that reports no counts (()): the expectation
+        if all(counts):
+            union = expected_union_touched(len(rows), self.shape, [c for c in counts if c]).tolist()
         slow = dict(self.faults.slow_chip)
         scale = [slow.get(c, 1.0) for c in range(self.shape.n_chips)] if slow else None
         cost = price_decode_batch(self.cost_model, self.shape, [r.past_len for r in rows], union, scale)

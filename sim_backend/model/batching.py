@@ -340,4 +340,5 @@ def price_decode_batch(cm: CostModel | BatchedCostModel, shape: ModelShape, past
     if own is not None:
         out: StepCost = own(shape, past_lens, experts_touched, chip_scale)
         return out
+    assert isinstance(cm, CostModel)  # a BatchedCostModel has price_decode_batch
     return BatchedCostModel(cm).price_decode_batch(shape, past_lens, experts_touched, chip_scale)

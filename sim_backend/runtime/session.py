@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from sim_backend.bundle.manifest import Bundle
 import numpy as np
 
+from sim_backend.bundle.manifest import Bundle
 from sim_backend.device.board import BatchJobRow, JobCounters, SimulatedBoard
 from sim_backend.errors import SubmitError
 from sim_backend.runtime.buffers import BufferPool

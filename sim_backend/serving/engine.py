@@ -419,7 +419,7 @@ class Engine(KVPressure):
     # --- scheduler -------------------------------------------------------------------
 
     def _loop(self) -> None:
-        inflight: deque[tuple[_Request, OutputBuf, dict]] = deque()
+        inflight: deque[tuple[Any, OutputBuf, dict]] = deque()  # (a _Request or a _Batch, job, info)
         while True:
             with self._lock:
                 self._reap_cancelled_locked(inflight)
@@ -441,6 +441,7 @@ class Engine(KVPressure):
                     continue
             if work is not None:
                 r, kind, n = work
+                started: tuple[Any, OutputBuf, dict] | None
                 try:
                     if isinstance(r, _Batch):
                         started = self._start_batch(r)
@@ -457,14 +458,14 @@ class Engine(KVPressure):
                 item = inflight.popleft()
                 try:
                     if isinstance(item[0], _Batch):
-                        self._finish_batch(*item)
+                        self._finish_batch(item[0], item[1], item[2])
                     else:
-                        self._finish_step(*item)
+                        self._finish_step(item[0], item[1], item[2])
                 except Exception as e:  # noqa: BLE001 - see above
                     self._fail_internal(item[0], e)
 
     def _fail_internal(self, r: Any, e: Exception) -> None:
-        """End ``r`` (a request, or every rider of a batch) with a typed internal error (the scheduler keeps running)."""
+        """End ``r`` (a request, or every rider of a batch) with a typed internal error (the scheduler runs on)."""
         if isinstance(r, _Batch):
             for m in r.members:
                 self._fail_internal(m, e)
@@ -642,7 +643,6 @@ class Engine(KVPressure):
 
     def _finish_step(self, r: _Request, job: OutputBuf, info: dict) -> None:
         """Wait for the job, sample, apply stop rules, stream the visible piece, account host work."""
-        ht = self.host_timer
         try:
             res = job.wait(self.step_timeout_s)
         except DeviceError as e:

@@ -14,7 +14,8 @@ Concurrency matrix (FACTS F8): clients 1, 2, 4, 8, 16 x mixes ``short`` (all sho
 ``long`` (all long), ``mixed`` (10% long + 90% short: request i of the run is long when
 ``i % 10 == 9``). The report names the mixes but not the lengths; ours: short = 128-token
 prompt, long = 4096-token prompt (the ~4K band of FACTS F7), 64 output tokens each by default
-(F8 lists 32 / 128; 64 keeps the default run near 2-3 minutes; ``--max-tokens 128`` for the F8 figure). Closed loop: each client sends its next request when the previous ends,
+(F8 lists 32 / 128; 64 keeps the default run near 2-3 minutes; ``--max-tokens 128`` for the F8 figure).
+Closed loop: each client sends its next request when the previous ends,
 ``requests_per_client`` times; one slot per client; the KV pool is the calbin's 40960 tokens
 (one shared store, FACTS F6), so 16 long clients meet KV pressure, as they would on the device.
 
@@ -43,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sim_backend.bundle.manifest import DEFAULT_BUNDLE_DIR, load_bundle
+from sim_backend.bundle.manifest import DEFAULT_BUNDLE_DIR
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.model.batching import BatchedCostModel, Variant
@@ -51,6 +52,8 @@ from sim_backend.model.costmodel import CostModel
 from sim_backend.planes.system import build_system
 from sim_backend.serving.api import ChatRequest, SamplingParams
 from sim_backend.serving.metrics import SLO, percentiles
+
+__all__ = ["SLO", "run_roadmap", "answers", "RangeModel", "Stage"]  # SLO re-exported for the CLI (layer rule)
 
 CLIENTS = (1, 2, 4, 8, 16)
 MIXES = ("short", "long", "mixed")
@@ -257,8 +260,8 @@ def run_roadmap(*, stages: Sequence[str] = STAGE_NAMES, mixes: Sequence[str] = M
         raise ValueError(f"unknown mix(es) {badm}; known: {', '.join(MIXES)}")
     ranges = RangeModel()
     records: list[dict] = []
-    kw = dict(requests_per_client=requests_per_client, max_tokens=max_tokens, short_prompt=short_prompt,
-              long_prompt=long_prompt, slo=slo)
+    kw: dict[str, Any] = dict(requests_per_client=requests_per_client, max_tokens=max_tokens,
+                              short_prompt=short_prompt, long_prompt=long_prompt, slo=slo)
 
     def run_stage(st: Stage) -> None:
         for mix in mixes:
