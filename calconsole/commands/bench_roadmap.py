@@ -2,9 +2,9 @@
 
 Stages: today (C0), async overlap (C1), batch 4 / 8 / 16 decode variant calbins with continuous
 batching (C3), and S8 V-cache / on-device top-k on the best batch stage. Clients 1, 2, 4, 8, 16
-x all short / all long / 10% long + 90% short (FACTS F8). Each cell runs on a fresh timing-only
+x all short / all long / 10% long + 90% short (the operators' matrix). Each cell runs on a fresh timing-only
 simulator with fast pacing; every figure is SIMULATED device time. Ranges are first-order, from
-the cost model's stated uncertainty (sim_backend/tools/roadmap.py, "Ranges").
+the cost model's stated uncertainty (the decode band of the calibration; see README).
 """
 
 from __future__ import annotations

@@ -188,7 +188,9 @@ class ObservationPlane:
             taken_unix_s=time.time(),
             sim_now_ms=b.now_us / 1e3,
             device={
-                "name": self._bundle.device_name, "bundle": self._bundle.name, "status": status,
+                # a what-if variant is labelled wherever its name is shown (DESIGN "What-if is labelled")
+                "name": self._bundle.device_name, "status": status,
+                "bundle": self._bundle.name if self._bundle.status == "C0" else self._bundle.display_name,
                 "mode": mode.get("mode", "serving"), "lease_holder": mode.get("lease_holder"),
                 "calrt_version": self._bundle.calrt_version,
                 "firmware_commit": f"{b.read_register('CALCORERT_COMMIT'):07x}",
