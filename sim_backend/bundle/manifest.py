@@ -65,6 +65,11 @@ MAX_RANK = 8
 MAX_CSR = 64
 #: Longest string field (names, versions, file names): NAME_MAX on Linux.
 MAX_STR = 255
+#: Report status codes a bundle may declare itself as (DESIGN "What-if is labelled"): C0 today's calbin,
+#: C1 SDK feature unused, C2 buildable by us, C3 needs a vendor-compiled calbin.
+VARIANT_STATUSES = ("C0", "C1", "C2", "C3")
+#: Decode batch sizes a C3 variant may declare (report §11 asks the vendor for 4 / 8 / 16); prefill stays 1.
+VARIANT_DECODE_BATCHES = (4, 8, 16)
 #: A manifest or tokenizer config is a few KiB; refuse to parse a huge file.
 MAX_YAML_BYTES = 1 << 20
 #: device_memory_required above 1 PiB (64x the known 16 TiB defect) is refused,
@@ -143,6 +148,21 @@ class Bundle:
     golden_file: Path | None
     golden_max_abs_error: float
     findings: tuple[Finding, ...] = field(default_factory=tuple)
+    #: report status code of the bundle ("C0" = today's production calbin; a variant says otherwise)
+    status: str = "C0"
+    #: the variant's one-line label as the manifest states it ("" for the production bundle)
+    variant_label: str = ""
+
+    @property
+    def decode_batch(self) -> int:
+        """Sequences one decode submission carries (hardware batch N; 1 today, FACTS F1). Prefill is always 1."""
+        return self.max_batch_size
+
+    @property
+    def display_name(self) -> str:
+        """Name with its status code, for every display: ``qwen3-30b-a3b-b8 [C3: batch-8 decode ...]``."""
+        return f"{self.name} [{self.status}]" if not self.variant_label else \
+            f"{self.name} [{self.status}: {self.variant_label}]"
 
     def submodel(self, name: str, smodel_type: str | None = None) -> SubModelSpec:
         """Sub-model by exact name (and, if given, exact declared or corrected type). KeyError otherwise."""
@@ -386,7 +406,8 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     Raises:
         ManifestError: the directory, ``calbin.yaml`` or a companion file is
             missing or malformed, or a fatal check fails (missing or duplicate
-            sub-model, unknown type, dtype/shape mismatch, batch != 1, chip
+            sub-model, unknown type, dtype/shape mismatch, batch != 1 outside a
+            C3 variant or not 4 / 8 / 16, unknown variant status, chip
             topology != the device's 2 chiplets), or a size is outside its
             bound (``MODEL_LIMITS``, ``MAX_CONTEXT``, ``NUMERIC_LIMITS``, the
             numerics footprint, string / list / file lengths). The message
@@ -439,8 +460,28 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
 
     context = r.pos_int(doc, "context", "context", MAX_CONTEXT)
     batch = r.pos_int(doc, "max_batch_size", "max_batch_size")
+    # --- variant (what-if) declaration: a batched decode calbin exists only as a labelled C3 variant
+    status, vlabel = "C0", ""
+    var = r.get(doc, "variant", "variant", dict, required=False, default=None)
+    if var is not None:
+        status = r.get(var, "status", "variant.status", str)
+        if status not in VARIANT_STATUSES:
+            raise r.fail("variant.status", f"unknown status {status!r} (known: {', '.join(VARIANT_STATUSES)})")
+        vlabel = r.get(var, "label", "variant.label", str)
+        if not vlabel.strip():
+            raise r.fail("variant.label", "must say what the variant is (shown in every display)")
     if batch != 1:
-        raise r.fail("max_batch_size", f"the device runs batch 1 only, manifest says {batch}")
+        if status != "C3":
+            raise r.fail("max_batch_size", f"the device runs batch 1 only, manifest says {batch} (a batch-N "
+                                           "decode calbin must be declared as a variant with status C3)")
+        if batch not in VARIANT_DECODE_BATCHES:
+            raise r.fail("max_batch_size", f"a C3 variant decodes batch {' / '.join(map(str, VARIANT_DECODE_BATCHES))}"
+                                           f", manifest says {batch}")
+    if var is not None:
+        finding("info" if status == "C0" else "warning", "variant", "variant.status",
+                f"{status} variant: {vlabel}" + ("" if status == "C0" else
+                                                 " (a what-if; not the product's current specification)"),
+                f"decode batch {batch}; prefill batch 1")
 
     topo = r.get(doc, "topology", "topology", dict)
     chips = r.pos_int(topo, "chips", "topology.chips")
@@ -539,7 +580,10 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
 
     # I/O checks against the model
     expect_seq = {"prefill": context, "decode": 1}
+    # rows of the I/O tensors: prefill is batch 1 always; decode carries max_batch_size sequences
+    expect_rows = {"prefill": 1, "decode": batch}
     for sname, seq in expect_seq.items():
+        rows = expect_rows[sname]
         spec = submodels[sname]
         i = idx[sname]
         for tname in ("input_ids", "positions"):
@@ -550,9 +594,9 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
             ti = [x.name for x in spec.inputs].index(tname)
             if t.dtype != "int32":
                 raise r.fail(f"submodels[{i}].inputs[{ti}].dtype", f"{tname} must be int32, got {t.dtype}")
-            if t.shape != (1, seq):
+            if t.shape != (rows, seq):
                 raise r.fail(f"submodels[{i}].inputs[{ti}].shape",
-                             f"{tname} must be [1, {seq}] for {sname}, got {list(t.shape)}")
+                             f"{tname} must be [{rows}, {seq}] for {sname}, got {list(t.shape)}")
         outs = {t.name: (j, t) for j, t in enumerate(spec.outputs)}
         if "logits" not in outs:
             raise r.fail(f"submodels[{i}].outputs", "missing output tensor 'logits'")
@@ -560,9 +604,9 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
         if lt.dtype != "bf16":
             raise r.fail(f"submodels[{i}].outputs[{j}].dtype",
                          f"logits must be bf16 (what the device returns), got {lt.dtype}")
-        if lt.shape != (1, shape.vocab):
+        if lt.shape != (rows, shape.vocab):
             raise r.fail(f"submodels[{i}].outputs[{j}].shape",
-                         f"logits must be [1, {shape.vocab}], got {list(lt.shape)}")
+                         f"logits must be [{rows}, {shape.vocab}], got {list(lt.shape)}")
 
     # --- tokenizer config (known defect: 131072 vs 40960) ------------------
     tok_max = None
@@ -600,4 +644,4 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
                   firmware_commit=firmware, shape=shape, numeric=numeric, context=context,
                   max_batch_size=batch, device_memory_required_bytes=dmr_bytes, submodels=submodels,
                   tokenizer_max_length=tok_max, golden_file=golden_file, golden_max_abs_error=golden_tol,
-                  findings=tuple(findings))
+                  findings=tuple(findings), status=status, variant_label=vlabel)

@@ -28,9 +28,10 @@ from threadpoolctl import threadpool_limits
 from sim_backend.bundle.manifest import Bundle
 from sim_backend.device.clock import Pacing, PacingMode, SimClock
 from sim_backend.device.faults import FIRED_NAMES, FaultInjectingKV, Faults  # noqa: F401
-from sim_backend.device.jobs import Job, JobCounters, JobState, StepResult  # noqa: F401
+from sim_backend.device.jobs import BatchJobRow, BatchRow, Job, JobCounters, JobState, StepResult  # noqa: F401
 from sim_backend.device.registers import RegisterFile
 from sim_backend.errors import CCUException, DeviceError, DeviceNotReady, DeviceReset, LinkError, SubmitError
+from sim_backend.model.batching import expected_union_touched, price_decode_batch
 from sim_backend.model.costmodel import priced_experts_touched
 from sim_backend.model.numerics import ShardedModel
 
@@ -223,6 +224,49 @@ class SimulatedBoard:
             self._queue.put((job.generation, job))  # unbounded queue: never blocks under the lock
         return job
 
+    def submit_batch(self, rows: list[BatchJobRow], *, task_type: str = "auto") -> Job:
+        """Queue one batched decode step (a C3 variant bundle's batch-N decode sub-model); returns its Job.
+
+        ``rows``: 1..``bundle.decode_batch`` sequences, one token each, distinct ``seq_id`` s.
+        The device runs each numeric row's per-sequence numerics (the same ``forward`` as a
+        batch-1 step, so logits equal batch-1 logits) and prices the step ONCE as a batch
+        (:func:`sim_backend.model.batching.price_decode_batch`). Raises SubmitError (bad
+        rows, a batch-1 bundle, too many rows), DeviceNotReady (memory cleared, resetting).
+        """
+        cap = self.bundle.decode_batch
+        if cap < 2:
+            raise SubmitError("this calbin's decode sub-model is batch 1: submit one sequence per job")
+        if not 1 <= len(rows) <= cap:
+            raise SubmitError(f"a batched decode job carries 1..{cap} sequences, got {len(rows)}")
+        if len({r.seq_id for r in rows}) != len(rows):
+            raise SubmitError("a sequence may ride only once in a batched decode job")
+        for r in rows:
+            if r.tokens.shape != (1,) or r.positions.shape != (1,) or r.new_cells.shape != (1,):
+                raise SubmitError(f"sequence {r.seq_id}: decode takes exactly 1 token per row")
+            if r.ctx_cells.shape != r.ctx_positions.shape or r.ctx_cells.shape[0] != r.past_len + 1:
+                raise SubmitError(f"sequence {r.seq_id}: context cells {r.ctx_cells.shape} must be past_len + 1")
+            if r.ctx_cells.shape[0] > self.bundle.context:
+                raise SubmitError(f"sequence {r.seq_id}: context {r.ctx_cells.shape[0]} exceeds "
+                                  f"calbin context {self.bundle.context}")
+        if self._memory_cleared:
+            raise DeviceNotReady("device memory cleared: reload the model before inference")
+        r0 = rows[0]
+        job = Job(next(self._ids), "decode", r0.seq_id, r0.tokens, r0.positions, r0.new_cells, r0.ctx_cells,
+                  r0.ctx_positions, r0.past_len, self.clock.now_us, task_type,
+                  numeric=any(r.numeric for r in rows) and self.numerics)
+        job.batch = tuple(rows)
+        with self._lock:
+            if self._stop.is_set():
+                raise SubmitError("device closed: no job can be submitted")
+            if self._resetting:
+                raise DeviceNotReady("device is resetting: submit again when the reset has finished")
+            job.generation = self._generation
+            self._submitted += 1
+            self._pending += 1
+            self._live[job.id] = job
+            self._queue.put((job.generation, job))
+        return job
+
     def counters(self) -> JobCounters:
         """One consistent read: ``submitted == finished + failed + pending + running`` always holds."""
         with self._lock:
@@ -361,20 +405,25 @@ class SimulatedBoard:
             return
         logits_bf16 = None
         touched = None
+        batch_rows: tuple[BatchRow, ...] = ()
         try:
-            if job.numeric:
+            if job.batch:
+                batch_rows, cost = self._run_batch(job, model)
+                logits_bf16, touched = batch_rows[0].logits_bf16, batch_rows[0].experts_touched
+            elif job.numeric:
                 assert model is not None  # refused above
                 out = model.forward(job.tokens, job.positions, job.new_cells, job.ctx_cells, job.ctx_positions)
                 logits_bf16 = out.bf16()  # converted once, where the logits were made (the worker sends BF16)
                 touched = tuple(int(v) for v in out.experts_touched)
-            slow = dict(self.faults.slow_chip)
-            scale = [slow.get(c, 1.0) for c in range(self.shape.n_chips)] if slow else None
-            n_tok = int(job.tokens.shape[0])
-            # numeric mode prices the router's per-layer pattern at a trained router's mean
-            priced = priced_experts_touched(touched, n_tok, self.shape.n_experts,
-                                            self.shape.n_experts_active) if touched else None
-            cost = self.cost_model.price_step(self.shape, job.kind, n_tok, job.past_len,
-                                              experts_touched=priced, chip_scale=scale)
+            if not job.batch:
+                slow = dict(self.faults.slow_chip)
+                scale = [slow.get(c, 1.0) for c in range(self.shape.n_chips)] if slow else None
+                n_tok = int(job.tokens.shape[0])
+                # numeric mode prices the router's per-layer pattern at a trained router's mean
+                priced = priced_experts_touched(touched, n_tok, self.shape.n_experts,
+                                                self.shape.n_experts_active) if touched else None
+                cost = self.cost_model.price_step(self.shape, job.kind, n_tok, job.past_len,
+                                                  experts_touched=priced, chip_scale=scale)
         except Exception as e:  # a numerics bug must fail this job, not kill the device thread
             self._fail(job, JobState.FAILED, DeviceError(f"job {job.id} failed in the simulator: {e!r}"))
             return
@@ -392,7 +441,7 @@ class SimulatedBoard:
         if job.done:
             return  # ended by a reset while computing
         res = StepResult(job.id, job.kind, job.seq_id, int(job.tokens.shape[0]), job.past_len, logits_bf16,
-                         touched, cost, sim_us, start, end, compute_ms)
+                         touched, cost, sim_us, start, end, compute_ms, batch_rows)
         chip_busy = chip_busy_us(cost)
         with self._lock:
             if job.done:
@@ -412,6 +461,27 @@ class SimulatedBoard:
                 fn(res)
             except Exception:  # noqa: BLE001 - a listener must never break the device
                 pass
+
+    def _run_batch(self, job: Job, model: Any) -> tuple[tuple[BatchRow, ...], Any]:
+        """Numerics of every numeric row, one after another (each its own batch-1 forward), and
+        ONE batched price. The union of experts per layer is estimated from the rows' distinct
+        counts (``expected_union_touched``: the numerics report counts, not expert ids)."""
+        rows: list[BatchRow] = []
+        for r in job.batch:
+            lg = t = None
+            if r.numeric and self.numerics:
+                assert model is not None  # refused in _execute
+                out = model.forward(r.tokens, r.positions, r.new_cells, r.ctx_cells, r.ctx_positions)
+                lg, t = out.bf16(), tuple(out.experts_touched)
+            rows.append(BatchRow(r.seq_id, r.past_len, lg, t))
+        counts = [r.experts_touched for r in rows]
+        union = None  # a model that reports no counts (()): the expectation
+        if all(counts):
+            union = expected_union_touched(len(rows), self.shape, [c for c in counts if c]).tolist()
+        slow = dict(self.faults.slow_chip)
+        scale = [slow.get(c, 1.0) for c in range(self.shape.n_chips)] if slow else None
+        cost = price_decode_batch(self.cost_model, self.shape, [r.past_len for r in rows], union, scale)
+        return tuple(rows), cost
 
     _device_free_us = 0.0
     _pace_anchor: tuple[float, float] | None = None  # (wall s, sim µs) pacing is measured from

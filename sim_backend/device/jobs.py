@@ -49,6 +49,36 @@ class StepResult:
     sim_start_us: float
     sim_end_us: float
     compute_wall_ms: float
+    #: a batched decode step (C3 variant calbin): one row per sequence that rode in it, in
+    #: submission order; () for every batch-1 step. The top-level fields are row 0's.
+    batch: tuple[BatchRow, ...] = ()
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One sequence of a batched decode step: its ``seq_id``, context before the step
+    (``past_len``, tokens), its own (vocab,) uint16 BF16 logits (None timing-only) and the
+    distinct experts its token touched per layer (numeric rows only)."""
+
+    seq_id: int
+    past_len: int
+    logits_bf16: np.ndarray | None
+    experts_touched: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class BatchJobRow:
+    """Input of one sequence in a batched decode job: 1 token, its position and new cell,
+    the sequence's context cells/positions (including the new one), and whether its numerics run."""
+
+    seq_id: int
+    tokens: np.ndarray
+    positions: np.ndarray
+    new_cells: np.ndarray
+    ctx_cells: np.ndarray
+    ctx_positions: np.ndarray
+    past_len: int
+    numeric: bool
 
 
 class Job:
@@ -69,6 +99,8 @@ class Job:
         self.submit_sim_us = submit_sim_us
         self.task_type = task_type
         self.numeric = numeric  # compute logits; False: timing only
+        #: rows of a batched decode job (``BatchJobRow``), () for a batch-1 job
+        self.batch: tuple[BatchJobRow, ...] = ()
         self.state = JobState.PENDING
         self.result: StepResult | None = None
         self.error: DeviceError | None = None

@@ -118,6 +118,7 @@ def step_view(res: Any | None) -> dict:
         "d2h_us": cost.d2h_us, "global_us": cost.global_us, "sim_end_ms": res.sim_end_us / 1e3,
         "compute_wall_ms": res.compute_wall_ms, "experts_touched": list(res.experts_touched or []),
         "numerics": res.logits_bf16 is not None, "layers": layers,
+        "batch_seq_ids": [row.seq_id for row in getattr(res, "batch", ())],
         "time_unit": "us (simulated device time); compute_wall_ms is host wall time",
     }
 
@@ -244,7 +245,9 @@ class ObservationPlane:
             taken_unix_s=time.time(),
             sim_now_ms=b.now_us / 1e3,
             device={
-                "name": self._bundle.device_name, "bundle": self._bundle.name, "status": status,
+                # a what-if variant is labelled wherever its name is shown (DESIGN "What-if is labelled")
+                "name": self._bundle.device_name, "status": status,
+                "bundle": self._bundle.name if self._bundle.status == "C0" else self._bundle.display_name,
                 "mode": mode.get("mode", "serving"), "lease_holder": mode.get("lease_holder"),
                 "calrt_version": self._bundle.calrt_version,
                 "firmware_commit": f"{b.read_register('CALCORERT_COMMIT'):07x}",
@@ -257,6 +260,8 @@ class ObservationPlane:
                 "timing_only_running": [s.request_id for s in e.slot_info()
                                         if s.request_id is not None and s.numeric is False],
                 "n_slots": e.n_slots, "admitting": e.admitting,
+                "bundle_status": self._bundle.status, "bundle_label": self._bundle.variant_label,
+                "decode_batch": self._bundle.decode_batch,
             },
             jobs={"submitted": c.submitted, "pending": c.pending, "running": c.running, "finished": c.finished,
                   "failed": c.failed, "left": c.left, "ccu_exceptions": c.ccu_exceptions, "resets": c.resets},
@@ -282,6 +287,7 @@ class ObservationPlane:
             host=host,
             findings=self._bundle.findings,
             load=load,
+            decode_batches=list(e.batch_log),
         )
         return convert(data, Snapshot)
 

@@ -81,6 +81,12 @@ class DeviceInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
     timing_only_running: tuple[int, ...] = ()
     n_slots: int
     admitting: bool
+    #: report status code of the loaded bundle (C0 today's calbin; C3 a variant the vendor would compile)
+    bundle_status: str = "C0"
+    #: the variant's label as its manifest states it ("" for the production bundle)
+    bundle_label: str = ""
+    #: sequences one decode step may carry (1 today, FACTS F1; N for a batch-N variant)
+    decode_batch: int = 1
 
 
 class JobCounts(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -150,6 +156,20 @@ class StepView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     numerics: bool | None = None
     layers: tuple[LayerTiming, ...] = ()
     time_unit: str | None = None
+    #: a batched decode step: the seq ids that rode in it, in order (() for a batch-1 step)
+    batch_seq_ids: tuple[int, ...] = ()
+
+
+class BatchStepView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One batched decode step (continuous batching on a batch-N variant): ``occupancy`` of
+    ``capacity`` rows, the ``slots`` and ``request_ids`` that rode in it, ``sim_end_ms`` simulated."""
+
+    job_id: int
+    occupancy: int
+    capacity: int
+    slots: tuple[int, ...]
+    request_ids: tuple[int, ...]
+    sim_end_ms: float
 
 
 class MemoryRegion(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -284,6 +304,8 @@ class Snapshot(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     host: HostInfo
     findings: tuple[FindingView, ...]
     load: LoadInfo = LoadInfo()
+    #: recent batched decode steps, oldest first (empty with a batch-1 calbin)
+    decode_batches: tuple[BatchStepView, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready nested dicts and lists (NaN becomes None), the wire form of a snapshot."""

@@ -18,6 +18,7 @@ from typing import Any
 from sim_backend.bundle.manifest import Bundle, load_bundle
 from sim_backend.device.board import Pacing, PacingMode, SimulatedBoard
 from sim_backend.device.memory import MemoryPlan
+from sim_backend.model.batching import BatchedCostModel, Variant, kv_capacity_tokens
 from sim_backend.model.costmodel import CostModel
 from sim_backend.planes.audit import AuditLog
 from sim_backend.planes.inprocess import InferencePlane, ObservationPlane
@@ -54,14 +55,20 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                  kv_timeout_s: float = 2.0, drain_timeout_s: float = 5.0, kv_cells: int | None = None,
                  numerics_max_prompt: int = 1024, hardware: str | Path | None = None,
                  numerics_process: bool = False,
-                 reset_timeout_s: float = 10.0, slo: Any | None = None) -> System:
+                 reset_timeout_s: float = 10.0, slo: Any | None = None, variant: Variant | None = None) -> System:
     """Load the bundle (strict; raises ManifestError) and start device + engine threads.
 
     ``drain_timeout_s`` / ``reset_timeout_s``: the maintenance plane's bounded drain and reset
-    (host wall seconds); unused with ``maintenance=False``.
+    (host wall seconds); unused with ``maintenance=False``. ``variant``: cost-model switches of a
+    roadmap what-if (``batching.Variant``: S8 V-cache grows the KV pool to 4/3 of its tokens unless
+    ``kv_cells`` is given; on-device top-k); None or all off = today's pricing.
     """
     bundle = load_bundle(bundle_dir)
-    cost = CostModel.load(hardware)
+    cost: Any = CostModel.load(hardware)
+    if variant is not None and not variant.is_default:
+        cost = BatchedCostModel(cost, variant)
+        if kv_cells is None and variant.s8_v_cache:
+            kv_cells = kv_capacity_tokens(bundle.context, variant)
     board = SimulatedBoard(bundle, cost, numerics=numerics, pacing=pacing or Pacing(PacingMode.FAST),
                            kv_cells=kv_cells, numerics_process=numerics_process)
     engine = Engine(RuntimeSession(board, parallel=max_inflight > 1), n_slots=n_slots, queue_limit=queue_limit,

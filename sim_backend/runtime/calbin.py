@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from sim_backend.bundle.manifest import Bundle, SubModelSpec, load_bundle
-from sim_backend.device.board import Job, StepResult
+from sim_backend.device.board import BatchJobRow, Job, StepResult
 from sim_backend.errors import CalError, DeviceError, DeviceNotReady, SubmitError, WaitTimeout
 from sim_backend.runtime.calrt import CALRT_VERSION, TASK_TYPES, VirtualDevice
 from sim_backend.runtime.views import KVView
@@ -31,6 +31,11 @@ class SubModel:
     def max_tokens(self) -> int:
         """cur_seq_len upper bound: the input_ids shape's sequence dim (prefill 40960, decode 1)."""
         return int(self.spec.input("input_ids").shape[-1])
+
+    @property
+    def batch(self) -> int:
+        """Sequences per submission: the input_ids shape's batch dim (1 today; N in a C3 variant's decode)."""
+        return int(self.spec.input("input_ids").shape[0])
 
 
 class Calbin:
@@ -154,6 +159,50 @@ class Calbin:
             self.device._unclaim(used, outbuf)
             raise SubmitError(f"submit failed: {e}") from e
         outbuf._bind(job, used, inbuf)
+        return outbuf
+
+
+    def _submit_batch(self, submodel: SubModel, rows: list[BatchJobRow], outbuf: OutputBuf, *,
+                      task_type: str) -> OutputBuf:
+        """Submit one batched decode step (C3 variant: the decode sub-model declares batch N > 1).
+
+        ``rows``: per sequence its token, position, new cell and context (``kv.seq_cells``), with
+        the CSR pair ``past_kv_cur_seq_len[i] = len(ctx) - 1``, ``cur_seq_len[i] = 1``. Raises
+        SubmitError (batch-1 sub-model, too many rows, cells not the sequence's, busy task
+        type), DeviceNotReady.
+        """
+        if task_type not in TASK_TYPES + ("auto",):
+            raise SubmitError(f"task_type must be ping, pong or auto, got {task_type!r}")
+        if not self.configured:
+            raise DeviceNotReady("calbin not configured: call configure() first")
+        if submodel.name != "decode" or self.bundle.submodels.get("decode") is not submodel.spec:
+            raise SubmitError("only this calbin's decode sub-model runs batched")
+        cap = submodel.batch
+        if cap < 2:
+            raise SubmitError(f"decode sub-model {submodel.name!r} is batch 1 (input_ids "
+                              f"{list(submodel.spec.input('input_ids').shape)}): one sequence per job")
+        if not 1 <= len(rows) <= cap:
+            raise SubmitError(f"decode sub-model takes 1..{cap} sequences per job, got {len(rows)}")
+        if outbuf._calbin is not self:
+            raise SubmitError("buffers belong to another calbin")
+        if outbuf._job is not None and not outbuf._job.done:
+            raise SubmitError(f"output buffer still in use by job {outbuf._job.id} ({outbuf.state})")
+        for r in rows:
+            if not np.isin(r.new_cells, r.ctx_cells).all():
+                raise SubmitError(f"input cells are not cells of sequence {r.seq_id} (kv apply first)")
+            if r.past_len + 1 > self.context:
+                raise SubmitError(f"CSR past_kv_cur_seq_len {r.past_len} + cur_seq_len 1 exceeds the calbin "
+                                  f"context {self.context}")
+        used = self.device._claim(task_type, outbuf)
+        try:
+            job = self.device._board.submit_batch(rows, task_type=used)
+        except CalError:
+            self.device._unclaim(used, outbuf)
+            raise
+        except (ValueError, TypeError, IndexError) as e:
+            self.device._unclaim(used, outbuf)
+            raise SubmitError(f"submit failed: {e}") from e
+        outbuf._job, outbuf._task_type, outbuf.result, outbuf._claimed = job, used, None, False
         return outbuf
 
 

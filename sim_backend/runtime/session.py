@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from sim_backend.bundle.manifest import Bundle
-from sim_backend.device.board import JobCounters, SimulatedBoard
+from sim_backend.device.board import BatchJobRow, JobCounters, SimulatedBoard
 from sim_backend.errors import SubmitError
 from sim_backend.runtime.buffers import BufferPool
 from sim_backend.runtime.calbin import Calbin, OutputBuf
@@ -78,6 +80,36 @@ class RuntimeSession:
             # so a leftover 1-token prefill chunk (a 2049-token prompt) runs the decode sub-model
             sub = self.submodels["decode" if n == 1 else kind]
             out = self.calbin._submit(sub, pair.inp, pair.out, task_type=task_type, numeric=numeric, ctx=ctx)
+        except BaseException:
+            self.pool.release(pair)
+            raise
+        out._on_end = lambda: self.pool.release(pair)
+        return out
+
+    @property
+    def decode_batch(self) -> int:
+        """Sequences one decode submission may carry: 1 today (FACTS F1), N for a C3 variant calbin."""
+        return self.submodels["decode"].batch
+
+    def step_batch(self, rows: Any, *, task_type: str = "auto", acquire_timeout: float = 0.0) -> OutputBuf:
+        """Submit one batched decode step: ``rows`` is a list of ``(seq_id, token, position, cell, numeric)``,
+        each sequence's new cell already applied in the KV.
+
+        The per-row CSR is the sequence's own: ``past_kv_cur_seq_len[i]`` = its other cells,
+        ``cur_seq_len[i] = 1``. The device runs each numeric row's numerics as a batch-1 forward
+        and prices the step once as a batch. The result's ``batch`` holds one row per sequence,
+        in order. Raises SubmitError (batch-1 calbin, too many rows), DeviceNotReady, or the
+        errors of the board's submit; on error the buffer pair is back in the pool.
+        """
+        pair = self.pool.acquire(acquire_timeout)
+        try:
+            jrows = []
+            for seq_id, token, position, cell, numeric in rows:
+                ctx_cells, ctx_pos = self.kv.seq_cells(seq_id)
+                jrows.append(BatchJobRow(int(seq_id), np.asarray([token], dtype=np.int64),
+                                         np.asarray([position], dtype=np.int64), np.asarray([cell], dtype=np.int64),
+                                         ctx_cells, ctx_pos, int(ctx_cells.shape[0]) - 1, bool(numeric)))
+            out = self.calbin._submit_batch(self.submodels["decode"], jrows, pair.out, task_type=task_type)
         except BaseException:
             self.pool.release(pair)
             raise

@@ -20,6 +20,14 @@ chunks between its chunks, so short prompts reach their first token while a
 long one is still prefilling; a prefilling slot gets a chunk at least once
 every ``n_slots`` rounds, so no request starves.
 
+Continuous batching (a C3 variant calbin whose decode sub-model carries N > 1 sequences):
+the same rounds, but the decoding slots of a round go in batched decode steps of up to N
+(filled in round-robin order from the decoding slots that are ready), so each decode step
+carries every ready decoding sequence up to N; sequences join when their prefill ends and leave
+when they stop, between steps. Prefill chunks stay their own batch-1 submissions (FACTS F1:
+prefill and decode never share one), one per round as above. A rider parked on KV, cancelled or
+failed drops out of that step alone. With N = 1 (today's calbin) nothing of this path runs.
+
 Stop rules (llama.cpp ``stop_type``): ``eos`` (an EOS id was sampled; it
 counts in ``predicted_n`` but prints nothing), ``limit`` (``max_tokens``
 reached, or the context end: prompt + generated tokens reached ``n_ctx``),
@@ -178,6 +186,11 @@ class Engine(KVPressure):
         self._stop = False
         self.last_stage: dict[str, StageTimes] = {}
         self.stage_history: deque[StageTimes] = deque(maxlen=2000)
+        #: sequences one decode step may carry (the decode sub-model's batch: 1 today, N in a C3 variant)
+        self.decode_batch = int(getattr(rt, "decode_batch", 1))
+        #: recent batched decode steps: {"job_id", "occupancy", "capacity", "slots", "request_ids",
+        #: "sim_end_ms"} (simulated ms); empty with a batch-1 calbin
+        self.batch_log: deque[dict] = deque(maxlen=64)
         self._thread = threading.Thread(target=self._loop, name="calconsole-engine", daemon=True)
         self._thread.start()
 
@@ -406,7 +419,7 @@ class Engine(KVPressure):
     # --- scheduler -------------------------------------------------------------------
 
     def _loop(self) -> None:
-        inflight: deque[tuple[_Request, OutputBuf, dict]] = deque()
+        inflight: deque[tuple[Any, OutputBuf, dict]] = deque()  # (a _Request or a _Batch, job, info)
         while True:
             with self._lock:
                 self._reap_cancelled_locked(inflight)
@@ -416,7 +429,7 @@ class Engine(KVPressure):
                         self._end_locked(r, "cancelled", "none", None)
                     return
                 self._admit_locked()
-                busy = {id(r) for r, _, _ in inflight}
+                busy = _busy_ids(inflight)
                 self._kv_deadlines_locked(busy)
                 work = None
                 if len(inflight) < self.max_inflight and not self._stop:
@@ -428,8 +441,12 @@ class Engine(KVPressure):
                     continue
             if work is not None:
                 r, kind, n = work
+                started: tuple[Any, OutputBuf, dict] | None
                 try:
-                    started = self._start_step(r, kind, n)
+                    if isinstance(r, _Batch):
+                        started = self._start_batch(r)
+                    else:
+                        started = self._start_step(r, kind, n)
                 except Exception as e:  # noqa: BLE001 - a bug must fail one request, never the scheduler
                     self._fail_internal(r, e)
                     started = None
@@ -440,12 +457,19 @@ class Engine(KVPressure):
             if inflight:
                 item = inflight.popleft()
                 try:
-                    self._finish_step(*item)
+                    if isinstance(item[0], _Batch):
+                        self._finish_batch(item[0], item[1], item[2])
+                    else:
+                        self._finish_step(item[0], item[1], item[2])
                 except Exception as e:  # noqa: BLE001 - see above
                     self._fail_internal(item[0], e)
 
-    def _fail_internal(self, r: _Request, e: Exception) -> None:
-        """End ``r`` with a typed internal error (the scheduler thread keeps running)."""
+    def _fail_internal(self, r: Any, e: Exception) -> None:
+        """End ``r`` (a request, or every rider of a batch) with a typed internal error (the scheduler runs on)."""
+        if isinstance(r, _Batch):
+            for m in r.members:
+                self._fail_internal(m, e)
+            return
         log.exception("request %s failed inside the engine", r.id)
         with self._lock:
             if r.slot is not None:
@@ -465,7 +489,7 @@ class Engine(KVPressure):
         return min(0.25, max(0.001, min(retry) - time.monotonic()))
 
     def _reap_cancelled_locked(self, inflight: deque) -> None:
-        busy = {id(r) for r, _, _ in inflight}
+        busy = _busy_ids(inflight)
         for r in [q for q in self._queue if q.handle.cancelled]:
             self._queue.remove(r)
             self._end_locked(r, "cancelled", "none", None)
@@ -520,7 +544,7 @@ class Engine(KVPressure):
             self._update_live_locked()
         self._queue.extendleft(reversed(waiting))
 
-    def _next_work_locked(self, busy: set) -> tuple[_Request, str, int] | None:
+    def _next_work_locked(self, busy: set) -> tuple[Any, str, int] | None:
         """The round rule (module docstring): each decoding slot once, then one prefill chunk."""
         n = self.n_slots
 
@@ -530,7 +554,16 @@ class Engine(KVPressure):
             return (r is not None and r.state is state and id(r) not in busy and not r.handle.cancelled
                     and not r.kv_hold and r.kv_retry_at <= now)  # parked on KV: not before its retry time
 
-        def next_decode() -> tuple[_Request, str, int] | None:
+        def next_decode() -> tuple[Any, str, int] | None:
+            if self.decode_batch > 1:  # continuous batching: up to N ready decoders in one step
+                picked = [s for s in (self.slots[(self._rr_decode + k) % n] for k in range(n))
+                          if s.idx not in self._round_served and ready(s.req, RequestState.DECODING)]
+                picked = picked[:self.decode_batch]
+                if not picked:
+                    return None
+                self._round_served.update(s.idx for s in picked)
+                self._rr_decode = (picked[-1].idx + 1) % n
+                return _Batch([s.req for s in picked if s.req is not None]), "decode", len(picked)
             for k in range(n):
                 s = self.slots[(self._rr_decode + k) % n]
                 if s.idx not in self._round_served and ready(s.req, RequestState.DECODING):
@@ -610,7 +643,6 @@ class Engine(KVPressure):
 
     def _finish_step(self, r: _Request, job: OutputBuf, info: dict) -> None:
         """Wait for the job, sample, apply stop rules, stream the visible piece, account host work."""
-        ht = self.host_timer
         try:
             res = job.wait(self.step_timeout_s)
         except DeviceError as e:
@@ -618,6 +650,15 @@ class Engine(KVPressure):
             with self._lock:
                 self._end_locked(r, "failed", "none", _err(e))
             return
+        self._after_step(r, res, info)
+
+    def _after_step(self, r: _Request, res: Any, info: dict) -> float:
+        """Sample, apply stop rules, stream and account one request's part of a finished step.
+
+        ``res``: the StepResult (for a batched step, this rider's view of it: its logits,
+        ``sim_end_us`` = when its host work may start). Returns the simulated µs its host work ended.
+        """
+        ht = self.host_timer
         t0 = ht.now()
         cost = res.cost
         # the parts add up to the step's sim time (a slow chip is already in the per-chip pricing)
@@ -680,6 +721,88 @@ class Engine(KVPressure):
                 self._end_locked(r, "finished", stop[0], None, stopping_word=stop[1], done_ms=t_end / 1e3)
             else:
                 self._wake.notify_all()
+        return t_end
+
+    # --- continuous batching (C3 variant calbin, decode batch N > 1) ----------------------
+
+    def _start_batch(self, b: _Batch) -> tuple[_Batch, OutputBuf, dict] | None:
+        """Apply one KV cell per rider and submit ONE batched decode job for those that got one.
+
+        A rider whose KV was cleared fails, one parked on KV is left out of this step (retried
+        later, as at batch 1), a cancelled one ends. Host work (KV applies, staging) goes on the
+        simulated clock before the job, as in ``_start_step``.
+        """
+        ht = self.host_timer
+        t0 = ht.now()
+        start_sim = self.rt.clock.now_us
+        kv = self.rt.kv
+        rows, riders, waits = [], [], []
+        attempt_us = 0.0
+        for r in b.members:
+            if r.kv_epoch != kv.epoch:
+                with self._lock:
+                    self._end_locked(r, "failed", "none", _err(DeviceReset(
+                        "KV cache cleared (device reset or memory clear) while the request was running")))
+                continue
+            assert r.slot is not None and r.pending_token is not None  # a decoding request
+            p0 = len(r.prompt) + len(r.generated) - 1
+            positions = np.arange(p0, p0 + 1, dtype=np.int64)
+            try:
+                if not kv.can_allocate(1):
+                    self._evict_idle(1)
+                cells = self._apply_kv(r, r.slot.seq_id, positions)
+            except RequestCancelled:
+                with self._lock:
+                    self._end_locked(r, "cancelled", "none", None)
+                continue
+            except (KVExhausted, DeviceError) as e:
+                with self._lock:
+                    self._end_locked(r, "failed", "none", _err(e))
+                continue
+            if cells is None:
+                continue  # parked: rides a later step
+            r.host["kv_wait"] += r.kv_last_wait_us / 1e3
+            attempt_us += r.kv_last_attempt_us
+            rows.append((r.slot.seq_id, r.pending_token, p0, int(np.asarray(cells).reshape(-1)[0]), r.numeric))
+            riders.append(r)
+            waits.append(r.kv_last_wait_us)
+        if not riders:
+            return None
+        host_us = ht.now() - t0
+        self.rt.clock.host_span(start_sim, host_us)
+        try:
+            job = self.rt.step_batch(rows)
+        except (KVExhausted, DeviceError) as e:
+            with self._lock:
+                for r in riders:
+                    self._end_locked(r, "failed", "none", _err(e))
+            return None
+        b.members = riders
+        each = max(0.0, host_us - attempt_us) / len(riders)
+        return b, job, {"kind": "decode", "n": len(riders), "kv_wait_us": waits, "submit_host_us": each}
+
+    def _finish_batch(self, b: _Batch, job: OutputBuf, info: dict) -> None:
+        """Wait for the batched job once, then sample/stream each rider in turn (its host work after the previous)."""
+        try:
+            res = job.wait(self.step_timeout_s)
+        except DeviceError as e:
+            job.discard()
+            with self._lock:
+                for r in b.members:
+                    self._end_locked(r, "failed", "none", _err(e))
+            return
+        self.batch_log.append({"job_id": res.job_id, "occupancy": len(res.batch), "capacity": self.decode_batch,
+                               "slots": [r.slot.idx for r in b.members if r.slot is not None],
+                               "request_ids": [r.id for r in b.members], "sim_end_ms": res.sim_end_us / 1e3})
+        t = res.sim_end_us
+        for r, row, wait_us in zip(b.members, res.batch, info["kv_wait_us"], strict=True):
+            mine = dataclasses.replace(res, seq_id=row.seq_id, past_len=row.past_len, logits_bf16=row.logits_bf16,
+                                       experts_touched=row.experts_touched, sim_end_us=t)
+            try:
+                t = self._after_step(r, mine, {"kind": "decode", "n": 1, "kv_wait_us": wait_us,
+                                               "submit_host_us": info["submit_host_us"]})
+            except Exception as e:  # noqa: BLE001 - one rider's bug must not take the others down
+                self._fail_internal(r, e)
 
     def _sample(self, r: _Request, res) -> int:
         if res.logits_bf16 is None or not r.numeric:
@@ -795,6 +918,24 @@ class Engine(KVPressure):
                              live=self._live_locked())
         r.handle._finish(result)
         self._wake.notify_all()
+
+
+class _Batch:
+    """The riders of one batched decode step (continuous batching), in slot round-robin order."""
+
+    def __init__(self, members: list[_Request]) -> None:
+        self.members = members
+
+
+def _busy_ids(inflight: deque) -> set[int]:
+    """ids of the requests whose step is in flight (every rider of a batched step)."""
+    out: set[int] = set()
+    for r, _, _ in inflight:
+        if isinstance(r, _Batch):
+            out.update(id(m) for m in r.members)
+        else:
+            out.add(id(r))
+    return out
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
