@@ -422,7 +422,18 @@ class ServingFace:
             text = await self.call(self.inference.detokenize, tokens)
         except CalError as e:
             raise wire.bad_request(str(e)) from None
-        return JSONResponse({"content": text})
+        if not wire._bool(body, "with_pieces", False):
+            return JSONResponse({"content": text})
+        # our addition: each token's raw piece (str, or its bytes when not valid UTF-8, as /tokenize gives them)
+        pieces = []
+        for t in tokens:
+            b = self.inference.token_bytes(t)
+            try:
+                piece: Any = b.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(b)
+            pieces.append({"id": t, "piece": piece})
+        return JSONResponse({"content": text, "pieces": pieces})
 
     async def apply_template(self, request: Request) -> Response:
         body = await self.read_json(request)
@@ -567,7 +578,7 @@ class ServingFace:
                         continue
                     res = ev.result
                     if res.status != "finished":
-                        yield {"data": _dumps({**wire.result_error(res).body(),
+                        yield {"data": _dumps({**wire.result_error(res).body(), "timings": wire.timings(res),
                                                "calconsole": wire.result_extension(res)})}
                         return
                     for c in last(res):
