@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 
 from rich.text import Text
 from textual import events
@@ -17,6 +18,7 @@ from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
+from textual.message import Message
 from textual.widget import Widget
 from textual.widgets import Footer, Static
 
@@ -27,6 +29,23 @@ from .panes.observation import ObservationPane
 from .widgets.render import mode_text, status_text
 
 MIN_WIDTH, MIN_HEIGHT = 80, 24
+
+
+class LeaseLost(Message):
+    """Remote planes: the maintenance lease this console held lapsed (``reason`` says why)."""
+
+    def __init__(self, lease, reason: str) -> None:
+        super().__init__()
+        self.lease = lease
+        self.reason = reason
+
+
+class LinkState(Message):
+    """Remote planes: the server stopped answering (``since``: host wall unix s) or answers again (None)."""
+
+    def __init__(self, since: float | None) -> None:
+        super().__init__()
+        self.since = since
 log = logging.getLogger(__name__)
 
 
@@ -42,9 +61,12 @@ class CalConsoleApp(App):
         Binding("f3", "focus_pane('maintenance')", "maintenance"),
     ]
 
-    def __init__(self, system, layout: Layout, refresh_hz: float | None = None) -> None:
+    def __init__(self, system, layout: Layout, refresh_hz: float | None = None, where: str | None = None) -> None:
         super().__init__()
         self.system = system
+        # the header's "attached to URL" / "listening on URL" (None: an in-process device, nothing served)
+        self.where = where if where is not None else (system.describe() if hasattr(system, "describe") else None)
+        self.disconnected_since: float | None = None  # remote planes: when the server stopped answering
         # --observe-only: the system has no maintenance plane, so the pane is dropped too
         self.layout_spec = layout if system.maintenance is not None else layout.without("maintenance")
         self.refresh_hz = refresh_hz or layout.refresh_hz
@@ -96,7 +118,19 @@ class CalConsoleApp(App):
         self._sampler_stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample_loop, name="calconsole-snapshots", daemon=True)
         self._sampler.start()
+        watch_lease = getattr(self.system.maintenance, "on_lease_lost", None)  # remote planes only
+        if watch_lease is not None:
+            watch_lease(lambda lease, reason: self.post_message(LeaseLost(lease, reason)))
         self._check_size()
+
+    def on_lease_lost(self, message: LeaseLost) -> None:
+        self.notify(f"maintenance lease of {message.lease.holder} lost: {message.reason}", severity="error",
+                    timeout=30)
+        for pane in self.screen_stack[0].query("#maintenance"):
+            if getattr(pane, "lease", None) is not None and pane.lease.id == message.lease.id:
+                pane.lease = None
+                pane._log(f"lease lost: {message.reason}; the device is serving again", "bold red")
+                pane._sync_buttons()
 
     def on_resize(self, event: events.Resize) -> None:
         self._check_size(event.size)
@@ -113,14 +147,29 @@ class CalConsoleApp(App):
     def _sample_loop(self) -> None:
         """Take a snapshot every 1/refresh_hz s off the UI thread and post it (bounded waits only)."""
         period = 1.0 / self.refresh_hz
+        conn = getattr(self.system, "connection", None)  # remote planes only
         while not self._sampler_stop.is_set():
             try:
                 snap = self.system.observation.snapshot().to_dict()
             except Exception:  # noqa: BLE001 - a failed sample is skipped, the next one retries
-                log.exception("snapshot failed")
+                if conn is not None and not conn.connected:
+                    # the planes retry with back-off; the header says since when, the panes keep the last snapshot
+                    self.post_message(LinkState(conn.disconnected_since))
+                else:
+                    log.exception("snapshot failed")
             else:
+                if self.disconnected_since is not None:
+                    self.post_message(LinkState(None))
                 self.post_message(SnapshotReady(snap))
             self._sampler_stop.wait(period)
+
+    def on_link_state(self, message: LinkState) -> None:
+        since = message.since
+        if since == self.disconnected_since:
+            return
+        self.disconnected_since = since
+        if self.last_snapshot is not None:
+            self._show_topbar(self.last_snapshot)
 
     def on_unmount(self) -> None:
         self._sampler_stop.set()
@@ -129,6 +178,14 @@ class CalConsoleApp(App):
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
         snap = message.snap
         self.last_snapshot = snap
+        self._show_topbar(snap)
+        for pane in self._panes:
+            try:
+                pane.update_snapshot(snap)
+            except NoMatches:
+                pass  # pane still composing; the next refresh fills it
+
+    def _show_topbar(self, snap: dict) -> None:
         d = snap["device"]
         req = snap["requests"]["counters"]
         bar = Text.assemble(("calconsole ", "bold"), f"{d['name']} · ", mode_text(d), " · ",
@@ -136,14 +193,15 @@ class CalConsoleApp(App):
                             f" · requests done {req['finished']} · device steps {snap['jobs']['finished']} · "
                             f"KV {snap['kv']['used_tokens']}/{snap['kv']['capacity_tokens']} · "
                             f"sim clock {snap['sim_now_ms'] / 1e3:.2f} s")
+        if self.where:
+            bar.append(f" · {self.where}", "bold cyan")
+        if self.disconnected_since is not None:
+            lost = time.strftime("%H:%M:%S", time.localtime(self.disconnected_since))
+            bar.stylize("grey50")  # the last snapshot, greyed while it cannot be refreshed
+            bar.append(f" · DISCONNECTED since {lost} (retrying)", "bold red")
         if bar.plain != self._topbar_text:  # an idle console redraws nothing
             self._topbar_text = bar.plain
             self._topbar.update(bar, layout=False)
-        for pane in self._panes:
-            try:
-                pane.update_snapshot(snap)
-            except NoMatches:
-                pass  # pane still composing; the next refresh fills it
 
 
     # the widget each pane's focus key lands on
