@@ -11,6 +11,7 @@ import gc
 import logging
 import threading
 import time
+from typing import Any
 
 from rich.text import Text
 from textual import events
@@ -126,6 +127,7 @@ class CalConsoleApp(App):
     def on_lease_lost(self, message: LeaseLost) -> None:
         self.notify(f"maintenance lease of {message.lease.holder} lost: {message.reason}", severity="error",
                     timeout=30)
+        pane: Any
         for pane in self.screen_stack[0].query("#maintenance"):
             if getattr(pane, "lease", None) is not None and pane.lease.id == message.lease.id:
                 pane.lease = None
@@ -198,7 +200,9 @@ class CalConsoleApp(App):
         if self.disconnected_since is not None:
             lost = time.strftime("%H:%M:%S", time.localtime(self.disconnected_since))
             bar.stylize("grey50")  # the last snapshot, greyed while it cannot be refreshed
-            bar.append(f" · DISCONNECTED since {lost} (retrying)", "bold red")
+            # first, so a narrow terminal still shows it
+            bar = Text.assemble(("calconsole ", "bold"), (f"DISCONNECTED since {lost} (retrying) · ", "bold red"),
+                                bar[len("calconsole "):])
         if bar.plain != self._topbar_text:  # an idle console redraws nothing
             self._topbar_text = bar.plain
             self._topbar.update(bar, layout=False)

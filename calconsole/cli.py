@@ -88,6 +88,8 @@ def run_console(args: argparse.Namespace) -> int:
         layout = load_layout(args.layout)
     except LayoutError as e:
         return fail(str(e))
+    if args.connect and args.listen:
+        return fail("--connect attaches to a served device; --listen serves this console's own: give one")
     if not sys.stdout.isatty() or not sys.stdin.isatty():
         return fail("the console needs a terminal; for scripts use 'calconsole snapshot --json' "
                     "or 'calconsole chat PROMPT --json'")
@@ -98,8 +100,6 @@ def run_console(args: argparse.Namespace) -> int:
     sys.setswitchinterval(0.001)
     from .commands.common import build_from_args, connect_from_args
 
-    if args.connect and args.listen:
-        return fail("--connect attaches to a served device; --listen serves this console's own: give one")
     server = None
     try:
         if args.connect:

@@ -98,3 +98,21 @@ async def test_the_maintenance_window_works_over_http_with_the_lease(make_server
         assert granted  # through the server's lease and audit
     finally:
         client.close()
+
+
+async def test_a_lease_lost_with_the_server_is_reported_in_the_pane(make_server: Any) -> None:
+    s = make_server(admin_key=ADMIN_KEY, lease_ttl_s=2.0, system_kw={"drain_timeout_s": 0.3})
+    client = connect(s.url, admin_key=ADMIN_KEY)
+    try:
+        app = CalConsoleApp(client, load_layout("operator"), refresh_hz=4)
+        async with app.run_test(size=(170, 50)) as pilot:
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+            await click_button(pilot, "#m-enter")
+            pane = app.query_one("#maintenance")
+            assert await wait_for(pilot, lambda: pane.lease is not None)
+            s.thread.stop()
+            assert await wait_for(pilot, lambda: pane.lease is None, timeout_s=15.0)
+            assert "lease lost: not renewed for 2 s" in log_text(app, "#m-log")
+            assert "DISCONNECTED since" in topbar(app)
+    finally:
+        client.close()
