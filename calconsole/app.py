@@ -62,12 +62,14 @@ class CalConsoleApp(App):
         Binding("f3", "focus_pane('maintenance')", "maintenance"),
     ]
 
-    def __init__(self, system, layout: Layout, refresh_hz: float | None = None, where: str | None = None) -> None:
+    def __init__(self, system, layout: Layout, refresh_hz: float | None = None,
+                 listen_url: str | None = None) -> None:
         super().__init__()
         self.system = system
-        # the header's "attached to URL" / "listening on URL" (None: an in-process device, nothing served)
-        self.where = where if where is not None else (system.describe() if hasattr(system, "describe") else None)
-        self.disconnected_since: float | None = None  # remote planes: when the server stopped answering
+        self.listen_url = listen_url  # --listen: where this device's HTTP API is served
+        # remote planes (--connect): "attached to URL" in the header, and when the server stopped answering
+        self.where = system.describe() if hasattr(system, "describe") else None
+        self.disconnected_since: float | None = None
         # --observe-only: the system has no maintenance plane, so the pane is dropped too
         self.layout_spec = layout if system.maintenance is not None else layout.without("maintenance")
         self.refresh_hz = refresh_hz or layout.refresh_hz
@@ -195,6 +197,8 @@ class CalConsoleApp(App):
                             f" · requests done {req['finished']} · device steps {snap['jobs']['finished']} · "
                             f"KV {snap['kv']['used_tokens']}/{snap['kv']['capacity_tokens']} · "
                             f"sim clock {snap['sim_now_ms'] / 1e3:.2f} s")
+        if self.listen_url:
+            bar.append(f" · HTTP API {self.listen_url}")
         if self.where:
             bar.append(f" · {self.where}", "bold cyan")
         if self.disconnected_since is not None:

@@ -8,7 +8,7 @@ import sys
 
 from . import __version__
 from .commands import load_commands
-from .commands.common import add_common_options, add_connect_options, check_common, fail, finalize
+from .commands.common import add_common_options, check_common, fail, finalize
 from .layout import MAX_REFRESH_HZ, MIN_REFRESH_HZ
 
 
@@ -26,12 +26,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh", type=float, default=None, metavar="HZ",
                    help=f"observation refresh rate, {MIN_REFRESH_HZ:g} to {MAX_REFRESH_HZ:g} Hz "
                         f"(default: the layout's, 2 Hz)")
+    p.add_argument("--listen", default=None, metavar="HOST:PORT",
+                   help="also serve this device's HTTP API (as 'calconsole serve') from the console process, so "
+                        "real clients drive the device you watch (keys: --api-key-file, --admin-key-file; "
+                        "any host but loopback needs an API key)")
+    g = p.add_argument_group("keys for --listen, or to present with --connect (prefer files or the environment: "
+                             "a flag is visible in ps)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="API keys, one per line ('KEY' or 'LABEL KEY'; mode 600); also $CALCONSOLE_API_KEY")
+    g.add_argument("--admin-key-file", default=None, metavar="FILE",
+                   help="admin keys for /maintenance/... (without one no maintenance route exists)")
     add_common_options(p, default_pacing="realtime", top_level=True)
-    add_connect_options(p, top_level=True)
-    p.add_argument("--listen", metavar="HOST:PORT", default=None,
-                   help="also serve this in-process device over HTTP (as calconsole serve does) so clients and "
-                        "other consoles (--connect) reach the device you watch; any host but loopback needs "
-                        "--api-key-file; --admin-key-file enables /maintenance")
+    p.add_argument("--connect", metavar="URL", default=None,
+                   help="open the console on the live device a running 'calconsole serve' (or a console with "
+                        "--listen) serves at URL; --api-key-file / --admin-key-file then hold the keys to present "
+                        "(no admin key: no maintenance pane)")
     sub = p.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for mod in load_commands():
         mod.register(sub, p)
@@ -112,14 +121,12 @@ def run_console(args: argparse.Namespace) -> int:
     except (CalError, ValueError) as e:
         return fail(str(e))
     try:
-        where = None
-        if args.listen:
+        if args.listen is not None:
             try:
-                server = listen(args, system)
+                server = start_listening(args, system)
             except (CalError, ValueError, OSError) as e:
-                return fail(str(e))
-            where = f"listening on {server.url}"
-        app = CalConsoleApp(system, layout, refresh_hz=args.refresh, where=where)
+                return fail(f"--listen {args.listen}: {e}")
+        app = CalConsoleApp(system, layout, refresh_hz=args.refresh, listen_url=server.url if server else None)
         app.run()
     finally:
         if server is not None:
@@ -128,36 +135,24 @@ def run_console(args: argparse.Namespace) -> int:
     return 0
 
 
-def listen(args: argparse.Namespace, system):
-    """Serve ``system`` on ``--listen HOST:PORT`` from a thread (``calconsole serve``'s face and rules).
+def parse_listen(spec: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for IPv6, ``:PORT`` for 127.0.0.1) -> (host, port); ValueError otherwise."""
+    host, sep, port = spec.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected HOST:PORT with a port in 0..65535, got {spec!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    return host, int(port)
 
-    Raises ValueError (one line) for a bad address, a refused key source or a non-loopback host
-    without an API key; OSError if the address cannot be bound.
-    """
-    from .server.face import ServeConfig, ServingFace
-    from .server.keys import KeySourceError, load_keys
-    from .server.run import ServerThread, is_loopback
 
-    host, sep, port_s = args.listen.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port_s.isdigit() or not 0 <= int(port_s) <= 65535:
-        raise ValueError(f"--listen must be HOST:PORT (e.g. 127.0.0.1:8080), got {args.listen!r}")
-    try:
-        api = load_keys("api", key_file=args.api_key_file)
-        admin = load_keys("admin", key_file=args.admin_key_file) if system.maintenance is not None else None
-    except KeySourceError as e:
-        raise ValueError(str(e)) from None
-    if not is_loopback(host) and api is None:
-        raise ValueError(f"refusing to listen on {host} without an API key: give --api-key-file "
-                         "(or $CALCONSOLE_API_KEY), or listen on 127.0.0.1")
-    cfg = ServeConfig(host=host, port=int(port_s), api_keys=api, admin_keys=admin)
-    audit = system.maintenance.audit if system.maintenance is not None else None
-    face = ServingFace(system.inference, system.observation, system.maintenance, cfg, audit=audit)
-    try:
-        thread = ServerThread(face, host, int(port_s))
-    except OSError as e:
-        raise OSError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
-    return thread.start()
+def start_listening(args: argparse.Namespace, system):
+    """Serve ``system``'s planes over HTTP from a thread of this process (``--listen``)."""
+    from .commands.serve import build_face
+    from .server.run import ServerThread
+
+    host, port = parse_listen(args.listen)
+    args.host, args.port = host, port
+    _, face = build_face(args, system)
+    return ServerThread(face, host, port).start()
 
 
 if __name__ == "__main__":

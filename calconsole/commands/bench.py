@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib
 
 # one module per benchmark: each defines register(bench_subparsers)
-BENCH_MODULES = ("bench_calibrate", "bench_host", "bench_overlap", "bench_step", "bench_keys")
+BENCH_MODULES = ("bench_calibrate", "bench_host", "bench_overlap", "bench_step", "bench_keys", "bench_realtime")
 
 
 def register(sub, common) -> None:
-    p = sub.add_parser("bench", help="benchmarks: calibrate, host, overlap, step, keys",
+    p = sub.add_parser("bench", help="benchmarks: calibrate, host, overlap, step, keys, realtime",
                        description="Benchmarks that print figures. Simulated device time and host wall "
                                    "time are labelled separately.")
     bsub = p.add_subparsers(title="benchmarks", dest="bench", metavar="BENCH", required=True)

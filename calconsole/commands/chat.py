@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         except RequestError as e:
             return fail(f"{e.error_type}: {e}")
         n_ctx = system.inference.n_ctx
-        room = n_ctx - handle.prompt_n + 1  # the engine stops once prompt + generated > n_ctx
+        room = n_ctx - handle.prompt_n  # the engine stops once prompt + generated reach n_ctx (llama.cpp)
         if req.max_tokens > room:
             print(f"calconsole: note: --max-tokens {req.max_tokens} is more than the context leaves: the "
                   f"reply stops at the context end ({n_ctx} tokens, {handle.prompt_n} of them prompt) after "

@@ -11,6 +11,11 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..server.face import ServeConfig, ServingFace
+    from ..server.keys import KeyRing
 
 from .common import add_common_options, build_from_args, fail
 
@@ -35,7 +40,8 @@ def register(sub, common) -> None:
                     "/v1/models, /v1/completions, /v1/chat/completions (SSE streaming), /snapshot and "
                     "/snapshot/stream (read-only), and with an admin key /maintenance/... (leases that expire, "
                     "audited). Timings in responses are simulated device ms.")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; any other needs an API key)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; any other needs an API key)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     add_key_options(p)
     p.add_argument("--no-slots-endpoint", action="store_true", help="disable /slots (501, as llama-server)")
@@ -58,9 +64,9 @@ def register(sub, common) -> None:
     p.set_defaults(func=run)
 
 
-def build_face(args: argparse.Namespace, system) -> tuple[object, object]:
-    """(ServeConfig, ServingFace) from the options; ValueError / KeySourceError with a one-line reason."""
-    from ..server.face import ServeConfig, ServingFace
+def load_serving_keys(args: argparse.Namespace) -> tuple[KeyRing | None, KeyRing | None]:
+    """(API keys, admin keys) from the options and environment; refuses a non-loopback bind without an
+    API key. Raises KeySourceError / ValueError with a one-line reason."""
     from ..server.keys import load_keys
     from ..server.run import is_loopback
 
@@ -69,6 +75,14 @@ def build_face(args: argparse.Namespace, system) -> tuple[object, object]:
     if not is_loopback(args.host) and api is None:
         raise ValueError(f"refusing to listen on {args.host} without an API key: give --api-key-file "
                          "(or $CALCONSOLE_API_KEY), or bind 127.0.0.1")
+    return api, admin
+
+
+def build_face(args: argparse.Namespace, system) -> tuple[ServeConfig, ServingFace]:
+    """(ServeConfig, ServingFace) from the options; ValueError / KeySourceError with a one-line reason."""
+    from ..server.face import ServeConfig, ServingFace
+
+    api, admin = load_serving_keys(args)
     cfg = ServeConfig(host=args.host, port=args.port, api_keys=api, admin_keys=admin,
                       slots_endpoint=not getattr(args, "no_slots_endpoint", False),
                       metrics_endpoint=not getattr(args, "no_metrics", False),
@@ -92,21 +106,15 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     # key and bind checks before the simulator is built: a refused start costs nothing
     try:
-        from ..server.keys import load_keys
-        from ..server.run import is_loopback
-
-        api = load_keys("api", key=args.api_key, key_file=args.api_key_file)
-        load_keys("admin", key_file=args.admin_key_file)
-        if not is_loopback(args.host) and api is None:
-            raise ValueError(f"refusing to listen on {args.host} without an API key: give --api-key-file "
-                             "(or $CALCONSOLE_API_KEY), or bind 127.0.0.1")
+        load_serving_keys(args)
         if not 1 <= args.queue_limit <= 1024:
             raise ValueError(f"--queue-limit must be in 1..1024, got {args.queue_limit}")
     except (KeySourceError, ValueError) as e:
         return fail(str(e))
     try:
+        # numerics in a worker process, as in the console: the event loop and the model would share one GIL
         system = build_from_args(args, maintenance=args.admin_key_file is not None or _env_admin(),
-                                 queue_limit=args.queue_limit)
+                                 queue_limit=args.queue_limit, numerics_process=not args.timing_only)
     except (CalError, ValueError) as e:
         return fail(str(e))
     try:

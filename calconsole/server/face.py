@@ -109,11 +109,11 @@ class ServeConfig:
             v = getattr(self, name)
             if not lo <= v <= hi:
                 raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
-        for name, lo, hi in (("request_timeout_s", 1.0, 86400.0), ("send_timeout_s", 0.5, 3600.0),
-                             ("body_timeout_s", 0.5, 600.0), ("snapshot_max_hz", 0.1, 50.0)):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and lo <= v <= hi):
-                raise ValueError(f"{name} must be in [{lo:g}, {hi:g}], got {v}")
+        for fname, flo, fhi in (("request_timeout_s", 1.0, 86400.0), ("send_timeout_s", 0.5, 3600.0),
+                                ("body_timeout_s", 0.5, 600.0), ("snapshot_max_hz", 0.1, 50.0)):
+            fv = getattr(self, fname)
+            if not (isinstance(fv, (int, float)) and math.isfinite(fv) and flo <= fv <= fhi):
+                raise ValueError(f"{fname} must be in [{flo:g}, {fhi:g}], got {fv}")
         if self.n_predict == 0 or self.n_predict < -1:
             raise ValueError(f"n_predict must be -1 (until the context is full) or positive, got {self.n_predict}")
         if self.api_keys is not None and self.admin_keys is not None and self.api_keys.shares_a_key_with(
@@ -448,6 +448,11 @@ class ServingFace:
         # n_prompt_tokens: the templated prompt's tokens as the context limit counts them (our addition)
         return JSONResponse({"prompt": prompt, "n_prompt_tokens": n})
 
+    def _model(self, body: dict[str, Any]) -> str:
+        """The model name a response reports: the request's (OpenAI echoes it), else the alias."""
+        m = body.get("model")
+        return m if isinstance(m, str) and m else self.config.model_alias
+
     def _client(self, request: Request) -> str:
         return f"http {remote_of(request)}"
 
@@ -461,7 +466,7 @@ class ServingFace:
             raise wire.bad_request("'stream_options' must be an object")
         include_usage = wire._bool(opts, "include_usage", False)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        model = body.get("model") if isinstance(body.get("model"), str) else self.config.model_alias
+        model = self._model(body)
         if not stream:
             res = await self.generate(req, request)
             if res.status != "finished":
@@ -494,7 +499,7 @@ class ServingFace:
         body = await self.read_json(request)
         req = await self._completion_req(body, request, openai=True)
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        model = body.get("model") if isinstance(body.get("model"), str) else self.config.model_alias
+        model = self._model(body)
         if not wire._bool(body, "stream", False):
             res = await self.generate(req, request)
             if res.status != "finished":

@@ -79,6 +79,9 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.face.closing.set()
         super().handle_exit(sig, frame)
+        # a stop asked by a signal is a clean stop: do not re-raise it at exit (uvicorn would), so the
+        # caller closes the simulator and returns 0
+        self._captured_signals.clear()
 
 
 def _config(face: ServingFace, *, signals: bool) -> uvicorn.Config:
@@ -109,7 +112,7 @@ class ServerThread:
         self.host, self.port = h, p
         self.url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"
         self._server = _Server(_config(face, signals=False), face)
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+        # uvicorn captures signals only on the main thread: a thread's server is stopped by stop()
         self._thread = threading.Thread(target=self._run, name="calconsole-serve", daemon=True)
         self.error: BaseException | None = None
 

@@ -136,11 +136,20 @@ def lazy_zeros(shape: tuple[int, ...], dtype=F32) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
+_ONE = F32(1.0)
+_RMS_CONSTS: dict[tuple[int, float], tuple[np.float32, np.float32]] = {}
+
+
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis; x (..., n) float32, w (n,)."""
-    # einsum avoids np.mean's Python-level overhead: this runs ~10^4 times a step
-    ms = np.einsum("...i,...i->...", x, x)[..., None] * F32(1.0 / x.shape[-1])
-    return x * (F32(1.0) / np.sqrt(ms + F32(eps))) * w
+    """RMSNorm over the last axis; x (..., n) float32, w (n,) (or broadcastable to x)."""
+    # einsum avoids np.mean's Python-level overhead: this runs ~10^4 times a step; the float32
+    # constants are made once (same operations and bits as building them per call)
+    n = x.shape[-1]
+    c = _RMS_CONSTS.get((n, eps))
+    if c is None:
+        c = _RMS_CONSTS[(n, eps)] = (F32(1.0 / n), F32(eps))
+    ms = np.einsum("...i,...i->...", x, x)[..., None] * c[0]
+    return x * (_ONE / np.sqrt(ms + c[1])) * w
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -148,6 +157,14 @@ def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]
     return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
+
+
+def rope_full_tables(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """From ``rope_tables``' cos/sin (n, D/2): (cos|cos, -sin|sin) as (n, 1, D) and the rotate-half
+    index (D,), for :func:`apply_rope_full`."""
+    half = cos.shape[-1]
+    return (np.concatenate([cos, cos], axis=-1)[:, None, :], np.concatenate([-sin, sin], axis=-1)[:, None, :],
+            np.r_[half:2 * half, 0:half])
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -158,21 +175,60 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def apply_rope_full(x: np.ndarray, cos_full: np.ndarray, sin_signed: np.ndarray, rot: np.ndarray) -> np.ndarray:
+    """``apply_rope`` in four numpy calls, same bits: x*[c, c] + x[..., rot]*[-s, s] (a - b*s equals
+    a + b*(-s) exactly in IEEE arithmetic). x (..., n, heads, D); tables from :func:`rope_full_tables`."""
+    out = x * cos_full
+    out += x[..., rot] * sin_signed
+    return out
+
+
 def route(h: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
     """Router: softmax over experts, top-k, renormalised top-k weights.
 
     h (n, H) float32 -> (expert ids (n, k) int64, weights (n, k) float32 summing to 1).
-    Ties broken by lower expert id so routing is deterministic.
+    Experts are ordered by probability, ties broken by lower expert id, so routing is
+    deterministic (the order of a stable descending sort).
     """
     logits = h @ router
-    logits = logits - logits.max(axis=-1, keepdims=True)
-    probs = np.exp(logits)
+    logits -= logits.max(axis=-1, keepdims=True)
+    probs = np.exp(logits, out=logits)
     probs /= probs.sum(axis=-1, keepdims=True)
-    # stable descending sort == lower id first among equal probabilities
-    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    E = probs.shape[-1]
+    if top_k >= E:
+        ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
+    else:
+        # top-k by partition, then the k sorted (descending, lower id first): same ids as a full stable
+        # sort unless the k-th probability ties one left out; then the stable sort decides
+        cand = np.argpartition(probs, E - top_k, axis=-1)[:, E - top_k:]
+        cand.sort(axis=-1)  # ascending ids, so the stable sort below breaks ties by lower id
+        vals = np.take_along_axis(probs, cand, axis=-1)
+        ids = np.take_along_axis(cand, np.argsort(-vals, axis=-1, kind="stable"), axis=-1)
+        kth = np.take_along_axis(probs, ids[:, -1:], axis=-1)
+        if np.count_nonzero(probs >= kth) != top_k * probs.shape[0]:
+            ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
     w = np.take_along_axis(probs, ids, axis=-1)
     w = w / w.sum(axis=-1, keepdims=True)
-    return ids, w.astype(F32)
+    return ids, w.astype(F32, copy=False)
+
+
+def _route1(h: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``route`` for one token, h (H,) -> (ids (k,) int64, weights (k,) float32): same ids and bits,
+    in 1-D so each step costs fewer numpy calls (decode runs it 48 times a token)."""
+    probs = h @ router
+    probs -= probs.max()
+    np.exp(probs, out=probs)
+    probs /= probs.sum()
+    E = probs.shape[0]
+    cand = np.argpartition(probs, E - top_k)[E - top_k:]
+    cand.sort()
+    vals = probs[cand]
+    ids = cand[np.argsort(-vals, kind="stable")]
+    if np.count_nonzero(probs >= probs[ids[-1]]) != top_k:  # a tie at the k-th place: full stable sort
+        ids = np.argsort(-probs, kind="stable")[:top_k]
+    w = probs[ids]
+    w /= w.sum()
+    return ids, w
 
 
 def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
@@ -247,7 +303,100 @@ def moe_ffn(x: np.ndarray, ids: np.ndarray, w: np.ndarray, gate: np.ndarray, up:
         g = xe @ gate[e]
         u = xe @ up[e]
         a = (g / (1.0 + np.exp(-g))) * u
-        np.add.at(out, grp_t, (a @ down[e]) * grp_w[:, None])
+        out[grp_t] += (a @ down[e]) * grp_w[:, None]  # a token picks an expert at most once: no repeats
+    return out
+
+
+#: Queries per block of the prefill attention (32 measured fastest of 32/64/128/256 at 512 and 1024
+#: tokens): the masked (future) keys a block computes and
+#: discards are at most half a block per query, and a block's scores stay cache-sized.
+PREFILL_BLOCK = 32
+
+
+def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
+                       block: int = PREFILL_BLOCK) -> np.ndarray:
+    """Causal attention of a prefill, every KV head in one call per block of queries.
+
+    q (G, n, group, D) float32 (G KV heads, ``group`` query heads each), k/v (G, T, D);
+    q_pos (n,), k_pos (T,) token positions: a query attends to keys with position <= its own.
+    Returns (G, n, group, D) float32. With keys sorted by position (the engine's order), a block
+    only computes keys up to its last query, and only the keys past its first query are masked;
+    so the masked upper triangle is skipped but for the diagonal blocks. The softmax's
+    normalisation is applied to the (m, D) output, not to the (m, T) probabilities.
+    """
+    G, n, group, D = q.shape
+    T = k.shape[1]
+    qs = q * F32(1.0 / np.sqrt(D))  # on q, not the scores: exact when D is a power of 4 (16: scale 1/4)
+    kt = np.ascontiguousarray(k.transpose(0, 2, 1))  # (G, D, T)
+    out = np.empty((G, n, group, D), dtype=F32)
+    sorted_keys = T < 2 or bool(np.all(k_pos[1:] >= k_pos[:-1]))
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        qp = q_pos[s:e]
+        if sorted_keys:
+            t_end = int(np.searchsorted(k_pos, qp.max(), side="right"))
+            t_vis = int(np.searchsorted(k_pos, qp.min(), side="right"))  # keys every query of the block sees
+        else:
+            t_end, t_vis = T, 0
+        m = e - s
+        sc = np.matmul(qs[:, s:e].reshape(G, m * group, D), kt[:, :, :t_end])  # (G, m*group, t_end)
+        if t_vis < t_end:
+            bias = np.where(k_pos[None, t_vis:t_end] > qp[:, None], F32(-np.inf), F32(0))  # (m, t_end - t_vis)
+            sc.reshape(G, m, group, t_end)[..., t_vis:] += bias[None, :, None, :]
+        sc -= sc.max(axis=-1, keepdims=True)
+        np.exp(sc, out=sc)
+        tot = sc.sum(axis=-1, keepdims=True)
+        o = np.matmul(sc, v[:, :t_end])  # (G, m*group, D)
+        o /= tot
+        out[:, s:e] = o.reshape(G, m, group, D)
+    return out
+
+
+def _moe_prefill(h: np.ndarray, ids: np.ndarray, w: np.ndarray, used: np.ndarray, gu: np.ndarray,
+                 down: np.ndarray) -> np.ndarray:
+    """Both chips' SwiGLU expert partial sums for a prefill, every expert in one batched matmul.
+
+    h (n, H) float32; ids/w (n, k) routing; used (U,) the distinct experts in ``ids`` (sorted);
+    gu (2, C, E, H, F') gate and up stacked, down (C, E, F', H) (F' = one chip's intermediate columns).
+    Returns (C, n, H) float32: chip c's partial sum. Each expert's tokens are a zero-padded row
+    group of one (U, M, H) batch; a token's k contributions are summed in ascending expert order,
+    the order ``moe_ffn``'s per-expert loop adds them.
+    """
+    n, k = ids.shape
+    H = h.shape[1]
+    E = gu.shape[2]
+    N = n * k
+    flat_e = ids.reshape(-1)
+    order = np.argsort(flat_e, kind="stable")  # assignments grouped by expert, tokens ascending
+    e_sorted = flat_e[order]
+    counts = np.bincount(flat_e, minlength=E)
+    M = int(counts.max())
+    U = used.size
+    uidx = np.zeros(E, dtype=np.int64)
+    uidx[used] = np.arange(U)
+    row = uidx[e_sorted] * M + (np.arange(N) - (np.cumsum(counts) - counts)[e_sorted])
+    X = np.zeros((U * M, H), dtype=F32)
+    X[row] = h[order // k]
+    Wt = np.zeros((U * M, 1), dtype=F32)
+    Wt[row, 0] = w.reshape(-1)[order]
+    if U < E:
+        gu, down = gu[:, :, used], down[:, used]
+    Xe = X.reshape(U, M, H)
+    C = gu.shape[1]
+    # one batched (over experts) BLAS matmul per chip and projection; never a broadcast operand,
+    # which would send matmul to numpy's non-BLAS loop
+    g = np.stack([np.matmul(Xe, gu[0, c]) for c in range(C)])  # (C, U, M, F')
+    u = np.stack([np.matmul(Xe, gu[1, c]) for c in range(C)])
+    a = (g / (F32(1.0) + np.exp(-g))) * u
+    y = np.matmul(a, down).reshape(-1, U * M, H)  # (C, U*M, H)
+    y *= Wt
+    row_of = np.empty(N, dtype=np.int64)
+    row_of[order] = row  # assignment (token, j) -> its padded row
+    per_tok = np.take_along_axis(row_of.reshape(n, k), np.argsort(ids, axis=1), axis=1)  # ascending experts
+    contrib = y[:, per_tok]  # (C, n, k, H)
+    out = contrib[:, :, 0].copy()
+    for j in range(1, k):
+        out += contrib[:, :, j]
     return out
 
 
@@ -355,11 +504,25 @@ class ShardedModel:
         self.stacked: list[dict[str, np.ndarray]] = []
         for li in range(shape.n_layers):
             st = {}
-            for key in ("wqkv", "wo", "qk_norm", "gate", "up", "down"):
+            for key in ("wqkv", "wo", "qk_norm", "down"):
                 st[key] = np.stack([c.layers[li][key] for c in self.chips])
                 for ci, c in enumerate(self.chips):
                     c.layers[li][key] = st[key][ci]
+            # gate and up stacked on a leading axis (2, C, E, H, F/C): one gather and one matmul give both,
+            # each still an 8-column product (fusing them as 16 columns changes BLAS's summation and the bits)
+            st["gu"] = np.stack([np.stack([c.layers[li][key] for c in self.chips]) for key in ("gate", "up")])
+            for ci, c in enumerate(self.chips):
+                c.layers[li]["gate"] = st["gu"][0, ci]
+                c.layers[li]["up"] = st["gu"][1, ci]
+            st["qk_norm_b"] = st["qk_norm"][:, None]  # (C, 1, heads, D): broadcasts over a prefill's tokens
             self.stacked.append(st)
+        # LM head halves side by side (H, V): one BLAS matvec gives the gathered logits, column for
+        # column the bits of each chip's own product; each chip's half is a column view of it
+        self.lm_head = np.concatenate([c.lm_head for c in self.chips], axis=1)
+        self.lm_bias = np.concatenate([c.lm_bias for c in self.chips])
+        for c in self.chips:
+            a, b = c.vocab_range
+            c.lm_head, c.lm_bias = self.lm_head[:, a:b], self.lm_bias[a:b]
         kv_shape = (shape.n_chips, shape.n_layers, shape.kv_heads_per_chip, n_cells, num.head_dim)
         self._kv_shape = kv_shape
         self.clear_kv()
@@ -384,49 +547,53 @@ class ShardedModel:
         n = tokens.shape[0]
         if n == 1 and (ctx_positions.size == 0 or ctx_positions.max() <= positions[0]):
             return self._decode(int(tokens[0]), int(positions[0]), int(new_cells[0]), ctx_cells)
+        C = shape.n_chips
         # embedding on chip0, broadcast to chip1 (sync D2D)
         embed = self.chips[0].embed
         assert embed is not None  # chip0 holds the embedding
         x = embed[tokens].astype(F32)
-        cos, sin = rope_tables(positions, D, shape.rope_theta)
+        rope = rope_full_tables(*rope_tables(positions, D, shape.rope_theta))
         touched: list[int] = []
         ctx_index = _cell_index(ctx_cells)
+        kcache, vcache = self.k_cache, self.v_cache
+        # both chips run each op in one call along the leading chip axis (as in _decode); chip c's
+        # slice is exactly its own shard's math, and the all-reduces are sums over that axis
         for li, lw in enumerate(self.weights.layers):
+            st = self.stacked[li]
             h = rms_norm(x, lw.in_norm, shape.rms_eps)  # replicated on both chips
-            attn_partial = np.zeros_like(x)
-            for chip in self.chips:
-                cw = chip.layers[li]
-                qkv = h @ cw["wqkv"]
-                # q and k heads share one per-head RMSNorm + RoPE call (weights stacked)
-                qk = qkv[:, : (qh + kvh) * D].reshape(n, qh + kvh, D)
-                qk = apply_rope(rms_norm(qk, cw["qk_norm"], shape.rms_eps), cos, sin)
-                q, k = qk[:, :qh], qk[:, qh:]
-                v = qkv[:, (qh + kvh) * D:].reshape(n, kvh, D)
-                # KV scatter: write this step's K/V into the chip's cache cells
-                if n == 1:
-                    chip.k_cache[li, :, new_cells[0]] = k[0]
-                    chip.v_cache[li, :, new_cells[0]] = v[0]
-                else:
-                    chip.k_cache[li][:, new_cells] = k.transpose(1, 0, 2)
-                    chip.v_cache[li][:, new_cells] = v.transpose(1, 0, 2)
-                kc = chip.k_cache[li][:, ctx_index].transpose(1, 0, 2)
-                vc = chip.v_cache[li][:, ctx_index].transpose(1, 0, 2)
-                o = causal_attention(q, kc, vc, positions, ctx_positions, group)
-                attn_partial += o.reshape(n, qh * D) @ cw["wo"]  # all-reduce (sum)
-            x = x + attn_partial
+            # h copied per chip, not broadcast: a broadcast operand sends matmul to numpy's non-BLAS loop
+            qkv = np.matmul(np.stack((h,) * C), st["wqkv"])  # (C, n, cols)
+            # q and k heads share one per-head RMSNorm + RoPE call (weights stacked)
+            qk = qkv[:, :, : (qh + kvh) * D].reshape(C, n, qh + kvh, D)
+            qk = apply_rope_full(rms_norm(qk, st["qk_norm_b"], shape.rms_eps), *rope)
+            q, k = qk[:, :, :qh], qk[:, :, qh:]
+            v = qkv[:, :, (qh + kvh) * D:].reshape(C, n, kvh, D)
+            # KV scatter: write this step's K/V into each chip's cache cells
+            kcache[:, li][:, :, new_cells] = k.transpose(0, 2, 1, 3)
+            vcache[:, li][:, :, new_cells] = v.transpose(0, 2, 1, 3)
+            T = ctx_cells.shape[0]
+            kc = kcache[:, li][:, :, ctx_index].reshape(C * kvh, T, D)  # (C*kvh, T, D): every KV head
+            vc = vcache[:, li][:, :, ctx_index].reshape(C * kvh, T, D)
+            qh_ = q.reshape(C, n, kvh, group, D).transpose(0, 2, 1, 3, 4).reshape(C * kvh, n, group, D)
+            o = _prefill_attention(qh_, kc, vc, positions, ctx_positions)  # (C*kvh, n, group, D)
+            o = o.reshape(C, kvh, n, group, D).transpose(0, 2, 1, 3, 4).reshape(C, n, qh * D)
+            x = x + np.matmul(o, st["wo"]).sum(axis=0)  # all-reduce (sum) over chips
             h = rms_norm(x, lw.post_norm, shape.rms_eps)
             ids, w = route(h, lw.router, shape.n_experts_active)
-            touched.append(int(np.unique(ids).size))
-            moe = np.zeros_like(x)
-            for chip in self.chips:
-                cw = chip.layers[li]
-                moe += moe_ffn(h, ids, w, cw["gate"], cw["up"], cw["down"])  # reduce partial sums
-            x = x + moe
+            used = np.unique(ids)
+            touched.append(int(used.size))
+            x = x + _moe_prefill(h, ids, w, used, st["gu"], st["down"]).sum(axis=0)  # reduce partial sums
         last = rms_norm(x[-1:], self.weights.final_norm, shape.rms_eps)[0]
-        # LM head: each chip computes its half of the vocabulary; gather.
-        logits = np.concatenate([last @ c.lm_head + c.lm_bias for c in self.chips])
-        return StepNumerics(logits=logits.astype(F32, copy=False), experts_touched=touched)
+        return StepNumerics(logits=self._lm_head(last), experts_touched=touched)
 
+    def _lm_head(self, last: np.ndarray) -> np.ndarray:
+        """LM head of the last token, last (H,) -> logits (V,) float32: each chip its half of the vocabulary,
+        gathered (one matvec over the side-by-side halves, bias added in place; no concatenate).
+
+        A 1-D vector times a chip-stacked (C, H, V/C) array would be numpy's non-BLAS loop, 2x slower."""
+        out = last @ self.lm_head
+        out += self.lm_bias
+        return out
 
     def _decode(self, token: int, position: int, cell: int, ctx_cells: np.ndarray) -> StepNumerics:
         """Decode step (one token) with both chips in one call per op along the chip axis.
@@ -442,15 +609,16 @@ class ShardedModel:
         embed = self.chips[0].embed
         assert embed is not None  # chip0 holds the embedding
         x = embed[token].astype(F32)[None]  # (1, H) on chip0, broadcast
-        cos, sin = rope_tables(np.array([position]), D, shape.rope_theta)
+        rope = rope_full_tables(*rope_tables(np.array([position]), D, shape.rope_theta))
         idx = _cell_index(ctx_cells)
         kcache, vcache = self.k_cache, self.v_cache
+        eps, k_act = shape.rms_eps, shape.n_experts_active
         for li, lw in enumerate(self.weights.layers):
             st = self.stacked[li]
-            h = rms_norm(x, lw.in_norm, shape.rms_eps)
+            h = rms_norm(x, lw.in_norm, eps)
             qkv = np.matmul(h, st["wqkv"])[:, 0]  # (C, cols)
             qk = qkv[:, : (qh + kvh) * D].reshape(C, qh + kvh, D)
-            qk = apply_rope(rms_norm(qk, st["qk_norm"], shape.rms_eps), cos, sin)
+            qk = apply_rope_full(rms_norm(qk, st["qk_norm"], eps), *rope)
             kcache[:, li, :, cell] = qk[:, qh:]
             vcache[:, li, :, cell] = qkv[:, (qh + kvh) * D:].reshape(C, kvh, D)
             K = kcache[:, li][:, :, idx]  # (C, kvh, T, D); a view when cells are contiguous
@@ -462,17 +630,13 @@ class ShardedModel:
             sc /= sc.sum(axis=-1, keepdims=True)
             o = np.matmul(sc, V).reshape(C, 1, qh * D)
             x = x + np.matmul(o, st["wo"]).sum(axis=0)  # all-reduce over chips
-            h = rms_norm(x, lw.post_norm, shape.rms_eps)
-            ids, w = route(h, lw.router, shape.n_experts_active)
-            e = ids[0]
-            g = np.matmul(h[0], st["gate"][:, e])  # (C, k, F/C)
-            u = np.matmul(h[0], st["up"][:, e])
-            a = (g / (F32(1.0) + np.exp(-g))) * u * w[0][None, :, None]
+            h = rms_norm(x, lw.post_norm, eps)
+            e, w = _route1(h[0], lw.router, k_act)
+            g, u = np.matmul(h[0], st["gu"][:, :, e])  # (2, C, k, F/C): gate and up in one matmul
+            a = (g / (F32(1.0) + np.exp(-g))) * u * w[None, :, None]
             x = x + np.matmul(a[:, :, None, :], st["down"][:, e]).sum(axis=(0, 1))  # reduce partial sums
-        last = rms_norm(x, self.weights.final_norm, shape.rms_eps)[0]
-        logits = np.concatenate([last @ c.lm_head + c.lm_bias for c in self.chips])
-        return StepNumerics(logits=logits.astype(F32, copy=False),
-                            experts_touched=[shape.n_experts_active] * shape.n_layers)
+        last = rms_norm(x, self.weights.final_norm, eps)[0]
+        return StepNumerics(logits=self._lm_head(last), experts_touched=[k_act] * shape.n_layers)
 
 
 class ReferenceModel:

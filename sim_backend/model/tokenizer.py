@@ -305,9 +305,10 @@ def _chat_segments(
 #: The chat template ``_chat_segments`` implements, as Jinja (what llama-server's ``/props`` reports as
 #: ``chat_template``): Qwen3's template without tools. Reported, never rendered (no Jinja at run time).
 CHAT_TEMPLATE = (
-    "{%- set ns = namespace(last_query=messages|length - 1) -%}"
+    "{%- set ns = namespace(last_query=messages|length - 1, found=false) -%}"
     "{%- for m in messages[::-1] -%}{%- set i = messages|length - 1 - loop.index0 -%}"
-    "{%- if ns.last_query == messages|length - 1 and m.role == 'user' -%}{%- set ns.last_query = i -%}{%- endif -%}"
+    "{%- if not ns.found and m.role == 'user' -%}{%- set ns.last_query = i -%}{%- set ns.found = true -%}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- for m in messages -%}"
     "{%- set content = m.content -%}{%- set reasoning = '' -%}"

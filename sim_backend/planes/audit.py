@@ -368,6 +368,8 @@ def summarize(records: list[Any]) -> list[dict[str, Any]]:
             e.update(granted=granted, ok=ok, result=rec.get("result"), duration_ms=_num(rec.get("duration_ms")),
                      sim_ms=_num(rec.get("sim_ms")),
                      status="refused" if granted is False else ("granted" if ok else "failed"))
-            if phase == "event" and granted is not False:
+            # an event refused and not ok is a refusal (the serving face's); a drill step refused as
+            # expected is ok
+            if phase == "event" and not (granted is False and not ok):
                 e["status"] = "ok" if ok else "not as expected"
     return out

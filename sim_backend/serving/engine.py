@@ -209,7 +209,7 @@ class Engine(KVPressure):
         """Validate, tokenise and enqueue. Returns a handle at once.
 
         Raises (nothing allocated, no counter but ``rejected`` moves):
-        InvalidRequestError, ExceedContextSizeError (prompt > n_ctx = 40960
+        InvalidRequestError, ExceedContextSizeError (prompt >= n_ctx = 40960
         tokens), UnavailableError (queue full, or device in maintenance).
         """
         with self._lock:

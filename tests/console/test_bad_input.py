@@ -393,7 +393,7 @@ def test_max_tokens_past_the_context_end_is_noted_and_the_reply_stops_there(caps
     assert m, err
     d = json.loads(out)
     assert int(m.group(1)) == d["timings"]["prompt_n"]
-    assert int(m.group(2)) == d["timings"]["predicted_n"] == 40960 - d["timings"]["prompt_n"] + 1
+    assert int(m.group(2)) == d["timings"]["predicted_n"] == 40960 - d["timings"]["prompt_n"]
     assert d["stop_type"] == "limit"
 
 

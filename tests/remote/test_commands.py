@@ -96,27 +96,6 @@ def test_an_unreachable_server_is_one_line_and_exit_code_2(capsys: Any) -> None:
     assert err.startswith("calconsole: error: cannot attach") and err.count("\n") == 1
 
 
-def test_listen_serves_the_consoles_own_device(make_system: Any) -> None:
-    import argparse
-
-    from calconsole.cli import listen
-    from calconsole.remote import connect
-
-    system = make_system(numerics=False)
-    ns = argparse.Namespace(listen="127.0.0.1:0", api_key_file=None, admin_key_file=None)
-    server = listen(ns, system)
-    try:
-        with connect(server.url) as client:
-            client.inference.generate(ChatRequest.from_prompt("hi", max_tokens=3), timeout=60)
-        # the request over HTTP ran on the device this console watches
-        assert system.observation.snapshot().requests["counters"]["finished"] == 1
-    finally:
-        server.stop()
-    for bad, says in (("0.0.0.0:0", "without an API key"), ("8080", "HOST:PORT"), ("host:http", "HOST:PORT")):
-        with pytest.raises(ValueError, match=says):
-            listen(argparse.Namespace(listen=bad, api_key_file=None, admin_key_file=None), system)
-
-
 def test_the_console_refuses_connect_with_listen(capsys: Any) -> None:
     assert main(["--connect", "http://127.0.0.1:1", "--listen", "127.0.0.1:0"]) == 2
     assert "give one" in capsys.readouterr().err

@@ -112,7 +112,7 @@ async def test_a_lease_lost_with_the_server_is_reported_in_the_pane(make_server:
             assert await wait_for(pilot, lambda: pane.lease is not None)
             s.thread.stop()
             assert await wait_for(pilot, lambda: pane.lease is None, timeout_s=15.0)
-            assert "lease lost: not renewed for 2 s" in log_text(app, "#m-log")
+            assert await wait_for(pilot, lambda: "lease lost: not renewed for 2 s" in log_text(app, "#m-log"))
             assert "DISCONNECTED since" in topbar(app)
     finally:
         client.close()

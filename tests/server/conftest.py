@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,16 @@ from calconsole.server.run import ServerThread
 
 API_KEY = "test-api-key-0123456789"
 ADMIN_KEY = "test-admin-key-9876543210"
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
+    """Poll ``cond`` every 20 ms for up to ``timeout`` host seconds; True once it holds."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
 
 
 @dataclass

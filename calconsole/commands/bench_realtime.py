@@ -1,0 +1,121 @@
+"""``calconsole bench realtime``: does the simulation keep real time, in-process and in the console's worker?
+
+A real-time factor (RTF) is simulated device time / host wall time of the same step: >= 1 keeps
+real-time pacing. Measured side by side in one run, straight on a fast-paced board: decode RTF
+at several contexts, prefill RTF of one chunk at several prompt lengths (medians of --runs), the
+numeric prompt limit they give (the longest measured prompt whose prefill keeps real time in the
+worker), and numpy calls per decode step in this process. With --ui, also key latency in the
+headless console while a long reply streams and as it ends, and the garbage-collection pauses
+of the console's process meanwhile. Host wall ms vs simulated ms are labelled; a benchmark, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import time
+from typing import Any
+
+from sim_backend.planes import CalError
+from sim_backend.tools.realtime_bench import BACKENDS, DECODE_CONTEXTS, PREFILL_LENGTHS, measure
+
+from .common import fail, print_json
+
+
+def register(bsub) -> None:
+    p = bsub.add_parser("realtime", help="real-time factor of decode and prefill, in-process and in the worker",
+                        description=__doc__.replace("``", "").split("\n\n")[1],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", type=int, default=3, help="runs per figure; medians are reported (default 3)")
+    p.add_argument("--decode-steps", type=int, default=16, help="decode steps per run (default 16)")
+    p.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)),
+                   help="decode contexts, comma-separated tokens (default 128,1024,2048,4096)")
+    p.add_argument("--lengths", default=",".join(map(str, PREFILL_LENGTHS)),
+                   help="prefill prompt lengths, comma-separated tokens (default 128,256,512,1024,2048)")
+    p.add_argument("--backend", choices=("both", *BACKENDS), default="both", help="which numerics placement")
+    p.add_argument("--ui", action="store_true", help="also key latency and GC pauses in the headless console")
+    p.add_argument("--ui-tokens", type=int, default=3000, help="reply length for --ui (default 3000 tokens)")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.set_defaults(func=run)
+
+
+def _sizes(text: str, name: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not vals or any(not 1 <= v <= 8192 for v in vals):
+        raise ValueError(f"{name} must be 1..8192 tokens each, got {text!r}")
+    return sorted(set(vals))
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.runs <= 50:
+        return fail(f"--runs must be in 1..50, got {args.runs}")
+    if not 1 <= args.decode_steps <= 10_000:
+        return fail(f"--decode-steps must be in 1..10000, got {args.decode_steps}")
+    if not 1 <= args.ui_tokens <= 40_000:
+        return fail(f"--ui-tokens must be in 1..40000, got {args.ui_tokens}")
+    try:
+        contexts = _sizes(args.contexts, "--contexts")
+        lengths = _sizes(args.lengths, "--lengths")
+    except ValueError as e:
+        return fail(str(e))
+    backends = list(BACKENDS) if args.backend == "both" else [args.backend]
+    try:
+        rep: dict[str, Any] = measure(backends=backends, runs=args.runs, decode_steps=args.decode_steps,
+                                      contexts=contexts, prompt_lengths=lengths)
+    except (CalError, ValueError) as e:
+        return fail(str(e))
+    if args.ui:
+        rep["ui"] = asyncio.run(_ui(args.ui_tokens))
+    if args.json:
+        print_json(rep)
+        return 0
+    print(f"real-time factor = simulated device time / host wall time (medians of {args.runs} runs)")
+    for b in backends:
+        r = rep[b]
+        print(f"  {b}:")
+        print("    decode  " + "  ".join(f"ctx {k}: {v:.2f} ({r['decode_wall_ms'][k]:.2f} ms wall / "
+                                         f"{r['decode_sim_ms'][k]:.2f} ms sim)" for k, v in r["decode_rtf"].items()))
+        print("    prefill " + "  ".join(f"{k} tok: {v:.2f} ({r['prefill_wall_ms'][k]:.0f} ms wall / "
+                                         f"{r['prefill_sim_ms'][k]:.0f} ms sim)" for k, v in r["prefill_rtf"].items()))
+        print(f"    numpy calls per decode step in this process: {r['numpy_calls_per_decode_step']}")
+    print(f"  numeric prompt limit (longest measured prompt whose prefill keeps real time): "
+          f"{rep['numeric_limit_tokens']} tokens")
+    if args.ui:
+        u = rep["ui"]
+        for k in ("streaming", "end_of_reply"):
+            s = u[k]
+            print(f"  keys {k:13s}: n {s['n']}  p50 {s['median_ms']}  p95 {s['p95_ms']}  max {s['max_ms']} ms")
+        g = u["gc"]
+        print(f"  GC pauses: {g['n']} collections, gen2 {g['gen2_n']}, max {g['max_ms']:.1f} ms, "
+              f"over 20 ms: {g['over_20ms']}")
+    return 0
+
+
+async def _ui(max_tokens: int) -> dict:
+    """Key latency (bench keys) while a timing-only reply streams, with every GC pause of this process."""
+    from .bench_keys import _measure
+
+    pauses: list[tuple[int, float]] = []
+    started: dict[str, float] = {}
+
+    def cb(phase: str, info: dict) -> None:
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif "t" in started:
+            pauses.append((int(info.get("generation", -1)), (time.perf_counter() - started.pop("t")) * 1e3))
+
+    gc.callbacks.append(cb)
+    try:
+        r = await _measure(max_tokens, 1.0, (120, 36))
+    finally:
+        gc.callbacks.remove(cb)
+    ms = [p for _, p in pauses]
+    r["gc"] = {"n": len(ms), "gen2_n": sum(1 for g, _ in pauses if g == 2),
+               "median_ms": statistics.median(ms) if ms else 0.0, "max_ms": max(ms, default=0.0),
+               "over_20ms": sum(1 for p in ms if p > 20.0), "unit": "host wall ms per collection"}
+    return r

@@ -1,0 +1,228 @@
+"""Real-time factor of the numerics, in-process and in the console's worker (``calconsole bench realtime``).
+
+A real-time factor (RTF) is simulated device time / measured host wall time for the same step:
+>= 1 means the host computes the step at least as fast as the modelled NPU runs it, so real-time
+pacing holds. Steps go straight to a fast-paced ``SimulatedBoard`` (no engine, no sampling): the
+wall time is ``submit`` -> result, i.e. the device thread's numerics (in this process, or the
+spawned worker plus the pipe), the cost model's pricing and the thread hand-offs.
+
+Simulated times are the cost model's (calibrated to FACTS F7); wall and CPU times are measured here.
+"""
+
+from __future__ import annotations
+
+import dis
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from sim_backend.bundle.manifest import Bundle, load_bundle
+from sim_backend.device.board import SimulatedBoard
+from sim_backend.device.clock import Pacing, PacingMode
+from sim_backend.errors import CalError
+from sim_backend.model.costmodel import default_cost_model
+
+BACKENDS = {"in_process": False, "worker": True}
+DECODE_CONTEXTS = (128, 1024, 2048, 4096)
+PREFILL_LENGTHS = (128, 256, 512, 1024, 2048)
+#: KV fill chunk (tokens) used to build a decode context; the engine's default prefill chunk.
+FILL_CHUNK = 2048
+STEP_TIMEOUT_S = 600.0
+#: A prefill run longer than this (host wall ms) is not repeated (its length reports 1 run).
+LONG_RUN_MS = 4000.0
+
+
+def _tokens(n: int, offset: int = 0) -> np.ndarray:
+    """Deterministic prompt ids (ordinary text tokens, below the special ids)."""
+    return ((np.arange(offset, offset + n, dtype=np.int64) * 7919 + 101) % 150_000).astype(np.int64)
+
+
+def _run(board: SimulatedBoard, kind: str, tokens: np.ndarray, p0: int) -> tuple[float, float]:
+    """One step on the board at positions/cells [p0, p0+n), context [0, p0+n). Returns (wall ms, sim ms)."""
+    n = tokens.shape[0]
+    pos = np.arange(p0, p0 + n, dtype=np.int64)
+    ctx = np.arange(0, p0 + n, dtype=np.int64)
+    t0 = time.perf_counter()
+    res = board.submit(kind, 0, tokens, pos, pos.copy(), ctx, ctx.copy()).wait(STEP_TIMEOUT_S)
+    wall = (time.perf_counter() - t0) * 1e3
+    return wall, res.sim_us / 1e3
+
+
+def count_numpy_calls(fn: Callable[[], Any]) -> int:
+    """numpy operations started from Python while ``fn()`` runs in this thread.
+
+    Counts ``sys.setprofile`` ``c_call`` events whose callee belongs to numpy (functions, ufuncs,
+    array methods), plus the binary-operator and subscript opcodes executed in the model's and the
+    device's own frames (``a * b``, ``a[i] = b``: on arrays each is a numpy call that makes no call
+    event; the few on Python ints there are counted too, so this slightly over-counts).
+    """
+    n = 0
+
+    def prof(frame: Any, event: str, arg: Any) -> None:
+        nonlocal n
+        if event != "c_call":
+            return
+        if isinstance(arg, np.ufunc):
+            n += 1
+            return
+        mod = getattr(arg, "__module__", None) or ""
+        owner = getattr(arg, "__self__", None)
+        if mod.startswith("numpy") or isinstance(owner, (np.ndarray, np.generic)) or (
+                isinstance(owner, type(np)) and owner.__name__.startswith("numpy")):
+            n += 1
+
+    def trace(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal n
+        if event == "call":
+            if not any(d in frame.f_code.co_filename for d in _OWN_DIRS):
+                return None
+            frame.f_trace_opcodes = True
+            frame.f_trace_lines = False
+            return trace
+        if event == "opcode" and frame.f_code.co_code[frame.f_lasti] in _ARRAY_OPS:
+            n += 1
+        return trace
+
+    sys.setprofile(prof)
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+        sys.setprofile(None)
+    return n
+
+
+_OWN_DIRS = ("sim_backend/model/", "sim_backend/device/")
+_ARRAY_OPS = frozenset(dis.opmap[o] for o in ("BINARY_OP", "BINARY_SUBSCR", "STORE_SUBSCR", "UNARY_NEGATIVE")
+                       if o in dis.opmap)
+
+
+def _decode_work_calls(board: SimulatedBoard, context: int) -> int:
+    """numpy calls this process makes for one decode step's device work (numerics + BF16 + pricing),
+    run on this thread the way the device thread runs it."""
+    model = board.model
+    assert model is not None
+    tok = _tokens(1, context)
+    pos = np.array([context], dtype=np.int64)
+    ctx = np.arange(context + 1, dtype=np.int64)
+
+    def work() -> None:
+        out = model.forward(tok, pos, pos.copy(), ctx, ctx.copy())
+        out.bf16()
+        board.cost_model.price_step(board.shape, "decode", 1, context,
+                                    experts_touched=list(out.experts_touched), chip_scale=None)
+
+    work()  # warm (caches, first-call imports)
+    return count_numpy_calls(work)
+
+
+def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
+                    contexts: Sequence[int] = DECODE_CONTEXTS, prompt_lengths: Sequence[int] = PREFILL_LENGTHS,
+                    bundle: Bundle | None = None, progress: Callable[[str], None] | None = None) -> dict:
+    """Measure one backend on a fresh board.
+
+    Prefill: each length in ``prompt_lengths`` as one chunk from position 0, ``runs`` times
+    (once if a run takes over ``LONG_RUN_MS``; ``prefill_runs`` says how many).
+    Decode: at each context in ``contexts`` (KV filled by real prefill chunks first),
+    ``runs`` x ``decode_steps`` steps. Returns ``{"decode_rtf": {ctx: median RTF}, "decode_wall_ms",
+    "decode_sim_ms", "prefill_rtf": {n: median RTF}, "prefill_wall_ms", "prefill_sim_ms",
+    "numpy_calls_per_decode_step"}`` (keys of the by-size dicts are str for JSON; ``*_wall_ms`` host
+    wall ms medians, ``*_sim_ms`` simulated device ms). Raises CalError on a failed step.
+    """
+    say = progress or (lambda _m: None)
+    b = bundle or load_bundle()
+    top = max([*contexts, *prompt_lengths]) + 1
+    if top > b.context:
+        raise CalError(f"largest context {top} exceeds the calbin context {b.context}")
+    board = SimulatedBoard(b, default_cost_model(), numerics=True, pacing=Pacing(PacingMode.FAST),
+                           kv_cells=max(top, 8), numerics_process=worker)
+    try:
+        _run(board, "prefill", _tokens(8), 0)  # warm up
+        pre_wall: dict[str, float] = {}
+        pre_sim: dict[str, float] = {}
+        pre_runs: dict[str, int] = {}
+        for n in sorted(prompt_lengths):
+            say(f"prefill {n}")
+            walls = []
+            for _ in range(runs):
+                w, s = _run(board, "prefill", _tokens(n), 0)
+                walls.append(w)
+                if w > LONG_RUN_MS:  # one long run says enough; keeps the default sweep within minutes
+                    break
+            pre_wall[str(n)], pre_sim[str(n)] = statistics.median(walls), s
+            pre_runs[str(n)] = len(walls)
+        filled = max(prompt_lengths, default=0)  # the prefills wrote real K/V into cells [0, longest)
+        dec_wall: dict[str, float] = {}
+        dec_sim: dict[str, float] = {}
+        for c in sorted(contexts):
+            while filled < c:  # real K/V in every context cell (zero pages would read unrealistically fast)
+                m = min(FILL_CHUNK, c - filled)
+                say(f"fill KV {filled}..{filled + m}")
+                _run(board, "prefill", _tokens(m, filled), filled)
+                filled += m
+            say(f"decode at {c}")
+            meds = []
+            for _ in range(runs):
+                walls = []
+                for _ in range(decode_steps):
+                    w, s = _run(board, "decode", _tokens(1, c), c)  # overwrites cell c: same context every step
+                    walls.append(w)
+                meds.append(statistics.median(walls))
+            dec_wall[str(c)], dec_sim[str(c)] = statistics.median(meds), s
+        calls = _decode_work_calls(board, min(contexts) if contexts else 128)
+    finally:
+        board.close()
+    return {"decode_rtf": {k: dec_sim[k] / dec_wall[k] for k in dec_wall}, "decode_wall_ms": dec_wall,
+            "decode_sim_ms": dec_sim,
+            "prefill_rtf": {k: pre_sim[k] / pre_wall[k] for k in pre_wall}, "prefill_wall_ms": pre_wall,
+            "prefill_sim_ms": pre_sim, "prefill_runs": pre_runs, "numpy_calls_per_decode_step": calls}
+
+
+def numeric_limit(prefill_rtf: dict[str, float]) -> int:
+    """Longest measured prompt length whose prefill keeps real time (RTF >= 1) and every shorter one
+    does too; 0 if even the shortest falls behind. Never extrapolated past the longest length measured."""
+    limit = 0
+    for n in sorted(prefill_rtf, key=int):
+        r = prefill_rtf[n]
+        if not (math.isfinite(r) and r >= 1.0):
+            break
+        limit = int(n)
+    return limit
+
+
+def measure(*, backends: Sequence[str] = tuple(BACKENDS), runs: int = 3, decode_steps: int = 16,
+            contexts: Sequence[int] = DECODE_CONTEXTS, prompt_lengths: Sequence[int] = PREFILL_LENGTHS,
+            bundle: Bundle | None = None, progress: Callable[[str], None] | None = None) -> dict:
+    """Both backends side by side in one run, plus the numeric prefill limit they give.
+
+    ``numeric_limit_tokens`` comes from the worker backend (what the console runs) when measured,
+    else from in-process. Returns ``{"in_process": {...}, "worker": {...}, "numeric_limit_tokens",
+    "runs", "decode_steps", "units"}``.
+    """
+    out: dict[str, Any] = {}
+
+    def tagged(name: str) -> Callable[[str], None] | None:
+        if progress is None:
+            return None
+        report = progress
+        return lambda m: report(f"{name}: {m}")
+
+    for name in backends:
+        if name not in BACKENDS:
+            raise ValueError(f"unknown backend {name!r} (one of {', '.join(BACKENDS)})")
+        out[name] = measure_backend(BACKENDS[name], runs=runs, decode_steps=decode_steps, contexts=contexts,
+                                    prompt_lengths=prompt_lengths, bundle=bundle,
+                                    progress=tagged(name))
+    src = out.get("worker") or out[backends[0]]
+    out["numeric_limit_tokens"] = numeric_limit(src["prefill_rtf"])
+    out["runs"], out["decode_steps"] = runs, decode_steps
+    out["units"] = {"rtf": "simulated device time / host wall time (>= 1 keeps real time)",
+                    "wall_ms": "host wall ms, median", "sim_ms": "simulated device ms (cost model)",
+                    "numpy_calls": "numpy calls in this process per decode step (operators not counted)"}
+    return out

@@ -1,0 +1,152 @@
+"""The maintenance plane over HTTP: leases that expire, typed confirmation, audit with origin."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from sim_backend.planes import Pacing, PacingMode
+from tests.server.conftest import ADMIN_KEY, wait_until
+
+DEVICE = "calculet0"
+
+
+def call(s, path, body=None, method="POST"):
+    return httpx.request(method, s.url + path, json=body if method == "POST" else None,
+                         headers=s.headers("admin"), timeout=60)
+
+
+def enter(s, holder="ops"):
+    r = call(s, "/maintenance/exclusive", {"holder": holder, "drain_timeout_s": 1})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+
+@pytest.fixture
+def srv(make_server):
+    return make_server(admin_key=ADMIN_KEY, system_kw={"numerics": True}, lease_ttl_s=30.0)
+
+
+def test_window_over_http(srv):
+    lease = enter(srv)
+    assert len(lease["lease_id"]) == 32 and lease["holder"] == "ops" and lease["ttl_s"] == 30.0
+    assert lease["drain"] == {"drained": 0, "cancelled": 0, "wall_ms": pytest.approx(lease["drain"]["wall_ms"]),
+                              "sim_ms": 0.0}
+    lid = lease["lease_id"]
+    h = httpx.get(srv.url + "/health")
+    assert h.status_code == 503 and h.json()["error"]["type"] == "unavailable_error"
+    chat = httpx.post(srv.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                              "max_tokens": 1})
+    assert chat.status_code == 503 and "maintenance" in chat.json()["error"]["message"]
+    st = call(srv, "/maintenance/status", method="GET").json()
+    assert st["mode"] == "exclusive" and st["lease_holder"] == "ops" and st["http_lease"]["key"] == "admin-1"
+    assert "lease_id" not in json.dumps(st)
+    assert call(srv, "/maintenance/self-test", {"lease_id": lid}).json()["ok"] is True
+    assert call(srv, "/maintenance/health-check", {"lease_id": lid}).json()["ok"] is True
+    reg = call(srv, "/maintenance/registers/read", {"lease_id": lid, "key": "D2D_LINK_ERR"}).json()
+    assert reg["ok"] is True
+    assert call(srv, "/maintenance/faults/inject", {"lease_id": lid, "kind": "slow_chip", "chip": 1,
+                                                    "factor": 2.0}).json()["ok"] is True
+    assert call(srv, "/maintenance/faults/clear", {"lease_id": lid}).json()["ok"] is True
+    probe = call(srv, "/maintenance/probe", {"lease_id": lid, "prompt": "hi", "max_tokens": 2}).json()
+    assert probe["ok"] is True and probe["status"] == "finished"
+    assert call(srv, "/maintenance/reset", {"lease_id": lid, "device": DEVICE}).json()["ok"] is True
+    assert call(srv, "/maintenance/clear-memory", {"lease_id": lid, "device": DEVICE}).json()["ok"] is True
+    h = httpx.get(srv.url + "/health")
+    assert h.status_code == 503 and "Loading model" in h.json()["error"]["message"]
+    assert call(srv, "/maintenance/leave", {"lease_id": lid}).status_code == 403  # memory cleared: reload first
+    assert call(srv, "/maintenance/reload", {"lease_id": lid}).json()["ok"] is True
+    assert call(srv, "/maintenance/leave", {"lease_id": lid}).json()["ok"] is True
+    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+    entries = srv.system.maintenance.audit.entries()
+    granted = [e for e in entries if e["status"] in ("granted", "failed")]
+    assert {e["action"] for e in granted} >= {"enter_exclusive", "self_test", "reset", "clear_device_memory",
+                                              "reload_model", "leave_exclusive", "probe_request"}
+    assert all(e["origin"] and e["origin"]["key"] == "admin-1" and e["origin"]["via"] == "http" for e in granted)
+    assert ADMIN_KEY not in srv.system.maintenance.audit.path.read_text()
+
+
+@pytest.mark.parametrize("body,status,what", [
+    ({}, 403, "lease_id is required"),
+    ({"lease_id": "0" * 32, "device": DEVICE}, 403, "not the current one"),
+    ({"lease_id": None}, 403, "lease_id is required"),
+    ({"lease_id": 12345}, 403, "not the current one"),
+])
+def test_reset_refused_without_the_lease(srv, body, status, what):
+    enter(srv)
+    before = len(srv.system.maintenance.audit.entries())
+    r = call(srv, "/maintenance/reset", body)
+    assert r.status_code == status and what in r.json()["error"]["message"]
+    new = srv.system.maintenance.audit.entries()[before:]
+    assert [e["status"] for e in new] == ["refused"] and new[0]["origin"]["key"] == "admin-1"
+
+
+def test_reset_needs_the_device_name(srv):
+    lid = enter(srv)["lease_id"]
+    resets = srv.system.observation.snapshot().jobs.resets
+    r = call(srv, "/maintenance/reset", {"lease_id": lid, "device": "calculet1"})
+    assert r.status_code == 400 and "device name 'calculet0'" in r.json()["error"]["message"]
+    r = call(srv, "/maintenance/clear-memory", {"lease_id": lid})
+    assert r.status_code == 400
+    assert srv.system.observation.snapshot().jobs.resets == resets
+    assert srv.system.observation.snapshot().device.status != "memory cleared"
+
+
+def test_second_holder_is_refused_and_sees_who_holds_it(srv):
+    enter(srv, "alice")
+    r = call(srv, "/maintenance/exclusive", {"holder": "bob"})
+    assert r.status_code == 403 and "alice" in r.json()["error"]["message"]
+    assert call(srv, "/maintenance/status", method="GET").json()["lease_holder"] == "alice"
+
+
+def test_bad_maintenance_bodies(srv):
+    assert call(srv, "/maintenance/exclusive", {}).status_code == 400
+    assert call(srv, "/maintenance/exclusive", {"holder": "x", "drain_timeout_s": "soon"}).status_code == 400
+    assert call(srv, "/maintenance/audit?limit=0", method="GET").status_code == 400
+    lid = enter(srv)["lease_id"]
+    r = call(srv, "/maintenance/faults/inject", {"lease_id": lid, "kind": "meteor"})
+    assert r.status_code == 403 and "meteor" in r.json()["error"]["message"]
+    r = call(srv, "/maintenance/probe", {"lease_id": lid, "max_tokens": 10_000})
+    assert r.status_code == 400
+
+
+def test_lease_lapses_without_renewal(make_server):
+    s = make_server(admin_key=ADMIN_KEY, lease_ttl_s=2.0)
+    lid = enter(s, "crashy")["lease_id"]
+    assert s.system.maintenance.mode()["mode"] == "exclusive"
+    assert wait_until(lambda: s.system.maintenance.mode()["mode"] == "serving", timeout=8)
+    assert httpx.get(s.url + "/health").json() == {"status": "ok"}
+    r = call(s, "/maintenance/self-test", {"lease_id": lid})
+    assert r.status_code == 403
+    actions = [e["action"] for e in s.system.maintenance.audit.entries()]
+    assert "lease_expired" in actions and actions.index("lease_expired") < len(actions) - 1
+    assert call(s, "/maintenance/lease/renew", {"lease_id": lid}).status_code == 403
+
+
+def test_renewed_lease_holds(make_server):
+    s = make_server(admin_key=ADMIN_KEY, lease_ttl_s=2.0)
+    lid = enter(s)["lease_id"]
+    end = time.monotonic() + 4.0
+    while time.monotonic() < end:
+        r = call(s, "/maintenance/lease/renew", {"lease_id": lid})
+        assert r.status_code == 200 and r.json()["expires_in_s"] > 1.5
+        time.sleep(0.5)
+    assert s.system.maintenance.mode()["mode"] == "exclusive"
+    assert call(s, "/maintenance/leave", {"lease_id": lid}).json()["ok"] is True
+
+
+def test_entering_drains_a_streaming_chat_with_a_reason(make_server):
+    s = make_server(admin_key=ADMIN_KEY, system_kw={"pacing": Pacing(PacingMode.REALTIME, 0.5)})
+    body = {"messages": [{"role": "user", "content": "long reply"}], "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        r2 = call(s, "/maintenance/exclusive", {"holder": "ops", "drain_timeout_s": 0})
+        assert r2.status_code == 200 and r2.json()["drain"]["cancelled"] == 1
+        rest = [x for x in lines if x.startswith("data: ")]
+    err = json.loads(rest[-1][len("data: "):])["error"]
+    assert err["type"] == "unavailable_error" and "maintenance" in err["message"]

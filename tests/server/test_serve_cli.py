@@ -1,0 +1,54 @@
+"""``calconsole serve`` as a process: starts, answers, and stops cleanly on SIGTERM / SIGINT mid-stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+
+def start(tmp_path, *extra: str) -> tuple[subprocess.Popen, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CALCONSOLE_")}
+    p = subprocess.Popen([sys.executable, "-m", "calconsole", "serve", "--port", "0", "--timing-only",
+                          "--audit-log", str(tmp_path / "audit.jsonl"), *extra],
+                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    assert p.stderr is not None
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        line = p.stderr.readline()
+        m = re.search(r"listening on (http://\S+)", line)
+        if m:
+            return p, m.group(1)
+        if not line and p.poll() is not None:
+            break
+    p.kill()
+    raise AssertionError("server did not start")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_mid_stream_ends_the_stream_with_an_error_event(tmp_path, sig):
+    p, url = start(tmp_path, "--pacing", "realtime", "--speed", "0.5")
+    try:
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        body = {"messages": [{"role": "user", "content": "go on"}], "max_tokens": 2000, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            p.send_signal(sig)
+            rest = [x for x in lines if x.startswith("data: ")]
+        err = json.loads(rest[-1][len("data: "):])["error"]
+        assert err["type"] == "unavailable_error" and "shutting down" in err["message"]
+        assert p.wait(timeout=30) == 0
+        log = p.stderr.read()
+        assert "stopped" in log and "Traceback" not in log
+        assert '"POST /v1/chat/completions" 200' in log  # one line per request
+    finally:
+        if p.poll() is None:
+            p.kill()

@@ -1,0 +1,58 @@
+"""``calconsole bench realtime``: real-time factors per backend, the numeric limit, numpy calls per step.
+
+A tiny configuration (one run, short contexts and prompts): the JSON's shape and that every figure is
+positive and finite. Figures are wall time and never compared with a threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from calconsole.cli import build_parser, main
+from calconsole.commands import bench_realtime
+from sim_backend.tools.realtime_bench import numeric_limit
+
+
+def test_registered_under_bench():
+    args = build_parser().parse_args(["bench", "realtime", "--json", "--runs", "2"])
+    assert args.func is bench_realtime.run and args.json and args.runs == 2 and not args.ui
+
+
+def test_cli_json_tiny_both_backends(capsys):
+    rc = main(["bench", "realtime", "--json", "--runs", "1", "--decode-steps", "2", "--contexts", "16,40",
+               "--lengths", "8,24"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert {"in_process", "worker", "numeric_limit_tokens", "runs", "decode_steps", "units"} <= set(rep)
+    for b in ("in_process", "worker"):
+        r = rep[b]
+        assert set(r["decode_rtf"]) == {"16", "40"} and set(r["prefill_rtf"]) == {"8", "24"}
+        for key in ("decode_rtf", "decode_wall_ms", "decode_sim_ms", "prefill_rtf", "prefill_wall_ms",
+                    "prefill_sim_ms"):
+            assert all(math.isfinite(v) and v > 0 for v in r[key].values()), (b, key, r[key])
+        assert r["prefill_runs"] == {"8": 1, "24": 1}
+        assert r["numpy_calls_per_decode_step"] > 0
+    # the worker's process does the numerics: this process makes far fewer numpy calls per step
+    assert rep["worker"]["numpy_calls_per_decode_step"] < rep["in_process"]["numpy_calls_per_decode_step"]
+    assert rep["numeric_limit_tokens"] in (0, 8, 24)
+    # the simulated prices do not depend on where the numerics run
+    assert rep["worker"]["prefill_sim_ms"] == rep["in_process"]["prefill_sim_ms"]
+
+
+def test_numeric_limit_is_the_longest_prefix_keeping_real_time():
+    assert numeric_limit({"128": 3.0, "256": 1.5, "512": 0.9, "1024": 1.2}) == 256  # 1024 after a miss: no
+    assert numeric_limit({"128": 0.5}) == 0
+    assert numeric_limit({"128": 2.0, "256": float("nan")}) == 128
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--runs", "0"], "--runs must be in 1..50"),
+    (["--contexts", "a,b"], "--contexts must be comma-separated integers"),
+    (["--lengths", "0"], "--lengths must be 1..8192 tokens each"),
+])
+def test_bad_options_exit_2(capsys, argv, msg):
+    assert main(["bench", "realtime", *argv]) == 2
+    assert msg in capsys.readouterr().err
