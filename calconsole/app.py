@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from rich.text import Text
 from textual import events
@@ -21,6 +22,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
+from textual.message import Message
 from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Static
@@ -34,6 +36,23 @@ from .widgets.help import HelpScreen, help_renderable
 from .widgets.render import mode_text, status_text
 
 MIN_WIDTH, MIN_HEIGHT = 80, 24
+
+
+class LeaseLost(Message):
+    """Remote planes: the maintenance lease this console held lapsed (``reason`` says why)."""
+
+    def __init__(self, lease, reason: str) -> None:
+        super().__init__()
+        self.lease = lease
+        self.reason = reason
+
+
+class LinkState(Message):
+    """Remote planes: the server stopped answering (``since``: host wall unix s) or answers again (None)."""
+
+    def __init__(self, since: float | None) -> None:
+        super().__init__()
+        self.since = since
 log = logging.getLogger(__name__)
 
 
@@ -60,6 +79,9 @@ class CalConsoleApp(App):
         self.settings = settings or Settings()
         self.system = system
         self.listen_url = listen_url  # --listen: where this device's HTTP API is served
+        # remote planes (--connect): "attached to URL" in the header, and when the server stopped answering
+        self.where = system.describe() if hasattr(system, "describe") else None
+        self.disconnected_since: float | None = None
         # --observe-only: the system has no maintenance plane, so the pane is dropped too
         self.layout_spec = layout if system.maintenance is not None else layout.without("maintenance")
         self.refresh_hz = refresh_hz or self.settings.refresh_hz or layout.refresh_hz
@@ -116,7 +138,20 @@ class CalConsoleApp(App):
         self._sampler_stop = threading.Event()
         self._sampler = threading.Thread(target=self._sample_loop, name="calconsole-snapshots", daemon=True)
         self._sampler.start()
+        watch_lease = getattr(self.system.maintenance, "on_lease_lost", None)  # remote planes only
+        if watch_lease is not None:
+            watch_lease(lambda lease, reason: self.post_message(LeaseLost(lease, reason)))
         self._check_size()
+
+    def on_lease_lost(self, message: LeaseLost) -> None:
+        self.notify(f"maintenance lease of {message.lease.holder} lost: {message.reason}", severity="error",
+                    timeout=30)
+        pane: Any
+        for pane in self.screen_stack[0].query("#maintenance"):
+            if getattr(pane, "lease", None) is not None and pane.lease.id == message.lease.id:
+                pane.lease = None
+                pane._log(f"lease lost: {message.reason}; the device is serving again", "bold red")
+                pane._sync_buttons()
 
     def on_resize(self, event: events.Resize) -> None:
         self._check_size(event.size)
@@ -145,15 +180,30 @@ class CalConsoleApp(App):
 
     def _sample_loop(self) -> None:
         """Take a snapshot every 1/refresh_hz s off the UI thread and post it (bounded waits only)."""
+        conn = getattr(self.system, "connection", None)  # remote planes only
         while not self._sampler_stop.is_set():
             period = 1.0 / self.refresh_hz  # read each time: the palette changes it
             try:
                 snap = self.system.observation.snapshot().to_dict()
             except Exception:  # noqa: BLE001 - a failed sample is skipped, the next one retries
-                log.exception("snapshot failed")
+                if conn is not None and not conn.connected:
+                    # the planes retry with back-off; the header says since when, the panes keep the last snapshot
+                    self.post_message(LinkState(conn.disconnected_since))
+                else:
+                    log.exception("snapshot failed")
             else:
+                if self.disconnected_since is not None:
+                    self.post_message(LinkState(None))
                 self.post_message(SnapshotReady(snap))
             self._sampler_stop.wait(period)
+
+    def on_link_state(self, message: LinkState) -> None:
+        since = message.since
+        if since == self.disconnected_since:
+            return
+        self.disconnected_since = since
+        if self.last_snapshot is not None:
+            self._show_topbar(self.last_snapshot)
 
     def on_unmount(self) -> None:
         self._sampler_stop.set()
@@ -162,6 +212,14 @@ class CalConsoleApp(App):
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
         snap = message.snap
         self.last_snapshot = snap
+        self._show_topbar(snap)
+        for pane in self._panes:
+            try:
+                pane.update_snapshot(snap)
+            except NoMatches:
+                pass  # pane still composing; the next refresh fills it
+
+    def _show_topbar(self, snap: dict) -> None:
         d = snap["device"]
         req = snap["requests"]["counters"]
         bar = Text.assemble(("calconsole ", "bold"), f"{d['name']} · ", mode_text(d), " · ",
@@ -171,14 +229,17 @@ class CalConsoleApp(App):
                             f"sim clock {snap['sim_now_ms'] / 1e3:.2f} s")
         if self.listen_url:
             bar.append(f" · HTTP API {self.listen_url}")
+        if self.where:
+            bar.append(f" · {self.where}", "bold cyan")
+        if self.disconnected_since is not None:
+            lost = time.strftime("%H:%M:%S", time.localtime(self.disconnected_since))
+            bar.stylize("grey50")  # the last snapshot, greyed while it cannot be refreshed
+            # first, so a narrow terminal still shows it
+            bar = Text.assemble(("calconsole ", "bold"), (f"DISCONNECTED since {lost} (retrying) · ", "bold red"),
+                                bar[len("calconsole "):])
         if bar.plain != self._topbar_text:  # an idle console redraws nothing
             self._topbar_text = bar.plain
             self._topbar.update(bar, layout=False)
-        for pane in self._panes:
-            try:
-                pane.update_snapshot(snap)
-            except NoMatches:
-                pass  # pane still composing; the next refresh fills it
 
 
     # the widget each pane's focus key lands on

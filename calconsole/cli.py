@@ -41,12 +41,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also serve this device's HTTP API (as 'calconsole serve') from the console process, so "
                         "real clients drive the device you watch (keys: --api-key-file, --admin-key-file; "
                         "any host but loopback needs an API key)")
-    g = p.add_argument_group("keys for --listen (prefer files or the environment: a flag is visible in ps)")
+    g = p.add_argument_group("keys for --listen, or to present with --connect (prefer files or the environment: "
+                             "a flag is visible in ps)")
     g.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="API keys, one per line ('KEY' or 'LABEL KEY'; mode 600); also $CALCONSOLE_API_KEY")
     g.add_argument("--admin-key-file", default=None, metavar="FILE",
                    help="admin keys for /maintenance/... (without one no maintenance route exists)")
     add_common_options(p, default_pacing="realtime", top_level=True)
+    p.add_argument("--connect", metavar="URL", default=None,
+                   help="open the console on the live device a running 'calconsole serve' (or a console with "
+                        "--listen) serves at URL; --api-key-file / --admin-key-file then hold the keys to present "
+                        "(no admin key: no maintenance pane)")
     sub = p.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for mod in load_commands():
         mod.register(sub, p)
@@ -115,6 +120,8 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
         layout = load_layout(args.layout)
     except LayoutError as e:
         return fail(str(e))
+    if args.connect and args.listen:
+        return fail("--connect attaches to a served device; --listen serves this console's own: give one")
     if not sys.stdout.isatty() or not sys.stdin.isatty():
         return fail("the console needs a terminal; for scripts use 'calconsole snapshot --json' "
                     "or 'calconsole chat PROMPT --json'")
@@ -123,14 +130,19 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
     # The UI, engine and device threads hand the GIL to each other several times per token;
     # the default 5 ms switch interval adds up to a visible lag behind real-time pacing.
     sys.setswitchinterval(0.001)
-    from .commands.common import build_from_args
+    from .commands.common import build_from_args, connect_from_args
 
+    server = None
     try:
-        # numerics in a worker process: the UI and the simulation would otherwise share one GIL
-        system = build_from_args(args, maintenance=not args.observe_only, numerics_process=True)
+        if args.connect:
+            # without an admin key (or with --observe-only) there is no maintenance plane, so no pane
+            admin = not args.observe_only and bool(args.admin_key_file or os.environ.get("CALCONSOLE_ADMIN_KEY"))
+            system = connect_from_args(args, admin=admin)
+        else:
+            # numerics in a worker process: the UI and the simulation would otherwise share one GIL
+            system = build_from_args(args, maintenance=not args.observe_only, numerics_process=True)
     except (CalError, ValueError) as e:
         return fail(str(e))
-    server = None
     try:
         if args.listen is not None:
             try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import fail, print_json
+from .common import add_connect_options, connect_from_args, fail, print_json
 
 
 def register(sub, common) -> None:
@@ -16,35 +16,53 @@ def register(sub, common) -> None:
                                    "A damaged log is still read: each unreadable line (not UTF-8, not a JSON "
                                    "audit record) is shown as 'corrupt' with its line number and counted on "
                                    "stderr; the exit code stays 0. A path that is not a regular file (a FIFO, "
-                                   "a directory) is refused with exit code 2.")
+                                   "a directory) is refused with exit code 2. With --connect URL (and the admin "
+                                   "key) the log is the running server's, read over HTTP.")
     # SUPPRESS: do not clobber a top-level ``calconsole --audit-log X audit``
     p.add_argument("--audit-log", metavar="PATH", default=argparse.SUPPRESS,
                    help="audit log (default: $CALCONSOLE_AUDIT_LOG or the user state dir)")
     p.add_argument("--json", action="store_true", help="print JSON (a list of entries)")
     p.add_argument("--raw", action="store_true", help="the raw started/finished records, as JSON")
     p.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N entries")
+    add_connect_options(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     import sys
 
-    from sim_backend.planes import AuditLog, AuditLogError, summarize
+    from sim_backend.planes import AuditLog, AuditLogError, CalError, summarize
 
-    log = AuditLog(getattr(args, "audit_log", None))
     if args.tail is not None and args.tail < 1:
         return fail(f"--tail must be >= 1, got {args.tail}")
-    try:
-        records = log.read()
-    except AuditLogError as e:
-        return fail(str(e))
-    except OSError as e:
-        return fail(f"cannot read audit log {log.path}: {e.strerror or e}")
-    n_corrupt = sum(1 for r in records if "corrupt" in r and "phase" not in r)
+    if args.connect:
+        if args.raw:
+            return fail("--raw reads the log file itself; over HTTP (--connect) the server gives its entries")
+        if getattr(args, "audit_log", None) is not None:
+            return fail("--audit-log names a local file; with --connect the server's log is read")
+        try:
+            with connect_from_args(args, admin=True) as remote:
+                assert remote.maintenance is not None
+                records = remote.maintenance.audit.entries()
+                where = f"{remote.url} · {remote.maintenance.audit.path}"
+        except (CalError, ValueError) as e:
+            return fail(str(e))
+        entries = records
+        n_corrupt = sum(1 for r in records if r.get("status") == "corrupt")
+    else:
+        log = AuditLog(getattr(args, "audit_log", None))
+        where = str(log.path)
+        try:
+            records = log.read()
+        except AuditLogError as e:
+            return fail(str(e))
+        except OSError as e:
+            return fail(f"cannot read audit log {log.path}: {e.strerror or e}")
+        n_corrupt = sum(1 for r in records if "corrupt" in r and "phase" not in r)
+        entries = records if args.raw else summarize(records)
     if n_corrupt:
-        print(f"calconsole: warning: {n_corrupt} of {len(records)} lines of {log.path} are unreadable "
+        print(f"calconsole: warning: {n_corrupt} of {len(records)} lines of {where} are unreadable "
               f"(shown as corrupt); the rest was read", file=sys.stderr)
-    entries = records if args.raw else summarize(records)
     if args.tail is not None:
         entries = entries[-args.tail:]
     if args.json or args.raw:  # raw records have no table form: --raw implies JSON
@@ -56,12 +74,12 @@ def run(args: argparse.Namespace) -> int:
 
     c = Console()
     if not records:
-        c.print(Text(f"no audit records in {log.path}"))
+        c.print(Text(f"no audit records in {where}"))
         return 0
     users = sorted({str(e["user"]) for e in entries if e["user"]})
     one_user = len(users) <= 1
     # Text, not markup: the path and the user names come from outside ("[/]" in a damaged log)
-    title = Text(f"maintenance audit log · {log.path}" + (f" · user {users[0]}" if one_user and users else ""))
+    title = Text(f"maintenance audit log · {where}" + (f" · user {users[0]}" if one_user and users else ""))
     t = Table(title=title, title_justify="left", expand=True)
     t.add_column("time", no_wrap=True)
     if not one_user:

@@ -7,7 +7,7 @@ import sys
 
 from sim_backend.planes import CalError, RequestError, SamplingParams
 
-from .common import add_common_options, build_from_args, fail, print_json, read_prompt
+from .common import add_common_options, add_connect_options, build_or_connect, fail, print_json, read_prompt
 
 
 def _number(text: str) -> int | float | str:
@@ -75,10 +75,12 @@ def register(sub, common) -> None:
                     "is not meaningful; tokens, timings and KV are real products of the run. All timings "
                     "(prompt_ms, predicted_ms, ttft_ms, ...) are SIMULATED device milliseconds, with measured "
                     "host work (tokenize, sampling, detokenize) included on the same clock. Invalid parameters "
-                    "exit with code 2.")
+                    "exit with code 2. Without --connect the reply comes from a fresh in-process simulator; with "
+                    "--connect URL from the live device a server runs (its /v1/chat/completions stream).")
     p.add_argument("prompt", help="user message ('-' reads stdin, at most 8 MiB); taken as UTF-8 whatever the "
                                   "locale, and input that is not UTF-8 text is refused (exit code 2), not altered")
     add_common_options(p, default_pacing="fast")
+    add_connect_options(p, admin=False)
     add_sampling_options(p)
     p.add_argument("--json", action="store_true",
                    help='print {"text","tokens","stop_type","status","seed","timings":{...}}: llama.cpp timings '
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     except RequestError as e:
         return fail(f"{e.error_type}: {e}")
     try:
-        system = build_from_args(args, maintenance=False)
+        system = build_or_connect(args, maintenance=False)
     except (CalError, ValueError) as e:
         return fail(str(e))
     with system:
@@ -124,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
             handle.result(10.0)
             print("\n[cancelled]", file=sys.stderr)
             return 130
+        except TimeoutError as e:
+            handle.cancel("no event within the step timeout")
+            return fail(f"server_error: {e}", code=1)
         res = handle.result(1.0)
     t = res.timings
     if args.json:
@@ -136,8 +141,10 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         ttft = f"{t.ttft_ms:.1f}" if t.ttft_ms is not None else "-"
         tpot = f"{t.tpot_ms:.2f}" if t.tpot_ms is not None else "-"
+        where = f" | live device at {system.url}" if getattr(system, "url", None) else " | fresh in-process device"
         print(f"[{res.status}, stop={res.stop_type}] prompt {t.prompt_n} tok, generated {t.predicted_n} tok | "
-              f"TTFT {ttft} ms, TPOT {tpot} ms, E2E {t.e2e_ms:.1f} ms (simulated device time)", file=sys.stderr)
+              f"TTFT {ttft} ms, TPOT {tpot} ms, E2E {t.e2e_ms:.1f} ms (simulated device time){where}",
+              file=sys.stderr)
         if res.error:
             print(f"error: {res.error.get('message')}", file=sys.stderr)
     return 0 if res.status == "finished" else 1

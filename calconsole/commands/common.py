@@ -16,7 +16,8 @@ from sim_backend.planes import Pacing, PacingMode
 # SUPPRESS so a value given before the sub-command (``calconsole --bundle D
 # snapshot``) is not overwritten by the sub-parser's default; ``finalize``
 # fills in whatever is still missing.
-COMMON_DEFAULTS = {"bundle": None, "speed": 1.0, "timing_only": False, "slots": 4, "audit_log": None}
+COMMON_DEFAULTS = {"bundle": None, "speed": 1.0, "timing_only": False, "slots": 4, "audit_log": None,
+                   "connect": None, "api_key_file": None, "admin_key_file": None}
 
 # --speed: at 0.1 the longest step without a fault (a 2048-token prefill chunk at full
 # context, ~3.7 s simulated) takes ~37 s of wall time, well inside the engine's 120 s step
@@ -47,6 +48,73 @@ def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_l
                    help="maintenance audit log (default: $CALCONSOLE_AUDIT_LOG or the user state dir); "
                         "must be writable (created if missing), checked at start-up")
     p.set_defaults(preferred_pacing=default_pacing)
+
+
+def add_connect_options(p: argparse.ArgumentParser, *, admin: bool = True, top_level: bool = False) -> None:
+    """``--connect URL [--api-key-file F] [--admin-key-file F]``: act on a running server's device."""
+    d = None if top_level else argparse.SUPPRESS
+    g = p.add_argument_group("attach to a running device (calconsole serve, or a console started with --listen)")
+    g.add_argument("--connect", metavar="URL", default=d,
+                   help="act on the live device served at URL (http://host:port) instead of a fresh in-process "
+                        "simulator; the simulator options are then the server's")
+    g.add_argument("--api-key-file", metavar="FILE", default=d,
+                   help="file holding the server's API key (mode 600; or $CALCONSOLE_API_KEY)")
+    if admin:
+        g.add_argument("--admin-key-file", metavar="FILE", default=d,
+                       help="file holding the server's admin key, for maintenance over HTTP (mode 600; or "
+                            "$CALCONSOLE_ADMIN_KEY)")
+
+
+def connect_from_args(args: argparse.Namespace, *, admin: bool = False):
+    """The ``RemoteSystem`` of ``--connect`` (keys from the files or the environment).
+
+    ``admin``: the command needs the maintenance plane (an admin key is then required). Raises
+    ValueError with a one-line message for an unusable key file, an unreachable server or a refused key.
+    """
+    from sim_backend.planes import CalError, MaintenanceRefused
+
+    from ..remote import RemoteAuthError, ServerUnreachable, connect
+    from ..server.keys import ENV_ADMIN_KEY, ENV_API_KEY, KeySourceError, parse_key_file
+
+    def key(kind: str, path: str | None, var: str) -> str | None:
+        if path is not None:
+            try:
+                return parse_key_file(path, kind)[0][1]
+            except KeySourceError as e:
+                raise ValueError(str(e)) from None
+        return os.environ.get(var) or None
+
+    api = key("api", getattr(args, "api_key_file", None), ENV_API_KEY)
+    adm = key("admin", getattr(args, "admin_key_file", None), ENV_ADMIN_KEY) if admin else None
+    if admin and adm is None:
+        raise ValueError("maintenance over HTTP needs the server's admin key: give --admin-key-file "
+                         "(or $CALCONSOLE_ADMIN_KEY)")
+    url = args.connect
+    try:
+        return connect(url, api_key=api, admin_key=adm)
+    except ServerUnreachable as e:
+        raise ValueError(f"cannot attach: {e}") from None
+    except RemoteAuthError:
+        raise ValueError(f"{url} refused the API key: give the server's key with --api-key-file "
+                         "(or $CALCONSOLE_API_KEY)") from None
+    except MaintenanceRefused as e:
+        raise ValueError(f"{url}: {e.reason}") from None
+    except CalError as e:
+        raise ValueError(f"cannot attach to {url}: {e}") from None
+
+
+def build_or_connect(args: argparse.Namespace, *, maintenance: bool = False, **kw: Any):
+    """``connect_from_args`` with ``--connect``, else ``build_from_args`` (a fresh in-process device)."""
+    if getattr(args, "connect", None):
+        return connect_from_args(args, admin=maintenance)
+    return build_from_args(args, maintenance=maintenance, **kw)
+
+
+def device_origin(system: Any) -> str:
+    """What the output describes: the live device at a URL, or a fresh in-process simulator."""
+    url = getattr(system, "url", None)
+    return f"the live device at {url}" if url else "a fresh in-process simulated device (--connect URL attaches " \
+                                                   "to a running one)"
 
 
 def finalize(args: argparse.Namespace) -> argparse.Namespace:

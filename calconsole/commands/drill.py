@@ -1,4 +1,5 @@
-"""``calconsole drill``: a scripted maintenance window against the in-process simulator.
+"""``calconsole drill``: a scripted maintenance window against a fresh in-process simulator, or
+(``--connect URL`` with the admin key) against a running server's live device over HTTP.
 
 Steps, in order (each checked against what it should do):
 
@@ -38,7 +39,7 @@ from typing import Any
 
 from sim_backend.planes import CalError
 
-from .common import add_common_options, build_from_args, fail, print_json
+from .common import add_common_options, add_connect_options, build_from_args, connect_from_args, fail, print_json
 
 
 def register(sub, common) -> None:
@@ -47,6 +48,7 @@ def register(sub, common) -> None:
                        + " Prints each step; exit code 1 if any step did "
                          "not behave as described. sim_ms is simulated device time, wall_ms host time.")
     add_common_options(p, default_pacing="fast")
+    add_connect_options(p)
     p.add_argument("--json", action="store_true", help="print the steps as JSON")
     p.add_argument("--drain-timeout", type=float, default=0.3, metavar="S",
                    help="bounded drain when entering exclusive mode, host wall seconds (default 0.3)")
@@ -56,19 +58,30 @@ def register(sub, common) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.drain_timeout <= 60:
         return fail(f"--drain-timeout must be in [0, 60] s, got {args.drain_timeout}")
-    if args.timing_only:
-        return fail("the drill needs the numerics (its golden self-test compares logits); drop --timing-only")
-    try:
-        system = build_from_args(args, maintenance=True, drain_timeout_s=args.drain_timeout)
-    except (CalError, ValueError) as e:
-        return fail(str(e))
+    if args.connect:
+        try:
+            system = connect_from_args(args, admin=True)
+        except (CalError, ValueError) as e:
+            return fail(str(e))
+        if not (system.props.get("device") or {}).get("numerics", True):
+            system.close()
+            return fail(f"the drill needs the numerics (its golden self-test compares logits); {args.connect} "
+                        "serves a timing-only device")
+    else:
+        if args.timing_only:
+            return fail("the drill needs the numerics (its golden self-test compares logits); drop --timing-only")
+        try:
+            system = build_from_args(args, maintenance=True, drain_timeout_s=args.drain_timeout)
+        except (CalError, ValueError) as e:
+            return fail(str(e))
     with system:
         steps = run_drill(system, drain_timeout_s=args.drain_timeout)
     ok = all(s["ok"] for s in steps)
     if args.json:
         print_json(steps)
     else:
-        _print_table(steps, str(system.maintenance.audit.path), ok)
+        where = f"{system.url} · " if getattr(system, "url", None) else "fresh in-process device · "
+        _print_table(steps, where + str(system.maintenance.audit.path), ok)
     return 0 if ok else 1
 
 
@@ -112,6 +125,8 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
                "sim_ms": round((_sim_now_us(system) - s0) / 1e3, 3),
                "wall_ms": round((time.perf_counter() - t0) * 1e3, 3)}
         steps.append(rec)
+        if not hasattr(m.audit, "event"):
+            return  # over HTTP the server audits each maintenance call; drill steps are not sent
         try:
             m.audit.event(f"drill:{action}", {"step": rec["step"]}, granted=bool(granted), ok=rec["ok"],
                           result=detail, duration_ms=rec["wall_ms"], sim_ms=rec["sim_ms"])

@@ -1,6 +1,7 @@
 """``calconsole metrics``: Prometheus text exposition of the serving metrics (``llamacpp:`` names).
 
-By default prints the registry of a freshly built simulator (counters at 0).
+By default prints the registry of a freshly built simulator (counters at 0); with
+``--connect URL`` the live device's (the server's ``/metrics``).
 ``--warmup N`` first runs a short scripted workload of N requests (timing-only
 unless ``--numerics``) so the histograms have samples. Latencies are
 SIMULATED device seconds (Prometheus base unit), with measured host work
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import add_common_options, build_from_args, fail, print_json
+from .common import add_common_options, add_connect_options, build_from_args, connect_from_args, fail, print_json
 
 WARMUP_PROMPTS = ("Hello!", "Summarise the history of lighthouses in three sentences.",
                   "Write a haiku about chiplets.", "What is 17 times 23?")
@@ -27,8 +28,9 @@ def register(sub, common) -> None:
                     "and queue time in SIMULATED device seconds. TTFT counts every request that produced a "
                     "first token (also those cancelled or failed after it, as vLLM counts it), ITL every "
                     "streamed gap; E2E and TPOT count finished requests only. Without --warmup the registry "
-                    "is fresh.")
+                    "is fresh; with --connect URL they are the live device's (the server's /metrics).")
     add_common_options(p, default_pacing="fast")
+    add_connect_options(p, admin=False)
     p.add_argument("--warmup", type=int, default=0, metavar="N",
                    help="run N short scripted requests first (default 0: print the fresh registry)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per warm-up request (default 16)")
@@ -78,6 +80,21 @@ def run(args: argparse.Namespace) -> int:
         slo = parse_slo(args.slo) if args.slo is not None else None
     except ValueError as e:
         return fail(str(e))
+    if args.connect:
+        if args.warmup or slo is not None:
+            return fail("--warmup and --slo shape a fresh in-process device; with --connect the live device's "
+                        "metrics are printed as they are")
+        try:
+            with connect_from_args(args) as remote:
+                text = remote.observation.metrics_text()
+                summary = remote.observation.snapshot().requests if args.json else None
+        except (CalError, ValueError) as e:
+            return fail(str(e))
+        if args.json:
+            print_json(summary)
+        else:
+            print(text, end="")
+        return 0
     if not args.numerics:
         args.timing_only = True  # the registry does not depend on the numerics; timing-only builds faster
     try:

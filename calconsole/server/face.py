@@ -422,7 +422,18 @@ class ServingFace:
             text = await self.call(self.inference.detokenize, tokens)
         except CalError as e:
             raise wire.bad_request(str(e)) from None
-        return JSONResponse({"content": text})
+        if not wire._bool(body, "with_pieces", False):
+            return JSONResponse({"content": text})
+        # our addition: each token's raw piece (str, or its bytes when not valid UTF-8, as /tokenize gives them)
+        pieces = []
+        for t in tokens:
+            b = self.inference.token_bytes(t)
+            try:
+                piece: Any = b.decode("utf-8")
+            except UnicodeDecodeError:
+                piece = list(b)
+            pieces.append({"id": t, "piece": piece})
+        return JSONResponse({"content": text, "pieces": pieces})
 
     async def apply_template(self, request: Request) -> Response:
         body = await self.read_json(request)
@@ -572,7 +583,7 @@ class ServingFace:
                         continue
                     res = ev.result
                     if res.status != "finished":
-                        yield {"data": _dumps({**wire.result_error(res).body(),
+                        yield {"data": _dumps({**wire.result_error(res).body(), "timings": wire.timings(res),
                                                "calconsole": wire.result_extension(res)})}
                         return
                     for c in last(res):
@@ -595,7 +606,8 @@ class ServingFace:
 
     async def snapshot(self, request: Request) -> Response:
         snap = await self.call(self.observation.snapshot)
-        return JSONResponse(snap.to_dict())
+        # msgspec writes the typed snapshot directly (NaN as null, as to_dict does): ~40x faster than json.dumps
+        return Response(msgspec.json.encode(snap), media_type="application/json")
 
     async def snapshot_stream(self, request: Request) -> Response:
         raw = request.query_params.get("hz", "2")
@@ -618,7 +630,7 @@ class ServingFace:
                 while not face.closing.is_set():
                     t0 = time.monotonic()
                     snap = await face.call(face.observation.snapshot)
-                    yield {"data": _dumps(snap.to_dict())}
+                    yield {"data": msgspec.json.encode(snap).decode()}
                     await anyio.sleep(max(0.0, 1.0 / hz - (time.monotonic() - t0)))
                 yield {"data": _dumps(HTTPError(503, "unavailable_error", "server shutting down").body())}
             finally:

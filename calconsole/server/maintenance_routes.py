@@ -104,6 +104,7 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
 
     async def status(request: Request) -> Response:
         st = dict(await face.call(m.status))
+        st["drain_timeout_s"] = getattr(m, "drain_timeout_s", None)  # the default drain of enter_exclusive
         h = leases.held
         st["http_lease"] = ({"holder": h.lease.holder, "ttl_s": h.ttl_s, "expires_in_s": round(h.remaining_s(), 3),
                              "key": h.key_label, "remote": h.remote} if h else None)

@@ -5,7 +5,8 @@ headless commands, the HTTP serving face) import.
   ``Lease`` (``sim_backend.planes.contracts``);
 - snapshot types: ``Snapshot`` and its sections (``sim_backend.planes.snapshot``);
 - request/result types: ``ChatRequest``, ``SamplingParams``, ``TokenEvent``, ``DoneEvent``,
-  ``RequestResult``, ``validate_request``; ``SLO`` for goodput;
+  ``RequestResult`` and its ``Timings`` (remote clients rebuild results from the wire),
+  ``validate_request``; ``SLO`` for goodput;
 - errors: the typed errors every plane raises (``sim_backend.errors``);
 - a factory: ``build_system`` (the in-process simulator, with ``Pacing`` / ``PacingMode``);
 - the audit log reader: ``AuditLog``, ``summarize``; ``pseudo_filesystem`` (is a path on /proc, /sys, /dev?).
@@ -41,7 +42,15 @@ from sim_backend.planes.contracts import (
     RequestStream,
 )
 from sim_backend.planes.snapshot import Snapshot
-from sim_backend.serving.api import ChatRequest, DoneEvent, RequestResult, SamplingParams, TokenEvent, validate_request
+from sim_backend.serving.api import (
+    ChatRequest,
+    DoneEvent,
+    RequestResult,
+    SamplingParams,
+    Timings,
+    TokenEvent,
+    validate_request,
+)
 from sim_backend.serving.metrics import SLO
 
 if TYPE_CHECKING:
@@ -67,5 +76,6 @@ __all__ = ["AuditLog", "AuditLogError", "AuditReader", "CalError", "audit_origin
            "ExceedContextSizeError", "InferencePlane", "InvalidRequestError", "KVExhausted", "Lease",
            "MaintenancePlane", "MaintenanceRefused", "ManifestError", "ObservationPlane", "Pacing", "PacingMode",
            "Report", "RequestCancelled", "RequestError", "RequestResult", "RequestStream", "SLO", "SamplingParams",
-           "Snapshot", "System", "TokenEvent", "UnavailableError", "build_system", "pseudo_filesystem", "summarize",
+           "Snapshot", "System", "Timings", "TokenEvent", "UnavailableError", "build_system", "pseudo_filesystem",
+           "summarize",
            "validate_request"]

@@ -53,7 +53,35 @@ def in_process(tmp_path: Path) -> Iterator[Planes]:
         system.close()
 
 
-IMPLEMENTATIONS: dict[str, Callable[[Path], Any]] = {"in-process": in_process}
+@contextmanager
+def remote(tmp_path: Path) -> Iterator[Planes]:
+    """The same system behind the serving face on 127.0.0.1:0, reached through the HTTP client planes."""
+    from calconsole.remote import connect
+    from calconsole.server.face import ServeConfig, ServingFace
+    from calconsole.server.keys import KeyRing
+    from calconsole.server.run import ServerThread
+
+    system = build_system(pacing=Pacing(PacingMode.FAST), numerics=False, n_slots=2,
+                          audit_path=tmp_path / "audit.jsonl", drain_timeout_s=0.3, reset_timeout_s=5.0)
+    api, admin = "contract-api-key-0123", "contract-admin-key-4567"
+    cfg = ServeConfig(host="127.0.0.1", port=0, api_keys=KeyRing([("api-1", api)], "api"),
+                      admin_keys=KeyRing([("admin-1", admin)], "admin"))
+    assert system.maintenance is not None
+    face = ServingFace(system.inference, system.observation, system.maintenance, cfg, audit=system.maintenance.audit)
+    thread = ServerThread(face).start()
+    client = None
+    try:
+        client = connect(thread.url, api_key=api, admin_key=admin)
+        assert client.maintenance is not None
+        yield client.inference, client.observation, client.maintenance
+    finally:
+        if client is not None:
+            client.close()
+        thread.stop()
+        system.close()
+
+
+IMPLEMENTATIONS: dict[str, Callable[[Path], Any]] = {"in-process": in_process, "remote": remote}
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))

@@ -1,0 +1,317 @@
+"""``InferencePlane`` over HTTP: chat requests stream from ``POST /v1/chat/completions`` (SSE).
+
+A chat request (messages) goes to ``/v1/chat/completions``, a raw prompt (token ids) to
+``/v1/completions``, both with ``stream: true``. The response headers give the engine's request
+id (``X-Request-Id``) and prompt length (``X-Prompt-Tokens``); each content delta becomes a
+``TokenEvent``; the final chunk's ``timings`` (all of ``Timings.to_dict``) and ``calconsole``
+extension (request id, status, stop type and word, token ids, error, seed) rebuild the same
+``RequestResult`` the in-process plane returns.
+
+How a stream can end, and the result it gives:
+
+- the final chunk: the server's result, exactly;
+- an error event (the request failed, was drained for maintenance, or the server is stopping):
+  the server's result (status ``failed`` or ``cancelled`` with its reason) from the event's
+  ``calconsole`` extension and timings;
+- ``cancel()``: the stream is closed (the socket shut down), which the server turns into a cancel
+  within one device step; the result is ``cancelled`` with the caller's reason, built on the
+  client (server timings are not received: times 0, ``prompt_n`` from the header, ``predicted_n``
+  the pieces seen);
+- the connection drops or no byte arrives within the read timeout (the engine's step timeout
+  plus the server's 15 s keep-alive plus a margin): ``failed`` with the message "connection ...
+  lost", never a hang.
+
+``TokenEvent.n_tokens`` counts the pieces received so far (a piece can be several tokens: the chat
+stream does not carry token counts) and ``sim_ms`` is NaN (not on the chat stream); the final
+result's tokens and timings are exact.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import socket
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, fields
+from typing import Any
+
+import httpx
+from httpx_sse import EventSource
+
+from sim_backend.planes import (
+    ChatRequest,
+    DoneEvent,
+    InvalidRequestError,
+    RequestResult,
+    Timings,
+    TokenEvent,
+    validate_request,
+)
+
+from .connection import Connection, ServerUnreachable, describe
+
+#: added to the server's step timeout for a stream's read timeout (its SSE keep-alive is every 15 s)
+STREAM_MARGIN_S = 45.0
+_TIMING_FIELDS = tuple(f.name for f in fields(Timings))
+
+
+def timings_from(d: Mapping[str, Any]) -> Timings:
+    """``Timings`` from its wire form (``Timings.to_dict`` plus llama.cpp's names); TypeError if a field is missing."""
+    kw = {k: d[k] for k in _TIMING_FIELDS if k in d}
+    kw["itl_ms"] = tuple(kw["itl_ms"])
+    kw["host_ms"] = dict(kw["host_ms"])
+    kw["device_ms"] = dict(kw["device_ms"])
+    return Timings(**kw)
+
+
+def client_timings(prompt_n: int, predicted_n: int) -> Timings:
+    """Timings of a request whose end the server never reported: counts known here, times 0 (unknown)."""
+    return Timings(prompt_n=prompt_n, prompt_ms=0.0, prompt_per_token_ms=None, prompt_per_second=None,
+                   predicted_n=predicted_n, predicted_ms=0.0, predicted_per_token_ms=None,
+                   predicted_per_second=None, cache_n=0, ttft_ms=None, tpot_ms=None, itl_ms=(), e2e_ms=0.0,
+                   queue_ms=None, host_ms={}, device_ms={}, numerics=False)
+
+
+def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
+    """(route, JSON body) of a request: chat messages to /v1/chat/completions, token ids to /v1/completions."""
+    body: dict[str, Any] = {"max_tokens": req.max_tokens, "stream": True, "stop": list(req.stop),
+                            "id_slot": req.id_slot, "cache_prompt": req.cache_prompt}
+    body.update({k: v for k, v in asdict(req.sampling).items() if v is not None})
+    if req.prompt_tokens is not None:
+        body["prompt"] = [int(t) for t in req.prompt_tokens]
+        return "/v1/completions", body
+    body["messages"] = [{"role": m["role"], "content": m["content"]} for m in req.messages]
+    body["chat_template_kwargs"] = {"enable_thinking": bool(req.enable_thinking)}
+    return "/v1/chat/completions", body
+
+
+class RemoteRequestStream:
+    """One streaming request (``RequestStream``): a reader thread turns SSE chunks into events. Thread-safe."""
+
+    def __init__(self, conn: Connection, resp: httpx.Response, *, raw: bool) -> None:
+        self._conn = conn
+        self._resp = resp
+        self._raw = raw
+        try:
+            self._id = int(resp.headers.get("x-request-id", "-1"))
+            self._prompt_n = int(resp.headers.get("x-prompt-tokens", "0"))
+        except ValueError:
+            self._id, self._prompt_n = -1, 0
+        self._events: queue.Queue[TokenEvent | DoneEvent] = queue.Queue()
+        self._cancel = threading.Event()
+        self._cancel_reason = ""
+        self._done = threading.Event()
+        self._result: RequestResult | None = None
+        self._pieces: list[str] = []
+        self._thread = threading.Thread(target=self._read, name=f"calconsole-remote-req{self._id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def id(self) -> int:
+        return self._id
+
+    @property
+    def prompt_n(self) -> int:
+        return self._prompt_n
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self, reason: str = "cancelled by client") -> None:
+        """Close the stream (the server cancels the request within one device step); idempotent, returns at once."""
+        if self._done.is_set() or self._cancel.is_set():
+            return
+        self._cancel_reason = reason
+        self._cancel.set()
+        # shutdown, not close: it wakes the reader blocked in recv() and sends the FIN the server sees
+        stream = self._resp.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if isinstance(sock, socket.socket):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed: the reader has ended or is ending
+
+    def next_event(self, timeout: float) -> TokenEvent | DoneEvent | None:
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def stream(self, timeout: float = 60.0) -> Iterator[TokenEvent | DoneEvent]:
+        """Events until the DoneEvent; TimeoutError after ``timeout`` s without one. Closing it early cancels."""
+        try:
+            while True:
+                ev = self.next_event(timeout)
+                if ev is None:
+                    raise TimeoutError(f"request {self.id}: no event for {timeout:.0f} s")
+                yield ev
+                if isinstance(ev, DoneEvent):
+                    return
+        except GeneratorExit:
+            if not self.done:
+                self.cancel("client stopped reading the stream")
+            raise
+        except KeyboardInterrupt:
+            if not self.done:
+                self.cancel("interrupted by user (Ctrl-C)")
+            raise
+
+    def result(self, timeout: float) -> RequestResult:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} not done after {timeout:.1f} s")
+        assert self._result is not None
+        return self._result
+
+    # --- the reader thread ----------------------------------------------------------------
+
+    def _finish(self, res: RequestResult) -> None:
+        if self._done.is_set():
+            return
+        self._result = res
+        self._events.put(DoneEvent(res.request_id, res))
+        self._done.set()
+
+    def _client_result(self, status: str, error: dict[str, Any]) -> RequestResult:
+        return RequestResult(request_id=self._id, status=status, text="".join(self._pieces), tokens=(),
+                             stop_type="none", stopping_word="", error=error,
+                             timings=client_timings(self._prompt_n, len(self._pieces)), seed=None)
+
+    def _server_result(self, ext: Mapping[str, Any], timings: Mapping[str, Any] | None,
+                       error: Mapping[str, Any] | None = None) -> RequestResult:
+        tokens = tuple(int(t) for t in ext.get("tokens") or ())
+        t = timings_from(timings) if timings else client_timings(self._prompt_n, len(tokens))
+        err = ext.get("error") or (dict(error) if error else None)
+        return RequestResult(request_id=int(ext.get("request_id", self._id)), status=str(ext.get("status")),
+                             text="".join(self._pieces), tokens=tokens, stop_type=str(ext.get("stop_type", "none")),
+                             stopping_word=str(ext.get("stopping_word") or ""), error=err, timings=t,
+                             seed=ext.get("seed"))
+
+    def _read(self) -> None:
+        import json
+
+        try:
+            for sse in EventSource(self._resp).iter_sse():
+                if sse.data == "[DONE]":
+                    break
+                obj = json.loads(sse.data)
+                if "error" in obj:
+                    ext = obj.get("calconsole")
+                    if isinstance(ext, dict):
+                        self._finish(self._server_result(ext, obj.get("timings"), obj["error"]))
+                    else:
+                        err = obj["error"]
+                        self._finish(self._client_result("failed", {
+                            "type": str(err.get("type", "server_error")),
+                            "message": f"the server ended the stream: {err.get('message')}"}))
+                    break
+                for choice in obj.get("choices") or ():
+                    text = (choice.get("text") if self._raw else (choice.get("delta") or {}).get("content"))
+                    if text:
+                        self._pieces.append(text)
+                        self._events.put(TokenEvent(self._id, text, len(self._pieces), math.nan))
+                ext = obj.get("calconsole")
+                if isinstance(ext, dict):
+                    self._finish(self._server_result(ext, obj.get("timings")))
+            if not self._done.is_set():
+                raise httpx.RemoteProtocolError("the stream ended without a final chunk")
+        except Exception as e:  # noqa: BLE001 - whatever ended the read, the request gets a result
+            if self._cancel.is_set():
+                self._finish(self._client_result("cancelled", {"type": "cancelled", "message": self._cancel_reason}))
+            elif not self._done.is_set():
+                reason = describe(e)
+                if isinstance(e, httpx.TransportError):
+                    self._conn.mark_down(reason)
+                self._finish(self._client_result("failed", {
+                    "type": "connection_lost",
+                    "message": f"connection to {self._conn.url} lost mid-stream after {len(self._pieces)} "
+                               f"pieces: {reason}"}))
+        finally:
+            if self._cancel.is_set() and not self._done.is_set():
+                self._finish(self._client_result("cancelled", {"type": "cancelled", "message": self._cancel_reason}))
+            self._resp.close()
+
+
+class RemoteInferencePlane:
+    """``InferencePlane`` of a running server (``calconsole serve``).
+
+    ``n_ctx``, ``step_timeout_s`` and ``chat_template`` are read from ``GET /props`` once, at
+    construction (ServerUnreachable / RemoteError if that fails). Requests are checked with
+    ``validate_request`` before anything is sent (the same InvalidRequestError as in-process);
+    the server's refusals come back as the same typed errors.
+    """
+
+    def __init__(self, conn: Connection, props: Mapping[str, Any] | None = None) -> None:
+        self._conn = conn
+        p = props if props is not None else conn.json("GET", "/props")
+        self._n_ctx = int(p["default_generation_settings"]["n_ctx"])
+        self._step_timeout_s = float(p.get("device", {}).get("step_timeout_s", 120.0))
+        self._template = str(p.get("chat_template", ""))
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def step_timeout_s(self) -> float:
+        return self._step_timeout_s
+
+    @property
+    def chat_template(self) -> str:
+        return self._template
+
+    def submit(self, req: ChatRequest) -> RemoteRequestStream:
+        """Send the request; returns once the server admitted it (headers received). Raises
+        InvalidRequestError / ExceedContextSizeError / UnavailableError (ServerUnreachable if no answer)."""
+        validate_request(req)
+        path, body = request_body(req)
+        resp = self._conn.open_stream(path, body, read_timeout_s=self._step_timeout_s + STREAM_MARGIN_S)
+        return RemoteRequestStream(self._conn, resp, raw=req.prompt_tokens is not None)
+
+    def generate(self, req: ChatRequest, timeout: float = 600.0) -> RequestResult:
+        """Submit and wait up to ``timeout`` host s; a wait that ends abnormally cancels the request."""
+        h = self.submit(req)
+        try:
+            return h.result(timeout)
+        except BaseException:
+            h.cancel("caller interrupted")
+            raise
+
+    def count_prompt_tokens(self, req: ChatRequest) -> int:
+        if req.prompt_tokens is not None:
+            return len(req.prompt_tokens)
+        body = {"messages": [dict(m) for m in req.messages],
+                "chat_template_kwargs": {"enable_thinking": bool(req.enable_thinking)}}
+        return int(self._conn.json("POST", "/apply-template", json_body=body)["n_prompt_tokens"])
+
+    def tokenize(self, text: str, *, parse_special: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"content must be a string, got {type(text).__name__}", param="content")
+        out = self._conn.json("POST", "/tokenize", json_body={"content": text, "parse_special": bool(parse_special)})
+        return [int(t) for t in out["tokens"]]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+            raise InvalidRequestError("tokens must be a list of token ids", param="tokens")
+        return str(self._conn.json("POST", "/detokenize", json_body={"tokens": list(tokens)})["content"])
+
+    def token_bytes(self, token: int) -> bytes:
+        out = self._conn.json("POST", "/detokenize", json_body={"tokens": [token], "with_pieces": True})
+        piece = out["pieces"][0]["piece"]
+        return piece.encode("utf-8") if isinstance(piece, str) else bytes(piece)
+
+    def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False) -> str:
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise InvalidRequestError("messages must be a list", param="messages")
+        body = {"messages": [dict(m) if isinstance(m, Mapping) else m for m in messages],
+                "chat_template_kwargs": {"enable_thinking": bool(enable_thinking)}}
+        return str(self._conn.json("POST", "/apply-template", json_body=body)["prompt"])
+
+
+__all__ = ["RemoteInferencePlane", "RemoteRequestStream", "ServerUnreachable", "client_timings", "timings_from"]
