@@ -68,6 +68,9 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
+#: after a stop is asked, how long a stream has to end with its error event before it is cut (host s);
+#: below uvicorn's graceful-shutdown timeout (run.GRACEFUL_S)
+SHUTDOWN_GRACE_S = 3.0
 #: how often a waiting stream looks at its client, the deadline and shutdown (host s)
 POLL_S = 0.25
 
@@ -315,8 +318,11 @@ class ServingFace:
 
     def sse(self, gen: AsyncIterator[dict[str, Any]], headers: dict[str, str] | None = None) -> EventSourceResponse:
         """An SSE response of ``data: <json>`` events (llama-server framing: ``\\n`` line ends)."""
+        # on shutdown sse-starlette would cancel the stream at once; the grace period lets ``events``
+        # (which sees ``closing`` within POLL_S) cancel the request and send its error event first
         return EventSourceResponse(gen, sep="\n", send_timeout=self.config.send_timeout_s,
-                                   ping=self.config.ping_s, headers={"Cache-Control": "no-cache", **(headers or {})})
+                                   ping=self.config.ping_s, headers={"Cache-Control": "no-cache", **(headers or {})},
+                                   shutdown_event=anyio.Event(), shutdown_grace_period=SHUTDOWN_GRACE_S)
 
     # --- request-level routes -----------------------------------------------------------------
 
