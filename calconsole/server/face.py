@@ -70,6 +70,8 @@ def _dumps(obj: Any) -> str:
 
 #: how often a waiting stream looks at its client, the deadline and shutdown (host s)
 POLL_S = 0.25
+#: how long a stream gets to send its closing error event on SIGINT/SIGTERM (host s; < run.GRACEFUL_S)
+SHUTDOWN_GRACE_S = 3.0
 
 
 @dataclass
@@ -326,8 +328,11 @@ class ServingFace:
 
     def sse(self, gen: AsyncIterator[dict[str, Any]], headers: dict[str, str] | None = None) -> EventSourceResponse:
         """An SSE response of ``data: <json>`` events (llama-server framing: ``\\n`` line ends)."""
+        # shutdown_grace_period: on SIGINT/SIGTERM sse-starlette cancels a stream at once (it polls every 0.5 s);
+        # our generators see ``closing`` within POLL_S and end with the unavailable_error event, given the time
         return EventSourceResponse(gen, sep="\n", send_timeout=self.config.send_timeout_s,
-                                   ping=self.config.ping_s, headers={"Cache-Control": "no-cache", **(headers or {})})
+                                   ping=self.config.ping_s, headers={"Cache-Control": "no-cache", **(headers or {})},
+                                   shutdown_grace_period=SHUTDOWN_GRACE_S)
 
     # --- request-level routes -----------------------------------------------------------------
 
@@ -633,7 +638,9 @@ class ServingFace:
                     t0 = time.monotonic()
                     snap = await face.call(face.observation.snapshot)
                     yield {"data": _dumps(snap.to_dict())}
-                    await anyio.sleep(max(0.0, 1.0 / hz - (time.monotonic() - t0)))
+                    # slept in POLL_S slices: a stop is seen at once, also at hz=0.1
+                    while not face.closing.is_set() and (left := 1.0 / hz - (time.monotonic() - t0)) > 0:
+                        await anyio.sleep(min(left, POLL_S))
                 yield {"data": _dumps(HTTPError(503, "unavailable_error", "server shutting down").body())}
             finally:
                 with face._count_lock:
