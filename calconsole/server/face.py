@@ -38,7 +38,7 @@ import msgspec
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
@@ -206,11 +206,20 @@ class ServingFace:
                     chunks.append(chunk)
         except TimeoutError:
             raise wire.bad_request(f"request body not received within {self.config.body_timeout_s:g} s") from None
+        except ClientDisconnect:  # nobody reads the answer; a refusal, not an internal error
+            raise wire.bad_request("client disconnected before sending the whole body") from None
         data = b"".join(chunks)
         if not data.strip():
             raise wire.bad_request("request body is empty; expected a JSON object")
         try:
             obj = json.loads(data)
+            # a lone \uD800-\uDFFF escape parses to a str that cannot be encoded back (responses, logs):
+            # refuse it as llama-server's parser does. Only escapes make one (raw bytes are strict UTF-8).
+            if b"\\u" in data:
+                json.dumps(obj, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise wire.bad_request("request body is not valid JSON: a string holds a lone UTF-16 surrogate "
+                                   "(\\ud800-\\udfff escape without its pair)") from None
         except (ValueError, RecursionError) as e:
             raise wire.bad_request(f"request body is not valid JSON: {e}") from None
         if not isinstance(obj, dict):
@@ -229,7 +238,9 @@ class ServingFace:
             if kind == "admin":
                 self.audit_refusal(request, request.url.path, "authentication failed: missing or wrong admin key",
                                    key_label="(none)")
-            raise HTTPError(401, "authentication_error", f"Invalid {what}")
+            err = HTTPError(401, "authentication_error", f"Invalid {what}")
+            err.audited = kind == "admin"
+            raise err
         return label
 
     def audit_refusal(self, request: Request, action: str, reason: str, *, key_label: str,
@@ -513,7 +524,10 @@ class ServingFace:
             return JSONResponse(wire.text_completion(res, cid, int(time.time()), model, self.fingerprint))
         created = int(time.time())
         fp = self.fingerprint
-        include_usage = wire._bool(body.get("stream_options") or {}, "include_usage", False)
+        opts = body.get("stream_options") or {}
+        if not isinstance(opts, dict):
+            raise wire.bad_request("'stream_options' must be an object")
+        include_usage = wire._bool(opts, "include_usage", False)
 
         def last(res: RequestResult) -> list[dict[str, Any]]:
             c = wire.text_chunk(cid, created, model, fp, "", wire.finish_reason(res))
@@ -637,7 +651,9 @@ class ServingFace:
                     t0 = time.monotonic()
                     snap = await face.call(face.observation.snapshot)
                     yield {"data": msgspec.json.encode(snap).decode()}
-                    await anyio.sleep(max(0.0, 1.0 / hz - (time.monotonic() - t0)))
+                    # slept in POLL_S slices: a stop is seen at once, also at hz=0.1
+                    while not face.closing.is_set() and (left := 1.0 / hz - (time.monotonic() - t0)) > 0:
+                        await anyio.sleep(min(left, POLL_S))
                 yield {"data": _dumps(HTTPError(503, "unavailable_error", "server shutting down").body())}
             finally:
                 with face._count_lock:
@@ -731,5 +747,8 @@ class _AccessLog:
             self.face.stats.by_status[code] = self.face.stats.by_status.get(code, 0) + 1
             client = scope.get("client")
             label = scope.get("state", {}).get("key_label", "-")
+            path = scope["path"]
+            if not path.isprintable():  # %0A, ESC... in a path must not forge or split a log line
+                path = path.encode("unicode_escape").decode("ascii")
             log.info('%s "%s %s" %d %.1fms key=%s', f"{client[0]}:{client[1]}" if client else "?",
-                     scope["method"], scope["path"], code, (time.perf_counter() - t0) * 1e3, label)
+                     scope["method"], path, code, (time.perf_counter() - t0) * 1e3, label)

@@ -72,14 +72,31 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
         try:
             return await face.call(run)
         except MaintenanceRefused as e:
-            raise HTTPError(403, "permission_error", str(e)) from None
+            err = HTTPError(403, "permission_error", str(e))
         except CalError as e:
-            raise wire.from_cal_error(e) from None
+            err = wire.from_cal_error(e)
+        err.audited = True  # the plane audits every call it receives
+        raise err
 
     def refuse(request: Request, action: str, reason: str, status: int = 403,
                type_: str = "permission_error") -> HTTPError:
         face.audit_refusal(request, action, reason, key_label=getattr(request.state, "key_label", "?"))
-        return HTTPError(status, type_, reason)
+        err = HTTPError(status, type_, reason)
+        err.audited = True
+        return err
+
+    def audited(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
+        """``handler``, auditing any refusal not yet audited (a malformed body, a field of the wrong type)."""
+        async def h(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except HTTPError as e:
+                if not e.audited:
+                    face.audit_refusal(request, request.url.path, e.message,
+                                       key_label=getattr(request.state, "key_label", "?"))
+                raise
+
+        return h
 
     async def body_of(request: Request) -> dict[str, Any]:
         return await face.read_json(request)
@@ -112,7 +129,7 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
 
     async def audit(request: Request) -> Response:
         raw = request.query_params.get("limit", "100")
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_AUDIT_ENTRIES:
+        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_AUDIT_ENTRIES:  # '²'.isdigit()
             raise wire.bad_request(f"'limit' must be an integer in [1, {MAX_AUDIT_ENTRIES}], got {raw!r}")
         entries = await face.call(lambda: m.audit.entries())
         return _json({"path": str(m.audit.path), "entries": entries[-int(raw):], "total": len(entries)})
@@ -193,7 +210,7 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
             raise wire.bad_request("'prompt' must be a string and 'max_tokens' an integer in [1, 256]")
         return _json(await plane(request, m.probe_request, h.lease, prompt, n))
 
-    return [
+    return [(path, audited(handler), methods) for path, handler, methods in [
         ("/maintenance/status", status, ["GET"]),
         ("/maintenance/audit", audit, ["GET"]),
         ("/maintenance/exclusive", enter, ["POST"]),
@@ -213,7 +230,7 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
         ("/maintenance/faults/clear", simple("clear_faults", m.clear_faults), ["POST"]),
         ("/maintenance/faults/acknowledge", acknowledge, ["POST"]),
         ("/maintenance/probe", probe, ["POST"]),
-    ]
+    ]]
 
 
 def reap_expired(face: ServingFace) -> HeldLease | None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .face import ServingFace, build_app
 
@@ -84,9 +85,38 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+class _H11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request head (``head_timeout_s`` host s).
+
+    uvicorn times out only a keep-alive connection between requests, and any byte cancels that:
+    a connection that sends nothing, or headers that never end (slowloris), kept its place under
+    ``limit_concurrency`` forever, and enough of them made every client a 503.
+    """
+
+    head_timeout_s = 10.0
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_deadline()
+
+    def _arm_head_deadline(self) -> None:
+        self.loop.call_later(self.head_timeout_s, self._head_deadline, self.cycle)
+
+    def _head_deadline(self, cycle: Any) -> None:
+        # still the same cycle: no new request head arrived since the deadline was armed
+        if self.cycle is cycle and not self.transport.is_closing():
+            self.transport.close()
+
+
 def _config(face: ServingFace, *, signals: bool) -> uvicorn.Config:
     c = face.config
-    return uvicorn.Config(_app_with_lifespan(face), log_config=None, access_log=False, lifespan="on",
+    # the head gets the body's time bound (ServeConfig.body_timeout_s)
+    proto = type("_H11", (_H11Protocol,), {"head_timeout_s": c.body_timeout_s})
+    return uvicorn.Config(_app_with_lifespan(face), log_config=None, access_log=False, lifespan="on", http=proto,
                           timeout_graceful_shutdown=int(GRACEFUL_S), timeout_keep_alive=5,
                           limit_concurrency=c.max_streams + c.max_snapshot_streams + 64,
                           h11_max_incomplete_event_size=64 * 1024, server_header=False, date_header=True)

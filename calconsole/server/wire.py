@@ -46,6 +46,7 @@ class HTTPError(Exception):
         self.type = type_
         self.message = message
         self.extra = extra
+        self.audited = False  # maintenance routes: already in the audit log (else the route audits it)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}}
