@@ -126,11 +126,16 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
         host, port = sock.getsockname()[:2]
-        print(f"calconsole serve: listening on http://{host}:{port} ({args.pacing} pacing, "
-              f"{'timing-only' if args.timing_only else 'numerics'}; API key {'required' if cfg.api_keys else 'off'}; "
-              f"maintenance routes {'on' if face.maintenance is not None else 'off'}); Ctrl-C stops",
-              file=sys.stderr, flush=True)
-        serve_foreground(face, sock)
+
+        def announce() -> None:
+            # printed once uvicorn is up with its signal handlers: a stop after this line is a clean stop
+            mode = "timing-only" if args.timing_only else "numerics"
+            print(f"calconsole serve: listening on http://{host}:{port} ({args.pacing} pacing, "
+                  f"{mode}; API key {'required' if cfg.api_keys else 'off'}; "
+                  f"maintenance routes {'on' if face.maintenance is not None else 'off'}); Ctrl-C stops",
+                  file=sys.stderr, flush=True)
+
+        serve_foreground(face, sock, on_started=announce)
         print("calconsole serve: stopped", file=sys.stderr, flush=True)
     finally:
         system.close()

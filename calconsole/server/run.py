@@ -14,7 +14,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -53,7 +53,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _app_with_lifespan(face: ServingFace) -> Any:
+def _app_with_lifespan(face: ServingFace, on_started: Callable[[], None] | None = None) -> Any:
     from .maintenance_routes import reaper
 
     app = build_app(face)
@@ -63,6 +63,8 @@ def _app_with_lifespan(face: ServingFace) -> Any:
         async with anyio.create_task_group() as tg:
             if face.maintenance is not None:
                 tg.start_soon(reaper, face)
+            if on_started is not None:
+                on_started()  # signal handlers are in place by now: a stop from here on is a clean one
             yield
             tg.cancel_scope.cancel()
 
@@ -112,19 +114,20 @@ class _H11Protocol(H11Protocol):
             self.transport.close()
 
 
-def _config(face: ServingFace, *, signals: bool) -> uvicorn.Config:
+def _config(face: ServingFace, *, signals: bool, on_started: Callable[[], None] | None = None) -> uvicorn.Config:
     c = face.config
     # the head gets the body's time bound (ServeConfig.body_timeout_s)
     proto = type("_H11", (_H11Protocol,), {"head_timeout_s": c.body_timeout_s})
-    return uvicorn.Config(_app_with_lifespan(face), log_config=None, access_log=False, lifespan="on", http=proto,
+    return uvicorn.Config(_app_with_lifespan(face, on_started), log_config=None, access_log=False, lifespan="on", http=proto,
                           timeout_graceful_shutdown=int(GRACEFUL_S), timeout_keep_alive=5,
                           limit_concurrency=c.max_streams + c.max_snapshot_streams + 64,
                           h11_max_incomplete_event_size=64 * 1024, server_header=False, date_header=True)
 
 
-def serve_foreground(face: ServingFace, sock: socket.socket) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn installs the handlers)."""
-    server = _Server(_config(face, signals=True), face)
+def serve_foreground(face: ServingFace, sock: socket.socket, on_started: Callable[[], None] | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn installs the handlers). ``on_started`` runs once the server is
+    up and the handlers are installed (``calconsole serve`` prints its "listening" line then)."""
+    server = _Server(_config(face, signals=True, on_started=on_started), face)
     server.run(sockets=[sock])
 
 

@@ -52,3 +52,15 @@ def test_stop_mid_stream_ends_the_stream_with_an_error_event(tmp_path, sig):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_sigterm_right_after_the_listening_line_is_a_clean_stop(tmp_path):
+    """The line is printed once the signal handlers are in place: stopping at once exits 0."""
+    p, _ = start(tmp_path)
+    try:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+        assert "stopped" in p.stderr.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
