@@ -118,7 +118,8 @@ def _config(face: ServingFace, *, signals: bool, on_started: Callable[[], None] 
     c = face.config
     # the head gets the body's time bound (ServeConfig.body_timeout_s)
     proto = type("_H11", (_H11Protocol,), {"head_timeout_s": c.body_timeout_s})
-    return uvicorn.Config(_app_with_lifespan(face, on_started), log_config=None, access_log=False, lifespan="on", http=proto,
+    return uvicorn.Config(_app_with_lifespan(face, on_started), log_config=None, access_log=False, lifespan="on",
+                          http=proto,
                           timeout_graceful_shutdown=int(GRACEFUL_S), timeout_keep_alive=5,
                           limit_concurrency=c.max_streams + c.max_snapshot_streams + 64,
                           h11_max_incomplete_event_size=64 * 1024, server_header=False, date_header=True)
