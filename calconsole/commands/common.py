@@ -95,7 +95,8 @@ def connect_from_args(args: argparse.Namespace, *, admin: bool = False):
     except ServerUnreachable as e:
         raise ValueError(f"cannot attach: {e}") from None
     except RemoteAuthError:
-        raise ValueError(f"{url} refused the API key: give the server's key with --api-key-file "
+        what = "refused the API key" if api else "needs an API key (none was given)"
+        raise ValueError(f"{url} {what}: give the server's key with --api-key-file "
                          "(or $CALCONSOLE_API_KEY)") from None
     except MaintenanceRefused as e:
         raise ValueError(f"{url}: {e.reason}") from None
