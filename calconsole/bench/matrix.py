@@ -170,9 +170,9 @@ async def server_metadata(client: httpx.AsyncClient, headers: Mapping[str, str])
         n_ctx = meta.get("n_ctx") if isinstance(meta.get("n_ctx"), int) else None
     if not isinstance(n_ctx, int) or n_ctx < 2:
         raise BenchError("the server's /props gives no n_ctx (default_generation_settings.n_ctx)")
-    dev = props.get("device") if isinstance(props.get("device"), dict) else {}
+    dev: dict[str, Any] = props["device"] if isinstance(props.get("device"), dict) else {}
     snap = await _get_json(client, "/snapshot", headers, required=False)
-    sdev = snap.get("device") if isinstance(snap, dict) and isinstance(snap.get("device"), dict) else {}
+    sdev: dict[str, Any] = snap["device"] if isinstance(snap, dict) and isinstance(snap.get("device"), dict) else {}
     template = props.get("chat_template")
     probe = await tokenize(client, TOKENIZER_PROBE, headers)
     md: dict[str, Any] = {
@@ -288,30 +288,39 @@ async def run_matrix(client: httpx.AsyncClient, headers: Mapping[str, str], repo
             entry["skipped"] = why
             continue
         entry["skipped"] = None
-        rows: list[dict[str, Any]] = []
-        entry["runs"] = rows
-
-        async def one(i: int, warm: bool, base: int = index) -> Record:
-            k = base + i
-            off = (k * 7919) % (len(pool) - cell.prompt + 1)  # a prime stride over the free offsets
-            s = (seed + k) % 2**32
-            sent = time.perf_counter() - t0
-            rec = await stream_completion(client, request_body(pool[off:off + cell.prompt], cell.output, s),
-                                          cell.name, headers, timeout_s)
-            rows.append(run_row(rec, cell, i if warm else i - warmups, k, warm, s, off, sent))
-            if progress is not None:
-                progress(cell.name, 1)
-            return rec
-
-        for i in range(warmups):
-            await one(i, True)
-        before, why_b = await scrape(client, headers)
-        measured, dur = await closed_loop(lambda i: one(warmups + i, False), 1, n_requests=runs)
-        after, why_a = await scrape(client, headers)
+        entry.update(await _run_cell(client, headers, cell, pool, index, warmups=warmups, runs=runs, seed=seed,
+                                     timeout_s=timeout_s, t0=t0, progress=progress))
         index += per_cell
-        entry.update(cell_summary(cell, measured, dur, before, after, why_b or why_a))
     end = await server_metadata(client, headers)
     report["metadata"]["server_identity_changed"] = identity(end) != identity(md)
+
+
+async def _run_cell(client: httpx.AsyncClient, headers: Mapping[str, str], cell: Cell, pool: Sequence[int],
+                    base: int, *, warmups: int, runs: int, seed: int, timeout_s: float, t0: float,
+                    progress: Progress | None) -> dict[str, Any]:
+    """One cell: ``warmups`` then ``runs`` requests in a row (one client), /metrics scraped around the
+    measured ones. Run k of the whole matrix (``base`` + i) has seed ``seed + k`` and its prompt from
+    pool offset k * 7919 mod the free offsets (a prime stride: neighbouring runs start far apart)."""
+    rows: list[dict[str, Any]] = []
+
+    async def one(i: int) -> Record:
+        k, warm = base + i, i < warmups
+        off = (k * 7919) % (len(pool) - cell.prompt + 1)
+        s = (seed + k) % 2**32
+        sent = time.perf_counter() - t0
+        rec = await stream_completion(client, request_body(pool[off:off + cell.prompt], cell.output, s),
+                                      cell.name, headers, timeout_s)
+        rows.append(run_row(rec, cell, i if warm else i - warmups, k, warm, s, off, sent))
+        if progress is not None:
+            progress(cell.name, 1)
+        return rec
+
+    for i in range(warmups):
+        await one(i)
+    before, why_b = await scrape(client, headers)
+    measured, dur = await closed_loop(lambda i: one(warmups + i), 1, n_requests=runs)
+    after, why_a = await scrape(client, headers)
+    return {"runs": rows, **cell_summary(cell, measured, dur, before, after, why_b or why_a)}
 
 
 def new_report(url: str | None, argv_opts: Mapping[str, Any]) -> dict[str, Any]:

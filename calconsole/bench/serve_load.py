@@ -17,7 +17,9 @@ definitions of vLLM's ``benchmark_serving.py`` (``backend_request_func``):
   per second of the run, and their output tokens per second (FACTS F7's definition).
 
 ``stream_completion`` times llama.cpp's native ``/completion`` the same way (token-id prompts of an
-exact length; ``calconsole bench matrix``). Beside them the server's own figures: the ``timings`` of each final chunk (SIMULATED device ms:
+exact length; ``calconsole bench matrix``).
+
+Beside them the server's own figures: the ``timings`` of each final chunk (SIMULATED device ms:
 ``ttft_ms``, ``tpot_ms``, ``itl_ms``, ``e2e_ms``, ``queue_ms``) and the change of the server's
 ``/metrics`` (histograms in simulated seconds) between a scrape before and after the run,
 parsed with prometheus_client's text parser; quantiles from those histograms are Prometheus's

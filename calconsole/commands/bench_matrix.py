@@ -217,10 +217,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _measure(url: str, opts: dict[str, Any], report: dict[str, Any], todo: list[Any]) -> None:
+    import httpx
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    import httpx
 
     headers = {"Authorization": f"Bearer {opts['api_key']}"} if opts["api_key"] else {}
     per_cell = opts["warmups"] + opts["runs"]
@@ -229,9 +228,11 @@ def _measure(url: str, opts: dict[str, Any], report: dict[str, Any], todo: list[
         # trust_env=False: a proxy from the environment would be measured too
         async with httpx.AsyncClient(base_url=url, trust_env=False,
                                      timeout=httpx.Timeout(opts["timeout_s"], connect=10.0)) as client:
+            err = Console(stderr=True)
+            # a bar only on a terminal: redirected, it would leave a half-drawn line in the log
             with Progress(TextColumn("{task.description:<18}"), BarColumn(), MofNCompleteColumn(),
-                          TextColumn("requests"), TimeElapsedColumn(),
-                          console=Console(stderr=True), transient=False) as prog:
+                          TextColumn("requests"), TimeElapsedColumn(), console=err, transient=False,
+                          disable=not err.is_terminal) as prog:
                 task = prog.add_task("server", total=None)
 
                 def step(cell: str, n: int) -> None:
@@ -314,7 +315,7 @@ def plot(rep: dict[str, Any], width: int = 120, height: int = 24) -> str:
     plt.subplots(1, 2)
     for i, (key, title) in enumerate((("ttft_ms", "TTFT P50 ms"), ("tpot_ms", "TPOT P50 ms"))):
         plt.subplot(1, i + 1)
-        plt.title(f"{title} vs prompt tokens (hd: client wall, dot: server)")
+        plt.title(f"{title} (client wall; srv: server)")
         for out in dict.fromkeys(c["output"] for c in ran):
             row = sorted((c for c in ran if c["output"] == out), key=lambda c: c["prompt"])
             for side, marker in (("client", "hd"), ("server_timings", "dot")):
