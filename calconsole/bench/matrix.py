@@ -288,20 +288,23 @@ async def run_matrix(client: httpx.AsyncClient, headers: Mapping[str, str], repo
             entry["skipped"] = why
             continue
         entry["skipped"] = None
-        entry.update(await _run_cell(client, headers, cell, pool, index, warmups=warmups, runs=runs, seed=seed,
-                                     timeout_s=timeout_s, t0=t0, progress=progress))
+        entry["runs"] = []  # filled run by run: an interrupted cell keeps the runs it finished
+        entry["complete"] = False
+        entry.update(await _run_cell(client, headers, cell, pool, index, entry["runs"], warmups=warmups, runs=runs,
+                                     seed=seed, timeout_s=timeout_s, t0=t0, progress=progress))
+        entry["complete"] = True
         index += per_cell
     end = await server_metadata(client, headers)
     report["metadata"]["server_identity_changed"] = identity(end) != identity(md)
 
 
 async def _run_cell(client: httpx.AsyncClient, headers: Mapping[str, str], cell: Cell, pool: Sequence[int],
-                    base: int, *, warmups: int, runs: int, seed: int, timeout_s: float, t0: float,
-                    progress: Progress | None) -> dict[str, Any]:
+                    base: int, rows: list[dict[str, Any]], *, warmups: int, runs: int, seed: int, timeout_s: float,
+                    t0: float, progress: Progress | None) -> dict[str, Any]:
     """One cell: ``warmups`` then ``runs`` requests in a row (one client), /metrics scraped around the
     measured ones. Run k of the whole matrix (``base`` + i) has seed ``seed + k`` and its prompt from
-    pool offset k * 7919 mod the free offsets (a prime stride: neighbouring runs start far apart)."""
-    rows: list[dict[str, Any]] = []
+    pool offset k * 7919 mod the free offsets (a prime stride: neighbouring runs start far apart).
+    Each run is appended to ``rows`` as it ends."""
 
     async def one(i: int) -> Record:
         k, warm = base + i, i < warmups
@@ -320,7 +323,7 @@ async def _run_cell(client: httpx.AsyncClient, headers: Mapping[str, str], cell:
     before, why_b = await scrape(client, headers)
     measured, dur = await closed_loop(lambda i: one(warmups + i), 1, n_requests=runs)
     after, why_a = await scrape(client, headers)
-    return {"runs": rows, **cell_summary(cell, measured, dur, before, after, why_b or why_a)}
+    return cell_summary(cell, measured, dur, before, after, why_b or why_a)
 
 
 def new_report(url: str | None, argv_opts: Mapping[str, Any]) -> dict[str, Any]:
@@ -361,7 +364,10 @@ def cell_rows(report: Mapping[str, Any]) -> list[dict[str, Any]]:
     for c in report["cells"]:
         row: dict[str, Any] = {"cell": c["cell"], "prompt": c["prompt"], "output": c["output"],
                                "skipped": c.get("skipped") or ""}
-        if not c.get("skipped"):
+        if not c.get("skipped") and "requests" not in c:  # interrupted inside this cell: runs only
+            meas = [r for r in c.get("runs") or [] if not r["warmup"]]
+            row.update(runs=len(meas), ok=sum(r["ok"] for r in meas), failed=sum(not r["ok"] for r in meas))
+        elif not c.get("skipped"):
             req = c["requests"]
             row.update(runs=req["sent"], ok=req["completed"], failed=req["failed"], short_outputs=c["short_outputs"])
             for side, block in (("client", c["client"]), ("server", c["server_timings"])):

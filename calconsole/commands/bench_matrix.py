@@ -284,7 +284,8 @@ def print_summary(rep: dict[str, Any], paths: dict[str, str]) -> None:
         t.add_column(col, justify="right")
     for c in rep["cells"]:
         if c.get("skipped"):
-            t.add_row(str(c["prompt"]), str(c["output"]), "skip", f"[dim]{escape(c['skipped'])}[/]")
+            t.add_row(str(c["prompt"]), str(c["output"]), "skip",
+                      f"[dim]P+O {c['prompt'] + c['output']} > n_ctx {srv['n_ctx']}[/]")
             continue
         cli, s = c["client"], c["server_timings"]
         t.add_row(str(c["prompt"]), str(c["output"]), f"{c['requests']['completed']}/{c['requests']['sent']}",
@@ -293,7 +294,7 @@ def print_summary(rep: dict[str, Any], paths: dict[str, str]) -> None:
                   _f((s["e2e_ms"] or {}).get("p50")), _f(c["decode_tok_s_p50"]["server"]))
     con.print(t)
     for c in rep["cells"]:
-        if not c.get("skipped") and c["requests"]["errors"]:
+        if not c.get("skipped") and c.get("requests", {}).get("errors"):
             con.print(f"[red]{c['cell']} errors:[/] {escape(str(c['requests']['errors']))}")
     if srv.get("missing"):
         con.print(f"not exposed by this server: {', '.join(srv['missing'])}")
