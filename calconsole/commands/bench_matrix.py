@@ -304,28 +304,35 @@ def print_summary(rep: dict[str, Any], paths: dict[str, str]) -> None:
               f"{escape(paths['tokens'])}")
 
 
-def plot(rep: dict[str, Any], width: int = 120, height: int = 24) -> str:
+def plot(rep: dict[str, Any], width: int = 110, height: int = 22) -> str:
     """TTFT P50 and TPOT P50 (client wall ms, and the server's) against prompt length, one line per
-    output length (plotext 5.x: subplots, plot, xscale, build)."""
+    output length: two plotext plots one above the other (plotext 5.x: clf, plot, xscale, build;
+    no subplots, whose state outlives ``clf`` in plotext's one global figure and breaks later plots)."""
     import plotext as plt
 
     ran = [c for c in rep["cells"] if not c.get("skipped")]
-    plt.clf()
-    plt.plotsize(width, height)
-    plt.theme("clear")
-    plt.subplots(1, 2)
-    for i, (key, title) in enumerate((("ttft_ms", "TTFT P50 ms"), ("tpot_ms", "TPOT P50 ms"))):
-        plt.subplot(1, i + 1)
-        plt.title(f"{title} (client wall; srv: server)")
-        for out in dict.fromkeys(c["output"] for c in ran):
-            row = sorted((c for c in ran if c["output"] == out), key=lambda c: c["prompt"])
+    out = []
+    for key, title in (("ttft_ms", "TTFT P50 ms"), ("tpot_ms", "TPOT P50 ms")):
+        plt.clf()
+        plt.plotsize(width, height)
+        plt.theme("clear")
+        drawn = False
+        for o in dict.fromkeys(c["output"] for c in ran):
+            row = sorted((c for c in ran if c["output"] == o), key=lambda c: c["prompt"])
             for side, marker in (("client", "hd"), ("server_timings", "dot")):
                 pts = [(c["prompt"], (c[side][key] or {}).get("p50")) for c in row]
-                pts = [(x, y) for x, y in pts if y is not None]
+                pts = [(x, y) for x, y in pts if y is not None and y > 0]
                 if pts:
+                    drawn = True
                     plt.plot([x for x, _ in pts], [y for _, y in pts], marker=marker,
-                             label=f"out {out}{'' if side == 'client' else ' srv'}")
+                             label=f"out {o} {'wall' if side == 'client' else 'srv'}")
+        if not drawn:
+            continue  # e.g. TPOT when every output is 1 token
         plt.xscale("log")
+        plt.yscale("log")
+        plt.title(f"{title} vs prompt tokens (wall: client; srv: the server's timings)")
         plt.xlabel("prompt tokens")
-    text = plt.build()
+        out.append(plt.build())
+    plt.clf()
+    text = "\n".join(out)
     return text if sys.stdout.isatty() else plt.uncolorize(text)

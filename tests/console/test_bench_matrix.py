@@ -147,7 +147,8 @@ def test_api_key_and_in_table_mode(keyed_server: Live, capsys, tmp_path: Path):
                "--outputs", "3", "--out", str(tmp_path / "o"), "--plot"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert ALIAS in out and "results:" in out and "TTFT" in out and "bundle_hash" in out
+    assert ALIAS in out and "results:" in out and "bundle_hash" in out
+    assert "TTFT P50 ms vs prompt tokens" in out and "TPOT P50 ms vs prompt tokens" in out  # --plot
     rep = json.loads((tmp_path / "o" / "matrix.json").read_text())
     assert rep["counts"]["measured_ok"] == 2 and "api_key" not in rep["options"]
     assert API_KEY not in (tmp_path / "o" / "matrix.json").read_text()
