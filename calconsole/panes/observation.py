@@ -92,6 +92,7 @@ class ObservationPane(VerticalScroll):
         self.shown_sections: set[str] = set()
         self._fresh: set[str] = set()  # just made visible: rendered at once, past the rate limits
         self._save_failed = False
+        self._composed = False
 
     def compose(self) -> ComposeResult:
         yield Static(id="obs-sections")
@@ -106,6 +107,7 @@ class ObservationPane(VerticalScroll):
                 yield Static(id=SECTION_WIDGET[name][1:])
 
     def on_mount(self) -> None:
+        self._composed = True
         self._apply_arrangement()
 
     # --- keys -----------------------------------------------------------------------------------
@@ -172,7 +174,7 @@ class ObservationPane(VerticalScroll):
 
     def _apply_arrangement(self) -> None:
         """Order, fold, focus and compact as they now stand: widget order and display, then a re-render."""
-        if not self.is_mounted:
+        if not self._composed:
             return
         self.set_class(self.compact, "-compact")
         focus = self.focused_section if self.focused_section is not None and self.applicable(

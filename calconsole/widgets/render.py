@@ -428,7 +428,8 @@ def device_table(snap: dict, compact: bool = False, settings=None) -> Group:
         faults.append(("" if i == 0 else " · ") + txt, style=style)
     n = int(d.get("decode_batch", 1))
     if n > 1:  # a what-if variant: said in every display (C3: the vendor would have to compile it)
-        faults.append(f"{' · ' if compact else '   '}{d.get('bundle_status', 'C3')} decode batch {n}", style="bold magenta")
+        faults.append(f"{' · ' if compact else '   '}{d.get('bundle_status', 'C3')} decode batch {n}",
+                      style="bold magenta")
         if not compact:
             faults.append(" (what-if, not the product)", style="magenta")
     elif not compact:
