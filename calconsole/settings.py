@@ -5,7 +5,9 @@ from platformdirs) is optional; a missing key keeps its default. Environment var
 nvitop style: ``CALCONSOLE_LAYOUT``, ``CALCONSOLE_REFRESH`` (Hz), ``CALCONSOLE_HISTORY_WINDOW`` (s),
 ``CALCONSOLE_THEME``, ``CALCONSOLE_COMPACT`` (auto|on|off), ``CALCONSOLE_AUDIT_LOG``,
 ``CALCONSOLE_SLO_TTFT_MS`` / ``CALCONSOLE_SLO_TPOT_MS`` and ``CALCONSOLE_THRESHOLD_<NAME>=WARN,CRIT``.
-Command-line options override both. A bad value raises ``SettingsError`` naming the file (or the
+``sections: {order, folded, focus}`` is the observation pane's arrangement (names in ``SECTIONS``),
+written by the pane at each change (``save_sections``, the file's other keys kept). Command-line
+options override both. A bad value raises ``SettingsError`` naming the file (or the
 variable) and the key. ``save_settings`` writes the file back (the console's "save settings").
 
 Thresholds colour a value yellow at ``warn`` and red at ``crit``. Defaults follow nvitop (memory:

@@ -198,9 +198,9 @@ class ObservationPane(VerticalScroll):
             g.display = not self.compact or i == self.graph_index
         self._size_graphs()
         self._render_bar()
-        if self._last is not None:
+        if self._last is not None:  # before the first snapshot a drawn graph would only say "no data yet"
             self.update_snapshot(self._last)
-        self._draw_graphs(force=True)
+            self._draw_graphs(force=True)
 
     def on_resize(self) -> None:
         if self.has_class("-focus-graphs"):

@@ -202,8 +202,8 @@ def requests_panel(snap: dict, settings=None) -> Group:
         gp = Text(f"goodput against the engine's SLO ({slo_s} ms sim): {n} request{'s' if n != 1 else ''} "
                   f"met it" + rate, style="grey70")
     else:  # without an SLO every finished request counts: this is plain throughput
-        gp = Text(f"goodput: the engine checks no SLO (--slo), so all {n} finished request{'s' if n != 1 else ''}"
-                  f" count" + rate, style="grey70")
+        gp = Text(f"goodput: the engine checks no SLO (--slo), so every finished request counts: {n}" + rate,
+                  style="grey70")
     if console is not None and not same:
         gp.append(f"\nheader colours: console SLO TTFT {settings.slo_ttft_ms:g} / TPOT {settings.slo_tpot_ms:g} ms "
                   f"(settings slo)", style="grey62")
