@@ -303,6 +303,21 @@ class CalConsoleApp(App):
                                 obs.action_toggle_step)
             yield SystemCommand("Per-layer heatmap: chips / op categories", "observation key h",
                                 obs.action_toggle_heat)
+            for name in obs.listed():
+                state = "unfold" if name in obs.folded else "fold"
+                yield SystemCommand(f"Section {name}: {state}", "observation key z on the selected section "
+                                    "(saved in the settings file)", lambda name=name: obs.fold_section(name))
+                yield SystemCommand(f"Section {name}: focus (shown alone)", "observation key f; f or Esc "
+                                    "shows every section again", lambda name=name: obs.focus_section(name))
+                yield SystemCommand(f"Section {name}: move up", "observation key {",
+                                    lambda name=name: obs.move_section(name, -1))
+                yield SystemCommand(f"Section {name}: move down", "observation key }",
+                                    lambda name=name: obs.move_section(name, 1))
+            yield SystemCommand("Sections: show every section (leave focus)", "observation key f or Esc",
+                                lambda: obs.focus_section(None))
+            yield SystemCommand("Sections: unfold all", "observation key Z", obs.action_unfold_all)
+            yield SystemCommand("Sections: default arrangement", "every section in the default order, none "
+                                "folded, no focus (saved in the settings file)", obs.reset_sections)
         for hz in self.REFRESH_CHOICES:
             yield SystemCommand(f"Refresh rate: {hz:g} Hz", f"snapshots per second (now {self.refresh_hz:g})",
                                 lambda hz=hz: self.set_refresh(hz))
@@ -336,6 +351,8 @@ class CalConsoleApp(App):
         kw: dict = {"theme": self.theme, "refresh_hz": self.refresh_hz}
         if obs is not None:
             kw["history_window_s"] = int(obs.window_s)
+            kw.update(section_order=obs.settings.section_order, sections_folded=obs.settings.sections_folded,
+                      section_focus=obs.settings.section_focus)
             if self.settings.compact != "auto":
                 kw["compact"] = "on" if obs.compact else "off"
         return self.settings.replace(**kw)

@@ -139,8 +139,13 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
             admin = not args.observe_only and bool(args.admin_key_file or os.environ.get("CALCONSOLE_ADMIN_KEY"))
             system = connect_from_args(args, admin=admin)
         else:
+            from sim_backend.planes import SLO
+
+            # the engine's goodput checks the console's SLO (settings slo), the one the header colours
+            # by: one SLO in every panel. Attached (--connect), the server's own SLO is shown as such.
+            slo = None if settings is None else SLO(ttft_ms=settings.slo_ttft_ms, tpot_ms=settings.slo_tpot_ms)
             # numerics in a worker process: the UI and the simulation would otherwise share one GIL
-            system = build_from_args(args, maintenance=not args.observe_only, numerics_process=True)
+            system = build_from_args(args, maintenance=not args.observe_only, numerics_process=True, slo=slo)
     except (CalError, ValueError) as e:
         return fail(str(e))
     try:

@@ -5,7 +5,9 @@ from platformdirs) is optional; a missing key keeps its default. Environment var
 nvitop style: ``CALCONSOLE_LAYOUT``, ``CALCONSOLE_REFRESH`` (Hz), ``CALCONSOLE_HISTORY_WINDOW`` (s),
 ``CALCONSOLE_THEME``, ``CALCONSOLE_COMPACT`` (auto|on|off), ``CALCONSOLE_AUDIT_LOG``,
 ``CALCONSOLE_SLO_TTFT_MS`` / ``CALCONSOLE_SLO_TPOT_MS`` and ``CALCONSOLE_THRESHOLD_<NAME>=WARN,CRIT``.
-Command-line options override both. A bad value raises ``SettingsError`` naming the file (or the
+``sections: {order, folded, focus}`` is the observation pane's arrangement (names in ``SECTIONS``),
+written by the pane at each change (``save_sections``, the file's other keys kept). Command-line
+options override both. A bad value raises ``SettingsError`` naming the file (or the
 variable) and the key. ``save_settings`` writes the file back (the console's "save settings").
 
 Thresholds colour a value yellow at ``warn`` and red at ``crit``. Defaults follow nvitop (memory:
@@ -32,6 +34,9 @@ COMPACT_MODES = ("auto", "on", "off")
 #: below this terminal size, compact mode "auto" switches the observation pane to compact
 COMPACT_BELOW = (120, 36)
 MAX_FILE_BYTES = 64 * 1024
+#: the observation pane's sections, in their default order (names used in the settings file)
+SECTIONS = ("device", "thresholds", "graphs", "batches", "requests", "per-layer", "slots", "stages", "kv", "jobs",
+            "memory", "host", "findings")
 
 
 @dataclass(frozen=True)
@@ -79,6 +84,11 @@ class Settings:
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 50.0
     thresholds: dict[str, Threshold] = field(default_factory=lambda: dict(DEFAULT_THRESHOLDS))
+    #: the observation pane's arrangement: every section once, top to bottom; the folded ones; the one
+    #: shown alone (None: all)
+    section_order: tuple[str, ...] = SECTIONS
+    sections_folded: tuple[str, ...] = ()
+    section_focus: str | None = None
     path: Path | None = None  # the file read (or to be written), for messages
 
     def level(self, name: str, value: float | None) -> str:
@@ -147,6 +157,42 @@ def _threshold(source: str, key: str, v: Any, base: Threshold) -> Threshold:
     return dataclasses.replace(base, warn=w, crit=c)
 
 
+def _section_names(source: str, key: str, v: Any) -> tuple[str, ...]:
+    if not isinstance(v, list):
+        raise SettingsError(source, key, f"must be a list of section names ({', '.join(SECTIONS)})")
+    out: list[str] = []
+    for name in v:
+        if name not in SECTIONS:
+            shown = repr(name)[:40]
+            raise SettingsError(source, key, f"unknown section {shown} (one of {', '.join(SECTIONS)})")
+        if name in out:
+            raise SettingsError(source, key, f"section {name!r} listed twice")
+        out.append(name)
+    return tuple(out)
+
+
+def _sections(source: str, v: Any) -> dict[str, Any]:
+    """``sections: {order: [...], folded: [...], focus: NAME|null}``; an order naming only some sections
+    gets the others appended in their default order (a section added by a later version shows up)."""
+    if not isinstance(v, dict):
+        raise SettingsError(source, "sections", "must be a mapping {order: [...], folded: [...], focus: NAME}")
+    kw: dict[str, Any] = {}
+    for k2, v2 in v.items():
+        if k2 == "order":
+            order = _section_names(source, "sections.order", v2)
+            kw["section_order"] = order + tuple(n for n in SECTIONS if n not in order)
+        elif k2 == "folded":
+            kw["sections_folded"] = _section_names(source, "sections.folded", v2)
+        elif k2 == "focus":
+            if v2 is not None and v2 not in SECTIONS:
+                raise SettingsError(source, "sections.focus", f"must be null or one of {', '.join(SECTIONS)}, "
+                                                              f"got {repr(v2)[:40]}")
+            kw["section_focus"] = v2
+        else:
+            raise SettingsError(source, f"sections.{str(k2)[:40]}", "unknown key (order, folded, focus)")
+    return kw
+
+
 def _apply(s: Settings, source: str, data: dict[str, Any], env: bool = False) -> Settings:
     kw: dict[str, Any] = {}
     thresholds = dict(s.thresholds)
@@ -181,9 +227,11 @@ def _apply(s: Settings, source: str, data: dict[str, Any], env: bool = False) ->
                     raise SettingsError(source, f"thresholds.{name}",
                                         f"unknown threshold (one of {', '.join(DEFAULT_THRESHOLDS)})")
                 thresholds[name] = _threshold(source, f"thresholds.{name}", tv, thresholds[name])
+        elif key == "sections":
+            kw.update(_sections(source, v))
         else:
             raise SettingsError(source, str(key)[:40], "unknown key (layout, refresh_hz, history_window_s, theme, "
-                                                       "compact, audit_log, slo, thresholds)")
+                                                       "compact, audit_log, slo, thresholds, sections)")
     return s.replace(thresholds=thresholds, **kw)
 
 
@@ -235,7 +283,8 @@ def to_data(s: Settings) -> dict[str, Any]:
     """The file form of ``s`` (what ``save_settings`` writes)."""
     data: dict[str, Any] = {"layout": s.layout, "history_window_s": s.history_window_s, "theme": s.theme,
                             "compact": s.compact, "slo": {"ttft_ms": s.slo_ttft_ms, "tpot_ms": s.slo_tpot_ms},
-                            "thresholds": {k: {"warn": t.warn, "crit": t.crit} for k, t in s.thresholds.items()}}
+                            "thresholds": {k: {"warn": t.warn, "crit": t.crit} for k, t in s.thresholds.items()},
+                            "sections": sections_data(s)}
     if s.refresh_hz is not None:
         data["refresh_hz"] = s.refresh_hz
     if s.audit_log is not None:
@@ -243,12 +292,38 @@ def to_data(s: Settings) -> dict[str, Any]:
     return data
 
 
-def save_settings(s: Settings, path: Path | None = None) -> Path:
-    """Write ``s`` as YAML (atomically: a temporary file renamed over it). Returns the path; OSError on failure."""
+def sections_data(s: Settings) -> dict[str, Any]:
+    """The file form of the observation pane's arrangement."""
+    return {"order": list(s.section_order), "folded": list(s.sections_folded), "focus": s.section_focus}
+
+
+def save_sections(s: Settings, path: Path | None = None) -> Path:
+    """Write only the ``sections`` key into the settings file, the file's other keys kept as they are there
+    (not as the console runs: an arrangement change does not save a theme tried out). Raises OSError, or
+    SettingsError if the file has become unreadable since start-up (then nothing is written)."""
     path = path or s.path or settings_path()
+    data: dict[str, Any] = {}
+    if path.exists():
+        try:
+            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise SettingsError(str(path), "(file)", f"not rewritten, it no longer reads: {e}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise SettingsError(str(path), "(file)", "not rewritten, it is not a mapping of settings")
+        data = dict(loaded or {})
+    data["sections"] = sections_data(s)
+    return _write(path, data)
+
+
+def _write(path: Path, data: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("# calconsole settings (calconsole --help lists the CALCONSOLE_* overrides)\n"
-                   + yaml.safe_dump(to_data(s), sort_keys=False), encoding="utf-8")
+                   + yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def save_settings(s: Settings, path: Path | None = None) -> Path:
+    """Write ``s`` as YAML (atomically: a temporary file renamed over it). Returns the path; OSError on failure."""
+    return _write(path or s.path or settings_path(), to_data(s))

@@ -4,8 +4,14 @@ Top to bottom: the npu-smi style device table (board row, one row per chiplet), 
 figures coloured by their thresholds (KV, queue, TTFT/TPOT P95 against the SLO, failures,
 pacing), history graphs (plotext) of KV occupancy and busy %, output tok/s, TTFT/TPOT P95 and
 queue depth over a 1 / 5 / 15 min window, then the detail sections: per-layer heatmap and table,
-requests, slots, stages, KV, jobs, memory, host, findings. Compact mode (automatic below
-120x36, or key ``m``) keeps the device rows, the header figures and one graph (``g`` picks it).
+requests, slots, stages, KV, jobs, memory, host, findings. With a batch-N variant bundle (C3) a
+"batches" section shows each recent decode step's occupancy and the slots that rode in it.
+Compact mode (automatic below 120x36, or key ``m``) keeps the device rows, the header figures
+and one graph (``g`` picks it).
+
+Sections (``settings.SECTIONS``) can be folded (``z``), moved (``{`` / ``}``) and focused (``f``: one
+shown alone, full height); ``[`` / ``]`` select one. The arrangement is written to the settings file
+at each change and restored at start.
 """
 
 from __future__ import annotations
@@ -16,17 +22,22 @@ from rich.console import Group
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, VerticalScroll
+from textual.containers import Grid, Vertical, VerticalScroll
 from textual.widgets import Static
 
-from ..settings import HISTORY_WINDOWS_S, Settings
+from ..settings import HISTORY_WINDOWS_S, SECTIONS, Settings, SettingsError, save_sections
 from ..widgets import render
 from ..widgets.history import GRAPHS, History, HistoryGraph
 from ..widgets.render import set_subtitle
 
-#: (widget id, detail section): hidden in compact mode
-DETAIL = ("#obs-layers", "#obs-requests", "#obs-slots", "#obs-stages", "#obs-kv", "#obs-jobs", "#obs-memory",
-          "#obs-host", "#obs-findings")
+#: section name (settings.SECTIONS) -> the widget that shows it
+SECTION_WIDGET = {"device": "#obs-device", "thresholds": "#obs-header", "graphs": "#obs-graphs-box",
+                  "batches": "#obs-batches", "requests": "#obs-requests", "per-layer": "#obs-layers",
+                  "slots": "#obs-slots", "stages": "#obs-stages", "kv": "#obs-kv", "jobs": "#obs-jobs",
+                  "memory": "#obs-memory", "host": "#obs-host", "findings": "#obs-findings"}
+assert set(SECTION_WIDGET) == set(SECTIONS)
+#: what compact mode keeps (the other sections are hidden there, folded or not)
+COMPACT_SECTIONS = ("device", "thresholds", "graphs")
 HEAT_VIEWS = ("chip", "category")
 
 
@@ -44,7 +55,20 @@ class ObservationPane(VerticalScroll):
         Binding("w", "cycle_window", "history 1/5/15 min"),
         Binding("g", "next_graph", "next graph"),
         Binding("m", "toggle_compact", "compact"),
+        Binding("left_square_bracket", "select_section(-1)", "previous section", show=False),
+        Binding("right_square_bracket", "select_section(1)", "section"),
+        Binding("z", "fold_section", "fold"),
+        Binding("Z", "unfold_all", "unfold every section", show=False),
+        Binding("left_curly_bracket", "move_section(-1)", "move section up", show=False),
+        Binding("right_curly_bracket", "move_section(1)", "move section down", show=False),
+        Binding("f", "focus_section", "focus section"),
+        Binding("escape", "unfocus_section", "show every section (leave focus)", show=False),
     ]
+    HELP_EXTRA = ("Sections (top to bottom, named in the bar at the top of the pane): [ and ] select one "
+                  "(in focus: show the previous / next alone), z folds or unfolds it, { and } move it up or "
+                  "down, f shows it alone at full height (f or Esc again: all), Z unfolds all. The "
+                  "arrangement is saved in the settings file at each change and restored at start. "
+                  "Compact mode keeps the device table, the thresholds line and one graph whatever is folded.")
     can_focus = True
 
     def __init__(self, settings: Settings | None = None, **kw) -> None:
@@ -61,23 +85,30 @@ class ObservationPane(VerticalScroll):
         self._shown: dict[str, object] = {}  # section -> the snapshot data it currently shows
         self._rendered_at: dict[str, float] = {}
         self._last_layout = 0.0
+        self.order: list[str] = list(self.settings.section_order)
+        self.folded: set[str] = set(self.settings.sections_folded)
+        self.focused_section: str | None = self.settings.section_focus
+        self.selected: str = self.focused_section or self.order[0]
+        self.shown_sections: set[str] = set()
+        self._fresh: set[str] = set()  # just made visible: rendered at once, past the rate limits
+        self._save_failed = False
+        self._composed = False
 
     def compose(self) -> ComposeResult:
-        yield Static(id="obs-device")
-        yield Static(id="obs-header")
-        with Grid(id="obs-graphs"):
-            for spec in GRAPHS:
-                yield HistoryGraph(spec, id=f"graph-{spec.id}", classes="obs-graph")
-        yield Static(id="obs-graph-note", classes="dim")
-        yield Static(id="obs-requests")
-        yield Static(id="obs-layers")
-        yield Static(id="obs-slots")
-        yield Static(id="obs-stages")
-        yield Static(id="obs-kv")
-        yield Static(id="obs-jobs")
-        yield Static(id="obs-memory")
-        yield Static(id="obs-host")
-        yield Static(id="obs-findings")
+        yield Static(id="obs-sections")
+        for name in self.order:
+            if name == "graphs":
+                with Vertical(id="obs-graphs-box"):
+                    with Grid(id="obs-graphs"):
+                        for spec in GRAPHS:
+                            yield HistoryGraph(spec, id=f"graph-{spec.id}", classes="obs-graph")
+                    yield Static(id="obs-graph-note", classes="dim")
+            else:
+                yield Static(id=SECTION_WIDGET[name][1:])
+
+    def on_mount(self) -> None:
+        self._composed = True
+        self._apply_arrangement()
 
     # --- keys -----------------------------------------------------------------------------------
 
@@ -107,8 +138,7 @@ class ObservationPane(VerticalScroll):
 
     def action_next_graph(self) -> None:
         self.graph_index = (self.graph_index + 1) % len(GRAPHS)
-        self._apply_compact()
-        self._draw_graphs(force=True)
+        self._apply_arrangement()
 
     def action_toggle_compact(self) -> None:
         self.set_compact(not self.compact)
@@ -117,19 +147,169 @@ class ObservationPane(VerticalScroll):
         """Compact: device rows, header figures, one graph; the detail sections hidden."""
         if on != self.compact:
             self.compact = on
-            self._apply_compact()
             self._shown.pop("#obs-device", None)  # the device table and the header have compact forms
             self._shown.pop("#obs-header", None)
-            if self._last is not None:
-                self.update_snapshot(self._last)
-            self._draw_graphs(force=True)
+            self._apply_arrangement()
 
-    def _apply_compact(self) -> None:
+    # --- sections: fold, reorder, focus ---------------------------------------------------------
+
+    def applicable(self, name: str) -> bool:
+        """A section with something to show on this device (batches: a batch-N variant only)."""
+        if name == "batches":
+            return self._last is not None and int(self._last["device"].get("decode_batch", 1)) > 1
+        return True
+
+    def listed(self) -> list[str]:
+        """The sections the bar names and the cursor visits, top to bottom."""
+        return [n for n in self.order if self.applicable(n)]
+
+    def _is_visible(self, name: str) -> bool:
+        if not self.applicable(name):
+            return False
+        if self.focused_section is not None and self.applicable(self.focused_section):
+            return name == self.focused_section
+        if self.compact:
+            return name in COMPACT_SECTIONS
+        return name not in self.folded
+
+    def _apply_arrangement(self) -> None:
+        """Order, fold, focus and compact as they now stand: widget order and display, then a re-render."""
+        if not self._composed:
+            return
         self.set_class(self.compact, "-compact")
+        focus = self.focused_section if self.focused_section is not None and self.applicable(
+            self.focused_section) else None
+        self.set_class(focus is not None, "-focus")
+        self.set_class(focus == "graphs", "-focus-graphs")
+        previous = None
+        for name in self.order:
+            w = self.query_one(SECTION_WIDGET[name])
+            if previous is None:
+                self.move_child(w, after=self.query_one("#obs-sections"))
+            else:
+                self.move_child(w, after=previous)
+            previous = w
+        was = self.shown_sections
+        self.shown_sections = {n for n in self.order if self._is_visible(n)}
+        self._fresh |= self.shown_sections - was
+        for name in self.order:
+            self.query_one(SECTION_WIDGET[name]).display = name in self.shown_sections
         for i, g in enumerate(self.query(HistoryGraph)):
             g.display = not self.compact or i == self.graph_index
-        for sel in DETAIL:
-            self.query_one(sel).display = not self.compact
+        self._size_graphs()
+        self._render_bar()
+        if self._last is not None:  # before the first snapshot a drawn graph would only say "no data yet"
+            self.update_snapshot(self._last)
+            self._draw_graphs(force=True)
+
+    def on_resize(self) -> None:
+        if self.has_class("-focus-graphs"):
+            self._size_graphs()
+
+    def _size_graphs(self) -> None:
+        """Focused, the graphs share the pane's height (inline styles); otherwise the stylesheet's rows."""
+        grid = self.query_one("#obs-graphs", Grid)
+        rows: int | None = None
+        if self.has_class("-focus-graphs"):
+            n_rows = 1 if self.compact else -(-len(GRAPHS) // 2)
+            rows = max(6, (self.size.height - 5) // n_rows)  # less the bar and the note
+        grid.styles.grid_rows = None if rows is None else str(rows)
+        for g in self.query(HistoryGraph):
+            g.styles.height = rows
+
+    def _render_bar(self) -> None:
+        bar = self.query_one("#obs-sections", Static)
+        focus = self.focused_section if self.focused_section is not None and self.applicable(
+            self.focused_section) else None
+        # compact (about 40 columns): no bar unless a section is focused (it says how to leave)
+        bar.display = not self.compact or focus is not None
+        t = render.sections_bar(self.listed(), self.folded, self.selected, focus, self.compact)
+        if self._shown.get("#obs-sections") != t.plain + str(t.spans):
+            self._shown["#obs-sections"] = t.plain + str(t.spans)
+            bar.update(t)
+
+    def _arrangement_changed(self) -> None:
+        """Apply, and keep it: the pane's settings, and the settings file's ``sections`` key."""
+        self.settings = self.settings.replace(section_order=tuple(self.order),
+                                              sections_folded=tuple(n for n in self.order if n in self.folded),
+                                              section_focus=self.focused_section)
+        self._apply_arrangement()
+        try:
+            save_sections(self.settings)
+        except (OSError, SettingsError) as e:
+            if not self._save_failed:  # once: a read-only config directory must not nag at every key
+                self.notify(f"section arrangement not saved: {e}", severity="warning")
+            self._save_failed = True
+        else:
+            self._save_failed = False
+
+    def _step(self, name: str, delta: int) -> str:
+        names = self.listed()
+        if name not in names:
+            return names[0]
+        return names[(names.index(name) + delta) % len(names)]
+
+    def action_select_section(self, delta: int) -> None:
+        """Select the previous / next section; in focus, show that one alone instead."""
+        self.selected = self._step(self.selected, delta)
+        if self.focused_section is not None:
+            self.focus_section(self.selected)
+            return
+        self._render_bar()
+        if self.compact:  # no bar in compact: say which one
+            self.notify(f"section {self.selected} selected (f shows it alone)", timeout=2)
+
+    def fold_section(self, name: str) -> None:
+        """Fold (hide all but its name in the bar) or unfold a section."""
+        self.folded ^= {name}
+        self.selected = name
+        self._arrangement_changed()
+
+    def action_fold_section(self) -> None:
+        self.fold_section(self.selected)
+
+    def action_unfold_all(self) -> None:
+        self.folded = set()
+        self._arrangement_changed()
+
+    def move_section(self, name: str, delta: int) -> None:
+        """Move a section up (-1) or down (+1), past the next listed section."""
+        names = self.listed()
+        if name not in names:
+            return
+        i = names.index(name)
+        j = i + delta
+        if not 0 <= j < len(names):
+            return
+        other = names[j]
+        self.order.remove(name)
+        k = self.order.index(other)
+        self.order.insert(k if delta < 0 else k + 1, name)
+        self.selected = name
+        self._arrangement_changed()
+
+    def action_move_section(self, delta: int) -> None:
+        self.move_section(self.selected, delta)
+
+    def focus_section(self, name: str | None) -> None:
+        """Show ``name`` alone at full height (None: every section again)."""
+        self.focused_section = name
+        if name is not None:
+            self.selected = name
+        self._arrangement_changed()
+        self.scroll_home(animate=False)
+
+    def action_focus_section(self) -> None:
+        self.focus_section(None if self.focused_section == self.selected else self.selected)
+
+    def action_unfocus_section(self) -> None:
+        if self.focused_section is not None:
+            self.focus_section(None)
+
+    def reset_sections(self) -> None:
+        """The default arrangement: every section in the default order, none folded, no focus."""
+        self.order, self.folded, self.focused_section = list(SECTIONS), set(), None
+        self._arrangement_changed()
 
     # --- rendering ------------------------------------------------------------------------------
 
@@ -144,15 +324,20 @@ class ObservationPane(VerticalScroll):
                     f"h: heatmap rows {'chips' if self.heat_by == 'chip' else 'op categories'})",
                     style="bold grey70")
         width = max(20, self.size.width - 2)
+        capacity = int(snap["device"].get("decode_batch", 1))
+        if capacity > 1 and step.get("batch_seq_ids"):
+            view.append(f"\nbatched decode step: {len(step['batch_seq_ids'])}/{capacity} rows "
+                        f"(seqs {', '.join(map(str, step['batch_seq_ids']))}); the times are the whole "
+                        f"step's, all riders together", style="bold magenta")
         heat = render.layers_heatmap(step, self.heat_by, width)
-        panel = render.layers_panel(step)
+        panel = render.layers_panel(step, capacity=capacity)
         # the title's length is in the key: its numbers change width (11.9 -> 111.5 ms), the title
         # then wraps to one more line, and without a relayout the table's row was cut off (blank)
         head = panel.renderables[0] if isinstance(panel, Group) else None
         title = head.plain if isinstance(head, Text) else ""
         n_rows = len(step.get("layers", ())[0]["category_us"]) if step.get("layers") and self.heat_by != "chip" else 2
         self._update("#obs-layers", Group(view, heat, panel),
-                     (self.show_kind, self.heat_by, n_rows, len(step.get("layers", ())),
+                     (self.show_kind, self.heat_by, n_rows, len(step.get("layers", ())), len(view.plain),
                       render.layers_uniform(step), len(title)))
 
     # widget id -> (snapshot keys it shows, renderer)
@@ -161,6 +346,7 @@ class ObservationPane(VerticalScroll):
         "#obs-kv": (("kv",), render.kv_panel),
         "#obs-slots": (("slots",), render.slots_panel),
         "#obs-requests": (("requests",), render.requests_panel),
+        "#obs-batches": (("decode_batches", "device"), render.batches_panel),
         "#obs-stages": (("stages",), render.stages_panel),
         "#obs-memory": (("memory",), render.memory_panel),
         "#obs-host": (("host",), render.host_panel),
@@ -194,40 +380,58 @@ class ObservationPane(VerticalScroll):
         """
         if snap is not self._last:
             self.history.record(snap)
+        batched = self.applicable("batches")
         self._last = snap
+        if self.applicable("batches") != batched:  # the first snapshot says what the bundle is
+            self._apply_arrangement()
+            return
         set_subtitle(self, render.mode_text(snap["device"]).plain)
         now = time.monotonic()
-        # the load's busy % only: its window length (wall s) changes at every sample, idle or not
-        dev = (snap["device"], snap["jobs"]["finished"], (snap.get("load") or {}).get("busy_percent"), snap["memory"],
-               self.compact)
-        if self._shown.get("#obs-device") != dev:
-            self._shown["#obs-device"] = dev
-            self._update("#obs-device", render.device_table(snap, self.compact, self.settings),
-                         (len(snap["device"]["chiplets"]), self.compact))
-        header = render.header_line(snap, self.settings, self.compact)
-        if self._shown.get("#obs-header") != header.plain:
-            self._shown["#obs-header"] = header.plain
-            self._update("#obs-header", header, len(header.plain) // 20)
+        visible = self.shown_sections
+        fresh, self._fresh = self._fresh, set()
+        # a hidden (folded, compact, not focused) section is not rendered at all: it costs nothing
+        if "device" in visible:
+            # the load's busy % only: its window length (wall s) changes at every sample, idle or not
+            dev = (snap["device"], snap["jobs"]["finished"], (snap.get("load") or {}).get("busy_percent"),
+                   snap["memory"], self.compact)
+            if self._shown.get("#obs-device") != dev:
+                self._shown["#obs-device"] = dev
+                self._update("#obs-device", render.device_table(snap, self.compact, self.settings),
+                             (len(snap["device"]["chiplets"]), self.compact))
+        if "thresholds" in visible:
+            header = render.header_line(snap, self.settings, self.compact)
+            if self._shown.get("#obs-header") != header.plain:
+                self._shown["#obs-header"] = header.plain
+                self._update("#obs-header", header, len(header.plain) // 20)
         self._draw_graphs()
-        if self.compact:
-            return
         for wid, (keys, fn) in self.SECTIONS.items():
+            name = self.WIDGET_SECTION[wid]
+            if name not in visible:
+                continue
             data = tuple(snap[k] for k in keys)
             # compared with what is on screen (not the previous snapshot), so a rate-limited
             # section catches up on a later refresh even when the data has stopped changing
             if self._shown.get(wid) != data:
                 period = self.SLOW_SECTIONS.get(wid)
-                if period is not None and now - self._rendered_at.get(wid, 0.0) < period:
+                if period is not None and name not in fresh and now - self._rendered_at.get(wid, 0.0) < period:
                     continue
                 self._rendered_at[wid] = now
                 self._shown[wid] = data
-                self._update(wid, fn(snap), _shape_key(snap, keys))
+                self._update(wid, self._section(fn, snap), _shape_key(snap, keys))
+        if "per-layer" not in visible:
+            return
         layers_data = self._layers_key(snap)
-        if self._shown.get("#obs-layers") != layers_data and (
-                now - self._rendered_at.get("#obs-layers", 0.0) >= self.SLOW_SECTIONS["#obs-layers"]):
+        if self._shown.get("#obs-layers") != layers_data and ("per-layer" in fresh or (
+                now - self._rendered_at.get("#obs-layers", 0.0) >= self.SLOW_SECTIONS["#obs-layers"])):
             self._rendered_at["#obs-layers"] = now
             self._shown["#obs-layers"] = layers_data
             self._render_layers(snap)
+
+    WIDGET_SECTION = {w: n for n, w in SECTION_WIDGET.items()}
+
+    def _section(self, fn, snap: dict):
+        """A detail renderer; the requests panel also names the console's SLO (the header's colours)."""
+        return fn(snap, self.settings) if fn is render.requests_panel else fn(snap)
 
     #: a graph whose figures did not change since it was drawn is redrawn at most this often (s)
     FLAT_REDRAW_S = 30.0
@@ -236,6 +440,8 @@ class ObservationPane(VerticalScroll):
         """Redraw a visible graph about when it would move by one column (at least 2 s apart), one graph
         per refresh (plotting costs ~10 ms a graph, drawn on the UI thread: four at once held keys up),
         and a graph whose figures have not changed since its last draw only every FLAT_REDRAW_S."""
+        if "graphs" not in self.shown_sections:
+            return
         now = time.monotonic()
         note = (f"{self.window_s / 60:g} min (wall) · w window · g graph" if self.compact else
                 f"history: last {self.window_s / 60:g} min (x: host wall time before now; w changes it)")

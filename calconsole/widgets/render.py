@@ -166,7 +166,10 @@ def slots_panel(snap: dict) -> Table:
     return t
 
 
-def requests_panel(snap: dict) -> Group:
+def requests_panel(snap: dict, settings=None) -> Group:
+    """Counters, latency percentiles, goodput and tokens. Goodput is the engine's, against the engine's SLO
+    (the snapshot's); ``settings`` (the console's SLO, which colours the header) is named beside it when the
+    two differ, so the pane never shows two SLOs without saying which is which."""
     r = snap["requests"]
     c = r["counters"]
     head = Text("requests  ")
@@ -185,14 +188,25 @@ def requests_panel(snap: dict) -> Group:
         t.add_row(k.upper(), fmt_ms(lat["p50"]), fmt_ms(lat["p95"]), fmt_ms(lat["p99"]), str(lat["n"]))
     g = r["goodput"]
     slo = g["slo"]
-    slo_s = ", ".join(f"{k}<={v:g}" for k, v in slo.items() if v is not None) or "no SLO set"
+    slo_s = ", ".join(f"{k.removesuffix('_ms').upper()} <= {v:g}" for k, v in slo.items() if v is not None)
     n = g["good_requests"]
     rate = (f", {g['tokens_per_s']:.1f} tok/s over the sim time since the first request (idle included)"
             if g["tokens_per_s"] is not None else "")
-    if any(v is not None for v in slo.values()):
-        gp = Text(f"goodput ({slo_s}): {n} request{'s' if n != 1 else ''} met the SLO" + rate, style="grey70")
+    console = None if settings is None else {"ttft_ms": settings.slo_ttft_ms, "tpot_ms": settings.slo_tpot_ms,
+                                             "e2el_ms": None}
+    same = console is not None and all(slo.get(k) == v for k, v in console.items())
+    if same:  # the console built this engine with its own SLO: one SLO, named once
+        gp = Text(f"goodput against the console SLO ({slo_s} ms sim, settings slo): {n} request"
+                  f"{'s' if n != 1 else ''} met it" + rate, style="grey70")
+    elif slo_s:
+        gp = Text(f"goodput against the engine's SLO ({slo_s} ms sim): {n} request{'s' if n != 1 else ''} "
+                  f"met it" + rate, style="grey70")
     else:  # without an SLO every finished request counts: this is plain throughput
-        gp = Text(f"no SLO set (metrics --slo): {n} finished request{'s' if n != 1 else ''}" + rate, style="grey70")
+        gp = Text(f"goodput: the engine checks no SLO (--slo), so every finished request counts: {n}" + rate,
+                  style="grey70")
+    if console is not None and not same:
+        gp.append(f"\nheader colours: console SLO TTFT {settings.slo_ttft_ms:g} / TPOT {settings.slo_tpot_ms:g} ms "
+                  f"(settings slo)", style="grey62")
     tok = r["tokens"]
     # the counters are llama.cpp's: "prompt" counts processed tokens (the reused prefix excluded)
     toks = Text(f"tokens prompt {tok['prompt'] + tok['cached']} (processed {tok['prompt']} + cached {tok['cached']})"
@@ -220,8 +234,11 @@ def layers_uniform(step: dict) -> bool:
     return bool(per_layer) and max(per_layer) - min(per_layer) <= 0.01 * max(per_layer)
 
 
-def layers_panel(step: dict, max_rows: int | None = None) -> Any:
+def layers_panel(step: dict, max_rows: int | None = None, capacity: int = 1) -> Any:
     """48-row per-layer table: chip0 / chip1 simulated µs, a heat bar and the slowest category.
+
+    ``capacity``: the bundle's decode batch; a batched step (``batch_seq_ids``) of a batch-N bundle is
+    titled as one: its rows and seqs, its times the whole step's.
 
     The heat bar spans the step's fastest..slowest layer; when every layer
     costs the same (a decode touches 8 experts in every layer) it says so
@@ -233,7 +250,10 @@ def layers_panel(step: dict, max_rows: int | None = None) -> Any:
     per_layer = [max(layer["chip_us"]) for layer in layers]
     lo, hi = min(per_layer), max(per_layer)
     uniform = layers_uniform(step)
-    title = (f"last {step['kind']}: {step['n_tokens']} tok @ ctx {step['past_len']} · "
+    riders = step.get("batch_seq_ids") or ()
+    what = (f"batched {step['kind']}: {len(riders)}/{capacity} rows, 1 tok each" if capacity > 1 and riders else
+            f"{step['kind']}: {step['n_tokens']} tok @ ctx {step['past_len']}")
+    title = (f"last {what} · "
              f"{step['sim_us'] / 1e3:.2f} ms sim (h2d {step['h2d_us'] / 1e3:.3f} / "
              f"infer {step['infer_us'] / 1e3:.2f} / "
              f"d2h {step['d2h_us'] / 1e3:.3f} ms) · {step['compute_wall_ms']:.1f} ms wall to compute"
@@ -406,9 +426,72 @@ def device_table(snap: dict, compact: bool = False, settings=None) -> Group:
         parts.append(("none", "green"))
     for i, (txt, style) in enumerate(parts):
         faults.append(("" if i == 0 else " · ") + txt, style=style)
+    n = int(d.get("decode_batch", 1))
+    if n > 1:  # a what-if variant: said in every display (C3: the vendor would have to compile it)
+        faults.append(f"{' · ' if compact else '   '}{d.get('bundle_status', 'C3')} decode batch {n}",
+                      style="bold magenta")
+        if not compact:
+            faults.append(" (what-if, not the product)", style="magenta")
+    elif not compact:
+        faults.append("   decode batch 1", style="grey50")
     if not compact:
-        faults.append("   busy: % of simulated time executing, last interval", style="grey50")
+        faults.append("   busy: % of sim time executing, last interval", style="grey50")
     return Group(t, faults)
+
+
+def batches_panel(snap: dict, max_rows: int = 6) -> Group:
+    """A batch-N variant's decode steps: its status label, then the newest ``max_rows`` steps, each with
+    its occupancy (riders/N, as a bar), which slots rode in it (a strip, one cell per slot) and their
+    requests, and when it ended (simulated ms)."""
+    d = snap["device"]
+    n = int(d.get("decode_batch", 1))
+    head = Text(f"decode batches · {d.get('bundle_status', 'C3')} variant: {d.get('bundle_label') or d['bundle']}",
+                style="bold magenta")
+    head.append(" · a what-if calbin the vendor would have to compile, not the product", style="magenta")
+    steps = list(snap.get("decode_batches") or ())
+    if not steps:
+        return Group(head, Text(f"no decode step yet: up to {n} decoding chats ride in each step", style="grey50"))
+    occ = [s["occupancy"] for s in steps]
+    summary = Text(f"last {len(steps)} decode steps: mean occupancy {sum(occ) / len(occ):.1f}/{n}, "
+                   f"max {max(occ)}/{n}", style="grey70")
+    n_slots = int(d.get("n_slots") or 1 + max((max(s["slots"], default=0) for s in steps), default=0))
+    t = plain_table()
+    t.add_column("job", justify="right", no_wrap=True)
+    t.add_column("ended ms sim", justify="right", no_wrap=True)
+    t.add_column("riders", justify="right", no_wrap=True)
+    t.add_column("occupancy", no_wrap=True)
+    t.add_column("slot " + "".join(str(i % 10) for i in range(n_slots)), no_wrap=True)
+    t.add_column("requests", no_wrap=True, overflow="ellipsis")
+    for s in reversed(steps[-max_rows:]):
+        strip = Text(" " * len("slot "))
+        rode = set(s["slots"])
+        for i in range(n_slots):
+            strip.append("■" if i in rode else "·", style="bold cyan" if i in rode else "grey50")
+        t.add_row(str(s["job_id"]), f"{s['sim_end_ms']:.1f}", f"{s['occupancy']}/{s['capacity']}",
+                  bar(s["occupancy"] / max(1, s["capacity"]), min(16, s["capacity"] * 2), warn=2.0, crit=2.0),
+                  strip, ", ".join(map(str, s["request_ids"])))
+    return Group(head, summary, t)
+
+
+def sections_bar(names: list[str], folded: set[str], selected: str, focus: str | None, compact: bool) -> Text:
+    """The observation pane's section bar: each section by name, in order (folded ones as ``▸name``, the
+    selected one reversed), then the keys; in focus, the focused one and how to leave."""
+    if focus is not None:
+        t = Text("focus: ", style="bold")
+        t.append(focus, style="reverse bold")
+        t.append("  [ ] another · f or esc: all sections" if compact else
+                 "  (alone) · [ ] previous / next · f or esc: all sections", style="grey50")
+        return t
+    t = Text("sections ", style="bold grey70")
+    for name in names:
+        label = f"▸{name}" if name in folded else name
+        style = "grey50" if name in folded else "grey85"
+        if name == selected:
+            style = "reverse bold"
+        t.append(label, style=style)
+        t.append(" ")
+    t.append(" [ ] select z fold { } move f focus", style="grey50")
+    return t
 
 
 def _mem_cell(m, compact: bool, sram: bool = False) -> Text:
@@ -468,7 +551,7 @@ def header_line(snap: dict, settings, compact: bool = False) -> Text:
     t.append("  TPOT p95 ")
     t.append(f"{fmt_ms(tpot)} ms", style=settings.style("tpot_slo_ratio", None if tpot is None
                                                        else tpot / settings.slo_tpot_ms))
-    t.append(f" (SLO {settings.slo_tpot_ms:g})", style="grey50")
+    t.append(f" (console SLO {settings.slo_tpot_ms:g})", style="grey50")
     failed = c["failed"] + snap["jobs"]["failed"]
     t.append("  failed ")
     t.append(f"{c['failed']} req / {snap['jobs']['failed']} jobs", style=settings.style("failed", failed))
