@@ -125,6 +125,9 @@ class SimulatedBoard:
         self.last_steps: dict[str, StepResult] = {}
         self._pace_log: deque[tuple[float, float, int]] = deque(maxlen=256)  # (wall s, sim end µs, epoch)
         self._listeners: list[Any] = []
+        if isinstance(cost_model, CostModel):
+            for kind in ("prefill", "decode"):  # built now, with the other start-up objects (a console freezes them)
+                cost_model.graph(self.shape, kind)
         self.load_model()
         self._thread = threading.Thread(target=self._loop, name="calculet-device", daemon=True)
         self._thread.start()
