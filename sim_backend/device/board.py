@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -29,15 +29,12 @@ from sim_backend.bundle.manifest import Bundle
 from sim_backend.device.clock import Pacing, PacingMode, SimClock
 from sim_backend.device.faults import FIRED_NAMES, FaultInjectingKV, Faults  # noqa: F401
 from sim_backend.device.jobs import BatchJobRow, BatchRow, Job, JobCounters, JobState, StepResult  # noqa: F401
-from sim_backend.device.numerics_worker import price_numeric_step
+from sim_backend.device.numerics_worker import NumericsProcess, price_numeric_step
 from sim_backend.device.registers import RegisterFile
 from sim_backend.errors import CCUException, DeviceError, DeviceNotReady, DeviceReset, LinkError, SubmitError
 from sim_backend.model.batching import expected_union_touched, price_decode_batch
 from sim_backend.model.costmodel import CostModel
 from sim_backend.model.numerics import ShardedModel
-
-if TYPE_CHECKING:
-    from sim_backend.device.numerics_worker import NumericsProcess
 
 _DEFAULT_PACING = Pacing()  # frozen: one shared default is safe
 
@@ -143,8 +140,6 @@ class SimulatedBoard:
             if old is not None and hasattr(old, "close"):
                 old.close()
             if self.numerics_process:
-                from sim_backend.device.numerics_worker import NumericsProcess
-
                 # a real cost model goes with it, so the worker prices each step where it computes it
                 cm = self.cost_model if isinstance(self.cost_model, CostModel) else None
                 self.model = NumericsProcess(self.shape, self.bundle.numeric, n_cells, cost_model=cm)
@@ -425,7 +420,7 @@ class SimulatedBoard:
                 if job.numeric:
                     assert model is not None  # refused above
                     step = (job.tokens, job.positions, job.new_cells, job.ctx_cells, job.ctx_positions)
-                    if not isinstance(model, ShardedModel) and model.prices_steps:
+                    if isinstance(model, NumericsProcess) and model.prices_steps:
                         # the worker prices the step too: this process (the console's) does no numeric work
                         out, cost = model.forward_priced(*step, kind=job.kind, past_len=job.past_len,
                                                          chip_scale=scale)

@@ -30,8 +30,10 @@ from sim_backend.serving.engine import Engine, HostTimer
 #: (tokens from the seeded generator; the reply and the observation pane say so). The longest prompt
 #: whose numeric prefill kept real time (real-time factor >= 1) in the console's numerics worker,
 #: measured with ``calconsole bench realtime`` on the reference host (2 cores shared with other work):
-#: MEASURED_LIMIT_NOTE. ``--numeric-limit N`` (console, serve, chat, ...) sets another.
-NUMERIC_PROMPT_LIMIT = 1024
+#: 2026-12-01, load average 1.0-2.5, worker prefill RTF 1.01-1.05 at 128 tokens, 0.59-0.63 at 256,
+#: 0.15 at 1024 (the former limit: a 1K prompt's first token came after ~3 s instead of 0.46 s).
+#: ``--numeric-limit N`` (console, serve, chat, ...) sets another.
+NUMERIC_PROMPT_LIMIT = 128
 #: The observation pane's reason for the default limit.
 NUMERIC_LIMIT_REASON = "real time on the reference host, calconsole bench realtime"
 

@@ -24,9 +24,9 @@ import numpy as np
 from sim_backend.bundle.manifest import Bundle, load_bundle
 from sim_backend.device.board import SimulatedBoard
 from sim_backend.device.clock import Pacing, PacingMode
+from sim_backend.device.numerics_worker import NumericsProcess
 from sim_backend.errors import CalError
 from sim_backend.model.costmodel import default_cost_model
-from sim_backend.model.numerics import ShardedModel
 
 BACKENDS = {"in_process": False, "worker": True}
 DECODE_CONTEXTS = (128, 1024, 2048, 4096)
@@ -115,7 +115,7 @@ def _decode_work_calls(board: SimulatedBoard, context: int) -> int:
     ctx = np.arange(context + 1, dtype=np.int64)
 
     def work() -> None:
-        if not isinstance(model, ShardedModel) and model.prices_steps:  # the worker computes and prices
+        if isinstance(model, NumericsProcess) and model.prices_steps:  # the worker computes and prices
             out, _ = model.forward_priced(tok, pos, pos.copy(), ctx, ctx.copy(), kind="decode", past_len=context,
                                           chip_scale=None)
             out.bf16()
