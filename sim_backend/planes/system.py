@@ -35,7 +35,7 @@ from sim_backend.serving.engine import Engine, HostTimer
 #: ``--numeric-limit N`` (console, serve, chat, ...) sets another.
 NUMERIC_PROMPT_LIMIT = 128
 #: The observation pane's reason for the default limit.
-NUMERIC_LIMIT_REASON = "real time on the reference host, calconsole bench realtime"
+NUMERIC_LIMIT_REASON = "real time on the reference host"
 
 
 @dataclass
