@@ -7,7 +7,6 @@ UI's event loop.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import threading
@@ -27,6 +26,7 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Static
 
+from .gcpolicy import GCPolicy
 from .layout import Layout
 from .messages import SnapshotReady
 from .panes.chat import ChatPane
@@ -90,6 +90,9 @@ class CalConsoleApp(App):
         self._topbar = Static(id="topbar")
         self._topbar_text = ""
         self._panes: list = []
+        self.gc_policy = GCPolicy()
+        self._last_input = self._steps_changed = time.monotonic()
+        self._idle_steps: tuple[int, int, int] | None = None
 
     def compose(self) -> ComposeResult:
         yield self._topbar
@@ -122,16 +125,15 @@ class CalConsoleApp(App):
         return w
 
     def on_mount(self) -> None:
-        # The start-up objects (tokenizer ranks, weights, CSS, widgets) live as long as the console:
-        # frozen, a full garbage collection no longer walks them, which took 60-80 ms of the UI
-        # thread every few seconds while a long reply streamed. Collected first, so no garbage is kept.
         if self.settings.theme in self.available_themes:
             self.theme = self.settings.theme
         else:
             self.notify(f"settings: theme {self.settings.theme!r} is not known; using {self.theme}",
                         severity="warning")
-        gc.collect()
-        gc.freeze()
+        # The start-up objects (tokenizer ranks, weights, CSS, widgets) live as long as the console,
+        # and so does much of what a reply leaves (transcript lines, caches): frozen at start and
+        # after every full collection, a full collection walks only what is new (gcpolicy.py)
+        self.gc_policy.start()
         if self.screen_stack[0].query("#chat-input"):
             self.action_focus_pane("chat")
         # one long-lived sampler thread (nvitop-style): cheaper than a Textual worker per refresh
@@ -207,11 +209,30 @@ class CalConsoleApp(App):
 
     def on_unmount(self) -> None:
         self._sampler_stop.set()
-        gc.unfreeze()  # collectable again once the console is gone (tests run many apps in one process)
+        self.gc_policy.stop()  # collectable again once the console is gone (tests run many apps in one process)
+
+    async def on_event(self, event: events.Event) -> None:
+        if isinstance(event, events.InputEvent):
+            self._last_input = time.monotonic()  # someone types: no deep collection now (gcpolicy)
+        await super().on_event(event)
+
+    #: no key or mouse event and no device step for this long (wall s): the console is idle
+    IDLE_S = 2.0
+
+    def _maybe_idle_gc(self, snap: dict) -> None:
+        jobs = snap["jobs"]
+        steps = (jobs["finished"], jobs["failed"], jobs["left"])
+        now = time.monotonic()
+        if steps != self._idle_steps:
+            self._idle_steps, self._steps_changed = steps, now
+        elif (jobs["left"] == 0 and now - self._steps_changed >= self.IDLE_S
+              and now - self._last_input >= self.IDLE_S):
+            self.gc_policy.idle()
 
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
         snap = message.snap
         self.last_snapshot = snap
+        self._maybe_idle_gc(snap)
         self._show_topbar(snap)
         for pane in self._panes:
             try:

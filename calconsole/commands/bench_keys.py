@@ -96,7 +96,10 @@ async def _measure(max_tokens: int, after_s: float, size: tuple[int, int]) -> di
                 await pilot.pause()
                 inp.value = "hi"
                 await pilot.press("enter")
-                while chat.handle is None:  # the worker submits
+                deadline = time.perf_counter() + 60.0
+                while chat.handle is None and not chat.history:  # the worker submits (a short reply may end first)
+                    if time.perf_counter() > deadline:
+                        raise RuntimeError("the chat request did not start within 60 s")
                     await asyncio.sleep(0.005)
                 # keys come from a thread, every KEY_EVERY_S of wall time, as a terminal driver delivers
                 # what a person types: a key typed while the UI thread is busy waits for it

@@ -17,7 +17,7 @@ from sim_backend.planes import Pacing, PacingMode
 # snapshot``) is not overwritten by the sub-parser's default; ``finalize``
 # fills in whatever is still missing.
 COMMON_DEFAULTS = {"bundle": None, "speed": 1.0, "timing_only": False, "slots": 4, "audit_log": None,
-                   "connect": None, "api_key_file": None, "admin_key_file": None}
+                   "connect": None, "api_key_file": None, "admin_key_file": None, "numeric_limit": None}
 
 # --speed: at 0.1 the longest step without a fault (a 2048-token prefill chunk at full
 # context, ~3.7 s simulated) takes ~37 s of wall time, well inside the engine's 120 s step
@@ -25,6 +25,8 @@ COMMON_DEFAULTS = {"bundle": None, "speed": 1.0, "timing_only": False, "slots": 
 # The pacing API below accepts a wider range (Pacing.MIN_SPEED .. MAX_SPEED).
 CLI_SPEED_RANGE = (0.1, 1000.0)
 SLOTS_RANGE = (1, 32)
+# --numeric-limit: 1 token up to the calbin context (40960, FACTS F4); longer prompts cannot exist
+NUMERIC_LIMIT_RANGE = (1, 40960)
 
 
 def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_level: bool = False) -> None:
@@ -42,6 +44,10 @@ def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_l
     g.add_argument("--timing-only", action="store_true", default=d("timing_only"),
                    help="skip the numerics (no logits; tokens from a seeded generator). Steps are priced the same way, "
                         "but prefill uses the expected number of experts touched instead of the router's choices")
+    g.add_argument("--numeric-limit", type=int, metavar="N", default=d("numeric_limit"),
+                   help="prompts longer than N tokens run timing-only (their tokens from the seeded generator; "
+                        "the reply says so). Default: the longest prompt whose numeric prefill kept real time "
+                        "on the reference host (calconsole bench realtime measures this one)")
     g.add_argument("--slots", type=int, default=d("slots"),
                    help=f"concurrent request slots, {SLOTS_RANGE[0]} to {SLOTS_RANGE[1]} (default 4)")
     g.add_argument("--audit-log", metavar="PATH", default=d("audit_log"),
@@ -144,6 +150,10 @@ def check_common(args: argparse.Namespace, *, maintenance: bool, audit_log: bool
         raise ValueError(f"--speed must be between {lo:g} and {hi:g} simulated s per wall s, got {args.speed:g}")
     if not SLOTS_RANGE[0] <= args.slots <= SLOTS_RANGE[1]:
         raise ValueError(f"--slots must be in {SLOTS_RANGE[0]}..{SLOTS_RANGE[1]}, got {args.slots}")
+    lim = getattr(args, "numeric_limit", None)
+    if lim is not None and not NUMERIC_LIMIT_RANGE[0] <= lim <= NUMERIC_LIMIT_RANGE[1]:
+        raise ValueError(f"--numeric-limit must be in {NUMERIC_LIMIT_RANGE[0]}..{NUMERIC_LIMIT_RANGE[1]} "
+                         f"prompt tokens, got {lim}")
     if audit_log and (maintenance or args.audit_log is not None):
         AuditLog(args.audit_log).check_writable()
 
@@ -154,6 +164,10 @@ def build_from_args(args: argparse.Namespace, *, maintenance: bool = True, **kw:
     from sim_backend.planes import build_system
 
     check_common(args, maintenance=maintenance)
+    lim = getattr(args, "numeric_limit", None)
+    if lim is not None:
+        kw.setdefault("numerics_max_prompt", lim)
+        kw.setdefault("numerics_limit_reason", "--numeric-limit")
     return build_system(args.bundle, pacing=Pacing(PacingMode(args.pacing), args.speed),
                         numerics=not args.timing_only, n_slots=args.slots, maintenance=maintenance,
                         audit_path=args.audit_log, **kw)

@@ -96,7 +96,9 @@ def numerics_text(device: dict) -> str:
         ids = ", ".join(str(i) for i in running)
         return (f"numerics on, but request{'s' if len(running) > 1 else ''} {ids} timing-only "
                 f"(prompt > {limit} tok)")
-    return f"numerics on (prompts <= {limit} tok)" if limit else "numerics on"
+    why = device.get("numerics_limit_reason")
+    return (f"numerics up to {limit} prompt tokens ({why or 'limit'}); longer prompts timing-only" if limit
+            else "numerics on")
 
 
 def device_panel(snap: dict) -> Group:

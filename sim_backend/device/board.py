@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -29,14 +29,12 @@ from sim_backend.bundle.manifest import Bundle
 from sim_backend.device.clock import Pacing, PacingMode, SimClock
 from sim_backend.device.faults import FIRED_NAMES, FaultInjectingKV, Faults  # noqa: F401
 from sim_backend.device.jobs import BatchJobRow, BatchRow, Job, JobCounters, JobState, StepResult  # noqa: F401
+from sim_backend.device.numerics_worker import NumericsProcess, price_numeric_step
 from sim_backend.device.registers import RegisterFile
 from sim_backend.errors import CCUException, DeviceError, DeviceNotReady, DeviceReset, LinkError, SubmitError
 from sim_backend.model.batching import expected_union_touched, price_decode_batch
-from sim_backend.model.costmodel import priced_experts_touched
+from sim_backend.model.costmodel import CostModel
 from sim_backend.model.numerics import ShardedModel
-
-if TYPE_CHECKING:
-    from sim_backend.device.numerics_worker import NumericsProcess
 
 _DEFAULT_PACING = Pacing()  # frozen: one shared default is safe
 
@@ -79,7 +77,9 @@ class SimulatedBoard:
         pacing: real time or fast.
         kv_cells: KV capacity in tokens (default the calbin context, 40960, FACTS F4).
         numerics_process: run the numerics in a spawned worker process
-            (``numerics_process.NumericsProcess``; identical results) instead of in this one.
+            (``numerics_worker.NumericsProcess``; identical results) instead of in this one.
+            With a ``CostModel``, the worker also prices numeric steps (the same StepCost);
+            timing-only steps are priced here.
     """
 
     def __init__(self, bundle: Bundle, cost_model: Any, *, numerics: bool = True,
@@ -122,6 +122,9 @@ class SimulatedBoard:
         self.last_steps: dict[str, StepResult] = {}
         self._pace_log: deque[tuple[float, float, int]] = deque(maxlen=256)  # (wall s, sim end µs, epoch)
         self._listeners: list[Any] = []
+        if isinstance(cost_model, CostModel):
+            for kind in ("prefill", "decode"):  # built now, with the other start-up objects (a console freezes them)
+                cost_model.graph(self.shape, kind)
         self.load_model()
         self._thread = threading.Thread(target=self._loop, name="calculet-device", daemon=True)
         self._thread.start()
@@ -137,9 +140,9 @@ class SimulatedBoard:
             if old is not None and hasattr(old, "close"):
                 old.close()
             if self.numerics_process:
-                from sim_backend.device.numerics_worker import NumericsProcess
-
-                self.model = NumericsProcess(self.shape, self.bundle.numeric, n_cells)
+                # a real cost model goes with it, so the worker prices each step where it computes it
+                cm = self.cost_model if isinstance(self.cost_model, CostModel) else None
+                self.model = NumericsProcess(self.shape, self.bundle.numeric, n_cells, cost_model=cm)
             else:
                 self.model = ShardedModel(self.shape, self.bundle.numeric, n_cells=n_cells)
         self._memory_cleared = False
@@ -406,24 +409,28 @@ class SimulatedBoard:
         logits_bf16 = None
         touched = None
         batch_rows: tuple[BatchRow, ...] = ()
+        cost = None
         try:
             if job.batch:
                 batch_rows, cost = self._run_batch(job, model)
                 logits_bf16, touched = batch_rows[0].logits_bf16, batch_rows[0].experts_touched
-            elif job.numeric:
-                assert model is not None  # refused above
-                out = model.forward(job.tokens, job.positions, job.new_cells, job.ctx_cells, job.ctx_positions)
-                logits_bf16 = out.bf16()  # converted once, where the logits were made (the worker sends BF16)
-                touched = tuple(int(v) for v in out.experts_touched)
-            if not job.batch:
+            else:
                 slow = dict(self.faults.slow_chip)
                 scale = [slow.get(c, 1.0) for c in range(self.shape.n_chips)] if slow else None
-                n_tok = int(job.tokens.shape[0])
-                # numeric mode prices the router's per-layer pattern at a trained router's mean
-                priced = priced_experts_touched(touched, n_tok, self.shape.n_experts,
-                                                self.shape.n_experts_active) if touched else None
-                cost = self.cost_model.price_step(self.shape, job.kind, n_tok, job.past_len,
-                                                  experts_touched=priced, chip_scale=scale)
+                if job.numeric:
+                    assert model is not None  # refused above
+                    step = (job.tokens, job.positions, job.new_cells, job.ctx_cells, job.ctx_positions)
+                    if isinstance(model, NumericsProcess) and model.prices_steps:
+                        # the worker prices the step too: this process (the console's) does no numeric work
+                        out, cost = model.forward_priced(*step, kind=job.kind, past_len=job.past_len,
+                                                         chip_scale=scale)
+                    else:
+                        out = model.forward(*step)
+                    logits_bf16 = out.bf16()  # converted once, where the logits were made (the worker sends BF16)
+                    touched = tuple(int(v) for v in out.experts_touched)
+                if cost is None:
+                    cost = price_numeric_step(self.cost_model, self.shape, job.kind, int(job.tokens.shape[0]),
+                                              job.past_len, touched, scale)
         except Exception as e:  # a numerics bug must fail this job, not kill the device thread
             self._fail(job, JobState.FAILED, DeviceError(f"job {job.id} failed in the simulator: {e!r}"))
             return

@@ -5,7 +5,13 @@ hold the GIL; in the console they share one interpreter with Textual's
 rendering and the engine, and real-time pacing fell behind (about 0.75x
 on 2 cores). Here the ``ShardedModel`` (weights and per-chip KV cache)
 lives in a spawned worker process; the device thread sends it one step at
-a time over a pipe and gets the last token's logits back, as BF16 bits.
+a time over a pipe and gets the last token's logits back, as BF16 bits, in
+a buffer both processes share (one 303,872 B copy out instead of pickling
+them through a 64 KiB pipe: 0.35 -> 0.08 ms of this process's CPU a step).
+Given the board's cost model, the worker also prices the step
+(``forward_priced``) and sends the ``StepCost`` with the logits, so the
+console's process does no per-step numeric work at all: its device thread
+only waits on the pipe, paces and hands the result on.
 
 Same code, same weights, single-threaded BLAS: results are identical to
 the in-process model. Every call is bounded by a timeout and ends in a
@@ -14,26 +20,58 @@ typed ``DeviceError`` if the worker dies or hangs.
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape, NumericShape
 from sim_backend.errors import DeviceError
+from sim_backend.model.costmodel import CostModel, StepCost, priced_experts_touched
 from sim_backend.model.numerics import StepNumerics
 
 START_TIMEOUT_S = 120.0  # building the synthetic weights takes ~1.5 s; generous for loaded machines
 CONTROL_TIMEOUT_S = 30.0
 
 
-def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int) -> None:
-    """Worker main loop: build the model, then answer (op, args) requests until "close"."""
+def price_numeric_step(cost_model: Any, shape: ModelShape, kind: str, n_tokens: int, past_len: int,
+                       router_touched: Sequence[int] | None, chip_scale: list[float] | None) -> StepCost:
+    """How the board prices a batch-1 step, here or in the worker (one definition for both).
+
+    ``router_touched``: the router's distinct experts per layer (numeric step), priced at a trained
+    router's mean (``priced_experts_touched``); None (timing-only): the cost model's expectation.
+    ``chip_scale``: per-chip slow factors or None. Returns ``cost_model.price_step(...)``
+    (simulated µs); raises its ValueError.
+    """
+    priced = priced_experts_touched(router_touched, n_tokens, shape.n_experts,
+                                    shape.n_experts_active) if router_touched else None
+    return cost_model.price_step(shape, kind, n_tokens, past_len, experts_touched=priced, chip_scale=chip_scale)
+
+
+def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_model: CostModel | None,
+           shared_logits: Any) -> None:
+    """Worker main loop: build the model, then answer (op, args) requests until "close".
+
+    A step's BF16 logits go into ``shared_logits`` (uint16 (vocab,), shared with the parent) and
+    the answer carries None in their place; the parent reads the buffer only after the answer,
+    and the worker writes it only while answering a call, so they never overlap.
+    """
     # sim_backend/__init__ pins BLAS to one thread before numpy loads
     from sim_backend.model.numerics import ShardedModel
 
     model = ShardedModel(shape, num, n_cells=n_cells)
+    shared = np.frombuffer(shared_logits, dtype=np.uint16)
+
+    def logits(out: StepNumerics) -> np.ndarray | None:
+        bits = out.bf16()  # BF16 where the logits are made: what the device returns (D2H)
+        if bits.shape != shared.shape:
+            return bits  # never for this model (vocab logits); the pipe still carries them correctly
+        shared[:] = bits
+        return None
+
     conn.send((True, "ready"))
     while True:
         try:
@@ -43,8 +81,15 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int) -> Non
         try:
             if op == "forward":
                 out = model.forward(*args)
-                # BF16 where the logits are made: the device only returns BF16, and it is half the pipe bytes
-                conn.send((True, (out.bf16(), out.experts_touched)))
+                conn.send((True, (logits(out), out.experts_touched)))
+            elif op == "forward_priced":
+                if cost_model is None:
+                    raise ValueError("this worker was started without a cost model")
+                *step, kind, past_len, chip_scale = args
+                out = model.forward(*step)
+                cost = price_numeric_step(cost_model, shape, kind, int(step[0].shape[0]), past_len,
+                                          tuple(int(v) for v in out.experts_touched), chip_scale)
+                conn.send((True, (logits(out), out.experts_touched, cost.to_wire())))
             elif op == "clear_kv":
                 model.clear_kv()
                 conn.send((True, None))
@@ -64,16 +109,24 @@ class NumericsProcess:
         shape, num: model shapes (as for ShardedModel).
         n_cells: KV cells per chip.
         step_timeout_s: bound on one ``forward`` (host wall seconds).
+        cost_model: the board's cost model; a copy goes to the worker so that
+            ``forward_priced`` prices there (None: only ``forward``; ``prices_steps`` False).
     Raises:
         DeviceError: the worker failed to start, died, or did not answer in time.
     """
 
-    def __init__(self, shape: ModelShape, num: NumericShape, n_cells: int, *, step_timeout_s: float = 300.0) -> None:
+    def __init__(self, shape: ModelShape, num: NumericShape, n_cells: int, *, step_timeout_s: float = 300.0,
+                 cost_model: CostModel | None = None) -> None:
         self.step_timeout_s = step_timeout_s
+        self._cost_model = cost_model
+        self._shape = shape
         ctx = mp.get_context("spawn")  # never fork a process that runs threads
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, shape, num, n_cells), name="calconsole-numerics",
-                                 daemon=True)
+        # the logits buffer both processes map (lock-free: the call protocol keeps them apart)
+        shared = ctx.RawArray(ctypes.c_uint16, shape.vocab)
+        self._shared_logits = np.frombuffer(memoryview(shared).cast("B"), dtype=np.uint16)
+        self._proc = ctx.Process(target=_serve, args=(child, shape, num, n_cells, cost_model, shared),
+                                 name="calconsole-numerics", daemon=True)
         self._proc.start()
         child.close()
         self._lock = threading.Lock()
@@ -123,7 +176,33 @@ class NumericsProcess:
         """
         bits, touched = self._call("forward", (tokens, positions, new_cells, ctx_cells, ctx_positions),
                                    self.step_timeout_s)
-        return StepNumerics(logits=None, experts_touched=list(touched), logits_bf16=bits)
+        return StepNumerics(logits=None, experts_touched=list(touched), logits_bf16=self._own(bits))
+
+    @property
+    def prices_steps(self) -> bool:
+        """True when the worker has the cost model (``forward_priced`` works)."""
+        return self._cost_model is not None
+
+    def forward_priced(self, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray,
+                       ctx_cells: np.ndarray, ctx_positions: np.ndarray, *, kind: str, past_len: int,
+                       chip_scale: list[float] | None) -> tuple[StepNumerics, StepCost]:
+        """``forward`` plus the worker pricing the step (``price_numeric_step`` with this step's
+        router counts and the shape the worker was started with): the very StepCost the board
+        would compute (same code, same float64 arithmetic), with the graph of this process's cost
+        model attached.
+        Raises DeviceError (a pricing ValueError included).
+        """
+        if self._cost_model is None:
+            raise DeviceError("numerics process started without a cost model: it cannot price steps")
+        bits, touched, wire = self._call(
+            "forward_priced", (tokens, positions, new_cells, ctx_cells, ctx_positions, kind, past_len, chip_scale),
+            self.step_timeout_s)
+        cost = StepCost.from_wire(wire, self._cost_model.graph(self._shape, kind))
+        return StepNumerics(logits=None, experts_touched=list(touched), logits_bf16=self._own(bits)), cost
+
+    def _own(self, bits: np.ndarray | None) -> np.ndarray:
+        # the shared buffer is overwritten by the next step: the result gets its own copy
+        return self._shared_logits.copy() if bits is None else bits
 
     def clear_kv(self) -> None:
         self._call("clear_kv", (), CONTROL_TIMEOUT_S)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 import stat
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
@@ -124,6 +124,20 @@ def _freeze(obj: Any) -> Any:
     if isinstance(obj, list):
         return tuple(_freeze(v) for v in obj)
     return obj
+
+
+def _thaw(obj: Any) -> Any:
+    """Plain dicts and lists again (the inverse of ``_freeze``): what pickle can carry."""
+    if isinstance(obj, Mapping):
+        return {k: _thaw(v) for k, v in obj.items()}
+    if isinstance(obj, tuple):
+        return [_thaw(v) for v in obj]
+    return obj
+
+
+def _spec_from_plain(path: str, sections: dict[str, Any]) -> HardwareSpec:
+    """Rebuild a pickled :class:`HardwareSpec` (values were checked when it was first made)."""
+    return HardwareSpec(path=path, **{k: _freeze(v) for k, v in sections.items()})
 
 
 @dataclass(frozen=True)
@@ -229,6 +243,11 @@ class HardwareSpec:
             out[key] = (lo, hi)
         return MappingProxyType(out)
 
+    def __reduce__(self) -> tuple[Any, tuple[str, dict[str, Any]]]:
+        # read-only mappings do not pickle; the numerics worker process gets the same spec this way
+        plain = {f.name: _thaw(getattr(self, f.name)) for f in fields(self) if f.name != "path"}
+        return _spec_from_plain, (self.path, plain)
+
     def with_fitted(self, **overrides: float) -> HardwareSpec:
         """Copy with some ``fitted`` values replaced (offline fitting, what-if studies)."""
         unknown = set(overrides) - set(self.fitted)
@@ -328,6 +347,25 @@ class StepCost:
         per = self.layer_chip_category_us.sum(axis=1)
         return [self.categories[i] for i in per.argmax(axis=1)]
 
+    def to_wire(self) -> dict[str, Any]:
+        """Every field but ``graph`` as picklable values (the numerics worker prices in its own process).
+
+        Arrays go as they are (float64, exact); ``dram_bytes`` as a dict. :meth:`from_wire` inverts it.
+        """
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "graph"}
+        out["dram_bytes"] = dict(self.dram_bytes)
+        return out
+
+    @classmethod
+    def from_wire(cls, wire: Mapping[str, Any], graph: OpGraph | None) -> StepCost:
+        """The StepCost :meth:`to_wire` described, with ``graph`` (the receiver's own copy of the
+        priced graph) attached and the arrays read-only again (pickle makes them writeable)."""
+        kw = dict(wire)
+        for k in ("op_us", "op_start_us", "layer_chip_us", "layer_chip_category_us"):
+            kw[k].flags.writeable = False
+        kw["dram_bytes"] = MappingProxyType(dict(kw["dram_bytes"]))
+        return cls(**kw, graph=graph)
+
     def to_dict(self) -> dict:
         """JSON-friendly dict (lists of floats, µs simulated)."""
         return {
@@ -405,6 +443,10 @@ class CostModel:
         new = CostModel(self.hw.with_fitted(**overrides))
         new._prepared = self._prepared
         return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        # pickled for the numerics worker: the spec only; the prepared graphs are rebuilt there
+        return {"hw": self.hw, "_prepared": {}}
 
     @property
     def host_overhead_ms_per_token(self) -> float:

@@ -175,8 +175,9 @@ class ObservationPlane:
     """Read-only snapshots of device, jobs, KV, last steps, requests and host."""
 
     def __init__(self, monitor: DeviceMonitor, engine: Engine, bundle: Bundle, memory_plan: Any = None,
-                 mode_source: Any = None) -> None:
+                 mode_source: Any = None, numerics_limit_reason: str = "") -> None:
         self._mon = monitor
+        self._numerics_limit_reason = numerics_limit_reason  # why prompts over the limit run timing-only
         self._engine = engine
         self._bundle = bundle
         self._memory_plan = memory_plan
@@ -257,6 +258,7 @@ class ObservationPlane:
                 "faults_fired": fired, "d2d_link_errors": b.read_register("D2D_LINK_ERR"),
                 "context_tokens": self._bundle.context,
                 "numerics_max_prompt": e.numerics_max_prompt if b.numerics else 0,
+                "numerics_limit_reason": self._numerics_limit_reason if b.numerics else "",
                 "timing_only_running": [s.request_id for s in e.slot_info()
                                         if s.request_id is not None and s.numeric is False],
                 "n_slots": e.n_slots, "admitting": e.admitting,

@@ -56,7 +56,9 @@ class DeviceInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
     ``faults_armed`` waiting to fire, ``faults_in_effect`` acting on every job (a slow chip),
     ``faults_fired`` happened and not yet acknowledged (``status`` is "fault" until then).
     ``timing_only_running``: ids of running requests whose tokens come from the seeded generator
-    (prompts over ``numerics_max_prompt`` tokens; 0 = the device runs timing-only).
+    (prompts over ``numerics_max_prompt`` tokens; 0 = the device runs timing-only);
+    ``numerics_limit_reason`` says where that limit comes from (the measurement behind the
+    default, or the option that set it; "" when the device runs timing-only).
     """
 
     name: str
@@ -78,6 +80,7 @@ class DeviceInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
     d2d_link_errors: int = 0
     context_tokens: int
     numerics_max_prompt: int = 0
+    numerics_limit_reason: str = ""
     timing_only_running: tuple[int, ...] = ()
     n_slots: int
     admitting: bool

@@ -26,6 +26,17 @@ from sim_backend.runtime import RuntimeSession
 from sim_backend.runtime.monitor import DeviceMonitor
 from sim_backend.serving.engine import Engine, HostTimer
 
+#: Longest prompt (tokens) the device runs with numerics by default; longer prompts run timing-only
+#: (tokens from the seeded generator; the reply and the observation pane say so). The longest prompt
+#: whose numeric prefill kept real time (real-time factor >= 1) in the console's numerics worker,
+#: measured with ``calconsole bench realtime`` on the reference host (2 cores shared with other work):
+#: 2026-12-01, load average 1.0-2.5, worker prefill RTF 1.01-1.05 at 128 tokens, 0.59-0.63 at 256,
+#: 0.15 at 1024 (the former limit: a 1K prompt's first token came after ~3 s instead of 0.46 s).
+#: ``--numeric-limit N`` (console, serve, chat, ...) sets another.
+NUMERIC_PROMPT_LIMIT = 128
+#: The observation pane's reason for the default limit.
+NUMERIC_LIMIT_REASON = "real time on the reference host"
+
 
 @dataclass
 class System:
@@ -53,7 +64,8 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                  n_slots: int = 4, queue_limit: int = 16, max_inflight: int = 1, maintenance: bool = True,
                  audit_path: str | Path | None = None, host_timer: HostTimer | None = None,
                  kv_timeout_s: float = 2.0, drain_timeout_s: float = 5.0, kv_cells: int | None = None,
-                 numerics_max_prompt: int = 1024, hardware: str | Path | None = None,
+                 numerics_max_prompt: int | None = None, numerics_limit_reason: str | None = None,
+                 hardware: str | Path | None = None,
                  numerics_process: bool = False,
                  reset_timeout_s: float = 10.0, slo: Any | None = None, variant: Variant | None = None) -> System:
     """Load the bundle (strict; raises ManifestError) and start device + engine threads.
@@ -62,7 +74,16 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     (host wall seconds); unused with ``maintenance=False``. ``variant``: cost-model switches of a
     roadmap what-if (``batching.Variant``: S8 V-cache grows the KV pool to 4/3 of its tokens unless
     ``kv_cells`` is given; on-device top-k); None or all off = today's pricing.
+    ``numerics_max_prompt``: prompts longer than this (tokens) run timing-only; None takes
+    ``NUMERIC_PROMPT_LIMIT`` (measured) and its reason. ``numerics_limit_reason``: why this limit,
+    shown by the observation pane (default: the measurement, or "set at start-up").
     """
+    if numerics_max_prompt is None:
+        numerics_max_prompt, default_reason = NUMERIC_PROMPT_LIMIT, NUMERIC_LIMIT_REASON
+    else:
+        default_reason = "set at start-up"
+    if numerics_max_prompt < 1:
+        raise ValueError(f"numerics_max_prompt must be >= 1 token, got {numerics_max_prompt}")
     bundle = load_bundle(bundle_dir)
     cost: Any = CostModel.load(hardware)
     if variant is not None and not variant.is_default:
@@ -76,7 +97,8 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt,
                     slo=slo)  # slo: metrics.SLO for goodput (simulated ms); None = no objectives
     memory_plan = MemoryPlan.for_bundle(bundle.shape, cost.hw)
-    observation = ObservationPlane(DeviceMonitor(board), engine, bundle, memory_plan)
+    observation = ObservationPlane(DeviceMonitor(board), engine, bundle, memory_plan,
+                                   numerics_limit_reason=numerics_limit_reason or default_reason)
     mplane = None
     if maintenance:
         # imported only when asked for (--observe-only proof)

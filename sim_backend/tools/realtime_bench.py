@@ -24,6 +24,7 @@ import numpy as np
 from sim_backend.bundle.manifest import Bundle, load_bundle
 from sim_backend.device.board import SimulatedBoard
 from sim_backend.device.clock import Pacing, PacingMode
+from sim_backend.device.numerics_worker import NumericsProcess
 from sim_backend.errors import CalError
 from sim_backend.model.costmodel import default_cost_model
 
@@ -104,8 +105,9 @@ _ARRAY_OPS = frozenset(dis.opmap[o] for o in ("BINARY_OP", "BINARY_SUBSCR", "STO
 
 
 def _decode_work_calls(board: SimulatedBoard, context: int) -> int:
-    """numpy calls this process makes for one decode step's device work (numerics + BF16 + pricing),
-    run on this thread the way the device thread runs it."""
+    """numpy calls this process makes for one decode step's device work, run on this thread the way
+    the device thread runs it: numerics + BF16 + pricing in-process; with the worker (which computes
+    and prices the step) only the pipe round trip and unpacking the StepCost."""
     model = board.model
     assert model is not None
     tok = _tokens(1, context)
@@ -113,6 +115,11 @@ def _decode_work_calls(board: SimulatedBoard, context: int) -> int:
     ctx = np.arange(context + 1, dtype=np.int64)
 
     def work() -> None:
+        if isinstance(model, NumericsProcess) and model.prices_steps:  # the worker computes and prices
+            out, _ = model.forward_priced(tok, pos, pos.copy(), ctx, ctx.copy(), kind="decode", past_len=context,
+                                          chip_scale=None)
+            out.bf16()
+            return
         out = model.forward(tok, pos, pos.copy(), ctx, ctx.copy())
         out.bf16()
         board.cost_model.price_step(board.shape, "decode", 1, context,

@@ -8,13 +8,28 @@ import pytest
 from sim_backend.bundle.shapes import ModelShape, NumericShape
 from sim_backend.device.numerics_worker import NumericsProcess
 from sim_backend.errors import DeviceError
+from sim_backend.model.costmodel import CostModel
 from sim_backend.model.numerics import ShardedModel
 
 SHAPE, NUM = ModelShape(), NumericShape()
 
 
+def _same_cost(a, b) -> None:
+    """Two StepCosts are the same pricing: every number equal (same code, same machine), graph and flags too."""
+    for f in ("kind", "n_tokens", "past_len", "h2d_us", "infer_us", "d2h_us", "total_us", "global_us",
+              "categories", "chip_scale"):
+        assert getattr(a, f) == getattr(b, f), f
+    for f in ("op_us", "op_start_us", "layer_chip_us", "layer_chip_category_us"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert np.array_equal(x, y, equal_nan=True) and x.dtype == y.dtype, f
+        assert not x.flags.writeable, f
+    assert dict(a.dram_bytes) == dict(b.dram_bytes) and a.graph is b.graph
+
+
 def test_worker_matches_in_process_model_and_dies_typed():
-    proc = NumericsProcess(SHAPE, NUM, 64, step_timeout_s=60)
+    # a what-if cost model (a fitted value changed) must reach the worker as it is, not as shipped
+    cost = CostModel.load().with_fitted(per_op_overhead_us=0.5)
+    proc = NumericsProcess(SHAPE, NUM, 64, step_timeout_s=60, cost_model=cost)
     try:
         local = ShardedModel(SHAPE, NUM, n_cells=64)
         toks = np.array([151644, 872, 198, 9707, 11])
@@ -28,6 +43,18 @@ def test_worker_matches_in_process_model_and_dies_typed():
         a = proc.forward(np.array([11]), np.array([5]), np.array([5]), ctx, ctx)
         b = local.forward(np.array([11]), np.array([5]), np.array([5]), ctx, ctx)
         assert np.array_equal(a.bf16(), b.bf16())
+        # priced in the worker: the StepCost this process would have computed, a slow chip included
+        ctx = np.arange(7)
+        a, cost_a = proc.forward_priced(np.array([13]), np.array([6]), np.array([6]), ctx, ctx,
+                                        kind="decode", past_len=6, chip_scale=[1.0, 1.5])
+        b = local.forward(np.array([13]), np.array([6]), np.array([6]), ctx, ctx)
+        assert np.array_equal(a.bf16(), b.bf16()) and a.experts_touched == b.experts_touched
+        _same_cost(cost_a, cost.price_step(SHAPE, "decode", 1, 6, experts_touched=b.experts_touched,
+                                           chip_scale=[1.0, 1.5]))
+        assert cost_a.infer_us != CostModel.load().price_step(SHAPE, "decode", 1, 6, chip_scale=[1.0, 1.5]).infer_us
+        with pytest.raises(DeviceError, match="chip_scale"):  # a pricing error comes back typed
+            proc.forward_priced(np.array([13]), np.array([7]), np.array([7]), np.arange(8), np.arange(8),
+                                kind="decode", past_len=7, chip_scale=[0.5, 1.0])
         proc.clear_kv()
         proc._proc.kill()
         proc._proc.join(5)
@@ -79,3 +106,47 @@ def test_dead_worker_shows_as_fault_and_reset_recovers(tmp_path):
         again = s.inference.generate(req, 60)
         assert again.status == "finished" and again.tokens == first.tokens
         assert s.observation.snapshot().to_dict()["device"]["status"] == "ok"
+
+
+def test_board_with_worker_prices_there_and_matches_in_process_board(monkeypatch):
+    """The console's board (numerics and pricing in the worker) gives the in-process board's tokens and
+    StepCosts exactly, a slow chip included; this process never prices a numeric step."""
+    from sim_backend.planes.system import build_system
+    from sim_backend.serving.api import ChatRequest
+    from sim_backend.serving.sampling import SamplingParams
+
+    req = ChatRequest.from_prompt("price me", max_tokens=5, sampling=SamplingParams(temperature=0.0))
+    runs = {}
+    for worker in (False, True):
+        steps: list = []
+        with build_system(numerics_process=worker, maintenance=False, n_slots=1) as s:
+            s.board.faults.slow_chip[1] = 1.25
+            s.board.add_listener(steps.append)
+            calls: list = []
+            if worker:
+                assert s.board.model.prices_steps
+
+                def count(*a, _price=s.board.cost_model.price_step, _calls=calls, **k):
+                    _calls.append(a)
+                    return _price(*a, **k)
+
+                monkeypatch.setattr(s.board.cost_model, "price_step", count)
+            res = s.inference.generate(req, 60)
+            if worker:
+                assert calls == []  # every step of this request was numeric: priced in the worker
+        assert res.status == "finished"
+        runs[worker] = (res.tokens, steps)
+    assert runs[True][0] == runs[False][0]
+    assert [r.kind for r in runs[True][1]] == [r.kind for r in runs[False][1]]
+    for a, b in zip(runs[True][1], runs[False][1], strict=True):
+        assert a.sim_us == b.sim_us  # (start/end include measured host time, booked on the clock)
+        _same_cost_values(a.cost, b.cost)
+
+
+def _same_cost_values(a, b) -> None:
+    # the boards have separate CostModel instances: their graphs are equal, not the same object
+    for f in ("kind", "n_tokens", "past_len", "h2d_us", "infer_us", "d2h_us", "total_us", "global_us", "chip_scale"):
+        assert getattr(a, f) == getattr(b, f), f
+    for f in ("op_us", "op_start_us", "layer_chip_us", "layer_chip_category_us"):
+        assert np.array_equal(getattr(a, f), getattr(b, f), equal_nan=True), f
+    assert a.graph is not None and len(a.graph.ops) == len(b.graph.ops)
