@@ -95,9 +95,9 @@ def numerics_text(device: dict) -> str:
     if running:
         ids = ", ".join(str(i) for i in running)
         return (f"numerics on, but request{'s' if len(running) > 1 else ''} {ids} timing-only "
-                f"(prompt > {limit} tok)")
+                f"(> {limit} new prompt tok)")
     why = device.get("numerics_limit_reason")
-    return (f"numerics up to {limit} prompt tokens ({why or 'limit'}); longer prompts timing-only" if limit
+    return (f"numerics up to {limit} new prompt tokens ({why or 'limit'}); longer prompts timing-only" if limit
             else "numerics on")
 
 

@@ -74,7 +74,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     (host wall seconds); unused with ``maintenance=False``. ``variant``: cost-model switches of a
     roadmap what-if (``batching.Variant``: S8 V-cache grows the KV pool to 4/3 of its tokens unless
     ``kv_cells`` is given; on-device top-k); None or all off = today's pricing.
-    ``numerics_max_prompt``: prompts longer than this (tokens) run timing-only; None takes
+    ``numerics_max_prompt``: requests prefilling more new prompt tokens than this run timing-only; None takes
     ``NUMERIC_PROMPT_LIMIT`` (measured) and its reason. ``numerics_limit_reason``: why this limit,
     shown by the observation pane (default: the measurement, or "set at start-up").
     """

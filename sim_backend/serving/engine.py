@@ -130,8 +130,9 @@ class Engine(KVPressure):
         max_inflight: 1 = serial infer()+Wait(); 2 = ping/pong overlap of host and device work.
         kv_timeout_s: bound on waiting for KV cells (host wall s), then KVExhausted.
         step_timeout_s: bound on Wait() for one device job (host wall s).
-        numerics_max_prompt: prompts longer than this (tokens) run timing-only:
-            their tokens are drawn from the seeded generator, and the reply says so
+        numerics_max_prompt: a request that must prefill more prompt tokens than this (beyond a
+            prefix reused from a numeric request's KV) runs timing-only:
+            its tokens are drawn from the seeded generator, and the reply says so
             (exact numerics at long context are O(n^2) in Python; see README).
         host_timer: measures host work; ScriptedHostTimer makes timings deterministic.
         metrics: the registry to record into (default a new one).
@@ -539,7 +540,12 @@ class Engine(KVPressure):
             r.assigned_ms = self.rt.clock.now_us / 1e3
             r.kv_epoch = kv.epoch
             r.handle.state = RequestState.PREFILLING
-            r.numeric = self.rt.numerics and len(r.prompt) <= self.numerics_max_prompt
+            # the limit bounds the tokens this request prefills; a reused prefix counts only if its KV
+            # was computed by the numerics (a timing-only request's cells hold no values)
+            reuse_ok = n_common == 0 or best.cache_numeric
+            r.numeric = (self.rt.numerics and reuse_ok
+                         and len(r.prompt) - n_common <= self.numerics_max_prompt)
+            best.cache_numeric = r.numeric
             self._round_served.discard(best.idx)
             self._update_live_locked()
         self._queue.extendleft(reversed(waiting))

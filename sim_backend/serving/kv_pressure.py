@@ -91,6 +91,7 @@ class _Slot:
         self.req: _Request | None = None
         self.cache_tokens: list[int] = []  # tokens whose KV this slot's sequence holds (prefix reuse)
         self.cache_epoch = 0  # KVCacheManager.epoch the cache was built in
+        self.cache_numeric = False  # the cached KV was computed by the numerics (a numeric request's)
         self.last_used = 0.0
 
 

@@ -84,9 +84,9 @@ def test_status_text_and_header_counts_say_what_they_count():
          "faults_fired": []}
     assert render.status_text(d).plain == "degraded (slow_chip1 x4) · armed: d2d_link_error x1"
     d = {"numerics": True, "numerics_max_prompt": 1024, "timing_only_running": [7]}
-    assert render.numerics_text(d) == "numerics on, but request 7 timing-only (prompt > 1024 tok)"
+    assert render.numerics_text(d) == "numerics on, but request 7 timing-only (> 1024 new prompt tok)"
     assert render.numerics_text({**d, "timing_only_running": [], "numerics_limit_reason": "--numeric-limit"}) == (
-        "numerics up to 1024 prompt tokens (--numeric-limit); longer prompts timing-only")
+        "numerics up to 1024 new prompt tokens (--numeric-limit); longer prompts timing-only")
     assert render.numerics_text({"numerics": False}) == "numerics off (timing-only)"
 
 
