@@ -32,7 +32,7 @@ import math
 import queue
 import socket
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, fields
 from typing import Any
 
@@ -42,6 +42,7 @@ from httpx_sse import EventSource
 from sim_backend.planes import (
     ChatRequest,
     DoneEvent,
+    EventStream,
     InvalidRequestError,
     RequestResult,
     Timings,
@@ -86,7 +87,7 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
     return "/v1/chat/completions", body
 
 
-class RemoteRequestStream:
+class RemoteRequestStream(EventStream):
     """One streaming request (``RequestStream``): a reader thread turns SSE chunks into events. Thread-safe."""
 
     def __init__(self, conn: Connection, resp: httpx.Response, *, raw: bool) -> None:
@@ -98,6 +99,7 @@ class RemoteRequestStream:
             self._prompt_n = int(resp.headers.get("x-prompt-tokens", "0"))
         except ValueError:
             self._id, self._prompt_n = -1, 0
+        self.id = self._id
         self._events: queue.Queue[TokenEvent | DoneEvent] = queue.Queue()
         self._cancel = threading.Event()
         self._cancel_reason = ""
@@ -108,16 +110,8 @@ class RemoteRequestStream:
         self._thread.start()
 
     @property
-    def id(self) -> int:
-        return self._id
-
-    @property
     def prompt_n(self) -> int:
         return self._prompt_n
-
-    @property
-    def done(self) -> bool:
-        return self._done.is_set()
 
     @property
     def cancelled(self) -> bool:
@@ -137,37 +131,6 @@ class RemoteRequestStream:
                 sock.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # already closed: the reader has ended or is ending
-
-    def next_event(self, timeout: float) -> TokenEvent | DoneEvent | None:
-        try:
-            return self._events.get(timeout=timeout)
-        except queue.Empty:
-            return None
-
-    def stream(self, timeout: float = 60.0) -> Iterator[TokenEvent | DoneEvent]:
-        """Events until the DoneEvent; TimeoutError after ``timeout`` s without one. Closing it early cancels."""
-        try:
-            while True:
-                ev = self.next_event(timeout)
-                if ev is None:
-                    raise TimeoutError(f"request {self.id}: no event for {timeout:.0f} s")
-                yield ev
-                if isinstance(ev, DoneEvent):
-                    return
-        except GeneratorExit:
-            if not self.done:
-                self.cancel("client stopped reading the stream")
-            raise
-        except KeyboardInterrupt:
-            if not self.done:
-                self.cancel("interrupted by user (Ctrl-C)")
-            raise
-
-    def result(self, timeout: float) -> RequestResult:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.id} not done after {timeout:.1f} s")
-        assert self._result is not None
-        return self._result
 
     # --- the reader thread ----------------------------------------------------------------
 

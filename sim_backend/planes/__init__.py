@@ -45,6 +45,7 @@ from sim_backend.planes.snapshot import Snapshot
 from sim_backend.serving.api import (
     ChatRequest,
     DoneEvent,
+    EventStream,
     RequestResult,
     SamplingParams,
     Timings,
@@ -72,7 +73,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = ["AuditLog", "AuditLogError", "AuditReader", "CalError", "audit_origin",
-           "ChatRequest", "DeviceError", "DoneEvent",
+           "ChatRequest", "DeviceError", "DoneEvent", "EventStream",
            "ExceedContextSizeError", "InferencePlane", "InvalidRequestError", "KVExhausted", "Lease",
            "MaintenancePlane", "MaintenanceRefused", "ManifestError", "ObservationPlane", "Pacing", "PacingMode",
            "Report", "RequestCancelled", "RequestError", "RequestResult", "RequestStream", "SLO", "SamplingParams",

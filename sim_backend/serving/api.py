@@ -278,38 +278,22 @@ class DoneEvent:
     result: RequestResult
 
 
-class RequestHandle:
-    """Client side of a request: stream events, cancel, wait for the result. Thread-safe."""
+class EventStream:
+    """The consuming side every request stream shares (in-process handle, HTTP client stream):
+    ``next_event`` / ``stream`` / ``result`` over ``_events`` (a queue of TokenEvent | DoneEvent),
+    ``_done`` (set with ``_result``). Subclasses provide ``id``, ``done`` and ``cancel``."""
 
-    def __init__(self, req_id: int, prompt_n: int) -> None:
-        self.id = req_id
-        self.prompt_n = prompt_n
-        self._events: queue.Queue[TokenEvent | DoneEvent] = queue.Queue()
-        self._cancel = threading.Event()
-        self.cancel_reason = ""
-        self._result: RequestResult | None = None
-        self._done = threading.Event()
-        self._engine_wake: Callable[[], None] = lambda: None
-        self.state = RequestState.QUEUED
-
-    def cancel(self, reason: str = "cancelled by client") -> None:
-        """Cancel in any state (queued, prefilling, decoding); idempotent, returns at once.
-
-        The engine ends the request within one device step and frees its KV.
-        A request that already ended is not changed.
-        """
-        if not self._cancel.is_set():
-            self.cancel_reason = reason
-            self._cancel.set()
-            self._engine_wake()
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
+    _events: queue.Queue[TokenEvent | DoneEvent]
+    _done: threading.Event
+    _result: RequestResult | None
+    id: int
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
+
+    def cancel(self, reason: str = "cancelled by client") -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
 
     def next_event(self, timeout: float) -> TokenEvent | DoneEvent | None:
         """Next event within ``timeout`` host seconds, or None."""
@@ -348,6 +332,36 @@ class RequestHandle:
             raise TimeoutError(f"request {self.id} not done after {timeout:.1f} s")
         assert self._result is not None
         return self._result
+
+
+class RequestHandle(EventStream):
+    """Client side of a request: stream events, cancel, wait for the result. Thread-safe."""
+
+    def __init__(self, req_id: int, prompt_n: int) -> None:
+        self.id = req_id
+        self.prompt_n = prompt_n
+        self._events: queue.Queue[TokenEvent | DoneEvent] = queue.Queue()
+        self._cancel = threading.Event()
+        self.cancel_reason = ""
+        self._result: RequestResult | None = None
+        self._done = threading.Event()
+        self._engine_wake: Callable[[], None] = lambda: None
+        self.state = RequestState.QUEUED
+
+    def cancel(self, reason: str = "cancelled by client") -> None:
+        """Cancel in any state (queued, prefilling, decoding); idempotent, returns at once.
+
+        The engine ends the request within one device step and frees its KV.
+        A request that already ended is not changed.
+        """
+        if not self._cancel.is_set():
+            self.cancel_reason = reason
+            self._cancel.set()
+            self._engine_wake()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
 
     def _finish(self, result: RequestResult) -> None:
         self._result = result
