@@ -400,7 +400,9 @@ def device_table(snap: dict, compact: bool = False, settings=None) -> Group:
         st = {"ready": "green", "fault": "bold red", "cleared": "yellow"}.get(c["state"], "white")
         m = mems[c["index"]] if c["index"] < len(mems) else {}
         health = Text("ok", style="green")
-        if c["state"] == "fault" or c.get("ccu_exceptions"):
+        # red while a fault that fired is not acknowledged; the cumulative exception count stays in the
+        # chiplet line (ccu_exc N) after that, as the device status returns to ok
+        if c["state"] == "fault" or (c.get("ccu_exceptions") and d.get("faults_fired")):
             health = Text(f"ccu {c.get('ccu_exceptions', 0)}" if c.get("ccu_exceptions") else "fault",
                           style="bold red")
         elif c["slow_factor"] != 1:

@@ -257,6 +257,16 @@ def test_help_names_the_settings_file_and_variables(tmp_path, monkeypatch, capsy
 # --- the device table, heatmap ----------------------------------------------------------------------
 
 
+def test_chip_health_is_ok_again_once_the_fired_fault_is_acknowledged():
+    import copy
+
+    snap = copy.deepcopy(SCRIPTED)
+    snap["device"]["faults_fired"] = []  # acknowledged: the exception count stays, the alarm does not
+    snap["device"]["status"] = "degraded"
+    rows = plain(render.device_table(snap)).splitlines()
+    assert rows[2].startswith(" chip0") and "ccu 1" not in rows[2] and " ok " in rows[2]
+
+
 def test_device_table_has_the_board_and_one_row_per_chip_with_busy_and_memory():
     text = plain(render.device_table(SCRIPTED))
     rows = text.splitlines()
