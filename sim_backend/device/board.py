@@ -213,13 +213,17 @@ class SimulatedBoard:
         past_len = int(ctx_cells.shape[0]) - n
         job = Job(next(self._ids), kind, seq_id, tokens, positions, new_cells, ctx_cells, ctx_positions,
                   past_len, self.clock.now_us, task_type, numeric=bool(numeric) and self.numerics)
+        return self._enqueue(job)
+
+    def _enqueue(self, job: Job) -> Job:
+        """Count, register and queue ``job`` in one step under the lock: a reset sees it either not at
+        all (then it ran before the reset) or as live (then the reset ends it). SubmitError once closed,
+        DeviceNotReady while resetting."""
         with self._lock:
             if self._stop.is_set():
                 raise SubmitError("device closed: no job can be submitted")
             if self._resetting:
                 raise DeviceNotReady("device is resetting: submit again when the reset has finished")
-            # counted, registered and queued in one step: a reset sees the job either not at all
-            # (then it ran before the reset) or as live (then the reset ends it)
             job.generation = self._generation
             self._submitted += 1
             self._pending += 1
@@ -258,17 +262,7 @@ class SimulatedBoard:
                   r0.ctx_positions, r0.past_len, self.clock.now_us, task_type,
                   numeric=any(r.numeric for r in rows) and self.numerics)
         job.batch = tuple(rows)
-        with self._lock:
-            if self._stop.is_set():
-                raise SubmitError("device closed: no job can be submitted")
-            if self._resetting:
-                raise DeviceNotReady("device is resetting: submit again when the reset has finished")
-            job.generation = self._generation
-            self._submitted += 1
-            self._pending += 1
-            self._live[job.id] = job
-            self._queue.put((job.generation, job))
-        return job
+        return self._enqueue(job)
 
     def counters(self) -> JobCounters:
         """One consistent read: ``submitted == finished + failed + pending + running`` always holds."""

@@ -28,7 +28,8 @@ def test_parse_listen_refuses(spec):
 def test_listen_on_an_open_address_needs_a_key(make_system, monkeypatch):
     monkeypatch.delenv("CALCONSOLE_API_KEY", raising=False)
     system = make_system(numerics=False)
-    args = argparse.Namespace(listen="0.0.0.0:0", api_key_file=None, admin_key_file=None)
+    # TEST-NET-1 (RFC 5737): refused for want of a key before any bind, and not bindable if it were tried
+    args = argparse.Namespace(listen="192.0.2.1:0", api_key_file=None, admin_key_file=None)
     with pytest.raises(ValueError, match="without an API key"):
         start_listening(args, system)
 

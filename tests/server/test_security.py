@@ -126,7 +126,7 @@ def test_key_files(tmp_path):
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["serve", "--host", "0.0.0.0", "--port", "0"], "without an API key"),
+    (["serve", "--host", "192.0.2.1", "--port", "0"], "without an API key"),  # TEST-NET: never bindable here
     (["serve", "--api-key-file", "/nonexistent/keys"], "api key file"),
     (["serve", "--port", "70000"], "--port"),
     (["serve", "--max-streams", "0"], "max_streams"),
