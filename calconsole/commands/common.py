@@ -17,7 +17,8 @@ from sim_backend.planes import Pacing, PacingMode
 # snapshot``) is not overwritten by the sub-parser's default; ``finalize``
 # fills in whatever is still missing.
 COMMON_DEFAULTS = {"bundle": None, "speed": 1.0, "timing_only": False, "slots": 4, "audit_log": None,
-                   "connect": None, "api_key_file": None, "admin_key_file": None, "numeric_limit": None}
+                   "connect": None, "api_key_file": None, "admin_key_file": None, "numeric_limit": None,
+                   "host_time": "modeled"}
 
 # --speed: at 0.1 the longest step without a fault (a 2048-token prefill chunk at full
 # context, ~3.7 s simulated) takes ~37 s of wall time, well inside the engine's 120 s step
@@ -48,6 +49,11 @@ def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_l
                    help="prompts longer than N tokens run timing-only (their tokens from the seeded generator; "
                         "the reply says so). Default: the longest prompt whose numeric prefill kept real time "
                         "on the reference host (calconsole bench realtime measures this one)")
+    g.add_argument("--host-time", choices=("modeled", "measured"), default=d("host_time"),
+                   help="host work put on the simulated clock: 'modeled' books the real serving host's "
+                        "fitted allowance per token (0.227 ms, fitted to the report's end-to-end figure; "
+                        "timings then do not depend on this machine), 'measured' books this machine's own "
+                        "host work (default: modeled)")
     g.add_argument("--slots", type=int, default=d("slots"),
                    help=f"concurrent request slots, {SLOTS_RANGE[0]} to {SLOTS_RANGE[1]} (default 4)")
     g.add_argument("--audit-log", metavar="PATH", default=d("audit_log"),
@@ -170,7 +176,7 @@ def build_from_args(args: argparse.Namespace, *, maintenance: bool = True, **kw:
         kw.setdefault("numerics_limit_reason", "--numeric-limit")
     return build_system(args.bundle, pacing=Pacing(PacingMode(args.pacing), args.speed),
                         numerics=not args.timing_only, n_slots=args.slots, maintenance=maintenance,
-                        audit_path=args.audit_log, **kw)
+                        audit_path=args.audit_log, host_time=getattr(args, "host_time", "modeled"), **kw)
 
 
 MAX_PROMPT_BYTES = 8 << 20  # far more than the 40,960-token context holds; bounds what is read

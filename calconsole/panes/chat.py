@@ -343,7 +343,7 @@ def metrics_line(result, wall_s: float) -> str:
         ttft = f"TTFT {_ms(t.ttft_ms)}" if t.predicted_n and t.ttft_ms is not None else "no token came"
         body = (f"{result.status} after {t.predicted_n} tok · {ttft} · "
                 f"TPOT/E2E are for finished replies only")
-    return (head + body + f" · seed {result.seed} · sim ms (device time + measured host work)"
+    return (head + body + f" · seed {result.seed} · sim ms (device time + {t.host_time} host work)"
             + ("" if t.numerics else " · timing-only (tokens not from the model)")
             + f" · streamed in {wall_s:.2f} s wall")
 

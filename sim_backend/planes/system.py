@@ -25,6 +25,7 @@ from sim_backend.planes.inprocess import InferencePlane, ObservationPlane
 from sim_backend.runtime import RuntimeSession
 from sim_backend.runtime.monitor import DeviceMonitor
 from sim_backend.serving.engine import Engine, HostTimer
+from sim_backend.serving.hosttime import HOST_TIME_MODES
 
 #: Longest prompt (tokens) the device runs with numerics by default; longer prompts run timing-only
 #: (tokens from the seeded generator; the reply and the observation pane say so). The longest prompt
@@ -67,7 +68,8 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                  numerics_max_prompt: int | None = None, numerics_limit_reason: str | None = None,
                  hardware: str | Path | None = None,
                  numerics_process: bool = False,
-                 reset_timeout_s: float = 10.0, slo: Any | None = None, variant: Variant | None = None) -> System:
+                 reset_timeout_s: float = 10.0, slo: Any | None = None, variant: Variant | None = None,
+                 host_time: str = "modeled") -> System:
     """Load the bundle (strict; raises ManifestError) and start device + engine threads.
 
     ``drain_timeout_s`` / ``reset_timeout_s``: the maintenance plane's bounded drain and reset
@@ -77,6 +79,9 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     ``numerics_max_prompt``: requests prefilling more new prompt tokens than this run timing-only; None takes
     ``NUMERIC_PROMPT_LIMIT`` (measured) and its reason. ``numerics_limit_reason``: why this limit,
     shown by the observation pane (default: the measurement, or "set at start-up").
+    ``host_time``: ``"modeled"`` books the cost model's fitted host allowance per sampled token
+    (FACTS F7) on the simulated clock, ``"measured"`` this machine's measured host work
+    (``serving.hosttime.HostBooking``; ValueError for anything else).
     """
     if numerics_max_prompt is None:
         numerics_max_prompt, default_reason = NUMERIC_PROMPT_LIMIT, NUMERIC_LIMIT_REASON
@@ -84,6 +89,8 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
         default_reason = "set at start-up"
     if numerics_max_prompt < 1:
         raise ValueError(f"numerics_max_prompt must be >= 1 token, got {numerics_max_prompt}")
+    if host_time not in HOST_TIME_MODES:  # before any thread starts
+        raise ValueError(f"host time must be one of {', '.join(HOST_TIME_MODES)}, not {host_time!r}")
     bundle = load_bundle(bundle_dir)
     cost: Any = CostModel.load(hardware)
     if variant is not None and not variant.is_default:
@@ -95,6 +102,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     engine = Engine(RuntimeSession(board, parallel=max_inflight > 1), n_slots=n_slots, queue_limit=queue_limit,
                     max_inflight=max_inflight,
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt,
+                    host_time=host_time, host_token_us=cost.host_overhead_ms_per_token * 1e3,
                     slo=slo)  # slo: metrics.SLO for goodput (simulated ms); None = no objectives
     memory_plan = MemoryPlan.for_bundle(bundle.shape, cost.hw)
     observation = ObservationPlane(DeviceMonitor(board), engine, bundle, memory_plan,

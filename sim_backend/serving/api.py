@@ -192,10 +192,14 @@ class StageTimes:
 class Timings:
     """llama.cpp ``timings`` plus TTFT / TPOT / ITL / E2E / queue time.
 
-    All ``*_ms`` except ``host_ms`` are SIMULATED device milliseconds on the
-    board clock, which includes measured host work. ``host_ms`` breaks out
-    the measured host time (tokenize, sampling, detokenize, kv_wait,
-    framework); ``device_ms`` the simulated device time (h2d, infer, d2h).
+    All ``*_ms`` except ``host_ms`` are SIMULATED milliseconds on the board
+    clock: device time plus the host work booked on it (``host_booked_ms``;
+    ``host_time`` says how: ``"modeled"``, the FACTS F7 allowance per sampled
+    token, or ``"measured"``, this machine's work; see ``HostBooking``) plus
+    any wall time parked waiting for KV. ``host_ms`` breaks out the MEASURED
+    host time on this machine (tokenize, sampling, detokenize, kv_wait,
+    framework) whichever mode books; ``device_ms`` the simulated device time
+    (h2d, infer, d2h).
 
     llama.cpp fields, with llama.cpp's own definitions:
     - prompt_n: prompt tokens processed (cached prefix excluded); cache_n: reused.
@@ -234,13 +238,16 @@ class Timings:
     numerics: bool
     arrival_ms: float = 0.0
     done_ms: float = 0.0
+    host_booked_ms: float = 0.0
+    host_time: str = "measured"
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["itl_ms"] = list(self.itl_ms)
         d["host_ms"] = dict(self.host_ms)
         d["device_ms"] = dict(self.device_ms)
-        d["clock"] = "simulated device ms (host work measured and included); host_ms is measured host time"
+        d["clock"] = (f"simulated ms: device time + host work {self.host_time} ({self.host_booked_ms:.3f} ms "
+                      "booked); host_ms is measured host time on this machine")
         return d
 
 

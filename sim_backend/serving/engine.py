@@ -110,7 +110,7 @@ from sim_backend.serving.api import (  # noqa: F401
     validate_request,
 )
 from sim_backend.serving.api import error_dict as _err
-from sim_backend.serving.hosttime import HostTimer, ScriptedHostTimer  # noqa: F401
+from sim_backend.serving.hosttime import HostBooking, HostTimer, ScriptedHostTimer  # noqa: F401
 from sim_backend.serving.kv_pressure import KVPressure, _Request, _Slot
 from sim_backend.serving.metrics import SLO, MetricsRegistry, percentiles, request_latencies
 
@@ -135,6 +135,11 @@ class Engine(KVPressure):
             its tokens are drawn from the seeded generator, and the reply says so
             (exact numerics at long context are O(n^2) in Python; see README).
         host_timer: measures host work; ScriptedHostTimer makes timings deterministic.
+        host_time: what host work goes on the simulated clock: ``"modeled"`` (default; the
+            FACTS F7 allowance per sampled token, ``host_token_us``) or ``"measured"`` (this
+            machine's measured work). See :class:`~sim_backend.serving.hosttime.HostBooking`.
+        host_token_us: the modeled allowance, µs per sampled token; None takes the shipped cost
+            model's ``host_overhead_ms_per_token``.
         metrics: the registry to record into (default a new one).
         slo: service-level objectives for goodput (``SLO(ttft_ms, tpot_ms, e2el_ms)``,
             simulated ms); default none (every finished request is good).
@@ -143,6 +148,7 @@ class Engine(KVPressure):
     def __init__(self, rt: RuntimeSession, *, n_slots: int = 4, queue_limit: int = 16, prefill_chunk: int = 2048,
                  max_inflight: int = 1, kv_timeout_s: float = 2.0, step_timeout_s: float = 120.0,
                  numerics_max_prompt: int = 1024, host_timer: HostTimer | None = None,
+                 host_time: str = "modeled", host_token_us: float | None = None,
                  metrics: MetricsRegistry | None = None, slo: SLO | None = None) -> None:
         if n_slots < 1 or n_slots > 63:  # sequence 63 is the maintenance plane's scratch sequence
             raise ValueError("n_slots must be in 1..63")
@@ -171,9 +177,14 @@ class Engine(KVPressure):
         self.step_timeout_s = step_timeout_s
         self.numerics_max_prompt = numerics_max_prompt
         self.host_timer = host_timer or HostTimer()
+        if host_token_us is None:
+            from sim_backend.model.costmodel import default_cost_model
+            host_token_us = default_cost_model().host_overhead_ms_per_token * 1e3
+        self.host_booking = HostBooking(host_time, host_token_us)
         self.metrics = metrics or MetricsRegistry(slo=slo or SLO())
         if slo is not None:
             self.metrics.slo = slo
+        self.metrics.clock = f"simulated device ms + {self.host_booking.describe()}"
         self.slots = [_Slot(i) for i in range(n_slots)]
         self._queue: deque[_Request] = deque()
         self._lock = threading.Lock()
@@ -266,8 +277,10 @@ class Engine(KVPressure):
             rid = next(self._ids)
             handle = RequestHandle(rid, len(prompt))
             handle._engine_wake = functools.partial(self._on_cancel, rid)
-            self.rt.clock.host_span(arrival, tok_us)  # tokenising is host work on the request's clock
+            booked_us = self.host_booking.before(tok_us)
+            self.rt.clock.host_span(arrival, booked_us)  # tokenising is host work on the request's clock
             r = _Request(rid, req, prompt, handle, arrival / 1e3, tok_us / 1e3)
+            r.host_booked_ms += booked_us / 1e3
             self._queue.append(r)
             self.metrics.on_submitted(live=self._live_locked())
             # a free slot takes the request now, not when the scheduler finishes its current step:
@@ -628,7 +641,9 @@ class Engine(KVPressure):
                 return None  # parked: KV is full; retried after a back-off while others run
             kv_wait_us = r.kv_last_wait_us
             host_us = ht.now() - t0
-            self.rt.clock.host_span(start_sim, host_us)  # the job is submitted after this host work
+            booked_us = self.host_booking.before(host_us)
+            r.host_booked_ms += booked_us / 1e3
+            self.rt.clock.host_span(start_sim, booked_us)  # the job is submitted after this host work
             if kind == "prefill" and r.prefill_start_ms is None:
                 r.prefill_start_ms = start_sim / 1e3
             # CalRT path (FACTS F1): pooled buffers, CSR set and checked, ping/pong task type
@@ -697,7 +712,9 @@ class Engine(KVPressure):
         host_us = ht.now() - t0
         framework_us = max(0.0, host_us - sampling_us - detok_us) + info["submit_host_us"]
         r.host["framework"] += framework_us / 1e3
-        t_end = self.rt.clock.host_span(res.sim_end_us, host_us)
+        booked_us = self.host_booking.after(host_us, 1 if need_token else 0)
+        r.host_booked_ms += booked_us / 1e3
+        t_end = self.rt.clock.host_span(res.sim_end_us, booked_us)
         tok_ms = 0.0
         if kind == "prefill" and not r.tokenize_reported:
             r.tokenize_reported = True
@@ -775,7 +792,10 @@ class Engine(KVPressure):
         if not riders:
             return None
         host_us = ht.now() - t0
-        self.rt.clock.host_span(start_sim, host_us)
+        booked_us = self.host_booking.before(host_us)
+        for r in riders:
+            r.host_booked_ms += booked_us / 1e3 / len(riders)
+        self.rt.clock.host_span(start_sim, booked_us)
         try:
             job = self.rt.step_batch(rows)
         except (KVExhausted, DeviceError) as e:
@@ -910,6 +930,7 @@ class Engine(KVPressure):
             queue_ms=(r.assigned_ms - r.arrival_ms) if r.assigned_ms is not None else None,
             host_ms=dict(r.host), device_ms=dict(r.device), numerics=r.numeric,
             arrival_ms=r.arrival_ms, done_ms=now_ms,
+            host_booked_ms=r.host_booked_ms, host_time=self.host_booking.mode,
         )
         if status == "cancelled" and error is None:
             error = {"type": "cancelled", "message": r.handle.cancel_reason or "cancelled"}

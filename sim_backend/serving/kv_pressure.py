@@ -55,6 +55,7 @@ class _Request:
         self.first_token_ms: float | None = None  # first token sampled (llama.cpp t_start_generation)
         self.last_token_ms: float | None = None
         self.host = {"tokenize": tokenize_ms, "sampling": 0.0, "detokenize": 0.0, "kv_wait": 0.0, "framework": 0.0}
+        self.host_booked_ms = 0.0  # host work put on the simulated clock (HostBooking), ms
         self.device = {"h2d": 0.0, "infer": 0.0, "d2h": 0.0}
         self.tokenize_reported = False
         self.sampler = Sampler(req.sampling)

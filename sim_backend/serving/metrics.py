@@ -2,7 +2,8 @@
 Prometheus exposition in llama.cpp's ``llamacpp:`` style.
 
 Definitions (all in simulated milliseconds on the device clock, which
-includes measured host work):
+includes the host work the engine books on it: the fitted allowance per
+token, or this machine's measured work; ``MetricsRegistry.clock``):
 - TTFT: request in -> first visible token (or, if no token was ever shown,
   the first token sampled).
 - TPOT: (E2E - TTFT) / (n - 1) for n generated tokens; absent when n == 1.
@@ -149,6 +150,9 @@ class MetricsRegistry:
     counters balance: submitted = finished + failed + cancelled + queued + running.
     """
 
+    #: what the latencies' clock includes; the engine sets it from its HostBooking
+    clock: str = "simulated device ms (includes the host work booked on the clock)"
+
     def __init__(self, window: int = 1000, slo: SLO = SLO()) -> None:
         self._lock = threading.Lock()
         self.slo = slo
@@ -264,7 +268,7 @@ class MetricsRegistry:
                     "tokens_per_s": self.good_tokens / span_s if span_s > 0 else None,
                 },
                 "kv_cache_usage_ratio": self.kv_usage_ratio,
-                "clock": "simulated device ms (includes measured host work)",
+                "clock": self.clock,
             }
 
     def history_series(self) -> dict[str, list[float]]:

@@ -19,10 +19,13 @@ a 27-token prompt (chat template included) with ``max_tokens=246`` and its
 own ``timings`` are compared with F7: ``engine_e2e_27_prompt_246_decode``
 (``e2e_ms``, 4.41 s), ``engine_prefill_27_tok_s`` (``prompt_per_second``,
 184.27) and ``engine_decode_246_tok_s`` (``predicted_per_second``, 58.25;
-llama.cpp's definition: 246 tokens over the 245 gaps).  The engine MEASURES
-its host work and puts it on the simulated clock, and neither the device
-nor the engine adds ``host_overhead_ms_per_token``, so host time is counted
-once in each path (tests/test_calibration.py checks both).
+llama.cpp's definition: 246 tokens over the 245 gaps).  Host time on the
+simulated clock is the engine's ``HostBooking``: ``modeled`` (default) books
+``host_overhead_ms_per_token`` per sampled token, so F7's host work is
+counted once, as in the cost-model case, and the result does not depend on
+this machine; ``measured`` books this machine's host work instead (in numeric
+mode, Python sampling of 151,936 logits at 0.7-1 ms a token puts decode ~4 %
+under F7 on a 2-core host). tests/tools/test_calibration.py checks both.
 * ``decode_ctx_*``: one decode step at a context inside the historical
   bands (F7 CSV, mixed versions): ~2K 38–46, ~4K 28–40, ~8K 20–30,
   ~16K 20–30, ~33K "about 12" -> we use the band 10.5–13.5 (our choice),
@@ -310,9 +313,10 @@ def run_engine_cases(system=None, *, prompt: str = ENGINE_PROMPT, max_tokens: in
     * ``engine_prefill_27_tok_s``: ``prompt_per_second`` vs 184.27 tok/s;
     * ``engine_decode_246_tok_s``: ``predicted_per_second`` vs 58.25 tok/s.
 
-    Times are SIMULATED device time plus the engine's MEASURED host work
-    (no ``host_overhead_ms_per_token`` in this path).  Each case also carries
-    ``prompt_n``, ``predicted_n``, ``host_ms`` (measured host total, ms),
+    Times are SIMULATED: device time plus the host work the engine booked
+    (``host_time``: ``modeled`` = the fitted allowance per token, ``measured`` =
+    this machine's work; ``host_booked_ms``).  Each case also carries
+    ``prompt_n``, ``predicted_n``, ``host_ms`` (measured host total, ms, booked or not),
     ``device_ms`` (simulated device total, ms), ``numerics``, ``mode``, ``role``,
     ``host_ms_per_token`` (measured here) beside ``fitted_host_ms_per_token`` (the YAML's
     allowance), and ``wall_s`` (host seconds the run took).  The engine cases depend on
@@ -344,6 +348,7 @@ def run_engine_cases(system=None, *, prompt: str = ENGINE_PROMPT, max_tokens: in
     extra = {"prompt_n": t.prompt_n, "predicted_n": t.predicted_n, "host_ms": sum(t.host_ms.values()),
              "device_ms": sum(t.device_ms.values()), "numerics": t.numerics, "wall_s": wall_s,
              "engine": True, "mode": "numeric" if t.numerics else "timing-only", "role": "held-out",
+             "host_time": t.host_time, "host_booked_ms": t.host_booked_ms,
              "explained": None,
              # measured host work per generated token on THIS machine (the real device's host
              # work is inside F7; the cost-model E2E case uses the fitted allowance instead)

@@ -35,10 +35,11 @@ def run_mode(max_inflight: int, *, n_requests: int, max_tokens: int, numerics: b
 
     Times: ``sim_s`` simulated device seconds, ``wall_s`` host wall seconds,
     step means in ms (device = simulated, host = measured). Raises CalError
-    if a request does not finish.
+    if a request does not finish. Host work is booked as MEASURED (``host_time="measured"``):
+    what overlap can hide is this host's own work, which the stage history records.
     """
     with build_system(bundle, pacing=Pacing(PacingMode.FAST), numerics=numerics, n_slots=n_requests,
-                      max_inflight=max_inflight, maintenance=False, host_timer=host_timer,
+                      max_inflight=max_inflight, maintenance=False, host_timer=host_timer, host_time="measured",
                       numerics_max_prompt=4096) as s:
         # warm-up (tokenizer caches, first-call numpy paths); not measured
         s.inference.generate(ChatRequest.from_prompt("warm up", max_tokens=2,

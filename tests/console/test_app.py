@@ -48,7 +48,7 @@ async def test_typed_prompt_streams_reply_and_counters_rise(system, monkeypatch)
         assert lines[0] == "you Hello there"
         assert lines[1].startswith("model ")
         metrics = " ".join(" ".join(lines[1:]).split())  # reply + metrics line, wrapping undone
-        assert "TTFT" in metrics and "TPOT" in metrics and "sim ms (device time + measured host work)" in metrics
+        assert "TTFT" in metrics and "TPOT" in metrics and "sim ms (device time + modeled host work)" in metrics
         assert "generated 80 tok" in metrics
         # the observation pane's finished-jobs counter rises (1 prefill + 79 decode jobs)
         assert await wait_for(pilot, lambda: app.last_snapshot["jobs"]["finished"] >= finished_before + 80)

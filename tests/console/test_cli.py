@@ -42,6 +42,33 @@ def test_chat_json_reports_simulated_timings(capsys):
     assert json.loads(out2)["tokens"] == d["tokens"]
 
 
+def test_host_time_modeled_by_default_and_measured_on_request(capsys):
+    """Default: the fitted allowance per sampled token is what the clock books, so two runs give
+    identical simulated timings; --host-time measured books this machine's work instead."""
+    argv = ["chat", "Hello", "--max-tokens", "4", "--seed", "3", "--json", "--timing-only"]
+    runs = []
+    for _ in range(2):
+        code, out, _ = run(capsys, *argv)
+        assert code == 0
+        runs.append(json.loads(out)["timings"])
+    a, b = runs
+    assert a["host_time"] == "modeled" and a["host_booked_ms"] == pytest.approx(4 * 0.227)
+    assert (a["ttft_ms"], a["e2e_ms"], a["itl_ms"]) == (b["ttft_ms"], b["e2e_ms"], b["itl_ms"])
+    assert "host work modeled" in a["clock"]
+    code, out, _ = run(capsys, *argv, "--host-time", "measured")
+    t = json.loads(out)["timings"]
+    assert code == 0 and t["host_time"] == "measured" and t["host_booked_ms"] > 0
+    # booked = every measured part (the KV apply calls too, which host_ms leaves out of its parts)
+    assert t["host_booked_ms"] >= sum(t["host_ms"].values()) - t["host_ms"]["kv_wait"] - 1e-9
+
+
+def test_unknown_host_time_exits_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["chat", "hi", "--host-time", "wall"])
+    assert e.value.code == 2
+    assert "--host-time" in capsys.readouterr().err
+
+
 def test_chat_help_says_timings_are_simulated(capsys):
     with pytest.raises(SystemExit):
         main(["chat", "--help"])

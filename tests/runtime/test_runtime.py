@@ -442,7 +442,8 @@ def test_a_leftover_one_token_prefill_chunk_runs_the_decode_submodel():
     from sim_backend.serving.hosttime import ScriptedHostTimer
     from sim_backend.tools.calibration import ENGINE_PROMPT
 
-    with build_system(numerics=False, maintenance=False, n_slots=1, host_timer=ScriptedHostTimer(0.0)) as system:
+    with build_system(numerics=False, maintenance=False, n_slots=1, host_timer=ScriptedHostTimer(0.0),
+                      host_time="measured") as system:
         system.engine.prefill_chunk = 26
         rec = StepRecorder()
         system.board.add_listener(rec)

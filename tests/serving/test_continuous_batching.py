@@ -79,6 +79,7 @@ def harness():
         board = ChainBoard(load_bundle(bundle_dir), cost, numerics=True, pacing=Pacing(PacingMode.FAST),
                            kv_cells=kw.pop("kv_cells", None))
         kw.setdefault("host_timer", ScriptedHostTimer(0.0))
+        kw.setdefault("host_time", "measured")  # host work free: batched step prices alone on the clock
         eng = Engine(RuntimeSession(board, parallel=kw.get("max_inflight", 1) > 1), **kw)
         made.append((board, eng))
         return board, eng, cost

@@ -162,6 +162,7 @@ class Harness:
         self.gate = self.board.gate
         self.model: FakeModel = self.board.model
         engine_kw.setdefault("host_timer", ScriptedHostTimer(host_step_us))
+        engine_kw.setdefault("host_time", "measured")  # the scripted timer's work is what is booked
         self.engine = Engine(RuntimeSession(self.board, parallel=engine_kw.get("max_inflight", 1) > 1), **engine_kw)
 
     def script(self, req: ChatRequest, tokens: list[int]) -> int:

@@ -100,13 +100,13 @@ def _timing_only_system(numerics: bool = False, **kw):
     return build_system(numerics=numerics, maintenance=False, n_slots=1, host_timer=ScriptedHostTimer(0.0), **kw)
 
 
-def test_engine_path_adds_no_host_allowance():
-    """With host work scripted to 0, engine E2E == the sum of its device steps exactly."""
+def test_engine_path_measured_books_only_measured_host_work():
+    """host_time="measured" with host work scripted to 0: engine E2E == the sum of its device steps exactly."""
     from sim_backend.model.trace import StepRecorder
     from sim_backend.serving.api import ChatRequest
     from sim_backend.tools.calibration import ENGINE_PROMPT
 
-    with _timing_only_system() as system:
+    with _timing_only_system(host_time="measured") as system:
         rec = StepRecorder()
         system.board.add_listener(rec)
         res = system.engine.generate(ChatRequest.from_prompt(ENGINE_PROMPT, max_tokens=8), timeout=30)
@@ -115,18 +115,60 @@ def test_engine_path_adds_no_host_allowance():
     assert steps[0].n_tokens == 27 and [s.past_len for s in steps[1:]] == list(range(27, 34))
     assert res.timings.e2e_ms * 1e3 == pytest.approx(sum(s.sim_us for s in steps), rel=1e-12)
     assert sum(res.timings.host_ms.values()) == 0.0
+    assert res.timings.host_time == "measured" and res.timings.host_booked_ms == 0.0
 
 
-def test_engine_cases_match_f7():
-    """The F7 request through the engine (timing-only, host work scripted to 0: deterministic)."""
+@pytest.mark.parametrize("host_step_us", [0.0, 700.0])
+def test_engine_path_modeled_books_the_allowance_per_sampled_token_whatever_this_host_does(host_step_us):
+    """host_time="modeled" (the default): E2E == device steps + 8 x the fitted allowance, exactly,
+    however much host work this machine measures (scripted 0 or 700 µs per reading)."""
+    from sim_backend.model.costmodel import CostModel
+    from sim_backend.model.trace import StepRecorder
+    from sim_backend.planes.system import build_system
+    from sim_backend.serving.api import ChatRequest
+    from sim_backend.serving.hosttime import ScriptedHostTimer
+    from sim_backend.tools.calibration import ENGINE_PROMPT
+
+    allowance_ms = CostModel.load().host_overhead_ms_per_token
+    with build_system(numerics=False, maintenance=False, n_slots=1,
+                      host_timer=ScriptedHostTimer(host_step_us)) as system:
+        rec = StepRecorder()
+        system.board.add_listener(rec)
+        res = system.engine.generate(ChatRequest.from_prompt(ENGINE_PROMPT, max_tokens=8), timeout=30)
+        steps = rec.wait_for(8)
+    t = res.timings
+    assert t.host_time == "modeled"
+    assert t.host_booked_ms == pytest.approx(8 * allowance_ms, rel=1e-12)
+    assert t.e2e_ms * 1e3 == pytest.approx(sum(s.sim_us for s in steps) + 8 * allowance_ms * 1e3, rel=1e-12)
+    # the measured parts are still reported, and differ with the scripted host
+    assert (sum(t.host_ms.values()) > 0.0) == (host_step_us > 0.0)
+
+
+def test_unknown_host_time_is_refused_before_anything_starts():
+    import threading
+
+    from sim_backend.planes.system import build_system
+
+    before = threading.active_count()
+    with pytest.raises(ValueError, match="host time must be one of modeled, measured"):
+        build_system(numerics=False, maintenance=False, host_time="wall")
+    assert threading.active_count() == before
+
+
+@pytest.mark.parametrize("numerics", [False, True], ids=["timing-only", "numeric"])
+def test_engine_cases_match_f7_in_both_modes(numerics):
+    """The F7 request through the engine, modeled host time (the default): within 3 % in both modes,
+    on any machine (the measured host work is reported beside, not booked)."""
+    from sim_backend.planes.system import build_system
     from sim_backend.tools.calibration import run_engine_cases
 
-    with _timing_only_system() as system:
+    with build_system(numerics=numerics, maintenance=False, n_slots=1) as system:
         cases = {c["name"]: c for c in run_engine_cases(system)}
     assert set(cases) == {"engine_e2e_27_prompt_246_decode", "engine_prefill_27_tok_s", "engine_decode_246_tok_s"}
     for c in cases.values():
         assert c["ok"] and abs(c["error_pct"]) <= 3.0, c
-        assert c["prompt_n"] == 27 and c["predicted_n"] == 246 and c["numerics"] is False
+        assert c["prompt_n"] == 27 and c["predicted_n"] == 246 and c["numerics"] is numerics
+        assert c["host_time"] == "modeled" and c["mode"] == ("numeric" if numerics else "timing-only")
     assert cases["engine_e2e_27_prompt_246_decode"]["unit"] == "s"
     assert cases["engine_e2e_27_prompt_246_decode"]["measured"] == 4.41
 
