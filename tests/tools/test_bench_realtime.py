@@ -56,3 +56,17 @@ def test_numeric_limit_is_the_longest_prefix_keeping_real_time():
 def test_bad_options_exit_2(capsys, argv, msg):
     assert main(["bench", "realtime", *argv]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_ui_gc_pauses_are_split_at_the_first_key():
+    """The console's collect-and-freeze at mount happens before anyone types: it is reported as a
+    start-up pause, not as one an operator could feel while a reply streams."""
+    import asyncio
+
+    r = asyncio.run(bench_realtime._ui(40))
+    assert "window_perf_s" not in r
+    assert r["gc_startup"]["gen2_n"] >= 1          # GCPolicy.start's gc.collect() at mount
+    for k in ("gc", "gc_startup"):
+        g = r[k]
+        assert g["n"] >= g["gen2_n"] >= 0 and g["max_ms"] >= g["median_ms"] >= 0.0
+    assert r["streaming"]["n"] + r["end_of_reply"]["n"] > 0
