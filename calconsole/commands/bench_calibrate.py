@@ -119,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
                 "[yellow]miss*[/yellow]" if c.get("explained") else "[red]FAIL[/red]")
         if c.get("explained"):
             notes.append(f"* {c['name']} ({c['mode']}): {c['explained']}")
+        if c.get("loo_in_band") is False:
+            why = c.get("loo_explained") or "not explained"
+            notes.append(f"held-out miss {c['name']} ({c['mode']}): {c['loo_band_miss_pct']:+.1f}% beyond its band; "
+                         f"{why}")
         path = "engine" if c.get("engine") else "cost model"
         loo = f"{c['loo_error_pct']:+.1f}%" if "loo_error_pct" in c else "-"
         if isinstance(sim, list):

@@ -291,6 +291,10 @@ def test_run_calibration_carries_the_held_out_figures(loo):
     fitted = [c for c in cases if c["role"] == "fitted"]
     assert len(fitted) == 9 and all({"loo_simulated", "loo_error_pct"} <= c.keys() for c in fitted)
     assert all("loo_in_band" in c for c in fitted if "band" in c)
+    # every band that lands outside itself when held out says why (and only those do)
+    for c in fitted:
+        if "band" in c:
+            assert bool(c["loo_explained"]) == (not c["loo_in_band"]), c["name"]
     s = cal.summarise(cases)["timing-only"]
     assert s["loo_rms_pct"] == pytest.approx(cal.rms([c["loo_error_pct"] for c in fitted]))
     assert s["loo_bands_in_band"].endswith("/6")
