@@ -263,12 +263,14 @@ def layers_panel(step: dict, max_rows: int | None = None, capacity: int = 1) -> 
     # title as its own line: a Table title wraps at the (narrow) table width. Narrow headers and a
     # fixed-width heat bar: the category column fits 120 columns (a long header widened "heat" to 29)
     t = plain_table()
-    t.add_column("L", justify="right", no_wrap=True)
+    # min widths: in a narrow pane the long op list of the head row must shrink, not "embed" or a figure
+    t.add_column("L", justify="right", no_wrap=True, min_width=5)
     n_chips = len(layers[0]["chip_us"])
     for c in range(n_chips):
-        t.add_column(f"chip{c} µs", justify="right", no_wrap=True)
-    t.add_column("heat", width=HEAT_WIDTH if not uniform else None, no_wrap=True)
-    t.add_column("slowest category", no_wrap=True, overflow="ellipsis", min_width=8)
+        t.add_column(f"chip{c} µs", justify="right", no_wrap=True, min_width=len(f"chip{c} µs"))
+    t.add_column("heat", width=HEAT_WIDTH if not uniform else None, no_wrap=True, min_width=9)
+    # wrappable (the column rich shrinks: the head row lists 4-5 ops), never narrower than its header
+    t.add_column("slowest category", overflow="ellipsis", min_width=len("slowest category"))
     outside = {o["part"]: o for o in step.get("outside") or ()}
     last = len(layers) - 1
 
@@ -278,7 +280,7 @@ def layers_panel(step: dict, max_rows: int | None = None, capacity: int = 1) -> 
             return
         # its ops in execution order, the costliest in bold (the LM head; in "embed", chip0's embedding
         # is what makes chip0's figure larger than chip1's)
-        ops = Text(style="cyan")
+        ops = Text(style="cyan", overflow="ellipsis", no_wrap=True)
         for i, name in enumerate(o["ops"]):
             ops.append((", " if i else "") + name, style="bold cyan" if name == o["slowest_op"] else "cyan")
         t.add_row(Text(part, style="cyan"), *[f"{u:.1f}" for u in o["chip_us"]], Text(where, style="grey50"), ops)

@@ -26,7 +26,11 @@ got r tokens costs ``max(r, prefill_m_tile)`` rows), decode with GEMV rows
 
 Outside the layers: embedding (chip0), final norm, LM head (about 14% of a
 short-context decode step's bytes), logits gather, and in prefill 2 layout
-conversions.  Prefill computes logits for the last token only (the manifest's
+conversions.  They are attributed per chip as two rows beside the layers
+(``StepCost.outside_chip_us``): "embed" (the ops before layer 0) and "head" (after
+the last layer), so per chip the layer rows + embed + head are its busy time, and
+busy + the time it waits at barriers + the submit overhead is ``infer_us``.  This
+is attribution only: the step's price is the chip timelines' (unchanged).  Prefill computes logits for the last token only (the manifest's
 prefill output is ``[1, 151936]``; llama.cpp samples from the last row), so
 the LM head and the D2H of 303,872 B happen once per step in both kinds.
 """
