@@ -30,9 +30,11 @@ conversions.  They are attributed per chip as two rows beside the layers
 (``StepCost.outside_chip_us``): "embed" (the ops before layer 0) and "head" (after
 the last layer), so per chip the layer rows + embed + head are its busy time, and
 busy + the time it waits at barriers + the submit overhead is ``infer_us``.  This
-is attribution only: the step's price is the chip timelines' (unchanged).  Prefill computes logits for the last token only (the manifest's
-prefill output is ``[1, 151936]``; llama.cpp samples from the last row), so
-the LM head and the D2H of 303,872 B happen once per step in both kinds.
+is attribution only: the step's price is the chip timelines' (unchanged).
+
+Prefill computes logits for the last token only (the manifest's prefill output
+is ``[1, 151936]``; llama.cpp samples from the last row), so the LM head and the
+D2H of 303,872 B happen once per step in both kinds.
 """
 
 from __future__ import annotations
