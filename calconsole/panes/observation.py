@@ -333,12 +333,14 @@ class ObservationPane(VerticalScroll):
         panel = render.layers_panel(step, capacity=capacity)
         # the title's length is in the key: its numbers change width (11.9 -> 111.5 ms), the title
         # then wraps to one more line, and without a relayout the table's row was cut off (blank)
-        head = panel.renderables[0] if isinstance(panel, Group) else None
-        title = head.plain if isinstance(head, Text) else ""
+        # the footer lines (per-chip busy/wait, experts, the heatmap's outside-the-layers line) wrap too
+        texts = [r.plain for r in panel.renderables if isinstance(r, Text)] if isinstance(panel, Group) else []
+        heat_last = heat.plain.rsplit("\n", 1)[-1] if isinstance(heat, Text) else ""
         n_rows = len(step.get("layers", ())[0]["category_us"]) if step.get("layers") and self.heat_by != "chip" else 2
         self._update("#obs-layers", Group(view, heat, panel),
                      (self.show_kind, self.heat_by, n_rows, len(step.get("layers", ())), len(view.plain),
-                      render.layers_uniform(step), len(title)))
+                      render.layers_uniform(step), tuple(len(x) for x in texts), len(step.get("outside") or ()),
+                      len(heat_last)))
 
     # widget id -> (snapshot keys it shows, renderer)
     SECTIONS = {

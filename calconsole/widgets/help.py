@@ -27,6 +27,9 @@ FIGURES = (
     ("P95", "over the recent requests (TTFT, ITL: every request with a token; TPOT, E2E: finished ones)"),
     ("history", "graphs over the last 1 / 5 / 15 min; x axis: host wall seconds before now"),
     ("heatmap", "per-layer simulated µs of the chosen step, one colour scale for all rows (legend below it)"),
+    ("embed / head", "per-layer table rows for the ops outside the layers: before layer 0 the embedding (chip0 "
+                     "only) and its broadcast, after the last layer final norm, LM head and logits; each chip's "
+                     "busy (all rows) + wait at syncs + submit = the step's infer time"),
 )
 
 

@@ -263,23 +263,76 @@ def layers_panel(step: dict, max_rows: int | None = None, capacity: int = 1) -> 
     # title as its own line: a Table title wraps at the (narrow) table width. Narrow headers and a
     # fixed-width heat bar: the category column fits 120 columns (a long header widened "heat" to 29)
     t = plain_table()
-    t.add_column("L", justify="right", no_wrap=True)
+    # min widths: in a narrow pane the long op list of the head row must shrink, not "embed" or a figure
+    t.add_column("L", justify="right", no_wrap=True, min_width=5)
     n_chips = len(layers[0]["chip_us"])
     for c in range(n_chips):
-        t.add_column(f"chip{c} µs", justify="right", no_wrap=True)
-    t.add_column("heat", width=HEAT_WIDTH if not uniform else None, no_wrap=True)
-    t.add_column("slowest category", no_wrap=True, overflow="ellipsis", min_width=8)
+        t.add_column(f"chip{c} µs", justify="right", no_wrap=True, min_width=len(f"chip{c} µs"))
+    t.add_column("heat", width=HEAT_WIDTH if not uniform else None, no_wrap=True, min_width=9)
+    # wrappable (the column rich shrinks: the head row lists 4-5 ops), never narrower than its header
+    t.add_column("slowest category", overflow="ellipsis", min_width=len("slowest category"))
+    outside = {o["part"]: o for o in step.get("outside") or ()}
+    last = len(layers) - 1
+
+    def outside_row(part: str, where: str) -> None:
+        o = outside.get(part)
+        if o is None:
+            return
+        # its ops in execution order, the costliest in bold (the LM head; in "embed", chip0's embedding
+        # is what makes chip0's figure larger than chip1's)
+        ops = Text(style="cyan", overflow="ellipsis", no_wrap=True)
+        for i, name in enumerate(o["ops"]):
+            ops.append((", " if i else "") + name, style="bold cyan" if name == o["slowest_op"] else "cyan")
+        t.add_row(Text(part, style="cyan"), *[f"{u:.1f}" for u in o["chip_us"]], Text(where, style="grey50"), ops)
+
+    outside_row("embed", "before L0")
     if uniform:  # 48 identical rows say less than one
         first = layers[0]
-        t.add_row(f"0-{len(layers) - 1}", *[f"{u:.1f}" for u in first["chip_us"]], Text("uniform", style="grey50"),
+        t.add_row(f"0-{last}", *[f"{u:.1f}" for u in first["chip_us"]], Text("uniform", style="grey50"),
                   Text(first["slowest_category"], style="magenta"))
-        return Group(Text(title, style="grey70"), t)
-    rows = layers if max_rows is None else layers[:max_rows]
-    for layer, v in zip(rows, per_layer, strict=False):  # rows may be the first max_rows
-        heat = bar((v - lo) / (hi - lo), HEAT_WIDTH, warn=0.7, crit=0.95)
-        t.add_row(str(layer["layer"]), *[f"{u:.1f}" for u in layer["chip_us"]], heat,
-                  Text(layer["slowest_category"], style="magenta"))
-    return Group(Text(title, style="grey70"), t)
+    else:
+        rows = layers if max_rows is None else layers[:max_rows]
+        for layer, v in zip(rows, per_layer, strict=False):  # rows may be the first max_rows
+            heat = bar((v - lo) / (hi - lo), HEAT_WIDTH, warn=0.7, crit=0.95)
+            t.add_row(str(layer["layer"]), *[f"{u:.1f}" for u in layer["chip_us"]], heat,
+                      Text(layer["slowest_category"], style="magenta"))
+    outside_row("head", f"after L{last}")
+    parts: list[Any] = [Text(title, style="grey70"), t]
+    foot = step_chips_line(step)
+    if foot is not None:
+        parts.append(foot)
+    ex = experts_line(step)
+    if ex is not None:
+        parts.append(ex)
+    return Group(*parts)
+
+
+def step_chips_line(step: dict) -> Text | None:
+    """Per chip: busy (the table's embed + layer + head rows added up) + wait at syncs + submit = the
+    step's infer time (simulated µs). None for a step view without the per-chip figures (an older server)."""
+    busy, wait = step.get("chip_busy_us") or (), step.get("chip_wait_us") or ()
+    if not busy or len(wait) != len(busy) or step.get("submit_us") is None:
+        return None
+    sep = " / "
+    n = len(step.get("layers") or ())
+    return Text(f"per chip: busy {sep.join(f'{b:.1f}' for b in busy)} (embed + {n} layers + head) + wait at syncs "
+                f"{sep.join(f'{w:.1f}' for w in wait)} + submit {step['submit_us']:.1f} = infer "
+                f"{step['infer_us']:.1f} µs sim", style="grey62")
+
+
+def experts_line(step: dict) -> Text | None:
+    """How the step's MoE weights were priced: the router's per-layer choices or the expectation."""
+    priced = step.get("experts_priced") or ()
+    rule = step.get("experts_rule")
+    if not priced or rule is None:
+        return None
+    lo, hi, mean = min(priced), max(priced), sum(priced) / len(priced)
+    if rule == "expectation":
+        return Text(f"experts priced: the expectation, {mean:.1f} per layer in every layer (timing-only: "
+                    "no router ran, so no per-layer pattern)", style="grey62")
+    spread = f"{mean:.1f} in every layer" if hi - lo < 0.05 else f"{lo:.1f}-{hi:.1f} per layer, mean {mean:.1f}"
+    return Text(f"experts priced: the router's choices per layer ({spread}; a prefill's scaled to a trained "
+                "router's mean)", style="grey62")
 
 
 def memory_panel(snap: dict) -> Any:
@@ -615,4 +668,10 @@ def layers_heatmap(step: dict, by: str = "chip", width: int = 80) -> Any:
         legend.append("██", style=HEAT_STEPS[i])
     legend.append(f" {top:.0f} µs sim per layer (one scale for every row)", style="grey62")
     out.append_text(legend)
+    outside = step.get("outside") or ()
+    if outside:  # not cells on the scale: the LM head alone is ~6 layers and would wash the layers out
+        sep = " / "
+        out.append("\n" + " " * label_w + "outside the layers (rows in the table): "
+                   + " · ".join(f"{o['part']} {sep.join(f'{u:.0f}' for u in o['chip_us'])}" for o in outside)
+                   + f" µs ({sep.join(f'chip{c}' for c in range(len(outside[0]['chip_us'])))})", style="grey62")
     return out

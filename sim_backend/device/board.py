@@ -54,16 +54,19 @@ class ChipletStatus:
 def chip_busy_us(cost: Any) -> list[float]:
     """Simulated µs each chip executes its own ops in a priced step (a chip waiting at a sync is not busy).
 
-    ``cost``: a ``StepCost``; chip ``c`` runs the ops whose ``op_start_us[c]`` is not NaN, each taking
-    ``op_us * chip_scale[c]``. A cost without per-op arrays (a test's stand-in) gives the sum of its
-    ``layer_chip_us`` per chip. Returns one float per chip.
+    ``cost``: a ``StepCost``: its ``chip_busy_us`` (every op the chip runs: its layers and the ops
+    outside them, so chip0's embedding counts on chip0 only; a slow chip's ops at its own speed).
+    A cost without it (a test's stand-in) gives the sum of its ``layer_chip_us`` per chip, plus
+    its ``outside_chip_us`` if it has them. Returns one float per chip.
     """
-    op_start = getattr(cost, "op_start_us", None)
-    if op_start is None or getattr(cost, "op_us", None) is None:
-        return [float(x) for x in np.asarray(cost.layer_chip_us).sum(axis=0)]
-    runs = ~np.isnan(op_start)  # (n_chips, n_ops)
-    scale = cost.chip_scale or (1.0,) * runs.shape[0]
-    return [float(cost.op_us[runs[c]].sum()) * scale[c] for c in range(runs.shape[0])]
+    busy = getattr(cost, "chip_busy_us", None)
+    if busy is not None and np.asarray(busy).size:
+        return [float(x) for x in np.asarray(busy)]
+    per_chip = np.asarray(cost.layer_chip_us).sum(axis=0)
+    outside = getattr(cost, "outside_chip_us", None)
+    if outside is not None and np.asarray(outside).shape[1:] == per_chip.shape:
+        per_chip = per_chip + np.asarray(outside).sum(axis=0)
+    return [float(x) for x in per_chip]
 
 
 class SimulatedBoard:
@@ -391,10 +394,12 @@ class SimulatedBoard:
             self._fail(job, JobState.CCU_EXCEPTION,
                        CCUException(f"CCU exception on chip0 while running job {job.id} ({job.kind}), injected fault"))
             return
-        if faults.take("link_error_next", f"chip0<->chip1, job {job.id} ({job.kind})"):
+        if faults.take("link_error_next", f"chip0->chip1 embedding broadcast, job {job.id} ({job.kind})"):
             self.registers.bump("D2D_LINK_ERR")
-            self._fail(job, JobState.FAILED, LinkError(f"D2D link error between chip0 and chip1 in job {job.id}, "
-                                                       "injected fault"))
+            spent = self._book_link_error(job)
+            self._fail(job, JobState.FAILED, LinkError(
+                f"D2D link error between chip0 and chip1 in job {job.id}: the embedding broadcast failed"
+                + (f" after {spent:.1f} µs simulated" if spent is not None else "") + ", injected fault"))
             return
         model = self.model
         if self._memory_cleared or (job.numeric and model is None):
@@ -462,6 +467,49 @@ class SimulatedBoard:
                 fn(res)
             except Exception:  # noqa: BLE001 - a listener must never break the device
                 pass
+
+    #: the op an injected link error hits: the step's first chiplet-to-chiplet transfer
+    LINK_ERROR_OP = "embed_sync"
+
+    def _book_link_error(self, job: Job) -> float | None:
+        """Book the simulated time a job failed by a D2D link error occupied; returns it (µs) or None.
+
+        A link error is detected on a transfer, so the step runs up to that transfer and stops there:
+        the injected one hits the step's first chiplet exchange, the embedding broadcast
+        (``embed_sync``, chip0 -> chip1).  The job costs the H2D of its inputs, the submit overhead,
+        chip0's embedding and the failed transfer (on both chips' timelines, chip1 waiting for
+        chip0's embedding first), about 0.3 ms; no layer runs, there is no D2H.  The device is busy
+        that long (the next step starts after it; each chip's busy time gets the ops it ran), and it
+        is never the whole step's price.  Priced with the expectation of experts (the ops before the
+        first layer do not depend on them), a slow chip at its own speed.  A cost model without per-op
+        timelines (a test's stand-in) books nothing.
+        """
+        slow = dict(self.faults.slow_chip)
+        scale = [slow.get(c, 1.0) for c in range(self.shape.n_chips)] if slow else None
+        try:
+            if job.batch:
+                cost = price_decode_batch(self.cost_model, self.shape, [r.past_len for r in job.batch], None, scale)
+            else:
+                cost = self.cost_model.price_step(self.shape, job.kind, int(job.tokens.shape[0]), job.past_len,
+                                                  None, scale)
+            graph = getattr(cost, "graph", None)
+            if graph is None or not hasattr(cost, "until_op"):
+                return None
+            idx = next(op.index for op in graph.ops if op.role == self.LINK_ERROR_OP)
+            infer_us, busy = cost.until_op(idx)
+        except (ValueError, StopIteration):
+            return None
+        sim_us = float(cost.h2d_us) + infer_us
+        with self._lock:
+            if job.done:
+                return None  # ended by a reset meanwhile: nothing ran
+            start = max(job.submit_sim_us, self._device_free_us)
+            self._device_free_us = start + sim_us
+            self.clock.advance_to(start + sim_us)
+            self._board_busy_us += sim_us
+            for c in range(self.shape.n_chips):
+                self._chip_busy_us[c] += float(busy[c])
+        return sim_us
 
     def _run_batch(self, job: Job, model: Any) -> tuple[tuple[BatchRow, ...], Any]:
         """Numerics of every numeric row, one after another (each its own batch-1 forward), and

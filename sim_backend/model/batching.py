@@ -43,14 +43,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape
-from sim_backend.model.costmodel import CostModel, StepCost, expected_experts_touched
-from sim_backend.model.opgraph import CATEGORIES
+from sim_backend.model.costmodel import CostModel, StepCost, assemble_step, expected_experts_touched
 
 #: Decode batch sizes a variant calbin may declare (the ones the report asks the vendor about, §11).
 BATCH_SIZES = (1, 4, 8, 16)
@@ -179,7 +177,8 @@ class BatchedCostModel:
         self._switch_attn(t, dram, shape, kind, n_tokens, [ctx], [past_len + (n_tokens + 1) / 2.0])
         self._switch_v_scatter(t, shape, n_tokens)
         self._switch_logits(t, dram, shape, 1)
-        return self._assemble(shape, kind, n_tokens, past_len, t, dram, ref.chip_scale, n_seqs=1)
+        return self._assemble(shape, kind, n_tokens, past_len, t, dram, ref.chip_scale, n_seqs=1,
+                              touched=touched, expected=experts_touched is None)
 
     # ------------------------------------------------------------------ batched decode
     def price_decode_batch(self, shape: ModelShape, past_lens: Sequence[int],
@@ -232,7 +231,8 @@ class BatchedCostModel:
         self._switch_v_scatter(t, shape, N)
         self._per_sequence_head(t, dram, shape, N)
         self._switch_logits(t, dram, shape, N)
-        return self._assemble(shape, "decode", N, max(pasts), t, dram, scale, n_seqs=N)
+        return self._assemble(shape, "decode", N, max(pasts), t, dram, scale, n_seqs=N,
+                              touched=touched, expected=experts_touched is None)
 
     # ------------------------------------------------------------------ pieces
     def _consts(self) -> dict[str, float]:
@@ -309,45 +309,24 @@ class BatchedCostModel:
         dram["activations"] += N * Vc * a
 
     def _assemble(self, shape: ModelShape, kind: str, n_tokens: int, past_len: int, t: dict, dram: dict,
-                  scale: Sequence[float], *, n_seqs: int) -> StepCost:
-        """Chip timelines from per-role times, as ``CostModel.price_step`` builds them."""
+                  scale: Sequence[float], *, n_seqs: int, touched: np.ndarray, expected: bool) -> StepCost:
+        """Chip timelines from per-role times with ``CostModel.price_step``'s own assembly
+        (``costmodel.assemble_step``: the same per-layer, embed/head and per-chip attribution)."""
         p = self.base._prep(shape, kind)
         dram = dict(dram)
         sram_bytes = float(dram.pop("sram_activations", 0.0))
         op_us = np.empty(p.n_ops, dtype=np.float64)
         for role, idx in p.role_ops.items():
             op_us[idx] = t[role]
-        sc = np.asarray(scale, dtype=np.float64)
-        dd = p.chip_mask * op_us * sc[:, None]
-        seg_sum = np.stack([np.bincount(p.seg, weights=row, minlength=p.n_seg) for row in dd])
-        seg_len = seg_sum.max(axis=0)
-        seg_start = np.concatenate(([0.0], np.cumsum(seg_len)[:-1]))
-        csum = np.cumsum(dd, axis=1)
-        before_seg = np.concatenate((np.zeros((dd.shape[0], 1)), np.cumsum(seg_sum, axis=1)), axis=1)
-        within = csum - dd - before_seg[:, p.seg]
-        op_start = np.where(p.chip_mask, seg_start[p.seg][None, :] + within, np.nan)
-        ncat, L = len(CATEGORIES), shape.n_layers
-        lcc = np.stack([np.bincount(p.lc_index, weights=row, minlength=p.n_slots) for row in dd])
-        lcc = lcc.reshape(shape.n_chips, L + 1, ncat).transpose(1, 0, 2)
-        layer_chip_cat = np.ascontiguousarray(lcc[:L])
-        layer_chip = layer_chip_cat.sum(axis=2)
-        global_us = float(lcc[L].sum(axis=1).max())
-
         hw, q, f = self.hw.hardware, self.hw.quantisation, self.hw.fitted
         pcie = hw["pcie_gbps"] * 1e3
         h2d = hw["pcie_latency_us"] + (2 * n_tokens * q["token_input_bytes"] + n_seqs * q["csr_bytes"]) / pcie
         per_seq = (self.variant.topk_k * TOPK_CANDIDATE_BYTES if self.variant.on_device_topk
                    else shape.logits_bytes_per_token)
         d2h = hw["pcie_latency_us"] + n_seqs * per_seq / pcie
-        infer = float(seg_len.sum()) + f["step_submit_overhead_us"]
-        for arr in (op_us, op_start, layer_chip, layer_chip_cat):
-            arr.flags.writeable = False
-        return StepCost(kind=kind, n_tokens=n_tokens, past_len=past_len, h2d_us=float(h2d), infer_us=infer,
-                        d2h_us=float(d2h), total_us=float(h2d + infer + d2h), layer_chip_us=layer_chip,
-                        layer_chip_category_us=layer_chip_cat, categories=CATEGORIES, global_us=global_us,
-                        op_us=op_us, op_start_us=op_start, dram_bytes=MappingProxyType(dram), sram_bytes=sram_bytes,
-                        graph=p.graph,
-                        chip_scale=tuple(float(x) for x in sc))
+        return assemble_step(p, kind, n_tokens, past_len, op_us, np.asarray(scale, dtype=np.float64),
+                             h2d_us=float(h2d), d2h_us=float(d2h), submit_us=float(f["step_submit_overhead_us"]),
+                             dram=dram, sram_bytes=sram_bytes, experts=touched, experts_expected=expected)
 
 
 def price_decode_batch(cm: CostModel | BatchedCostModel, shape: ModelShape, past_lens: Sequence[int],

@@ -26,9 +26,15 @@ got r tokens costs ``max(r, prefill_m_tile)`` rows), decode with GEMV rows
 
 Outside the layers: embedding (chip0), final norm, LM head (about 14% of a
 short-context decode step's bytes), logits gather, and in prefill 2 layout
-conversions.  Prefill computes logits for the last token only (the manifest's
-prefill output is ``[1, 151936]``; llama.cpp samples from the last row), so
-the LM head and the D2H of 303,872 B happen once per step in both kinds.
+conversions.  They are attributed per chip as two rows beside the layers
+(``StepCost.outside_chip_us``): "embed" (the ops before layer 0) and "head" (after
+the last layer), so per chip the layer rows + embed + head are its busy time, and
+busy + the time it waits at barriers + the submit overhead is ``infer_us``.  This
+is attribution only: the step's price is the chip timelines' (unchanged).
+
+Prefill computes logits for the last token only (the manifest's prefill output
+is ``[1, 151936]``; llama.cpp samples from the last row), so the LM head and the
+D2H of 303,872 B happen once per step in both kinds.
 """
 
 from __future__ import annotations
@@ -49,6 +55,9 @@ from sim_backend.bundle.manifest import bounded_repr, safe_load_bounded
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.errors import ManifestError
 from sim_backend.model.opgraph import CATEGORIES, OpGraph, build_graph
+
+#: Rows of ``StepCost.outside_chip_us``: the ops before layer 0 and the ops after the last layer.
+OUTSIDE_PARTS: tuple[str, ...] = ("embed", "head")
 
 DEFAULT_HW_PATH = Path(__file__).resolve().parents[1] / "hardware" / "calculet_npu.yaml"
 # A hardware YAML is a few KiB (the shipped one ~6 KiB); refuse to parse anything huge.
@@ -321,6 +330,22 @@ class StepCost:
         sram_bytes: per-chip activation bytes that fit the SRAM workspace and were priced at
             SRAM bandwidth instead (``hardware.sram_bw_gbps``).
         graph: the priced :class:`~sim_backend.model.opgraph.OpGraph`.
+        outside_chip_us: float64 ``(2, n_chips)``: busy time of each chip in the ops outside the
+            layers, row 0 ``"embed"`` (before layer 0: embedding on chip0 only, its broadcast sync,
+            prefill's input layout conversion), row 1 ``"head"`` (after the last layer: prefill's
+            output layout conversion, final norm, LM head, logits gather and sync); see
+            :data:`OUTSIDE_PARTS`.  ``global_us`` is the busiest chip's sum of both rows.
+        outside_chip_category_us: float64 ``(2, n_chips, len(categories))``.
+        outside_ops: per row of ``outside_chip_us``, the roles of its ops in execution order.
+        chip_busy_us: float64 ``(n_chips,)``: each chip's own ops (layers and outside), i.e.
+            ``layer_chip_us.sum(0) + outside_chip_us.sum(0)``.
+        submit_us: the step's submit overhead (part of ``infer_us``, on no chip's ops).
+        experts_priced: float64 ``(n_layers,)``: distinct experts per layer the MoE weights were
+            priced with (the caller's per-layer counts, or the expectation, uniform).
+        experts_expected: True when ``experts_priced`` is the expectation (no per-layer counts given).
+
+    Per chip ``c``: ``chip_busy_us[c] + chip_wait_us[c] + submit_us == infer_us`` (a chip not busy
+    waits at a barrier for the other).
     """
 
     kind: str
@@ -340,6 +365,35 @@ class StepCost:
     sram_bytes: float = 0.0
     graph: OpGraph | None = None
     chip_scale: tuple[float, ...] = ()
+    outside_chip_us: np.ndarray = field(default_factory=lambda: np.zeros((len(OUTSIDE_PARTS), 0)))
+    outside_chip_category_us: np.ndarray = field(
+        default_factory=lambda: np.zeros((len(OUTSIDE_PARTS), 0, len(CATEGORIES))))
+    outside_ops: tuple[tuple[str, ...], ...] = ((), ())
+    chip_busy_us: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    submit_us: float = 0.0
+    experts_priced: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    experts_expected: bool = True
+
+    @property
+    def chip_wait_us(self) -> np.ndarray:
+        """float64 ``(n_chips,)``: time each chip's timeline waits at barriers in ``infer_us``
+        (``infer_us - submit_us - chip_busy_us``, clipped at 0 against rounding)."""
+        return np.maximum(0.0, self.infer_us - self.submit_us - np.asarray(self.chip_busy_us))
+
+    def until_op(self, index: int) -> tuple[float, np.ndarray]:
+        """The step cut short at the end of op ``index`` (a fault that ends it there).
+
+        Returns ``(infer_us, chip_busy_us)``: simulated µs from the submit to the end of that op
+        on the last chip to finish it (submit overhead included), and each chip's busy µs in the
+        ops it ran up to and including it.  Raises IndexError for an index outside the graph.
+        """
+        if not 0 <= index < self.op_us.shape[0]:
+            raise IndexError(f"op {index} outside the graph's {self.op_us.shape[0]} ops")
+        scale = np.asarray(self.chip_scale or (1.0,) * self.op_start_us.shape[0])
+        runs = ~np.isnan(self.op_start_us[:, : index + 1])
+        busy = np.array([float(self.op_us[: index + 1][runs[c]].sum()) * scale[c] for c in range(runs.shape[0])])
+        ends = self.op_start_us[:, index] + self.op_us[index] * scale
+        return float(np.nanmax(ends)) + self.submit_us, busy
 
     @property
     def slowest_category_per_layer(self) -> list[str]:
@@ -361,7 +415,7 @@ class StepCost:
         """The StepCost :meth:`to_wire` described, with ``graph`` (the receiver's own copy of the
         priced graph) attached and the arrays read-only again (pickle makes them writeable)."""
         kw = dict(wire)
-        for k in ("op_us", "op_start_us", "layer_chip_us", "layer_chip_category_us"):
+        for k in _ARRAY_FIELDS:
             kw[k].flags.writeable = False
         kw["dram_bytes"] = MappingProxyType(dict(kw["dram_bytes"]))
         return cls(**kw, graph=graph)
@@ -386,7 +440,20 @@ class StepCost:
             "dram_bytes": dict(self.dram_bytes),
             "sram_bytes": self.sram_bytes,
             "chip_scale": list(self.chip_scale),
+            "outside_parts": list(OUTSIDE_PARTS),
+            "outside_ops": [list(r) for r in self.outside_ops],
+            "outside_chip_us": self.outside_chip_us.tolist(),
+            "chip_busy_us": np.asarray(self.chip_busy_us).tolist(),
+            "chip_wait_us": self.chip_wait_us.tolist(),
+            "submit_us": self.submit_us,
+            "experts_priced": np.asarray(self.experts_priced).tolist(),
+            "experts_expected": self.experts_expected,
         }
+
+
+#: StepCost's array fields (read-only; ``from_wire`` makes them so again after pickling)
+_ARRAY_FIELDS = ("op_us", "op_start_us", "layer_chip_us", "layer_chip_category_us", "outside_chip_us",
+                 "outside_chip_category_us", "chip_busy_us", "experts_priced")
 
 
 class _Prepared:
@@ -406,7 +473,13 @@ class _Prepared:
         self.cat = np.array([cat_idx[op.category] for op in ops], dtype=np.int64)
         layer = np.array([op.layer for op in ops], dtype=np.int64)
         self.is_global = layer < 0
-        self.layer_slot = np.where(self.is_global, shape.n_layers, layer)
+        # ops outside the layers go to one of two extra slots: before layer 0 ("embed") or after
+        # the last layer ("head"); see OUTSIDE_PARTS
+        first_layer_op = int(np.argmax(~self.is_global)) if (~self.is_global).any() else n
+        part = np.where(np.arange(n) < first_layer_op, 0, 1)
+        self.layer_slot = np.where(self.is_global, shape.n_layers + part, layer)
+        self.part_ops: tuple[tuple[str, ...], ...] = tuple(
+            tuple(op.role for op in ops if op.layer < 0 and part[op.index] == i) for i in range(len(OUTSIDE_PARTS)))
         self.chip_mask = np.zeros((shape.n_chips, n), dtype=bool)
         for op in ops:
             self.chip_mask[list(op.chips), op.index] = True
@@ -417,7 +490,35 @@ class _Prepared:
         self.n_seg = int(self.seg[-1]) + 1
         ncat = len(CATEGORIES)
         self.lc_index = self.layer_slot * ncat + self.cat
-        self.n_slots = (shape.n_layers + 1) * ncat
+        self.n_slots = (shape.n_layers + len(OUTSIDE_PARTS)) * ncat
+
+
+def chip_timelines(p: _Prepared, op_us: np.ndarray, scale: np.ndarray) -> dict[str, Any]:
+    """Chip timelines of one step from per-op times (simulated µs): each chip runs its ops in
+    order at its own speed (``op_us * scale[c]``) and all chips align at every barrier.
+
+    Used by :meth:`CostModel.price_step` and the batched pricing (``batching``), so both
+    attribute time the same way. Returns ``seg_len`` (per barrier segment, the slowest chip's
+    time; their sum is the graph's execution time), ``op_start`` (C, n_ops; NaN where a chip does
+    not run the op), ``layer_chip_cat`` (L, C, ncat), ``outside_chip_cat`` (2, C, ncat: the
+    ``OUTSIDE_PARTS``) and ``chip_busy`` (C,: each chip's own ops, all of them).
+    """
+    C, L = p.chip_mask.shape[0], p.graph.shape.n_layers
+    d = p.chip_mask * op_us * scale[:, None]                  # (C, n_ops)
+    seg_sum = np.stack([np.bincount(p.seg, weights=row, minlength=p.n_seg) for row in d])
+    seg_len = seg_sum.max(axis=0)
+    seg_start = np.concatenate(([0.0], np.cumsum(seg_len)[:-1]))
+    csum = np.cumsum(d, axis=1)
+    before_seg = np.concatenate((np.zeros((C, 1)), np.cumsum(seg_sum, axis=1)), axis=1)
+    # start = segment start + time of the earlier ops of the same segment on that chip
+    within = csum - d - before_seg[:, p.seg]
+    op_start = np.where(p.chip_mask, seg_start[p.seg][None, :] + within, np.nan)
+    ncat = len(CATEGORIES)
+    lcc = np.stack([np.bincount(p.lc_index, weights=row, minlength=p.n_slots) for row in d])
+    lcc = lcc.reshape(C, L + len(OUTSIDE_PARTS), ncat).transpose(1, 0, 2)   # (L+2, C, ncat)
+    return {"seg_len": seg_len, "op_start": op_start,
+            "layer_chip_cat": np.ascontiguousarray(lcc[:L]), "outside_chip_cat": np.ascontiguousarray(lcc[L:]),
+            "chip_busy": d.sum(axis=1)}
 
 
 class CostModel:
@@ -652,39 +753,42 @@ class CostModel:
         for role, idx in p.role_ops.items():
             op_us[idx] = t[role]
 
-        # Chip timelines: each chip runs its ops in order (at its own speed); all chips align at each barrier.
-        d = p.chip_mask * op_us * scale[:, None]                  # (C, n_ops)
-        seg_sum = np.stack([np.bincount(p.seg, weights=row, minlength=p.n_seg) for row in d])
-        seg_len = seg_sum.max(axis=0)
-        seg_start = np.concatenate(([0.0], np.cumsum(seg_len)[:-1]))
-        csum = np.cumsum(d, axis=1)
-        before_seg = np.concatenate((np.zeros((d.shape[0], 1)), np.cumsum(seg_sum, axis=1)), axis=1)
-        # start = segment start + time of the earlier ops of the same segment on that chip
-        within = csum - d - before_seg[:, p.seg]
-        op_start = np.where(p.chip_mask, seg_start[p.seg][None, :] + within, np.nan)
-
-        ncat = len(CATEGORIES)
-        lcc = np.stack([np.bincount(p.lc_index, weights=row, minlength=p.n_slots) for row in d])
-        lcc = lcc.reshape(shape.n_chips, L + 1, ncat).transpose(1, 0, 2)   # (L+1, C, ncat)
-        layer_chip_cat = np.ascontiguousarray(lcc[:L])
-        layer_chip = layer_chip_cat.sum(axis=2)
-        global_us = float(lcc[L].sum(axis=1).max())
-
         hw, q, f = self.hw.hardware, self.hw.quantisation, self.hw.fitted
         pcie = hw["pcie_gbps"] * 1e3
         h2d = hw["pcie_latency_us"] + (2 * n_tokens * q["token_input_bytes"] + q["csr_bytes"]) / pcie
         d2h = hw["pcie_latency_us"] + shape.logits_bytes_per_token / pcie
-        infer = float(seg_len.sum()) + f["step_submit_overhead_us"]
-        for arr in (op_us, op_start, layer_chip, layer_chip_cat):
-            arr.flags.writeable = False
-        return StepCost(
-            kind=kind, n_tokens=n_tokens, past_len=past_len,
-            h2d_us=float(h2d), infer_us=infer, d2h_us=float(d2h), total_us=float(h2d + infer + d2h),
-            layer_chip_us=layer_chip, layer_chip_category_us=layer_chip_cat, categories=CATEGORIES,
-            global_us=global_us, op_us=op_us, op_start_us=op_start,
-            dram_bytes=MappingProxyType(dram), sram_bytes=float(sram_bytes), graph=p.graph,
-            chip_scale=tuple(float(x) for x in scale),
-        )
+        return assemble_step(p, kind, n_tokens, past_len, op_us, scale, h2d_us=float(h2d), d2h_us=float(d2h),
+                             submit_us=float(f["step_submit_overhead_us"]), dram=dram, sram_bytes=float(sram_bytes),
+                             experts=touched, experts_expected=experts_touched is None)
+
+
+def assemble_step(p: _Prepared, kind: str, n_tokens: int, past_len: int, op_us: np.ndarray, scale: np.ndarray, *,
+                  h2d_us: float, d2h_us: float, submit_us: float, dram: Mapping[str, float], sram_bytes: float,
+                  experts: np.ndarray, experts_expected: bool) -> StepCost:
+    """The :class:`StepCost` of per-op times ``op_us`` on chips slowed by ``scale`` (simulated µs):
+    :func:`chip_timelines`, then ``infer = sum of barrier segments + submit_us``."""
+    tl = chip_timelines(p, op_us, scale)
+    layer_chip_cat, outside_cat = tl["layer_chip_cat"], tl["outside_chip_cat"]
+    layer_chip = layer_chip_cat.sum(axis=2)
+    outside = outside_cat.sum(axis=2)
+    # the busiest chip's time outside the layers (summed per category first, as it always was)
+    glob = outside_cat.sum(axis=0).sum(axis=1)
+    infer = float(tl["seg_len"].sum()) + submit_us
+    experts = np.array(experts, dtype=np.float64)
+    arrays = (op_us, tl["op_start"], layer_chip, layer_chip_cat, outside, outside_cat, tl["chip_busy"], experts)
+    for arr in arrays:
+        arr.flags.writeable = False
+    return StepCost(
+        kind=kind, n_tokens=n_tokens, past_len=past_len,
+        h2d_us=h2d_us, infer_us=infer, d2h_us=d2h_us, total_us=float(h2d_us + infer + d2h_us),
+        layer_chip_us=layer_chip, layer_chip_category_us=layer_chip_cat, categories=CATEGORIES,
+        global_us=float(glob.max()), op_us=op_us, op_start_us=tl["op_start"],
+        dram_bytes=MappingProxyType(dict(dram)), sram_bytes=float(sram_bytes), graph=p.graph,
+        chip_scale=tuple(float(x) for x in scale),
+        outside_chip_us=outside, outside_chip_category_us=outside_cat, outside_ops=p.part_ops,
+        chip_busy_us=tl["chip_busy"], submit_us=submit_us,
+        experts_priced=experts, experts_expected=experts_expected,
+    )
 
 
 @lru_cache(maxsize=1)

@@ -20,10 +20,12 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import psutil
 
 from sim_backend.bundle.manifest import Bundle
 from sim_backend.errors import InvalidRequestError
+from sim_backend.model.costmodel import OUTSIDE_PARTS
 from sim_backend.model.tokenizer import CHAT_TEMPLATE
 from sim_backend.model.vocab import VOCAB_SIZE
 from sim_backend.planes.snapshot import Snapshot, convert
@@ -112,7 +114,7 @@ def step_view(res: Any | None) -> dict:
                             for ci, c in enumerate(cats) if cost.layer_chip_category_us[li, :, ci].any()},
             "slowest_category": slowest[li],
         })
-    return {
+    view = {
         "kind": res.kind, "job_id": res.job_id, "seq_id": res.seq_id, "n_tokens": res.n_tokens,
         "past_len": res.past_len, "sim_us": res.sim_us, "h2d_us": cost.h2d_us, "infer_us": cost.infer_us,
         "d2h_us": cost.d2h_us, "global_us": cost.global_us, "sim_end_ms": res.sim_end_us / 1e3,
@@ -120,6 +122,41 @@ def step_view(res: Any | None) -> dict:
         "numerics": res.logits_bf16 is not None, "layers": layers,
         "batch_seq_ids": [row.seq_id for row in getattr(res, "batch", ())],
         "time_unit": "us (simulated device time); compute_wall_ms is host wall time",
+    }
+    view.update(_outside_view(cost))
+    return view
+
+
+def _outside_view(cost: Any) -> dict:
+    """The step's ops outside the layers ("embed" before layer 0, "head" after the last), each chip's
+    busy and barrier-wait time, and the experts the MoE weights were priced with (simulated µs).
+
+    Empty for a cost without them (a test's stand-in): the snapshot's defaults then say nothing.
+    """
+    outside = getattr(cost, "outside_chip_us", None)
+    busy = getattr(cost, "chip_busy_us", None)
+    if outside is None or busy is None or not np.asarray(busy).size:
+        return {}
+    cats = list(cost.categories)
+    parts = []
+    for i, name in enumerate(OUTSIDE_PARTS):
+        roles = list(cost.outside_ops[i])
+        if not roles:
+            continue
+        per_cat = cost.outside_chip_category_us[i]
+        idx = {op.role: op.index for op in cost.graph.ops if op.layer < 0} if cost.graph is not None else {}
+        slowest = max(roles, key=lambda r: float(cost.op_us[idx[r]]) if r in idx else 0.0)
+        parts.append({
+            "part": name, "ops": roles, "chip_us": [float(x) for x in outside[i]],
+            "category_us": {c: [float(x) for x in per_cat[:, ci]] for ci, c in enumerate(cats) if per_cat[:, ci].any()},
+            "slowest_op": slowest,
+        })
+    priced = np.asarray(getattr(cost, "experts_priced", ()), dtype=np.float64)
+    return {
+        "outside": parts, "chip_busy_us": [float(x) for x in np.asarray(busy)],
+        "chip_wait_us": [float(x) for x in cost.chip_wait_us], "submit_us": float(cost.submit_us),
+        "experts_priced": [float(x) for x in priced],
+        "experts_rule": "expectation" if getattr(cost, "experts_expected", True) else "per-layer counts",
     }
 
 

@@ -417,9 +417,13 @@ class MaintenancePlane:
 
         kind: ``ccu_exception`` (the next ``count`` jobs raise CCUException),
         ``kv_exhaustion`` (the next ``count`` KV applies raise KVExhausted),
-        ``link_error`` (the next ``count`` jobs raise LinkError, D2D_LINK_ERR counts them),
-        ``slow_chip`` (chip ``chip`` runs ``factor`` x slower until cleared or reset; steps
-        sync every layer, so the whole step slows). {"ok", "armed"}.
+        ``link_error`` (the next ``count`` jobs raise LinkError, D2D_LINK_ERR counts them; the
+        job stops at its first chiplet transfer, the embedding broadcast, and costs the device
+        time up to it: H2D, submit, chip0's embedding and the failed transfer, ~0.3 ms simulated,
+        see ``SimulatedBoard._book_link_error``),
+        ``slow_chip`` (chip ``chip`` runs ``factor`` x slower until cleared or reset: its own ops
+        in its own per-layer column; steps sync every layer, so the other chip waits and the whole
+        step slows). {"ok", "armed"}.
         """
         args = {"kind": kind, "count": count} | ({"chip": chip, "factor": factor} if kind == "slow_chip" else {})
 

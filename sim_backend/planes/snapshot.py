@@ -137,10 +137,32 @@ class LayerTiming(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True
     slowest_category: str
 
 
+class OutsideTiming(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Ops of a step outside the decoder layers, simulated µs per chip (and per op category per chip).
+
+    ``part``: "embed" (before layer 0: the embedding, on chip0 only, and its broadcast sync; in
+    prefill the input layout conversion) or "head" (after the last layer: final norm, LM head,
+    logits gather and sync; in prefill the output layout conversion). ``ops``: their roles in
+    execution order; ``slowest_op`` the one that costs most.
+    """
+
+    part: str
+    ops: tuple[str, ...]
+    chip_us: tuple[float, ...]
+    category_us: dict[str, tuple[float, ...]]
+    slowest_op: str
+
+
 class StepView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The last device step of a kind (all times simulated µs, but ``compute_wall_ms``: host wall).
 
     ``kind`` is None (and everything else empty) before the first step.
+
+    Per chip ``c``: the ``layers`` rows' ``chip_us[c]`` + the ``outside`` rows' ``chip_us[c]`` =
+    ``chip_busy_us[c]``, and ``chip_busy_us[c] + chip_wait_us[c] + submit_us = infer_us`` (a chip
+    waits at a barrier while the other finishes). ``experts_priced``: per layer, the distinct
+    experts the MoE weights were priced with; ``experts_rule`` "per-layer counts" (the router's
+    choices, numeric mode) or "expectation" (timing-only: the same mean for every layer).
     """
 
     kind: str | None = None
@@ -161,6 +183,12 @@ class StepView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     time_unit: str | None = None
     #: a batched decode step: the seq ids that rode in it, in order (() for a batch-1 step)
     batch_seq_ids: tuple[int, ...] = ()
+    outside: tuple[OutsideTiming, ...] = ()
+    chip_busy_us: tuple[float, ...] = ()
+    chip_wait_us: tuple[float, ...] = ()
+    submit_us: float | None = None
+    experts_priced: tuple[float, ...] = ()
+    experts_rule: str | None = None
 
 
 class BatchStepView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):

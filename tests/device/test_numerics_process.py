@@ -17,9 +17,10 @@ SHAPE, NUM = ModelShape(), NumericShape()
 def _same_cost(a, b) -> None:
     """Two StepCosts are the same pricing: every number equal (same code, same machine), graph and flags too."""
     for f in ("kind", "n_tokens", "past_len", "h2d_us", "infer_us", "d2h_us", "total_us", "global_us",
-              "categories", "chip_scale"):
+              "categories", "chip_scale", "outside_ops", "submit_us", "experts_expected"):
         assert getattr(a, f) == getattr(b, f), f
-    for f in ("op_us", "op_start_us", "layer_chip_us", "layer_chip_category_us"):
+    for f in ("op_us", "op_start_us", "layer_chip_us", "layer_chip_category_us", "outside_chip_us",
+              "outside_chip_category_us", "chip_busy_us", "experts_priced"):
         x, y = getattr(a, f), getattr(b, f)
         assert np.array_equal(x, y, equal_nan=True) and x.dtype == y.dtype, f
         assert not x.flags.writeable, f
