@@ -307,6 +307,11 @@ def moe_ffn(x: np.ndarray, ids: np.ndarray, w: np.ndarray, gate: np.ndarray, up:
     return out
 
 
+#: Largest proven bound on |attention score| for which the softmax skips its max: exp() of the raw
+#: scores stays within [e^-30, e^30], so a row's sum over any context (<= 40960 keys, FACTS F2) and the
+#: (sum x V) products stay normal and finite.
+SCORE_BOUND = 30.0
+
 #: Queries per block of the prefill attention (32 measured fastest of 32/64/128/256 at 512 and 1024
 #: tokens): the masked (future) keys a block computes and
 #: discards are at most half a block per query, and a block's scores stay cache-sized.
@@ -502,12 +507,21 @@ class ShardedModel:
         # one numpy call per op (same math, half the interpreter overhead),
         # while each chip's slice is still exactly its own shard.
         self.stacked: list[dict[str, np.ndarray]] = []
+        qh, kvh = shape.q_heads_per_chip, shape.kv_heads_per_chip
+        qk_all = np.empty((shape.n_layers, shape.n_chips, qh + kvh, num.head_dim), dtype=F32)
+        self._qk_norm_all = qk_all
         for li in range(shape.n_layers):
             st = {}
-            for key in ("wqkv", "wo", "qk_norm", "down"):
+            for key in ("wqkv", "wo", "down"):
                 st[key] = np.stack([c.layers[li][key] for c in self.chips])
                 for ci, c in enumerate(self.chips):
                     c.layers[li][key] = st[key][ci]
+            # q/k norm weights of every layer in one (L, C, heads, D) array: one call a step bounds
+            # the attention scores of all layers (``_score_bounds``)
+            st["qk_norm"] = qk_all[li]
+            qk_all[li] = np.stack([c.layers[li]["qk_norm"] for c in self.chips])
+            for ci, c in enumerate(self.chips):
+                c.layers[li]["qk_norm"] = qk_all[li, ci]
             # gate and up stacked on a leading axis (2, C, E, H, F/C): one gather and one matmul give both,
             # each still an 8-column product (fusing them as 16 columns changes BLAS's summation and the bits)
             st["gu"] = np.stack([np.stack([c.layers[li][key] for c in self.chips]) for key in ("gate", "up")])
@@ -595,47 +609,84 @@ class ShardedModel:
         out += self.lm_bias
         return out
 
+    def _score_bounds(self) -> list[bool]:
+        """Per layer, whether every attention score is provably small enough to skip the softmax's max.
+
+        q and k are RMS-normed per head before RoPE (a rotation), so |q| <= sqrt(D) * max|q_norm| and
+        likewise k; by Cauchy-Schwarz |q.k| / sqrt(D) <= sqrt(D) * max|q_norm| * max|k_norm|. Within
+        ``SCORE_BOUND`` exp() of a raw score and a row's sum stay normal and finite, and
+        softmax(s) = exp(s) / sum(exp(s)) is the same number (the max shift cancels) without the max and
+        subtract passes. Read from the live weights each step (a damaged norm weight is seen).
+        Returns n_layers bools (True: skip the max).
+        """
+        a = np.abs(self._qk_norm_all)  # (L, C, qh + kvh, D)
+        qh = self.shape.q_heads_per_chip
+        bound = a[:, :, :qh].max(axis=(1, 2, 3)) * a[:, :, qh:].max(axis=(1, 2, 3))
+        bound *= F32(np.sqrt(self.num.head_dim))
+        return (bound <= F32(SCORE_BOUND)).tolist()
+
     def _decode(self, token: int, position: int, cell: int, ctx_cells: np.ndarray) -> StepNumerics:
         """Decode step (one token) with both chips in one call per op along the chip axis.
 
-        Per chip c the math is exactly the prefill path's; the all-reduces are
-        the explicit ``sum(axis=0)`` over chips and the LM-head gather is the concat.
+        Per chip c the math is the prefill path's (summation order may differ in the last bits);
+        the all-reduces are the explicit sums over the chip axis and the LM-head gather is the
+        side-by-side halves. The softmax skips its max where ``_score_bounds`` proves it safe and
+        normalises the (heads, D) output instead of the (heads, T) probabilities.
         """
         shape, num = self.shape, self.num
-        C, D = shape.n_chips, num.head_dim
+        C, D, H = shape.n_chips, num.head_dim, num.hidden
         qh, kvh = shape.q_heads_per_chip, shape.kv_heads_per_chip
         group = shape.n_q_heads // shape.n_kv_heads
+        k_act = shape.n_experts_active
+        F = num.expert_ffn // C
+        qk_cols = (qh + kvh) * D
         scale = F32(1.0 / np.sqrt(D))
         embed = self.chips[0].embed
         assert embed is not None  # chip0 holds the embedding
-        x = embed[token].astype(F32)[None]  # (1, H) on chip0, broadcast
+        x = embed[token].astype(F32)  # (H,) on chip0, broadcast
         rope = rope_full_tables(*rope_tables(np.array([position]), D, shape.rope_theta))
+        cos_f, sin_s, rot = rope[0][0], rope[1][0], rope[2]  # (1, D): broadcast over (C, heads, D)
         idx = _cell_index(ctx_cells)
         kcache, vcache = self.k_cache, self.v_cache
-        eps, k_act = shape.rms_eps, shape.n_experts_active
+        c_n, c_eps = F32(1.0 / H), F32(shape.rms_eps)
+        d_n = F32(1.0 / D)
+        no_max = self._score_bounds()
         for li, lw in enumerate(self.weights.layers):
             st = self.stacked[li]
-            h = rms_norm(x, lw.in_norm, eps)
-            qkv = np.matmul(h, st["wqkv"])[:, 0]  # (C, cols)
-            qk = qkv[:, : (qh + kvh) * D].reshape(C, qh + kvh, D)
-            qk = apply_rope_full(rms_norm(qk, st["qk_norm"], eps), *rope)
+            # RMSNorm of one vector: a dot product and scalar arithmetic
+            h = x * (_ONE / np.sqrt(np.dot(x, x) * c_n + c_eps)) * lw.in_norm
+            qkv = np.matmul(h, st["wqkv"])  # (C, cols): a vector times the chip stack
+            qk = qkv[:, :qk_cols].reshape(C, qh + kvh, D)
+            ms = np.einsum("...i,...i->...", qk, qk)
+            ms *= d_n
+            ms += c_eps
+            np.sqrt(ms, out=ms)
+            qk = qk * np.divide(_ONE, ms, out=ms)[..., None]
+            qk *= st["qk_norm"]
+            qk = apply_rope_full(qk, cos_f, sin_s, rot)
             kcache[:, li, :, cell] = qk[:, qh:]
-            vcache[:, li, :, cell] = qkv[:, (qh + kvh) * D:].reshape(C, kvh, D)
+            vcache[:, li, :, cell] = qkv[:, qk_cols:].reshape(C, kvh, D)
             K = kcache[:, li][:, :, idx]  # (C, kvh, T, D); a view when cells are contiguous
             V = vcache[:, li][:, :, idx]
-            qg = qk[:, :qh].reshape(C, kvh, group, D) * scale
+            qg = qk[:, :qh].reshape(C, kvh, group, D)
+            qg *= scale
             sc = np.matmul(qg, K.transpose(0, 1, 3, 2))  # (C, kvh, group, T)
-            sc -= sc.max(axis=-1, keepdims=True)
+            if not no_max[li]:
+                sc -= sc.max(axis=-1, keepdims=True)
             np.exp(sc, out=sc)
-            sc /= sc.sum(axis=-1, keepdims=True)
-            o = np.matmul(sc, V).reshape(C, 1, qh * D)
-            x = x + np.matmul(o, st["wo"]).sum(axis=0)  # all-reduce over chips
-            h = rms_norm(x, lw.post_norm, eps)
-            e, w = _route1(h[0], lw.router, k_act)
-            g, u = np.matmul(h[0], st["gu"][:, :, e])  # (2, C, k, F/C): gate and up in one matmul
-            a = (g / (F32(1.0) + np.exp(-g))) * u * w[None, :, None]
-            x = x + np.matmul(a[:, :, None, :], st["down"][:, e]).sum(axis=(0, 1))  # reduce partial sums
-        last = rms_norm(x, self.weights.final_norm, eps)[0]
+            o = np.matmul(sc, V)  # (C, kvh, group, D)
+            o /= np.add.reduce(sc, axis=-1, keepdims=True)
+            x = x + np.matmul(o.reshape(C, 1, qh * D), st["wo"]).sum(axis=(0, 1))  # all-reduce over chips
+            h = x * (_ONE / np.sqrt(np.dot(x, x) * c_n + c_eps)) * lw.post_norm
+            e, w = _route1(h, lw.router, k_act)
+            g, u = np.matmul(h, st["gu"][:, :, e])  # (2, C, k, F): gate and up in one matmul
+            a = g / (_ONE + np.exp(-g))
+            a *= u
+            a *= w[:, None]
+            # each chip: its k experts' columns as one (k*F) inner product, then the reduce over chips
+            y = np.matmul(a.reshape(C, 1, k_act * F), st["down"][:, e].reshape(C, k_act * F, H))
+            x = x + y.sum(axis=(0, 1))
+        last = x * (_ONE / np.sqrt(np.dot(x, x) * c_n + c_eps)) * self.weights.final_norm
         return StepNumerics(logits=self._lm_head(last), experts_touched=[k_act] * shape.n_layers)
 
 
