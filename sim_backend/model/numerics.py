@@ -319,7 +319,7 @@ PREFILL_BLOCK = 32
 
 
 def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-                       block: int = PREFILL_BLOCK) -> np.ndarray:
+                       block: int = PREFILL_BLOCK, no_max: bool = False) -> np.ndarray:
     """Causal attention of a prefill, every KV head in one call per block of queries.
 
     q (G, n, group, D) float32 (G KV heads, ``group`` query heads each), k/v (G, T, D);
@@ -328,7 +328,12 @@ def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.nd
     only computes keys up to its last query, and only the keys past its first query are masked;
     so the masked upper triangle is skipped but for the diagonal blocks. The softmax's
     normalisation is applied to the (m, D) output, not to the (m, T) probabilities.
+
+    ``no_max``: the caller proved every score within ``SCORE_BOUND`` (``ShardedModel._score_bounds``);
+    then see :func:`_prefill_attention_no_max` (same result to float rounding, about half the passes).
     """
+    if no_max:
+        return _prefill_attention_no_max(q, k, v, q_pos, k_pos)
     G, n, group, D = q.shape
     T = k.shape[1]
     qs = q * F32(1.0 / np.sqrt(D))  # on q, not the scores: exact when D is a power of 4 (16: scale 1/4)
@@ -357,19 +362,66 @@ def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.nd
     return out
 
 
-def _moe_prefill(h: np.ndarray, ids: np.ndarray, w: np.ndarray, used: np.ndarray, gu: np.ndarray,
+#: Queries per block of :func:`_prefill_attention_no_max` (16 measured fastest of 16/32/64/128 at 256
+#: and 512 tokens).
+PREFILL_BLOCK_NO_MAX = 16
+
+
+def _prefill_attention_no_max(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
+                              k_pos: np.ndarray, block: int = PREFILL_BLOCK_NO_MAX) -> np.ndarray:
+    """``_prefill_attention`` for scores proven within ``SCORE_BOUND``: softmax without its max.
+
+    Shapes as ``_prefill_attention``. Per block: scores (one matmul), exp in place, masked keys of the
+    diagonal part zeroed (exp(-inf) is exactly 0, so the same as a -inf bias), then one matmul with
+    [V | 1] gives both the weighted sum and the softmax's denominator (no separate sum pass).
+    """
+    G, n, group, D = q.shape
+    T = k.shape[1]
+    qs = q * F32(1.0 / np.sqrt(D))  # on q, not the scores: exact when D is a power of 4 (16: scale 1/4)
+    kt = np.ascontiguousarray(k.transpose(0, 2, 1))  # (G, D, T)
+    va = np.empty((G, T, D + 1), dtype=F32)  # [V | 1]
+    va[..., :D] = v
+    va[..., D] = _ONE
+    out = np.empty((G, n, group, D), dtype=F32)
+    if T < 2 or bool(np.all(k_pos[1:] >= k_pos[:-1])):
+        ends = np.searchsorted(k_pos, q_pos, side="right").tolist()  # keys query i sees: [0, ends[i])
+        sorted_keys = True
+    else:
+        sorted_keys = False
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        m = e - s
+        qp = q_pos[s:e]
+        if sorted_keys:
+            # keys up to the block's last query; only those past its first query need the mask
+            t_end, t_vis = max(ends[s:e]), min(ends[s:e])
+        else:
+            t_end, t_vis = T, 0
+        sc = np.matmul(qs[:, s:e].reshape(G, m * group, D), kt[:, :, :t_end])  # (G, m*group, t_end)
+        np.exp(sc, out=sc)
+        if t_vis < t_end:
+            keep = k_pos[None, t_vis:t_end] <= qp[:, None]  # (m, t_end - t_vis)
+            sc.reshape(G, m, group, t_end)[..., t_vis:] *= keep[None, :, None, :]
+        o = np.matmul(sc, va[:, :t_end])  # (G, m*group, D + 1): sum(p v) | sum(p)
+        np.divide(o[..., :D], o[..., D:], out=out[:, s:e].reshape(G, m * group, D))
+    return out
+
+
+def _moe_prefill(h: np.ndarray, ids: np.ndarray, w: np.ndarray, used: np.ndarray, gue: np.ndarray,
                  down: np.ndarray) -> np.ndarray:
     """Both chips' SwiGLU expert partial sums for a prefill, every expert in one batched matmul.
 
     h (n, H) float32; ids/w (n, k) routing; used (U,) the distinct experts in ``ids`` (sorted);
-    gu (2, C, E, H, F') gate and up stacked, down (C, E, F', H) (F' = one chip's intermediate columns).
-    Returns (C, n, H) float32: chip c's partial sum. Each expert's tokens are a zero-padded row
-    group of one (U, M, H) batch; a token's k contributions are summed in ascending expert order,
-    the order ``moe_ffn``'s per-expert loop adds them.
+    gue (E, H, 2*C*F') every chip's gate then every chip's up columns of each expert side by side,
+    down (C, E, F', H) (F' = one chip's intermediate columns). Returns (C, n, H) float32: chip c's
+    partial sum. Each expert's tokens are a zero-padded row group of one (U, M, H) batch: one batched
+    matmul gives gate and up of both chips, one more each chip's down-projection; the routing weight
+    scales the F'-wide activations (not the H-wide outputs), and a token's k contributions are summed
+    in one reduction.
     """
     n, k = ids.shape
     H = h.shape[1]
-    E = gu.shape[2]
+    C, E, F = down.shape[:3]
     N = n * k
     flat_e = ids.reshape(-1)
     order = np.argsort(flat_e, kind="stable")  # assignments grouped by expert, tokens ascending
@@ -385,24 +437,17 @@ def _moe_prefill(h: np.ndarray, ids: np.ndarray, w: np.ndarray, used: np.ndarray
     Wt = np.zeros((U * M, 1), dtype=F32)
     Wt[row, 0] = w.reshape(-1)[order]
     if U < E:
-        gu, down = gu[:, :, used], down[:, used]
-    Xe = X.reshape(U, M, H)
-    C = gu.shape[1]
-    # one batched (over experts) BLAS matmul per chip and projection; never a broadcast operand,
-    # which would send matmul to numpy's non-BLAS loop
-    g = np.stack([np.matmul(Xe, gu[0, c]) for c in range(C)])  # (C, U, M, F')
-    u = np.stack([np.matmul(Xe, gu[1, c]) for c in range(C)])
-    a = (g / (F32(1.0) + np.exp(-g))) * u
-    y = np.matmul(a, down).reshape(-1, U * M, H)  # (C, U*M, H)
-    y *= Wt
+        gue, down = gue[used], down[:, used]
+    r = np.matmul(X.reshape(U, M, H), gue).reshape(U * M, 2, C * F)  # gate | up, both chips
+    g, u = r[:, 0], r[:, 1]
+    a = g / (_ONE + np.exp(-g))
+    a *= u
+    a *= Wt
+    y = np.matmul(a.reshape(U, M, C, F).transpose(2, 0, 1, 3), down).reshape(C, U * M, H)  # (C, U*M, H)
     row_of = np.empty(N, dtype=np.int64)
     row_of[order] = row  # assignment (token, j) -> its padded row
-    per_tok = np.take_along_axis(row_of.reshape(n, k), np.argsort(ids, axis=1), axis=1)  # ascending experts
-    contrib = y[:, per_tok]  # (C, n, k, H)
-    out = contrib[:, :, 0].copy()
-    for j in range(1, k):
-        out += contrib[:, :, j]
-    return out
+    # (C, k, n, H) then a sum over k: contiguous (n, H) blocks added, cheaper than reducing a middle axis
+    return np.take(y, row_of.reshape(n, k).T, axis=1).sum(axis=1)
 
 
 @dataclass
@@ -522,12 +567,14 @@ class ShardedModel:
             qk_all[li] = np.stack([c.layers[li]["qk_norm"] for c in self.chips])
             for ci, c in enumerate(self.chips):
                 c.layers[li]["qk_norm"] = qk_all[li, ci]
-            # gate and up stacked on a leading axis (2, C, E, H, F/C): one gather and one matmul give both,
-            # each still an 8-column product (fusing them as 16 columns changes BLAS's summation and the bits)
-            st["gu"] = np.stack([np.stack([c.layers[li][key] for c in self.chips]) for key in ("gate", "up")])
+            # every chip's gate and up columns of an expert side by side, (E, H, 2, C, F/C): one gather and one
+            # matmul give all four products; each chip's gate/up is a view into it
+            gue = np.stack([np.stack([c.layers[li][key] for c in self.chips], axis=2) for key in ("gate", "up")],
+                           axis=2)
             for ci, c in enumerate(self.chips):
-                c.layers[li]["gate"] = st["gu"][0, ci]
-                c.layers[li]["up"] = st["gu"][1, ci]
+                c.layers[li]["gate"] = gue[:, :, 0, ci]
+                c.layers[li]["up"] = gue[:, :, 1, ci]
+            st["gue"] = gue.reshape(gue.shape[0], gue.shape[1], -1)  # (E, H, 2*C*F/C), a view
             st["qk_norm_b"] = st["qk_norm"][:, None]  # (C, 1, heads, D): broadcasts over a prefill's tokens
             self.stacked.append(st)
         # LM head halves side by side (H, V): one BLAS matvec gives the gathered logits, column for
@@ -566,10 +613,16 @@ class ShardedModel:
         embed = self.chips[0].embed
         assert embed is not None  # chip0 holds the embedding
         x = embed[tokens].astype(F32)
-        rope = rope_full_tables(*rope_tables(positions, D, shape.rope_theta))
+        cos_f, sin_s, rot = rope_full_tables(*rope_tables(positions, D, shape.rope_theta))
+        # tables spelled out over the heads (n, qh + kvh, D): the products then run over contiguous
+        # rows instead of broadcasting a 16-wide row per (token, head)
+        cos_b = np.ascontiguousarray(np.broadcast_to(cos_f, (n, qh + kvh, D)))
+        sin_b = np.ascontiguousarray(np.broadcast_to(sin_s, (n, qh + kvh, D)))
+        d_n, c_eps = F32(1.0 / D), F32(shape.rms_eps)
         touched: list[int] = []
         ctx_index = _cell_index(ctx_cells)
         kcache, vcache = self.k_cache, self.v_cache
+        no_max = self._score_bounds()
         # both chips run each op in one call along the leading chip axis (as in _decode); chip c's
         # slice is exactly its own shard's math, and the all-reduces are sums over that axis
         for li, lw in enumerate(self.weights.layers):
@@ -579,7 +632,17 @@ class ShardedModel:
             qkv = np.matmul(np.stack((h,) * C), st["wqkv"])  # (C, n, cols)
             # q and k heads share one per-head RMSNorm + RoPE call (weights stacked)
             qk = qkv[:, :, : (qh + kvh) * D].reshape(C, n, qh + kvh, D)
-            qk = apply_rope_full(rms_norm(qk, st["qk_norm_b"], shape.rms_eps), *rope)
+            # per-head RMSNorm then RoPE, in place on one (C, n, heads, D) array
+            ms = np.einsum("...i,...i->...", qk, qk)
+            ms *= d_n
+            ms += c_eps
+            np.sqrt(ms, out=ms)
+            qk = qk * np.divide(_ONE, ms, out=ms)[..., None]
+            qk *= st["qk_norm_b"]
+            t = qk[..., rot]
+            t *= sin_b
+            qk *= cos_b
+            qk += t
             q, k = qk[:, :, :qh], qk[:, :, qh:]
             v = qkv[:, :, (qh + kvh) * D:].reshape(C, n, kvh, D)
             # KV scatter: write this step's K/V into each chip's cache cells
@@ -589,14 +652,14 @@ class ShardedModel:
             kc = kcache[:, li][:, :, ctx_index].reshape(C * kvh, T, D)  # (C*kvh, T, D): every KV head
             vc = vcache[:, li][:, :, ctx_index].reshape(C * kvh, T, D)
             qh_ = q.reshape(C, n, kvh, group, D).transpose(0, 2, 1, 3, 4).reshape(C * kvh, n, group, D)
-            o = _prefill_attention(qh_, kc, vc, positions, ctx_positions)  # (C*kvh, n, group, D)
+            o = _prefill_attention(qh_, kc, vc, positions, ctx_positions, no_max=no_max[li])  # (C*kvh, n, group, D)
             o = o.reshape(C, kvh, n, group, D).transpose(0, 2, 1, 3, 4).reshape(C, n, qh * D)
             x = x + np.matmul(o, st["wo"]).sum(axis=0)  # all-reduce (sum) over chips
             h = rms_norm(x, lw.post_norm, shape.rms_eps)
             ids, w = route(h, lw.router, shape.n_experts_active)
             used = np.unique(ids)
             touched.append(int(used.size))
-            x = x + _moe_prefill(h, ids, w, used, st["gu"], st["down"]).sum(axis=0)  # reduce partial sums
+            x = x + _moe_prefill(h, ids, w, used, st["gue"], st["down"]).sum(axis=0)  # reduce partial sums
         last = rms_norm(x[-1:], self.weights.final_norm, shape.rms_eps)[0]
         return StepNumerics(logits=self._lm_head(last), experts_touched=touched)
 
@@ -679,12 +742,13 @@ class ShardedModel:
             x = x + np.matmul(o.reshape(C, 1, qh * D), st["wo"]).sum(axis=(0, 1))  # all-reduce over chips
             h = x * (_ONE / np.sqrt(np.dot(x, x) * c_n + c_eps)) * lw.post_norm
             e, w = _route1(h, lw.router, k_act)
-            g, u = np.matmul(h, st["gu"][:, :, e])  # (2, C, k, F): gate and up in one matmul
+            r = np.matmul(h, st["gue"][e]).reshape(k_act, 2, C, F)  # gate and up of both chips in one matmul
+            g = r[:, 0]
             a = g / (_ONE + np.exp(-g))
-            a *= u
-            a *= w[:, None]
+            a *= r[:, 1]
+            a *= w[:, None, None]
             # each chip: its k experts' columns as one (k*F) inner product, then the reduce over chips
-            y = np.matmul(a.reshape(C, 1, k_act * F), st["down"][:, e].reshape(C, k_act * F, H))
+            y = np.matmul(a.transpose(1, 0, 2).reshape(C, 1, k_act * F), st["down"][:, e].reshape(C, k_act * F, H))
             x = x + y.sum(axis=(0, 1))
         last = x * (_ONE / np.sqrt(np.dot(x, x) * c_n + c_eps)) * self.weights.final_norm
         return StepNumerics(logits=self._lm_head(last), experts_touched=[k_act] * shape.n_layers)
