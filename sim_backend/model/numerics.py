@@ -773,7 +773,8 @@ class ShardedModel:
             a *= r[:, 1]
             a *= w[:, None, None]
             # each chip: its k experts' columns as one (k*F) inner product, then the reduce over chips
-            y = np.matmul(a.transpose(1, 0, 2).reshape(C, 1, k_act * F), np.take(st["down"], e, axis=1).reshape(C, k_act * F, H))
+            dn = np.take(st["down"], e, axis=1).reshape(C, k_act * F, H)
+            y = np.matmul(a.transpose(1, 0, 2).reshape(C, 1, k_act * F), dn)
             x = x + y.sum(axis=(0, 1))
         last = x * (_ONE / np.sqrt(np.dot(x, x) * c_n + c_eps)) * self.weights.final_norm
         return StepNumerics(logits=self._lm_head(last), experts_touched=[k_act] * shape.n_layers)
