@@ -179,7 +179,9 @@ def apply_rope_full(x: np.ndarray, cos_full: np.ndarray, sin_signed: np.ndarray,
     """``apply_rope`` in four numpy calls, same bits: x*[c, c] + x[..., rot]*[-s, s] (a - b*s equals
     a + b*(-s) exactly in IEEE arithmetic). x (..., n, heads, D); tables from :func:`rope_full_tables`."""
     out = x * cos_full
-    out += x[..., rot] * sin_signed
+    t = np.take(x, rot, axis=-1)  # np.take's result is C-ordered; x[..., rot]'s is not (slow products)
+    t *= sin_signed
+    out += t
     return out
 
 
@@ -307,6 +309,11 @@ def moe_ffn(x: np.ndarray, ids: np.ndarray, w: np.ndarray, gate: np.ndarray, up:
     return out
 
 
+#: Largest proven bound on |attention score| for which the softmax skips its max: exp() of the raw
+#: scores stays within [e^-30, e^30], so a row's sum over any context (<= 40960 keys, FACTS F2) and the
+#: (sum x V) products stay normal and finite.
+SCORE_BOUND = 30.0
+
 #: Queries per block of the prefill attention (32 measured fastest of 32/64/128/256 at 512 and 1024
 #: tokens): the masked (future) keys a block computes and
 #: discards are at most half a block per query, and a block's scores stay cache-sized.
@@ -314,7 +321,7 @@ PREFILL_BLOCK = 32
 
 
 def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-                       block: int = PREFILL_BLOCK) -> np.ndarray:
+                       block: int = PREFILL_BLOCK, no_max: bool = False) -> np.ndarray:
     """Causal attention of a prefill, every KV head in one call per block of queries.
 
     q (G, n, group, D) float32 (G KV heads, ``group`` query heads each), k/v (G, T, D);
@@ -323,7 +330,12 @@ def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.nd
     only computes keys up to its last query, and only the keys past its first query are masked;
     so the masked upper triangle is skipped but for the diagonal blocks. The softmax's
     normalisation is applied to the (m, D) output, not to the (m, T) probabilities.
+
+    ``no_max``: the caller proved every score within ``SCORE_BOUND`` (``ShardedModel._score_bounds``);
+    then see :func:`_prefill_attention_no_max` (same result to float rounding, about half the passes).
     """
+    if no_max:
+        return _prefill_attention_no_max(q, k, v, q_pos, k_pos)
     G, n, group, D = q.shape
     T = k.shape[1]
     qs = q * F32(1.0 / np.sqrt(D))  # on q, not the scores: exact when D is a power of 4 (16: scale 1/4)
@@ -352,19 +364,83 @@ def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.nd
     return out
 
 
-def _moe_prefill(h: np.ndarray, ids: np.ndarray, w: np.ndarray, used: np.ndarray, gu: np.ndarray,
+#: Queries per block of :func:`_prefill_attention_no_max`: 8 measured fastest of 4/8/16/32 at 128-512
+#: tokens (CPU ms a layer at 256: 2.57 / 2.16 / 2.57 / 3.36); a block's scores stay within the L2 cache.
+PREFILL_BLOCK_NO_MAX = 8
+
+
+def _prefill_attention_no_max(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
+                              k_pos: np.ndarray, block: int = PREFILL_BLOCK_NO_MAX) -> np.ndarray:
+    """``_prefill_attention`` for scores proven within ``SCORE_BOUND``: softmax without its max.
+
+    Shapes as ``_prefill_attention``. Per block: scores (one matmul), exp in place, masked keys of the
+    diagonal part zeroed (exp(-inf) is exactly 0, so the same as a -inf bias), then one matmul with
+    [V | 1] gives both the weighted sum and the softmax's denominator (no separate sum pass).
+    """
+    G, n, group, D = q.shape
+    T = k.shape[1]
+    qs = q * F32(1.0 / np.sqrt(D))  # on q, not the scores: exact when D is a power of 4 (16: scale 1/4)
+    kt = np.ascontiguousarray(k.transpose(0, 2, 1))  # (G, D, T)
+    va = np.empty((G, T, D + 1), dtype=F32)  # [V | 1]
+    va[..., :D] = v
+    va[..., D] = _ONE
+    oa = np.empty((G, n * group, D + 1), dtype=F32)  # sum(p v) | sum(p), normalised once at the end
+    qf = qs.reshape(G, n * group, D)
+    if T < 2 or bool(np.all(k_pos[1:] >= k_pos[:-1])):
+        ends = np.searchsorted(k_pos, q_pos, side="right").tolist()  # keys query i sees: [0, ends[i])
+        sorted_keys = True
+    else:
+        sorted_keys = False
+    # the usual prefill: the last n keys are the queries, one position apart. Then every full block's
+    # masked keys are the same strict upper triangle of its (block, block - 1) diagonal part, zeroed
+    # through precomputed flat indices (a strided multiply per block costs twice as much)
+    P = T - n
+    tri_rows = tri_cols = None
+    if (sorted_keys and n > 1 and P >= 0 and block > 1 and int(q_pos[-1]) - int(q_pos[0]) == n - 1
+            and np.array_equal(k_pos[P:], q_pos) and (P == 0 or k_pos[P - 1] < q_pos[0])):
+        i, j = np.nonzero(np.arange(block - 1)[None, :] >= np.arange(block)[:, None])  # key j masked for query i
+        rows = (np.arange(G)[:, None, None] * (block * group) + i[None, :, None] * group
+                + np.arange(group)[None, None, :])
+        tri_rows = rows.reshape(-1)
+        tri_cols = np.broadcast_to(j[None, :, None], rows.shape).reshape(-1)
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        m = e - s
+        if sorted_keys:
+            # keys up to the block's last query; only those past its first query need the mask
+            t_end, t_vis = max(ends[s:e]), min(ends[s:e])
+        else:
+            t_end, t_vis = T, 0
+        sc = np.matmul(qf[:, s * group:e * group], kt[:, :, :t_end])  # (G, m*group, t_end)
+        np.exp(sc, out=sc)
+        if t_vis < t_end:
+            if tri_rows is not None and m == block:
+                flat = tri_rows * t_end
+                flat += tri_cols
+                flat += t_vis
+                sc.reshape(-1)[flat] = 0
+            else:
+                keep = k_pos[None, t_vis:t_end] <= q_pos[s:e, None]  # (m, t_end - t_vis)
+                sc.reshape(G, m, group, t_end)[..., t_vis:] *= keep[None, :, None, :]
+        np.matmul(sc, va[:, :t_end], out=oa[:, s * group:e * group])
+    return (oa[..., :D] / oa[..., D:]).reshape(G, n, group, D)
+
+
+def _moe_prefill(h: np.ndarray, ids: np.ndarray, w: np.ndarray, used: np.ndarray, gue: np.ndarray,
                  down: np.ndarray) -> np.ndarray:
     """Both chips' SwiGLU expert partial sums for a prefill, every expert in one batched matmul.
 
     h (n, H) float32; ids/w (n, k) routing; used (U,) the distinct experts in ``ids`` (sorted);
-    gu (2, C, E, H, F') gate and up stacked, down (C, E, F', H) (F' = one chip's intermediate columns).
-    Returns (C, n, H) float32: chip c's partial sum. Each expert's tokens are a zero-padded row
-    group of one (U, M, H) batch; a token's k contributions are summed in ascending expert order,
-    the order ``moe_ffn``'s per-expert loop adds them.
+    gue (E, H, 2*C*F') every chip's gate then every chip's up columns of each expert side by side,
+    down (C, E, F', H) (F' = one chip's intermediate columns). Returns (C, n, H) float32: chip c's
+    partial sum. Each expert's tokens are a zero-padded row group of one (U, M, H) batch: one batched
+    matmul gives gate and up of both chips, one more each chip's down-projection; the routing weight
+    scales the F'-wide activations (not the H-wide outputs), and a token's k contributions are summed
+    in one reduction.
     """
     n, k = ids.shape
     H = h.shape[1]
-    E = gu.shape[2]
+    C, E, F = down.shape[:3]
     N = n * k
     flat_e = ids.reshape(-1)
     order = np.argsort(flat_e, kind="stable")  # assignments grouped by expert, tokens ascending
@@ -380,24 +456,17 @@ def _moe_prefill(h: np.ndarray, ids: np.ndarray, w: np.ndarray, used: np.ndarray
     Wt = np.zeros((U * M, 1), dtype=F32)
     Wt[row, 0] = w.reshape(-1)[order]
     if U < E:
-        gu, down = gu[:, :, used], down[:, used]
-    Xe = X.reshape(U, M, H)
-    C = gu.shape[1]
-    # one batched (over experts) BLAS matmul per chip and projection; never a broadcast operand,
-    # which would send matmul to numpy's non-BLAS loop
-    g = np.stack([np.matmul(Xe, gu[0, c]) for c in range(C)])  # (C, U, M, F')
-    u = np.stack([np.matmul(Xe, gu[1, c]) for c in range(C)])
-    a = (g / (F32(1.0) + np.exp(-g))) * u
-    y = np.matmul(a, down).reshape(-1, U * M, H)  # (C, U*M, H)
-    y *= Wt
+        gue, down = gue[used], np.take(down, used, axis=1)
+    r = np.matmul(X.reshape(U, M, H), gue).reshape(U * M, 2, C * F)  # gate | up, both chips
+    g, u = r[:, 0], r[:, 1]
+    a = g / (_ONE + np.exp(-g))
+    a *= u
+    a *= Wt
+    y = np.matmul(a.reshape(U, M, C, F).transpose(2, 0, 1, 3), down).reshape(C, U * M, H)  # (C, U*M, H)
     row_of = np.empty(N, dtype=np.int64)
     row_of[order] = row  # assignment (token, j) -> its padded row
-    per_tok = np.take_along_axis(row_of.reshape(n, k), np.argsort(ids, axis=1), axis=1)  # ascending experts
-    contrib = y[:, per_tok]  # (C, n, k, H)
-    out = contrib[:, :, 0].copy()
-    for j in range(1, k):
-        out += contrib[:, :, j]
-    return out
+    # (C, k, n, H) then a sum over k: contiguous (n, H) blocks added, cheaper than reducing a middle axis
+    return np.take(y, row_of.reshape(n, k).T, axis=1).sum(axis=1)
 
 
 @dataclass
@@ -480,6 +549,12 @@ def _cell_index(cells: np.ndarray) -> slice | np.ndarray:
     return cells
 
 
+def _cells(cache: np.ndarray, index: slice | np.ndarray) -> np.ndarray:
+    """A layer's cache (C, kvh, cells, D) at a sequence's cells: a view for a slice, else a C-ordered
+    gather (``np.take``; fancy indexing on a middle axis returns a strided layout that slows the matmuls)."""
+    return cache[:, :, index] if isinstance(index, slice) else np.take(cache, index, axis=2)
+
+
 class ShardedModel:
     """The model as the device runs it: two ``ChipShard`` s with reduce/gather between them.
 
@@ -502,18 +577,29 @@ class ShardedModel:
         # one numpy call per op (same math, half the interpreter overhead),
         # while each chip's slice is still exactly its own shard.
         self.stacked: list[dict[str, np.ndarray]] = []
+        qh, kvh = shape.q_heads_per_chip, shape.kv_heads_per_chip
+        qk_all = np.empty((shape.n_layers, shape.n_chips, qh + kvh, num.head_dim), dtype=F32)
+        self._qk_norm_all = qk_all
         for li in range(shape.n_layers):
             st = {}
-            for key in ("wqkv", "wo", "qk_norm", "down"):
+            for key in ("wqkv", "wo", "down"):
                 st[key] = np.stack([c.layers[li][key] for c in self.chips])
                 for ci, c in enumerate(self.chips):
                     c.layers[li][key] = st[key][ci]
-            # gate and up stacked on a leading axis (2, C, E, H, F/C): one gather and one matmul give both,
-            # each still an 8-column product (fusing them as 16 columns changes BLAS's summation and the bits)
-            st["gu"] = np.stack([np.stack([c.layers[li][key] for c in self.chips]) for key in ("gate", "up")])
+            # q/k norm weights of every layer in one (L, C, heads, D) array: one call a step bounds
+            # the attention scores of all layers (``_score_bounds``)
+            st["qk_norm"] = qk_all[li]
+            qk_all[li] = np.stack([c.layers[li]["qk_norm"] for c in self.chips])
             for ci, c in enumerate(self.chips):
-                c.layers[li]["gate"] = st["gu"][0, ci]
-                c.layers[li]["up"] = st["gu"][1, ci]
+                c.layers[li]["qk_norm"] = qk_all[li, ci]
+            # every chip's gate and up columns of an expert side by side, (E, H, 2, C, F/C): one gather and one
+            # matmul give all four products; each chip's gate/up is a view into it
+            gue = np.stack([np.stack([c.layers[li][key] for c in self.chips], axis=2) for key in ("gate", "up")],
+                           axis=2)
+            for ci, c in enumerate(self.chips):
+                c.layers[li]["gate"] = gue[:, :, 0, ci]
+                c.layers[li]["up"] = gue[:, :, 1, ci]
+            st["gue"] = gue.reshape(gue.shape[0], gue.shape[1], -1)  # (E, H, 2*C*F/C), a view
             st["qk_norm_b"] = st["qk_norm"][:, None]  # (C, 1, heads, D): broadcasts over a prefill's tokens
             self.stacked.append(st)
         # LM head halves side by side (H, V): one BLAS matvec gives the gathered logits, column for
@@ -552,10 +638,16 @@ class ShardedModel:
         embed = self.chips[0].embed
         assert embed is not None  # chip0 holds the embedding
         x = embed[tokens].astype(F32)
-        rope = rope_full_tables(*rope_tables(positions, D, shape.rope_theta))
+        cos_f, sin_s, rot = rope_full_tables(*rope_tables(positions, D, shape.rope_theta))
+        # tables spelled out over the heads (n, qh + kvh, D): the products then run over contiguous
+        # rows instead of broadcasting a 16-wide row per (token, head)
+        cos_b = np.ascontiguousarray(np.broadcast_to(cos_f, (n, qh + kvh, D)))
+        sin_b = np.ascontiguousarray(np.broadcast_to(sin_s, (n, qh + kvh, D)))
+        d_n, c_eps = F32(1.0 / D), F32(shape.rms_eps)
         touched: list[int] = []
         ctx_index = _cell_index(ctx_cells)
         kcache, vcache = self.k_cache, self.v_cache
+        no_max = self._score_bounds()
         # both chips run each op in one call along the leading chip axis (as in _decode); chip c's
         # slice is exactly its own shard's math, and the all-reduces are sums over that axis
         for li, lw in enumerate(self.weights.layers):
@@ -565,24 +657,34 @@ class ShardedModel:
             qkv = np.matmul(np.stack((h,) * C), st["wqkv"])  # (C, n, cols)
             # q and k heads share one per-head RMSNorm + RoPE call (weights stacked)
             qk = qkv[:, :, : (qh + kvh) * D].reshape(C, n, qh + kvh, D)
-            qk = apply_rope_full(rms_norm(qk, st["qk_norm_b"], shape.rms_eps), *rope)
+            # per-head RMSNorm then RoPE, in place on one (C, n, heads, D) array
+            ms = np.einsum("...i,...i->...", qk, qk)
+            ms *= d_n
+            ms += c_eps
+            np.sqrt(ms, out=ms)
+            qk = qk * np.divide(_ONE, ms, out=ms)[..., None]
+            qk *= st["qk_norm_b"]
+            t = np.take(qk, rot, axis=-1)  # C-ordered (x[..., rot] is not, and the product then runs 5x slower)
+            t *= sin_b
+            qk *= cos_b
+            qk += t
             q, k = qk[:, :, :qh], qk[:, :, qh:]
             v = qkv[:, :, (qh + kvh) * D:].reshape(C, n, kvh, D)
             # KV scatter: write this step's K/V into each chip's cache cells
             kcache[:, li][:, :, new_cells] = k.transpose(0, 2, 1, 3)
             vcache[:, li][:, :, new_cells] = v.transpose(0, 2, 1, 3)
             T = ctx_cells.shape[0]
-            kc = kcache[:, li][:, :, ctx_index].reshape(C * kvh, T, D)  # (C*kvh, T, D): every KV head
-            vc = vcache[:, li][:, :, ctx_index].reshape(C * kvh, T, D)
+            kc = _cells(kcache[:, li], ctx_index).reshape(C * kvh, T, D)  # (C*kvh, T, D): every KV head
+            vc = _cells(vcache[:, li], ctx_index).reshape(C * kvh, T, D)
             qh_ = q.reshape(C, n, kvh, group, D).transpose(0, 2, 1, 3, 4).reshape(C * kvh, n, group, D)
-            o = _prefill_attention(qh_, kc, vc, positions, ctx_positions)  # (C*kvh, n, group, D)
+            o = _prefill_attention(qh_, kc, vc, positions, ctx_positions, no_max=no_max[li])  # (C*kvh, n, group, D)
             o = o.reshape(C, kvh, n, group, D).transpose(0, 2, 1, 3, 4).reshape(C, n, qh * D)
             x = x + np.matmul(o, st["wo"]).sum(axis=0)  # all-reduce (sum) over chips
             h = rms_norm(x, lw.post_norm, shape.rms_eps)
             ids, w = route(h, lw.router, shape.n_experts_active)
             used = np.unique(ids)
             touched.append(int(used.size))
-            x = x + _moe_prefill(h, ids, w, used, st["gu"], st["down"]).sum(axis=0)  # reduce partial sums
+            x = x + _moe_prefill(h, ids, w, used, st["gue"], st["down"]).sum(axis=0)  # reduce partial sums
         last = rms_norm(x[-1:], self.weights.final_norm, shape.rms_eps)[0]
         return StepNumerics(logits=self._lm_head(last), experts_touched=touched)
 
@@ -595,47 +697,86 @@ class ShardedModel:
         out += self.lm_bias
         return out
 
+    def _score_bounds(self) -> list[bool]:
+        """Per layer, whether every attention score is provably small enough to skip the softmax's max.
+
+        q and k are RMS-normed per head before RoPE (a rotation), so |q| <= sqrt(D) * max|q_norm| and
+        likewise k; by Cauchy-Schwarz |q.k| / sqrt(D) <= sqrt(D) * max|q_norm| * max|k_norm|. Within
+        ``SCORE_BOUND`` exp() of a raw score and a row's sum stay normal and finite, and
+        softmax(s) = exp(s) / sum(exp(s)) is the same number (the max shift cancels) without the max and
+        subtract passes. Read from the live weights each step (a damaged norm weight is seen).
+        Returns n_layers bools (True: skip the max).
+        """
+        a = np.abs(self._qk_norm_all)  # (L, C, qh + kvh, D)
+        qh = self.shape.q_heads_per_chip
+        bound = a[:, :, :qh].max(axis=(1, 2, 3)) * a[:, :, qh:].max(axis=(1, 2, 3))
+        bound *= F32(np.sqrt(self.num.head_dim))
+        return (bound <= F32(SCORE_BOUND)).tolist()
+
     def _decode(self, token: int, position: int, cell: int, ctx_cells: np.ndarray) -> StepNumerics:
         """Decode step (one token) with both chips in one call per op along the chip axis.
 
-        Per chip c the math is exactly the prefill path's; the all-reduces are
-        the explicit ``sum(axis=0)`` over chips and the LM-head gather is the concat.
+        Per chip c the math is the prefill path's (summation order may differ in the last bits);
+        the all-reduces are the explicit sums over the chip axis and the LM-head gather is the
+        side-by-side halves. The softmax skips its max where ``_score_bounds`` proves it safe and
+        normalises the (heads, D) output instead of the (heads, T) probabilities.
         """
         shape, num = self.shape, self.num
-        C, D = shape.n_chips, num.head_dim
+        C, D, H = shape.n_chips, num.head_dim, num.hidden
         qh, kvh = shape.q_heads_per_chip, shape.kv_heads_per_chip
         group = shape.n_q_heads // shape.n_kv_heads
+        k_act = shape.n_experts_active
+        F = num.expert_ffn // C
+        qk_cols = (qh + kvh) * D
         scale = F32(1.0 / np.sqrt(D))
         embed = self.chips[0].embed
         assert embed is not None  # chip0 holds the embedding
-        x = embed[token].astype(F32)[None]  # (1, H) on chip0, broadcast
+        x = embed[token].astype(F32)  # (H,) on chip0, broadcast
         rope = rope_full_tables(*rope_tables(np.array([position]), D, shape.rope_theta))
+        cos_f, sin_s, rot = rope[0][0], rope[1][0], rope[2]  # (1, D): broadcast over (C, heads, D)
         idx = _cell_index(ctx_cells)
         kcache, vcache = self.k_cache, self.v_cache
-        eps, k_act = shape.rms_eps, shape.n_experts_active
+        c_n, c_eps = F32(1.0 / H), F32(shape.rms_eps)
+        d_n = F32(1.0 / D)
+        no_max = self._score_bounds()
         for li, lw in enumerate(self.weights.layers):
             st = self.stacked[li]
-            h = rms_norm(x, lw.in_norm, eps)
-            qkv = np.matmul(h, st["wqkv"])[:, 0]  # (C, cols)
-            qk = qkv[:, : (qh + kvh) * D].reshape(C, qh + kvh, D)
-            qk = apply_rope_full(rms_norm(qk, st["qk_norm"], eps), *rope)
+            # RMSNorm of one vector: a dot product and scalar arithmetic
+            h = x * (_ONE / np.sqrt(np.dot(x, x) * c_n + c_eps)) * lw.in_norm
+            qkv = np.matmul(h, st["wqkv"])  # (C, cols): a vector times the chip stack
+            qk = qkv[:, :qk_cols].reshape(C, qh + kvh, D)
+            ms = np.einsum("...i,...i->...", qk, qk)
+            ms *= d_n
+            ms += c_eps
+            np.sqrt(ms, out=ms)
+            qk = qk * np.divide(_ONE, ms, out=ms)[..., None]
+            qk *= st["qk_norm"]
+            qk = apply_rope_full(qk, cos_f, sin_s, rot)
             kcache[:, li, :, cell] = qk[:, qh:]
-            vcache[:, li, :, cell] = qkv[:, (qh + kvh) * D:].reshape(C, kvh, D)
-            K = kcache[:, li][:, :, idx]  # (C, kvh, T, D); a view when cells are contiguous
-            V = vcache[:, li][:, :, idx]
-            qg = qk[:, :qh].reshape(C, kvh, group, D) * scale
+            vcache[:, li, :, cell] = qkv[:, qk_cols:].reshape(C, kvh, D)
+            K = _cells(kcache[:, li], idx)  # (C, kvh, T, D); a view when cells are contiguous
+            V = _cells(vcache[:, li], idx)
+            qg = qk[:, :qh].reshape(C, kvh, group, D)
+            qg *= scale
             sc = np.matmul(qg, K.transpose(0, 1, 3, 2))  # (C, kvh, group, T)
-            sc -= sc.max(axis=-1, keepdims=True)
+            if not no_max[li]:
+                sc -= sc.max(axis=-1, keepdims=True)
             np.exp(sc, out=sc)
-            sc /= sc.sum(axis=-1, keepdims=True)
-            o = np.matmul(sc, V).reshape(C, 1, qh * D)
-            x = x + np.matmul(o, st["wo"]).sum(axis=0)  # all-reduce over chips
-            h = rms_norm(x, lw.post_norm, eps)
-            e, w = _route1(h[0], lw.router, k_act)
-            g, u = np.matmul(h[0], st["gu"][:, :, e])  # (2, C, k, F/C): gate and up in one matmul
-            a = (g / (F32(1.0) + np.exp(-g))) * u * w[None, :, None]
-            x = x + np.matmul(a[:, :, None, :], st["down"][:, e]).sum(axis=(0, 1))  # reduce partial sums
-        last = rms_norm(x, self.weights.final_norm, eps)[0]
+            o = np.matmul(sc, V)  # (C, kvh, group, D)
+            o /= np.add.reduce(sc, axis=-1, keepdims=True)
+            x = x + np.matmul(o.reshape(C, 1, qh * D), st["wo"]).sum(axis=(0, 1))  # all-reduce over chips
+            h = x * (_ONE / np.sqrt(np.dot(x, x) * c_n + c_eps)) * lw.post_norm
+            e, w = _route1(h, lw.router, k_act)
+            r = np.matmul(h, st["gue"][e]).reshape(k_act, 2, C, F)  # gate and up of both chips in one matmul
+            g = r[:, 0]
+            a = g / (_ONE + np.exp(-g))
+            a *= r[:, 1]
+            a *= w[:, None, None]
+            # each chip: its k experts' columns as one (k*F) inner product, then the reduce over chips
+            dn = np.take(st["down"], e, axis=1).reshape(C, k_act * F, H)
+            y = np.matmul(a.transpose(1, 0, 2).reshape(C, 1, k_act * F), dn)
+            x = x + y.sum(axis=(0, 1))
+        last = x * (_ONE / np.sqrt(np.dot(x, x) * c_n + c_eps)) * self.weights.final_norm
         return StepNumerics(logits=self._lm_head(last), experts_touched=[k_act] * shape.n_layers)
 
 

@@ -114,3 +114,61 @@ def test_step_numerics_converts_to_bf16_once():
     assert given.bf16() is bits
     with pytest.raises(ValueError, match="no logits"):
         StepNumerics(logits=None, experts_touched=[8]).bf16()
+
+
+def test_softmax_without_max_only_where_scores_are_bounded_and_the_fallback_matches_reference():
+    """The attention softmax skips its max only when the q/k norm weights prove |score| <= SCORE_BOUND;
+    a layer whose q_norm is scaled 60x (its raw scores then overflow exp(), so skipping the max there
+    gives NaN) takes the max-subtracting path, and both paths give the single-device reference's logits
+    (prefill, then decode)."""
+    import copy
+    import dataclasses
+
+    from sim_backend.model.numerics import SCORE_BOUND
+
+    shape = SHAPE.with_layers(4)
+    w = copy.deepcopy(make_weights(shape, NUM))
+    w.layers[2] = dataclasses.replace(w.layers[2], q_norm=w.layers[2].q_norm * np.float32(60.0))
+    sharded = ShardedModel(shape, NUM, n_cells=64, weights=w)
+    ref = ReferenceModel(shape, NUM, w)
+    assert sharded._score_bounds() == [True, True, False, True]
+    qn, kn = np.abs(w.layers[2].q_norm).max(), np.abs(w.layers[2].k_norm).max()
+    assert np.sqrt(NUM.head_dim) * qn * kn > SCORE_BOUND  # the bound the check uses, past the limit
+    prompt = np.random.default_rng(3).integers(0, 151000, 21)  # 21 tokens: full and partial query blocks
+    pos = np.arange(prompt.size)
+    a = sharded.forward(prompt, pos, pos, pos, pos)
+    b = ref.forward(prompt, pos)
+    np.testing.assert_allclose(a.logits, b.logits, atol=2e-4, rtol=1e-4)
+    tok = int(np.argmax(b.logits))
+    p = np.array([prompt.size])
+    ctx = np.arange(prompt.size + 1)
+    a = sharded.forward(np.array([tok]), p, p, ctx, ctx)
+    b = ref.forward(np.array([tok]), p)
+    np.testing.assert_allclose(a.logits, b.logits, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n,past,stride", [(37, 0, 1), (16, 11, 1), (9, 4, 3), (1, 7, 1)])
+def test_prefill_attention_without_max_equals_the_max_path(n, past, stride):
+    """Blocked causal attention: the no-max path (precomputed diagonal masks for contiguous positions,
+    the general mask otherwise) equals the max-subtracting path; partial blocks and a chunk after past keys."""
+    from sim_backend.model.numerics import _prefill_attention
+
+    rng = np.random.default_rng(n + past)
+
+    def unit(*s):
+        x = rng.standard_normal(s, dtype=np.float32)
+        return x / np.sqrt((x * x).mean(-1, keepdims=True))
+
+    G, group, D = 4, 8, NUM.head_dim
+    q, k = unit(G, n, group, D), unit(G, past + n, D)
+    v = rng.standard_normal((G, past + n, D), dtype=np.float32)
+    k_pos = np.arange(past + n) * stride
+    q_pos = k_pos[past:]
+    fast = _prefill_attention(q, k, v, q_pos, k_pos, no_max=True)
+    slow = _prefill_attention(q, k, v, q_pos, k_pos, no_max=False)
+    np.testing.assert_allclose(fast, slow, atol=1e-5, rtol=1e-5)
+    # the last query sees every key: its output is the plain softmax average
+    s = np.einsum("gnd,gtd->gnt", q[:, -1] / np.sqrt(D), k)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    np.testing.assert_allclose(fast[:, -1], np.einsum("gnt,gtd->gnd", p, v), atol=1e-5)
