@@ -152,6 +152,19 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x * (_ONE / np.sqrt(ms + c[1])) * w
 
 
+def head_rms_norm(qk: np.ndarray, w: np.ndarray, d_n: np.float32, c_eps: np.float32) -> np.ndarray:
+    """Per-head RMSNorm over the last axis, the hot paths' form: ``qk`` (..., D) float32, ``w``
+    broadcastable to it, ``d_n`` = float32(1/D), ``c_eps`` = float32(eps). Returns a new array
+    (same operations and bits as :func:`rms_norm`'s in-line form, in place on the mean-square)."""
+    ms = np.einsum("...i,...i->...", qk, qk)
+    ms *= d_n
+    ms += c_eps
+    np.sqrt(ms, out=ms)
+    out = qk * np.divide(_ONE, ms, out=ms)[..., None]
+    out *= w
+    return out
+
+
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin tables (n, head_dim/2) for NeoX-style (rotate-half) RoPE, float32."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
@@ -658,12 +671,7 @@ class ShardedModel:
             # q and k heads share one per-head RMSNorm + RoPE call (weights stacked)
             qk = qkv[:, :, : (qh + kvh) * D].reshape(C, n, qh + kvh, D)
             # per-head RMSNorm then RoPE, in place on one (C, n, heads, D) array
-            ms = np.einsum("...i,...i->...", qk, qk)
-            ms *= d_n
-            ms += c_eps
-            np.sqrt(ms, out=ms)
-            qk = qk * np.divide(_ONE, ms, out=ms)[..., None]
-            qk *= st["qk_norm_b"]
+            qk = head_rms_norm(qk, st["qk_norm_b"], d_n, c_eps)
             t = np.take(qk, rot, axis=-1)  # C-ordered (x[..., rot] is not, and the product then runs 5x slower)
             t *= sin_b
             qk *= cos_b
@@ -745,12 +753,7 @@ class ShardedModel:
             h = x * (_ONE / np.sqrt(np.dot(x, x) * c_n + c_eps)) * lw.in_norm
             qkv = np.matmul(h, st["wqkv"])  # (C, cols): a vector times the chip stack
             qk = qkv[:, :qk_cols].reshape(C, qh + kvh, D)
-            ms = np.einsum("...i,...i->...", qk, qk)
-            ms *= d_n
-            ms += c_eps
-            np.sqrt(ms, out=ms)
-            qk = qk * np.divide(_ONE, ms, out=ms)[..., None]
-            qk *= st["qk_norm"]
+            qk = head_rms_norm(qk, st["qk_norm"], d_n, c_eps)
             qk = apply_rope_full(qk, cos_f, sin_s, rot)
             kcache[:, li, :, cell] = qk[:, qh:]
             vcache[:, li, :, cell] = qkv[:, qk_cols:].reshape(C, kvh, D)
