@@ -668,7 +668,9 @@ def layers_heatmap(step: dict, by: str = "chip", width: int = 80) -> Any:
     legend = Text(" " * label_w + "scale 0 ")
     for i in range(len(HEAT_STEPS)):
         legend.append("██", style=HEAT_STEPS[i])
-    legend.append(f" {top:.0f} µs sim per layer (one scale for every row)", style="grey62")
+    # a category's cell is both chips' time: say so, or its max reads above the layer's own time
+    legend.append(f" {top:.0f} µs sim per layer{', both chips summed' if by != 'chip' else ''} "
+                  "(one scale for every row)", style="grey62")
     out.append_text(legend)
     outside = step.get("outside") or ()
     if outside:  # not cells on the scale: the LM head alone is ~6 layers and would wash the layers out

@@ -73,3 +73,25 @@ async def test_a_fault_that_fires_later_gets_the_rows_its_line_needs():
         need = len(plain(render.device_table(fired), width=dev.content_region.width).rstrip("\n").splitlines())
         assert need > before
         assert dev.size.height >= need
+
+
+def test_bench_realtime_says_when_no_measured_length_keeps_real_time():
+    # "numeric prompt limit ...: 0 tokens" beside "prefill 128 tok: 1.00": the RTF was 0.998
+    from calconsole.commands.bench_realtime import limit_line
+
+    rep = {"worker": {"prefill_rtf": {"128": 0.998, "256": 0.58}}, "numeric_limit_tokens": 0}
+    line = limit_line(rep, ["worker"])
+    assert "0 tokens" not in line and "none of the measured" in line and "128 tokens fell behind (RTF 0.998" in line
+    rep = {"worker": {"prefill_rtf": {"128": 1.2, "256": 0.58}}, "numeric_limit_tokens": 128}
+    assert limit_line(rep, ["worker"]).endswith(": 128 tokens; 256 tokens fell behind (RTF 0.580 < 1)")
+    rep = {"in_process": {"prefill_rtf": {"8": 3.0}}, "numeric_limit_tokens": 8}
+    assert limit_line(rep, ["in_process"]).endswith(": 8 tokens")
+
+
+def test_category_heatmap_says_its_cells_sum_both_chips():
+    # "moe_dense_group max 5705 µs ... µs sim per layer" beside a layer of ~3035 µs per chip
+    step = SCRIPTED["last_decode"]
+    cats = render.layers_heatmap(step, "category", 120).plain
+    moe = max(sum(lay["category_us"]["moe_dense_group"]) for lay in step["layers"])
+    assert f"max {moe:.0f} µs" in cats and "both chips summed" in cats
+    assert "both chips summed" not in render.layers_heatmap(step, "chip", 120).plain
