@@ -82,7 +82,7 @@ def add_connect_options(p: argparse.ArgumentParser, *, admin: bool = True, top_l
 def ignored_simulator_options(args: argparse.Namespace) -> list[str]:
     """The simulator options given on the command line (``--host-time modeled`` ...), as typed
     (``finalize`` records which); with ``--connect`` they cannot apply: the server built its device."""
-    given = getattr(args, "given_options", frozenset())
+    given: frozenset[str] = getattr(args, "given_options", frozenset())
     out = []
     for opt, key in (("--bundle", "bundle"), ("--pacing", "pacing"), ("--speed", "speed"),
                      ("--timing-only", "timing_only"), ("--numeric-limit", "numeric_limit"),
