@@ -83,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
         print("    prefill " + "  ".join(f"{k} tok: {v:.2f} ({r['prefill_wall_ms'][k]:.0f} ms wall / "
                                          f"{r['prefill_sim_ms'][k]:.0f} ms sim)" for k, v in r["prefill_rtf"].items()))
         print(f"    numpy calls per decode step in this process: {r['numpy_calls_per_decode_step']}")
-    print(f"  numeric prompt limit (longest measured prompt whose prefill keeps real time): "
-          f"{rep['numeric_limit_tokens']} tokens")
+    print("  " + limit_line(rep, backends))
     if args.ui:
         u = rep["ui"]
         for k in ("streaming", "end_of_reply"):
@@ -137,3 +136,19 @@ async def _ui(max_tokens: int) -> dict:
     r["gc"] = summary([p for p in pauses if first_key is None or p[2] >= first_key])
     r["gc_startup"] = summary([p for p in pauses if first_key is not None and p[2] < first_key])
     return r
+
+
+def limit_line(rep: dict[str, Any], backends: list[str]) -> str:
+    """The numeric prompt limit as a sentence: the length, or that none of the measured lengths kept real
+    time (not "0 tokens"), with the RTF of the first length that fell behind to 3 decimals (an RTF of
+    0.998 prints as 1.00 in the table above)."""
+    src = rep.get("worker") or rep[backends[0]]
+    rtf = src["prefill_rtf"]
+    limit = rep["numeric_limit_tokens"]
+    miss = next((n for n in sorted(rtf, key=int) if int(n) > limit), None)
+    behind = f"{miss} tokens fell behind (RTF {rtf[miss]:.3f} < 1)" if miss is not None else ""
+    if limit == 0:
+        return ("numeric prompt limit: none of the measured prompt lengths keeps real time on this host "
+                f"(the shortest, {behind}); every prompt would run timing-only")
+    return (f"numeric prompt limit (longest measured prompt whose prefill keeps real time): {limit} tokens"
+            + (f"; {behind}" if behind else ""))

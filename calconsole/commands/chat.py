@@ -73,8 +73,9 @@ def register(sub, common) -> None:
         "chat", help="generate one reply headless and print it",
         description="Generate one reply through the serving engine. The weights are synthetic, so the text "
                     "is not meaningful; tokens, timings and KV are real products of the run. All timings "
-                    "(prompt_ms, predicted_ms, ttft_ms, ...) are SIMULATED device milliseconds, with measured "
-                    "host work (tokenize, sampling, detokenize) included on the same clock. Invalid parameters "
+                    "(prompt_ms, predicted_ms, ttft_ms, ...) are SIMULATED milliseconds: device time plus the host "
+                    "work booked on the same clock (--host-time: the fitted allowance per token by default, or "
+                    "this machine's measured work). Invalid parameters "
                     "exit with code 2. Without --connect the reply comes from a fresh in-process simulator; with "
                     "--connect URL from the live device a server runs (its /v1/chat/completions stream).")
     p.add_argument("prompt", help="user message ('-' reads stdin, at most 8 MiB); taken as UTF-8 whatever the "
@@ -85,7 +86,8 @@ def register(sub, common) -> None:
     p.add_argument("--json", action="store_true",
                    help='print {"text","tokens","stop_type","status","seed","timings":{...}}: llama.cpp timings '
                         '(prompt_n, prompt_ms, predicted_n, predicted_ms, ...) plus ttft_ms, tpot_ms, itl_ms, '
-                        'e2e_ms, queue_ms in simulated ms; host_ms is measured host time')
+                        'e2e_ms, queue_ms in simulated ms; host_ms is measured host time, host_booked_ms what was '
+                        'booked on the simulated clock and host_time how (modeled / measured)')
     p.set_defaults(func=run)
 
 

@@ -32,7 +32,9 @@ NUMERIC_LIMIT_RANGE = (1, 40960)
 
 def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_level: bool = False) -> None:
     def d(name: str):
-        return COMMON_DEFAULTS[name] if top_level else argparse.SUPPRESS
+        # SUPPRESS at the top level too: finalize fills the defaults and so knows what was given
+        # (with --connect a given simulator option is named as not applied)
+        return argparse.SUPPRESS
 
     g = p.add_argument_group("simulator")
     g.add_argument("--bundle", metavar="DIR", default=d("bundle"),
@@ -77,6 +79,20 @@ def add_connect_options(p: argparse.ArgumentParser, *, admin: bool = True, top_l
                             "$CALCONSOLE_ADMIN_KEY)")
 
 
+def ignored_simulator_options(args: argparse.Namespace) -> list[str]:
+    """The simulator options given on the command line (``--host-time modeled`` ...), as typed
+    (``finalize`` records which); with ``--connect`` they cannot apply: the server built its device."""
+    given: frozenset[str] = getattr(args, "given_options", frozenset())
+    out = []
+    for opt, key in (("--bundle", "bundle"), ("--pacing", "pacing"), ("--speed", "speed"),
+                     ("--timing-only", "timing_only"), ("--numeric-limit", "numeric_limit"),
+                     ("--host-time", "host_time"), ("--slots", "slots")):
+        if key in given:
+            v = getattr(args, key)
+            out.append(opt if v is True else f"{opt} {v:g}" if isinstance(v, float) else f"{opt} {v}")
+    return out
+
+
 def connect_from_args(args: argparse.Namespace, *, admin: bool = False):
     """The ``RemoteSystem`` of ``--connect`` (keys from the files or the environment).
 
@@ -102,6 +118,10 @@ def connect_from_args(args: argparse.Namespace, *, admin: bool = False):
         raise ValueError("maintenance over HTTP needs the server's admin key: give --admin-key-file "
                          "(or $CALCONSOLE_ADMIN_KEY)")
     url = args.connect
+    ignored = ignored_simulator_options(args)
+    if ignored:  # the server's device answers as the server was started: say so, do not look obeyed
+        print(f"note: {', '.join(ignored)}: with --connect the simulator options are the server's, "
+              "not applied here", file=sys.stderr)
     try:
         return connect(url, api_key=api, admin_key=adm)
     except ServerUnreachable as e:
@@ -132,6 +152,10 @@ def device_origin(system: Any) -> str:
 
 def finalize(args: argparse.Namespace) -> argparse.Namespace:
     """Fill shared options not given anywhere; pacing defaults per command (console: realtime, headless: fast)."""
+    given = {k for k in COMMON_DEFAULTS if hasattr(args, k)}
+    if getattr(args, "pacing", None) is not None:
+        given.add("pacing")
+    args.given_options = frozenset(given)
     for k, v in COMMON_DEFAULTS.items():
         if not hasattr(args, k):
             setattr(args, k, v)

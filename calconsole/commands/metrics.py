@@ -4,9 +4,10 @@ By default prints the registry of a freshly built simulator (counters at 0); wit
 ``--connect URL`` the live device's (the server's ``/metrics``).
 ``--warmup N`` first runs a short scripted workload of N requests (timing-only
 unless ``--numerics``) so the histograms have samples. Latencies are
-SIMULATED device seconds (Prometheus base unit), with measured host work
-included on the same clock. TTFT and ITL count every request that produced
-tokens (cancelled or failed ones too); E2E and TPOT finished requests only.
+SIMULATED seconds (Prometheus base unit): device time plus the host work
+booked on the same clock (``--host-time``: modeled by default, or measured).
+TTFT and ITL count every request that produced tokens (cancelled or failed
+ones too); E2E and TPOT finished requests only.
 """
 
 from __future__ import annotations

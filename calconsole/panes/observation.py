@@ -398,8 +398,12 @@ class ObservationPane(VerticalScroll):
                    snap["memory"], self.compact)
             if self._shown.get("#obs-device") != dev:
                 self._shown["#obs-device"] = dev
-                self._update("#obs-device", render.device_table(snap, self.compact, self.settings),
-                             (len(snap["device"]["chiplets"]), self.compact))
+                table = render.device_table(snap, self.compact, self.settings)
+                # the faults line wraps: its length is part of the shape (a fault that fired later
+                # kept the rows of "faults none", its detail cut, until something else moved)
+                faults = table.renderables[-1]
+                self._update("#obs-device", table, (len(snap["device"]["chiplets"]), self.compact,
+                                                    len(faults.plain) if isinstance(faults, Text) else None))
         if "thresholds" in visible:
             header = render.header_line(snap, self.settings, self.compact)
             if self._shown.get("#obs-header") != header.plain:

@@ -372,7 +372,9 @@ class ServingFace:
                        "pacing_speed": dev.pacing_speed, "step_timeout_s": self.inference.step_timeout_s,
                        "maintenance_routes": self.maintenance is not None,
                        "findings": msgspec.to_builtins(snap.findings),
-                       "clock": "timings are simulated device ms"},
+                       # which host work the timings book (--host-time): a client comparing runs
+                       # (bench matrix records this key) cannot tell modeled from measured otherwise
+                       "clock": f"timings are {snap.requests.get('clock') or 'simulated device ms'}"},
         })
 
     async def slots(self, request: Request) -> Response:

@@ -442,8 +442,10 @@ def device_table(snap: dict, compact: bool = False, settings=None) -> Group:
     tot = [sum(m.get("dram", (0, 0, 0))[i] for m in mems) for i in range(3)]
     stot = [sum(m.get("sram", (0, 0, 0))[i] for m in mems) for i in range(3)]
     jobs = [] if compact else [str(snap["jobs"]["finished"])]
-    mode = mode_text(d)
-    if compact:  # the name and the lease are in the header line; the mode in 5 cells
+    # the mode word only: the lease holder is in the header line and the pane's border (in the cell
+    # "exclusive (lease: root@host)" took the width of busy, jobs and health, shown as "…")
+    mode = Text(d.get("mode", "serving"), style=mode_text(d).style)
+    if compact:  # and the mode in 5 cells
         mode = Text({"serving": "serve", "draining": "drain", "exclusive": "excl"}.get(d.get("mode", ""), "?"),
                     style=mode.style)
     t.add_row(Text("board" if compact else d["name"], style="bold"), _health(d, compact), mode,
@@ -666,7 +668,9 @@ def layers_heatmap(step: dict, by: str = "chip", width: int = 80) -> Any:
     legend = Text(" " * label_w + "scale 0 ")
     for i in range(len(HEAT_STEPS)):
         legend.append("██", style=HEAT_STEPS[i])
-    legend.append(f" {top:.0f} µs sim per layer (one scale for every row)", style="grey62")
+    # a category's cell is both chips' time: say so, or its max reads above the layer's own time
+    legend.append(f" {top:.0f} µs sim per layer{', both chips summed' if by != 'chip' else ''} "
+                  "(one scale for every row)", style="grey62")
     out.append_text(legend)
     outside = step.get("outside") or ()
     if outside:  # not cells on the scale: the LM head alone is ~6 layers and would wash the layers out

@@ -64,6 +64,9 @@ MAINTENANCE_REASON = "device in maintenance"
 #: KV sequence id used by health checks, the golden self-test and probe requests (never a slot).
 SCRATCH_SEQ = 63
 FAULT_KINDS = ("ccu_exception", "kv_exhaustion", "link_error", "slow_chip")
+#: the names the snapshot shows for an armed / fired fault, accepted as the kind they name
+#: (``faults_armed`` lists "d2d_link_error x1", and inject_fault refused "d2d_link_error")
+FAULT_ALIASES = {"d2d_link_error": "link_error"}
 
 
 class MaintenancePlane:
@@ -417,14 +420,15 @@ class MaintenancePlane:
 
         kind: ``ccu_exception`` (the next ``count`` jobs raise CCUException),
         ``kv_exhaustion`` (the next ``count`` KV applies raise KVExhausted),
-        ``link_error`` (the next ``count`` jobs raise LinkError, D2D_LINK_ERR counts them; the
-        job stops at its first chiplet transfer, the embedding broadcast, and costs the device
-        time up to it: H2D, submit, chip0's embedding and the failed transfer, ~0.3 ms simulated,
-        see ``SimulatedBoard._book_link_error``),
+        ``link_error`` (also ``d2d_link_error``, its name in the snapshot: the next ``count`` jobs
+        raise LinkError, D2D_LINK_ERR counts them; the job stops at its first chiplet transfer,
+        the embedding broadcast, and costs the device time up to it: H2D, submit, chip0's
+        embedding and the failed transfer, ~0.3 ms simulated, see ``SimulatedBoard._book_link_error``),
         ``slow_chip`` (chip ``chip`` runs ``factor`` x slower until cleared or reset: its own ops
         in its own per-layer column; steps sync every layer, so the other chip waits and the whole
         step slows). {"ok", "armed"}.
         """
+        kind = FAULT_ALIASES.get(kind, kind) if isinstance(kind, str) else kind
         args = {"kind": kind, "count": count} | ({"chip": chip, "factor": factor} if kind == "slow_chip" else {})
 
         def go() -> dict:

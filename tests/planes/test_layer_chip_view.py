@@ -116,3 +116,16 @@ def test_link_error_costs_the_failed_transfer_on_the_link_not_a_step(make_system
 def _probe_tokens(system) -> int:
     """Prompt tokens of the maintenance probe "hi" (chat template included)."""
     return system.inference.count_prompt_tokens(ChatRequest.from_prompt("hi", max_tokens=2))
+
+
+def test_the_link_error_is_armed_by_the_name_the_snapshot_shows(make_system):
+    # faults_armed said "d2d_link_error x1", and inject_fault(kind="d2d_link_error") was refused as unknown
+    system = make_system(numerics=False)
+    m = system.maintenance
+    lease = m.enter_exclusive("alice")
+    rep = m.inject_fault(lease, "d2d_link_error")
+    assert rep["armed"] == ["d2d_link_error x1"]
+    assert system.observation.snapshot().device.faults_armed == ("d2d_link_error x1",)
+    assert m.probe_request(lease, "hi", 2)["error"]["type"] == "LinkError"
+    assert m.audit.entries()[-2]["args"]["kind"] == "link_error"  # audited as the kind it armed
+    m.leave_exclusive(lease)

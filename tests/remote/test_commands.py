@@ -99,3 +99,17 @@ def test_an_unreachable_server_is_one_line_and_exit_code_2(capsys: Any) -> None:
 def test_the_console_refuses_connect_with_listen(capsys: Any) -> None:
     assert main(["--connect", "http://127.0.0.1:1", "--listen", "127.0.0.1:0"]) == 2
     assert "give one" in capsys.readouterr().err
+
+
+def test_simulator_options_with_connect_are_named_as_not_applied(make_server: Any, capsys: Any) -> None:
+    # `chat --connect URL --host-time modeled --json` printed the server's measured timings and said nothing
+    s = make_server(system_kw={"host_time": "measured"})
+    assert main(["chat", "hi", "--max-tokens", "2", "--json", "--connect", s.url, "--host-time", "modeled",
+                 "--timing-only", "--slots", "2"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["timings"]["host_time"] == "measured"  # the server's, as it was started
+    note = [line for line in out.err.splitlines() if line.startswith("note:")]
+    assert note == ["note: --timing-only, --host-time modeled, --slots 2: with --connect the simulator options "
+                    "are the server's, not applied here"]
+    assert main(["chat", "hi", "--max-tokens", "2", "--json", "--connect", s.url]) == 0
+    assert "note:" not in capsys.readouterr().err

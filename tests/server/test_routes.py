@@ -360,3 +360,11 @@ def test_non_streaming_client_that_gives_up_cancels(make_server):
         httpx.post(s.url + CHAT, json=body, timeout=httpx.Timeout(60, read=1.0))
     assert wait_until(lambda: obs.snapshot().requests["counters"]["cancelled"] == 1)
     assert obs.snapshot().slots[0].state == "idle" and obs.snapshot().kv.used_tokens == 0
+
+
+def test_props_says_which_host_work_the_timings_book(make_server):
+    # /props said "timings are simulated device ms" whether the server books modeled or measured host work
+    for mode in ("modeled", "measured"):
+        s = make_server(system_kw={"host_time": mode})
+        clock = httpx.get(s.url + "/props").json()["device"]["clock"]
+        assert clock.startswith("timings are simulated device ms") and f"host work {mode}" in clock, clock

@@ -1,0 +1,97 @@
+"""Regressions found by a first-time user / breaker pass (session 4, trial 4)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from rich.console import Console
+from textual.app import App
+from textual.widgets import Static
+
+from calconsole.panes.observation import ObservationPane
+from calconsole.settings import Settings
+from calconsole.widgets import render
+
+CSS = Path(__file__).resolve().parents[2] / "calconsole" / "styles.tcss"
+SCRIPTED = json.loads((Path(__file__).parent / "data" / "scripted_snapshot.json").read_text())
+
+
+def plain(renderable, width: int) -> str:
+    console = Console(width=width, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
+    console.print(renderable)
+    return console.export_text()
+
+
+def _quiet(snap: dict) -> dict:
+    """The scripted snapshot with no fault: a one-line faults row."""
+    s = copy.deepcopy(SCRIPTED)
+    d = s["device"]
+    d.update(faults_fired=[], faults_in_effect=[], faults_armed=[], d2d_link_errors=0, status="ok", mode="serving",
+             lease_holder=None)
+    for c in d["chiplets"]:
+        c.update(slow_factor=1.0, ccu_exceptions=0, state="ready")
+    return s
+
+
+def test_exclusive_mode_leaves_the_device_table_its_columns():
+    # the board's state cell said "exclusive (lease: root@console)": at the 160x48 layout's pane width
+    # (79 columns inside) it took the width of busy and jobs, shown as "…", and cut dev and health
+    snap = _quiet(SCRIPTED)
+    snap["device"].update(mode="exclusive", lease_holder="root@console")
+    table = plain(render.device_table(snap), width=79).split("faults")[0]
+    assert "…" not in table
+    rows = table.splitlines()
+    assert rows[0].split()[:5] == ["dev", "health", "state", "busy", "jobs"]
+    assert rows[1].split()[:3] == ["calculet0", "ok", "exclusive"]
+
+
+class OnePane(App):
+    CSS_PATH = str(CSS)
+
+    def compose(self):
+        yield ObservationPane(Settings(), id="observation", classes="pane")
+
+
+async def test_a_fault_that_fires_later_gets_the_rows_its_line_needs():
+    # the device section was re-laid out only when its chip count changed: a faults line that grew to
+    # three rows (a link error's detail) kept the one row it had, cut, until something else moved
+    quiet = _quiet(SCRIPTED)
+    fired = copy.deepcopy(quiet)
+    fired["device"].update(status="fault", d2d_link_errors=1, faults_fired=[
+        {"fault": "d2d_link_error", "detail": "chip0->chip1 embedding broadcast, job 129 (prefill)"}])
+    app = OnePane()
+    async with app.run_test(size=(81, 48)) as pilot:
+        pane = app.query_one(ObservationPane)
+        pane.update_snapshot(quiet)
+        await pilot.pause(0.2)
+        dev = app.query_one("#obs-device", Static)
+        before = dev.size.height
+        pane.update_snapshot(fired)
+        await pilot.pause(0.2)
+        need = len(plain(render.device_table(fired), width=dev.content_region.width).rstrip("\n").splitlines())
+        assert need > before
+        assert dev.size.height >= need
+
+
+def test_bench_realtime_says_when_no_measured_length_keeps_real_time():
+    # "numeric prompt limit ...: 0 tokens" beside "prefill 128 tok: 1.00": the RTF was 0.998
+    from calconsole.commands.bench_realtime import limit_line
+
+    rep = {"worker": {"prefill_rtf": {"128": 0.998, "256": 0.58}}, "numeric_limit_tokens": 0}
+    line = limit_line(rep, ["worker"])
+    assert "0 tokens" not in line and "none of the measured" in line and "128 tokens fell behind (RTF 0.998" in line
+    rep = {"worker": {"prefill_rtf": {"128": 1.2, "256": 0.58}}, "numeric_limit_tokens": 128}
+    assert limit_line(rep, ["worker"]).endswith(": 128 tokens; 256 tokens fell behind (RTF 0.580 < 1)")
+    rep = {"in_process": {"prefill_rtf": {"8": 3.0}}, "numeric_limit_tokens": 8}
+    assert limit_line(rep, ["in_process"]).endswith(": 8 tokens")
+
+
+def test_category_heatmap_says_its_cells_sum_both_chips():
+    # "moe_dense_group max 5705 µs ... µs sim per layer" beside a layer of ~3035 µs per chip
+    step = SCRIPTED["last_decode"]
+    cats = render.layers_heatmap(step, "category", 120).plain
+    moe = max(sum(lay["category_us"]["moe_dense_group"]) for lay in step["layers"])
+    assert f"max {moe:.0f} µs" in cats and "both chips summed" in cats
+    assert "both chips summed" not in render.layers_heatmap(step, "chip", 120).plain
