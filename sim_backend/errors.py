@@ -99,9 +99,15 @@ class RequestCancelled(CalError):
 # --- device / runtime -------------------------------------------------------
 
 class DeviceError(CalError):
-    """A runtime call on the (simulated) device failed. ``code`` is a CalRT-like status."""
+    """A runtime call on the (simulated) device failed. ``code`` is a CalRT-like status.
+
+    ``device_ms``: the simulated device time the failed job occupied before it failed, as
+    ``{"h2d", "infer", "d2h"}`` in simulated ms, or None when it occupied none (the engine adds
+    it to the request's ``Timings.device_ms``, so the parts still add up to what the clock moved).
+    """
 
     code = -1
+    device_ms: dict[str, float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"code": self.code, "message": str(self), "type": type(self).__name__}

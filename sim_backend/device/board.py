@@ -397,9 +397,11 @@ class SimulatedBoard:
         if faults.take("link_error_next", f"chip0->chip1 embedding broadcast, job {job.id} ({job.kind})"):
             self.registers.bump("D2D_LINK_ERR")
             spent = self._book_link_error(job)
-            self._fail(job, JobState.FAILED, LinkError(
+            err = LinkError(
                 f"D2D link error between chip0 and chip1 in job {job.id}: the embedding broadcast failed"
-                + (f" after {spent:.1f} µs simulated" if spent is not None else "") + ", injected fault"))
+                + (f" after {sum(spent.values()) * 1e3:.1f} µs simulated" if spent else "") + ", injected fault")
+            err.device_ms = spent
+            self._fail(job, JobState.FAILED, err)
             return
         model = self.model
         if self._memory_cleared or (job.numeric and model is None):
@@ -471,8 +473,9 @@ class SimulatedBoard:
     #: the op an injected link error hits: the step's first chiplet-to-chiplet transfer
     LINK_ERROR_OP = "embed_sync"
 
-    def _book_link_error(self, job: Job) -> float | None:
-        """Book the simulated time a job failed by a D2D link error occupied; returns it (µs) or None.
+    def _book_link_error(self, job: Job) -> dict[str, float] | None:
+        """Book the simulated time a job failed by a D2D link error occupied; returns its parts,
+        ``{"h2d": ms, "infer": ms, "d2h": 0.0}`` (simulated ms, as ``Timings.device_ms``), or None.
 
         A link error is detected on a transfer, so the step runs up to that transfer and stops there:
         the injected one hits the step's first chiplet exchange, the embedding broadcast
@@ -509,7 +512,7 @@ class SimulatedBoard:
             self._board_busy_us += sim_us
             for c in range(self.shape.n_chips):
                 self._chip_busy_us[c] += float(busy[c])
-        return sim_us
+        return {"h2d": float(cost.h2d_us) / 1e3, "infer": infer_us / 1e3, "d2h": 0.0}
 
     def _run_batch(self, job: Job, model: Any) -> tuple[tuple[BatchRow, ...], Any]:
         """Numerics of every numeric row, one after another (each its own batch-1 forward), and

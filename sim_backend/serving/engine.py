@@ -117,6 +117,13 @@ from sim_backend.serving.metrics import SLO, MetricsRegistry, percentiles, reque
 log = logging.getLogger(__name__)
 
 
+def _add_device_ms(r: _Request, e: DeviceError) -> None:
+    """Add the simulated device time a failed job occupied (``DeviceError.device_ms``) to the request's parts."""
+    for k, v in (e.device_ms or {}).items():
+        if k in r.device:
+            r.device[k] += float(v)
+
+
 class Engine(KVPressure):
     """Slots + admission + scheduler thread over a ``RuntimeSession`` (its only door to the device).
 
@@ -669,6 +676,7 @@ class Engine(KVPressure):
         except DeviceError as e:
             job.discard()  # a timed-out job returns its buffers to the pool when it ends
             with self._lock:
+                _add_device_ms(r, e)
                 self._end_locked(r, "failed", "none", _err(e))
             return
         self._after_step(r, res, info)
@@ -815,6 +823,7 @@ class Engine(KVPressure):
             job.discard()
             with self._lock:
                 for r in b.members:
+                    _add_device_ms(r, e)  # each rider's timings carry the batched step, as when it succeeds
                     self._end_locked(r, "failed", "none", _err(e))
             return
         self.batch_log.append({"job_id": res.job_id, "occupancy": len(res.batch), "capacity": self.decode_batch,

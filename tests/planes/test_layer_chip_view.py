@@ -129,3 +129,20 @@ def test_the_link_error_is_armed_by_the_name_the_snapshot_shows(make_system):
     assert m.probe_request(lease, "hi", 2)["error"]["type"] == "LinkError"
     assert m.audit.entries()[-2]["args"]["kind"] == "link_error"  # audited as the kind it armed
     m.leave_exclusive(lease)
+
+
+def test_a_request_failed_by_a_link_error_reports_the_device_time_it_used(make_system):
+    """The failed job's simulated time shows in the request's device parts (it was h2d/infer 0 while
+    prompt_ms held the 0.3 ms), so the parts still add up to what the clock moved."""
+    system = make_system(numerics=False)
+    m = system.maintenance
+    lease = m.enter_exclusive("alice")
+    m.inject_fault(lease, "link_error")
+    m.leave_exclusive(lease)
+    board0 = system.board.busy_us
+    res = system.inference.generate(ChatRequest.from_prompt("hi", max_tokens=4), timeout=30)
+    assert res.status == "failed" and res.error["type"] == "LinkError"
+    spent_ms = (system.board.busy_us - board0) / 1e3
+    dev = res.timings.device_ms
+    assert dev["d2h"] == 0.0 and dev["h2d"] > 0 and dev["infer"] > 0
+    assert sum(dev.values()) == pytest.approx(spent_ms, rel=1e-9)
