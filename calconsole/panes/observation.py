@@ -56,7 +56,7 @@ class ObservationPane(VerticalScroll):
         Binding("g", "next_graph", "next graph"),
         Binding("m", "toggle_compact", "compact"),
         Binding("left_square_bracket", "select_section(-1)", "previous section", show=False),
-        Binding("right_square_bracket", "select_section(1)", "section"),
+        Binding("right_square_bracket", "select_section(1)", "next section"),
         Binding("z", "fold_section", "fold"),
         Binding("Z", "unfold_all", "unfold every section", show=False),
         Binding("left_curly_bracket", "move_section(-1)", "move section up", show=False),
