@@ -219,3 +219,9 @@ class MaintenanceRefused(CalError):
         self.action = action
         self.reason = reason
         super().__init__(f"{action} refused: {reason}")
+
+
+class MaintenanceArgumentError(MaintenanceRefused):
+    """A maintenance action was refused for an argument of the wrong value or form (an unknown fault
+    kind, a count out of range, a register that does not exist): the caller's mistake, not the
+    device's state. Over HTTP a 400 ``invalid_request_error``; other refusals are 403."""

@@ -11,6 +11,12 @@ the plane is called (wrong admin key, missing / unknown / expired lease, wrong d
 audited by the face as ``granted: false`` events. Granted lease renewals are not audited (one
 every few seconds would bury the log); refused ones are.
 
+Status of a refusal: 400 ``invalid_request_error`` for a bad argument (a body that does not parse, a
+field of the wrong type, ``MaintenanceArgumentError`` from the plane: an unknown fault kind, a count
+or chip out of range, no such register); 403 ``permission_error`` when the device's state or the
+lease does not allow the action now (no exclusive mode, a lease that is not the current one,
+another holder, a read-only register); 401 for a wrong admin key.
+
 Routes (POST with a JSON body unless GET):
     GET  /maintenance/status                      mode, holder, lease expiry, faults, memory state
     GET  /maintenance/audit?limit=N               the last N audit entries (default 100)
@@ -38,7 +44,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from sim_backend.planes import CalError, Lease, MaintenanceRefused, audit_origin
+from sim_backend.planes import CalError, Lease, MaintenanceArgumentError, MaintenanceRefused, audit_origin
 
 from . import wire
 from .face import ServingFace, remote_of
@@ -71,7 +77,9 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
 
         try:
             return await face.call(run)
-        except MaintenanceRefused as e:
+        except MaintenanceArgumentError as e:  # the caller's argument: llama-server's 400
+            err = HTTPError(400, "invalid_request_error", str(e))
+        except MaintenanceRefused as e:  # the device's state or the lease: not allowed now
             err = HTTPError(403, "permission_error", str(e))
         except CalError as e:
             err = wire.from_cal_error(e)

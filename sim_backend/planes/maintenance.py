@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from sim_backend.errors import CalError, DeviceError, KVExhausted, MaintenanceRefused
+from sim_backend.errors import CalError, DeviceError, KVExhausted, MaintenanceArgumentError, MaintenanceRefused
 from sim_backend.model.bf16 import bf16_to_f32
 from sim_backend.model.vocab import EOS_IDS, IM_START
 from sim_backend.planes.audit import AuditLog, AuditLogError
@@ -199,7 +199,7 @@ class MaintenancePlane:
 
         def go() -> Lease:
             if not isinstance(timeout, (int, float)) or not 0 <= timeout <= 600:
-                raise MaintenanceRefused("enter_exclusive", f"drain_timeout_s must be in [0, 600] s, got {timeout!r}")
+                raise MaintenanceArgumentError("enter_exclusive", f"drain_timeout_s must be in [0, 600] s, got {timeout!r}")
             _check_holder(holder, "enter_exclusive")
             with self._lock:
                 if self._lease is not None or self._mode != "serving":
@@ -350,7 +350,7 @@ class MaintenancePlane:
         """The dump file to create: a new regular file, never the audit log, in an existing directory
         (only the default dump directory is created). MaintenanceRefused says why not."""
         if not isinstance(path, (str, Path)) or str(path).strip() == "" or "\0" in str(path):
-            raise MaintenanceRefused("dump", f"path must be a file name, got {path!r}")
+            raise MaintenanceArgumentError("dump", f"path must be a file name, got {path!r}")
         p = Path(path).expanduser()
         if default:
             try:
@@ -433,17 +433,17 @@ class MaintenancePlane:
 
         def go() -> dict:
             if kind not in FAULT_KINDS:
-                raise MaintenanceRefused("inject_fault", f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
+                raise MaintenanceArgumentError("inject_fault", f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
             if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1000:
-                raise MaintenanceRefused("inject_fault", f"count must be 1..1000, got {count!r}")
+                raise MaintenanceArgumentError("inject_fault", f"count must be 1..1000, got {count!r}")
             if kind == "slow_chip":
                 if isinstance(chip, bool) or isinstance(factor, bool):
-                    raise MaintenanceRefused("inject_fault", "chip and factor must be numbers, not true/false")
+                    raise MaintenanceArgumentError("inject_fault", "chip and factor must be numbers, not true/false")
                 n_chips = self._mon.shape.n_chips
                 if chip not in range(n_chips):
-                    raise MaintenanceRefused("inject_fault", f"no chip {chip} (device has {n_chips})")
+                    raise MaintenanceArgumentError("inject_fault", f"no chip {chip} (device has {n_chips})")
                 if not (isinstance(factor, (int, float)) and 1.0 <= factor <= 1000.0):
-                    raise MaintenanceRefused("inject_fault", f"slow factor must be in [1, 1000], got {factor!r}")
+                    raise MaintenanceArgumentError("inject_fault", f"slow factor must be in [1, 1000], got {factor!r}")
             armed = self._rt.arm_fault(lease, kind, chip=chip, factor=float(factor), count=count)
             return {"ok": True, "armed": armed}
 
@@ -476,9 +476,9 @@ class MaintenancePlane:
         """
         def go() -> dict:
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 256:
-                raise MaintenanceRefused("probe_request", f"max_tokens must be 1..256, got {max_tokens!r}")
+                raise MaintenanceArgumentError("probe_request", f"max_tokens must be 1..256, got {max_tokens!r}")
             if not isinstance(prompt, str) or not 0 < len(prompt) <= MAX_PROBE_PROMPT_CHARS:
-                raise MaintenanceRefused("probe_request", f"prompt must be text of 1..{MAX_PROBE_PROMPT_CHARS} "
+                raise MaintenanceArgumentError("probe_request", f"prompt must be text of 1..{MAX_PROBE_PROMPT_CHARS} "
                                                           "characters")
             return self._probe(prompt, max_tokens)
 
@@ -498,7 +498,7 @@ class MaintenancePlane:
             return self._mon.resolve_register(key)
         except KeyError as e:
             # the message itself, not str(KeyError), which quotes it (and strip() would eat its closing quote)
-            raise MaintenanceRefused(action, str(e.args[0]) if e.args else "no such register") from None
+            raise MaintenanceArgumentError(action, str(e.args[0]) if e.args else "no such register") from None
 
     def _job_timed(self, kind: str, tokens: list[int], p0: int):
         """Apply KV on the scratch sequence, submit one job, wait (bounded).
@@ -607,7 +607,7 @@ class MaintenancePlane:
         limit = e.numerics_max_prompt
         if b.numerics and len(ids) > limit:
             # exact attention is O(n^2) in Python: a longer probe would outlast every wait
-            raise MaintenanceRefused("probe_request", f"prompt is {len(ids)} tokens; a probe runs exact numerics "
+            raise MaintenanceArgumentError("probe_request", f"prompt is {len(ids)} tokens; a probe runs exact numerics "
                                                       f"and takes at most {limit}")
         out: list[int] = []
         self._rt.free_seq(self._lease, SCRATCH_SEQ)
@@ -647,7 +647,7 @@ def _reg_key(key: Any, action: str) -> str | int:
             except ValueError:
                 pass
         return k.upper()
-    raise MaintenanceRefused(action, f"register key must be a name or an address, got {key!r}")
+    raise MaintenanceArgumentError(action, f"register key must be a name or an address, got {key!r}")
 
 
 def _self_test_detail(rep: dict) -> str:
@@ -666,9 +666,9 @@ MAX_HOLDER_CHARS = 64
 def _check_holder(holder: Any, action: str) -> None:
     """A holder is a short printable name (no newlines or terminal escapes): it is shown and audited."""
     if not isinstance(holder, str) or not holder.strip():
-        raise MaintenanceRefused(action, "holder must be a non-empty name")
+        raise MaintenanceArgumentError(action, "holder must be a non-empty name")
     if len(holder) > MAX_HOLDER_CHARS or not holder.isprintable():
-        raise MaintenanceRefused(action, f"holder must be at most {MAX_HOLDER_CHARS} printable characters "
+        raise MaintenanceArgumentError(action, f"holder must be at most {MAX_HOLDER_CHARS} printable characters "
                                          "(no control characters)")
 
 
@@ -695,13 +695,13 @@ _REG_VALUE = re.compile(r"(0[xX][0-9a-fA-F]{1,8}|[0-9]{1,10})")
 def _reg_value(value: Any) -> int:
     """A register value: an int, or ASCII decimal / 0x-hex text, in 0..2**32-1 (registers are 32-bit)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise MaintenanceRefused("write_register", f"value must be an integer or decimal/0x-hex text, got {value!r}")
+        raise MaintenanceArgumentError("write_register", f"value must be an integer or decimal/0x-hex text, got {value!r}")
     if isinstance(value, str):
         text = value.strip()
         if not _REG_VALUE.fullmatch(text):
-            raise MaintenanceRefused("write_register", "value must be an integer in decimal or 0x-hex digits, "
+            raise MaintenanceArgumentError("write_register", "value must be an integer in decimal or 0x-hex digits, "
                                                        f"got {_brief(value)!r}")
         value = int(text, 0) if text[:2].lower() == "0x" else int(text, 10)
     if not 0 <= value <= 0xFFFFFFFF:
-        raise MaintenanceRefused("write_register", f"value must fit in 32 bits (0..0xFFFFFFFF), got {value}")
+        raise MaintenanceArgumentError("write_register", f"value must fit in 32 bits (0..0xFFFFFFFF), got {value}")
     return value

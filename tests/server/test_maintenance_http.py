@@ -108,8 +108,17 @@ def test_bad_maintenance_bodies(srv):
     assert call(srv, "/maintenance/exclusive", {"holder": "x", "drain_timeout_s": "soon"}).status_code == 400
     assert call(srv, "/maintenance/audit?limit=0", method="GET").status_code == 400
     lid = enter(srv)["lease_id"]
+    # a bad argument is the caller's mistake (400 invalid_request_error); a state refusal stays 403
     r = call(srv, "/maintenance/faults/inject", {"lease_id": lid, "kind": "meteor"})
-    assert r.status_code == 403 and "meteor" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "meteor" in r.json()["error"]["message"]
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    for body in ({"lease_id": lid, "kind": "link_error", "count": -5},
+                 {"lease_id": lid, "kind": "slow_chip", "chip": 7, "factor": 2.0}):
+        r = call(srv, "/maintenance/faults/inject", body)
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", body
+    r = call(srv, "/maintenance/registers/write", {"lease_id": lid, "key": "NO_SUCH_REG", "value": 1})
+    assert r.status_code == 400, r.text
+    assert call(srv, "/maintenance/exclusive", {"holder": "bob"}).status_code == 403  # state: already held
     r = call(srv, "/maintenance/probe", {"lease_id": lid, "max_tokens": 10_000})
     assert r.status_code == 400
 
