@@ -199,7 +199,8 @@ class MaintenancePlane:
 
         def go() -> Lease:
             if not isinstance(timeout, (int, float)) or not 0 <= timeout <= 600:
-                raise MaintenanceArgumentError("enter_exclusive", f"drain_timeout_s must be in [0, 600] s, got {timeout!r}")
+                raise MaintenanceArgumentError(
+                    "enter_exclusive", f"drain_timeout_s must be in [0, 600] s, got {timeout!r}")
             _check_holder(holder, "enter_exclusive")
             with self._lock:
                 if self._lease is not None or self._mode != "serving":
@@ -433,7 +434,8 @@ class MaintenancePlane:
 
         def go() -> dict:
             if kind not in FAULT_KINDS:
-                raise MaintenanceArgumentError("inject_fault", f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
+                raise MaintenanceArgumentError(
+                    "inject_fault", f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
             if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 1000:
                 raise MaintenanceArgumentError("inject_fault", f"count must be 1..1000, got {count!r}")
             if kind == "slow_chip":
@@ -695,7 +697,8 @@ _REG_VALUE = re.compile(r"(0[xX][0-9a-fA-F]{1,8}|[0-9]{1,10})")
 def _reg_value(value: Any) -> int:
     """A register value: an int, or ASCII decimal / 0x-hex text, in 0..2**32-1 (registers are 32-bit)."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise MaintenanceArgumentError("write_register", f"value must be an integer or decimal/0x-hex text, got {value!r}")
+        raise MaintenanceArgumentError(
+            "write_register", f"value must be an integer or decimal/0x-hex text, got {value!r}")
     if isinstance(value, str):
         text = value.strip()
         if not _REG_VALUE.fullmatch(text):
