@@ -555,12 +555,14 @@ class ServingFace:
         per_token = wire._bool(body, "timings_per_token", False)
         n_ctx = self.inference.n_ctx
         model = self.config.model_alias
+        ids = list(req.prompt_tokens or ())
+        prompt = await self.call(lambda: self.inference.detokenize(ids))  # echoed in the final result
         if not wire._bool(body, "stream", False):
             res = await self.generate(req, request)
             if res.status != "finished":
                 raise wire.result_error(res)
             return JSONResponse(wire.native_completion(res, req, n_ctx, model, id_slot=req.id_slot,
-                                                       return_tokens=return_tokens, stream=False))
+                                                       return_tokens=return_tokens, stream=False, prompt=prompt))
 
         def piece(ev: TokenEvent) -> list[dict[str, Any]]:
             c: dict[str, Any] = {"index": 0, "content": ev.text, "tokens": [], "stop": False, "id_slot": req.id_slot,
@@ -572,7 +574,7 @@ class ServingFace:
 
         def last(res: RequestResult) -> list[dict[str, Any]]:
             return [wire.native_completion(res, req, n_ctx, model, id_slot=req.id_slot,
-                                           return_tokens=return_tokens, stream=True)]
+                                           return_tokens=return_tokens, stream=True, prompt=prompt)]
 
         return await self._stream(req, request, lambda: [], piece, last, False)
 

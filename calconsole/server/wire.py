@@ -313,12 +313,13 @@ def text_chunk(cid: str, created: int, model: str, fingerprint: str, text: str,
 
 
 def native_completion(res: RequestResult, req: ChatRequest, n_ctx: int, model: str, *, id_slot: int,
-                      return_tokens: bool, stream: bool) -> dict[str, Any]:
-    """llama.cpp ``/completion`` final result (in a stream: its last chunk, ``content`` then empty)."""
+                      return_tokens: bool, stream: bool, prompt: str = "") -> dict[str, Any]:
+    """llama.cpp ``/completion`` final result (in a stream: its last chunk, ``content`` then empty).
+    ``prompt``: the prompt as the model saw it (its token ids detokenized, as llama-server echoes it)."""
     t = res.timings
     return {"index": 0, "content": "" if stream else res.text,
             "tokens": list(res.tokens) if return_tokens and not stream else [], "id_slot": id_slot, "stop": True,
             "model": model, "tokens_predicted": t.predicted_n, "tokens_evaluated": t.prompt_n + t.cache_n,
-            "generation_settings": generation_settings(req, n_ctx, model), "prompt": "",
+            "generation_settings": generation_settings(req, n_ctx, model), "prompt": prompt,
             "has_new_line": "\n" in res.text, "truncated": False, "stop_type": res.stop_type,
             "stopping_word": res.stopping_word, "tokens_cached": t.cache_n, "timings": timings(res)}

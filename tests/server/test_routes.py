@@ -185,6 +185,8 @@ def test_native_completion_text_and_ids(srv):
     assert ids["tokens_evaluated"] == 3 and ids["tokens"] == []  # tokens only with return_tokens, as llama.cpp
     mixed = post(srv, "/completion", {"prompt": [9707, ", world"], "n_predict": 1}).json()
     assert mixed["tokens_evaluated"] == 3
+    # the prompt is echoed as the model saw it (its ids detokenized), as llama-server does
+    assert r["prompt"] == "Hello" and ids["prompt"] == "Hello, world" and mixed["prompt"] == "Hello, world"
 
 
 def test_native_completion_stream_has_no_done(srv):
@@ -195,6 +197,7 @@ def test_native_completion_stream_has_no_done(srv):
     chunks = [json.loads(e) for e in events]
     assert all(c["stop"] is False for c in chunks[:-1]) and chunks[-1]["stop"] is True
     assert chunks[-1]["tokens_predicted"] == 3 and chunks[-1]["stop_type"] == "limit"
+    assert chunks[-1]["prompt"] == "Hi"
 
 
 def test_openai_text_completion(srv):
