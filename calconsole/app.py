@@ -74,9 +74,12 @@ class CalConsoleApp(App):
     THEMES = ("textual-dark", "textual-light", "nord", "gruvbox", "monokai", "solarized-light")
 
     def __init__(self, system, layout: Layout, refresh_hz: float | None = None,
-                 listen_url: str | None = None, settings: Settings | None = None) -> None:
+                 listen_url: str | None = None, settings: Settings | None = None,
+                 start_notes: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.settings = settings or Settings()
+        #: shown as notifications once mounted (e.g. simulator options --connect does not apply)
+        self.start_notes = tuple(start_notes)
         self.system = system
         self.listen_url = listen_url  # --listen: where this device's HTTP API is served
         # remote planes (--connect): "attached to URL" in the header, and when the server stopped answering
@@ -134,6 +137,8 @@ class CalConsoleApp(App):
         # and so does much of what a reply leaves (transcript lines, caches): frozen at start and
         # after every full collection, a full collection walks only what is new (gcpolicy.py)
         self.gc_policy.start()
+        for note in self.start_notes:  # on stderr too, but a full-screen console hides stderr until it exits
+            self.notify(note, severity="warning", timeout=10)
         if self.screen_stack[0].query("#chat-input"):
             self.action_focus_pane("chat")
         # one long-lived sampler thread (nvitop-style): cheaper than a Textual worker per refresh

@@ -154,8 +154,16 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
                 server = start_listening(args, system)
             except (CalError, ValueError, OSError) as e:
                 return fail(f"--listen {args.listen}: {e}")
+        notes: tuple[str, ...] = ()
+        if args.connect:
+            from .commands.common import ignored_simulator_options
+
+            ignored = ignored_simulator_options(args)
+            if ignored:
+                notes = (f"{', '.join(ignored)}: with --connect the simulator options are the server's, "
+                         "not applied here",)
         app = CalConsoleApp(system, layout, refresh_hz=args.refresh, listen_url=server.url if server else None,
-                            settings=settings)
+                            settings=settings, start_notes=notes)
         app.run()
     finally:
         if server is not None:

@@ -95,3 +95,43 @@ def test_category_heatmap_says_its_cells_sum_both_chips():
     moe = max(sum(lay["category_us"]["moe_dense_group"]) for lay in step["layers"])
     assert f"max {moe:.0f} µs" in cats and "both chips summed" in cats
     assert "both chips summed" not in render.layers_heatmap(step, "chip", 120).plain
+
+
+async def test_start_notes_are_shown_in_the_console(make_system):
+    # "--connect URL --host-time modeled": the note went to stderr, hidden by the full-screen console
+    from calconsole.app import CalConsoleApp
+    from calconsole.layout import load_layout
+
+    app = CalConsoleApp(make_system(numerics=False), load_layout("operator"),
+                        start_notes=("--host-time modeled: with --connect the simulator options are the server's, "
+                                     "not applied here",))
+    async with app.run_test(size=(160, 48)) as pilot:
+        await pilot.pause()
+        assert any("not applied here" in n.message for n in app._notifications)
+        await pilot.press("ctrl+q")
+
+
+def test_the_console_passes_the_ignored_options_note(monkeypatch):
+    import calconsole.cli as cli
+
+    seen = {}
+
+    class FakeApp:
+        def __init__(self, system, layout, **kw):
+            seen.update(kw)
+
+        def run(self):
+            return None
+
+    class FakeSystem:
+        maintenance = None
+
+        def close(self):
+            seen["closed"] = True
+
+    monkeypatch.setattr("calconsole.app.CalConsoleApp", FakeApp)
+    monkeypatch.setattr("calconsole.commands.common.connect_from_args", lambda args, admin: FakeSystem())
+    monkeypatch.setattr("sys.stdout.isatty", lambda: True, raising=False)
+    monkeypatch.setattr("sys.stdin.isatty", lambda: True, raising=False)
+    assert cli.main(["--connect", "http://127.0.0.1:9", "--host-time", "measured"]) == 0
+    assert seen["closed"] and any("--host-time measured" in n for n in seen["start_notes"])
