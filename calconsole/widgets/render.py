@@ -181,7 +181,10 @@ def requests_panel(snap: dict, settings=None) -> Group:
     if not r["balanced"]:
         head.append("UNBALANCED", style="bold red")
     # which requests give samples (metrics.SAMPLED_FROM): a reply stopped after its first token counts in TTFT
-    t = plain_table("TTFT, ITL: every request with a token (stopped or failed too) · TPOT, E2E: finished only")
+    # the note is a line of its own: as the narrow table's title it wrapped into three lines of ~40 columns
+    sampled = Text("TTFT, ITL: every request with a token (stopped or failed too) · TPOT, E2E: finished only",
+                   style="grey62")
+    t = plain_table()
     t.add_column("sim ms")
     for q in ("p50", "p95", "p99", "n"):
         t.add_column(q, justify="right")
@@ -213,7 +216,7 @@ def requests_panel(snap: dict, settings=None) -> Group:
     # the counters are llama.cpp's: "prompt" counts processed tokens (the reused prefix excluded)
     toks = Text(f"tokens prompt {tok['prompt'] + tok['cached']} (processed {tok['prompt']} + cached {tok['cached']})"
                 f" predicted {tok['predicted']}", style="grey70")
-    return Group(head, t, gp, toks)
+    return Group(head, sampled, t, gp, toks)
 
 
 def stages_panel(snap: dict) -> Table:
