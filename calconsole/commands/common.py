@@ -86,7 +86,7 @@ def ignored_simulator_options(args: argparse.Namespace) -> list[str]:
     out = []
     for opt, key in (("--bundle", "bundle"), ("--pacing", "pacing"), ("--speed", "speed"),
                      ("--timing-only", "timing_only"), ("--numeric-limit", "numeric_limit"),
-                     ("--host-time", "host_time"), ("--slots", "slots")):
+                     ("--host-time", "host_time"), ("--slots", "slots"), ("--audit-log", "audit_log")):
         if key in given:
             v = getattr(args, key)
             out.append(opt if v is True else f"{opt} {v:g}" if isinstance(v, float) else f"{opt} {v}")
@@ -184,7 +184,8 @@ def check_common(args: argparse.Namespace, *, maintenance: bool, audit_log: bool
     if lim is not None and not NUMERIC_LIMIT_RANGE[0] <= lim <= NUMERIC_LIMIT_RANGE[1]:
         raise ValueError(f"--numeric-limit must be in {NUMERIC_LIMIT_RANGE[0]}..{NUMERIC_LIMIT_RANGE[1]} "
                          f"prompt tokens, got {lim}")
-    if audit_log and (maintenance or args.audit_log is not None):
+    # with --connect the server keeps the audit log: a local path is named as not applied, not created
+    if audit_log and not getattr(args, "connect", None) and (maintenance or args.audit_log is not None):
         AuditLog(args.audit_log).check_writable()
 
 

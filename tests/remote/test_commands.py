@@ -113,3 +113,15 @@ def test_simulator_options_with_connect_are_named_as_not_applied(make_server: An
                     "are the server's, not applied here"]
     assert main(["chat", "hi", "--max-tokens", "2", "--json", "--connect", s.url]) == 0
     assert "note:" not in capsys.readouterr().err
+
+
+def test_audit_log_with_connect_is_named_as_not_applied_and_not_created(make_server: Any, tmp_path: Path,
+                                                                         capsys: Any) -> None:
+    # `chat --connect URL --audit-log PATH` created an empty PATH and said nothing: the server keeps its log
+    s = make_server()
+    path = tmp_path / "local-audit.jsonl"
+    assert main(["chat", "hi", "--max-tokens", "2", "--json", "--connect", s.url, "--audit-log", str(path)]) == 0
+    note = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert note == [f"note: --audit-log {path}: with --connect the simulator options are the server's, "
+                    "not applied here"]
+    assert not path.exists()
