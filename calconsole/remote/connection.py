@@ -28,6 +28,7 @@ from sim_backend.planes import (
     DeviceError,
     ExceedContextSizeError,
     InvalidRequestError,
+    MaintenanceArgumentError,
     MaintenanceRefused,
     RequestError,
     UnavailableError,
@@ -89,8 +90,9 @@ def error_body(resp: httpx.Response) -> dict[str, Any]:
 
 def raise_for(resp: httpx.Response, *, action: str | None = None) -> NoReturn:
     """Raise the typed error of an error answer. ``action``: a maintenance action's name (its refusals,
-    bad arguments, wrong admin key and missing routes are ``MaintenanceRefused``, device failures
-    ``DeviceError``), or None for the inference and observation routes."""
+    bad arguments, wrong admin key and missing routes are ``MaintenanceRefused``, a 400 (bad argument)
+    its subclass ``MaintenanceArgumentError`` as in process; device failures ``DeviceError``), or None
+    for the inference and observation routes."""
     err = error_body(resp)
     status, kind, msg = resp.status_code, str(err.get("type")), str(err.get("message"))
     if action is not None:
@@ -101,7 +103,9 @@ def raise_for(resp: httpx.Response, *, action: str | None = None) -> NoReturn:
         if status == 404:
             raise MaintenanceRefused(action, "the server has no such maintenance route (started without an "
                                              "admin key?)")
-        if status in (400, 403, 409):
+        if status == 400:  # the caller's argument, as the in-process plane types it
+            raise MaintenanceArgumentError(action, reason)
+        if status in (403, 409):
             raise MaintenanceRefused(action, reason)
         if status == 503:
             raise UnavailableError(msg)

@@ -262,3 +262,23 @@ def test_the_snapshot_feed_reads_the_stream_and_stops(make_server: Any) -> None:
         assert not feed._thread.is_alive()
     assert got[0].device.name == s.system.observation.snapshot().device.name
     assert got[1].taken_unix_s > got[0].taken_unix_s
+
+
+def test_remote_maintenance_types_a_bad_argument_as_the_in_process_plane_does(make_server: Any) -> None:
+    # over HTTP a bad argument is 400 and a state refusal 403; the remote plane raised plain
+    # MaintenanceRefused for both, where the in-process plane raises MaintenanceArgumentError for the first
+    from sim_backend.planes import MaintenanceArgumentError
+
+    s = make_server(admin_key=ADMIN_KEY)
+    with connect(s.url, admin_key=ADMIN_KEY) as client:
+        m = client.maintenance
+        with pytest.raises(MaintenanceRefused) as refused:
+            m.reset(None)  # no exclusive mode: the state
+        assert not isinstance(refused.value, MaintenanceArgumentError)
+        lease = m.enter_exclusive("ops")
+        with pytest.raises(MaintenanceArgumentError, match=r"^inject_fault refused: count must be 1\.\.1000, got -5$"):
+            m.inject_fault(lease, "link_error", count=-5)
+        with pytest.raises(MaintenanceArgumentError, match="no register named"):
+            m.read_register(lease, "NOPE")
+        assert s.system.maintenance.status()["faults"] == []  # nothing armed by the refusal
+        m.leave_exclusive(lease)
