@@ -39,7 +39,8 @@ def register(sub, common) -> None:
                     "/props, /slots, /metrics, /tokenize, /detokenize, /apply-template, /completion, "
                     "/v1/models, /v1/completions, /v1/chat/completions (SSE streaming), /snapshot and "
                     "/snapshot/stream (read-only), and with an admin key /maintenance/... (leases that expire, "
-                    "audited). Timings in responses are simulated device ms.")
+                    "audited). Timings in responses are simulated ms: device time plus the host work "
+                    "booked on the same clock (--host-time).")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; any other needs an API key)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")

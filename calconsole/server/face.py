@@ -569,7 +569,7 @@ class ServingFace:
                                  "tokens_predicted": ev.n_tokens, "tokens_evaluated": 0}
             if per_token:
                 c["timings"] = {"predicted_n": ev.n_tokens, "sim_ms": ev.sim_ms,
-                                "clock": "simulated device ms"}
+                                "clock": "simulated ms: device time + booked host work"}
             return [c]
 
         def last(res: RequestResult) -> list[dict[str, Any]]:

@@ -443,7 +443,7 @@ class MaintenancePlane:
                     raise MaintenanceArgumentError("inject_fault", "chip and factor must be numbers, not true/false")
                 n_chips = self._mon.shape.n_chips
                 if chip not in range(n_chips):
-                    raise MaintenanceArgumentError("inject_fault", f"no chip {chip} (device has {n_chips})")
+                    raise MaintenanceArgumentError("inject_fault", f"no chip {chip!r} (device has {n_chips})")
                 if not (isinstance(factor, (int, float)) and 1.0 <= factor <= 1000.0):
                     raise MaintenanceArgumentError("inject_fault", f"slow factor must be in [1, 1000], got {factor!r}")
             armed = self._rt.arm_fault(lease, kind, chip=chip, factor=float(factor), count=count)

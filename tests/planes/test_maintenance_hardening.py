@@ -172,3 +172,15 @@ def test_a_failed_health_check_shows_until_one_passes(make_system, monkeypatch):
     assert m.health_check(lease)["ok"]
     assert s.observation.snapshot().device.status == "ok" and m.mode()["health_failed"] is None
     m.leave_exclusive(lease)
+
+
+def test_a_chip_given_as_text_is_named_as_given(make_system):
+    # inject_fault(chip="1") said "no chip 1 (device has 2)", as if chip 1 did not exist
+    from sim_backend.planes import MaintenanceArgumentError
+
+    m = make_system(numerics=False).maintenance
+    lease = m.enter_exclusive("alice")
+    with pytest.raises(MaintenanceArgumentError, match=r"no chip '1' \(device has 2\)"):
+        m.inject_fault(lease, "slow_chip", chip="1")
+    assert m.status()["faults"] == []
+    m.leave_exclusive(lease)

@@ -371,3 +371,15 @@ def test_props_says_which_host_work_the_timings_book(make_server):
         s = make_server(system_kw={"host_time": mode})
         clock = httpx.get(s.url + "/props").json()["device"]["clock"]
         assert clock.startswith("timings are simulated device ms") and f"host work {mode}" in clock, clock
+
+
+def test_per_token_timings_say_their_clock_books_host_work(make_server):
+    # /completion timings_per_token labelled sim_ms "simulated device ms"; the clock also books host work
+    s = make_server(system_kw={"host_time": "modeled"})
+    r = httpx.post(s.url + "/completion", json={"prompt": "hi", "n_predict": 3, "stream": True,
+                                               "timings_per_token": True}, timeout=60)
+    chunks = [json.loads(e) for e in sse_events(r.content)]
+    per_token = [c["timings"] for c in chunks if not c["stop"]]
+    assert per_token and all(t["clock"] == "simulated ms: device time + booked host work" for t in per_token)
+    final = chunks[-1]["timings"]
+    assert final["host_booked_ms"] > 0 and per_token[-1]["sim_ms"] <= final["done_ms"]
