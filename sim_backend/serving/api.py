@@ -215,7 +215,7 @@ class Timings:
     first token sampled if nothing was shown (None if no token was produced,
     whatever the status); tpot_ms = (e2e - ttft) / (n - 1) (None when n < 2);
     itl_ms = gaps between consecutive visible pieces; e2e_ms = arrival -> end;
-    queue_ms = arrival -> slot assigned (None if never assigned).
+    queue_ms = prompt tokenised -> slot assigned (None if never assigned; tokenising is host work, booked before).
     arrival_ms / done_ms: the request's timestamps on the simulated clock.
     """
 

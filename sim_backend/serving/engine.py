@@ -288,6 +288,7 @@ class Engine(KVPressure):
             self.rt.clock.host_span(arrival, booked_us)  # tokenising is host work on the request's clock
             r = _Request(rid, req, prompt, handle, arrival / 1e3, tok_us / 1e3)
             r.host_booked_ms += booked_us / 1e3
+            r.tokenized_ms = (arrival + booked_us) / 1e3
             self._queue.append(r)
             self.metrics.on_submitted(live=self._live_locked())
             # a free slot takes the request now, not when the scheduler finishes its current step:
@@ -936,7 +937,8 @@ class Engine(KVPressure):
             predicted_per_token_ms=predicted_ms / n if n else None,
             predicted_per_second=1e3 * n / predicted_ms if n and predicted_ms > 0 else None,
             cache_n=r.cache_n, ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
-            queue_ms=(r.assigned_ms - r.arrival_ms) if r.assigned_ms is not None else None,
+            # waiting for a slot, nothing else: from the tokenised prompt (its host work is booked before)
+            queue_ms=max(0.0, r.assigned_ms - r.tokenized_ms) if r.assigned_ms is not None else None,
             host_ms=dict(r.host), device_ms=dict(r.device), numerics=r.numeric,
             arrival_ms=r.arrival_ms, done_ms=now_ms,
             host_booked_ms=r.host_booked_ms, host_time=self.host_booking.mode,

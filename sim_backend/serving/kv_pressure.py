@@ -56,6 +56,7 @@ class _Request:
         self.last_token_ms: float | None = None
         self.host = {"tokenize": tokenize_ms, "sampling": 0.0, "detokenize": 0.0, "kv_wait": 0.0, "framework": 0.0}
         self.host_booked_ms = 0.0  # host work put on the simulated clock (HostBooking), ms
+        self.tokenized_ms = arrival_ms  # simulated ms the prompt was tokenised (queue time starts here)
         self.device = {"h2d": 0.0, "infer": 0.0, "d2h": 0.0}
         self.tokenize_reported = False
         self.sampler = Sampler(req.sampling)

@@ -330,3 +330,15 @@ def test_measured_host_time_explains_only_the_miss_its_extra_host_work_accounts_
     quick = [case("decode", -3.86)]
     cal.explain_measured_host_misses(quick, extra_host_ms=-20.0, e2e_ms=4400.0)  # a host faster than the real one
     assert quick[0]["explained"] is None
+
+
+def test_queue_time_is_waiting_for_a_slot_not_tokenising():
+    """An idle engine assigns a slot at once: queue time 0 even when tokenising is booked (measured mode)."""
+    from sim_backend.planes.system import build_system
+    from sim_backend.serving.api import ChatRequest
+    from sim_backend.serving.hosttime import ScriptedHostTimer
+
+    with build_system(numerics=False, maintenance=False, n_slots=1, host_time="measured",
+                      host_timer=ScriptedHostTimer(700.0)) as system:
+        res = system.engine.generate(ChatRequest.from_prompt("hi", max_tokens=2), timeout=30)
+    assert res.timings.host_ms["tokenize"] > 0 and res.timings.queue_ms == 0.0
