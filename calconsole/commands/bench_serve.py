@@ -414,8 +414,9 @@ def run(args: argparse.Namespace) -> int:
     b = Bench(args, opts)
     rep: dict[str, Any] = {"tool": "calconsole bench serve", "url": args.url, "in_process": args.url is None,
                            "load_average_before": list(os.getloadavg()), "cpus": os.cpu_count(),
-                           "clocks": {"client": "host wall ms", "server_timings": "simulated device ms",
-                                      "server_metrics": "simulated device ms"},
+                           "clocks": {"client": "host wall ms",
+                                      "server_timings": "simulated ms (device + booked host work)",
+                                      "server_metrics": "simulated ms (device + booked host work)"},
                            "shapes": {k: {"prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens}
                                       for k, s in b.shapes.items()},
                            "slo": opts["slo"].to_dict() if opts["slo"] is not None else None,

@@ -1,5 +1,5 @@
 """Chat pane: multi-turn chat with streaming, cancel (Escape), sampling parameters
-and per-request TTFT / TPOT / E2E (simulated device ms).
+and per-request TTFT / TPOT / E2E (simulated ms: device time plus the host work booked on the clock).
 
 Generation runs in a thread worker; tokens reach the UI via ``call_from_thread``.
 The log is capped and append-only; the reply being streamed lives in one
@@ -33,7 +33,8 @@ from ..widgets.wraplog import WrapLog
 #: the one-line banner (the transcript needs the rows); the whole notice is its tooltip
 SYNTHETIC_BANNER = "synthetic weights: the text is not meaningful"
 SYNTHETIC_NOTICE = ("Weights are synthetic: the text is not meaningful. Tokens, timings and KV are real "
-                    "products of the simulated run. Times are simulated device ms.")
+                    "products of the simulated run. Times are simulated ms: device time plus the host work "
+                    "booked on the clock (modeled by default, --host-time).")
 STREAM_UPDATE_S = 1 / 10
 STREAM_TAIL_CHARS = 600  # live stream box shows the last characters of the reply
 CANCEL_GRACE_S = 10.0  # after a no-progress cancel, how long to wait for the request to end

@@ -374,7 +374,8 @@ class ServingFace:
                        "findings": msgspec.to_builtins(snap.findings),
                        # which host work the timings book (--host-time): a client comparing runs
                        # (bench matrix records this key) cannot tell modeled from measured otherwise
-                       "clock": f"timings are {snap.requests.get('clock') or 'simulated device ms'}"},
+                       "clock": "timings are "
+                                + (snap.requests.get("clock") or "simulated device ms + booked host work")},
         })
 
     async def slots(self, request: Request) -> Response:
