@@ -57,14 +57,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(f"key latency, host wall ms ({r['reply_chars']} characters, {r['reply_tokens']} tokens; "
           f"terminal {cols}x{rows})")
+    for line in key_lines(r):
+        print("  " + line)
+    return 0
+
+
+def key_lines(r: dict, label: str = "") -> list[str]:
+    """One line per phase (streaming, end of reply) of :func:`_measure`'s key latencies (host wall ms)."""
+    out = []
     for k in ("streaming", "end_of_reply"):
         s = r[k]
-        if s["n"]:
-            print(f"  {k:13s}: n {s['n']:4d}  median {s['median_ms']:.1f}  p95 {s['p95_ms']:.1f}  "
-                  f"max {s['max_ms']:.1f}")
-        else:
-            print(f"  {k:13s}: no keys measured")
-    return 0
+        name = f"{label}{k:13s}"
+        out.append(f"{name}: n {s['n']:4d}  median {s['median_ms']:.1f}  p95 {s['p95_ms']:.1f}  "
+                   f"max {s['max_ms']:.1f}" if s["n"] else f"{name}: no keys measured")
+    return out
 
 
 def _stats(xs: list[float]) -> dict:

@@ -85,14 +85,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"    numpy calls per decode step in this process: {r['numpy_calls_per_decode_step']}")
     print("  " + limit_line(rep, backends))
     if args.ui:
+        from .bench_keys import key_lines
+
         u = rep["ui"]
-        for k in ("streaming", "end_of_reply"):
-            s = u[k]
-            if s["n"]:
-                print(f"  keys {k:13s}: n {s['n']}  p50 {s['median_ms']:.1f}  p95 {s['p95_ms']:.1f}  "
-                      f"max {s['max_ms']:.1f} ms (host wall, key posted -> shown)")
-            else:
-                print(f"  keys {k:13s}: no keys measured")
+        for line in key_lines(u, "keys "):
+            print(f"  {line} (host wall ms, key posted -> shown)")
         g0 = u["gc_startup"]
         print(f"  GC pauses before the first key (start-up): {g0['n']} collections, max {g0['max_ms']:.1f} ms")
         g = u["gc"]

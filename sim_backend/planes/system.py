@@ -25,7 +25,7 @@ from sim_backend.planes.inprocess import InferencePlane, ObservationPlane
 from sim_backend.runtime import RuntimeSession
 from sim_backend.runtime.monitor import DeviceMonitor
 from sim_backend.serving.engine import Engine, HostTimer
-from sim_backend.serving.hosttime import HOST_TIME_MODES
+from sim_backend.serving.hosttime import HostBooking
 
 #: Longest prompt (tokens) the device runs with numerics by default; longer prompts run timing-only
 #: (tokens from the seeded generator; the reply and the observation pane say so). The longest prompt
@@ -89,8 +89,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
         default_reason = "set at start-up"
     if numerics_max_prompt < 1:
         raise ValueError(f"numerics_max_prompt must be >= 1 token, got {numerics_max_prompt}")
-    if host_time not in HOST_TIME_MODES:  # before any thread starts
-        raise ValueError(f"host time must be one of {', '.join(HOST_TIME_MODES)}, not {host_time!r}")
+    HostBooking(host_time)  # ValueError for an unknown mode, before any thread starts
     bundle = load_bundle(bundle_dir)
     cost: Any = CostModel.load(hardware)
     if variant is not None and not variant.is_default:
