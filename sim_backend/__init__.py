@@ -2,7 +2,7 @@
 
 Headless: nothing here imports Textual. Layers, bottom to top:
 bundle -> model (numerics, op graph, cost model) -> device -> runtime ->
-kv -> engine -> planes.  See DESIGN.md in the shared folder.
+kv -> engine -> planes.  See sim_backend/facts.md ("The stack").
 """
 
 import os

@@ -1,7 +1,7 @@
 """Typed errors for every layer of the simulator.
 
 Every failure the operator can see is one of these, never a bare
-``Exception``, an ``abort()`` or a silent hang (FACTS F6 lists the
+``Exception``, an ``abort()`` or a silent hang (facts.md F6 lists the
 production integration's failures this replaces).
 """
 
@@ -60,7 +60,7 @@ class ExceedContextSizeError(RequestError):
 
     Attributes:
         n_prompt_tokens: prompt length in tokens, chat template included.
-        n_ctx: context size in tokens (40960 from the calbin, FACTS F2).
+        n_ctx: context size in tokens (40960 from the calbin, facts.md F2).
     """
 
     error_type = "exceed_context_size_error"
@@ -157,7 +157,7 @@ class KVExhausted(CalError):
     Attributes:
         requested: cells (tokens) asked for.
         free: free cells when giving up.
-        capacity: total cells (40960, FACTS F4).
+        capacity: total cells (40960, facts.md F4).
         waited_s: host wall seconds spent waiting.
         injected: raised by an injected fault (maintenance ``inject_fault kv_exhaustion``), not a
             full cache; retrying cannot clear it.

@@ -1,13 +1,13 @@
 """The report's length matrix over HTTP (``calconsole bench matrix``): prompt x output cells, batch 1.
 
-For every cell (prompt P tokens, output O tokens; FACTS F8's lists by default) one client sends
+For every cell (prompt P tokens, output O tokens; facts.md F8's lists by default) one client sends
 ``warmups`` untimed-in-the-statistics requests, then ``runs`` measured ones, one after another, to
 llama.cpp's native streaming ``/completion`` with a prompt of exactly P token ids (cut from a pool
 the server's own ``/tokenize`` made of seeded words, each run from a different offset, with
 ``cache_prompt: false``: no run reuses another's KV), ``n_predict: O``, greedy, ``ignore_eos``.
 
 Per run, on the client's clock (host wall ms; ``serve_load.stream_completion``, the definitions of
-FACTS F7): TTFT = sent -> first visible token, ITL = the gaps between content chunks, TPOT =
+facts.md F7): TTFT = sent -> first visible token, ITL = the gaps between content chunks, TPOT =
 (E2E - TTFT) / (n - 1), E2E = sent -> the final chunk; the raw arrival time of every content chunk
 is kept. Beside them the server's own ``timings`` of the final chunk (calconsole serve: simulated
 device ms) and, per cell, the change of ``/metrics`` over its measured runs. A cell whose
@@ -44,7 +44,7 @@ from .serve_load import (
     summarize,
 )
 
-#: FACTS F8 (report §12.1): prompt and output lengths, 3 warm-ups and at least 20 measured runs
+#: facts.md F8 (report §12.1): prompt and output lengths, 3 warm-ups and at least 20 measured runs
 PROMPTS = (1, 16, 128, 512, 2048, 4096, 8192, 16384, 32768, 40900)
 OUTPUTS = (1, 32, 128, 512)
 WARMUPS = 3
@@ -61,7 +61,7 @@ POOL_SLACK = 4096
 TOKENIZER_PROBE = "Hello, world! 你好，世界。 <|im_start|>user\n1234567890 déjà vu\t\u00a0🙂"
 #: the server's timings summarised per cell beside TTFT/TPOT/ITL/E2E (llama.cpp's and calconsole's names)
 TIMING_FIELDS = ("prompt_ms", "predicted_ms", "predicted_per_token_ms", "cache_n")
-#: calconsole's breakdown (FACTS F8's infer / H2D / D2H / framework / sampling / KV wait)
+#: calconsole's breakdown (facts.md F8's infer / H2D / D2H / framework / sampling / KV wait)
 BREAKDOWN = {"device_ms": ("infer", "h2d", "d2h"),
              "host_ms": ("framework", "sampling", "kv_wait", "tokenize", "detokenize")}
 

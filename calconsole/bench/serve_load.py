@@ -9,12 +9,12 @@ definitions of vLLM's ``benchmark_serving.py`` (``backend_request_func``):
 - sent: just before the request is written (vLLM's ``st``);
 - TTFT: sent -> the first chunk whose ``delta.content`` is non-empty. vLLM stamps the first
   chunk carrying ``choices``, which for llama-server and us is the role-only
-  ``{"role": "assistant"}`` chunk; we wait for visible text (FACTS F7: "first visible token");
+  ``{"role": "assistant"}`` chunk; we wait for visible text (facts.md F7: "first visible token");
 - ITL: the gaps between consecutive content chunks (one chunk per visible piece);
 - E2E: sent -> the last ``data:`` chunk before ``[DONE]`` (the usage chunk; vLLM's ``latency``);
 - TPOT: (E2E - TTFT) / (n - 1), n = ``usage.completion_tokens`` (None when n < 2);
 - goodput (vLLM ``--goodput``): requests meeting every SLO (<=; TPOT counts as 0 when n < 2)
-  per second of the run, and their output tokens per second (FACTS F7's definition).
+  per second of the run, and their output tokens per second (facts.md F7's definition).
 
 ``stream_completion`` times llama.cpp's native ``/completion`` the same way (token-id prompts of an
 exact length; ``calconsole bench matrix``).
@@ -56,8 +56,8 @@ WORDS = ("time data light river stone music table window garden paper market sig
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETION_PATH = "/completion"
-MIXES = {"short": 0.0, "long": 1.0, "mixed": 0.1}  # fraction of long requests (FACTS F8: 10% long + 90% short)
-PERCENTILES = (50, 95, 99)  # FACTS F8: P50/P95/P99
+MIXES = {"short": 0.0, "long": 1.0, "mixed": 0.1}  # fraction of long requests (facts.md F8: 10% long + 90% short)
+PERCENTILES = (50, 95, 99)  # facts.md F8: P50/P95/P99
 #: the server's histograms compared (``llamacpp:`` names, simulated seconds)
 HISTOGRAMS = {"ttft_ms": "llamacpp:time_to_first_token_seconds", "itl_ms": "llamacpp:inter_token_latency_seconds",
               "tpot_ms": "llamacpp:time_per_output_token_seconds", "e2e_ms": "llamacpp:e2e_request_latency_seconds",
@@ -73,7 +73,7 @@ class BenchError(Exception):
 @dataclass(frozen=True)
 class Shape:
     """A request class: templated prompt tokens (as ``usage.prompt_tokens`` counts them) and
-    ``max_tokens``. Defaults from FACTS F8's length matrix: short 128 -> 32, long 4096 -> 128."""
+    ``max_tokens``. Defaults from facts.md F8's length matrix: short 128 -> 32, long 4096 -> 128."""
 
     name: str
     prompt_tokens: int

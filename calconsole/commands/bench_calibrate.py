@@ -1,4 +1,4 @@
-"""``calconsole bench calibrate``: the simulator against the measured figures of FACTS F7.
+"""``calconsole bench calibrate``: the simulator against the measured figures of facts.md F7.
 
 Cost-model cases come from :func:`sim_backend.tools.calibration.run_calibration`
 (simulated device time, plus the fitted host allowance in the E2E case only);

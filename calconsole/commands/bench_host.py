@@ -2,7 +2,7 @@
 
 Prints the median (and P95) host wall milliseconds per token of the fast
 path (preallocated buffers, no full-vocabulary sort) and of a naive
-full-sort sampler with a fresh FP32 copy (the production shape, FACTS F6),
+full-sort sampler with a fresh FP32 copy (the production shape, facts.md F6),
 measured in the same run. A benchmark figure, never a test assertion.
 """
 

@@ -142,7 +142,7 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
                 raise ValueError(f"--{name} is for the in-process server; the server at --url has its own")
     o["api_key"] = _api_key(args.api_key_file)
     o["out"] = _out_dir(args.out)
-    # the report's repetition rule (FACTS F8): say when a run is below it
+    # the report's repetition rule (facts.md F8): say when a run is below it
     o["meets_report_repetitions"] = o["warmups"] >= WARMUPS and o["runs"] >= RUNS
     return o
 

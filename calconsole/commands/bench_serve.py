@@ -52,7 +52,7 @@ from ..bench.serve_load import (
 from .common import fail, print_json
 
 PHASES = ("sweep", "overhead", "sustained")
-# Defaults from the operators' experiment matrix (FACTS F8): clients 1..16, the three mixes, prompt
+# Defaults from the operators' experiment matrix (facts.md F8): clients 1..16, the three mixes, prompt
 # and output lengths from its length lists, 3 warm-up runs, at least 20 measured; kept out of the
 # help texts, which cite no document the user does not have.
 ENV_API_KEY = "CALCONSOLE_API_KEY"

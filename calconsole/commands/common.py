@@ -26,7 +26,7 @@ COMMON_DEFAULTS = {"bundle": None, "speed": 1.0, "timing_only": False, "slots": 
 # The pacing API below accepts a wider range (Pacing.MIN_SPEED .. MAX_SPEED).
 CLI_SPEED_RANGE = (0.1, 1000.0)
 SLOTS_RANGE = (1, 32)
-# --numeric-limit: 1 token up to the calbin context (40960, FACTS F4); longer prompts cannot exist
+# --numeric-limit: 1 token up to the calbin context (40960, facts.md F4); longer prompts cannot exist
 NUMERIC_LIMIT_RANGE = (1, 40960)
 
 

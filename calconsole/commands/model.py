@@ -1,8 +1,8 @@
 """``calconsole model [--json]``: the calbin bundle — sub-models, op counts, memory plan, findings.
 
 Read-only: loads the bundle (``sim_backend.bundle.manifest.load_bundle``), generates
-each sub-model's op graph from the model shape (FACTS F3), builds the
-per-chip memory plan (FACTS F4) and lists the manifest findings.  No device
+each sub-model's op graph from the model shape (facts.md F3), builds the
+per-chip memory plan (facts.md F4) and lists the manifest findings.  No device
 is started.  Every memory figure is in bytes (JSON) or GiB / MiB (text,
 GiB = 2**30 B, MiB = 2**20 B).
 """

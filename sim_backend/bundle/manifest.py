@@ -2,8 +2,8 @@
 
 Sub-models are found by EXACT name and checked by type, I/O dtypes and
 shapes (the production integration matched names by substring, last one
-winning: FACTS F6). Fatal problems raise ``ManifestError`` naming the file
-and the field. Known, survivable defects of the real bundle (FACTS F4, F6)
+winning: facts.md F6). Fatal problems raise ``ManifestError`` naming the file
+and the field. Known, survivable defects of the real bundle (facts.md F4, F6)
 are reported as ``Finding`` s with a severity and what the loader did.
 """
 
@@ -29,8 +29,8 @@ KNOWN_TYPES = ("llm_prefill", "llm_decode")
 # Chips on the simulated board; a manifest for another topology is refused.
 DEVICE_CHIPS = 2
 
-# --- bounds on every size the loader reads (issue 9) ---------------------------
-# Upper limits generous above Qwen3-30B-A3B's figures (FACTS F2, in brackets)
+# --- bounds on every size the loader reads ---------------------------
+# Upper limits generous above Qwen3-30B-A3B's figures (facts.md F2, in brackets)
 # and above any public transformer, yet small enough that what the simulator
 # derives from them (op graph, cost model, memory plan) stays small. A value
 # outside refuses the bundle with ManifestError(file, field) instead of a
@@ -46,7 +46,7 @@ MODEL_LIMITS: dict[str, int] = {
     "expert_ffn": 262_144,     # [768]; dense FFNs reach ~53K
     "vocab": 1_048_576,        # [151936]; largest public ~256K
 }
-#: Longest calbin context: the tokenizer's model_max_length 131072 (FACTS F1),
+#: Longest calbin context: the tokenizer's model_max_length 131072 (facts.md F1),
 #: 3.2x the calbin's 40960, the most Qwen3 is ever configured for.
 MAX_CONTEXT = 131_072
 #: Reduced numeric widths [64 / 16 / 16] the CPU numerics run at.
@@ -65,7 +65,7 @@ MAX_RANK = 8
 MAX_CSR = 64
 #: Longest string field (names, versions, file names): NAME_MAX on Linux.
 MAX_STR = 255
-#: Report status codes a bundle may declare itself as (DESIGN "What-if is labelled"): C0 today's calbin,
+#: Report status codes a bundle may declare itself as (facts.md "What-if is labelled"): C0 today's calbin,
 #: C1 SDK feature unused, C2 buildable by us, C3 needs a vendor-compiled calbin.
 VARIANT_STATUSES = ("C0", "C1", "C2", "C3")
 #: Decode batch sizes a C3 variant may declare (report §11 asks the vendor for 4 / 8 / 16); prefill stays 1.
@@ -73,9 +73,9 @@ VARIANT_DECODE_BATCHES = (4, 8, 16)
 #: A manifest or tokenizer config is a few KiB; refuse to parse a huge file.
 MAX_YAML_BYTES = 1 << 20
 #: device_memory_required above 1 PiB (64x the known 16 TiB defect) is refused,
-#: below it an impossible value is a finding (FACTS F4).
+#: below it an impossible value is a finding (facts.md F4).
 MAX_DEVICE_MEMORY_BYTES = 1 << 50
-#: Tokenizer model_max_length is only reported (FACTS F1 [131072]); at most 2**24.
+#: Tokenizer model_max_length is only reported (facts.md F1 [131072]); at most 2**24.
 MAX_TOKENIZER_LENGTH = 1 << 24
 
 
@@ -111,7 +111,7 @@ class SubModelSpec:
     csr: tuple[str, ...]
     dynamic_d2d: bool
     # the type the loader treats it as: differs from ``smodel_type`` only for
-    # a known mislabel it corrected (prefill declared llm_decode, FACTS F4)
+    # a known mislabel it corrected (prefill declared llm_decode, facts.md F4)
     effective_type: str = ""
 
     def __post_init__(self) -> None:
@@ -129,7 +129,7 @@ class SubModelSpec:
 class Bundle:
     """A loaded, validated bundle.
 
-    ``context`` is the calbin context in tokens (40960, FACTS F2) — the only
+    ``context`` is the calbin context in tokens (40960, facts.md F2) — the only
     context limit used; ``tokenizer_max_length`` is reported, never used.
     """
 
@@ -155,7 +155,7 @@ class Bundle:
 
     @property
     def decode_batch(self) -> int:
-        """Sequences one decode submission carries (hardware batch N; 1 today, FACTS F1). Prefill is always 1."""
+        """Sequences one decode submission carries (hardware batch N; 1 today, facts.md F1). Prefill is always 1."""
         return self.max_batch_size
 
     @property
@@ -515,7 +515,7 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     if numeric.expert_ffn % chips:
         raise r.fail("numerics.expert_ffn", f"must split evenly over {chips} chips")
 
-    # --- device_memory_required (known defect, FACTS F4) -------------------
+    # --- device_memory_required (known defect, facts.md F4) -------------------
     dmr_bytes = None
     dmr = r.get(doc, "device_memory_required", "device_memory_required", (str, int), required=False)
     if dmr is not None:

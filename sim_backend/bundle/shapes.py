@@ -2,7 +2,7 @@
 reduced width the numerics run at.
 
 Both come from the calbin manifest (``sim_backend/bundles/*/calbin.yaml``);
-the defaults here are FACTS F2 so headless code and tests can build them
+the defaults here are facts.md F2 so headless code and tests can build them
 without a bundle.
 """
 
@@ -13,11 +13,11 @@ from dataclasses import dataclass, replace
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Architecture of Qwen3-30B-A3B at full size (FACTS F2).
+    """Architecture of Qwen3-30B-A3B at full size (facts.md F2).
 
     All sizes are element counts; ``n_ctx`` is tokens (calbin context, 40960,
     not the tokenizer's 131072). ``n_chips`` is the number of chiplets the
-    graph is tensor-parallel over (FACTS F1/F3).
+    graph is tensor-parallel over (facts.md F1/F3).
     """
 
     n_layers: int = 48
@@ -47,13 +47,13 @@ class ModelShape:
     def kv_bytes_per_token_per_chip(self) -> int:
         """BF16 K+V bytes one token occupies on one chip: layers x kv_heads/chip x 2 x head_dim x 2 B.
 
-        48 x 2 x 2 x 128 x 2 = 49,152 B; x 40960 tokens = 1.875 GiB per chip (FACTS F4).
+        48 x 2 x 2 x 128 x 2 = 49,152 B; x 40960 tokens = 1.875 GiB per chip (facts.md F4).
         """
         return self.n_layers * self.kv_heads_per_chip * 2 * self.head_dim * 2
 
     @property
     def logits_bytes_per_token(self) -> int:
-        """BF16 logits D2H per token: vocab x 2 B = 303,872 B (FACTS F1/F4)."""
+        """BF16 logits D2H per token: vocab x 2 B = 303,872 B (facts.md F1/F4)."""
         return self.vocab * 2
 
     def with_layers(self, n_layers: int) -> ModelShape:

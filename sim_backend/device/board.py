@@ -1,6 +1,6 @@
 """The simulated board: two chiplets served by one device thread.
 
-Jobs (one prefill or decode step of one sequence, batch 1, FACTS F1) are
+Jobs (one prefill or decode step of one sequence, batch 1, facts.md F1) are
 queued with ``submit`` and return a ``Job`` handle at once; the device
 thread runs the numerics (all 48 layers, ``numerics.ShardedModel``), prices
 the step with the cost model at full Qwen3-30B-A3B size, advances the
@@ -78,7 +78,7 @@ class SimulatedBoard:
         numerics: run the model numerically (True) or timing-only (False:
             no logits; experts priced by expectation, for long sweeps).
         pacing: real time or fast.
-        kv_cells: KV capacity in tokens (default the calbin context, 40960, FACTS F4).
+        kv_cells: KV capacity in tokens (default the calbin context, 40960, facts.md F4).
         numerics_process: run the numerics in a spawned worker process
             (``numerics_worker.NumericsProcess``; identical results) instead of in this one.
             With a ``CostModel``, the worker also prices numeric steps (the same StepCost);

@@ -1,4 +1,4 @@
-"""Device jobs: one prefill or decode step of one sequence (batch 1, FACTS F1), its states, its
+"""Device jobs: one prefill or decode step of one sequence (batch 1, facts.md F1), its states, its
 result (simulated µs) and the board's job counters."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from sim_backend.errors import DeviceError, WaitTimeout
 
 
 class JobState(str, Enum):
-    """OutputBuf states of CalRT (FACTS F5 C1) plus FAILED for other device errors."""
+    """OutputBuf states of CalRT (facts.md F5 C1) plus FAILED for other device errors."""
 
     PENDING = "pending"
     RUNNING = "running"
@@ -28,7 +28,7 @@ class StepResult:
     """One finished step.
 
     logits_bf16: (vocab,) uint16 BF16 bit patterns of the last token (the
-    303,872 B D2H of FACTS F1), or None in timing-only mode.
+    303,872 B D2H of facts.md F1), or None in timing-only mode.
     experts_touched: distinct experts per layer (numeric mode) or None.
     cost: the cost model's ``StepCost`` (simulated µs, per layer/chip/category).
     sim_us: simulated device time of the step (µs), = cost.total_us (h2d + infer + d2h; a slow
@@ -139,7 +139,7 @@ class Job:
 
 @dataclass(frozen=True)
 class JobCounters:
-    """Device job counters (FACTS F5 C1: pending / finished / left, plus running / failed)."""
+    """Device job counters (facts.md F5 C1: pending / finished / left, plus running / failed)."""
 
     submitted: int
     pending: int

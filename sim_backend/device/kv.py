@@ -1,17 +1,17 @@
 """KV cache metadata manager of the simulated device.
 
 This is the fixed counterpart of the production integration's KV code
-(FACTS F6): there, KV apply spins in ``do{}while(!Apply())`` with no timeout,
+(facts.md F6): there, KV apply spins in ``do{}while(!Apply())`` with no timeout,
 back-off, cancel or error; a failed update calls ``abort()``;
 seq_cp/seq_keep/seq_add/seq_div and state save/load are empty; seq_rm only
 removes a tail. Here every one of those is implemented with llama.cpp's
 unified-KV-cache semantics (``llama_kv_cells_unified`` /
 ``llama_memory_seq_*``), and every wait is bounded and cancellable
-(DESIGN "No unbounded waits").
+(facts.md "No unbounded waits").
 
 Model
 -----
-The cache is ``n_cells`` cells (default 40960 = the calbin context, FACTS
+The cache is ``n_cells`` cells (default 40960 = the calbin context, facts.md
 F2/F4). A cell holds ONE position (a token position, int) and a SET of
 sequence ids that share it (llama.cpp: a cell is shared, not copied, by
 ``seq_cp``). A cell is *used* iff its sequence set is non-empty; then its
@@ -24,11 +24,11 @@ cells (well under a millisecond on 40960 cells):
 * ``seqs``: ``uint64[n_cells]`` bitmask; bit ``s`` set <=> sequence ``s`` is
   in the cell. Hence sequence ids are limited to ``0 .. n_seq_max - 1`` with
   ``n_seq_max <= 64`` (llama.cpp's ``LLAMA_MAX_SEQ`` is also 64/256-ish; the
-  server uses one id per slot and FACTS F1 says the hardware batch is 1, so 64
+  server uses one id per slot and facts.md F1 says the hardware batch is 1, so 64
   is ample). Ids outside that range raise ``KVArgumentError`` (except in
   ``seq_rm``, see there).
 
-Arguments are checked at this edge, before anything changes (issue 9):
+Arguments are checked at this edge, before anything changes:
 ids, counts, positions and bounds must be ints (Python or numpy; ``bool``
 and floats are refused, never truncated); a cell's position is always in
 ``0 .. n_ctx - 1``; timeouts are finite and at most ``MAX_TIMEOUT_S``. A
@@ -40,7 +40,7 @@ The manager holds metadata only. The K/V numbers live in arrays owned by the
 device, indexed by cell along one axis; ``apply`` and ``seq_cells`` return
 cell indices so the device can write/read those rows. Capacity in bytes is
 ``n_cells x bytes_per_token_per_chip`` per chip: 40960 x 49,152 B =
-2,013,265,920 B = 1.875 GiB per chip in BF16 (FACTS F4: 48 layers x 2 KV
+2,013,265,920 B = 1.875 GiB per chip in BF16 (facts.md F4: 48 layers x 2 KV
 heads per chip x K/V x 128 x 2 B).
 
 Positions shifted by ``seq_add`` / ``seq_div`` are also accumulated per cell
@@ -102,7 +102,7 @@ class KVOccupancy:
 
     Attributes:
         used_cells: cells holding at least one sequence (tokens).
-        capacity_cells: total cells (tokens); 40960 by default (FACTS F2/F4).
+        capacity_cells: total cells (tokens); 40960 by default (facts.md F2/F4).
         free_cells: ``capacity_cells - used_cells``.
         used_blocks: blocks of ``block_size`` cells with any used cell (paged view).
         total_blocks: ``ceil(capacity_cells / block_size)``.
@@ -111,7 +111,7 @@ class KVOccupancy:
             shared cells count once for every sequence holding them.
         bytes_used_per_chip: ``used_cells x bytes_per_token_per_chip`` (bytes).
         bytes_capacity_per_chip: ``capacity_cells x bytes_per_token_per_chip``
-            (bytes); 2,013,265,920 B = 1.875 GiB by default (FACTS F4).
+            (bytes); 2,013,265,920 B = 1.875 GiB by default (facts.md F4).
     """
 
     used_cells: int
@@ -127,7 +127,7 @@ class KVOccupancy:
 
 @dataclass(frozen=True)
 class KVCounters:
-    """Cumulative ``apply`` statistics (for the observation plane, FACTS F8 "KV wait").
+    """Cumulative ``apply`` statistics (for the observation plane, facts.md F8 "KV wait").
 
     Attributes:
         apply_calls: calls to ``apply`` (including ``load_seq_state``'s).
@@ -151,16 +151,16 @@ class KVCacheManager(KVStateFiles):
 
     Args:
         n_cells: capacity in cells = tokens (default 40960, the calbin
-            context, FACTS F2; not the tokenizer's 131072).
-        n_chips: chiplets the KV heads are split over (2, FACTS F1/F3); each
+            context, facts.md F2; not the tokenizer's 131072).
+        n_chips: chiplets the KV heads are split over (2, facts.md F1/F3); each
             chip holds every cell for its 2 of the 4 KV heads.
         bytes_per_token_per_chip: BF16 K+V bytes one cell costs on one chip
-            (49,152 B for Qwen3-30B-A3B, FACTS F4).
+            (49,152 B for Qwen3-30B-A3B, facts.md F4).
         block_size: cells per block for the paged display view (allocation
             unit stays the cell, as in llama.cpp).
         n_seq_max: number of usable sequence ids, ``1..64`` (ids ``0..n_seq_max-1``).
         n_ctx: positions a cell may hold are ``0..n_ctx-1`` (tokens). Default
-            ``max(n_cells, 40960)``: the calbin context (FACTS F2), or the
+            ``max(n_cells, 40960)``: the calbin context (facts.md F2), or the
             cache size if that is larger.
 
     Raises:
@@ -341,7 +341,7 @@ class KVCacheManager(KVStateFiles):
     ) -> np.ndarray:
         """Reserve ``n_tokens`` free cells for ``seq_id`` (bounded, cancellable).
 
-        Replaces production's ``do{}while(!Apply())`` (FACTS F6).
+        Replaces production's ``do{}while(!Apply())`` (facts.md F6).
 
         Args:
             seq_id: sequence id, ``0..n_seq_max-1``.
@@ -461,7 +461,7 @@ class KVCacheManager(KVStateFiles):
         return cells
 
     def can_allocate(self, n_tokens: int) -> bool:
-        """True if ``n_tokens`` cells (tokens) are free right now (CalRT canAllocate, FACTS F5).
+        """True if ``n_tokens`` cells (tokens) are free right now (CalRT canAllocate, facts.md F5).
 
         Any int is accepted (negative -> False). Raises KVArgumentError for a non-int.
         """
@@ -690,7 +690,7 @@ class KVCacheManager(KVStateFiles):
     # ------------------------------------------------------------- state files
 
     def occupancy(self) -> KVOccupancy:
-        """Snapshot of KV usage in cells, blocks and bytes per chip (FACTS F4)."""
+        """Snapshot of KV usage in cells, blocks and bytes per chip (facts.md F4)."""
         with self._cond:
             used = self._seqs != _ZERO
             n_used = int(np.count_nonzero(used))

@@ -1,4 +1,4 @@
-"""Per-chip memory plan of the calbin (FACTS F4, report §7).
+"""Per-chip memory plan of the calbin (facts.md F4, report §7).
 
 Units: every ``*_bytes`` is bytes (int); GiB = 2**30 B, MiB = 2**20 B.
 
@@ -80,7 +80,7 @@ def embedding_bytes(shape: ModelShape, hw: HardwareSpec) -> int:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """Per-chip memory plan (FACTS F4).
+    """Per-chip memory plan (facts.md F4).
 
     Attributes:
         shape: the model.

@@ -2,7 +2,7 @@
 
 Reads of any mapped register are allowed to the maintenance plane; writes
 only to registers marked writable. The firmware/CalcoreRT commit lives in
-a fixed register as on the real board (FACTS F1: "read CalcoreRT commit from
+a fixed register as on the real board (facts.md F1: "read CalcoreRT commit from
 a fixed register").
 """
 

@@ -2,8 +2,8 @@
 
 Every time here is **simulated device time in microseconds**; nothing measures the host.
 
-The production calbin decodes batch 1 (FACTS F1). A batch-N decode calbin does not exist
-(status ``C3``: the vendor would have to compile it, DESIGN "What-if is labelled"); this
+The production calbin decodes batch 1 (facts.md F1). A batch-N decode calbin does not exist
+(status ``C3``: the vendor would have to compile it, facts.md "What-if is labelled"); this
 module prices one from first principles by composing the per-role pieces of
 :class:`~sim_backend.model.costmodel.CostModel` (``_role_costs``: the same roofline,
 the same fitted efficiencies) and re-pricing only the roles that batching changes:
@@ -17,21 +17,21 @@ the same fitted efficiencies) and re-pricing only the roles that batching change
   (``ramp="sum"``, the default, pessimistic) or taken once at the longest context
   (``ramp="max"``, optimistic: partitions of several sequences run side by side);
 - final norm, LM head rows, the logits gather and the D2H are per sequence
-  (N x 303,872 B BF16 logits, FACTS F1/F4, in one transfer set-up); H2D carries N token
+  (N x 303,872 B BF16 logits, facts.md F1/F4, in one transfer set-up); H2D carries N token
   ids, N positions and N CSR pairs.
 
 Switches (:class:`Variant`), each a what-if with its status code:
 
-- ``s8_v_cache`` (C1, FACTS F5 "S8 V-cache"): V stored as int8: the attention KV read and
+- ``s8_v_cache`` (C1, facts.md F5 "S8 V-cache"): V stored as int8: the attention KV read and
   the V scatter use 1 byte per V element; KV capacity in tokens grows by
   ``2 * 2 / (2 + 1)`` = 4/3 (:func:`kv_capacity_tokens`).
-- ``on_device_topk`` (C2, FACTS F8 "full logits vs on-device top-k"): each chip scans its
+- ``on_device_topk`` (C2, facts.md F8 "full logits vs on-device top-k"): each chip scans its
   vocabulary shard for the top ``topk_k`` (priced as a vector read of its logits + one op
   overhead, folded into the ``logits_gather`` op so the graph keeps the F3 op counts), the
   gather moves k candidates (BF16 value + int32 id) per sequence, and the D2H carries
   ``N * k * 6`` bytes instead of ``N * 303,872``. The CPU sampling over k candidates is
   host work, measured by the engine, not priced here.
-- async overlap (C1, FACTS F5 ping/pong) is not a device-time switch: it is the engine's
+- async overlap (C1, facts.md F5 ping/pong) is not a device-time switch: it is the engine's
   ``max_inflight=2``; ``Variant.overlap`` only carries the flag and its label.
 
 Batch 1 with no switch equals ``CostModel.price_step(shape, "decode", 1, past)`` (same
@@ -52,7 +52,7 @@ from sim_backend.model.costmodel import CostModel, StepCost, assemble_step, expe
 
 #: Decode batch sizes a variant calbin may declare (the ones the report asks the vendor about, §11).
 BATCH_SIZES = (1, 4, 8, 16)
-#: Report status codes (DESIGN "What-if is labelled"; FACTS F5).
+#: Report status codes (facts.md "What-if is labelled"; facts.md F5).
 STATUS_TEXT = {"C0": "today's calbin", "C1": "in the SDK, unused", "C2": "buildable by us",
                "C3": "needs a vendor-compiled calbin"}
 #: Bytes per candidate of on-device top-k: BF16 value + int32 token id.
@@ -239,7 +239,7 @@ class BatchedCostModel:
         hw, f = self.hw.hardware, self.hw.fitted
         bw = hw["dram_bw_gbps"] * 1e3  # bytes per µs
         mem = self.hw.memory
-        # as CostModel._role_costs: the SRAM activation workspace (FACTS F4) and its bandwidth
+        # as CostModel._role_costs: the SRAM activation workspace (facts.md F4) and its bandwidth
         sram_ws = max(0.0, (mem["sram_reservation_mib"] - mem["param_sram_window_mib"]) * 2**20)
         return {"act_bw": bw * f["activation_eff"], "w_bw": bw * f["weight_stream_eff"],
                 "sram_ws": sram_ws, "sram_bw": hw["sram_bw_gbps"] * 1e3,

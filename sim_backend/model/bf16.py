@@ -2,7 +2,7 @@
 
 BF16 is the top 16 bits of an IEEE float32, so widening is a 16-bit left
 shift and narrowing is round-to-nearest-even on the dropped half. The
-device's logits come back as BF16 (FACTS F1: 151936 x 2 B = 303,872 B per
+device's logits come back as BF16 (facts.md F1: 151936 x 2 B = 303,872 B per
 token); the host widens them to FP32 to sample.
 """
 
@@ -22,7 +22,7 @@ def bf16_to_f32(u16: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
     Args:
         u16: ``uint16`` array of BF16 bits, any shape (a decode step's logits are
-            shape (151936,), 303,872 B; FACTS F1/F4).
+            shape (151936,), 303,872 B; facts.md F1/F4).
         out: optional ``float32`` array of the same shape to write into
             (e.g. a preallocated landing buffer); must not alias ``u16``.
 

@@ -12,11 +12,11 @@ with a separate fitted efficiency per byte stream ``s``: weight streaming,
 KV reads, activations.  Chiplet-to-chiplet ops (syncs, decode gathers,
 prefill dynamic D2D) cost ``d2d_latency_us + bytes / (link * d2d_eff)``.
 
-Sharding (FACTS F3, report §6): every layer runs on both chips; each chip
+Sharding (facts.md F3, report §6): every layer runs on both chips; each chip
 holds 16 of 32 Q heads, 2 of 4 KV heads, half the columns of every expert
 (all 128 experts on both chips), half the router outputs and half the vocab
 of the LM head; the embedding runs on chip0 only.  Quantisation per role is
-stated in ``hardware/calculet_npu.yaml`` (FACTS F2: mixed W8A8 / W4AF16).
+stated in ``hardware/calculet_npu.yaml`` (facts.md F2: mixed W8A8 / W4AF16).
 
 MoE: expert weight bytes are priced by the experts a layer actually touches
 (``experts_touched``), or by the expectation ``E·(1-((E-k)/E)^n)`` (27 tokens
@@ -157,7 +157,7 @@ class HardwareSpec:
         path: file it came from.
         hardware: per-chip peaks (TOPS/TFLOPS), DRAM/link/PCIe GB/s, latencies (µs).
         quantisation: bytes per weight by role, activation/KV/input byte widths.
-        memory: FACTS F4 figures the model cannot derive (GiB / MiB).
+        memory: facts.md F4 figures the model cannot derive (GiB / MiB).
         fitted: fitted or assumed cost-model parameters (efficiencies, overheads µs, tile sizes).
         ranges: ``(lo, hi)`` physical range of every ``fitted`` parameter (the YAML's
             ``ranges`` section): fits stay inside it, sensitivity ranges sweep it, and
@@ -312,11 +312,11 @@ class StepCost:
         kind, n_tokens, past_len: the step (tokens in this step; tokens already in KV).
         h2d_us: PCIe host->device of token ids, positions and CSR.
         infer_us: graph execution (chip timelines aligned at syncs) + submit overhead.
-        d2h_us: PCIe device->host of one token's BF16 logits (303,872 B, FACTS F1/F4).
+        d2h_us: PCIe device->host of one token's BF16 logits (303,872 B, facts.md F1/F4).
         total_us: ``h2d_us + infer_us + d2h_us``.
         layer_chip_us: float64 ``(n_layers, n_chips)``: busy time of each chip in each layer.
         layer_chip_category_us: float64 ``(n_layers, n_chips, len(categories))``.
-        categories: category ids (FACTS F3 order) indexing the last axis.
+        categories: category ids (facts.md F3 order) indexing the last axis.
         global_us: time of ops outside the layers on the busiest chip (embedding,
             final norm, lm_head, logits gather/sync, layout conversions).
         op_us: float64 ``(n_ops,)`` per op of ``graph.ops`` on a chip at normal speed;
@@ -593,7 +593,7 @@ class CostModel:
         row = d * q["kv_bytes"]
         kv_bw = w_bw * row / (row + f["kv_row_overhead_bytes"])
         # SRAM: what the memory plan reserves beyond the parameters' window is the activation
-        # workspace (FACTS F4: 16.844 - 14.381 MiB per chip); an op whose activations fit in it
+        # workspace (facts.md F4: 16.844 - 14.381 MiB per chip); an op whose activations fit in it
         # reads and writes them at SRAM bandwidth, a larger one streams them through DRAM.
         sram_ws = max(0.0, (self.hw.memory["sram_reservation_mib"] - self.hw.memory["param_sram_window_mib"])
                       * 2**20)

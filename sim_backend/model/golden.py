@@ -1,18 +1,18 @@
-"""Golden input/output of the bundle, and the comparison the self-test uses (FACTS F5 C1: golden I/O).
+"""Golden input/output of the bundle, and the comparison the self-test uses (facts.md F5 C1: golden I/O).
 
     python -m sim_backend.model.golden --write   # regenerate <bundle>/golden.npz
     python -m sim_backend.model.golden --check   # recompute; exit 1 if the stored reference no longer matches
 
 The golden input is the Qwen3 chat-template fragment
 ``"<|im_start|>user\\nhi<|im_end|>\\n"`` = ``[151644, 872, 198, 6023, 151645, 198]``
-(DESIGN "Tokenizer" reference ids), run as ONE prefill of 6 tokens at
+(facts.md "Tokenizer" reference ids), run as ONE prefill of 6 tokens at
 positions 0..5 by a freshly built ``numerics.ShardedModel`` (the synthetic
 weights are deterministic from the manifest's ``numerics.seed``).
 
 What ``golden.npz`` stores, and why (about 0.3 MB):
 
 - ``logits``: uint16[151936], the BF16 bit patterns of the last token's
-  logits — exactly what a healthy device returns over D2H (FACTS F1: logits
+  logits — exactly what a healthy device returns over D2H (facts.md F1: logits
   come back as BF16, 303,872 B). This is what the self-test compares to.
   A float32 golden would not do: these logits reach |x| ~ 40, where BF16
   spacing is 0.25, so even a perfect device differs from float32 by up to

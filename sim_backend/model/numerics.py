@@ -3,12 +3,12 @@
 Every step runs all 48 layers for real: RMSNorm, per-head q/k RMSNorm,
 RoPE (theta 1e6), GQA 32:4 attention, router softmax over 128 experts with
 top-8 and renormalised top-k weights, SwiGLU experts, final norm and the LM
-head over the full 151936 vocabulary (FACTS F2). Widths are reduced
+head over the full 151936 vocabulary (facts.md F2). Widths are reduced
 (``NumericShape``: hidden, head_dim, expert intermediate) and weights are
 deterministic synthetic ones drawn from a seed, so routing, KV writes and
 logits are computed, not invented, but the text is not meaningful.
 
-Sharding follows FACTS F3 (tensor parallel, no pipeline/expert parallel):
+Sharding follows facts.md F3 (tensor parallel, no pipeline/expert parallel):
 chip c holds Q heads [16c, 16c+16), KV heads [2c, 2c+2), half of every
 expert's intermediate columns and half of the vocabulary of the LM head.
 Partial attention-output and expert-down results are reduced (summed)
@@ -323,7 +323,7 @@ def moe_ffn(x: np.ndarray, ids: np.ndarray, w: np.ndarray, gate: np.ndarray, up:
 
 
 #: Largest proven bound on |attention score| for which the softmax skips its max: exp() of the raw
-#: scores stays within [e^-30, e^30], so a row's sum over any context (<= 40960 keys, FACTS F2) and the
+#: scores stays within [e^-30, e^30], so a row's sum over any context (<= 40960 keys, facts.md F2) and the
 #: (sum x V) products stay normal and finite.
 SCORE_BOUND = 30.0
 
@@ -572,7 +572,7 @@ class ShardedModel:
     """The model as the device runs it: two ``ChipShard`` s with reduce/gather between them.
 
     ``forward`` is one prefill or decode step for one sequence (batch 1,
-    FACTS F2): it writes K/V at ``new_cells`` and attends over ``ctx_cells``
+    facts.md F2): it writes K/V at ``new_cells`` and attends over ``ctx_cells``
     (all of the sequence's cells including the new ones, sorted by position).
     """
 

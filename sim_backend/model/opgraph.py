@@ -1,9 +1,9 @@
-"""Operator graphs of the prefill and decode sub-models (FACTS F3, report §5–§6).
+"""Operator graphs of the prefill and decode sub-models (facts.md F3, report §5–§6).
 
 The graphs are *generated* from :class:`~sim_backend.bundle.shapes.ModelShape`: a
 fixed per-layer op sequence repeated ``n_layers`` times, plus a few ops
 outside the layers.  For the full 48-layer Qwen3-30B-A3B the counts equal
-FACTS F3 exactly (prefill 1496, decode 1398 top-level nodes).
+facts.md F3 exactly (prefill 1496, decode 1398 top-level nodes).
 
 Per layer (both sub-models, 29 ops)::
 
@@ -46,7 +46,7 @@ from sim_backend.bundle.shapes import ModelShape
 
 Kind = Literal["prefill", "decode"]
 
-#: Stable snake_case category ids, in FACTS F3 table order.
+#: Stable snake_case category ids, in facts.md F3 table order.
 CATEGORIES: tuple[str, ...] = (
     "fused_rmsnorm",
     "quant_matmul",
@@ -75,7 +75,7 @@ class Op:
     Attributes:
         index: position in ``OpGraph.ops`` (execution order).
         name: e.g. ``"L12.attn.q_matmul"``; ops outside layers start with ``"G."``.
-        category: one of :data:`CATEGORIES` (FACTS F3).
+        category: one of :data:`CATEGORIES` (facts.md F3).
         layer: 0..n_layers-1, or -1 for ops outside the layers.
         chips: chips whose timeline the op occupies (chips run in parallel).
         role: what it computes, used by the cost model to price it.
@@ -156,7 +156,7 @@ class OpGraph:
     ops: tuple[Op, ...]
 
     def count(self) -> int:
-        """Top-level node count (FACTS F3 'total': 1496 prefill / 1398 decode at 48 layers)."""
+        """Top-level node count (facts.md F3 'total': 1496 prefill / 1398 decode at 48 layers)."""
         return len(self.ops)
 
     def counts_by_category(self) -> dict[str, int]:
@@ -167,7 +167,7 @@ class OpGraph:
         return out
 
     def per_chip_profile_count(self) -> list[int]:
-        """Profile rows per chip (FACTS F3: decode 1254/1253, prefill 1352/1351)."""
+        """Profile rows per chip (facts.md F3: decode 1254/1253, prefill 1352/1351)."""
         out = [0] * self.shape.n_chips
         for op in self.ops:
             for c in op.profile_chips:
@@ -193,7 +193,7 @@ def global_op_count(kind: Kind) -> int:
 def build_graph(shape: ModelShape, kind: Kind) -> OpGraph:
     """Generate the ``kind`` sub-model graph for ``shape`` (cached per (shape, kind)).
 
-    Returns an :class:`OpGraph` whose counts are FACTS F3 for the 48-layer
+    Returns an :class:`OpGraph` whose counts are facts.md F3 for the 48-layer
     model: ``29·L + 6`` (decode) or ``31·L + 8`` (prefill) nodes.
     """
     if kind not in ("prefill", "decode"):

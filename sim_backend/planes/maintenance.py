@@ -1,4 +1,4 @@
-"""Controlled maintenance plane (FACTS F5 C4, F9): exclusive lease and guarded device actions.
+"""Controlled maintenance plane (facts.md F5 C4, F9): exclusive lease and guarded device actions.
 
 Reset, ClearAllDevMem, registers and fault injection never reach the
 inference plane; here they take a lease and refuse without one

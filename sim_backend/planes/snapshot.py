@@ -88,7 +88,7 @@ class DeviceInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
     bundle_status: str = "C0"
     #: the variant's label as its manifest states it ("" for the production bundle)
     bundle_label: str = ""
-    #: sequences one decode step may carry (1 today, FACTS F1; N for a batch-N variant)
+    #: sequences one decode step may carry (1 today, facts.md F1; N for a batch-N variant)
     decode_batch: int = 1
 
 
@@ -223,7 +223,7 @@ class ChipMemory(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 
 class MemoryView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Per-chip memory map (FACTS F4) with KV use filled in; all sizes bytes. Empty if no plan."""
+    """Per-chip memory map (facts.md F4) with KV use filled in; all sizes bytes. Empty if no plan."""
 
     unit: str = "bytes"
     kv_used_tokens: int = 0

@@ -80,7 +80,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     ``NUMERIC_PROMPT_LIMIT`` (measured) and its reason. ``numerics_limit_reason``: why this limit,
     shown by the observation pane (default: the measurement, or "set at start-up").
     ``host_time``: ``"modeled"`` books the cost model's fitted host allowance per sampled token
-    (FACTS F7) on the simulated clock, ``"measured"`` this machine's measured host work
+    (facts.md F7) on the simulated clock, ``"measured"`` this machine's measured host work
     (``serving.hosttime.HostBooking``; ValueError for anything else).
     """
     if numerics_max_prompt is None:

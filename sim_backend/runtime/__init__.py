@@ -1,4 +1,4 @@
-"""The CalRT-0.7.6-like runtime over the simulated board (FACTS F1, F5): two doors.
+"""The CalRT-0.7.6-like runtime over the simulated board (facts.md F1, F5): two doors.
 
 - inference: ``RuntimeSession`` (session.py) over ``VirtualDevice`` (calrt.py), ``Calbin`` /
   ``SubModel`` / ``InputBuf`` / ``OutputBuf`` (calbin.py) and a ``BufferPool`` (buffers.py), with

@@ -1,4 +1,4 @@
-"""Pooled buffer pairs: built once per session and reused every step (FACTS F5 C1)."""
+"""Pooled buffer pairs: built once per session and reused every step (facts.md F5 C1)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ class BufferPair:
 
 
 class BufferPool:
-    """Fixed set of buffer pairs built once (FACTS F6 P1: production rebuilt them on every call).
+    """Fixed set of buffer pairs built once (facts.md F6 P1: production rebuilt them on every call).
 
     Args:
         calbin: the configured calbin.

@@ -1,5 +1,5 @@
 """The calbin and its sub-models, found by exact name and type, and the job buffers (InputBuf / OutputBuf)
-with the CSR checks of the real SDK (FACTS F1, F6). Times: simulated µs in results, host s in timeouts."""
+with the CSR checks of the real SDK (facts.md F1, F6). Times: simulated µs in results, host s in timeouts."""
 
 from __future__ import annotations
 
@@ -77,11 +77,11 @@ class Calbin:
 
     @property
     def context(self) -> int:
-        """Context in tokens from the calbin (40960), never the tokenizer's 131072 (FACTS F1)."""
+        """Context in tokens from the calbin (40960), never the tokenizer's 131072 (facts.md F1)."""
         return self.bundle.context
 
     def get_submodel(self, name: str, smodel_type: str) -> SubModel:
-        """Sub-model by EXACT name and EXACT type (FACTS F6: production matched substrings).
+        """Sub-model by EXACT name and EXACT type (facts.md F6: production matched substrings).
 
         ``smodel_type`` must equal the declared type, or the corrected type
         where the loader reported a known mislabel (``prefill`` declared
@@ -116,7 +116,7 @@ class Calbin:
 
     def submit_job(self, submodel: SubModel, inbuf: InputBuf, outbuf: OutputBuf, *,
                    task_type: str = "auto", numeric: bool = True) -> OutputBuf:
-        """SubmitJob / infer_with_fixed_task_type (FACTS F5 C1). ``task_type``: "ping" | "pong" | "auto".
+        """SubmitJob / infer_with_fixed_task_type (facts.md F5 C1). ``task_type``: "ping" | "pong" | "auto".
 
         Refuses at once (SubmitError) if that task type is busy, or any job
         is in flight with parallel mode off; see the module docstring.
@@ -316,7 +316,7 @@ class OutputBuf:
 
     ``state``: "idle" (never submitted) | pending | running | done |
     ccu_exception | failed. ``logits_bf16`` is the finished step's (vocab,)
-    uint16 BF16 logits (FACTS F1: 303,872 B per token D2H), handed over
+    uint16 BF16 logits (facts.md F1: 303,872 B per token D2H), handed over
     without a copy; None before a result or in timing-only mode.
     Class counter ``OutputBuf.constructed`` counts constructions.
     """
@@ -341,7 +341,7 @@ class OutputBuf:
 
     @property
     def state(self) -> str:
-        """OutputBuf state (FACTS F5 C1): idle | pending | running | done | ccu_exception | failed."""
+        """OutputBuf state (facts.md F5 C1): idle | pending | running | done | ccu_exception | failed."""
         return "idle" if self._job is None else self._job.state.value
 
     @property

@@ -1,4 +1,4 @@
-"""A CalRT-0.7.6-like runtime over the simulated board (FACTS F1, F5).
+"""A CalRT-0.7.6-like runtime over the simulated board (facts.md F1, F5).
 
 The inference plane's view of the device, shaped like the real SDK:
 
@@ -14,9 +14,9 @@ The inference plane's view of the device, shaped like the real SDK:
 Every call's outcome is checked; a failure is one of the typed errors of
 ``sim_backend.errors`` (``SubmitError``, ``WaitTimeout``, ``CCUException``,
 ``DeviceReset``, ``LinkError``, ``DeviceNotReady``, ``KVExhausted``), never a
-status code left unread (FACTS F6).
+status code left unread (facts.md F6).
 
-Ping/pong (FACTS F5 C1): with ``VirtualDevice.enable_parallel_mode(True)``,
+Ping/pong (facts.md F5 C1): with ``VirtualDevice.enable_parallel_mode(True)``,
 ``Calbin.submit_job(..., task_type="ping"|"pong")`` lets two jobs be in
 flight, one per task type. A submit to a task type that is still busy is
 REFUSED at once with ``SubmitError`` (it does not wait): the caller already
@@ -24,7 +24,7 @@ holds the busy ``OutputBuf`` and must ``wait()`` it first, so a hidden wait
 inside submit would only hide the serialisation. With parallel mode off, one
 job at a time.
 
-What is NOT here (FACTS F5 C4, F9): register reads/writes, reset,
+What is NOT here (facts.md F5 C4, F9): register reads/writes, reset,
 ClearAllDevMem, trace/config-metadata dumps, golden I/O and per-chip memory
 reads. Those live in ``MaintenanceRuntime``, whose every method takes an
 explicit lease checked by the maintenance plane. Nothing public reachable
@@ -53,7 +53,7 @@ TASK_TYPES = ("ping", "pong")
 
 
 def calrt_version() -> str:
-    """The runtime library version (FACTS F1: CalRT 0.7.6)."""
+    """The runtime library version (facts.md F1: CalRT 0.7.6)."""
     return CALRT_VERSION
 
 
@@ -104,7 +104,7 @@ class VirtualDevice:
         self._busy: dict[str, OutputBuf] = {}
 
     def version(self) -> str:
-        """CalcoreRT firmware commit, read from the fixed CALCORERT_COMMIT register (FACTS F1), 7 hex digits."""
+        """CalcoreRT firmware commit, read from the fixed CALCORERT_COMMIT register (facts.md F1), 7 hex digits."""
         return f"{self._board.registers.read('CALCORERT_COMMIT'):07x}"
 
     def status(self) -> DeviceStatus:
@@ -123,7 +123,7 @@ class VirtualDevice:
         return DeviceStatus(self.kind, self.index, state, configured, b.memory_cleared, self._parallel, chips)
 
     def enable_parallel_mode(self, enable: bool) -> None:
-        """EnableParallelMode(bool) (FACTS F5 C1): allow a ping and a pong job in flight together.
+        """EnableParallelMode(bool) (facts.md F5 C1): allow a ping and a pong job in flight together.
 
         Raises SubmitError if switched off while two jobs are in flight.
         """
@@ -139,7 +139,7 @@ class VirtualDevice:
         return self._parallel
 
     def job_counters(self) -> JobCounters:
-        """Device job counters (FACTS F5 C1): pending / running / finished / failed; ``.left`` = pending + running."""
+        """Device job counters (facts.md F5 C1): pending / running / finished / failed; ``.left`` = pending + running."""
         return self._board.counters()
 
     def busy_task_types(self) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
 """The maintenance door of the runtime: register access, reset, memory clear, KV clear, dumps and
-golden I/O, each behind an explicit lease the maintenance plane checks (FACTS F5 C4, F9)."""
+golden I/O, each behind an explicit lease the maintenance plane checks (facts.md F5 C4, F9)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def require_lease(action: str, lease: Any) -> None:
 
 
 class MaintenanceRuntime:
-    """CalRT functions that must not be in the inference API (FACTS F5 C1/C4, F9).
+    """CalRT functions that must not be in the inference API (facts.md F5 C1/C4, F9).
 
     Every method takes the maintenance ``lease`` and calls
     ``lease_check(action, lease)`` first, which raises MaintenanceRefused

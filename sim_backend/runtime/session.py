@@ -22,7 +22,7 @@ from sim_backend.runtime.views import ClockView
 
 
 class RuntimeSession:
-    """The FACTS F1 submission path, bound once: device + configured calbin + sub-models + pool.
+    """The facts.md F1 submission path, bound once: device + configured calbin + sub-models + pool.
 
     ``step()`` does, per job: take a pooled buffer pair, write input, set the
     CSR, submit with a fixed task type, and returns the OutputBuf; the pair
@@ -45,7 +45,7 @@ class RuntimeSession:
         self.clock = ClockView(board.clock)
         self._board = board
         b = bundle or board.bundle
-        #: context per sequence in tokens (the calbin's, FACTS F2) and the logits' vocabulary size
+        #: context per sequence in tokens (the calbin's, facts.md F2) and the logits' vocabulary size
         self.context: int = b.context
         self.vocab: int = board.shape.vocab
         self.parallel = parallel
@@ -60,7 +60,7 @@ class RuntimeSession:
              task_type: str = "auto", acquire_timeout: float = 0.0, numeric: bool = True) -> OutputBuf:
         """Submit one prefill/decode step of ``seq_id`` whose new ``cells`` were applied in the KV.
 
-        One token always runs the ``decode`` sub-model, whatever ``kind`` says (FACTS F1: the
+        One token always runs the ``decode`` sub-model, whatever ``kind`` says (facts.md F1: the
         sub-model is chosen by ``n_tokens > 1``); ``kind`` is the caller's stage for its own
         accounting.
 
@@ -76,7 +76,7 @@ class RuntimeSession:
             n = pair.inp.n_tokens
             ctx = self.kv.seq_cells(seq_id)  # read once: the CSR here, the attention context in the submit
             pair.inp.set_csr(past_kv_cur_seq_len=ctx[0].shape[0] - n, cur_seq_len=n)
-            # FACTS F1: the real path picks prefill only if the sequence has n_tokens > 1, else decode,
+            # facts.md F1: the real path picks prefill only if the sequence has n_tokens > 1, else decode,
             # so a leftover 1-token prefill chunk (a 2049-token prompt) runs the decode sub-model
             sub = self.submodels["decode" if n == 1 else kind]
             out = self.calbin._submit(sub, pair.inp, pair.out, task_type=task_type, numeric=numeric, ctx=ctx)
@@ -88,7 +88,7 @@ class RuntimeSession:
 
     @property
     def decode_batch(self) -> int:
-        """Sequences one decode submission may carry: 1 today (FACTS F1), N for a C3 variant calbin."""
+        """Sequences one decode submission may carry: 1 today (facts.md F1), N for a C3 variant calbin."""
         return self.submodels["decode"].batch
 
     def step_batch(self, rows: Any, *, task_type: str = "auto", acquire_timeout: float = 0.0) -> OutputBuf:

@@ -12,7 +12,7 @@ from sim_backend.device.kv import KVCacheManager
 
 
 class KVView:
-    """The KV manager's inference-plane operations (FACTS F5 C0/C1).
+    """The KV manager's inference-plane operations (facts.md F5 C0/C1).
 
     apply / can_allocate / free / remove_tokens_at_end and the llama.cpp
     ``seq_*`` operations; NOT ``clear`` (whole-cache clear is a maintenance

@@ -21,7 +21,7 @@ from sim_backend.serving.sampling import SamplingParams
 
 STOP_TYPES = ("eos", "limit", "word", "none")
 ROLES = ("system", "user", "assistant")
-#: Per-step stage names (FACTS F8). Device stages are simulated; host stages are measured.
+#: Per-step stage names (facts.md F8). Device stages are simulated; host stages are measured.
 
 STAGES = ("tokenize", "h2d", "infer", "d2h", "sampling", "detokenize", "kv_wait", "framework")
 
@@ -152,7 +152,7 @@ class RequestState(str, Enum):
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Per-step stage times (FACTS F8).
+    """Per-step stage times (facts.md F8).
 
     h2d_ms / infer_ms / d2h_ms: SIMULATED device ms (cost model; a slow chip is priced per chip).
     tokenize_ms / kv_wait_ms / sampling_ms / detokenize_ms / framework_ms:
@@ -194,7 +194,7 @@ class Timings:
 
     All ``*_ms`` except ``host_ms`` are SIMULATED milliseconds on the board
     clock: device time plus the host work booked on it (``host_booked_ms``;
-    ``host_time`` says how: ``"modeled"``, the FACTS F7 allowance per sampled
+    ``host_time`` says how: ``"modeled"``, the facts.md F7 allowance per sampled
     token, or ``"measured"``, this machine's work; see ``HostBooking``) plus
     any wall time parked waiting for KV. ``host_ms`` breaks out the MEASURED
     host time on this machine (tokenize, sampling, detokenize, kv_wait,
@@ -211,7 +211,7 @@ class Timings:
       predicted_per_second = 1e3 * predicted_n / predicted_ms: llama.cpp divides
       the n - 1 gaps by n; ``tpot_ms`` is the exact per-gap figure. None
       where llama.cpp would divide by zero.
-    Field metrics (FACTS F7): ttft_ms = arrival -> first visible piece, or ->
+    Field metrics (facts.md F7): ttft_ms = arrival -> first visible piece, or ->
     first token sampled if nothing was shown (None if no token was produced,
     whatever the status); tpot_ms = (e2e - ttft) / (n - 1) (None when n < 2);
     itl_ms = gaps between consecutive visible pieces; e2e_ms = arrival -> end;

@@ -1,4 +1,4 @@
-"""Serving engine: the llama.cpp-server layer over the simulated device (FACTS F1).
+"""Serving engine: the llama.cpp-server layer over the simulated device (facts.md F1).
 
 Slots over a batch-1 device, a bounded admission queue, chunked prefill and
 decode scheduled from separate queues, CPU sampling, stop rules, streaming
@@ -24,7 +24,7 @@ Continuous batching (a C3 variant calbin whose decode sub-model carries N > 1 se
 the same rounds, but the decoding slots of a round go in batched decode steps of up to N
 (filled in round-robin order from the decoding slots that are ready), so each decode step
 carries every ready decoding sequence up to N; sequences join when their prefill ends and leave
-when they stop, between steps. Prefill chunks stay their own batch-1 submissions (FACTS F1:
+when they stop, between steps. Prefill chunks stay their own batch-1 submissions (facts.md F1:
 prefill and decode never share one), one per round as above. A rider parked on KV, cancelled or
 failed drops out of that step alone. With N = 1 (today's calbin) nothing of this path runs.
 
@@ -143,7 +143,7 @@ class Engine(KVPressure):
             (exact numerics at long context are O(n^2) in Python; see README).
         host_timer: measures host work; ScriptedHostTimer makes timings deterministic.
         host_time: what host work goes on the simulated clock: ``"modeled"`` (default; the
-            FACTS F7 allowance per sampled token, ``host_token_us``) or ``"measured"`` (this
+            facts.md F7 allowance per sampled token, ``host_token_us``) or ``"measured"`` (this
             machine's measured work). See :class:`~sim_backend.serving.hosttime.HostBooking`.
         host_token_us: the modeled allowance, µs per sampled token; None takes the shipped cost
             model's ``host_overhead_ms_per_token``.
@@ -398,7 +398,7 @@ class Engine(KVPressure):
         return st
 
     def stage_summary(self) -> dict:
-        """P50/P95/P99/mean of each stage (FACTS F8) over the recent steps, per kind.
+        """P50/P95/P99/mean of each stage (facts.md F8) over the recent steps, per kind.
 
         {"prefill": {"h2d": {"p50": ..}, ...}, "decode": {...}, "units": ...}. Device
         stages are simulated ms, host stages measured host ms.
@@ -654,7 +654,7 @@ class Engine(KVPressure):
             self.rt.clock.host_span(start_sim, booked_us)  # the job is submitted after this host work
             if kind == "prefill" and r.prefill_start_ms is None:
                 r.prefill_start_ms = start_sim / 1e3
-            # CalRT path (FACTS F1): pooled buffers, CSR set and checked, ping/pong task type
+            # CalRT path (facts.md F1): pooled buffers, CSR set and checked, ping/pong task type
             job = self.rt.step(kind, seq, np.asarray(toks, dtype=np.int64), positions, np.asarray(cells),
                                numeric=r.numeric)
         except RequestCancelled:

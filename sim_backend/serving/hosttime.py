@@ -47,7 +47,7 @@ class HostBooking:
     The simulator stands in for the real device and its serving host. Two modes:
 
     - ``"modeled"`` (default): each sampled token books ``per_token_us`` of host work, the
-      real serving host's allowance fitted to FACTS F7 (``host_overhead_ms_per_token`` in the
+      real serving host's allowance fitted to facts.md F7 (``host_overhead_ms_per_token`` in the
       hardware YAML, 0.227 ms: the E2E of 4.41 s minus the device time of the 27-token prefill
       and 245 decode steps, over 246 tokens); tokenising, KV applies and submission book 0 (the
       allowance covers the host's work per token). Simulated timings then do not depend on
@@ -87,4 +87,4 @@ class HostBooking:
         """One line for a pane or a report."""
         if self.measured:
             return "host work measured on this machine"
-        return f"host work modeled: {self.per_token_us / 1e3:.3f} ms per token (FACTS F7 fit)"
+        return f"host work modeled: {self.per_token_us / 1e3:.3f} ms per token (facts.md F7 fit)"

@@ -1,4 +1,4 @@
-"""Request metrics with the field's definitions (FACTS F7), aggregates and
+"""Request metrics with the field's definitions (facts.md F7), aggregates and
 Prometheus exposition in llama.cpp's ``llamacpp:`` style.
 
 Definitions (all in simulated milliseconds on the device clock, which

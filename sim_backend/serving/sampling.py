@@ -1,6 +1,6 @@
 """CPU token sampling over the full logits vector.
 
-FACTS F1: every decode step returns 151936 BF16 logits (303,872 B D2H) that
+facts.md F1: every decode step returns 151936 BF16 logits (303,872 B D2H) that
 the host converts to FP32 and samples on the CPU; F6 lists the production
 integration's "full FP32 temp copy of the logits" as a latency defect. This
 module is that host path, made fast: BF16 -> FP32 by a bit shift into a
@@ -283,7 +283,7 @@ def naive_sample(
 
 
 class Sampler:
-    """Fast CPU sampler for one request (FACTS F1: 151936 FP32 logits per token).
+    """Fast CPU sampler for one request (facts.md F1: 151936 FP32 logits per token).
 
     Owns ``np.random.Generator(PCG64(seed))``; with ``params.seed is None`` a
     seed is drawn once and exposed as :attr:`seed`, so any run can be replayed

@@ -30,7 +30,7 @@ def bench_host(iterations: int = 200, seed: int = 0) -> dict:
     """Time the per-token host path: D2H landing copy -> BF16->FP32 -> sample.
 
     Fast path: copy of the 303,872 B BF16 logits into a preallocated landing
-    buffer (FACTS F1/F4), :func:`bf16_to_f32` into a preallocated FP32 buffer,
+    buffer (facts.md F1/F4), :func:`bf16_to_f32` into a preallocated FP32 buffer,
     :meth:`Sampler.sample` with default :class:`SamplingParams`. Naive path:
     same copy, conversion with a fresh allocation (the production "full FP32
     temp copy", F6), :func:`naive_sample`.

@@ -1,4 +1,4 @@
-"""Calibration of the simulated cost model against FACTS F7 (report §10).
+"""Calibration of the simulated cost model against facts.md F7 (report §10).
 
 Cases (all simulated with :class:`~sim_backend.model.costmodel.CostModel` at full
 Qwen3-30B-A3B size, expected experts touched):
@@ -69,7 +69,7 @@ expected, not bent away.  The fit puts ``attn_split_merge_us`` at the top of its
 range (the bands want more concavity than the mechanism physically gives) and the
 ~16K case 0.5 % below its band (explained, :data:`EXPLAINED_BANDS`).
 
-Held-out (leave-one-out) RMS, same procedure, both on this tree (issue 13): the
+Held-out (leave-one-out) RMS, same procedure, both on this tree: the
 previous model (KV ramp, ``kv_read_eff``) 17.1 % over the nine cases, 16.1 % over
 the bands (4/6 held-out bands inside); this model 18.2 % / 15.7 % (4/6).  The
 bands' own half-widths have an RMS of 18.0 %: neither model predicts a held-out
@@ -87,14 +87,14 @@ from sim_backend.model.costmodel import CostModel
 
 TOLERANCE_PCT = 3.0
 
-#: FACTS F7 point measurements.
+#: facts.md F7 point measurements.
 PREFILL_27_TOK_S = 184.27
 DECODE_246_TOK_S = 58.25
 E2E_S = 4.41
 PROMPT_TOKENS = 27
 DECODE_TOKENS = 246
 
-#: (name, context tokens, [lo, hi] tok/s) — FACTS F7 decode-by-context bands.
+#: (name, context tokens, [lo, hi] tok/s) — facts.md F7 decode-by-context bands.
 DECODE_BANDS: tuple[tuple[str, int, tuple[float, float]], ...] = (
     ("decode_ctx_2k", 2048, (38.0, 46.0)),
     ("decode_ctx_4k", 4096, (28.0, 40.0)),
@@ -194,7 +194,7 @@ def run_calibration(cost_model: CostModel | None = None, *, mode: str = "timing-
     Keys: ``name``, ``mode`` (``timing-only``: experts priced by the expectation;
     ``numeric``: the 27-token prefill priced with ``touched_27``, the router's per-layer
     experts as the device prices them), ``role`` (``fitted``: a case of
-    :data:`FIT_CASES`; ``held-out``: never used by the fit), ``measured`` (FACTS F7
+    :data:`FIT_CASES`; ``held-out``: never used by the fit), ``measured`` (facts.md F7
     value, or None for band/trend cases), ``simulated``, ``unit`` ("tok/s" or "s"),
     ``error_pct`` (vs the measurement, or vs a band's geometric centre), ``band``
     ([lo, hi]) and ``band_miss_pct`` for bands, ``ok``, and ``explained`` (why a band

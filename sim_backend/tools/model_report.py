@@ -1,5 +1,5 @@
-"""The bundle described for ``calconsole model``: sub-models, op counts (FACTS F3), per-chip
-memory plan (FACTS F4, bytes) and manifest findings. Nothing runs on a device."""
+"""The bundle described for ``calconsole model``: sub-models, op counts (facts.md F3), per-chip
+memory plan (facts.md F4, bytes) and manifest findings. Nothing runs on a device."""
 
 from __future__ import annotations
 

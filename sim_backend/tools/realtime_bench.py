@@ -6,7 +6,7 @@ pacing holds. Steps go straight to a fast-paced ``SimulatedBoard`` (no engine, n
 wall time is ``submit`` -> result, i.e. the device thread's numerics (in this process, or the
 spawned worker plus the pipe), the cost model's pricing and the thread hand-offs.
 
-Simulated times are the cost model's (calibrated to FACTS F7); wall and CPU times are measured here.
+Simulated times are the cost model's (calibrated to facts.md F7); wall and CPU times are measured here.
 """
 
 from __future__ import annotations

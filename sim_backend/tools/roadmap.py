@@ -1,29 +1,29 @@
 """The roadmap, priced: each stage over the report's concurrency matrix (``calconsole bench roadmap``).
 
-Stages (status codes, DESIGN "What-if is labelled"):
+Stages (status codes, facts.md "What-if is labelled"):
 
 =================  ======  ==========================================================
-``today``          C0      production calbin, serial infer() + Wait() (FACTS F1)
-``overlap``        C1      ping/pong async overlap (EnableParallelMode, FACTS F5)
+``today``          C0      production calbin, serial infer() + Wait() (facts.md F1)
+``overlap``        C1      ping/pong async overlap (EnableParallelMode, facts.md F5)
 ``batch4/8/16``    C3      batch-N decode variant calbin + continuous batching + overlap
 ``best+s8``        C3      the best batch stage + S8 V-cache (KV tokens x 4/3)
 ``best+topk``      C3      the best batch stage + on-device top-k (k = 40)
 =================  ======  ==========================================================
 
-Concurrency matrix (FACTS F8): clients 1, 2, 4, 8, 16 x mixes ``short`` (all short),
+Concurrency matrix (facts.md F8): clients 1, 2, 4, 8, 16 x mixes ``short`` (all short),
 ``long`` (all long), ``mixed`` (10% long + 90% short: request i of the run is long when
 ``i % 10 == 9``). The report names the mixes but not the lengths; ours: short = 128-token
-prompt, long = 4096-token prompt (the ~4K band of FACTS F7), 64 output tokens each by default
+prompt, long = 4096-token prompt (the ~4K band of facts.md F7), 64 output tokens each by default
 (F8 lists 32 / 128; 64 keeps the default run near 2-3 minutes; ``--max-tokens 128`` for the F8 figure).
 Closed loop: each client sends its next request when the previous ends,
 ``requests_per_client`` times; one slot per client; the KV pool is the calbin's 40960 tokens
-(one shared store, FACTS F6), so 16 long clients meet KV pressure, as they would on the device.
+(one shared store, facts.md F6), so 16 long clients meet KV pressure, as they would on the device.
 
 Runs are timing-only (no numerics: tokens from the seeded generator) with fast pacing.
 Every latency and rate is SIMULATED device time (device steps priced at full size, plus
 measured host work booked on that clock).
 
-Metric definitions (FACTS F7): TTFT = request in -> first visible token; TPOT = mean gap after
+Metric definitions (facts.md F7): TTFT = request in -> first visible token; TPOT = mean gap after
 the first; ITL = the per-token gaps (pooled over requests); goodput = completed tokens/s of
 requests meeting every SLO (default TTFT <= 10 s, TPOT <= 100 ms, simulated).
 

@@ -2,7 +2,7 @@
 
 Every figure here is SIMULATED device time of the cost model at full Qwen3-30B-A3B size
 (no host work): TTFT of a prompt (its prefill chunks, ``prefill_chunk`` tokens each as
-the engine cuts them, a leftover 1-token chunk priced as a decode step, FACTS F1), the
+the engine cuts them, a leftover 1-token chunk priced as a decode step, facts.md F1), the
 prefill rate ``n / TTFT`` and the decode rate at a context.
 
 Outside the measured F7 points these figures are extrapolations that rest on ASSUMED
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.model.costmodel import CostModel
 
-#: FACTS F8 (report §12.1): prompt lengths of the experiment matrix
+#: facts.md F8 (report §12.1): prompt lengths of the experiment matrix
 SWEEP_PROMPTS: tuple[int, ...] = (1, 16, 128, 512, 2048, 4096, 8192, 16384, 32768, 40900)
 #: decode contexts: the F7 band contexts and the ones between them
 SWEEP_CONTEXTS: tuple[int, ...] = (27, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 33000, 40900)
@@ -37,7 +37,7 @@ def ttft_us(cm: CostModel, n_prompt: int, chunk: int = PREFILL_CHUNK, shape: Mod
     """Simulated µs from the first prefill chunk's submit to the first token's logits.
 
     The prompt is cut into ``chunk``-token prefill steps; a 1-token step runs the decode
-    sub-model (FACTS F1).  Raises ValueError for ``n_prompt < 1`` or beyond the context.
+    sub-model (facts.md F1).  Raises ValueError for ``n_prompt < 1`` or beyond the context.
     """
     shape = shape or ModelShape()
     if n_prompt < 1 or chunk < 1:

@@ -241,7 +241,7 @@ def test_binary_manifest_is_a_typed_error(tmp_path):
     assert e.value.field == "<file>" and "UTF-8" in str(e.value)
 
 
-# ----------------------------------------------- issue 9: every size is bounded
+# ----------------------------------------------- every size is bounded
 
 def _set_dotted(path: str, value):
     """``_set`` with a dotted path, list indices as digits: ``"submodels.0.csr"``."""

@@ -1,4 +1,4 @@
-"""Issue 9 §4 (first half): bad input that used to get through now gets a clear answer.
+"""bad input that used to get through now gets a clear answer.
 
 CLI refusals: exit code 2 and exactly one line on stderr, never a traceback, a hang or a dead thread.
 """

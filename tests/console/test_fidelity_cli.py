@@ -1,4 +1,4 @@
-"""``calconsole model --json`` (FACTS F3/F4 figures) and ``calconsole trace`` (Chrome trace format)."""
+"""``calconsole model --json`` (facts.md F3/F4 figures) and ``calconsole trace`` (Chrome trace format)."""
 
 from __future__ import annotations
 

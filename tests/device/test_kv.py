@@ -1,4 +1,4 @@
-"""Unit tests for sim_backend.device.kv.KVCacheManager (llama.cpp unified KV semantics, FACTS F4/F6)."""
+"""Unit tests for sim_backend.device.kv.KVCacheManager (llama.cpp unified KV semantics, facts.md F4/F6)."""
 
 from __future__ import annotations
 
@@ -305,7 +305,7 @@ def test_seq_rm_half_open_and_negative_bounds():
 
 
 def test_seq_rm_middle_not_only_tail():
-    # production's seq_rm could only drop a tail (FACTS F6)
+    # production's seq_rm could only drop a tail (facts.md F6)
     kv = small()
     kv.apply(0, 8, timeout=0)
     kv.seq_rm(0, 3, 4)
@@ -549,7 +549,7 @@ def test_save_array_without_cell_axis_rejected(tmp_path):
         kv.save_seq_state(0, tmp_path / "x", [(np.zeros((3, 63)), 1)])
 
 
-# ------------------------------------- issue 9: refused arguments change nothing
+# ------------------------------------- refused arguments change nothing
 
 def assert_same_state(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()

@@ -202,7 +202,7 @@ class KVMachine(RuleBasedStateMachine):
         src_seq = self.m_seq(src)
         rows = arr[:, [i for _, i in src_seq], :].copy()
         assert self.kv.save_seq_state(src, path, [(arr, 1)]) == len(src_seq)
-        # llama.cpp: the destination sequence is replaced; all or nothing (issue 9)
+        # llama.cpp: the destination sequence is replaced; all or nothing
         saved = [[c[0], set(c[1]), c[2]] for c in self.cells]
         for i, c in enumerate(self.cells):
             if dst in c[1]:
@@ -271,7 +271,7 @@ TestKVStateful = KVMachine.TestCase
 
 
 # ----------------------------------------------------------------------------
-# Garbage arguments (issue 9): every public method either completes or raises a
+# Garbage arguments: every public method either completes or raises a
 # typed error, and a refused call leaves the full state dump unchanged.
 
 from sim_backend.device.kv import MAX_TIMEOUT_S  # noqa: E402

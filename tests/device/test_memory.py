@@ -1,4 +1,4 @@
-"""Memory plan against FACTS F4 (report §7)."""
+"""Memory plan against facts.md F4 (report §7)."""
 
 import json
 

@@ -1,4 +1,4 @@
-"""SimulatedBoard.reset() racing job submission never loses a job (issue 9, section 3).
+"""SimulatedBoard.reset() racing job submission never loses a job.
 
 A reset may land anywhere around a submit: before its job reaches the queue,
 between the device thread taking it off the queue and marking it running,

@@ -161,7 +161,7 @@ def test_chrome_trace(cm, tmp_path):
     assert min(e["ts"] for e in dec_ops) >= pre.total_us
 
 
-# ------------------------------------ issue 9: every hardware number is bounded
+# ------------------------------------ every hardware number is bounded
 
 def _hw_doc():
     return yaml.safe_load(DEFAULT_HW_PATH.read_text())
@@ -256,7 +256,7 @@ def test_bad_chip_scale_is_refused(cm, bad):
 
 
 
-# ------------------------------------ issue 13: physical ranges, KV mechanism, SRAM
+# ------------------------------------ physical ranges, KV mechanism, SRAM
 
 def test_every_fitted_parameter_has_a_physical_range_and_lies_in_it():
     hw = HardwareSpec.load()
@@ -322,6 +322,6 @@ def test_small_activations_are_priced_at_sram_bandwidth(cm):
 
     slow_hw = dataclasses.replace(cm.hw, hardware=MappingProxyType({**cm.hw.hardware, "sram_bw_gbps": 50.0}))
     assert CostModel(slow_hw).price_step(SHAPE, "decode", 1, 100).total_us > dec.total_us
-    # the workspace is the memory plan's SRAM reservation minus the parameters' window (FACTS F4)
+    # the workspace is the memory plan's SRAM reservation minus the parameters' window (facts.md F4)
     mem = cm.hw.memory
     assert (mem["sram_reservation_mib"] - mem["param_sram_window_mib"]) == pytest.approx(2.463, abs=1e-3)

@@ -60,7 +60,7 @@ def test_two_chips_equal_single_device_reference_prefill_then_decode(models):
 def test_kv_written_per_chip_at_step_cells(models):
     sharded, _ = models
     chip0, chip1 = sharded.chips
-    # each chip holds 2 of the 4 KV heads (FACTS F3) for all 48 layers
+    # each chip holds 2 of the 4 KV heads (facts.md F3) for all 48 layers
     assert chip0.k_cache.shape == (48, 2, 256, NUM.head_dim)
     assert np.abs(chip0.k_cache[:, :, 7]).sum() > 0 and np.abs(chip1.v_cache[:, :, 7]).sum() > 0
     assert np.abs(chip0.k_cache[:, :, 8]).sum() == 0  # cell 8 was never written

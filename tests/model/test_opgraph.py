@@ -1,4 +1,4 @@
-"""Op graph counts against FACTS F3 (report §5–§6)."""
+"""Op graph counts against facts.md F3 (report §5–§6)."""
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Qwen3 tokenizer: reference ids (DESIGN "Tokenizer"), chat template, streaming."""
+"""Qwen3 tokenizer: reference ids (facts.md "Tokenizer"), chat template, streaming."""
 
 from __future__ import annotations
 

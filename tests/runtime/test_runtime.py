@@ -431,7 +431,7 @@ def test_output_buffer_logits_none_before_a_result_and_in_timing_only_mode(board
 
 
 def test_a_leftover_one_token_prefill_chunk_runs_the_decode_submodel():
-    """FACTS F1: the sub-model is picked by n_tokens > 1, so a 27-token prompt cut into a
+    """facts.md F1: the sub-model is picked by n_tokens > 1, so a 27-token prompt cut into a
     26-token chunk and a 1-token chunk runs prefill(26) then the DECODE sub-model for the last
     token (priced as a decode step), and its first token comes from that step."""
     from sim_backend.bundle.shapes import ModelShape

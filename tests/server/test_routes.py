@@ -88,7 +88,7 @@ def test_disabled_endpoints_are_501(make_server):
 
 def test_tokenize_detokenize_template(srv):
     r = post(srv, "/tokenize", {"content": "Hello, world!"}).json()
-    assert r == {"tokens": [9707, 11, 1879, 0]}  # DESIGN.md reference ids
+    assert r == {"tokens": [9707, 11, 1879, 0]}  # facts.md "Tokenizer" reference ids
     pieces = post(srv, "/tokenize", {"content": "Hello, world!", "with_pieces": True}).json()["tokens"]
     assert pieces[0] == {"id": 9707, "piece": "Hello"} and pieces[2] == {"id": 1879, "piece": " world"}
     special = post(srv, "/tokenize", {"content": "<|im_start|>user\nhi<|im_end|>\n"}).json()["tokens"]

@@ -1,4 +1,4 @@
-"""Metric definitions (FACTS F7), aggregates, goodput (vLLM) and the Prometheus exposition."""
+"""Metric definitions (facts.md F7), aggregates, goodput (vLLM) and the Prometheus exposition."""
 
 from __future__ import annotations
 

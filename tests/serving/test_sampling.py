@@ -1,4 +1,4 @@
-"""CPU sampling (FACTS F1: 151936 BF16 logits per token, converted to FP32, sampled)."""
+"""CPU sampling (facts.md F1: 151936 BF16 logits per token, converted to FP32, sampled)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def peaked_logits(rng: np.random.Generator, n: int = VOCAB_SIZE, hot: int = 20) 
 
 def test_vocab_and_bytes():
     assert VOCAB_SIZE == 151936 and N_VALID == 151669
-    assert np.zeros(VOCAB_SIZE, np.uint16).nbytes == 303_872  # FACTS F1/F4
+    assert np.zeros(VOCAB_SIZE, np.uint16).nbytes == 303_872  # facts.md F1/F4
 
 
 def test_bf16_all_patterns_round_trip():

@@ -1,4 +1,4 @@
-"""Calibration against FACTS F7 (report §10) and MoE pricing rules."""
+"""Calibration against facts.md F7 (report §10) and MoE pricing rules."""
 
 import numpy as np
 import pytest
