@@ -139,7 +139,7 @@ class VirtualDevice:
         return self._parallel
 
     def job_counters(self) -> JobCounters:
-        """Device job counters (facts.md F5 C1): pending / running / finished / failed; ``.left`` = pending + running."""
+        """Device job counters (facts.md F5 C1): pending / running / finished / failed; ``.left`` = pending+running."""
         return self._board.counters()
 
     def busy_task_types(self) -> tuple[str, ...]:
