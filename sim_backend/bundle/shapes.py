@@ -1,23 +1,45 @@
-"""Model shapes: the full Qwen3-30B-A3B (priced by the cost model) and the
-reduced width the numerics run at.
+"""Model shapes: the full model (priced by the cost model) and the width the numerics run at.
 
 Both come from the calbin manifest (``sim_backend/bundles/*/calbin.yaml``);
-the defaults here are facts.md F2 so headless code and tests can build them
-without a bundle.
+the defaults here are Qwen3-30B-A3B's (facts.md F2) so headless code and tests can build them
+without a bundle. ``ModelShape.family`` names the model family (``qwen3_moe`` or
+``llama_dense``): the op graph, cost model, memory plan and numerics are derived from it and the
+sizes, never from Qwen constants for another family.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+#: Model families the simulator runs (``ModelShape.family``).
+QWEN3_MOE = "qwen3_moe"
+LLAMA_DENSE = "llama_dense"
+FAMILIES = (QWEN3_MOE, LLAMA_DENSE)
+
+
+def split_over_chips(n: int, n_chips: int) -> tuple[int, ...]:
+    """Tensor-parallel shares of ``n`` units (heads, columns) over ``n_chips``: as even as possible,
+    the first chips taking one more when ``n`` does not divide (3 KV heads over 2 chips -> (2, 1)).
+    Raises ValueError when a chip would get none."""
+    if n_chips < 1 or n < n_chips:
+        raise ValueError(f"cannot split {n} over {n_chips} chips (every chip needs at least one)")
+    base, extra = divmod(n, n_chips)
+    return tuple(base + (1 if c < extra else 0) for c in range(n_chips))
+
 
 @dataclass(frozen=True)
 class ModelShape:
-    """Architecture of Qwen3-30B-A3B at full size (facts.md F2).
+    """Architecture of the model at full size; the defaults are Qwen3-30B-A3B (facts.md F2).
 
     All sizes are element counts; ``n_ctx`` is tokens (calbin context, 40960,
     not the tokenizer's 131072). ``n_chips`` is the number of chiplets the
     graph is tensor-parallel over (facts.md F1/F3).
+
+    ``family``: ``qwen3_moe`` (the expert fields apply, ``ffn`` is 0) or ``llama_dense``
+    (one SwiGLU MLP of ``ffn`` columns per layer, no experts: ``n_experts``,
+    ``n_experts_active`` and ``expert_ffn`` are 0; ``tied_embeddings`` when the LM head is
+    the embedding table). Heads split over the chips by KV group (:meth:`kv_heads_split`):
+    unevenly when the KV heads do not divide (the pilot's 3 over 2 chips: 2 and 1).
     """
 
     n_layers: int = 48
@@ -34,14 +56,38 @@ class ModelShape:
     n_ctx: int = 40960
     max_batch: int = 1
     n_chips: int = 2
+    family: str = QWEN3_MOE
+    ffn: int = 0
+    tied_embeddings: bool = False
+    #: dense family only: bytes per weight the bundle's matrices and its embedding (tied LM head) are
+    #: priced at (the weight file's own formats); 0 for Qwen3-MoE, whose per-role figures are the
+    #: hardware YAML's ``quantisation``
+    proj_bytes_per_weight: float = 0.0
+    embed_bytes_per_weight: float = 0.0
+
+    @property
+    def is_moe(self) -> bool:
+        """True for the Qwen3-MoE family (router and experts in every layer)."""
+        return self.family == QWEN3_MOE
+
+    def kv_heads_split(self) -> tuple[int, ...]:
+        """KV heads held by each chip (Qwen3: (2, 2); 3 KV heads: (2, 1))."""
+        return split_over_chips(self.n_kv_heads, self.n_chips)
+
+    def q_heads_split(self) -> tuple[int, ...]:
+        """Q heads held by each chip: each chip's KV heads times the GQA group (3 KV of 9 Q: (6, 3))."""
+        group = self.n_q_heads // self.n_kv_heads
+        return tuple(k * group for k in self.kv_heads_split())
 
     @property
     def q_heads_per_chip(self) -> int:
-        return self.n_q_heads // self.n_chips
+        """Q heads of the busiest chip (chip0; all chips when the heads divide evenly)."""
+        return max(self.q_heads_split())
 
     @property
     def kv_heads_per_chip(self) -> int:
-        return self.n_kv_heads // self.n_chips
+        """KV heads of the busiest chip (chip0); the KV plan reserves this much on every chip."""
+        return max(self.kv_heads_split())
 
     @property
     def kv_bytes_per_token_per_chip(self) -> int:
@@ -67,9 +113,14 @@ class NumericShape:
     Keeps the full layer count, head counts (32 Q : 4 KV), expert count
     (128, top-8) and vocabulary (151936); shrinks hidden, head_dim and the
     expert intermediate so one decode step runs in milliseconds on a CPU.
+    A ``llama_dense`` bundle with real weights runs at full width (``hidden`` and ``head_dim``
+    are the model's, ``expert_ffn`` 0) from ``weights_file`` (a GGUF, ``weights == "gguf"``).
     """
 
     hidden: int = 64
     head_dim: int = 16
     expert_ffn: int = 16
     seed: int = 1234
+    #: "synthetic" (drawn from ``seed``) or "gguf" (real weights read from ``weights_file``)
+    weights: str = "synthetic"
+    weights_file: str = ""

@@ -54,12 +54,35 @@ class Region:
     kind: Literal["dram", "sram"] = "dram"
 
 
+def dense_param_bytes(shape: ModelShape, hw: HardwareSpec) -> list[int]:
+    """Parameter bytes per chip of a dense (``llama_dense``) model, derived from its shapes and the
+    bundle's bytes per weight: each chip's share of the Q/K/V/O heads (uneven when the KV heads do
+    not divide: chip0 holds the extra one) and of the MLP columns, BF16 norms on both chips, the
+    embedding table (``embed_bytes_per_weight``) on chip0, and the LM head's vocabulary half on each
+    chip (a tied head is a copy of the embedding's rows, so chip0 holds the table twice: once to
+    gather rows, once laid out for the matmul)."""
+    q = hw.quantisation
+    C, H, d, L = shape.n_chips, shape.hidden, shape.head_dim, shape.n_layers
+    out = []
+    for c, (hq, hkv) in enumerate(zip(shape.q_heads_split(), shape.kv_heads_split(), strict=True)):
+        fc = shape.ffn // C + (1 if c < shape.ffn % C else 0)
+        vc = shape.vocab // C + (1 if c < shape.vocab % C else 0)
+        layer = (2 * H * hq * d + 2 * H * hkv * d + 3 * H * fc) * shape.proj_bytes_per_weight
+        norms = (2 * H * L + H) * q["norm_bytes_per_weight"]
+        lm = H * vc * shape.embed_bytes_per_weight
+        emb = shape.vocab * H * shape.embed_bytes_per_weight if c == 0 else 0
+        out.append(int(L * layer + norms + lm + emb))
+    return out
+
+
 def estimate_param_bytes(shape: ModelShape, hw: HardwareSpec) -> list[int]:
     """Model-derived parameter bytes per chip from the YAML's bytes/weight per role.
 
     A cross-check of F4 (8.745 / 8.165 GiB), not used by the plan: at full size
-    it gives ~8.752 / 8.173 GiB.
+    it gives ~8.752 / 8.173 GiB. A dense model: :func:`dense_param_bytes` (what its plan uses).
     """
+    if not shape.is_moe:
+        return dense_param_bytes(shape, hw)
     q = hw.quantisation
     C = shape.n_chips
     H, d, L = shape.hidden, shape.head_dim, shape.n_layers
@@ -109,6 +132,8 @@ class MemoryPlan:
         """Build the plan for ``shape`` (default full Qwen3-30B-A3B) on ``hw`` (default shipped YAML)."""
         shape = shape or ModelShape()
         hw = hw or HardwareSpec.load()
+        if not shape.is_moe:
+            return cls._dense(shape, hw).with_kv_used(kv_used_tokens)
         m, h = hw.memory, hw.hardware
         C = shape.n_chips
         dram_phys = int(round(h["dram_physical_gib"] * GiB))
@@ -142,6 +167,44 @@ class MemoryPlan:
             logits_bytes_per_token=shape.logits_bytes_per_token,
         )
         return plan.with_kv_used(kv_used_tokens)
+
+    @classmethod
+    def _dense(cls, shape: ModelShape, hw: HardwareSpec) -> MemoryPlan:
+        """The plan of a dense model, every figure derived from its shapes (none is F4's, which are the
+        Qwen3 calbin's): parameters from :func:`dense_param_bytes`; KV = BF16 K+V of the chip's KV heads
+        x context; DRAM workspace = the prefill's activations at the full context (the residual stream,
+        Q/K/V, the MLP's gate and up columns, in and out: ``n_ctx x (2H + (hq + 2 hkv) d + 2 ffn/C) x
+        activation bytes``) plus one token's logits; SRAM = the chip's physical SRAM, all workspace (no
+        parameter window); address unions: decode = parameters + KV + one token's workspace, prefill =
+        the whole reservation."""
+        h, q = hw.hardware, hw.quantisation
+        C = shape.n_chips
+        dram_phys = int(round(h["dram_physical_gib"] * GiB))
+        sram_phys = int(round(h["sram_physical_mib"] * MiB))
+        params = dense_param_bytes(shape, hw)
+        kv_tok = shape.kv_bytes_per_token_per_chip
+        kv_res = kv_tok * shape.n_ctx
+        per_tok = (2 * shape.hidden + (shape.q_heads_per_chip + 2 * shape.kv_heads_per_chip) * shape.head_dim
+                   + 2 * -(-shape.ffn // C)) * q["activation_bytes"]
+        work = int(shape.n_ctx * per_tok + shape.logits_bytes_per_token)
+        chips = []
+        for c in range(C):
+            if params[c] + kv_res + work > dram_phys:
+                raise ValueError(f"chip{c}: parameters + KV + workspace exceed the chip's DRAM")
+            chips.append((
+                Region("parameters", params[c], params[c], dram_phys, "dram"),
+                Region("kv_cache", 0, kv_res, dram_phys, "dram"),
+                Region("workspace", work, work, dram_phys, "dram"),
+                Region("param_window", 0, 0, sram_phys, "sram"),
+                Region("sram_workspace", sram_phys, sram_phys, sram_phys, "sram"),
+            ))
+        return cls(
+            shape=shape, chips=tuple(chips), kv_used_tokens=0, kv_bytes_per_token=kv_tok,
+            param_file_bytes=tuple(params), param_estimate_bytes=tuple(params),
+            address_union_bytes={"decode": int(params[0] + kv_res + per_tok + shape.logits_bytes_per_token),
+                                 "prefill": int(params[0] + kv_res + work)},
+            logits_bytes_per_token=shape.logits_bytes_per_token,
+        )
 
     def with_kv_used(self, tokens: int) -> MemoryPlan:
         """Copy with ``tokens`` KV cells in use on every chip (0..n_ctx)."""

@@ -575,6 +575,9 @@ class CostModel:
     def _role_costs(self, shape: ModelShape, kind: str, n: int, past: int,
                     touched: np.ndarray) -> tuple[dict[str, Any], dict[str, float]]:
         """Per-role time (µs; an array over layers for the MoE roles) and DRAM bytes per chip."""
+        if not shape.is_moe:  # the family seam: a dense model's roles are priced from its own shapes
+            from sim_backend.model.families.dense_cost import dense_role_costs
+            return dense_role_costs(self.hw, shape, kind, n, past)
         hw, q, f = self.hw.hardware, self.hw.quantisation, self.hw.fitted
         prefill = kind == "prefill"
         C = shape.n_chips
@@ -729,7 +732,11 @@ class CostModel:
         if past_len + n_tokens > shape.n_ctx:
             raise ValueError(f"context {past_len + n_tokens} exceeds n_ctx {shape.n_ctx}")
         L = shape.n_layers
-        if experts_touched is None:
+        if not shape.is_moe:  # no experts to price (a dense family); counts given for one are refused
+            if experts_touched is not None and len(experts_touched):
+                raise ValueError(f"a {shape.family} model has no experts: experts_touched must be None")
+            touched = np.zeros(L)
+        elif experts_touched is None:
             touched = np.full(L, expected_experts_touched(n_tokens, shape.n_experts, shape.n_experts_active))
         else:
             touched = np.asarray(experts_touched, dtype=np.float64)

@@ -23,6 +23,18 @@ matmul is the fourth per layer: the order above and the Q / KV projection
 split (4 quantised matmuls per layer = q_proj, kv_proj, o_proj, router) are
 our inference.
 
+Dense Llama family (``ModelShape.family == "llama_dense"``, the pilot): no q/k norms, no
+router, one SwiGLU MLP whose gate/up columns and down rows are split over the chips, the same
+kinds of sync points (a barrier, then the gather of the partial sums, per block)::
+
+    input_norm  q_proj kv_proj  rope_q rope_k  k_scatter v_scatter  attn  o_proj
+    attn_sync [attn_dyn_d2d]  attn_gather  attn_residual
+    post_attn_norm  mlp_gate mlp_up  silu  multiply  mlp_down
+    mlp_sync [mlp_dyn_d2d]  mlp_gather  mlp_residual
+
+i.e. 21 ops a layer in decode, 23 in prefill; the same ops outside the layers (the embedding on
+chip0, a tied LM head reads the embedding table's copy on each chip).
+
 Per-chip profile rule (our inference, report §6): the per-chip ``.profparts``
 files have 1254/1253 (decode) and 1352/1351 (prefill) rows, i.e. every graph
 node minus 144 (= 3 per layer) on both chips, minus the embedding on chip1.
@@ -42,7 +54,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Literal
 
-from sim_backend.bundle.shapes import ModelShape
+from sim_backend.bundle.shapes import LLAMA_DENSE, QWEN3_MOE, ModelShape
 
 Kind = Literal["prefill", "decode"]
 
@@ -126,6 +138,43 @@ _LAYER_OPS: tuple[tuple[str, str, str, str, bool, bool], ...] = (
     ("moe", "residual", "add_residual", "moe_residual", False, True),
 )
 
+# The dense Llama family's layer (same tuple layout as _LAYER_OPS)
+_DENSE_LAYER_OPS: tuple[tuple[str, str, str, str, bool, bool], ...] = (
+    ("attn", "input_norm", "fused_rmsnorm", "input_norm", False, True),
+    ("attn", "q_matmul", "quant_matmul", "q_proj", False, True),
+    ("attn", "kv_matmul", "quant_matmul", "kv_proj", False, True),
+    ("attn", "rope_q", "fused_rope", "rope_q", False, True),
+    ("attn", "rope_k", "fused_rope", "rope_k", False, True),
+    ("attn", "k_scatter", "kv_scatter", "k_scatter", False, True),
+    ("attn", "v_scatter", "kv_scatter", "v_scatter", False, True),
+    ("attn", "flash_attn", "flash_attention", "attn", False, True),
+    ("attn", "o_matmul", "quant_matmul", "o_proj", False, True),
+    ("attn", "sync", "sync_d2d", "attn_sync", False, False),
+    ("attn", "dyn_d2d", "dynamic_d2d", "attn_dyn_d2d", True, True),
+    ("attn", "gather", "gather", "attn_gather", False, True),
+    ("attn", "residual", "add_residual", "attn_residual", False, True),
+    ("mlp", "post_attn_norm", "fused_rmsnorm", "post_attn_norm", False, True),
+    ("mlp", "gate_matmul", "quant_matmul", "mlp_gate", False, True),
+    ("mlp", "up_matmul", "quant_matmul", "mlp_up", False, True),
+    ("mlp", "silu", "silu", "silu", False, True),
+    ("mlp", "multiply", "multiply", "multiply", False, True),
+    ("mlp", "down_matmul", "quant_matmul", "mlp_down", False, True),
+    ("mlp", "sync", "sync_d2d", "mlp_sync", False, False),
+    ("mlp", "dyn_d2d", "dynamic_d2d", "mlp_dyn_d2d", True, True),
+    ("mlp", "gather", "gather", "mlp_gather", False, True),
+    ("mlp", "residual", "add_residual", "mlp_residual", False, True),
+)
+
+
+def layer_ops(family: str) -> tuple[tuple[str, str, str, str, bool, bool], ...]:
+    """The per-layer op table of a model family (``qwen3_moe`` or ``llama_dense``); ValueError otherwise."""
+    if family == QWEN3_MOE:
+        return _LAYER_OPS
+    if family == LLAMA_DENSE:
+        return _DENSE_LAYER_OPS
+    raise ValueError(f"unknown model family {family!r}")
+
+
 # Ops outside the layers: (name, category, role, prefill_only, chip0_only)
 _PRE_OPS: tuple[tuple[str, str, str, bool, bool], ...] = (
     ("embedding", "embedding", "embedding", False, True),
@@ -179,9 +228,9 @@ class OpGraph:
         return [op for op in self.ops if chip in op.profile_chips]
 
 
-def per_layer_op_count(kind: Kind) -> int:
-    """Ops per layer: 29 decode, 31 prefill."""
-    return sum(1 for e in _LAYER_OPS if kind == "prefill" or not e[4])
+def per_layer_op_count(kind: Kind, family: str = QWEN3_MOE) -> int:
+    """Ops per layer: 29 decode, 31 prefill (Qwen3-MoE); 21 / 23 (dense Llama)."""
+    return sum(1 for e in layer_ops(family) if kind == "prefill" or not e[4])
 
 
 def global_op_count(kind: Kind) -> int:
@@ -194,7 +243,8 @@ def build_graph(shape: ModelShape, kind: Kind) -> OpGraph:
     """Generate the ``kind`` sub-model graph for ``shape`` (cached per (shape, kind)).
 
     Returns an :class:`OpGraph` whose counts are facts.md F3 for the 48-layer
-    model: ``29·L + 6`` (decode) or ``31·L + 8`` (prefill) nodes.
+    model: ``29·L + 6`` (decode) or ``31·L + 8`` (prefill) nodes; the dense family
+    ``21·L + 6`` / ``23·L + 8`` (the pilot's 30 layers: 636 / 698).
     """
     if kind not in ("prefill", "decode"):
         raise ValueError(f"kind must be 'prefill' or 'decode', not {kind!r}")
@@ -211,8 +261,9 @@ def build_graph(shape: ModelShape, kind: Kind) -> OpGraph:
         if pf_only and not prefill:
             continue
         add(f"G.{name}", cat, -1, (0,) if chip0_only else all_chips, role, True)
+    table = layer_ops(shape.family)
     for layer in range(shape.n_layers):
-        for block, name, cat, role, pf_only, profiled in _LAYER_OPS:
+        for block, name, cat, role, pf_only, profiled in table:
             if pf_only and not prefill:
                 continue
             add(f"L{layer}.{block}.{name}", cat, layer, all_chips, role, profiled)
