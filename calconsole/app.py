@@ -32,6 +32,7 @@ from .messages import SnapshotReady
 from .panes.chat import ChatPane
 from .panes.observation import ObservationPane
 from .settings import COMPACT_BELOW, HISTORY_WINDOWS_S, Settings, save_settings
+from .widgets import server as server_render
 from .widgets.help import HelpScreen, help_renderable
 from .widgets.render import mode_text, status_text
 
@@ -122,7 +123,9 @@ class CalConsoleApp(App):
         else:
             from .panes.maintenance import MaintenancePane
 
-            device_name = self.system.observation.snapshot().device.name
+            device = self.system.observation.snapshot().device
+            # a server without a device (llama-server) names itself for the confirmations
+            device_name = device.name if device is not None else str(getattr(self.system, "device_name", "?"))
             w = MaintenancePane(self.system.maintenance, device_name, id="maintenance", classes="pane")
             w.border_title = "Maintenance (guarded)"
         return w
@@ -226,6 +229,9 @@ class CalConsoleApp(App):
 
     def _maybe_idle_gc(self, snap: dict) -> None:
         jobs = snap["jobs"]
+        if jobs is None:  # a server without device jobs (llama-server): its slots say whether it works
+            busy = sum(1 for s in snap["slots"] if s["state"] != "idle")
+            jobs = {"finished": (snap.get("server") or {}).get("n_decode_total"), "failed": 0, "left": busy}
         steps = (jobs["finished"], jobs["failed"], jobs["left"])
         now = time.monotonic()
         if steps != self._idle_steps:
@@ -246,6 +252,13 @@ class CalConsoleApp(App):
                 pass  # pane still composing; the next refresh fills it
 
     def _show_topbar(self, snap: dict) -> None:
+        if snap.get("server"):  # not this simulator: the server's kind, build and model (widgets/server.py)
+            bar = Text.assemble(("calconsole ", "bold"), server_render.topbar(snap))
+            url = getattr(self.system, "url", None)
+            if url:
+                bar.append(f" · attached to {url}", "bold cyan")
+            self._topbar_bar(bar)
+            return
         d = snap["device"]
         req = snap["requests"]["counters"]
         bar = Text.assemble(("calconsole ", "bold"), f"{d['name']} · ", mode_text(d), " · ",
@@ -257,6 +270,9 @@ class CalConsoleApp(App):
             bar.append(f" · HTTP API {self.listen_url}")
         if self.where:
             bar.append(f" · {self.where}", "bold cyan")
+        self._topbar_bar(bar)
+
+    def _topbar_bar(self, bar: Text) -> None:
         if self.disconnected_since is not None:
             lost = time.strftime("%H:%M:%S", time.localtime(self.disconnected_since))
             bar.stylize("grey50")  # the last snapshot, greyed while it cannot be refreshed

@@ -221,6 +221,20 @@ class MaintenanceRefused(CalError):
         super().__init__(f"{action} refused: {reason}")
 
 
+class NotOffered(MaintenanceRefused):
+    """The server behind a plane does not offer this contract method at all (not a refusal by state):
+    e.g. a stock llama-server has no exclusive mode, reset, memory clear, faults or registers.
+
+    Attributes: ``action`` (the method), ``reason`` (what the server offers instead, or why not),
+    ``server`` (its kind, e.g. "llama-server"). A ``MaintenanceRefused``, so a caller that handles
+    refusals shows it; retrying cannot succeed.
+    """
+
+    def __init__(self, action: str, server: str, reason: str) -> None:
+        self.server = server
+        super().__init__(action, f"not offered by {server}: {reason}")
+
+
 class MaintenanceArgumentError(MaintenanceRefused):
     """A maintenance action was refused for an argument of the wrong value or form (an unknown fault
     kind, a count out of range, a register that does not exist): the caller's mistake, not the

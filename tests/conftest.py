@@ -84,3 +84,17 @@ def llama_server() -> Iterator[Any]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def llama_server_slot_save(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The same real llama-server started with a slot save path (``--slot-save-path``), so its slot
+    actions (erase, save, restore) are offered; for the session (of the xdist worker)."""
+    from tests.real.llama_server import start_llama_server
+
+    slots_dir = str(tmp_path_factory.mktemp("llama-slots"))
+    server = start_llama_server(configure=lambda p: setattr(p, "slot_save_path", slots_dir))
+    try:
+        yield server
+    finally:
+        server.stop()

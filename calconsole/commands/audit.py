@@ -38,13 +38,19 @@ def run(args: argparse.Namespace) -> int:
     if args.connect:
         if args.raw:
             return fail("--raw reads the log file itself; over HTTP (--connect) the server gives its entries")
-        if getattr(args, "audit_log", None) is not None:
-            return fail("--audit-log names a local file; with --connect the server's log is read")
         try:
             with connect_from_args(args, admin=True) as remote:
                 assert remote.maintenance is not None
-                records = remote.maintenance.audit.entries()
-                where = f"{remote.url} · {remote.maintenance.audit.path}"
+                if remote.kind == "llama-server":
+                    # a llama-server keeps no audit log: its calls were audited here, with their origin
+                    records = [e for e in remote.maintenance.audit.entries()
+                               if (e.get("origin") or {}).get("server") == remote.url]
+                    where = f"{remote.maintenance.audit.path} (entries for {remote.url})"
+                elif getattr(args, "audit_log", None) is not None:
+                    return fail("--audit-log names a local file; with --connect the server's log is read")
+                else:
+                    records = remote.maintenance.audit.entries()
+                    where = f"{remote.url} · {remote.maintenance.audit.path}"
         except (CalError, ValueError) as e:
             return fail(str(e))
         entries = records

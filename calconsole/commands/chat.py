@@ -144,8 +144,11 @@ def run(args: argparse.Namespace) -> int:
         ttft = f"{t.ttft_ms:.1f}" if t.ttft_ms is not None else "-"
         tpot = f"{t.tpot_ms:.2f}" if t.tpot_ms is not None else "-"
         where = f" | live device at {system.url}" if getattr(system, "url", None) else " | fresh in-process device"
+        clock = ("wall ms measured here as client; the server's own timings: prompt "
+                 f"{t.prompt_ms:.1f} ms, predicted {t.predicted_ms:.1f} ms (its wall clock)"
+                 if t.time_base == "wall" else "simulated device time")
         print(f"[{res.status}, stop={res.stop_type}] prompt {t.prompt_n} tok, generated {t.predicted_n} tok | "
-              f"TTFT {ttft} ms, TPOT {tpot} ms, E2E {t.e2e_ms:.1f} ms (simulated device time){where}",
+              f"TTFT {ttft} ms, TPOT {tpot} ms, E2E {t.e2e_ms:.1f} ms ({clock}){where}",
               file=sys.stderr)
         if res.error:
             print(f"error: {res.error.get('message')}", file=sys.stderr)

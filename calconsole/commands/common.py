@@ -79,25 +79,29 @@ def add_connect_options(p: argparse.ArgumentParser, *, admin: bool = True, top_l
                             "$CALCONSOLE_ADMIN_KEY)")
 
 
-def ignored_simulator_options(args: argparse.Namespace) -> list[str]:
+def ignored_simulator_options(args: argparse.Namespace, kind: str = "calconsole") -> list[str]:
     """The simulator options given on the command line (``--host-time modeled`` ...), as typed
-    (``finalize`` records which); with ``--connect`` they cannot apply: the server built its device."""
+    (``finalize`` records which); with ``--connect`` they cannot apply: the server built its device.
+    ``--audit-log`` does apply to a llama-server (``kind``): its maintenance calls are audited locally."""
     given: frozenset[str] = getattr(args, "given_options", frozenset())
     out = []
     for opt, key in (("--bundle", "bundle"), ("--pacing", "pacing"), ("--speed", "speed"),
                      ("--timing-only", "timing_only"), ("--numeric-limit", "numeric_limit"),
                      ("--host-time", "host_time"), ("--slots", "slots"), ("--audit-log", "audit_log")):
-        if key in given:
+        if key in given and not (key == "audit_log" and kind == "llama-server"):
             v = getattr(args, key)
             out.append(opt if v is True else f"{opt} {v:g}" if isinstance(v, float) else f"{opt} {v}")
     return out
 
 
 def connect_from_args(args: argparse.Namespace, *, admin: bool = False):
-    """The ``RemoteSystem`` of ``--connect`` (keys from the files or the environment).
+    """The attached system of ``--connect`` (keys from the files or the environment): a ``RemoteSystem``
+    (calconsole serve) or a ``LlamaServerSystem`` (a stock llama-server; ``system.kind`` says which).
 
-    ``admin``: the command needs the maintenance plane (an admin key is then required). Raises
-    ValueError with a one-line message for an unusable key file, an unreachable server or a refused key.
+    ``admin``: the command needs the maintenance plane (a calconsole server then requires the admin key;
+    a llama-server has no admin routes: its maintenance plane is its own slot actions, audited in the
+    LOCAL log ``--audit-log``, which is checked for writability). Raises ValueError with a one-line
+    message for an unusable key file, an unreachable server, a refused key or a URL that is neither kind.
     """
     from sim_backend.planes import CalError, MaintenanceRefused
 
@@ -114,16 +118,23 @@ def connect_from_args(args: argparse.Namespace, *, admin: bool = False):
 
     api = key("api", getattr(args, "api_key_file", None), ENV_API_KEY)
     adm = key("admin", getattr(args, "admin_key_file", None), ENV_ADMIN_KEY) if admin else None
-    if admin and adm is None:
-        raise ValueError("maintenance over HTTP needs the server's admin key: give --admin-key-file "
-                         "(or $CALCONSOLE_ADMIN_KEY)")
     url = args.connect
-    ignored = ignored_simulator_options(args)
-    if ignored:  # the server's device answers as the server was started: say so, do not look obeyed
-        print(f"note: {', '.join(ignored)}: with --connect the simulator options are the server's, "
-              "not applied here", file=sys.stderr)
     try:
-        return connect(url, api_key=api, admin_key=adm)
+        system = connect(url, api_key=api, admin_key=adm, audit_path=getattr(args, "audit_log", None))
+        if system.kind == "llama-server":
+            if admin or getattr(args, "audit_log", None) is not None:
+                from sim_backend.planes import AuditLog
+
+                AuditLog(getattr(args, "audit_log", None)).check_writable()  # the local log its actions go to
+        elif admin and adm is None:
+            system.close()
+            raise ValueError("maintenance over HTTP needs the server's admin key: give --admin-key-file "
+                             "(or $CALCONSOLE_ADMIN_KEY)")
+        ignored = ignored_simulator_options(args, kind=system.kind)
+        if ignored:  # the server's device answers as the server was started: say so, do not look obeyed
+            print(f"note: {', '.join(ignored)}: with --connect the simulator options are the server's, "
+                  "not applied here", file=sys.stderr)
+        return system
     except ServerUnreachable as e:
         raise ValueError(f"cannot attach: {e}") from None
     except RemoteAuthError:
@@ -146,6 +157,8 @@ def build_or_connect(args: argparse.Namespace, *, maintenance: bool = False, **k
 def device_origin(system: Any) -> str:
     """What the output describes: the live device at a URL, or a fresh in-process simulator."""
     url = getattr(system, "url", None)
+    if getattr(system, "kind", None) == "llama-server":
+        return f"the {system.describe()}"
     return f"the live device at {url}" if url else "a fresh in-process simulated device (--connect URL attaches " \
                                                    "to a running one)"
 

@@ -70,6 +70,15 @@ def run(args: argparse.Namespace) -> int:
 
         c = Console()
         c.print(Text(f"{device_origin(system)}; --json for scripts", style="grey62"))
+        if snap.get("server"):  # a llama-server: its own figures; the device sections are not reported
+            from ..widgets import server as server_render
+
+            c.print(server_render.server_table(snap))
+            c.print(server_render.server_header(snap))
+            c.print(render.slots_panel(snap))
+            for name in ("jobs", "kv", "memory", "host", "findings"):
+                c.print(server_render.absent(name, snap["server"]["kind"]))
+            return 0
         for panel in (render.device_panel, render.jobs_panel, render.kv_panel, render.memory_panel,
                       render.host_panel, render.findings_panel):
             c.print(panel(snap))

@@ -98,8 +98,16 @@ class ChatPane(Vertical):
         self._wall_start = time.monotonic()
 
     def compose(self) -> ComposeResult:
-        notice = Static(SYNTHETIC_BANNER, id="chat-notice", classes="dim")
-        notice.tooltip = SYNTHETIC_NOTICE
+        kind = getattr(self.inference, "server_kind", None)  # a real server (llama-server): its own model
+        if kind:
+            notice = Static(f"{kind}: the server's own model and weights · times are wall ms", id="chat-notice",
+                            classes="dim")
+            notice.tooltip = (f"Replies come from the {kind}'s model. Under each reply: the server's timings "
+                              "(prompt / predicted ms, its wall clock) and TTFT / TPOT / E2E measured by this "
+                              "console as client (wall ms).")
+        else:
+            notice = Static(SYNTHETIC_BANNER, id="chat-notice", classes="dim")
+            notice.tooltip = SYNTHETIC_NOTICE
         yield notice
         # WrapLog: re-wraps on resize, renders a long reply in slices (keys stay responsive at its end)
         yield WrapLog(id="chat-log", max_lines=LOG_MAX_LINES, auto_scroll=True, min_width=20)
@@ -325,6 +333,10 @@ class ChatPane(Vertical):
 
     def update_snapshot(self, snap: dict) -> None:
         d = snap["device"]
+        if d is None:  # a server without a device (llama-server)
+            server = snap.get("server") or {}
+            set_subtitle(self, f"{server.get('kind', 'server')} · model {server.get('model', '?')}")
+            return
         set_subtitle(self, d["mode"] + (f" (lease: {d['lease_holder']})" if d.get("lease_holder") else ""))
 
 
@@ -337,6 +349,15 @@ def metrics_line(result, wall_s: float) -> str:
     """
     t = result.timings
     head = f"  prompt {t.prompt_n + t.cache_n} tok (cached {t.cache_n}) · "
+    if getattr(t, "time_base", "simulated") == "wall":  # a real server: its timings, and ours as client
+        if result.status == "finished":
+            body = (f"generated {t.predicted_n} tok · server prompt {_ms(t.prompt_ms)} predicted "
+                    f"{_ms(t.predicted_ms)} (server wall) · client TTFT {_ms(t.ttft_ms)} TPOT {_ms(t.tpot_ms)} "
+                    f"E2E {_ms(t.e2e_ms)} (client wall) · stop {result.stop_type}")
+        else:
+            ttft = f"client TTFT {_ms(t.ttft_ms)}" if t.ttft_ms is not None else "no token came"
+            body = f"{result.status} after {t.predicted_n} pieces · {ttft} (client wall)"
+        return head + body + f" · streamed in {wall_s:.2f} s wall"
     if result.status == "finished":
         body = (f"generated {t.predicted_n} tok · TTFT {_ms(t.ttft_ms)} · TPOT {_ms(t.tpot_ms)} · "
                 f"E2E {_ms(t.e2e_ms)} · stop {result.stop_type}")

@@ -212,6 +212,15 @@ class MaintenancePane(Vertical):
 
     def update_snapshot(self, snap: dict) -> None:
         d = snap["device"]
+        if d is None:  # a llama-server: always serving, no device status; its own actions only
+            server = snap.get("server") or {}
+            line = Text.assemble("mode serving (no exclusive mode on ", server.get("kind", "this server"),
+                                 ") · health ", server.get("health", "?"))
+            set_subtitle(self, "serving")
+            if line.plain != self._mode_line:
+                self._mode_line = line.plain
+                self.query_one("#m-mode", Static).update(line)
+            return
         mode = d["mode"] + (f" (lease: {d['lease_holder']})" if d.get("lease_holder") else "")
         set_subtitle(self, mode)
         style = {"serving": "green", "draining": "yellow", "exclusive": "bold red"}.get(d["mode"], "")

@@ -27,6 +27,7 @@ from textual.widgets import Static
 
 from ..settings import HISTORY_WINDOWS_S, SECTIONS, Settings, SettingsError, save_sections
 from ..widgets import render
+from ..widgets import server as server_render
 from ..widgets.history import GRAPHS, History, HistoryGraph
 from ..widgets.render import set_subtitle
 
@@ -156,7 +157,7 @@ class ObservationPane(VerticalScroll):
     def applicable(self, name: str) -> bool:
         """A section with something to show on this device (batches: a batch-N variant only)."""
         if name == "batches":
-            return self._last is not None and int(self._last["device"].get("decode_batch", 1)) > 1
+            return self._last is not None and int((self._last["device"] or {}).get("decode_batch", 1)) > 1
         return True
 
     def listed(self) -> list[str]:
@@ -387,12 +388,19 @@ class ObservationPane(VerticalScroll):
         if self.applicable("batches") != batched:  # the first snapshot says what the bundle is
             self._apply_arrangement()
             return
-        set_subtitle(self, render.mode_text(snap["device"]).plain)
+        kind = server_render.kind_of(snap)  # a llama-server: no device sections (None), said so
+        set_subtitle(self, server_render.subtitle(snap) if kind else render.mode_text(snap["device"]).plain)
         now = time.monotonic()
         visible = self.shown_sections
         fresh, self._fresh = self._fresh, set()
         # a hidden (folded, compact, not focused) section is not rendered at all: it costs nothing
-        if "device" in visible:
+        if "device" in visible and kind:
+            table = server_render.server_table(snap, self.compact)
+            key = ("server", snap["server"], snap["slots"], (snap.get("load") or {}).get("busy_percent"), self.compact)
+            if self._shown.get("#obs-device") != key:
+                self._shown["#obs-device"] = key
+                self._update("#obs-device", table, ("server", self.compact, bool(snap["server"]["health_detail"])))
+        elif "device" in visible:
             # the load's busy % only: its window length (wall s) changes at every sample, idle or not
             dev = (snap["device"], snap["jobs"]["finished"], (snap.get("load") or {}).get("busy_percent"),
                    snap["memory"], self.compact)
@@ -405,7 +413,8 @@ class ObservationPane(VerticalScroll):
                 self._update("#obs-device", table, (len(snap["device"]["chiplets"]), self.compact,
                                                     len(faults.plain) if isinstance(faults, Text) else None))
         if "thresholds" in visible:
-            header = render.header_line(snap, self.settings, self.compact)
+            header = (server_render.server_header(snap, self.compact) if kind
+                      else render.header_line(snap, self.settings, self.compact))
             if self._shown.get("#obs-header") != header.plain:
                 self._shown["#obs-header"] = header.plain
                 self._update("#obs-header", header, len(header.plain) // 20)
@@ -415,6 +424,11 @@ class ObservationPane(VerticalScroll):
             if name not in visible:
                 continue
             data = tuple(snap[k] for k in keys)
+            if kind and any(v is None for v in data):  # a section the server does not report
+                if self._shown.get(wid) != ("absent", kind):
+                    self._shown[wid] = ("absent", kind)
+                    self._update(wid, server_render.absent(name, kind), ("absent",))
+                continue
             # compared with what is on screen (not the previous snapshot), so a rate-limited
             # section catches up on a later refresh even when the data has stopped changing
             if self._shown.get(wid) != data:
@@ -425,6 +439,11 @@ class ObservationPane(VerticalScroll):
                 self._shown[wid] = data
                 self._update(wid, self._section(fn, snap), _shape_key(snap, keys))
         if "per-layer" not in visible:
+            return
+        if snap[self.show_kind] is None:
+            if kind and self._shown.get("#obs-layers") != ("absent", kind):
+                self._shown["#obs-layers"] = ("absent", kind)
+                self._update("#obs-layers", server_render.absent("per-layer", kind), ("absent",))
             return
         layers_data = self._layers_key(snap)
         if self._shown.get("#obs-layers") != layers_data and ("per-layer" in fresh or (
@@ -451,6 +470,8 @@ class ObservationPane(VerticalScroll):
         now = time.monotonic()
         note = (f"{self.window_s / 60:g} min (wall) · w window · g graph" if self.compact else
                 f"history: last {self.window_s / 60:g} min (x: host wall time before now; w changes it)")
+        if self._last is not None and server_render.kind_of(self._last):
+            note += " · titles say sim: here busy % and tok/s are server wall, TTFT/TPOT client wall"
         notes = self.query_one("#obs-graph-note", Static)
         if self._shown.get("#obs-graph-note") != note:
             self._shown["#obs-graph-note"] = note

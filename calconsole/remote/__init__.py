@@ -10,13 +10,21 @@
 commands use (``inference``, ``observation``, ``maintenance``, ``close``), so they cannot tell
 which one they have; plus ``url``, ``connection`` (``connected`` / ``disconnected_since``) and
 ``describe()`` for the header line.
+
+``connect`` detects the kind of server: calconsole (``GET /snapshot`` answers) or a stock llama-server
+(``/props`` has ``build_info``, ``/snapshot`` is 404), and returns a ``RemoteSystem`` or a
+``calconsole.remote.llamacpp.LlamaServerSystem``; both have ``kind``. Anything else is a
+``NotAServer`` error at attach.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from .connection import Connection, RemoteAuthError, RemoteError, ServerUnreachable
+from sim_backend.planes import CalError
+
+from .connection import Connection, RemoteAuthError, RemoteError, ServerUnreachable, error_body, raise_for
 from .inference import RemoteInferencePlane, RemoteRequestStream
 from .maintenance import RemoteAudit, RemoteMaintenancePlane
 from .observation import RemoteObservationPlane, SnapshotFeed
@@ -24,6 +32,8 @@ from .observation import RemoteObservationPlane, SnapshotFeed
 
 class RemoteSystem:
     """The planes of one server, sharing one ``Connection``. ``maintenance`` is None without an admin key."""
+
+    kind = "calconsole"
 
     def __init__(self, conn: Connection, props: dict[str, Any], maintenance_status: dict[str, Any] | None) -> None:
         self.connection = conn
@@ -61,26 +71,71 @@ class RemoteSystem:
         self.close()
 
 
-def connect(url: str, *, api_key: str | None = None, admin_key: str | None = None,
-            read_timeout_s: float = 30.0) -> RemoteSystem:
-    """Attach to the server at ``url``: read ``/props`` (and ``/maintenance/status`` with an admin key).
+class NotAServer(CalError):
+    """The URL answers, but neither as ``calconsole serve`` nor as a llama-server (``url``, ``reason``)."""
 
+    def __init__(self, url: str, reason: str) -> None:
+        self.url = url
+        self.reason = reason
+        super().__init__(f"{url} is neither a calconsole server nor a llama-server: {reason}")
+
+
+def connect(url: str, *, api_key: str | None = None, admin_key: str | None = None,
+            read_timeout_s: float = 30.0, audit_path: str | Path | None = None) -> Any:
+    """Attach to the server at ``url``: read ``/props``, tell the kind by ``/snapshot``, then (calconsole,
+    with an admin key) ``/maintenance/status``.
+
+    Returns a ``RemoteSystem`` (calconsole) or a ``LlamaServerSystem`` (llama-server; ``admin_key`` is
+    not used: llama-server has no admin routes; ``audit_path`` is the local log of its maintenance calls).
     Raises ValueError for a URL that is not http(s); ServerUnreachable if nothing answers;
-    RemoteAuthError for a refused API key; MaintenanceRefused for a refused admin key or a server
-    without maintenance routes (so a console never shows a pane that cannot work).
+    RemoteAuthError for a refused API key; NotAServer for any other server (or a llama-server still
+    loading its model); MaintenanceRefused for a refused admin key or a calconsole server without
+    maintenance routes (so a console never shows a pane that cannot work).
     """
     conn = Connection(url, api_key=api_key, admin_key=admin_key, read_timeout_s=read_timeout_s)
     try:
-        props = conn.json("GET", "/props")
-        status = None
-        if admin_key is not None:
-            status = conn.json("GET", "/maintenance/status", admin=True, action="attach")
-        return RemoteSystem(conn, props, status)
+        resp = conn.call("GET", "/props")
+        if resp.status_code == 401:
+            raise_for(resp)
+        if resp.status_code == 503:
+            raise NotAServer(conn.url, f"GET /props answered 503 ({error_body(resp).get('message')}); a "
+                                       "llama-server answers so while it loads its model: try again once "
+                                       "/health says ok")
+        try:
+            props = resp.json() if resp.status_code == 200 else None
+        except (ValueError, UnicodeDecodeError):
+            props = None
+        if not isinstance(props, dict):
+            raise NotAServer(conn.url, f"GET /props answered HTTP {resp.status_code} "
+                                       f"{resp.headers.get('content-type', '')} without llama-server's JSON")
+        snap = conn.call("GET", "/snapshot", read_timeout_s=10.0)
+        if snap.status_code == 200:
+            status = None
+            if admin_key is not None:
+                status = conn.json("GET", "/maintenance/status", admin=True, action="attach")
+            return RemoteSystem(conn, props, status)
+        if snap.status_code == 401:
+            raise_for(snap)
+        from .llamacpp import LlamaServerSystem, is_llama_server
+
+        if snap.status_code == 404 and is_llama_server(props):
+            return LlamaServerSystem(conn, props, _n_vocab(conn), audit_path=audit_path)
+        raise NotAServer(conn.url, f"GET /snapshot answered HTTP {snap.status_code} and /props has "
+                                   f"{'a' if 'build_info' in props else 'no'} build_info")
     except BaseException:
         conn.close()
         raise
 
 
-__all__ = ["Connection", "RemoteAudit", "RemoteAuthError", "RemoteError", "RemoteInferencePlane",
+def _n_vocab(conn: Connection) -> int:
+    """The model's vocabulary size from llama-server's ``/v1/models`` (``data[0].meta.n_vocab``)."""
+    models = conn.json("GET", "/v1/models")
+    try:
+        return int(models["data"][0]["meta"]["n_vocab"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise NotAServer(conn.url, "/v1/models does not give the model's n_vocab") from None
+
+
+__all__ = ["Connection", "NotAServer", "RemoteAudit", "RemoteAuthError", "RemoteError", "RemoteInferencePlane",
            "RemoteMaintenancePlane", "RemoteObservationPlane", "RemoteRequestStream", "RemoteSystem",
            "ServerUnreachable", "SnapshotFeed", "connect"]

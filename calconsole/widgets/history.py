@@ -49,11 +49,16 @@ GRAPHS: tuple[GraphSpec, ...] = (
 def figures(snap: dict) -> dict[str, float | None]:
     """The plotted figures of one snapshot (``Snapshot.to_dict()`` form)."""
     kv = snap["kv"]
-    cap = kv["capacity_tokens"]
     load = snap.get("load") or {}
     lat = snap["requests"]["latency_ms"]
     c = snap["requests"]["counters"]
-    return {"kv_percent": 100.0 * kv["used_tokens"] / cap if cap else None,
+    if kv is None:  # a llama-server: KV % only where its build reports the ratio
+        ratio = (snap.get("server") or {}).get("kv_cache_usage_ratio")
+        kv_percent = None if ratio is None else 100.0 * ratio
+    else:
+        cap = kv["capacity_tokens"]
+        kv_percent = 100.0 * kv["used_tokens"] / cap if cap else None
+    return {"kv_percent": kv_percent,
             "busy_percent": load.get("busy_percent"), "tok_s": load.get("output_tokens_per_s"),
             "ttft_p95": lat["ttft"]["p95"], "tpot_p95": lat["tpot"]["p95"],
             "queued": float(c["queued"]), "running": float(c["running"])}

@@ -163,9 +163,13 @@ def slots_panel(snap: dict) -> Table:
         t.add_column(col, justify="right" if col not in ("state",) else "left")
     for s in snap["slots"]:
         st = {"idle": "grey50", "prefilling": "yellow", "decoding": "cyan"}.get(s["state"], "white")
-        t.add_row(str(s["index"]), Text(s["state"], style=st), str(s["request_id"] or "-"), str(s["prompt_n"]),
-                  str(s["n_prefilled"]), str(s["predicted_n"]), str(s["cached_tokens"]))
+        t.add_row(str(s["index"]), Text(s["state"], style=st), str(s["request_id"] or "-"), _count(s["prompt_n"]),
+                  _count(s["n_prefilled"]), _count(s["predicted_n"]), _count(s["cached_tokens"]))
     return t
+
+
+def _count(v: int | None) -> str:
+    return "-" if v is None else str(v)  # None: the server did not report it (a llama-server slot never used)
 
 
 def requests_panel(snap: dict, settings=None) -> Group:
@@ -185,13 +189,20 @@ def requests_panel(snap: dict, settings=None) -> Group:
     sampled = Text("TTFT, ITL: every request with a token (stopped or failed too) · TPOT, E2E: finished only",
                    style="grey62")
     t = plain_table()
-    t.add_column("sim ms")
+    client = bool(snap.get("server"))  # a llama-server: the latencies are this console's, measured as client
+    if client:
+        sampled = Text.assemble(sampled, Text(f"\n{r.get('scope', '')}; {r.get('clock', '')}", style="grey62"))
+    t.add_column("client wall ms" if client else "sim ms")
     for q in ("p50", "p95", "p99", "n"):
         t.add_column(q, justify="right")
     for k in ("ttft", "tpot", "itl", "e2e", "queue"):
         lat = r["latency_ms"][k]
         t.add_row(k.upper(), fmt_ms(lat["p50"]), fmt_ms(lat["p95"]), fmt_ms(lat["p99"]), str(lat["n"]))
     g = r["goodput"]
+    if client:
+        tok = r["tokens"]
+        return Group(head, sampled, t, Text(f"tokens of these requests: prompt {tok['prompt'] + tok['cached']} "
+                                            f"(cached {tok['cached']}) predicted {tok['predicted']}", style="grey70"))
     slo = g["slo"]
     slo_s = ", ".join(f"{k.removesuffix('_ms').upper()} <= {v:g}" for k, v in slo.items() if v is not None)
     n = g["good_requests"]

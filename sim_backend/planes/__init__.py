@@ -9,6 +9,8 @@ headless commands, the HTTP serving face) import.
   ``validate_request``; ``SLO`` for goodput;
 - errors: the typed errors every plane raises (``sim_backend.errors``);
 - a factory: ``build_system`` (the in-process simulator, with ``Pacing`` / ``PacingMode``);
+- ``MetricsRegistry``: the request-metrics aggregate (TTFT / TPOT / ITL / E2E with vLLM's definitions),
+  for a client plane that measures requests itself (the llama-server planes);
 - the audit log reader: ``AuditLog``, ``summarize``; ``pseudo_filesystem`` (is a path on /proc, /sys, /dev?).
 
 Heavy members (the factory, which starts the simulator) load on first use, so importing this
@@ -29,6 +31,7 @@ from sim_backend.errors import (
     MaintenanceArgumentError,
     MaintenanceRefused,
     ManifestError,
+    NotOffered,
     RequestCancelled,
     RequestError,
     UnavailableError,
@@ -58,11 +61,12 @@ from sim_backend.serving.metrics import SLO
 if TYPE_CHECKING:
     from sim_backend.planes.audit import AuditLog, AuditLogError, audit_origin, pseudo_filesystem, summarize
     from sim_backend.planes.system import System, build_system
+    from sim_backend.serving.metrics import MetricsRegistry
 
 _LAZY = {"build_system": "sim_backend.planes.system", "System": "sim_backend.planes.system",
          "AuditLog": "sim_backend.planes.audit", "AuditLogError": "sim_backend.planes.audit",
          "summarize": "sim_backend.planes.audit", "pseudo_filesystem": "sim_backend.planes.audit",
-         "audit_origin": "sim_backend.planes.audit"}
+         "audit_origin": "sim_backend.planes.audit", "MetricsRegistry": "sim_backend.serving.metrics"}
 
 
 def __getattr__(name: str) -> Any:
@@ -76,7 +80,9 @@ def __getattr__(name: str) -> Any:
 __all__ = ["AuditLog", "AuditLogError", "AuditReader", "CalError", "audit_origin",
            "ChatRequest", "DeviceError", "DoneEvent", "EventStream",
            "ExceedContextSizeError", "InferencePlane", "InvalidRequestError", "KVExhausted", "Lease",
-           "MaintenanceArgumentError", "MaintenancePlane", "MaintenanceRefused", "ManifestError", "ObservationPlane",
+           "MaintenanceArgumentError", "MaintenancePlane", "MaintenanceRefused", "MetricsRegistry",
+           "ManifestError", "NotOffered",
+           "ObservationPlane",
            "Pacing", "PacingMode",
            "Report", "RequestCancelled", "RequestError", "RequestResult", "RequestStream", "SLO", "SamplingParams",
            "Snapshot", "System", "Timings", "TokenEvent", "UnavailableError", "build_system", "pseudo_filesystem",

@@ -4,6 +4,10 @@ Every section is a frozen ``msgspec.Struct``: attributes cannot be assigned, seq
 tuples, and the few maps (per-sequence KV tokens, per-category layer times) are copies owned
 by the snapshot, so nothing reachable from a snapshot can change the device.
 
+A section a server does not report is ABSENT (None), never zero: a snapshot of a stock llama-server
+(``server`` set, its ``kind`` "llama-server") has no device, jobs, KV, steps, memory, stages, host or
+findings; a snapshot of this simulator has no ``server``.
+
 Units are in the field names: ``*_us`` / ``*_ms`` under steps and requests are SIMULATED
 device time; ``host`` and ``*_wall_ms`` are measured host wall time; stage host parts are
 measured host CPU ms. ``Snapshot.to_dict()`` is the JSON wire form (``calconsole snapshot
@@ -236,19 +240,28 @@ class MemoryView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
 
 
 class SlotView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One serving slot (llama-server's slot): its request and token counts."""
+    """One serving slot (llama-server's slot): its request and token counts.
+
+    From a llama-server's ``/slots``: ``index`` ``id``, ``state`` processing | idle (``is_processing``),
+    ``request_id`` ``id_task`` (None when idle), ``prompt_n`` ``n_prompt_tokens``, ``n_prefilled``
+    ``n_prompt_tokens_processed``, ``cached_tokens`` ``n_prompt_tokens_cache``, ``predicted_n``
+    ``next_token[0].n_decoded``, ``n_ctx`` the slot's context; a count the server did not report
+    (a slot that never ran) is None.
+    """
 
     index: int
     state: str
     request_id: int | None
-    prompt_n: int
-    n_prefilled: int
-    predicted_n: int
-    cached_tokens: int
+    prompt_n: int | None
+    n_prefilled: int | None
+    predicted_n: int | None
+    cached_tokens: int | None
     numeric: bool | None = None
     #: the request's n_predict (0 when idle) and sampling parameters (llama.cpp names; {} when idle)
     max_tokens: int = 0
     params: dict[str, Any] = {}
+    #: context tokens of this slot (llama-server reports it per slot; None from the simulator)
+    n_ctx: int | None = None
 
 
 class StageView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -300,19 +313,66 @@ class LoadInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     window the board spent executing steps (h2d + infer + d2h; a step counts when it ends, so a
     step longer than the window is capped at 100). ``output_tokens_per_s``: tokens generated per
     simulated second. All None before the second sample.
+
+    ``clock`` names the time the figures are in: "simulated device time" for this simulator;
+    for a llama-server "llama-server wall time" (``window_sim_ms`` None; ``busy_percent`` is the
+    server's own prompt + generation seconds counters' growth over the wall window, capped at 100,
+    ``output_tokens_per_s`` its generated-tokens counter's growth per wall second of the window).
     """
 
     interval_s: float = 1.0
+    clock: str = "simulated device time"
     window_sim_ms: float | None = None
     window_wall_s: float | None = None
     busy_percent: float | None = None
     output_tokens_per_s: float | None = None
 
 
+class ServerInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The serving process of a snapshot that does not come from this simulator (a stock llama-server).
+
+    From ``GET /props``: ``build`` (``build_info``, e.g. "b6590-..."), ``model`` (the file name of
+    ``model_path``), ``n_ctx`` (tokens per slot), ``total_slots``, ``chat_template`` (Jinja text).
+    From ``GET /health``: ``health`` ok | loading | error, ``health_detail`` its message.
+    From ``GET /metrics`` (``llamacpp:`` families; None when the server runs without ``--metrics``
+    or its build does not report the family): cumulative counters since the server started
+    (tokens, and seconds of the server's wall clock), the live gauges, KV use where reported.
+    ``poll_wall_ms``: host wall ms this snapshot's reads took (measured by the client).
+    """
+
+    kind: str
+    url: str
+    build: str
+    model: str
+    n_ctx: int
+    total_slots: int
+    chat_template: str = ""
+    health: str = "ok"
+    health_detail: str = ""
+    metrics_enabled: bool = False
+    slots_enabled: bool = False
+    prompt_tokens_total: int | None = None
+    prompt_tokens_cached_total: int | None = None
+    prompt_seconds_total: float | None = None
+    tokens_predicted_total: int | None = None
+    tokens_predicted_seconds_total: float | None = None
+    n_decode_total: int | None = None
+    n_tokens_max: int | None = None
+    prompt_tokens_seconds: float | None = None
+    predicted_tokens_seconds: float | None = None
+    requests_processing: int | None = None
+    requests_deferred: int | None = None
+    n_busy_slots_per_decode: float | None = None
+    kv_cache_usage_ratio: float | None = None
+    kv_cache_tokens: int | None = None
+    poll_wall_ms: float | None = None
+
+
 class Snapshot(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One read-only observation of the whole system.
 
-    ``taken_unix_s``: host wall clock; ``sim_now_ms``: the simulated device clock.
+    ``taken_unix_s``: host wall clock; ``sim_now_ms``: the simulated device clock (None: no simulated
+    device, e.g. a llama-server). Sections typed ``X | None`` are None where the server does not report them.
     ``load``: busy % and output rate over the last interval (simulated time).
     ``requests`` is the serving metrics summary (``MetricsRegistry.summary``: counters, token counts,
     latency percentiles in simulated ms, goodput); ``history`` the recent per-request series.
@@ -320,23 +380,30 @@ class Snapshot(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """
 
     taken_unix_s: float
-    sim_now_ms: float
-    device: DeviceInfo
-    jobs: JobCounts
-    kv: KVInfo
-    last_step: StepView
-    last_prefill: StepView
-    last_decode: StepView
-    memory: MemoryView
+    sim_now_ms: float | None
+    device: DeviceInfo | None
+    jobs: JobCounts | None
+    kv: KVInfo | None
+    last_step: StepView | None
+    last_prefill: StepView | None
+    last_decode: StepView | None
+    memory: MemoryView | None
     slots: tuple[SlotView, ...]
     requests: dict[str, Any]
-    stages: dict[str, StageView]
+    stages: dict[str, StageView] | None
     history: dict[str, tuple[float | None, ...]]
-    host: HostInfo
-    findings: tuple[FindingView, ...]
+    host: HostInfo | None
+    findings: tuple[FindingView, ...] | None
     load: LoadInfo = LoadInfo()
     #: recent batched decode steps, oldest first (empty with a batch-1 calbin)
     decode_batches: tuple[BatchStepView, ...] = ()
+    #: the serving process when it is not this simulator (a stock llama-server); None for the simulator
+    server: ServerInfo | None = None
+
+    @property
+    def source(self) -> str:
+        """Who the snapshot describes: "calconsole" (the simulated device) or the server's kind."""
+        return self.server.kind if self.server is not None else "calconsole"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready nested dicts and lists (NaN becomes None), the wire form of a snapshot."""

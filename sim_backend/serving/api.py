@@ -240,14 +240,22 @@ class Timings:
     done_ms: float = 0.0
     host_booked_ms: float = 0.0
     host_time: str = "measured"
+    #: "simulated" (everything above, as described) or "wall": a real server's result, where
+    #: prompt_ms / predicted_ms are that server's own wall-clock timings and ttft / tpot / itl / e2e
+    #: were measured in wall ms by the client (the llama-server planes)
+    time_base: str = "simulated"
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
         d["itl_ms"] = list(self.itl_ms)
         d["host_ms"] = dict(self.host_ms)
         d["device_ms"] = dict(self.device_ms)
-        d["clock"] = (f"simulated ms: device time + host work {self.host_time} ({self.host_booked_ms:.3f} ms "
-                      "booked); host_ms is measured host time on this machine")
+        if self.time_base == "wall":
+            d["clock"] = ("wall ms: prompt_ms / predicted_ms are the server's timings; ttft / tpot / itl / e2e "
+                          "were measured by the client")
+        else:
+            d["clock"] = (f"simulated ms: device time + host work {self.host_time} ({self.host_booked_ms:.3f} ms "
+                          "booked); host_ms is measured host time on this machine")
         return d
 
 

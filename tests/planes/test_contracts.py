@@ -1,9 +1,11 @@
 """Behaviour every implementation of the three planes must show (``sim_backend.planes.contracts``).
 
 Written against the Protocols only: nothing here reaches below the planes. ``IMPLEMENTATIONS``
-maps a name to a factory that yields a ``(inference, observation, maintenance)`` triple; the
-in-process simulator is the first. The HTTP client planes (attach issue) add their factory here
-and must pass the same tests unchanged.
+maps a name to a factory that yields a ``(inference, observation, maintenance)`` triple: the
+in-process simulator, the same simulator behind ``calconsole serve`` reached over HTTP, and a real
+llama-server (xllamacpp, SmolLM2) reached through the llama-server planes. Where the contract does not
+apply to a llama-server (it has no device, no exclusive mode, no registers), the test expects what that
+kind must do instead: the section absent (None), or the typed ``NotOffered`` refusal, audited. No skips.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from sim_backend.planes import (
     Lease,
     MaintenancePlane,
     MaintenanceRefused,
+    NotOffered,
     ObservationPlane,
     Pacing,
     PacingMode,
@@ -81,13 +84,46 @@ def remote(tmp_path: Path) -> Iterator[Planes]:
         system.close()
 
 
-IMPLEMENTATIONS: dict[str, Callable[[Path], Any]] = {"in-process": in_process, "remote": remote}
+@contextmanager
+def llama_server(tmp_path: Path, real: Any) -> Iterator[Planes]:
+    """A real llama-server (started with a slot save path) through the llama-server planes."""
+    from calconsole.remote import connect
+
+    system = connect(real.url, audit_path=tmp_path / "audit.jsonl")
+    try:
+        assert system.kind == LLAMA
+        yield system.inference, system.observation, system.maintenance
+    finally:
+        system.close()
+
+
+LLAMA = "llama-server"
+IMPLEMENTATIONS: dict[str, Callable[..., Any]] = {"in-process": in_process, "remote": remote, LLAMA: llama_server}
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
 def planes(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Planes]:
-    with IMPLEMENTATIONS[request.param](tmp_path) as p:
+    if request.param == LLAMA:
+        ctx = llama_server(tmp_path, request.getfixturevalue("llama_server_slot_save"))
+    else:
+        ctx = IMPLEMENTATIONS[request.param](tmp_path)
+    with ctx as p:
         yield p
+
+
+def kind(planes: Planes) -> str:
+    """"llama-server" for the llama-server planes, else "calconsole" (the simulator, here or over HTTP)."""
+    return str(getattr(planes[2], "server_kind", "calconsole"))
+
+
+def wait_idle(obs: ObservationPlane, timeout_s: float = 20.0) -> Snapshot:
+    """The first snapshot with every slot idle (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    snap = obs.snapshot()
+    while any(s.state != "idle" for s in snap.slots) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        snap = obs.snapshot()
+    return snap
 
 
 def req(prompt: str = "hello there", n: int = 6, seed: int = 1) -> ChatRequest:
@@ -101,7 +137,11 @@ def test_implementations_satisfy_the_protocols(planes: Planes) -> None:
     inf, obs, mnt = planes
     assert isinstance(inf, InferencePlane) and isinstance(obs, ObservationPlane)
     assert isinstance(mnt, MaintenancePlane)
-    assert inf.n_ctx == 40960 and inf.step_timeout_s > 0
+    assert inf.step_timeout_s > 0
+    if kind(planes) == LLAMA:  # the server's context per slot (its n_ctx split over its 2 slots)
+        assert inf.n_ctx == 2048
+    else:
+        assert inf.n_ctx == 40960
 
 
 # --- inference ---------------------------------------------------------------------------------
@@ -116,8 +156,11 @@ def test_stream_yields_pieces_then_one_done_event(planes: Planes) -> None:
     res = h.result(1.0)
     assert res.status == "finished" and h.done
     assert "".join(e.text for e in events[:-1]) == res.text
-    assert res.timings.predicted_n == len(res.tokens) <= 6
-    assert res.timings.prompt_n == inf.count_prompt_tokens(req(n=6))
+    assert 1 <= res.timings.predicted_n <= 6
+    if kind(planes) != LLAMA:  # the chat stream of a llama-server carries text, not token ids
+        assert res.timings.predicted_n == len(res.tokens)
+    # llama.cpp's prompt_n excludes the reused prefix (cache_n): together they are the whole prompt
+    assert res.timings.prompt_n + res.timings.cache_n == inf.count_prompt_tokens(req(n=6))
 
 
 def test_same_seed_same_tokens(planes: Planes) -> None:
@@ -125,24 +168,30 @@ def test_same_seed_same_tokens(planes: Planes) -> None:
     a = inf.generate(req(seed=7), timeout=60)
     b = inf.generate(req(seed=7), timeout=60)
     assert a.tokens == b.tokens and a.status == b.status == "finished"
+    assert a.text == b.text and a.text  # the llama-server chat stream: the text is what it carries
 
 
 def test_cancel_ends_a_running_request_and_frees_its_kv(planes: Planes) -> None:
     inf, obs, _ = planes
-    before = obs.snapshot().kv.used_tokens
-    h = inf.submit(req("tell me a long story", n=4000))
-    ev = h.next_event(30.0)
+    first = obs.snapshot()
+    h = inf.submit(req("tell me a long story", n=1500))
+    ev = h.next_event(60.0)
     assert isinstance(ev, TokenEvent)
     h.cancel("test")
     res = h.result(30.0)
     assert res.status == "cancelled" and h.cancelled
-    deadline = time.monotonic() + 10
-    while obs.snapshot().slots[0].state != "idle" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    snap = obs.snapshot()
+    snap = wait_idle(obs)
+    assert all(s.state == "idle" for s in snap.slots)
     assert snap.requests["counters"]["cancelled"] == 1
+    if kind(planes) == LLAMA:  # no KV view: the slot is free and the server stopped generating
+        assert snap.kv is None and snap.server is not None and snap.server.requests_processing == 0
+        assert snap.server.tokens_predicted_total is not None and first.server is not None
+        assert first.server.tokens_predicted_total is not None
+        assert snap.server.tokens_predicted_total - first.server.tokens_predicted_total < 1500
+        return
+    assert snap.kv is not None and first.kv is not None
     # only the slot's cached prefix may stay (prompt reuse), never the cancelled reply
-    assert snap.kv.used_tokens - before <= res.timings.prompt_n
+    assert snap.kv.used_tokens - first.kv.used_tokens <= res.timings.prompt_n
 
 
 @pytest.mark.parametrize("bad", [
@@ -155,8 +204,14 @@ def test_invalid_requests_are_refused_before_anything_is_allocated(planes: Plane
         r = dataclasses.replace(req(), **bad)
         inf.submit(r)
     after = obs.snapshot()
-    assert after.kv.used_tokens == before.kv.used_tokens and after.jobs.submitted == before.jobs.submitted
     assert after.requests["counters"]["submitted"] == before.requests["counters"]["submitted"]
+    if kind(planes) == LLAMA:  # nothing reached the server: its counters did not move
+        assert after.server is not None and before.server is not None
+        assert after.server.prompt_tokens_total == before.server.prompt_tokens_total
+        assert after.server.n_decode_total == before.server.n_decode_total
+        return
+    assert after.kv is not None and before.kv is not None and after.jobs is not None and before.jobs is not None
+    assert after.kv.used_tokens == before.kv.used_tokens and after.jobs.submitted == before.jobs.submitted
 
 
 def test_a_prompt_longer_than_the_context_is_refused(planes: Planes) -> None:
@@ -173,13 +228,26 @@ def test_snapshot_is_typed_immutable_and_round_trips_as_json(planes: Planes) -> 
     inf, obs, _ = planes
     inf.generate(req(), timeout=60)
     snap = obs.snapshot()
-    assert isinstance(snap, Snapshot) and len(snap.device.chiplets) == 2
+    assert isinstance(snap, Snapshot)
+    wire = json.loads(json.dumps(snap.to_dict()))
+    assert Snapshot.from_dict(wire) == snap
+    if kind(planes) == LLAMA:
+        # what the server reports is filled; what only the simulator has is absent (None), never zero
+        assert snap.server is not None and snap.server.kind == LLAMA and snap.server.health == "ok"
+        assert snap.server.total_slots == len(snap.slots) == 2 and snap.server.build
+        assert (snap.device, snap.jobs, snap.kv, snap.last_step, snap.memory, snap.stages, snap.host,
+                snap.findings, snap.sim_now_ms) == (None,) * 9
+        with pytest.raises(AttributeError):
+            snap.server.health = "error"  # type: ignore[misc]
+        with pytest.raises(msgspec.ValidationError, match="server"):
+            Snapshot.from_dict({**wire, "server": {**wire["server"], "n_ctx": "many"}})
+        return
+    assert snap.device is not None and snap.kv is not None and snap.last_step is not None
+    assert len(snap.device.chiplets) == 2 and snap.server is None
     with pytest.raises(AttributeError):
         snap.device.status = "ok"  # type: ignore[misc]
     with pytest.raises(AttributeError):
         snap.kv.used_tokens = 0  # type: ignore[misc]
-    wire = json.loads(json.dumps(snap.to_dict()))
-    assert Snapshot.from_dict(wire) == snap
     assert snap.last_step.kind in ("prefill", "decode") and len(snap.last_step.layers) == 48
     with pytest.raises(msgspec.ValidationError, match="device"):
         Snapshot.from_dict({**wire, "device": {"name": 1}})
@@ -195,6 +263,10 @@ def test_observing_changes_nothing(planes: Planes) -> None:
     b = obs.snapshot()
     assert (a.jobs, a.kv, a.slots, a.sim_now_ms) == (b.jobs, b.kv, b.slots, b.sim_now_ms)
     assert a.requests["counters"] == b.requests["counters"]
+    if kind(planes) == LLAMA:  # GETs only: the server's counters stand still
+        assert a.server is not None and b.server is not None
+        assert (a.server.n_decode_total, a.server.tokens_predicted_total, a.server.prompt_tokens_total) == (
+            b.server.n_decode_total, b.server.tokens_predicted_total, b.server.prompt_tokens_total)
 
 
 def test_counters_follow_the_work(planes: Planes) -> None:
@@ -203,8 +275,16 @@ def test_counters_follow_the_work(planes: Planes) -> None:
     res = inf.generate(req(n=5), timeout=60)
     b = obs.snapshot()
     assert b.requests["counters"]["finished"] == a.requests["counters"]["finished"] + 1
-    assert b.jobs.finished - a.jobs.finished == res.timings.predicted_n  # one prefill + n-1 decodes
-    assert b.sim_now_ms > a.sim_now_ms
+    if kind(planes) == LLAMA:  # the server's own counters (llamacpp: families)
+        assert a.server is not None and b.server is not None
+        assert a.server.tokens_predicted_total is not None and b.server.tokens_predicted_total is not None
+        assert b.server.tokens_predicted_total - a.server.tokens_predicted_total == res.timings.predicted_n
+        assert a.server.n_decode_total is not None and b.server.n_decode_total is not None
+        assert b.server.n_decode_total > a.server.n_decode_total
+    else:
+        assert a.jobs is not None and b.jobs is not None and a.sim_now_ms is not None and b.sim_now_ms is not None
+        assert b.jobs.finished - a.jobs.finished == res.timings.predicted_n  # one prefill + n-1 decodes
+        assert b.sim_now_ms > a.sim_now_ms
     text = obs.metrics_text()
     assert "llamacpp:requests_processing" in text or "llamacpp:" in text
     assert "llamacpp:prompt_tokens_total" in text
@@ -222,6 +302,18 @@ def test_every_guarded_action_is_refused_without_the_lease_and_audited(planes: P
         lambda: mnt.write_register(None, "CHIP0_SCRATCH", 1), lambda: mnt.inject_fault(None, "ccu_exception"),
         lambda: mnt.probe_request(None), lambda: mnt.leave_exclusive(None),
     ]
+    if kind(planes) == LLAMA:
+        # a llama-server has no lease to lack: every action it does not have is NotOffered (audited as
+        # refused); its own action (clear_kv: erase every slot) needs no lease and is granted
+        assert mnt.clear_kv(None)["ok"]
+        actions.remove(actions[3])
+        for act in actions:
+            with pytest.raises(NotOffered, match="not offered by llama-server"):
+                act()
+        entries = mnt.audit.entries()[n0:]
+        assert [e["status"] for e in entries] == ["granted"] + ["refused"] * len(actions)
+        assert all(e["origin"]["kind"] == LLAMA for e in mnt.audit.read()[-2:])
+        return
     for act in actions:
         with pytest.raises(MaintenanceRefused):
             act()
@@ -231,6 +323,14 @@ def test_every_guarded_action_is_refused_without_the_lease_and_audited(planes: P
 
 def test_exclusive_mode_stops_admission_and_a_stale_lease_is_refused(planes: Planes) -> None:
     inf, obs, mnt = planes
+    if kind(planes) == LLAMA:  # no exclusive mode: refused as not offered, audited; serving goes on
+        with pytest.raises(NotOffered, match="no exclusive mode"):
+            mnt.enter_exclusive("contract-test")
+        assert mnt.lease is None and mnt.mode()["mode"] == "serving"
+        assert inf.generate(req(), timeout=60).status == "finished"
+        assert (mnt.audit.entries()[-1]["action"], mnt.audit.entries()[-1]["status"]) == ("enter_exclusive",
+                                                                                          "refused")
+        return
     lease = mnt.enter_exclusive("contract-test")
     assert isinstance(lease, Lease) and mnt.lease == lease
     assert mnt.mode()["mode"] == "exclusive" and obs.snapshot().device.mode == "exclusive"
@@ -249,6 +349,11 @@ def test_exclusive_mode_stops_admission_and_a_stale_lease_is_refused(planes: Pla
 
 def test_reset_reports_a_health_check(planes: Planes) -> None:
     _, obs, mnt = planes
+    if kind(planes) == LLAMA:  # no device reset on a llama-server; its health check is /health
+        with pytest.raises(NotOffered, match="no device reset"):
+            mnt.reset(None)
+        assert mnt.health_check(None)["ok"]
+        return
     lease = mnt.enter_exclusive("contract-test")
     rep = mnt.reset(lease)
     assert rep["ok"] and rep["health"]["ok"]
@@ -263,9 +368,16 @@ def test_load_figures_come_from_simulated_busy_time(planes: Planes) -> None:
     assert a.load.busy_percent is None or 0 <= a.load.busy_percent <= 100
     inf.generate(req(n=6), timeout=60)
     b = obs.snapshot()
-    assert b.load.window_sim_ms is not None and b.load.window_sim_ms > 0
+    assert kind(planes) == LLAMA or (b.load.window_sim_ms is not None and b.load.window_sim_ms > 0)
     assert b.load.busy_percent is not None and 0 < b.load.busy_percent <= 100
     assert b.load.output_tokens_per_s is not None and b.load.output_tokens_per_s > 0
+    if kind(planes) == LLAMA:  # from the server's counters over the wall window: no chiplets
+        assert b.load.clock == "llama-server wall time" and b.load.window_sim_ms is None
+        assert b.load.window_wall_s is not None and b.load.window_wall_s > 0
+        assert Snapshot.from_dict(json.loads(json.dumps(b.to_dict()))) == b
+        return
+    assert b.load.clock == "simulated device time"
+    assert a.device is not None and b.device is not None
     for before, after in zip(a.device.chiplets, b.device.chiplets, strict=True):
         assert after.busy_us > before.busy_us  # both chiplets run their shard of every step
         assert after.busy_percent is not None and 0 < after.busy_percent <= 100

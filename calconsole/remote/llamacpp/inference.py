@@ -1,0 +1,400 @@
+"""``InferencePlane`` of a stock llama-server (llama.cpp ``tools/server``), over its own routes.
+
+- chat (messages): ``POST /v1/chat/completions`` with ``stream: true`` and
+  ``stream_options.include_usage``; each ``delta.content`` is a ``TokenEvent``; the final chunks
+  carry ``finish_reason``, ``usage`` and llama.cpp's ``timings``;
+- a raw prompt (token ids): ``POST /completion`` with ``stream: true`` and ``return_tokens``: its
+  final chunk has ``stop_type``, ``stopping_word``, the generated ids and ``timings``;
+- ``tokenize`` / ``detokenize`` / ``token_bytes``: ``/tokenize`` (``with_pieces``) and ``/detokenize``;
+- ``apply_template`` / ``count_prompt_tokens``: ``/apply-template``, then ``/tokenize`` of its prompt
+  (special tokens parsed, as the server counts ``prompt_n + cache_n``).
+
+Cancel closes the stream (the socket is shut down): llama-server stops the task and frees the slot
+when it sees the client gone. The result is then built here (``cancelled``, counts seen so far).
+
+Times: the result's ``prompt_ms`` / ``predicted_ms`` (and per-token figures) are the SERVER's wall
+ms (its ``timings``); ``ttft_ms`` / ``tpot_ms`` / ``itl_ms`` / ``e2e_ms`` are wall ms measured HERE,
+as the client (request sent -> first piece / between pieces / last chunk), ``Timings.time_base``
+"wall". Every request is also recorded in the shared client ``MetricsRegistry`` the observation
+plane reports (its clock says so).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from itertools import count, pairwise
+from typing import Any
+
+import httpx
+from httpx_sse import EventSource
+
+from sim_backend.planes import (
+    ChatRequest,
+    DoneEvent,
+    EventStream,
+    InvalidRequestError,
+    MetricsRegistry,
+    NotOffered,
+    RequestResult,
+    Timings,
+    TokenEvent,
+    validate_request,
+)
+
+from ..connection import Connection, describe
+
+#: host s without a byte on a running stream before it counts as lost (llama-server sends no keep-alive)
+STREAM_READ_S = 120.0
+#: what the client-measured request metrics are in (the observation plane shows it)
+CLIENT_CLOCK = "wall ms measured by this console as client (request sent -> piece received)"
+_ids = count(1)
+
+
+class ClientMetrics:
+    """The requests this console sent, measured as client: a ``MetricsRegistry`` (vLLM's TTFT / TPOT /
+    ITL / E2E definitions) on the client's wall clock, and the requests in flight. Thread-safe.
+
+    ``summary(kv_ratio)`` is the registry's summary with its ``clock`` naming the client wall clock,
+    ``scope`` saying whose requests these are, and the KV ratio the server reported (None: not reported).
+    """
+
+    SCOPE = "requests sent by this console (another client's requests are in the server's counters only)"
+
+    def __init__(self) -> None:
+        self.registry = MetricsRegistry()
+        self.registry.clock = CLIENT_CLOCK
+        self._lock = threading.Lock()
+        self._running = 0
+
+    def submitted(self) -> None:
+        with self._lock:
+            self._running += 1
+            self.registry.on_submitted(live=(0, self._running, 0.0))
+
+    def rejected(self) -> None:
+        self.registry.on_rejected()
+
+    def first_token(self, ttft_ms: float) -> None:
+        self.registry.on_first_token(ttft_ms)
+
+    def token_gap(self, itl_ms: float) -> None:
+        self.registry.on_token_gap(itl_ms)
+
+    def done(self, status: str, **kw: Any) -> None:
+        with self._lock:
+            self._running -= 1
+            self.registry.on_done(status, live=(0, self._running, 0.0), **kw)
+
+    def summary(self, kv_ratio: float | None) -> dict[str, Any]:
+        out = self.registry.summary()
+        out["kv_cache_usage_ratio"] = kv_ratio
+        out["scope"] = self.SCOPE
+        return out
+
+    def history(self) -> dict[str, tuple[float | None, ...]]:
+        return {k: tuple(v) for k, v in self.registry.history_series().items()}
+
+
+def stop_type_of(finish_reason: str | None, stop_words: Sequence[str]) -> str:
+    """llama.cpp's stop type from an OpenAI ``finish_reason``: "length" -> limit; "stop" -> eos when no
+    stop strings were sent, else "eos_or_word" (the chat stream does not say which one ended it);
+    None (no final chunk) -> none."""
+    if finish_reason == "length":
+        return "limit"
+    if finish_reason == "stop":
+        return "eos" if not stop_words else "eos_or_word"
+    return "none"
+
+
+class LlamaRequestStream(EventStream):
+    """One streaming request to a llama-server (``RequestStream``): a reader thread turns SSE chunks
+    into events and measures the client-side latencies. Thread-safe. ``id`` is this console's
+    request number (llama-server's chat ids are strings; its task ids are not sent on the stream)."""
+
+    def __init__(self, conn: Connection, resp: httpx.Response, req: ChatRequest, prompt_n: int,
+                 sent_s: float, metrics: ClientMetrics) -> None:
+        self._conn = conn
+        self._resp = resp
+        self._req = req
+        self._raw = req.prompt_tokens is not None
+        self._prompt_n = prompt_n
+        self._sent_s = sent_s
+        self._metrics = metrics
+        self.id = next(_ids)
+        self._events: queue.Queue[TokenEvent | DoneEvent] = queue.Queue()
+        self._cancel = threading.Event()
+        self._cancel_reason = ""
+        self._done = threading.Event()
+        self._result: RequestResult | None = None
+        self._pieces: list[str] = []
+        self._piece_s: list[float] = []
+        self._thread = threading.Thread(target=self._read, name=f"calconsole-llama-req{self.id}", daemon=True)
+        self._thread.start()
+
+    @property
+    def prompt_n(self) -> int:
+        """Prompt tokens with the chat template applied (counted by the server's /tokenize before sending)."""
+        return self._prompt_n
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def cancel(self, reason: str = "cancelled by client") -> None:
+        """Close the stream (llama-server stops the task and frees its slot); idempotent, returns at once."""
+        if self._done.is_set() or self._cancel.is_set():
+            return
+        self._cancel_reason = reason
+        self._cancel.set()
+        stream = self._resp.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if isinstance(sock, socket.socket):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the reader blocked in recv()
+            except OSError:
+                pass  # already closed: the reader has ended or is ending
+
+    # --- results ----------------------------------------------------------------------------
+
+    def _client_latencies(self, end_s: float) -> tuple[float | None, tuple[float, ...], float]:
+        ttft = (self._piece_s[0] - self._sent_s) * 1e3 if self._piece_s else None
+        itl = tuple((b - a) * 1e3 for a, b in pairwise(self._piece_s))
+        return ttft, itl, (end_s - self._sent_s) * 1e3
+
+    def _result_of(self, status: str, *, server: Mapping[str, Any] | None, stop_type: str, stopping_word: str,
+                   tokens: tuple[int, ...], error: dict[str, Any] | None, predicted_n: int | None = None,
+                   seed: int | None = None) -> RequestResult:
+        end_s = time.monotonic()
+        ttft, itl, e2e = self._client_latencies(end_s)
+        st = server or {}
+        n = int(st.get("predicted_n", predicted_n if predicted_n is not None else len(self._pieces)))
+        tpot = (e2e - ttft) / (n - 1) if ttft is not None and n >= 2 and status == "finished" else None
+        cache_n = int(st.get("cache_n", 0))
+        timings = Timings(
+            prompt_n=int(st.get("prompt_n", max(0, self._prompt_n - cache_n))),
+            prompt_ms=float(st.get("prompt_ms", 0.0)),
+            prompt_per_token_ms=_opt(st.get("prompt_per_token_ms")),
+            prompt_per_second=_opt(st.get("prompt_per_second")),
+            predicted_n=n, predicted_ms=float(st.get("predicted_ms", 0.0)),
+            predicted_per_token_ms=_opt(st.get("predicted_per_token_ms")),
+            predicted_per_second=_opt(st.get("predicted_per_second")),
+            cache_n=cache_n, ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e, queue_ms=None,
+            host_ms={}, device_ms={}, numerics=True, time_base="wall")
+        res = RequestResult(request_id=self.id, status=status, text="".join(self._pieces), tokens=tokens,
+                            stop_type=stop_type, stopping_word=stopping_word, error=error, timings=timings,
+                            seed=seed)
+        self._metrics.done(status, prompt_n=timings.prompt_n + cache_n, cache_n=cache_n, predicted_n=n,
+                              prompt_ms=timings.prompt_ms, predicted_ms=timings.predicted_ms, ttft=ttft, tpot=tpot,
+                              itl=itl, e2e=e2e, queue_ms=None, done_ms=end_s * 1e3, arrival_ms=self._sent_s * 1e3)
+        return res
+
+    def _end(self, status: str, **kw: Any) -> None:
+        """Build and hand out the result once (the metrics record it once)."""
+        if not self._done.is_set():
+            self._finish(self._result_of(status, **kw))
+
+    def _finish(self, res: RequestResult) -> None:
+        if self._done.is_set():
+            return
+        self._result = res
+        self._events.put(DoneEvent(res.request_id, res))
+        self._done.set()
+
+    def _piece(self, text: str) -> None:
+        now = time.monotonic()
+        if not self._piece_s:
+            self._metrics.first_token((now - self._sent_s) * 1e3)
+        else:
+            self._metrics.token_gap((now - self._piece_s[-1]) * 1e3)
+        self._pieces.append(text)
+        self._piece_s.append(now)
+        self._events.put(TokenEvent(self.id, text, len(self._pieces), math.nan))
+
+    # --- the reader thread -------------------------------------------------------------------
+
+    def _read(self) -> None:
+        finish_reason: str | None = None
+        timings: dict[str, Any] | None = None
+        final: dict[str, Any] | None = None
+        try:
+            for sse in EventSource(self._resp).iter_sse():
+                if sse.data == "[DONE]":
+                    break
+                obj = json.loads(sse.data)
+                if not isinstance(obj, dict):
+                    continue
+                if "error" in obj:  # llama-server ends a failed stream with an error event
+                    err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
+                    self._end("failed", server=timings, stop_type="none", stopping_word="",
+                                                 tokens=(), error={"type": str(err.get("type", "server_error")),
+                                                                   "message": str(err.get("message"))})
+                    return
+                if isinstance(obj.get("timings"), dict):
+                    timings = obj["timings"]
+                if self._raw:  # /completion chunks: {"content", "stop", ...}
+                    if obj.get("content"):
+                        self._piece(str(obj["content"]))
+                    if obj.get("stop"):
+                        final = obj
+                        break
+                    continue
+                for choice in obj.get("choices") or ():
+                    text = (choice.get("delta") or {}).get("content")
+                    if text:
+                        self._piece(str(text))
+                    if choice.get("finish_reason"):
+                        finish_reason = str(choice["finish_reason"])
+            if self._raw:
+                if final is None:
+                    raise httpx.RemoteProtocolError("the stream ended without a final chunk")
+                toks = tuple(int(t) for t in final.get("tokens") or ())
+                self._end("finished", server=timings, stop_type=str(final.get("stop_type", "none")),
+                                             stopping_word=str(final.get("stopping_word") or ""), tokens=toks,
+                                             error=None, predicted_n=int(final.get("tokens_predicted", len(toks))))
+            elif finish_reason is None:
+                raise httpx.RemoteProtocolError("the stream ended without a finish_reason")
+            else:
+                self._end("finished", server=timings,
+                                             stop_type=stop_type_of(finish_reason, self._req.stop),
+                                             stopping_word="", tokens=(), error=None,
+                                             seed=self._req.sampling.seed)
+        except Exception as e:  # noqa: BLE001 - whatever ended the read, the request gets a result
+            if self._cancel.is_set():
+                self._end("cancelled", server=None, stop_type="none", stopping_word="", tokens=(),
+                                             error={"type": "cancelled", "message": self._cancel_reason})
+            elif not self._done.is_set():
+                reason = describe(e)
+                if isinstance(e, httpx.TransportError):
+                    self._conn.mark_down(reason)
+                self._end("failed", server=None, stop_type="none", stopping_word="", tokens=(),
+                                             error={"type": "connection_lost",
+                                                    "message": f"connection to {self._conn.url} lost mid-stream "
+                                                               f"after {len(self._pieces)} pieces: {reason}"})
+        finally:
+            if self._cancel.is_set() and not self._done.is_set():
+                self._end("cancelled", server=None, stop_type="none", stopping_word="", tokens=(),
+                                             error={"type": "cancelled", "message": self._cancel_reason})
+            self._resp.close()
+
+
+def _opt(v: Any) -> float | None:
+    return None if v is None else float(v)
+
+
+def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
+    """(route, JSON body) in llama-server's names: messages to /v1/chat/completions, ids to /completion."""
+    body: dict[str, Any] = {"stream": True, "stop": list(req.stop), "id_slot": req.id_slot,
+                            "cache_prompt": req.cache_prompt}
+    body.update({k: v for k, v in asdict(req.sampling).items() if v is not None})
+    if req.prompt_tokens is not None:
+        body.update(prompt=[int(t) for t in req.prompt_tokens], n_predict=req.max_tokens, return_tokens=True)
+        return "/completion", body
+    body.update(messages=[{"role": m["role"], "content": m["content"]} for m in req.messages],
+                max_tokens=req.max_tokens, stream_options={"include_usage": True})
+    return "/v1/chat/completions", body
+
+
+class LlamaInferencePlane:
+    """``InferencePlane`` of a llama-server. ``props``: its ``GET /props``; ``n_vocab`` from ``/v1/models``.
+
+    ``n_ctx``: tokens per slot (``default_generation_settings.n_ctx``: the server splits its context
+    evenly over its slots). Requests are checked with ``validate_request`` (ids against this model's
+    vocabulary) before anything is sent; the server's refusals come back as the typed errors
+    (``ExceedContextSizeError`` with its n_prompt_tokens and n_ctx, ``InvalidRequestError``,
+    ``UnavailableError``, ``ServerUnreachable``).
+    """
+
+    def __init__(self, conn: Connection, props: Mapping[str, Any], n_vocab: int, metrics: ClientMetrics) -> None:
+        self._conn = conn
+        self._n_ctx = int(props["default_generation_settings"]["n_ctx"])
+        self._template = str(props.get("chat_template", ""))
+        self._n_vocab = n_vocab
+        self.metrics = metrics
+        self.server_kind = "llama-server"
+
+    @property
+    def n_ctx(self) -> int:
+        return self._n_ctx
+
+    @property
+    def step_timeout_s(self) -> float:
+        """Longest wait for one event of a running stream (host s): llama-server sends no keep-alive."""
+        return STREAM_READ_S
+
+    @property
+    def chat_template(self) -> str:
+        return self._template
+
+    def submit(self, req: ChatRequest) -> LlamaRequestStream:
+        """Send the request; returns once the server answered with a stream (its headers)."""
+        validate_request(req, vocab=self._n_vocab)
+        prompt_n = self.count_prompt_tokens(req)
+        path, body = request_body(req)
+        sent = time.monotonic()
+        try:
+            resp = self._conn.open_stream(path, body, read_timeout_s=STREAM_READ_S)
+        except BaseException:
+            self.metrics.rejected()
+            raise
+        self.metrics.submitted()
+        return LlamaRequestStream(self._conn, resp, req, prompt_n, sent, self.metrics)
+
+    def generate(self, req: ChatRequest, timeout: float = 600.0) -> RequestResult:
+        """Submit and wait up to ``timeout`` host s; a wait that ends abnormally cancels the request."""
+        h = self.submit(req)
+        try:
+            return h.result(timeout)
+        except BaseException:
+            h.cancel("caller interrupted")
+            raise
+
+    def count_prompt_tokens(self, req: ChatRequest) -> int:
+        """Prompt tokens as the server counts them (template applied, special tokens parsed)."""
+        if req.prompt_tokens is not None:
+            return len(req.prompt_tokens)
+        prompt = self.apply_template(req.messages)
+        return len(self.tokenize(prompt, parse_special=True))
+
+    def tokenize(self, text: str, *, parse_special: bool = False) -> list[int]:
+        if not isinstance(text, str):
+            raise InvalidRequestError(f"content must be a string, got {type(text).__name__}", param="content")
+        out = self._conn.json("POST", "/tokenize", json_body={"content": text, "parse_special": bool(parse_special)})
+        return [int(t) for t in out["tokens"]]
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+            raise InvalidRequestError("tokens must be a list of token ids", param="tokens")
+        for i, t in enumerate(tokens):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self._n_vocab:
+                raise InvalidRequestError(f"tokens[{i}] must be a token id in [0, {self._n_vocab}), got {t!r}",
+                                          param="tokens")
+        return str(self._conn.json("POST", "/detokenize", json_body={"tokens": list(tokens)})["content"])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The piece's bytes, from ``/detokenize`` of the one id. NotOffered for a piece that is part of a
+        UTF-8 character: llama-server's /detokenize returns U+FFFD for it, not its bytes."""
+        text = self.detokenize([token])
+        if "\ufffd" in text:
+            raise NotOffered("token_bytes", "llama-server", f"token {token} is part of a UTF-8 character and "
+                                                            "/detokenize returns U+FFFD, not its bytes")
+        return text.encode("utf-8")
+
+    def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False) -> str:
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list", param="messages")
+        for i, m in enumerate(messages):
+            if not (isinstance(m, Mapping) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)):
+                raise InvalidRequestError(f"messages[{i}] must be {{'role': string, 'content': string}}",
+                                          param="messages")
+        body = {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+        return str(self._conn.json("POST", "/apply-template", json_body=body)["prompt"])
+
+
+__all__ = ["CLIENT_CLOCK", "ClientMetrics", "LlamaInferencePlane", "LlamaRequestStream", "request_body", "stop_type_of"]

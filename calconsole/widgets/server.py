@@ -1,0 +1,115 @@
+"""Rendering of a snapshot from a server that is not this simulator (``snap["server"]``: a llama-server).
+
+Such a snapshot has no device, jobs, KV, steps, memory, stages, host or findings (None): every such
+section is drawn as ``absent(...)`` — "not reported by llama-server" — never as zeros. The device
+table's place shows the server instead (``server_table``), the thresholds line the server's gauges
+and the console's client-measured latencies (``server_header``). Every time says its clock: the
+server's counters are its wall time, the request latencies the console's wall time as client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+#: what each absent section would have shown, for the line that says it is not reported
+SECTION_WHAT = {
+    "device": "device table (chiplets, health, mode, faults)", "jobs": "device job counters",
+    "kv": "KV cache cells and waits", "stages": "step stages", "memory": "device memory map",
+    "host": "server host CPU / RSS", "findings": "bundle findings", "per-layer": "per-layer step timings",
+    "batches": "batched decode steps",
+}
+
+
+def kind_of(snap: dict) -> str | None:
+    """The server kind of a snapshot (``"llama-server"``), or None for the simulator's own."""
+    server = snap.get("server")
+    return str(server["kind"]) if server else None
+
+
+def absent(section: str, kind: str) -> Text:
+    """The one line drawn where a section the server does not report would be."""
+    what = SECTION_WHAT.get(section, section)
+    return Text.assemble((f"{section}: ", "bold"), (f"not reported by {kind}", "italic grey62"),
+                         (f" ({what} exist on the simulated device only)", "grey50"))
+
+
+def _num(v: Any, fmt: str = "{}") -> str:
+    return "not reported" if v is None else fmt.format(v)
+
+
+def health_style(health: str) -> str:
+    return {"ok": "bold green", "loading": "bold yellow"}.get(health, "bold red")
+
+
+def server_table(snap: dict, compact: bool = False) -> Group:
+    """The server row (kind, build, model, health, slots busy, context) in place of the device table."""
+    s = snap["server"]
+    busy = sum(1 for sl in snap["slots"] if sl["state"] != "idle")
+    load = snap.get("load") or {}
+    t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
+    for col in ("server", "build", "model", "health", "slots busy", "n_ctx/slot", "busy %"):
+        t.add_column(col)
+    t.add_row(s["kind"], s["build"], s["model"], Text(s["health"], style=health_style(s["health"])),
+              f"{busy}/{s['total_slots']}" if s["slots_enabled"] else "not reported (--slots off)",
+              str(s["n_ctx"]), _num(load.get("busy_percent"), "{:.0f}"))
+    lines: list[Any] = [t]
+    if s["health_detail"]:
+        lines.append(Text(f"health: {s['health_detail']}", style="yellow"))
+    if not compact:
+        lines.append(absent("device", s["kind"]))
+        lines.append(Text(f"busy % and tok/s: {load.get('clock', '')} (counter growth between polls); "
+                          f"poll {_num(s['poll_wall_ms'], '{:.1f}')} ms wall", style="grey50"))
+    return Group(*lines)
+
+
+def server_header(snap: dict, compact: bool = False) -> Text:
+    """The thresholds line for a server: its gauges and counters, and this console's client latencies."""
+    s = snap["server"]
+    lat = snap["requests"]["latency_ms"]
+    load = snap.get("load") or {}
+    t = Text()
+    if not s["metrics_enabled"]:
+        t.append("metrics: not reported (server runs without --metrics) · ", style="yellow")
+    else:
+        t.append(f"processing {_num(s['requests_processing'])} · deferred {_num(s['requests_deferred'])} · ")
+        kv = s.get("kv_cache_usage_ratio")
+        t.append("KV " + (f"{100 * kv:.0f}%" if kv is not None else "not reported by this build") + " · ")
+        tps = load.get("output_tokens_per_s")
+        t.append(f"{tps:.1f} tok/s" if tps is not None else "tok/s -")
+        t.append(" (server wall) · ")
+        if not compact:
+            t.append(f"tokens prompt {_num(s['prompt_tokens_total'])} predicted {_num(s['tokens_predicted_total'])}"
+                     " (server total) · ")
+    t.append(f"TTFT P95 {_ms(lat['ttft']['p95'])} · TPOT P95 {_ms(lat['tpot']['p95'])}")
+    t.append(" (client wall, this console's requests)", style="grey62")
+    return t
+
+
+def subtitle(snap: dict) -> str:
+    s = snap["server"]
+    return f"{s['kind']} · health {s['health']}"
+
+
+def topbar(snap: dict) -> Text:
+    """The header after "calconsole ": ``llama-server b… · model … · health … · slots … · tokens …``."""
+    s = snap["server"]
+    busy = sum(1 for sl in snap["slots"] if sl["state"] != "idle")
+    bar = Text.assemble((f"{s['kind']} {s['build']}", "bold"), f" · model {s['model']} · ",
+                        ("health ", ""), (s["health"], health_style(s["health"])))
+    bar.append(f" · slots {busy}/{s['total_slots']} busy" if s["slots_enabled"] else " · slots not reported")
+    if s["tokens_predicted_total"] is not None:
+        bar.append(f" · tokens predicted {s['tokens_predicted_total']} (server total)")
+    c = snap["requests"]["counters"]
+    bar.append(f" · this console: requests done {c['finished']}")
+    return bar
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} ms"
+
+
+__all__ = ["SECTION_WHAT", "absent", "kind_of", "server_header", "server_table", "subtitle", "topbar"]
