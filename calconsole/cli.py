@@ -48,10 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--admin-key-file", default=None, metavar="FILE",
                    help="admin keys for /maintenance/... (without one no maintenance route exists)")
     add_common_options(p, default_pacing="realtime", top_level=True)
-    p.add_argument("--connect", metavar="URL", default=None,
+    from .commands.fleet import ConnectAction, add_fleet_source
+
+    p.add_argument("--connect", metavar="URL", default=None, action=ConnectAction,
                    help="open the console on the live device a running 'calconsole serve' (or a console with "
                         "--listen) serves at URL; --api-key-file / --admin-key-file then hold the keys to present "
-                        "(no admin key: no maintenance pane)")
+                        "(no admin key: no maintenance pane). Given twice or more: the fleet view over those "
+                        "boards (the same key files for each; a fleet file names one per board)")
+    add_fleet_source(p, top_level=True)
     sub = p.add_subparsers(title="commands", dest="command", metavar="COMMAND")
     for mod in load_commands():
         mod.register(sub, p)
@@ -122,6 +126,8 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
         return fail(str(e))
     if args.connect and args.listen:
         return fail("--connect attaches to a served device; --listen serves this console's own: give one")
+    if args.fleet or len(getattr(args, "connect_urls", None) or ()) > 1:
+        return run_fleet(args, settings, layout)
     if not sys.stdout.isatty() or not sys.stdin.isatty():
         return fail("the console needs a terminal; for scripts use 'calconsole snapshot --json' "
                     "or 'calconsole chat PROMPT --json'")
@@ -171,6 +177,27 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
         if server is not None:
             server.stop()
         system.close()
+    return 0
+
+
+def run_fleet(args: argparse.Namespace, settings, layout) -> int:
+    """The fleet view (``--fleet FILE`` or ``--connect URL`` twice or more): one row per board, worst first."""
+    from .commands.fleet import fleet_config
+    from .fleet.config import FleetConfigError
+    from .server.keys import KeySourceError
+
+    if args.listen:
+        return fail("--fleet watches served boards; --listen serves this console's own device: give one")
+    try:
+        config = fleet_config(args)
+        from .fleet.view import FleetApp
+
+        app = FleetApp(config, settings=settings, layout=layout)
+    except (FleetConfigError, KeySourceError, ValueError) as e:
+        return fail(str(e))
+    if not sys.stdout.isatty() or not sys.stdin.isatty():
+        return fail("the fleet view needs a terminal; for scripts use 'calconsole fleet --json [--watch]'")
+    app.run()
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 
 # modules listed here are registered in this order in ``calconsole --help``
-COMMAND_MODULES = ("snapshot", "chat", "metrics", "model", "bench", "trace", "drill", "audit", "serve")
+COMMAND_MODULES = ("snapshot", "chat", "metrics", "model", "bench", "trace", "drill", "audit", "serve", "fleet")
 
 
 def load_commands() -> list:

@@ -61,6 +61,15 @@ def register(sub, common) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=-1, metavar="N",
                    help="default generation limit when a request gives none (-1: until the context is full)")
     p.add_argument("--alias", default="qwen3-30b-a3b", help="model name reported by /v1/models and responses")
+    g = p.add_argument_group("many boards (trials of the fleet view)")
+    g.add_argument("--boards", type=int, default=None, metavar="N",
+                   help="start N isolated simulator processes (1..64), one per board, on consecutive ports from "
+                        "--port (0: each picks a free one), each with its own audit log; writes a fleet file for "
+                        "'calconsole --fleet FILE'; Ctrl-C stops them all")
+    g.add_argument("--boards-dir", metavar="DIR", default=None,
+                   help="with --boards: where the audit logs and the fleet file go (default: the user state dir)")
+    g.add_argument("--fleet-out", metavar="FILE", default=None,
+                   help="with --boards: write the fleet file here (default DIR/fleet.yaml)")
     add_common_options(p, default_pacing="realtime")
     p.set_defaults(func=run)
 
@@ -104,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
     from ..server.keys import KeySourceError
     from ..server.run import bind_socket, serve_foreground
 
+    if getattr(args, "boards", None) is not None:
+        from ..fleet.launcher import launch
+
+        return launch(args)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     # key and bind checks before the simulator is built: a refused start costs nothing
     try:

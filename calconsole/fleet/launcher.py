@@ -1,0 +1,179 @@
+"""``calconsole serve --boards N``: N isolated simulator processes on consecutive loopback ports, for trials.
+
+Each board is its own ``calconsole serve`` process (the runtime drives one device per process, facts.md F1),
+with its own audit log ``<dir>/<name>.audit.jsonl`` and the same options otherwise. The launcher waits
+until every board prints its ``listening on`` line (bounded), writes a fleet file naming them (so
+``calconsole --fleet FILE`` opens them all), and then waits; SIGINT or SIGTERM stops every board
+(SIGTERM, then SIGKILL after ``STOP_GRACE_S``). A board that exits by itself is reported and the others keep
+serving: that is what the fleet view is for.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+MAX_BOARDS = 64
+START_TIMEOUT_S = 180.0  # host s for every board to listen (N imports share 2 cores)
+STOP_GRACE_S = 10.0
+_LISTENING = re.compile(r"listening on (http://\S+)")
+
+
+@dataclass
+class Board:
+    """One launched board: its name, process, URL (once listening) and audit log path."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    audit_log: Path
+    url: str | None = None
+
+
+def board_command(args, port: int, audit_log: Path) -> list[str]:
+    """The ``calconsole serve`` command line of one board: the launcher's own options, its port and log.
+
+    Keys are passed as the same key files (or the environment), never on the command line."""
+    cmd = [sys.executable, "-m", "calconsole", "serve", "--host", args.host, "--port", str(port),
+           "--audit-log", str(audit_log), "--pacing", args.pacing, "--speed", repr(args.speed),
+           "--slots", str(args.slots), "--host-time", args.host_time,
+           "--max-streams", str(args.max_streams), "--queue-limit", str(args.queue_limit),
+           "--alias", args.alias, "-n", str(args.n_predict)]
+    if args.bundle:
+        cmd += ["--bundle", args.bundle]
+    if args.timing_only:
+        cmd.append("--timing-only")
+    if args.numeric_limit is not None:
+        cmd += ["--numeric-limit", str(args.numeric_limit)]
+    if args.api_key_file:
+        cmd += ["--api-key-file", args.api_key_file]
+    if args.admin_key_file:
+        cmd += ["--admin-key-file", args.admin_key_file]
+    if getattr(args, "no_metrics", False):
+        cmd.append("--no-metrics")
+    if getattr(args, "no_slots_endpoint", False):
+        cmd.append("--no-slots-endpoint")
+    return cmd
+
+
+def _reader(board: Board, ready: threading.Event, out) -> None:
+    """Forward a board's stderr, prefixed with its name, and note its URL when it starts listening."""
+    assert board.proc.stderr is not None
+    for raw in board.proc.stderr:
+        line = raw.decode("utf-8", "replace").rstrip("\n")
+        m = _LISTENING.search(line)
+        if m and board.url is None:
+            board.url = m.group(1)
+            ready.set()
+        print(f"[{board.name}] {line}", file=out, flush=True)
+    ready.set()  # exited: nothing more to wait for
+
+
+def launch(args, *, out=sys.stderr) -> int:
+    """Run ``args.boards`` boards until a signal; returns the exit code (0 after a clean stop)."""
+    n = args.boards
+    if not 1 <= n <= MAX_BOARDS:
+        print(f"calconsole: error: --boards must be in 1..{MAX_BOARDS}, got {n}", file=sys.stderr)
+        return 2
+    if args.port != 0 and not 1 <= args.port <= 65535 - n + 1:
+        print(f"calconsole: error: --port {args.port} leaves no room for {n} consecutive ports", file=sys.stderr)
+        return 2
+    if args.audit_log is not None:
+        print("calconsole: error: with --boards each board keeps its own audit log under --boards-dir; "
+              "--audit-log names one file", file=sys.stderr)
+        return 2
+    root = Path(args.boards_dir or _default_dir())
+    root.mkdir(parents=True, exist_ok=True)
+    boards: list[Board] = []
+    readies: list[threading.Event] = []
+    stop = threading.Event()
+
+    def on_signal(signum, frame) -> None:  # noqa: ANN001
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for i in range(n):
+            name = f"board-{i}"
+            log = root / f"{name}.audit.jsonl"
+            port = 0 if args.port == 0 else args.port + i
+            proc = subprocess.Popen(board_command(args, port, log), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    start_new_session=True)  # a Ctrl-C reaches the launcher, which stops them
+            b = Board(name, proc, log)
+            ev = threading.Event()
+            threading.Thread(target=_reader, args=(b, ev, out), daemon=True, name=f"{name}-stderr").start()
+            boards.append(b)
+            readies.append(ev)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for ev in readies:
+            while not ev.wait(0.5):
+                if stop.is_set() or time.monotonic() > deadline:
+                    break
+        missing = [b.name for b in boards if b.url is None]
+        if missing and not stop.is_set():
+            print(f"calconsole serve --boards: {', '.join(missing)} did not start listening within "
+                  f"{START_TIMEOUT_S:g} s; stopping all", file=out, flush=True)
+            return 1
+        fleet_file = Path(args.fleet_out) if args.fleet_out else root / "fleet.yaml"
+        write_fleet_file(fleet_file, boards, args)
+        print(f"calconsole serve --boards: {n} boards listening ({', '.join(b.url or '?' for b in boards)}); "
+              f"fleet file {fleet_file} (calconsole --fleet {fleet_file}); audit logs in {root}; "
+              "Ctrl-C stops them all", file=out, flush=True)
+        exited: set[str] = set()
+        while not stop.wait(0.5):
+            for b in boards:
+                if b.name not in exited and b.proc.poll() is not None:
+                    exited.add(b.name)
+                    print(f"calconsole serve --boards: {b.name} exited with code {b.proc.returncode}; the "
+                          "others keep serving", file=out, flush=True)
+            if len(exited) == len(boards):
+                return 1
+        return 0
+    finally:
+        stop_all(boards)
+        for s, h in old.items():
+            signal.signal(s, h)
+        print("calconsole serve --boards: stopped", file=out, flush=True)
+
+
+def stop_all(boards: list[Board]) -> None:
+    """SIGTERM every board, wait up to ``STOP_GRACE_S`` in all, SIGKILL what is left."""
+    for b in boards:
+        if b.proc.poll() is None:
+            b.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + STOP_GRACE_S
+    for b in boards:
+        try:
+            b.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            b.proc.kill()
+            b.proc.wait(timeout=5)
+
+
+def write_fleet_file(path: Path, boards: list[Board], args) -> None:
+    """A fleet file (see ``fleet.config``) naming every board, its URL and the launcher's key files."""
+    entries = []
+    for b in boards:
+        e: dict[str, str] = {"name": b.name, "url": b.url or ""}
+        if args.api_key_file:
+            e["api_key_file"] = str(Path(args.api_key_file).resolve())
+        if args.admin_key_file:
+            e["admin_key_file"] = str(Path(args.admin_key_file).resolve())
+        entries.append(e)
+    path.write_text("# written by calconsole serve --boards\n" + yaml.safe_dump({"boards": entries}, sort_keys=False),
+                    encoding="utf-8")
+
+
+def _default_dir() -> str:
+    import platformdirs
+
+    return os.path.join(platformdirs.user_state_dir("calconsole"), f"boards-{os.getpid()}")

@@ -1,0 +1,402 @@
+"""The fleet view: one row per board, worst first; Enter opens that board's console, Esc returns.
+
+The rows come from ``FleetMonitor`` (one poll task per board on this app's event loop, each with its own
+back-off: a slow or dead board never delays another row). The table is redrawn at most once per refresh
+and only when a sample changed. Every figure says its clock: a calconsole board's latencies and output
+rate are simulated device time (``sim``), a llama-server's rate is derived from its counters over wall
+time (``wall``); what a server does not report reads ``n/r``, never 0.
+
+``BoardScreen`` is the single-board console (observation, chat and, with the board's admin key,
+maintenance) over that board's remote planes, pushed over the fleet; ``Esc`` (or ``F10``, which works from
+the chat input too) pops it and closes its connection, releasing a lease it still holds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.text import Text
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Static
+
+from ..layout import Layout, load_layout
+from ..messages import SnapshotReady
+from ..settings import LEVEL_STYLE, Settings
+from .config import BoardSpec, FleetConfig
+from .poller import FleetMonitor, read_key
+from .sample import BoardSample, rank
+
+SPARK = "▁▂▃▄▅▆▇█"
+NR = "n/r"  # not reported by this board's server
+
+
+def sparkline(values: list[float | None], width: int = 12) -> str:
+    """The last ``width`` values as block characters scaled to their own maximum (blank where None)."""
+    vals = values[-width:]
+    top = max((v for v in vals if v is not None), default=0.0)
+    out = []
+    for v in vals:
+        if v is None:
+            out.append(" ")
+        elif top <= 0:
+            out.append(SPARK[0])
+        else:
+            out.append(SPARK[min(len(SPARK) - 1, int(v / top * (len(SPARK) - 1) + 0.5))])
+    return "".join(out).rjust(width)
+
+
+def ago(t: float | None, now: float) -> str:
+    """``now``, ``12 s``, ``3 min``, ``2 h`` since host wall time ``t``; ``never`` for None."""
+    if t is None:
+        return "never"
+    d = max(0.0, now - t)
+    if d < 2:
+        return "now"
+    if d < 120:
+        return f"{d:.0f} s"
+    if d < 7200:
+        return f"{d / 60:.0f} min"
+    return f"{d / 3600:.0f} h"
+
+
+#: (key, header, min width, priority): columns drop in rising priority order when the terminal is narrow
+COLUMNS: tuple[tuple[str, str, int, int], ...] = (
+    ("board", "board", 10, 99),
+    ("health", "health", 8, 98),
+    ("mode", "mode · lease", 12, 90),
+    ("kv", "KV %", 5, 95),
+    ("queue", "queue", 5, 94),
+    ("running", "run", 5, 93),
+    ("rate", "out tok/s", 11, 92),
+    ("ttft", "TTFT P95", 12, 85),
+    ("tpot", "TPOT P95", 11, 80),
+    ("faults", "faults", 10, 70),
+    ("seen", "seen", 6, 88),
+    ("kind", "kind", 12, 40),
+    ("poll", "poll ms", 7, 30),
+    ("history", "tok/s history", 14, 20),
+)
+
+
+def columns_for(width: int) -> list[tuple[str, str, int, int]]:
+    """The columns that fit ``width`` cells (each takes its minimum plus 2 cells of padding), in table order,
+    dropping the lowest-priority ones first: history, poll ms, kind, faults, TPOT, TTFT ..."""
+    keep = list(COLUMNS)
+    while len(keep) > 3 and sum(c[2] + 2 for c in keep) > width:
+        keep.remove(min(keep, key=lambda c: c[3]))
+    return keep
+
+
+def _ms(v: float | None, clock: str | None) -> str:
+    if v is None:
+        return NR if clock is None else "–"
+    return f"{v:,.0f} ms {clock}" if v >= 100 else f"{v:.1f} ms {clock}"
+
+
+def cells(s: BoardSample, history: list[float | None], settings: Settings, now: float) -> dict[str, Text]:
+    """The row of one board as styled cells, by column key."""
+    level_style = LEVEL_STYLE.get(s.level, "white")
+    up = s.state == "up"
+    out: dict[str, Text] = {"board": Text(s.name, style="bold")}
+    if not up:
+        out["health"] = Text(s.state, style="bold red")
+    else:
+        out["health"] = Text(s.health or NR, style=level_style)
+    mode = s.mode if s.mode is not None else NR
+    lease = f" · {s.lease_holder}" if s.lease_holder else ""
+    out["mode"] = Text(f"{mode}{lease}", style="bold red" if s.mode == "exclusive" else
+                       "yellow" if s.mode == "draining" else "")
+    out["kv"] = Text(NR if s.kv_percent is None else f"{s.kv_percent:.0f}",
+                     style=settings.style("kv_percent", s.kv_percent) if s.kv_percent is not None else "dim")
+    out["queue"] = Text(NR if s.queue is None else str(s.queue),
+                        style=settings.style("queue_depth", s.queue) if s.queue is not None else "dim")
+    run = NR if s.running is None else (f"{s.running}/{s.n_slots}" if s.n_slots else str(s.running))
+    out["running"] = Text(run, style="" if s.running is not None else "dim")
+    out["rate"] = Text(NR if s.output_tok_s is None else f"{s.output_tok_s:.1f} {s.rate_clock}",
+                       style="" if s.output_tok_s is not None else "dim")
+    out["ttft"] = Text(_ms(s.ttft_p95_ms, s.latency_clock), style="" if s.latency_clock else "dim")
+    out["tpot"] = Text(_ms(s.tpot_p95_ms, s.latency_clock), style="" if s.latency_clock else "dim")
+    if s.faults_armed is None and s.faults_fired is None:
+        out["faults"] = Text(NR, style="dim")
+    elif s.faults_fired:
+        out["faults"] = Text(f"{s.faults_fired} fired", style="bold red")
+    elif s.faults_armed:
+        out["faults"] = Text("armed " + ",".join(s.faults_armed), style="yellow")
+    else:
+        out["faults"] = Text("none", style="green")
+    seen = ago(s.last_seen_unix_s, now)
+    out["seen"] = Text(seen, style="" if up else "bold red")
+    out["kind"] = Text(s.kind or "?", style="cyan" if s.kind else "dim")
+    out["poll"] = Text("–" if s.poll_ms is None else f"{s.poll_ms:.0f}",
+                       style="yellow" if (s.poll_ms or 0) > 1000 else "")
+    out["history"] = Text(sparkline(history), style="cyan")
+    if not up:  # nothing is known of a board that does not answer: blank, not "not reported"
+        for k in ("kv", "queue", "running", "rate", "ttft", "tpot", "faults", "mode"):
+            out[k] = Text("–", style="dim")
+    return out
+
+
+class FleetApp(App):
+    """One row per board, worst first (see the module docstring). ``transports``: per-board httpx async
+    transports for tests (None: real sockets)."""
+
+    CSS_PATH = str(Path(__file__).resolve().parent.parent / "styles.tcss")  # the panes' styles (BoardScreen)
+    CSS = """
+    #fleet-head { height: 1; background: $boost; padding: 0 1; }
+    #fleet-table { height: 1fr; }
+    #fleet-detail { height: 3; padding: 0 1; color: $text-muted; }
+    """
+    TITLE = "calconsole fleet"
+    BINDINGS = [
+        Binding("ctrl+q", "quit", "quit", priority=True),
+        Binding("q", "quit", "quit"),
+        Binding("enter", "open_board", "open board"),
+        Binding("question_mark", "help", "help"),
+    ]
+
+    def __init__(self, config: FleetConfig, settings: Settings | None = None, layout: Layout | None = None,
+                 transports: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.settings = settings or Settings()
+        self.layout_spec = layout
+        self.monitor = FleetMonitor(config, self.settings, on_change=self._changed, transports=transports)
+        self._dirty = True
+        self._order: list[str] = []
+        self._cols: list[tuple[str, str, int, int]] = []
+        self.redraws = 0
+
+    def compose(self) -> ComposeResult:
+        yield Static(id="fleet-head")
+        yield DataTable(id="fleet-table", cursor_type="row", zebra_stripes=True)
+        yield Static(id="fleet-detail")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.monitor.start()
+        self.set_interval(1.0 / self.config.refresh_hz, self._redraw)
+        self._redraw()
+        self.query_one(DataTable).focus()
+
+    async def on_unmount(self) -> None:
+        await self.monitor.stop()
+
+    def _changed(self, sample: BoardSample) -> None:
+        self._dirty = True
+
+    def on_resize(self) -> None:
+        self._dirty = True
+        self._redraw()
+
+    def ranked(self) -> list[BoardSample]:
+        """The latest sample of every board, worst first."""
+        return rank(list(self.monitor.samples.values()))
+
+    def _redraw(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        self.redraws += 1
+        table = self.query_one(DataTable)
+        now = time.time()
+        samples = self.ranked()
+        cols = columns_for(self.size.width - 2)
+        selected = self._order[table.cursor_row] if self._order and 0 <= table.cursor_row < len(self._order) else None
+        if cols != self._cols:
+            table.clear(columns=True)
+            for key, header, _, _ in cols:
+                table.add_column(header, key=key)
+            self._cols = cols
+        else:
+            table.clear()
+        for s in samples:
+            hist = [h[1] for h in self.monitor.history[s.name]]
+            row = cells(s, hist, self.settings, now)
+            table.add_row(*(row[k] for k, _, _, _ in cols), key=s.name)
+        self._order = [s.name for s in samples]
+        if selected in self._order:
+            table.move_cursor(row=self._order.index(selected), animate=False)
+        up = sum(1 for s in samples if s.state == "up")
+        crit = sum(1 for s in samples if s.level == "crit")
+        warn = sum(1 for s in samples if s.level == "warn")
+        head = Text.assemble(("calconsole fleet ", "bold"), f"{len(samples)} boards · ",
+                             (f"{up} answering", "green" if up == len(samples) else "bold red"), " · ",
+                             (f"{crit} crit", "bold red" if crit else "green"), " · ",
+                             (f"{warn} warn", "bold yellow" if warn else "green"),
+                             f" · polled {self.config.refresh_hz:g} Hz each (own back-off) · "
+                             "worst first · sim = simulated device time, wall = server wall time, n/r = not "
+                             "reported by that server")
+        self.query_one("#fleet-head", Static).update(head)
+        self._show_detail()
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        self._show_detail()
+
+    def _show_detail(self) -> None:
+        table = self.query_one(DataTable)
+        if not self._order or not 0 <= table.cursor_row < len(self._order):
+            return
+        s = self.monitor.samples[self._order[table.cursor_row]]
+        what = f"{s.kind or 'unknown kind'} at {s.url}"
+        if s.model:
+            what += f" · model {s.model}"
+        if s.build:
+            what += f" · build {s.build}"
+        why = "; ".join(s.reasons) if s.reasons else "within every threshold"
+        self.query_one("#fleet-detail", Static).update(
+            Text.assemble((s.name, "bold"), f": {what}\n", (why, LEVEL_STYLE.get(s.level, "white")),
+                          "\nEnter opens this board's console (observation, chat; maintenance with its admin key); "
+                          "Esc there returns here"))
+
+    def selected(self) -> str | None:
+        table = self.query_one(DataTable)
+        if not self._order or not 0 <= table.cursor_row < len(self._order):
+            return None
+        return self._order[table.cursor_row]
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        self.action_open_board()
+
+    def action_open_board(self, name: str | None = None) -> None:
+        """Attach to the selected board (in a worker: connecting is blocking I/O) and push its console."""
+        name = name or self.selected()
+        if name is None:
+            return
+        self._open_console(self.monitor.spec(name))
+
+    @work(thread=True, exclusive=True, group="attach")
+    def _open_console(self, spec: BoardSpec) -> None:
+        from ..remote import connect
+
+        try:
+            api = read_key(spec.api_key_file, "api")
+            admin = read_key(spec.admin_key_file, "admin")
+            system = connect(spec.url, api_key=api, admin_key=admin)
+        except Exception as e:  # noqa: BLE001 - any failure to attach is the operator's to read, not a crash
+            self.call_from_thread(self.notify, f"{spec.name}: cannot open its console: {e}", severity="error",
+                                  timeout=10)
+            return
+        layout = self.layout_spec or load_layout("operator")
+        self.call_from_thread(self.push_screen, BoardScreen(spec, system, layout, self.settings))
+
+    def action_help(self) -> None:
+        self.notify("Up/Down select a board · Enter opens its console (Esc or F10 returns) · q quits. Rows are "
+                    "worst first: not answering, then crit, warn, ok. Maintenance acts on one board at a time, "
+                    "with that board's admin key and lease; no fleet-wide action is offered.", timeout=15)
+
+
+class BoardScreen(Screen):
+    """One board's console over its remote planes: the layout's panes, fed by a sampler thread.
+
+    Closing (Esc / F10) stops the sampler and closes the board's connection on a thread (a held lease is
+    released, bounded by the remote plane's own timeouts).
+    """
+
+    BINDINGS = [
+        Binding("f10", "back", "fleet", priority=True),
+        # priority, so it comes before the panes' own Esc; it steps aside (SkipAction) while a reply streams
+        # or an observation section is shown alone, where Esc has its pane meaning first
+        Binding("escape", "back", "back to fleet", priority=True),
+        Binding("f1", "focus_pane('observation')", "observation"),
+        Binding("f2", "focus_pane('chat')", "chat"),
+        Binding("f3", "focus_pane('maintenance')", "maintenance"),
+    ]
+    FOCUS_TARGET = {"observation": "#observation", "chat": "#chat-input", "maintenance": "#maintenance"}
+
+    def __init__(self, spec: BoardSpec, system: Any, layout: Layout, settings: Settings) -> None:
+        super().__init__()
+        self.spec = spec
+        self.system = system
+        self.settings = settings
+        self.layout_spec = layout if system.maintenance is not None else layout.without("maintenance")
+        self.refresh_hz = layout.refresh_hz
+        self.last_snapshot: dict[str, Any] | None = None
+        self._panes: list[Any] = []
+        self._stop = threading.Event()
+        self._topbar = Static(id="topbar")
+
+    def compose(self) -> ComposeResult:
+        from ..panes.chat import ChatPane
+        from ..panes.observation import ObservationPane
+
+        yield self._topbar
+        with Horizontal(id="columns"):
+            for ci, col in enumerate(self.layout_spec.columns):
+                with Vertical(classes="column", id=f"col{ci}") as v:
+                    v.styles.width = col.width
+                    for p in col.panes:
+                        pane: Any
+                        if p.pane == "observation":
+                            pane = ObservationPane(self.settings, id="observation", classes="pane")
+                            pane.border_title = "Observation (read-only)"
+                        elif p.pane == "chat":
+                            pane = ChatPane(self.system.inference, id="chat", classes="pane")
+                            pane.border_title = "Chat"
+                        else:
+                            from ..panes.maintenance import MaintenancePane
+
+                            pane = MaintenancePane(self.system.maintenance, self.system.device_name,
+                                                   id="maintenance", classes="pane")
+                            pane.border_title = f"Maintenance (guarded) · {self.spec.name} only"
+                        pane.styles.height = p.height
+                        self._panes.append(pane)
+                        yield pane
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._topbar.update(Text.assemble(("calconsole ", "bold"), (self.spec.name, "bold cyan"),
+                                          f" · attached to {self.spec.url} · Esc / F10: back to the fleet"))
+        threading.Thread(target=self._sample_loop, name=f"board-{self.spec.name}", daemon=True).start()
+        self.action_focus_pane("observation")
+
+    def _sample_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                snap = self.system.observation.snapshot().to_dict()
+            except Exception:  # noqa: BLE001, S112 - the planes retry with back-off; the panes keep the last snapshot
+                pass
+            else:
+                self.post_message(SnapshotReady(snap))
+            self._stop.wait(1.0 / self.refresh_hz)
+
+    def on_snapshot_ready(self, message: SnapshotReady) -> None:
+        self.last_snapshot = message.snap
+        for pane in self._panes:
+            try:
+                pane.update_snapshot(message.snap)
+            except Exception:  # noqa: BLE001, S112 - a pane still composing fills at the next refresh
+                continue
+
+    def action_focus_pane(self, name: str) -> None:
+        targets = self.query(self.FOCUS_TARGET[name])
+        if targets:
+            target = targets.first()
+            if not target.focusable:
+                inner = [w for w in target.query("*") if w.focusable]
+                target = inner[0] if inner else target
+            target.focus()
+
+    def action_back(self) -> None:
+        from textual.actions import SkipAction
+
+        for chat in self.query("#chat"):
+            if getattr(chat, "handle", None) is not None and chat.has_focus_within:
+                raise SkipAction()  # Esc cancels the streaming reply first (the chat pane's binding)
+        for obs in self.query("#observation"):
+            if getattr(obs, "focused_section", None) is not None and obs.has_focus_within:
+                raise SkipAction()  # Esc shows every section again first
+        self.close_board()
+        self.app.pop_screen()
+
+    def close_board(self) -> None:
+        """Stop sampling and close the board's connection on a thread (releases a held lease, bounded)."""
+        self._stop.set()
+        system = self.system
+        threading.Thread(target=system.close, name=f"close-{self.spec.name}", daemon=True).start()
