@@ -52,6 +52,8 @@ from ..bench.serve_load import (
 from .common import fail, print_json
 
 PHASES = ("sweep", "overhead", "sustained")
+#: phases run only when named in --phases (the soak takes half an hour by default)
+EXTRA_PHASES = ("soak",)
 # Defaults from the operators' experiment matrix (facts.md F8): clients 1..16, the three mixes, prompt
 # and output lengths from its length lists, 3 warm-up runs, at least 20 measured; kept out of the
 # help texts, which cite no document the user does not have.
@@ -78,7 +80,12 @@ def register(bsub) -> None:
                    help="requests per sweep configuration and per overhead leg (default 20)")
     p.add_argument("--duration", type=float, default=6.0, metavar="S",
                    help="host wall seconds per sustained-streams configuration (default 6; running requests finish)")
-    p.add_argument("--phases", default=",".join(PHASES), help=f"which phases (default {','.join(PHASES)})")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help=f"which phases (default {','.join(PHASES)}; also: soak, only when named)")
+    p.add_argument("--soak-s", type=float, default=1800.0, metavar="S",
+                   help="soak phase: host seconds of mixed traffic (streams, dropped streams, chat, tokenize, "
+                        "health, metrics, snapshot); the server's RSS is printed every 1,000 requests (1800)")
+    p.add_argument("--soak-clients", type=int, default=4, help="soak phase: concurrent clients (default 4)")
     p.add_argument("--overhead-clients", default="1,8", help="client counts of the overhead phase (default 1,8)")
     p.add_argument("--lag-margin", type=float, default=10.0, metavar="PCT",
                    help="a real-time stream falls behind when its client ITL exceeds the simulated ITL by more "
@@ -132,16 +139,17 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
         "clients": _int_list("clients", args.clients, 1, MAX_CLIENTS),
         "overhead_clients": _int_list("overhead-clients", args.overhead_clients, 1, MAX_CLIENTS),
         "mixes": _names("mix", args.mix, tuple(MIXES)),
-        "phases": _names("phases", args.phases, PHASES),
+        "phases": _names("phases", args.phases, PHASES + EXTRA_PHASES),
         "shapes": {"short": Shape.parse("short", args.short), "long": Shape.parse("long", args.long)},
         "slo": parse_slo(args.slo) if args.slo is not None else None,
     }
     for name, v, lo, hi in (("requests", args.requests, 1, 100_000), ("warmup", args.warmup, 0, 1000),
-                            ("slots", args.slots, 1, 32)):
+                            ("slots", args.slots, 1, 32), ("soak-clients", args.soak_clients, 1, MAX_CLIENTS)):
         if not lo <= v <= hi:
             raise ValueError(f"--{name} must be in {lo}..{hi}, got {v}")
     for name, fv, flo, fhi in (("duration", args.duration, 0.5, 3600.0), ("timeout", args.timeout, 1.0, 3600.0),
-                               ("lag-margin", args.lag_margin, 0.0, 1000.0), ("speed", args.speed, 0.1, 1000.0)):
+                               ("lag-margin", args.lag_margin, 0.0, 1000.0), ("speed", args.speed, 0.1, 1000.0),
+                               ("soak-s", args.soak_s, 1.0, 86400.0)):
         if not flo <= fv <= fhi:  # also refuses nan
             raise ValueError(f"--{name} must be in {flo:g}..{fhi:g}, got {fv:g}")
     if not 0 <= args.seed < 2**32:
@@ -420,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
                            "shapes": {k: {"prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens}
                                       for k, s in b.shapes.items()},
                            "slo": opts["slo"].to_dict() if opts["slo"] is not None else None,
-                           "configurations": [], "overhead": None, "sustained": None}
+                           "configurations": [], "overhead": None, "sustained": None, "soak": None}
     t0 = time.perf_counter()
     try:
         if args.url is not None:
@@ -463,6 +471,11 @@ def _run_in_process(b: Bench, rep: dict[str, Any]) -> None:
         rep["server"]["sustained_slots"] = slots
         with in_process_server(args, pacing="realtime", slots=slots, queue=queue, slo=opts["slo"]) as (url, _):
             rep["sustained"] = asyncio.run(sustained(b, url, args.speed))
+    if "soak" in opts["phases"]:
+        rep["server"]["soak_note"] = ("in-process: the RSS is of this process, client and server together; "
+                                      "serve in another process and pass --url for the server's alone")
+        with in_process_server(args, pacing="fast", slots=args.slots, queue=queue, slo=opts["slo"]) as (url, _):
+            rep["soak"] = _soak(b, url)
 
 
 def _run_remote(b: Bench, rep: dict[str, Any]) -> None:
@@ -483,6 +496,22 @@ def _run_remote(b: Bench, rep: dict[str, Any]) -> None:
         else:
             rep["sustained"] = {"skipped": f"the server's /props says pacing {pacing!r}; the sustained search "
                                            "needs real-time pacing (calconsole serve --pacing realtime)"}
+    if "soak" in opts["phases"]:
+        rep["soak"] = _soak(b, url)
+
+
+def _soak(b: Bench, url: str) -> dict[str, Any]:
+    """The soak phase (``calconsole.bench.soak``), printing each RSS sample on stderr as it is taken."""
+    import sys
+
+    from ..bench.soak import soak
+
+    def show(s: dict[str, Any]) -> None:  # on stderr, also with --json: a long run shows it is alive
+        print(f"soak: {s['requests']:>7} requests  {s['wall_s']:>7.1f} s wall  server RSS "
+              f"{'-' if s['rss_mb'] is None else format(s['rss_mb'], '.1f')} MiB", file=sys.stderr, flush=True)
+
+    return asyncio.run(soak(url, b.headers, clients=b.args.soak_clients, duration_s=b.args.soak_s,
+                            seed=b.args.seed, timeout_s=min(b.args.timeout, 120.0), progress=show))
 
 
 # --- human output --------------------------------------------------------------------------------
@@ -556,6 +585,19 @@ def print_report(rep: dict[str, Any]) -> None:
                           f" (P50 {_f(row['overhead_itl_p50_ms'], 3)}; CPU {_f(row['overhead_cpu_ms_per_token'], 3)} "
                           f"ms/token; wall per output token {_f(row['overhead_wall_ms_per_token'], 3)}; "
                           f"TTFT P50 +{_f(row['overhead_ttft_p50_ms'], 2)} ms)")
+    so = rep.get("soak")
+    if so is not None:
+        v = so["verdict"]
+        word = {True: "settles", False: "GROWS", None: "undecided"}[v["settles"]]
+        con.print(f"[bold]soak: {so['requests']} requests in {so['duration_s']:.0f} s wall, {so['failed']} failed; "
+                  f"server RSS {_f(so['rss_start_mb'])} -> {_f(so['rss_end_mb'])} MiB: {word}[/] "
+                  + (f"(first half of the samples +{_f(v['first_half_growth_mb'])} MiB, last half "
+                     f"+{_f(v['last_half_growth_mb'])} MiB; {v['rule']})" if v["settles"] is not None
+                     else f"({v['why']})"))
+        con.print("  RSS per 1,000 requests (MiB): " + " ".join(
+            f"{s['requests']}:{_f(s['rss_mb'])}" for s in so["samples"]))
+        for e in so["errors"]:
+            con.print(f"  [red]error:[/] {e}")
     su = rep["sustained"]
     if su is not None:
         if "skipped" in su:

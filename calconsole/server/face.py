@@ -102,6 +102,8 @@ class ServeConfig:
     snapshot_max_hz: float = 10.0
     max_snapshot_streams: int = 8
     ping_s: float = 15.0
+    #: what one peer address and all peers may hold open (``conns.ConnLimits``); None: its defaults
+    conn_limits: Any = None
 
     def check(self) -> None:
         """ValueError (one line, naming the setting) for a value no server should run with."""
@@ -117,6 +119,8 @@ class ServeConfig:
             fv = getattr(self, fname)
             if not (isinstance(fv, (int, float)) and math.isfinite(fv) and flo <= fv <= fhi):
                 raise ValueError(f"{fname} must be in [{flo:g}, {fhi:g}], got {fv}")
+        if self.conn_limits is not None:
+            self.conn_limits.check()
         if self.n_predict == 0 or self.n_predict < -1:
             raise ValueError(f"n_predict must be -1 (until the context is full) or positive, got {self.n_predict}")
         if self.api_keys is not None and self.admin_keys is not None and self.api_keys.shares_a_key_with(
@@ -178,6 +182,9 @@ class ServingFace:
         self.created = int(time.time())
         self.fingerprint = f"calconsole-{__version__}-sim"
         self.leases: Any = None
+        # set by run._config when served: the connection guard and the bound on requests in progress (conns)
+        self.conn_guard: Any = None
+        self.request_bound: Any = None
         if self.maintenance is not None:
             from .leases import LeaseTable
 
@@ -721,6 +728,9 @@ def build_app(face: ServingFace) -> Starlette:
         return JSONResponse(HTTPError(404, "not_found_error", "File Not Found").body(), status_code=404)
 
     app = Starlette(routes=table, exception_handlers={StarletteHTTPException: not_found})
+    # Starlette answers '/props/' with a redirect to an absolute URL built from the Host header, before any
+    # key check (an open redirect); llama-server has no such routes: a trailing slash is a 404 here
+    app.router.redirect_slashes = False
     app.add_middleware(_AccessLog, face=face)
     return app
 

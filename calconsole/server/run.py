@@ -19,8 +19,8 @@ from typing import Any
 
 import anyio
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .conns import ConnectionGuard, GuardedH11Protocol, RequestBound
 from .face import ServingFace, build_app
 
 log = logging.getLogger("calconsole.serve")
@@ -69,7 +69,10 @@ def _app_with_lifespan(face: ServingFace, on_started: Callable[[], None] | None 
             tg.cancel_scope.cancel()
 
     app.router.lifespan_context = lifespan
-    return app
+    c = face.config
+    # requests in progress, not connections: idle ones cannot take this capacity (conns module)
+    face.request_bound = RequestBound(app, max_active=c.max_streams + c.max_snapshot_streams + 64)
+    return face.request_bound
 
 
 class _Server(uvicorn.Server):
@@ -87,7 +90,7 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
-class _H11Protocol(H11Protocol):
+class _H11Protocol(GuardedH11Protocol):
     """uvicorn's h11 protocol with a deadline on each request head (``head_timeout_s`` host s).
 
     uvicorn times out only a keep-alive connection between requests, and any byte cancels that:
@@ -116,12 +119,13 @@ class _H11Protocol(H11Protocol):
 
 def _config(face: ServingFace, *, signals: bool, on_started: Callable[[], None] | None = None) -> uvicorn.Config:
     c = face.config
-    # the head gets the body's time bound (ServeConfig.body_timeout_s)
-    proto = type("_H11", (_H11Protocol,), {"head_timeout_s": c.body_timeout_s})
+    # the head gets the body's time bound (ServeConfig.body_timeout_s); one guard per server (conns module)
+    face.conn_guard = ConnectionGuard(c.conn_limits)
+    proto = type("_H11", (_H11Protocol,), {"head_timeout_s": c.body_timeout_s, "guard": face.conn_guard})
+    # no limit_concurrency: uvicorn counts idle connections too and answers plain text (RequestBound instead)
     return uvicorn.Config(_app_with_lifespan(face, on_started), log_config=None, access_log=False, lifespan="on",
                           http=proto,
                           timeout_graceful_shutdown=int(GRACEFUL_S), timeout_keep_alive=5,
-                          limit_concurrency=c.max_streams + c.max_snapshot_streams + 64,
                           h11_max_incomplete_event_size=64 * 1024, server_header=False, date_header=True)
 
 

@@ -119,7 +119,7 @@ def test_maintenance_refusal_for_a_bad_body_is_audited(srv, path, body):
 
 def test_idle_and_half_sent_connections_do_not_exhaust_the_server(make_server):
     s = make_server(max_streams=1, max_snapshot_streams=1, body_timeout_s=1.0)
-    limit = s.thread._server.config.limit_concurrency
+    limit = s.face.request_bound.max_active  # the old connection cap: requests in progress now (conns)
     socks = []
     try:
         for i in range(limit + 4):
@@ -135,10 +135,13 @@ def test_idle_and_half_sent_connections_do_not_exhaust_the_server(make_server):
                 return False
 
         assert wait_until(health_ok, timeout=15)
-        for c in socks:  # the server closed them
+        for c in socks:  # the server closed them: at the head deadline, or answered 503 to make room
             c.settimeout(5)
             try:
-                assert c.recv(100) == b""
+                data = b""
+                while chunk := c.recv(4096):
+                    data += chunk
+                assert data == b"" or data.startswith(b"HTTP/1.1 503 ")
             except ConnectionResetError:
                 pass
     finally:

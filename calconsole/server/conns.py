@@ -1,0 +1,294 @@
+"""Connection limits of the serving face: what one peer address may hold open, and room idle connections cannot take.
+
+uvicorn's ``limit_concurrency`` counts every open connection, also those that never finish their
+request head; past it every request gets a plain-text 503, so ~90 half-open connections (slowloris)
+shut everyone out, the admin included. Here connections are told apart by what they do:
+
+- **idle**: no request in progress: the head has not arrived yet, or the connection is kept alive
+  between requests. Idle connections have their own budget, per peer address
+  (``max_idle_per_peer``) and in total (``max_idle``). A new connection past either budget makes
+  room by closing the connection that has been idle the longest (with a 503 JSON answer), but
+  only among those idle for at least ``min_idle_s``: a client that sends its head at once (all
+  real ones) is never closed for being new, however fast an attacker reconnects.
+- **open**: a hard bound on all connections of one peer (``max_conns_per_peer``) and in total
+  (``max_conns``, below the process's file limit). A connection past it, when no idle one can make
+  room, is answered 503 in llama-server's JSON shape and closed at once (its descriptor freed).
+- **requests in progress** (``RequestBound``, an ASGI wrapper): at most ``max_active``; one more
+  is answered 503 JSON. Idle connections never count here, so they cannot take this capacity;
+  ``/health`` and ``/maintenance/*`` have ``reserve`` places of their own beyond it, so the
+  operator can still look and act while ordinary routes are full.
+
+``RequestBound`` also refuses a request that carries both ``Content-Length`` and
+``Transfer-Encoding`` (RFC 9112 §6.1: a server may reject it, and must not trust the length; a
+proxy in front that reads the other header would see a different request: smuggling) with 400,
+and closes that connection.
+
+All of this runs on the event loop thread only (protocol callbacks): no locks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .wire import HTTPError
+
+log = logging.getLogger("calconsole.serve")
+
+
+def error_bytes(status: int, type_: str, message: str, reason: str) -> bytes:
+    """A whole HTTP/1.1 response with llama-server's JSON error body and ``Connection: close``."""
+    body = json.dumps(HTTPError(status, type_, message).body(), separators=(",", ":")).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json; charset=utf-8\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode("ascii")
+    return head + body
+
+
+def _file_limit() -> int:
+    try:
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (OSError, ValueError):
+        return 1024
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+@dataclass
+class ConnLimits:
+    """The bounds (counts of TCP connections; ``min_idle_s`` host seconds). See the module docstring."""
+
+    max_idle_per_peer: int = 32
+    max_idle: int = 256
+    max_conns_per_peer: int = 512
+    max_conns: int = 4096
+    min_idle_s: float = 1.0
+
+    def check(self) -> None:
+        """ValueError naming the bound that no server should run with."""
+        for name in ("max_idle_per_peer", "max_idle", "max_conns_per_peer", "max_conns"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 1 << 20:
+                raise ValueError(f"{name} must be an integer in [1, {1 << 20}], got {v!r}")
+        if self.max_idle_per_peer > self.max_conns_per_peer or self.max_idle > self.max_conns:
+            raise ValueError("an idle budget must not exceed the bound on open connections it is part of")
+        if not 0.0 <= self.min_idle_s <= 60.0:
+            raise ValueError(f"min_idle_s must be in [0, 60], got {self.min_idle_s}")
+
+    def effective_max_conns(self) -> int:
+        """``max_conns``, lowered to leave 64 descriptors of the process's file limit for files and threads."""
+        return max(16, min(self.max_conns, _file_limit() - 64))
+
+
+@dataclass
+class ConnStats:
+    """What the guard did (read by tests and ``/maintenance/status``)."""
+
+    open: int = 0
+    evicted_idle: int = 0
+    refused: int = 0
+    by_reason: dict[str, int] = field(default_factory=dict)
+
+
+class ConnectionGuard:
+    """The registry of open connections by peer address, and the limits above. Event loop thread only."""
+
+    def __init__(self, limits: ConnLimits | None = None) -> None:
+        self.limits = limits or ConnLimits()
+        self.limits.check()
+        self.max_conns = self.limits.effective_max_conns()
+        self._by_peer: dict[str, dict[GuardedH11Protocol, None]] = {}
+        self._total = 0
+        self.stats = ConnStats()
+
+    # --- what protocols call -----------------------------------------------------------------
+
+    def admit(self, conn: GuardedH11Protocol) -> bool:
+        """Register a new connection, making room or refusing it (then it is answered and closed: False)."""
+        lim, now = self.limits, time.monotonic()
+        peers = self._by_peer.get(conn.peer) or {}
+        if len(peers) >= lim.max_conns_per_peer and not self._evict_one(peers, now, "open connections of this address"):
+            self._refuse(conn, f"too many open connections from {conn.peer} (limit {lim.max_conns_per_peer})")
+            return False
+        if self._total >= self.max_conns and not self._evict_one(self._all(), now, "open connections"):
+            self._refuse(conn, f"too many open connections (limit {self.max_conns})")
+            return False
+        peers[conn] = None
+        self._by_peer[conn.peer] = peers
+        self._total += 1
+        self.stats.open = self._total
+        self._trim(peers, lim.max_idle_per_peer, now, "idle connections of this address", exclude=conn)
+        if self._total > lim.max_idle:
+            self._trim(self._all(), lim.max_idle, now, "idle connections", exclude=conn)
+        return True
+
+    def forget(self, conn: GuardedH11Protocol) -> None:
+        peers = self._by_peer.get(conn.peer)
+        if peers is not None and conn in peers:
+            del peers[conn]
+            self._total -= 1
+            self.stats.open = self._total
+            if not peers:
+                del self._by_peer[conn.peer]
+
+    def count(self, peer: str | None = None) -> int:
+        """Open connections (of ``peer``, or all)."""
+        return self._total if peer is None else len(self._by_peer.get(peer, ()))
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _all(self) -> Iterable[GuardedH11Protocol]:
+        for peers in self._by_peer.values():
+            yield from peers
+
+    def _idle(self, conns: Iterable[GuardedH11Protocol], exclude: GuardedH11Protocol | None = None
+              ) -> list[GuardedH11Protocol]:
+        return [c for c in conns if c is not exclude and c.idle_since is not None and not c.closing]
+
+    def _trim(self, conns: Iterable[GuardedH11Protocol], budget: int, now: float, what: str,
+              exclude: GuardedH11Protocol) -> None:
+        idle = self._idle(conns, exclude)
+        over = len(idle) + 1 - budget  # + the newcomer, idle until its head arrives
+        if over <= 0:
+            return
+        ready = sorted((c for c in idle if now - c.idle_since >= self.limits.min_idle_s),  # type: ignore[operator]
+                       key=lambda c: c.idle_since)  # type: ignore[arg-type,return-value]
+        for c in ready[:over]:
+            self._evict(c, what, budget)
+
+    def _evict_one(self, conns: Iterable[GuardedH11Protocol], now: float, what: str) -> bool:
+        ready = [c for c in self._idle(conns) if now - c.idle_since >= self.limits.min_idle_s]  # type: ignore[operator]
+        if not ready:
+            return False
+        self._evict(min(ready, key=lambda c: c.idle_since), what, None)  # type: ignore[arg-type,return-value]
+        return True
+
+    def _evict(self, c: GuardedH11Protocol, what: str, budget: int | None) -> None:
+        self.stats.evicted_idle += 1
+        self.stats.by_reason[what] = self.stats.by_reason.get(what, 0) + 1
+        lim = f" (budget {budget})" if budget is not None else ""
+        c.close_with(error_bytes(503, "unavailable_error", f"connection closed: it sent no request for "
+                                 f"{time.monotonic() - (c.idle_since or 0):.1f} s while {what} are over their "
+                                 f"limit{lim}", "Service Unavailable"))
+        self.forget(c)
+
+    def _refuse(self, conn: GuardedH11Protocol, message: str) -> None:
+        self.stats.refused += 1
+        self.stats.by_reason[message.split(" from ")[0]] = self.stats.by_reason.get(message.split(" from ")[0], 0) + 1
+        conn.close_with(error_bytes(503, "unavailable_error", message, "Service Unavailable"))
+
+
+class GuardedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol registered with a ``ConnectionGuard`` (class attribute ``guard``).
+
+    ``idle_since`` (host monotonic s) is set while no request is in progress: from the connection's
+    start and from the end of each response until the next request head arrives. Malformed heads get
+    a 400 in llama-server's JSON shape instead of uvicorn's plain text.
+    """
+
+    guard: ConnectionGuard | None = None
+    idle_since: float | None = None
+    closing = False
+    peer = "?"
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self.idle_since = time.monotonic()
+        self.peer = self.client[0] if self.client else "?"
+        if self.guard is not None:
+            self.guard.admit(self)  # refused: answered and closing already
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.guard is not None:
+            self.guard.forget(self)
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.idle_since = None  # a request head arrived: in progress until on_response_complete
+
+    def on_response_complete(self) -> None:
+        self.idle_since = time.monotonic()
+        super().on_response_complete()
+
+    #: after an answer-and-close, how long the peer may take to close its side (host s)
+    linger_s = 2.0
+
+    def close_with(self, data: bytes) -> None:
+        """Answer ``data`` (a whole response) and close, whatever h11's state is (no request may have come).
+
+        A lingering close: our side ends with FIN and what the peer still sends is read and dropped
+        until it closes (at most ``linger_s``). Closing a socket with unread input sends a reset,
+        which destroys the answer in the peer's buffer before it reads it.
+        """
+        self.closing = True
+        t = self.transport
+        if t.is_closing():
+            return
+        t.write(data)
+        if t.can_write_eof():
+            t.write_eof()
+            self.loop.call_later(self.linger_s, t.close)
+        else:
+            t.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return  # answered and closing: the rest of what the peer sends is dropped
+        super().data_received(data)
+
+    def send_400_response(self, msg: str) -> None:
+        self.close_with(error_bytes(400, "invalid_request_error", f"invalid HTTP request: {msg}", "Bad Request"))
+
+
+#: paths that keep ``reserve`` places beyond ``max_active``: the operator can look and act when traffic is full
+RESERVED_PREFIXES = ("/health", "/maintenance/")
+
+
+class RequestBound:
+    """ASGI wrapper: at most ``max_active`` requests in progress (503 JSON beyond), ``reserve`` more for
+    ``/health`` and ``/maintenance/*``; a request with both Content-Length and Transfer-Encoding is a 400.
+
+    ``active`` counts requests from their head to the end of their response (streams included).
+    """
+
+    def __init__(self, app: Any, max_active: int, reserve: int = 8) -> None:
+        self.app = app
+        self.max_active = max_active
+        self.reserve = reserve
+        self.active = 0
+        self.refused = 0
+
+    async def _answer(self, send: Any, status: int, type_: str, message: str) -> None:
+        body = json.dumps(HTTPError(status, type_, message).body(), separators=(",", ":")).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json; charset=utf-8"),
+                                (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        names = {k for k, _ in scope.get("headers", ())}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            await self._answer(send, 400, "invalid_request_error",
+                               "request has both Content-Length and Transfer-Encoding; send one of them")
+            return
+        limit = self.max_active + (self.reserve if scope["path"].startswith(RESERVED_PREFIXES) else 0)
+        if self.active >= limit:
+            self.refused += 1
+            await self._answer(send, 503, "unavailable_error",
+                               f"server busy: {self.active} requests in progress (limit {self.max_active})")
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1

@@ -1,0 +1,159 @@
+"""Connection limits (``calconsole.server.conns``): half-open connections cannot lock anyone out, one address
+cannot hold more than its share, over-limit answers are llama-server's JSON, and request framing is strict."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from calconsole.server.conns import ConnLimits, RequestBound
+
+from .conftest import ADMIN_KEY, wait_until
+
+HALF_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
+
+
+@contextlib.contextmanager
+def half_open(url: str, n: int) -> Iterator[list[socket.socket]]:
+    """``n`` connections that each sent the start of a request head and never its end."""
+    host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.create_connection((host, int(port)), timeout=10)
+            s.sendall(HALF_HEAD)
+            socks.append(s)
+        yield socks
+    finally:
+        for s in socks:
+            s.close()
+
+
+def read_answer(s: socket.socket) -> tuple[int, dict[str, str], Any]:
+    """Status, headers and JSON body of the one response the server wrote before closing ``s``."""
+    s.settimeout(10)
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    return int(lines[0].split()[1]), headers, json.loads(body) if body else None
+
+
+def raw_request(url: str, data: bytes) -> tuple[int, dict[str, str], Any]:
+    host, port = url.rsplit("//", 1)[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(data)
+        return read_answer(s)
+
+
+@pytest.fixture(scope="module")
+def served(make_module_server: Any) -> Any:
+    return make_module_server(admin_key=ADMIN_KEY)
+
+
+def test_half_open_connections_leave_health_and_the_admin_room(served: Any) -> None:
+    # more half-open connections than the old connection cap (16 + 8 + 64): every request was a plain 503
+    with half_open(served.url, 120):
+        assert wait_until(lambda: served.face.conn_guard.count() >= 120)
+        r = httpx.get(served.url + "/health", timeout=10, trust_env=False)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+        r = httpx.get(served.url + "/maintenance/status", headers=served.headers("admin"), timeout=10,
+                      trust_env=False)
+        assert r.status_code == 200 and r.json()["mode"] == "serving"
+
+
+def test_one_address_cannot_hold_more_than_its_bound_open(make_server: Any) -> None:
+    s = make_server(conn_limits=ConnLimits(max_idle_per_peer=4, max_conns_per_peer=4, min_idle_s=60.0))
+    with half_open(s.url, 4):
+        assert wait_until(lambda: s.face.conn_guard.count("127.0.0.1") == 4)
+        # the fifth is answered at once in llama-server's shape and closed: nothing idle long enough to close
+        with half_open(s.url, 1) as (fifth,):
+            status, headers, body = read_answer(fifth)
+        assert status == 503 and headers["connection"] == "close"
+        assert headers["content-type"].startswith("application/json")
+        assert body["error"]["type"] == "unavailable_error" and body["error"]["code"] == 503
+        assert "too many open connections from 127.0.0.1 (limit 4)" in body["error"]["message"]
+        assert s.face.conn_guard.count("127.0.0.1") == 4 and s.face.conn_guard.stats.refused == 1
+
+
+def test_idle_connections_past_their_budget_make_room_oldest_first(make_server: Any) -> None:
+    s = make_server(conn_limits=ConnLimits(max_idle_per_peer=3, min_idle_s=0.0))
+    guard = s.face.conn_guard
+    with half_open(s.url, 3) as old:
+        assert wait_until(lambda: guard.count("127.0.0.1") == 3)
+        with half_open(s.url, 1):
+            assert wait_until(lambda: guard.stats.evicted_idle == 1)
+            status, _, body = read_answer(old[0])  # the oldest idle one, answered and closed
+            assert status == 503 and body["error"]["type"] == "unavailable_error"
+            assert "sent no request" in body["error"]["message"]
+            # a client that sends its head at once is served while the budget is full
+            r = httpx.get(s.url + "/health", timeout=10, trust_env=False)
+            assert r.status_code == 200
+            assert guard.count("127.0.0.1") <= 3
+
+
+def test_requests_in_progress_are_bounded_with_room_for_health() -> None:
+    release = anyio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["path"] == "/slow":
+            await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    bound = RequestBound(app, max_active=1, reserve=1)
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=bound), base_url="http://t") as c:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(c.get, "/slow")
+                with anyio.fail_after(10):
+                    while bound.active < 1:
+                        await anyio.sleep(0.01)
+                r = await c.get("/other")
+                assert r.status_code == 503 and r.json()["error"]["type"] == "unavailable_error"
+                assert (await c.get("/health")).status_code == 200  # the reserve
+                release.set()
+
+    anyio.run(main)
+    assert bound.refused == 1
+
+
+def test_content_length_with_transfer_encoding_is_refused(served: Any) -> None:
+    body = b'{"content":"hi"}'
+    req = (b"POST /tokenize HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+           % (len(body), len(body), body))
+    status, headers, err = raw_request(served.url, req)
+    assert status == 400 and headers["connection"] == "close"
+    assert err["error"]["type"] == "invalid_request_error" and "Transfer-Encoding" in err["error"]["message"]
+
+
+def test_a_malformed_head_is_answered_in_json(served: Any) -> None:
+    status, headers, err = raw_request(served.url, b"GET /health HTTP/1.1\r\nno colon here\r\n\r\n")
+    assert status == 400 and headers["content-type"].startswith("application/json")
+    assert err["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("path", ["/props/", "/health/", "/maintenance/status/"])
+def test_no_redirect_is_built_from_the_host_header(served: Any, path: str) -> None:
+    status, headers, err = raw_request(served.url, b"GET %s HTTP/1.1\r\nHost: evil.example\r\nConnection: close\r\n\r\n"
+                                       % path.encode())
+    assert "location" not in headers
+    assert status == 404 and err["error"]["type"] == "not_found_error"
+
+
+def test_limits_are_checked() -> None:
+    with pytest.raises(ValueError, match="max_idle_per_peer"):
+        ConnLimits(max_idle_per_peer=0).check()
+    with pytest.raises(ValueError, match="idle budget"):
+        ConnLimits(max_idle_per_peer=10, max_conns_per_peer=5).check()
