@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from sim_backend.bundle.manifest import Bundle, load_bundle
+from sim_backend.compose import System, build_system
 from sim_backend.device.clock import Pacing, PacingMode
-from sim_backend.planes.system import System, build_system
 
 
 class SystemFactory:

@@ -30,8 +30,8 @@ def test_no_textual_import_statement_in_sim_backend():
 def test_headless_stack_runs_without_textual_loaded():
     code = (
         "import sys\n"
-        "from sim_backend.planes.system import build_system\n"
-        "from sim_backend.serving.engine import ChatRequest\n"
+        "from sim_backend.compose import build_system\n"
+        "from sim_backend.planes import ChatRequest\n"
         "s = build_system(numerics=False, maintenance=True, audit_path=sys.argv[1])\n"
         "r = s.inference.generate(ChatRequest.from_prompt('hi', max_tokens=2))\n"
         "s.observation.snapshot().to_dict()\n"

@@ -52,7 +52,7 @@ def _fmt(v: float, unit: str) -> str:
 
 
 def _cases(args: argparse.Namespace):
-    from sim_backend.planes import build_system
+    from sim_backend.compose import build_system
     from sim_backend.tools.calibration import (
         CostModel,
         leave_one_out,

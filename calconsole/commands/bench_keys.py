@@ -88,7 +88,7 @@ async def _measure(max_tokens: int, after_s: float, size: tuple[int, int]) -> di
     from calconsole.app import CalConsoleApp
     from calconsole.layout import load_layout
     from calconsole.panes.chat import ChatPane
-    from sim_backend.planes import Pacing, PacingMode, build_system
+    from sim_backend.compose import Pacing, PacingMode, build_system
 
     with tempfile.TemporaryDirectory() as tmp:
         system = build_system(pacing=Pacing(PacingMode.FAST), numerics=False,

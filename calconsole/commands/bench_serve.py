@@ -179,7 +179,7 @@ def _api_key(path: str | None) -> str | None:
 def in_process_server(args: argparse.Namespace, *, pacing: str, slots: int, queue: int, slo: Any
                       ) -> Iterator[tuple[str, Any]]:
     """(url, system): a fresh simulator behind the serving face on 127.0.0.1:0, stopped on exit."""
-    from sim_backend.planes import Pacing, PacingMode, build_system
+    from sim_backend.compose import Pacing, PacingMode, build_system
 
     from ..server.face import ServeConfig, ServingFace
     from ..server.run import ServerThread

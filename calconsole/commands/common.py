@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sim_backend.planes import Pacing, PacingMode
+from sim_backend.compose import Pacing, PacingMode
 
 # Defaults of the shared options. Sub-command parsers register the options with
 # SUPPRESS so a value given before the sub-command (``calconsole --bundle D
@@ -205,7 +205,7 @@ def check_common(args: argparse.Namespace, *, maintenance: bool, audit_log: bool
 def build_from_args(args: argparse.Namespace, *, maintenance: bool = True, **kw: Any):
     """Build the System from common options (after ``check_common``).
     Raises ManifestError / ValueError / AuditLogError on bad input."""
-    from sim_backend.planes import build_system
+    from sim_backend.compose import build_system
 
     check_common(args, maintenance=maintenance)
     lim = getattr(args, "numeric_limit", None)

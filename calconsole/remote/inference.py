@@ -33,10 +33,10 @@ import queue
 import socket
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, fields
 from typing import Any
 
 import httpx
+import msgspec
 from httpx_sse import EventSource
 
 from sim_backend.planes import (
@@ -54,7 +54,7 @@ from .connection import Connection, ServerUnreachable, describe
 
 #: added to the server's step timeout for a stream's read timeout (its SSE keep-alive is every 15 s)
 STREAM_MARGIN_S = 45.0
-_TIMING_FIELDS = tuple(f.name for f in fields(Timings))
+_TIMING_FIELDS = Timings.__struct_fields__
 
 
 def timings_from(d: Mapping[str, Any]) -> Timings:
@@ -78,7 +78,7 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
     """(route, JSON body) of a request: chat messages to /v1/chat/completions, token ids to /v1/completions."""
     body: dict[str, Any] = {"max_tokens": req.max_tokens, "stream": True, "stop": list(req.stop),
                             "id_slot": req.id_slot, "cache_prompt": req.cache_prompt}
-    body.update({k: v for k, v in asdict(req.sampling).items() if v is not None})
+    body.update({k: v for k, v in msgspec.structs.asdict(req.sampling).items() if v is not None})
     if req.prompt_tokens is not None:
         body["prompt"] = [int(t) for t in req.prompt_tokens]
         return "/v1/completions", body

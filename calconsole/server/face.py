@@ -354,9 +354,8 @@ class ServingFace:
         return JSONResponse({"status": "ok"})
 
     def _default_params(self) -> dict[str, Any]:
-        from dataclasses import asdict
 
-        return {"n_predict": self.config.n_predict, **asdict(SamplingParams()), "stop": [],
+        return {"n_predict": self.config.n_predict, **msgspec.structs.asdict(SamplingParams()), "stop": [],
                 "n_ctx": self.inference.n_ctx, "cache_prompt": True}
 
     async def props(self, request: Request) -> Response:

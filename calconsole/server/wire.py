@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import Any
+
+import msgspec
 
 from sim_backend.planes import (
     CalError,
@@ -31,7 +32,7 @@ from sim_backend.planes import (
 )
 
 #: sampling fields a body may carry (llama.cpp names; OpenAI's temperature / top_p / penalties / seed among them)
-SAMPLING_FIELDS = tuple(SamplingParams.__dataclass_fields__)
+SAMPLING_FIELDS = SamplingParams.__struct_fields__
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MAX_STOP_WORDS = 16
 MAX_MESSAGES = 1024
@@ -282,7 +283,7 @@ def usage(res: RequestResult) -> dict[str, Any]:
 
 
 def generation_settings(req: ChatRequest, n_ctx: int, model: str) -> dict[str, Any]:
-    return {"n_predict": req.max_tokens if req.max_tokens != n_ctx else -1, **asdict(req.sampling),
+    return {"n_predict": req.max_tokens if req.max_tokens != n_ctx else -1, **msgspec.structs.asdict(req.sampling),
             "stop": list(req.stop), "n_ctx": n_ctx, "model": model, "cache_prompt": req.cache_prompt,
             "id_slot": req.id_slot}
 

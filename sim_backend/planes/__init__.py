@@ -1,27 +1,25 @@
 """The planes' public surface: the only part of ``sim_backend`` that clients (the console, the
-headless commands, the HTTP serving face) import.
+HTTP serving face, the remote planes) import for their types.
 
 - contracts: ``InferencePlane``, ``ObservationPlane``, ``MaintenancePlane``, ``RequestStream``,
-  ``Lease`` (``sim_backend.planes.contracts``);
+  ``Lease``, ``AuditReader``, ``Report`` (``sim_backend.planes.contracts``);
+- value types: ``ChatRequest``, ``SamplingParams``, ``TokenEvent``, ``DoneEvent``, ``RequestResult``
+  and its ``Timings``, ``StageTimes``, ``SLO``, ``validate_request`` (``sim_backend.planes.types``);
+  ``EventStream``, the consuming side of a request stream (``sim_backend.planes.eventstream``);
 - snapshot types: ``Snapshot`` and its sections (``sim_backend.planes.snapshot``);
-- request/result types: ``ChatRequest``, ``SamplingParams``, ``TokenEvent``, ``DoneEvent``,
-  ``RequestResult`` and its ``Timings`` (remote clients rebuild results from the wire),
-  ``validate_request``; ``SLO`` for goodput;
 - errors: the typed errors every plane raises (``sim_backend.errors``);
-- a factory: ``build_system`` (the in-process simulator, with ``Pacing`` / ``PacingMode``);
 - ``MetricsRegistry``: the request-metrics aggregate (TTFT / TPOT / ITL / E2E with vLLM's definitions),
-  for a client plane that measures requests itself (the llama-server planes);
-- the audit log reader: ``AuditLog``, ``summarize``; ``pseudo_filesystem`` (is a path on /proc, /sys, /dev?).
+  for a client plane that measures requests itself (the llama-server planes)
+  (``sim_backend.planes.metrics``);
+- the audit log reader: ``AuditLog``, ``summarize``, ``audit_origin``; ``pseudo_filesystem``.
 
-Heavy members (the factory, which starts the simulator) load on first use, so importing this
-package for its types stays cheap.
+Nothing here loads the simulator (import-linter: the remote planes import no serving, runtime,
+device or model module, not even indirectly). The in-process simulator is built by the
+composition root, ``sim_backend.compose.build_system``, which the commands import explicitly.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.errors import (
     CalError,
     DeviceError,
@@ -36,6 +34,7 @@ from sim_backend.errors import (
     RequestError,
     UnavailableError,
 )
+from sim_backend.planes.audit import AuditLog, AuditLogError, audit_origin, pseudo_filesystem, summarize
 from sim_backend.planes.contracts import (
     AuditReader,
     InferencePlane,
@@ -45,46 +44,25 @@ from sim_backend.planes.contracts import (
     Report,
     RequestStream,
 )
+from sim_backend.planes.eventstream import EventStream
+from sim_backend.planes.metrics import MetricsRegistry
 from sim_backend.planes.snapshot import Snapshot
-from sim_backend.serving.api import (
+from sim_backend.planes.types import (
+    SLO,
     ChatRequest,
     DoneEvent,
-    EventStream,
     RequestResult,
     SamplingParams,
+    StageTimes,
     Timings,
     TokenEvent,
     validate_request,
 )
-from sim_backend.serving.metrics import SLO
 
-if TYPE_CHECKING:
-    from sim_backend.planes.audit import AuditLog, AuditLogError, audit_origin, pseudo_filesystem, summarize
-    from sim_backend.planes.system import System, build_system
-    from sim_backend.serving.metrics import MetricsRegistry
-
-_LAZY = {"build_system": "sim_backend.planes.system", "System": "sim_backend.planes.system",
-         "AuditLog": "sim_backend.planes.audit", "AuditLogError": "sim_backend.planes.audit",
-         "summarize": "sim_backend.planes.audit", "pseudo_filesystem": "sim_backend.planes.audit",
-         "audit_origin": "sim_backend.planes.audit", "MetricsRegistry": "sim_backend.serving.metrics"}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'sim_backend.planes' has no attribute {name!r}")
-
-
-__all__ = ["AuditLog", "AuditLogError", "AuditReader", "CalError", "audit_origin",
-           "ChatRequest", "DeviceError", "DoneEvent", "EventStream",
-           "ExceedContextSizeError", "InferencePlane", "InvalidRequestError", "KVExhausted", "Lease",
-           "MaintenanceArgumentError", "MaintenancePlane", "MaintenanceRefused", "MetricsRegistry",
-           "ManifestError", "NotOffered",
-           "ObservationPlane",
-           "Pacing", "PacingMode",
-           "Report", "RequestCancelled", "RequestError", "RequestResult", "RequestStream", "SLO", "SamplingParams",
-           "Snapshot", "System", "Timings", "TokenEvent", "UnavailableError", "build_system", "pseudo_filesystem",
-           "summarize",
-           "validate_request"]
+__all__ = ["SLO", "AuditLog", "AuditLogError", "AuditReader", "CalError", "ChatRequest", "DeviceError", "DoneEvent",
+           "EventStream", "ExceedContextSizeError", "InferencePlane", "InvalidRequestError", "KVExhausted", "Lease",
+           "MaintenanceArgumentError", "MaintenancePlane", "MaintenanceRefused", "ManifestError", "MetricsRegistry",
+           "NotOffered", "ObservationPlane",
+           "Report", "RequestCancelled", "RequestError", "RequestResult", "RequestStream", "SamplingParams",
+           "Snapshot", "StageTimes", "Timings", "TokenEvent", "UnavailableError", "audit_origin", "pseudo_filesystem",
+           "summarize", "validate_request"]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from sim_backend.planes.snapshot import Snapshot
-from sim_backend.serving.api import ChatRequest, DoneEvent, RequestResult, TokenEvent
+from sim_backend.planes.types import ChatRequest, DoneEvent, RequestResult, TokenEvent
 
 #: Maintenance results are JSON-shaped maps: {"ok": bool, "detail": str, ...action fields}.
 Report = dict[str, Any]

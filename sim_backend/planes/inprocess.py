@@ -29,8 +29,10 @@ from sim_backend.model.costmodel import OUTSIDE_PARTS
 from sim_backend.model.tokenizer import CHAT_TEMPLATE
 from sim_backend.model.vocab import VOCAB_SIZE
 from sim_backend.planes.snapshot import Snapshot, convert
+from sim_backend.planes.types import ChatRequest, RequestResult
 from sim_backend.runtime.monitor import DeviceMonitor
-from sim_backend.serving.engine import ChatRequest, Engine, RequestHandle, RequestResult
+from sim_backend.serving.api import RequestHandle
+from sim_backend.serving.engine import Engine
 
 
 class InferencePlane:

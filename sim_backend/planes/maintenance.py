@@ -50,6 +50,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from sim_backend.errors import CalError, DeviceError, KVExhausted, MaintenanceArgumentError, MaintenanceRefused
@@ -57,8 +58,9 @@ from sim_backend.model.bf16 import bf16_to_f32
 from sim_backend.model.vocab import EOS_IDS, IM_START
 from sim_backend.planes.audit import AuditLog, AuditLogError
 from sim_backend.planes.contracts import Lease
+from sim_backend.planes.types import ChatRequest
 from sim_backend.runtime.maintenance import MaintenanceRuntime
-from sim_backend.serving.engine import ChatRequest, Engine
+from sim_backend.serving.engine import Engine
 
 MAINTENANCE_REASON = "device in maintenance"
 #: KV sequence id used by health checks, the golden self-test and probe requests (never a slot).
@@ -331,7 +333,7 @@ class MaintenancePlane:
                                   "h2d_us": r.cost.h2d_us, "infer_us": r.cost.infer_us, "d2h_us": r.cost.d2h_us,
                                   "layer_chip_us": np.asarray(r.cost.layer_chip_us).tolist(),
                                   "compute_wall_ms": r.compute_wall_ms} for r in steps],
-                "stage_history": [dict(s.__dict__) for s in list(self._engine.stage_history)[-64:]],
+                "stage_history": [msgspec.structs.asdict(s) for s in list(self._engine.stage_history)[-64:]],
                 "units": "sim_us / *_us: simulated device µs; *_wall_ms: host wall ms",
                 **trace,
             }

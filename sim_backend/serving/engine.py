@@ -81,6 +81,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
+import msgspec
 import numpy as np
 
 from sim_backend.errors import (
@@ -93,26 +94,22 @@ from sim_backend.errors import (
     UnavailableError,
 )
 from sim_backend.model.tokenizer import EOS_IDS, get_tokenizer
-from sim_backend.runtime import OutputBuf, RuntimeSession
-from sim_backend.serving.api import (  # noqa: F401
-    ROLES,
+from sim_backend.planes.metrics import MetricsRegistry, percentiles, request_latencies
+from sim_backend.planes.types import (
+    SLO,
     STAGES,
-    STOP_TYPES,
     ChatRequest,
-    DoneEvent,
-    RequestHandle,
     RequestResult,
-    RequestState,
-    SlotInfo,
     StageTimes,
     Timings,
     TokenEvent,
     validate_request,
 )
+from sim_backend.runtime import OutputBuf, RuntimeSession
+from sim_backend.serving.api import RequestHandle, RequestState, SlotInfo
 from sim_backend.serving.api import error_dict as _err
 from sim_backend.serving.hosttime import HostBooking, HostTimer, ScriptedHostTimer  # noqa: F401
 from sim_backend.serving.kv_pressure import KVPressure, _Request, _Slot
-from sim_backend.serving.metrics import SLO, MetricsRegistry, percentiles, request_latencies
 
 log = logging.getLogger(__name__)
 
@@ -367,7 +364,7 @@ class Engine(KVPressure):
                                     len(r.prompt) if r else 0, r.n_prefilled if r else 0,
                                     len(r.generated) if r else 0, len(s.cache_tokens), r.numeric if r else None,
                                     r.max_tokens if r else 0,
-                                    dataclasses.asdict(r.req.sampling) if r else {}))
+                                    msgspec.structs.asdict(r.req.sampling) if r else {}))
             return out
 
     def queued_count(self) -> int:

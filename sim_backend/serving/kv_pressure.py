@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from sim_backend.errors import KVExhausted
+from sim_backend.planes.types import ChatRequest
 from sim_backend.runtime import KV_BACKOFF_MAX_S, KV_BACKOFF_START_S
-from sim_backend.serving.api import ChatRequest, RequestHandle, RequestState
+from sim_backend.serving.api import RequestHandle, RequestState
 from sim_backend.serving.api import error_dict as _err
 from sim_backend.serving.sampling import Sampler
 from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder

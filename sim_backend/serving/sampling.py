@@ -33,20 +33,17 @@ the two pick identical tokens):
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 
 import numpy as np
 
-from sim_backend.errors import InvalidRequestError
 from sim_backend.model import bf16 as _bf16
 from sim_backend.model.vocab import N_TOKENS, VOCAB_SIZE
+from sim_backend.planes.types import SamplingParams
 
 __all__ = [
     "VOCAB_SIZE",
     "N_VALID",
-    "SamplingParams",
     "Sampler",
     "naive_sample",
     "bf16_to_f32",
@@ -56,7 +53,6 @@ __all__ = [
 #: Real tokenizer ids (151643 BPE + 26 specials); 151669..151935 are padding rows (model.vocab).
 N_VALID = N_TOKENS
 
-_GREEDY_TOP_P = 1e-6
 # Logits are grouped as a (64, n/64) matrix; the k-th largest of the column
 # maxima is a lower bound that at least k logits reach (one per column).
 _GROUP_ROWS = 64
@@ -69,91 +65,6 @@ _BISECT_ABOVE = 2048
 
 bf16_to_f32 = _bf16.bf16_to_f32
 f32_to_bf16 = _bf16.f32_to_bf16
-
-
-# --- parameters --------------------------------------------------------------------
-
-
-def _is_real(v: object) -> bool:
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling parameters (llama.cpp server names and defaults).
-
-    temperature: >= 0; 0 means greedy. top_k: 0 disables. top_p: (0, 1], 1
-    disables. min_p: [0, 1], 0 disables (relative to the top token's
-    probability). repeat_penalty: (0, 10], 1 disables; applied over the last
-    ``repeat_last_n`` tokens (0 disables, -1 = all given). presence /
-    frequency penalties: [-2, 2] (OpenAI semantics, subtracted from logits).
-    seed: non-negative int, or None for a random seed (the :class:`Sampler`
-    exposes the one it drew so the run can be replayed).
-    """
-
-    temperature: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = None
-
-    @classmethod
-    def greedy(cls, **overrides) -> SamplingParams:
-        """Greedy decoding (temperature 0): always the arg-max token."""
-        return cls(**{"temperature": 0.0, **overrides})
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_p < _GREEDY_TOP_P
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.repeat_last_n != 0 and (
-            self.repeat_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-        )
-
-    def validate(self, vocab_size: int = VOCAB_SIZE) -> None:
-        """Raise :class:`InvalidRequestError` (``param`` = field name) on a bad value or type."""
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name == "seed":
-                if v is not None and not _is_int(v):
-                    raise InvalidRequestError(f"seed must be an integer or null; got {v!r}", param="seed")
-            elif f.name in ("top_k", "repeat_last_n"):
-                if not _is_int(v):
-                    raise InvalidRequestError(f"{f.name} must be an integer; got {v!r}", param=f.name)
-            elif not _is_real(v) or not math.isfinite(v):
-                raise InvalidRequestError(f"{f.name} must be a finite number; got {v!r}", param=f.name)
-
-        def bad(name: str, rule: str) -> InvalidRequestError:
-            return InvalidRequestError(f"{name} must be {rule}; got {getattr(self, name)!r}", param=name)
-
-        if self.temperature < 0:
-            raise bad("temperature", ">= 0")
-        if not 0 <= self.top_k <= vocab_size:
-            raise bad("top_k", f"in [0, {vocab_size}] (0 disables)")
-        if not 0 < self.top_p <= 1:
-            raise bad("top_p", "in (0, 1]")
-        if not 0 <= self.min_p <= 1:
-            raise bad("min_p", "in [0, 1]")
-        if not 0 < self.repeat_penalty <= 10:
-            raise bad("repeat_penalty", "in (0, 10]")
-        if self.repeat_last_n < -1:
-            raise bad("repeat_last_n", ">= -1 (-1 = whole context, 0 disables)")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", "in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", "in [-2, 2]")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise bad("seed", "in [0, 2**64) or null for a random seed")
 
 
 # --- shared steps (identical arithmetic in Sampler and naive_sample) ---------------

@@ -288,10 +288,10 @@ def router_touched_27(bundle=None) -> list[float]:
     (:func:`~sim_backend.model.costmodel.priced_experts_touched`): float64 list of n_layers.
     A couple of seconds of host time (the synthetic weights are drawn once).
     """
+    from sim_backend.compose import build_system
     from sim_backend.model.costmodel import priced_experts_touched
     from sim_backend.model.trace import StepRecorder
-    from sim_backend.planes.system import build_system
-    from sim_backend.serving.engine import ChatRequest
+    from sim_backend.planes.types import ChatRequest
 
     with build_system(numerics=True, maintenance=False, n_slots=1) as system:
         rec = StepRecorder()
@@ -335,8 +335,8 @@ def run_engine_cases(system=None, *, prompt: str = ENGINE_PROMPT, max_tokens: in
     """
     import time
 
-    from sim_backend.planes.system import build_system
-    from sim_backend.serving.engine import ChatRequest
+    from sim_backend.compose import build_system
+    from sim_backend.planes.types import ChatRequest
 
     own = system is None
     if own:

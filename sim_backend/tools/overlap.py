@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.errors import CalError
-from sim_backend.planes.system import build_system
-from sim_backend.serving.api import ChatRequest, SamplingParams
+from sim_backend.planes.types import ChatRequest, SamplingParams
 
 CLOCK_NOTE = ("requests_per_s / tokens_per_s: SIMULATED device clock (device steps from the cost model at full "
               "Qwen3-30B-A3B size, plus measured host work booked on that clock); wall_*: measured host wall time "

@@ -46,12 +46,12 @@ from typing import Any
 
 from sim_backend.bundle.manifest import DEFAULT_BUNDLE_DIR
 from sim_backend.bundle.shapes import ModelShape
+from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.model.batching import BatchedCostModel, Variant
 from sim_backend.model.costmodel import CostModel
-from sim_backend.planes.system import build_system
-from sim_backend.serving.api import ChatRequest, SamplingParams
-from sim_backend.serving.metrics import SLO, percentiles
+from sim_backend.planes.metrics import percentiles
+from sim_backend.planes.types import SLO, ChatRequest, SamplingParams
 
 __all__ = ["SLO", "run_roadmap", "answers", "RangeModel", "Stage"]  # SLO re-exported for the CLI (layer rule)
 

@@ -11,10 +11,10 @@ import time
 from itertools import pairwise
 from typing import Any
 
+from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.errors import CalError
-from sim_backend.planes.system import build_system
-from sim_backend.serving.api import ChatRequest, SamplingParams
+from sim_backend.planes.types import ChatRequest, SamplingParams
 
 MODES = {"in-process": False, "worker": True}
 

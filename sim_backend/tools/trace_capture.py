@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sim_backend.model.trace import StepRecorder, steps_from_results, write_chrome_trace
-from sim_backend.serving.api import ChatRequest, RequestResult
+from sim_backend.planes.types import ChatRequest, RequestResult
 
 
 def capture_request_trace(system: Any, req: ChatRequest, out: str | Path) -> tuple[RequestResult, dict[str, Any]]:

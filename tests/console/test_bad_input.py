@@ -23,9 +23,9 @@ from calconsole.cli import main
 from calconsole.commands.common import CLI_SPEED_RANGE
 from calconsole.layout import MAX_DEPTH as LAYOUT_MAX_DEPTH
 from calconsole.layout import LayoutError, load_layout
+from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.planes.audit import MAX_DEPTH, AuditLog, AuditLogError, summarize
-from sim_backend.planes.system import build_system
 
 ROOT = Path(__file__).resolve().parents[2]
 UNWRITABLE = "/proc/nope/a.jsonl"  # /proc refuses new directories, even to root

@@ -208,7 +208,7 @@ def test_a_server_that_is_not_llama_server_compatible(server: Live, capsys, tmp_
 
 
 def test_a_run_that_fails_is_kept_and_exits_1(make_system: Any, capsys, tmp_path: Path):
-    from sim_backend.planes import Pacing, PacingMode
+    from sim_backend.compose import Pacing, PacingMode
 
     # real-time pacing: 64 tokens at ~17 simulated ms each cannot finish inside a 1 s deadline
     system = make_system(numerics=False, maintenance=False, pacing=Pacing(PacingMode.REALTIME))

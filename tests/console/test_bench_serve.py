@@ -222,7 +222,7 @@ def test_metrics_delta_counts_only_the_new_samples():
 
 
 def test_a_reply_past_the_timeout_is_a_failed_request(make_system: Any, capsys):
-    from sim_backend.planes import Pacing, PacingMode
+    from sim_backend.compose import Pacing, PacingMode
 
     system = make_system(numerics=False, maintenance=False, pacing=Pacing(PacingMode.REALTIME))
     face = ServingFace(system.inference, system.observation, None, ServeConfig(host="127.0.0.1", port=0))

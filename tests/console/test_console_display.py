@@ -16,8 +16,8 @@ from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
 from calconsole.widgets import render
 from calconsole.widgets.wraplog import SLICE_CHARS, WrapLog
+from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
-from sim_backend.planes.system import build_system
 from tests.console.pilot_helpers import click_button, has, wait_for
 
 
@@ -94,7 +94,7 @@ async def test_long_prompt_running_timing_only_is_named_in_the_device_line(tmp_p
     s = build_system(pacing=Pacing(PacingMode.REALTIME, speed=0.05), audit_path=tmp_path / "a.jsonl",
                      numerics_max_prompt=8)
     try:
-        from sim_backend.serving.api import ChatRequest
+        from sim_backend.planes import ChatRequest
 
         h = s.inference.submit(ChatRequest.from_prompt("a prompt longer than eight tokens " * 3, max_tokens=50))
         snap = s.observation.snapshot().to_dict()

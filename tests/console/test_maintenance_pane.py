@@ -15,8 +15,8 @@ from textual.widgets import Button
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
 from calconsole.panes.maintenance import MaintenancePane
+from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
-from sim_backend.planes.system import build_system
 from tests.console.pilot_helpers import click_button, has, log_text, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -250,7 +250,7 @@ def test_observe_only_console_does_not_import_the_maintenance_plane(tmp_path):
         "import sys, asyncio\n"
         "from calconsole.app import CalConsoleApp\n"
         "from calconsole.layout import load_layout\n"
-        "from sim_backend.planes.system import build_system\n"
+        "from sim_backend.compose import build_system\n"
         "s = build_system(numerics=False, maintenance=False, audit_path=sys.argv[1])\n"
         "app = CalConsoleApp(s, load_layout('operator'))\n"
         "async def go():\n"

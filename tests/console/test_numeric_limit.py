@@ -7,7 +7,7 @@ import json
 import pytest
 
 from calconsole.cli import build_parser, main
-from sim_backend.planes.system import NUMERIC_LIMIT_REASON, NUMERIC_PROMPT_LIMIT, build_system
+from sim_backend.compose import NUMERIC_LIMIT_REASON, NUMERIC_PROMPT_LIMIT, build_system
 
 
 def test_default_limit_and_its_reason_reach_the_snapshot(tmp_path):

@@ -19,8 +19,7 @@ from calconsole.settings import SECTIONS, Settings, SettingsError, load_settings
 from calconsole.widgets import render
 from calconsole.widgets.help import HelpScreen
 from sim_backend.bundle.manifest import DEFAULT_BUNDLE_DIR
-from sim_backend.serving.api import ChatRequest
-from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes import ChatRequest, SamplingParams
 from tests.console.pilot_helpers import wait_for
 
 B8 = DEFAULT_BUNDLE_DIR.parent / "qwen3-30b-a3b-b8"

@@ -85,9 +85,8 @@ def test_a_timed_out_worker_is_never_reused():
 
 
 def test_dead_worker_shows_as_fault_and_reset_recovers(tmp_path):
-    from sim_backend.planes.system import build_system
-    from sim_backend.serving.api import ChatRequest
-    from sim_backend.serving.sampling import SamplingParams
+    from sim_backend.compose import build_system
+    from sim_backend.planes import ChatRequest, SamplingParams
 
     with build_system(numerics_process=True, audit_path=tmp_path / "a.jsonl", drain_timeout_s=0.5) as s:
         req = ChatRequest.from_prompt("hi", max_tokens=4, sampling=SamplingParams(temperature=0.0))
@@ -112,9 +111,8 @@ def test_dead_worker_shows_as_fault_and_reset_recovers(tmp_path):
 def test_board_with_worker_prices_there_and_matches_in_process_board(monkeypatch):
     """The console's board (numerics and pricing in the worker) gives the in-process board's tokens and
     StepCosts exactly, a slow chip included; this process never prices a numeric step."""
-    from sim_backend.planes.system import build_system
-    from sim_backend.serving.api import ChatRequest
-    from sim_backend.serving.sampling import SamplingParams
+    from sim_backend.compose import build_system
+    from sim_backend.planes import ChatRequest, SamplingParams
 
     req = ChatRequest.from_prompt("price me", max_tokens=5, sampling=SamplingParams(temperature=0.0))
     runs = {}

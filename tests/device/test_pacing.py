@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import time
 
+from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
-from sim_backend.planes.system import build_system
-from sim_backend.serving.api import ChatRequest
-from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes import ChatRequest, SamplingParams
 
 
 def test_no_burst_after_a_short_pause():

@@ -26,8 +26,8 @@ from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.device.jobs import Job, JobState
 from sim_backend.errors import DeviceNotReady, DeviceReset, KVExhausted, SubmitError, WaitTimeout
 from sim_backend.model.costmodel import CostModel
+from sim_backend.planes import ChatRequest
 from sim_backend.runtime.session import RuntimeSession
-from sim_backend.serving.api import ChatRequest
 
 RESETS = 150  # iterations of the reset thread; submitters run until it is done
 SWITCH_S = 1e-5  # host s between forced GIL switches (default 5e-3)

@@ -197,7 +197,7 @@ def test_damaged_golden_files_raise_one_typed_error(tmp_path, bundle):
 
 
 def test_self_test_on_a_truncated_golden_fails_cleanly(tmp_path, bundle, monkeypatch):
-    from sim_backend.planes.system import build_system
+    from sim_backend.compose import build_system
 
     bad = tmp_path / "golden.npz"
     bad.write_bytes(bundle.golden_file.read_bytes()[:1000])

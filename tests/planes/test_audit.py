@@ -118,7 +118,7 @@ def test_audit_command_json_and_table(tmp_path):
 
 CRASH = r"""
 import os, sys
-from sim_backend.planes.system import build_system
+from sim_backend.compose import build_system
 s = build_system(numerics=False, audit_path=sys.argv[1])
 m = s.maintenance
 lease = m.enter_exclusive("alice", drain_timeout_s=0)

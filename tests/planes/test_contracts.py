@@ -10,7 +10,6 @@ kind must do instead: the section absent (None), or the typed ``NotOffered`` ref
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from sim_backend.compose import Pacing, PacingMode, build_system
 from sim_backend.planes import (
     ChatRequest,
     DoneEvent,
@@ -32,14 +32,11 @@ from sim_backend.planes import (
     MaintenanceRefused,
     NotOffered,
     ObservationPlane,
-    Pacing,
-    PacingMode,
     RequestStream,
     SamplingParams,
     Snapshot,
     TokenEvent,
     UnavailableError,
-    build_system,
 )
 
 Planes = tuple[InferencePlane, ObservationPlane, MaintenancePlane]
@@ -201,7 +198,7 @@ def test_invalid_requests_are_refused_before_anything_is_allocated(planes: Plane
     inf, obs, _ = planes
     before = obs.snapshot()
     with pytest.raises(InvalidRequestError):
-        r = dataclasses.replace(req(), **bad)
+        r = msgspec.structs.replace(req(), **bad)
         inf.submit(r)
     after = obs.snapshot()
     assert after.requests["counters"]["submitted"] == before.requests["counters"]["submitted"]

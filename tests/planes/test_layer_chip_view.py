@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sim_backend.planes import ChatRequest
 from sim_backend.planes.snapshot import Snapshot
-from sim_backend.serving.engine import ChatRequest
 
 PROMPT = "Tell me about the weather in Paris today, please."
 

@@ -9,13 +9,13 @@ import time
 import numpy as np
 import pytest
 
+from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.device.registers import REGISTER_MAP
 from sim_backend.errors import DeviceError, DeviceReset, MaintenanceRefused, UnavailableError
+from sim_backend.planes import ChatRequest, TokenEvent
 from sim_backend.planes.contracts import Lease
 from sim_backend.planes.maintenance import SCRATCH_SEQ
-from sim_backend.planes.system import build_system
-from sim_backend.serving.api import ChatRequest, TokenEvent
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import pytest
 
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.errors import MaintenanceRefused
+from sim_backend.planes import ChatRequest, TokenEvent
 from sim_backend.planes.audit import AuditLogError
 from sim_backend.planes.snapshot import Snapshot
-from sim_backend.serving.api import ChatRequest, TokenEvent
 
 
 def test_a_probe_that_outlives_its_wait_does_not_break_maintenance(make_system):

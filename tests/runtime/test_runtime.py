@@ -331,7 +331,7 @@ def _public_paths(obj, depth=6, path="", seen=None):
 
 
 def test_inference_surfaces_have_no_path_to_maintenance(board):
-    from sim_backend.planes.system import build_system
+    from sim_backend.compose import build_system
 
     # the walker does find such paths where they exist (positive control)
     assert {"registers", "reset", "clear_memory"} <= {a for _, a in _public_paths(board, path="board")}
@@ -435,10 +435,10 @@ def test_a_leftover_one_token_prefill_chunk_runs_the_decode_submodel():
     26-token chunk and a 1-token chunk runs prefill(26) then the DECODE sub-model for the last
     token (priced as a decode step), and its first token comes from that step."""
     from sim_backend.bundle.shapes import ModelShape
+    from sim_backend.compose import build_system
     from sim_backend.model.costmodel import CostModel
     from sim_backend.model.trace import StepRecorder
-    from sim_backend.planes.system import build_system
-    from sim_backend.serving.api import ChatRequest
+    from sim_backend.planes import ChatRequest
     from sim_backend.serving.hosttime import ScriptedHostTimer
     from sim_backend.tools.calibration import ENGINE_PROMPT
 

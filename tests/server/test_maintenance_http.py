@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from sim_backend.planes import Pacing, PacingMode
+from sim_backend.compose import Pacing, PacingMode
 from tests.server.conftest import ADMIN_KEY, wait_until
 
 DEVICE = "calculet0"

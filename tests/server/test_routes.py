@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from sim_backend.planes import Pacing, PacingMode
+from sim_backend.compose import Pacing, PacingMode
 from tests.server.conftest import wait_until
 
 CHAT = "/v1/chat/completions"

@@ -20,11 +20,10 @@ from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.errors import SubmitError
 from sim_backend.model.numerics import StepNumerics
 from sim_backend.model.vocab import IM_END
+from sim_backend.planes import ChatRequest, SamplingParams
 from sim_backend.runtime.session import RuntimeSession
-from sim_backend.serving.api import ChatRequest
 from sim_backend.serving.engine import Engine
 from sim_backend.serving.hosttime import ScriptedHostTimer
-from sim_backend.serving.sampling import SamplingParams
 from tests.serving.test_engine_scripted import TOK, VOCAB, FakeCost, FakeCostModel, Gate
 
 B8 = DEFAULT_BUNDLE_DIR.parent / "qwen3-30b-a3b-b8"

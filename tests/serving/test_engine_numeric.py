@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 from sim_backend.model.tokenizer import get_tokenizer
-from sim_backend.serving.api import ChatRequest, DoneEvent, TokenEvent
-from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes import ChatRequest, DoneEvent, SamplingParams, TokenEvent
 
 PROMPT = "Tell me a story about a lighthouse."
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim_backend.serving.api import ChatRequest
-from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes import ChatRequest, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, seed=1)
 PROMPT = "The quick brown fox jumps over the lazy dog."

@@ -25,12 +25,11 @@ from sim_backend.errors import UnavailableError
 from sim_backend.model.numerics import StepNumerics
 from sim_backend.model.tokenizer import get_tokenizer
 from sim_backend.model.vocab import IM_END
+from sim_backend.planes import SLO, ChatRequest, DoneEvent, SamplingParams, TokenEvent
 from sim_backend.runtime.session import RuntimeSession
-from sim_backend.serving.api import ChatRequest, DoneEvent, RequestState, TokenEvent
+from sim_backend.serving.api import RequestState
 from sim_backend.serving.engine import Engine
 from sim_backend.serving.hosttime import ScriptedHostTimer
-from sim_backend.serving.metrics import SLO
-from sim_backend.serving.sampling import SamplingParams
 
 TOK = get_tokenizer()
 VOCAB = 151936

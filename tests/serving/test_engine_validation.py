@@ -10,9 +10,7 @@ import math
 import pytest
 
 from sim_backend.errors import ExceedContextSizeError, InvalidRequestError, UnavailableError
-from sim_backend.serving.api import ChatRequest, validate_request
-from sim_backend.serving.metrics import SLO
-from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes import SLO, ChatRequest, SamplingParams, validate_request
 
 N_CTX = 40960
 

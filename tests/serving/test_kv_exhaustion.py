@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
-from sim_backend.planes.system import build_system
-from sim_backend.serving.api import ChatRequest
-from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes import ChatRequest, SamplingParams
 
 KV_TIMEOUT_S = 0.3
 RESULT_S = 60.0  # bound on waiting a result (host s); a hang fails the test, not a timing assertion

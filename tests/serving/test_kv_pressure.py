@@ -15,10 +15,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
-from sim_backend.planes.system import build_system
-from sim_backend.serving.api import ChatRequest
-from sim_backend.serving.sampling import SamplingParams
+from sim_backend.planes import ChatRequest, SamplingParams
 
 RESULT_S = 60.0  # bound on waiting a result (host s); a hang fails the test, not a timing assertion
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from sim_backend.planes.system import build_system
-from sim_backend.serving.api import ChatRequest
-from sim_backend.serving.sampling import SamplingParams
+from sim_backend.compose import build_system
+from sim_backend.planes import ChatRequest, SamplingParams
 
 RESULT_S = 120.0
 GREEDY = SamplingParams(temperature=0.0, seed=7)

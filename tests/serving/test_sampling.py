@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,8 @@ from hypothesis import strategies as st
 from sim_backend.errors import InvalidRequestError
 from sim_backend.model.bf16 import bf16_to_f32, f32_to_bf16
 from sim_backend.model.vocab import VOCAB_SIZE
-from sim_backend.serving.sampling import N_VALID, Sampler, SamplingParams, _apply_penalties, naive_sample
+from sim_backend.planes import SamplingParams
+from sim_backend.serving.sampling import N_VALID, Sampler, _apply_penalties, naive_sample
 from sim_backend.tools.bench_host import bench_host
 
 
@@ -293,7 +295,7 @@ def test_sampler_equals_naive_full_vocab(ci):
     for trial in range(6):
         x = peaked_logits(rng, hot=int(rng.integers(1, 200)))
         recent = rng.integers(0, N_VALID, size=80).tolist()
-        p = SamplingParams(**{**cfg.__dict__, "seed": trial})
+        p = msgspec.structs.replace(cfg, seed=trial)
         fast = Sampler(p)
         ref_rng = np.random.Generator(np.random.PCG64(trial))
         for _ in range(3):
@@ -313,7 +315,7 @@ def test_sampler_equals_naive_property(seed, n, quantised, cfg):
     if quantised:  # many exact ties: order must break them by lower id
         x = np.round(x).astype(np.float32)
     recent = rng.integers(0, n, size=10).tolist()
-    p = SamplingParams(**{**cfg.__dict__, "seed": seed, "top_k": min(cfg.top_k, n)})
+    p = msgspec.structs.replace(cfg, seed=seed, top_k=min(cfg.top_k, n))
     fast = Sampler(p, vocab_size=n)
     ref_rng = np.random.Generator(np.random.PCG64(seed))
     for _ in range(4):
@@ -327,7 +329,7 @@ def test_sample_bf16_equals_sample_of_widened_logits():
         bits = f32_to_bf16(peaked_logits(rng, hot=int(rng.integers(1, 100))))
         keep = bits.copy()
         recent = rng.integers(0, N_VALID, size=40).tolist()
-        p = SamplingParams(**{**cfg.__dict__, "seed": ci})
+        p = msgspec.structs.replace(cfg, seed=ci)
         a, b = Sampler(p), Sampler(p)
         for _ in range(3):
             assert b.sample_bf16(bits, recent) == a.sample(bf16_to_f32(bits), recent)

@@ -94,7 +94,7 @@ def test_cost_model_e2e_is_prefill_245_decodes_and_the_allowance():
 
 
 def _timing_only_system(numerics: bool = False, **kw):
-    from sim_backend.planes.system import build_system
+    from sim_backend.compose import build_system
     from sim_backend.serving.hosttime import ScriptedHostTimer
 
     return build_system(numerics=numerics, maintenance=False, n_slots=1, host_timer=ScriptedHostTimer(0.0), **kw)
@@ -103,7 +103,7 @@ def _timing_only_system(numerics: bool = False, **kw):
 def test_engine_path_measured_books_only_measured_host_work():
     """host_time="measured" with host work scripted to 0: engine E2E == the sum of its device steps exactly."""
     from sim_backend.model.trace import StepRecorder
-    from sim_backend.serving.api import ChatRequest
+    from sim_backend.planes import ChatRequest
     from sim_backend.tools.calibration import ENGINE_PROMPT
 
     with _timing_only_system(host_time="measured") as system:
@@ -122,10 +122,10 @@ def test_engine_path_measured_books_only_measured_host_work():
 def test_engine_path_modeled_books_the_allowance_per_sampled_token_whatever_this_host_does(host_step_us):
     """host_time="modeled" (the default): E2E == device steps + 8 x the fitted allowance, exactly,
     however much host work this machine measures (scripted 0 or 700 µs per reading)."""
+    from sim_backend.compose import build_system
     from sim_backend.model.costmodel import CostModel
     from sim_backend.model.trace import StepRecorder
-    from sim_backend.planes.system import build_system
-    from sim_backend.serving.api import ChatRequest
+    from sim_backend.planes import ChatRequest
     from sim_backend.serving.hosttime import ScriptedHostTimer
     from sim_backend.tools.calibration import ENGINE_PROMPT
 
@@ -147,7 +147,7 @@ def test_engine_path_modeled_books_the_allowance_per_sampled_token_whatever_this
 def test_unknown_host_time_is_refused_before_anything_starts():
     import threading
 
-    from sim_backend.planes.system import build_system
+    from sim_backend.compose import build_system
 
     before = threading.active_count()
     with pytest.raises(ValueError, match="host time must be one of modeled, measured"):
@@ -159,7 +159,7 @@ def test_unknown_host_time_is_refused_before_anything_starts():
 def test_engine_cases_match_f7_in_both_modes(numerics):
     """The F7 request through the engine, modeled host time (the default): within 3 % in both modes,
     on any machine (the measured host work is reported beside, not booked)."""
-    from sim_backend.planes.system import build_system
+    from sim_backend.compose import build_system
     from sim_backend.tools.calibration import run_engine_cases
 
     with build_system(numerics=numerics, maintenance=False, n_slots=1) as system:
@@ -178,9 +178,9 @@ def test_engine_cases_match_f7_in_both_modes(numerics):
 def test_timing_only_and_numeric_price_the_same_routing_statistics_identically():
     """The device prices both modes with one function; numeric mode prices the router's
     per-layer pattern brought to the trained-router mean (priced_experts_touched)."""
+    from sim_backend.compose import build_system
     from sim_backend.model.trace import StepRecorder
-    from sim_backend.planes.system import build_system
-    from sim_backend.serving.api import ChatRequest
+    from sim_backend.planes import ChatRequest
     from sim_backend.tools.calibration import ENGINE_PROMPT
 
     req = ChatRequest.from_prompt(ENGINE_PROMPT, max_tokens=2)
@@ -334,8 +334,8 @@ def test_measured_host_time_explains_only_the_miss_its_extra_host_work_accounts_
 
 def test_queue_time_is_waiting_for_a_slot_not_tokenising():
     """An idle engine assigns a slot at once: queue time 0 even when tokenising is booked (measured mode)."""
-    from sim_backend.planes.system import build_system
-    from sim_backend.serving.api import ChatRequest
+    from sim_backend.compose import build_system
+    from sim_backend.planes import ChatRequest
     from sim_backend.serving.hosttime import ScriptedHostTimer
 
     with build_system(numerics=False, maintenance=False, n_slots=1, host_time="measured",

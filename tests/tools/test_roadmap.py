@@ -8,7 +8,7 @@ import json
 import pytest
 
 from calconsole.cli import main
-from sim_backend.serving.metrics import SLO
+from sim_backend.planes import SLO
 from sim_backend.tools.roadmap import RangeModel, Stage, answers
 
 FIELDS = {"stage", "status", "mix", "clients", "requests_per_s", "tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms",

@@ -28,11 +28,11 @@ import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict
 from itertools import count, pairwise
 from typing import Any
 
 import httpx
+import msgspec
 from httpx_sse import EventSource
 
 from sim_backend.planes import (
@@ -292,7 +292,7 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
     """(route, JSON body) in llama-server's names: messages to /v1/chat/completions, ids to /completion."""
     body: dict[str, Any] = {"stream": True, "stop": list(req.stop), "id_slot": req.id_slot,
                             "cache_prompt": req.cache_prompt}
-    body.update({k: v for k, v in asdict(req.sampling).items() if v is not None})
+    body.update({k: v for k, v in msgspec.structs.asdict(req.sampling).items() if v is not None})
     if req.prompt_tokens is not None:
         body.update(prompt=[int(t) for t in req.prompt_tokens], n_predict=req.max_tokens, return_tokens=True)
         return "/completion", body

@@ -1,6 +1,10 @@
 """Request metrics with the field's definitions (facts.md F7), aggregates and
 Prometheus exposition in llama.cpp's ``llamacpp:`` style.
 
+At the planes' seam (it imports nothing of serving, runtime, device or model): the serving engine
+records into a ``MetricsRegistry``, and so does a client plane that measures requests itself
+(the llama-server planes, in wall ms).
+
 Definitions (all in simulated milliseconds on the device clock, which
 includes the host work the engine books on it: the fitted allowance per
 token, or this machine's measured work; ``MetricsRegistry.clock``):
@@ -37,12 +41,13 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from itertools import pairwise
 
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from sim_backend.planes.types import SLO
 
 # Histogram bucket upper bounds in seconds (Prometheus convention is base units).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -83,49 +88,6 @@ def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 95, 99)) -> 
     return out
 
 
-@dataclass(frozen=True)
-class SLO:
-    """Service-level objectives in simulated ms; None = not checked."""
-
-    ttft_ms: float | None = None
-    tpot_ms: float | None = None
-    e2el_ms: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
-                raise ValueError(f"SLO {name} must be a positive number of ms or None, got {v!r}")
-
-    @staticmethod
-    def parse(spec: str) -> SLO:
-        """``"ttft:500,tpot:50,e2el:5000"`` (ms, vLLM's ``--goodput`` keys) -> SLO.
-
-        Raises ValueError for an unknown key, an empty value or a key given twice."""
-        kw: dict[str, float] = {}
-        for part in filter(None, (p.strip() for p in spec.split(","))):
-            key, _, val = part.partition(":")
-            if key not in ("ttft", "tpot", "e2el") or not val:
-                raise ValueError(f"bad SLO {part[:60]!r}: expected ttft:MS, tpot:MS or e2el:MS")
-            if f"{key}_ms" in kw:  # the last one would win silently
-                raise ValueError(f"SLO field '{key}' given twice")
-            kw[f"{key}_ms"] = float(val)
-        return SLO(**kw)
-
-    def to_dict(self) -> dict:
-        return {"ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "e2el_ms": self.e2el_ms}
-
-    def met(self, ttft: float | None, tpot: float | None, e2e: float) -> bool:
-        """True if every configured objective is met (ttft None fails a TTFT SLO; tpot None counts as 0)."""
-        if self.ttft_ms is not None and (ttft is None or ttft > self.ttft_ms):
-            return False
-        if self.tpot_ms is not None and tpot is not None and tpot > self.tpot_ms:
-            return False
-        if self.e2el_ms is not None and e2e > self.e2el_ms:
-            return False
-        return True
-
-
 class _Hist:
     """Cumulative histogram (seconds) + a bounded window of recent samples (ms)."""
 
@@ -153,9 +115,9 @@ class MetricsRegistry:
     #: what the latencies' clock includes; the engine sets it from its HostBooking
     clock: str = "simulated device ms (includes the host work booked on the clock)"
 
-    def __init__(self, window: int = 1000, slo: SLO = SLO()) -> None:
+    def __init__(self, window: int = 1000, slo: SLO | None = None) -> None:
         self._lock = threading.Lock()
-        self.slo = slo
+        self.slo = slo if slo is not None else SLO()
         self.submitted = self.finished = self.failed = self.cancelled = self.rejected = 0
         self.prompt_tokens = self.predicted_tokens = self.cache_tokens = 0
         self.prompt_ms_total = self.predicted_ms_total = 0.0

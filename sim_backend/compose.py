@@ -1,4 +1,8 @@
-"""Builds the whole simulated stack and hands out its planes.
+"""The composition root: builds the whole simulated stack and hands out its planes.
+
+Not part of the planes' public surface (``sim_backend.planes``): a command that runs the
+simulator in-process imports ``build_system`` (and ``Pacing`` / ``PacingMode``, its pacing
+setting) from here explicitly; everything else speaks to the planes it returns.
 
     sys = build_system()                     # numerics on, fast pacing
     h = sys.inference.submit(ChatRequest.from_prompt("hi", max_tokens=8))
@@ -24,8 +28,8 @@ from sim_backend.planes.audit import AuditLog
 from sim_backend.planes.inprocess import InferencePlane, ObservationPlane
 from sim_backend.runtime import RuntimeSession
 from sim_backend.runtime.monitor import DeviceMonitor
-from sim_backend.serving.engine import Engine, HostTimer
-from sim_backend.serving.hosttime import HostBooking
+from sim_backend.serving.engine import Engine
+from sim_backend.serving.hosttime import HostBooking, HostTimer
 
 #: Longest prompt (tokens) the device runs with numerics by default; longer prompts run timing-only
 #: (tokens from the seeded generator; the reply and the observation pane say so). The longest prompt
@@ -102,7 +106,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                     max_inflight=max_inflight,
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt,
                     host_time=host_time, host_token_us=cost.host_overhead_ms_per_token * 1e3,
-                    slo=slo)  # slo: metrics.SLO for goodput (simulated ms); None = no objectives
+                    slo=slo)  # slo: planes.types.SLO for goodput (simulated ms); None = no objectives
     memory_plan = MemoryPlan.for_bundle(bundle.shape, cost.hw)
     observation = ObservationPlane(DeviceMonitor(board), engine, bundle, memory_plan,
                                    numerics_limit_reason=numerics_limit_reason or default_reason)
@@ -117,3 +121,6 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                                   memory_plan=memory_plan)
         observation.set_mode_source(mplane.mode)
     return System(bundle, board, engine, InferencePlane(engine), observation, mplane)
+
+
+__all__ = ["NUMERIC_LIMIT_REASON", "NUMERIC_PROMPT_LIMIT", "Pacing", "PacingMode", "System", "build_system"]

@@ -7,7 +7,8 @@ import math
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sim_backend.serving.metrics import LATENCY_BUCKETS_S, SLO, MetricsRegistry, percentiles, request_latencies
+from sim_backend.planes import SLO
+from sim_backend.planes.metrics import LATENCY_BUCKETS_S, MetricsRegistry, percentiles, request_latencies
 
 
 def test_request_latencies_scripted_clock():

@@ -1,0 +1,69 @@
+"""The consuming side every request stream shares (the in-process handle, the HTTP client stream):
+``next_event`` / ``stream`` / ``result`` over a queue of ``TokenEvent | DoneEvent``.
+
+At the seam with the value types: it imports nothing of serving, runtime, device or model.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+
+from sim_backend.planes.types import DoneEvent, RequestResult, TokenEvent
+
+
+class EventStream:
+    """Base of a ``RequestStream`` implementation: ``next_event`` / ``stream`` / ``result`` over
+    ``_events`` (a queue of TokenEvent | DoneEvent) and ``_done`` (set with ``_result``).
+    Subclasses set those three and ``id``, and provide ``cancel``."""
+
+    _events: queue.Queue[TokenEvent | DoneEvent]
+    _done: threading.Event
+    _result: RequestResult | None
+    id: int
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def cancel(self, reason: str = "cancelled by client") -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def next_event(self, timeout: float) -> TokenEvent | DoneEvent | None:
+        """Next event within ``timeout`` host seconds, or None."""
+        try:
+            return self._events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def stream(self, timeout: float = 60.0) -> Iterator[TokenEvent | DoneEvent]:
+        """Yield events until the DoneEvent. Raises TimeoutError if nothing arrives for ``timeout`` host s
+        (the request keeps running; the caller decides whether to cancel).
+
+        A consumer that stops iterating early (the generator is closed or collected) or is
+        interrupted (Ctrl-C) cancels the request: a vanished client counts as a cancel.
+        """
+        try:
+            while True:
+                ev = self.next_event(timeout)
+                if ev is None:
+                    raise TimeoutError(f"request {self.id}: no event for {timeout:.0f} s")
+                yield ev
+                if isinstance(ev, DoneEvent):
+                    return
+        except GeneratorExit:
+            if not self.done:
+                self.cancel("client stopped reading the stream")
+            raise
+        except KeyboardInterrupt:
+            if not self.done:
+                self.cancel("interrupted by user (Ctrl-C)")
+            raise
+
+    def result(self, timeout: float) -> RequestResult:
+        """Block up to ``timeout`` host seconds for the final result (TimeoutError otherwise)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} not done after {timeout:.1f} s")
+        assert self._result is not None
+        return self._result
