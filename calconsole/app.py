@@ -253,10 +253,7 @@ class CalConsoleApp(App):
 
     def _show_topbar(self, snap: dict) -> None:
         if snap.get("server"):  # not this simulator: the server's kind, build and model (widgets/server.py)
-            bar = Text.assemble(("calconsole ", "bold"), server_render.topbar(snap))
-            url = getattr(self.system, "url", None)
-            if url:
-                bar.append(f" · attached to {url}", "bold cyan")
+            bar = Text.assemble(("calconsole ", "bold"), server_render.topbar(snap, getattr(self.system, "url", None)))
             self._topbar_bar(bar)
             return
         d = snap["device"]

@@ -66,6 +66,13 @@ PALETTE = (("enter exclusive mode", "x", "enter"), ("leave exclusive mode", "l",
            ("disarm every fault", "0", "clear_faults"), ("read register (typed in the field)", "v", "read_register"),
            ("write register (field and value)", "w", "write_register"), ("read every register", "e", "dump_registers"),
            ("acknowledge fired faults", "a", "acknowledge"))
+#: button -> the plane method it calls (a server without a lease, e.g. a llama-server, offers some only)
+BUTTON_METHOD = {"m-enter": "enter_exclusive", "m-leave": "leave_exclusive", "m-reset": "reset",
+                 "m-clear": "clear_device_memory", "m-reload": "reload_model", "m-selftest": "self_test",
+                 "m-health": "health_check", "m-probe": "probe_request", "m-clearkv": "clear_kv", "m-dump": "dump",
+                 "m-f-ccu": "inject_fault", "m-f-kv": "inject_fault", "m-f-link": "inject_fault",
+                 "m-f-slow": "inject_fault", "m-f-clear": "clear_faults", "m-ack": "acknowledge_faults",
+                 "m-reg-read": "read_register", "m-reg-write": "write_register", "m-reg-all": "dump_registers"}
 #: the hint a guarded key gives outside exclusive mode
 NEED_EXCLUSIVE = "enter exclusive mode first (x)"
 FAULTS = {"fault_ccu": ("ccu_exception", {}), "fault_kv": ("kv_exhaustion", {}),
@@ -108,6 +115,9 @@ class MaintenancePane(Vertical):
         self.maintenance = maintenance
         self.device_name = device_name
         self.lease = None
+        # a server with no exclusive mode (a llama-server): its own actions run without a lease, the
+        # others are shown as not offered (their keys still ask the plane, which says why: NotOffered)
+        self.leaseless = not getattr(maintenance, "needs_lease", True)
         self._entering = False
         self._fired: list = []  # unacknowledged fired faults of the last snapshot
         try:
@@ -157,8 +167,25 @@ class MaintenancePane(Vertical):
                               and b.action in GUARDED_ACTIONS for k in b.key.split(",")}
         self._sync_buttons()
         self._log(f"audit log: {self.maintenance.audit.path}", "dim")
+        if self.leaseless:
+            kind = getattr(self.maintenance, "server_kind", "this server")
+            offered = [m for m in sorted(set(BUTTON_METHOD.values())) if self.maintenance.offers(m)]
+            self._log(f"{kind}: offers {', '.join(offered)} (no lease: it has no exclusive mode); every other "
+                      f"action is not offered by {kind} (its key says why)", "yellow")
+
+    def _sync_leaseless(self) -> None:
+        kind = getattr(self.maintenance, "server_kind", "this server")
+        for bid, method in BUTTON_METHOD.items():
+            b = self.query_one(f"#{bid}", Button)
+            b.disabled = not self.maintenance.offers(method)
+            if b.disabled:
+                b.tooltip = f"not offered by {kind}"
+        self.refresh_bindings()
 
     def _sync_buttons(self) -> None:
+        if self.leaseless:
+            self._sync_leaseless()
+            return
         had_focus = self.app.focused is not None and self in self.app.focused.ancestors_with_self
         held = self.lease is not None
         self.query_one("#m-enter", Button).disabled = held or self._entering
@@ -191,7 +218,7 @@ class MaintenancePane(Vertical):
     def on_key(self, event: events.Key) -> None:
         """A maintenance key outside exclusive mode says why nothing happens (the footer shows it
         disabled: check_action), instead of silence. Typing into the register inputs never gets here."""
-        if self.lease is None and event.key in self._guarded_keys:
+        if self.lease is None and event.key in self._guarded_keys and not self.leaseless:
             event.stop()
             event.prevent_default()
             self.notify(NEED_EXCLUSIVE, severity="warning", timeout=4)
@@ -199,6 +226,8 @@ class MaintenancePane(Vertical):
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
         """Maintenance keys do nothing outside exclusive mode (shown disabled in the footer)."""
+        if self.leaseless:
+            return True  # no exclusive mode to be outside of: the plane answers (or says not offered)
         if action in GUARDED_ACTIONS and self.lease is None:
             return None
         if action == "enter" and (self.lease is not None or self._entering):
@@ -234,6 +263,8 @@ class MaintenancePane(Vertical):
             self._sync_buttons()
 
     def _need_lease(self, what: str) -> bool:
+        if self.leaseless:
+            return True
         if self.lease is None:
             self._log(f"{what}: needs exclusive mode: {NEED_EXCLUSIVE}", "yellow")
             self.notify(f"{what}: {NEED_EXCLUSIVE}", severity="warning", timeout=4)
@@ -243,6 +274,9 @@ class MaintenancePane(Vertical):
     # --- key actions (the buttons call the same methods) ------------------------------------------
 
     def action_enter(self) -> None:
+        if self.leaseless:  # the plane says why there is no exclusive mode (NotOffered), audited
+            self._run("enter_exclusive", lambda: self.maintenance.enter_exclusive(self.holder))
+            return
         if self.lease is not None or self._entering:
             return
         self._entering = True
@@ -441,6 +475,8 @@ def summarize_result(action: str, r) -> str:
     if action in ("reset", "reload_model", "health_check"):
         h = r.get("health", r)
         extra = f"failed jobs {r['failed_jobs']}, calbin {r['calbin']}, resets {r['resets']}; " if "calbin" in r else ""
+        if "sim_us" not in h:  # a server without a simulated clock (llama-server /health): wall only
+            return f"health {'ok' if h.get('ok') else 'FAILED'}: {h.get('detail')} ({h.get('wall_ms', 0):.0f} wall ms)"
         return (f"{extra}health {'ok' if h.get('ok') else 'FAILED'}: {h.get('detail')} "
                 f"({h.get('sim_us', 0) / 1e3:.1f} sim ms, {h.get('wall_ms', 0):.0f} wall ms)")
     if action == "self_test":

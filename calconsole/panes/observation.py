@@ -470,14 +470,17 @@ class ObservationPane(VerticalScroll):
         now = time.monotonic()
         note = (f"{self.window_s / 60:g} min (wall) · w window · g graph" if self.compact else
                 f"history: last {self.window_s / 60:g} min (x: host wall time before now; w changes it)")
-        if self._last is not None and server_render.kind_of(self._last):
-            note += " · titles say sim: here busy % and tok/s are server wall, TTFT/TPOT client wall"
+        wall = self._last is not None and server_render.kind_of(self._last)
+        if wall:
+            note += " · busy % and tok/s: server wall; TTFT/TPOT: client wall"
         notes = self.query_one("#obs-graph-note", Static)
         if self._shown.get("#obs-graph-note") != note:
             self._shown["#obs-graph-note"] = note
             notes.update(note)
         due = []
         for g in self.query(HistoryGraph):
+            if wall and g.clock_label is None:
+                g.clock_label, g.drawn_at = "(wall)", 0.0  # redrawn now with its title
             if not g.display:
                 continue
             if force or not g.drawn_at:  # forced, or never drawn (an empty box would read as broken)

@@ -22,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sim_backend.planes import CalError
+from sim_backend.planes import CalError, UnavailableError
 
 from .connection import Connection, RemoteAuthError, RemoteError, ServerUnreachable, error_body, raise_for
 from .inference import RemoteInferencePlane, RemoteRequestStream
@@ -88,8 +88,8 @@ def connect(url: str, *, api_key: str | None = None, admin_key: str | None = Non
     Returns a ``RemoteSystem`` (calconsole) or a ``LlamaServerSystem`` (llama-server; ``admin_key`` is
     not used: llama-server has no admin routes; ``audit_path`` is the local log of its maintenance calls).
     Raises ValueError for a URL that is not http(s); ServerUnreachable if nothing answers;
-    RemoteAuthError for a refused API key; NotAServer for any other server (or a llama-server still
-    loading its model); MaintenanceRefused for a refused admin key or a calconsole server without
+    RemoteAuthError for a refused API key; UnavailableError for a llama-server still loading its model;
+    NotAServer for any other server; MaintenanceRefused for a refused admin key or a calconsole server without
     maintenance routes (so a console never shows a pane that cannot work).
     """
     conn = Connection(url, api_key=api_key, admin_key=admin_key, read_timeout_s=read_timeout_s)
@@ -97,10 +97,10 @@ def connect(url: str, *, api_key: str | None = None, admin_key: str | None = Non
         resp = conn.call("GET", "/props")
         if resp.status_code == 401:
             raise_for(resp)
-        if resp.status_code == 503:
-            raise NotAServer(conn.url, f"GET /props answered 503 ({error_body(resp).get('message')}); a "
-                                       "llama-server answers so while it loads its model: try again once "
-                                       "/health says ok")
+        if resp.status_code == 503:  # llama-server while it loads its model
+            raise UnavailableError(f"{conn.url} is not ready: GET /props answered 503 "
+                                   f"({error_body(resp).get('message')}); a llama-server answers so while it "
+                                   "loads its model: try again once /health says ok")
         try:
             props = resp.json() if resp.status_code == 200 else None
         except (ValueError, UnicodeDecodeError):

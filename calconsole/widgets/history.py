@@ -114,6 +114,8 @@ class HistoryGraph(PlotextPlot):
     def __init__(self, spec: GraphSpec, **kw) -> None:
         super().__init__(**kw)
         self.spec = spec
+        #: replaces "(sim)" in the title when the figures are not simulated (a llama-server: wall clocks)
+        self.clock_label: str | None = None
         self.drawn_at = 0.0
         self._built: tuple[tuple[int, int], object] | None = None  # (size, renderable) of the last build
 
@@ -129,7 +131,7 @@ class HistoryGraph(PlotextPlot):
         self.drawn_at = now
         plt = self.plt
         plt.clear_figure()
-        plt.title(self.spec.title)
+        plt.title(self.spec.title.replace("(sim)", self.clock_label) if self.clock_label else self.spec.title)
         top = self.spec.y_max
         peak = 0.0
         for s in self.spec.series:

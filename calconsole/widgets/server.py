@@ -51,11 +51,11 @@ def server_table(snap: dict, compact: bool = False) -> Group:
     busy = sum(1 for sl in snap["slots"] if sl["state"] != "idle")
     load = snap.get("load") or {}
     t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
-    for col in ("server", "build", "model", "health", "slots busy", "n_ctx/slot", "busy %"):
+    for col in (s["kind"], "model", "health", "slots busy", "n_ctx/slot", "busy %"):
         t.add_column(col)
-    t.add_row(s["kind"], s["build"], s["model"], Text(s["health"], style=health_style(s["health"])),
+    t.add_row(s["build"], s["model"], Text(s["health"], style=health_style(s["health"])),
               f"{busy}/{s['total_slots']}" if s["slots_enabled"] else "not reported (--slots off)",
-              str(s["n_ctx"]), _num(load.get("busy_percent"), "{:.0f}"))
+              str(s["n_ctx"]), "-" if load.get("busy_percent") is None else f"{load['busy_percent']:.0f}")
     lines: list[Any] = [t]
     if s["health_detail"]:
         lines.append(Text(f"health: {s['health_detail']}", style="yellow"))
@@ -94,17 +94,18 @@ def subtitle(snap: dict) -> str:
     return f"{s['kind']} · health {s['health']}"
 
 
-def topbar(snap: dict) -> Text:
-    """The header after "calconsole ": ``llama-server b… · model … · health … · slots … · tokens …``."""
+def topbar(snap: dict, url: str | None = None) -> Text:
+    """The header after "calconsole ": ``llama-server b… · model … · URL · health … · slots …``."""
     s = snap["server"]
     busy = sum(1 for sl in snap["slots"] if sl["state"] != "idle")
-    bar = Text.assemble((f"{s['kind']} {s['build']}", "bold"), f" · model {s['model']} · ",
-                        ("health ", ""), (s["health"], health_style(s["health"])))
+    bar = Text.assemble((f"{s['kind']} {s['build']}", "bold"), f" · model {s['model']} · ")
+    if url:
+        bar.append(f"attached to {url}", "bold cyan")
+        bar.append(" · ")
+    bar.append_text(Text.assemble("health ", (s["health"], health_style(s["health"]))))
     bar.append(f" · slots {busy}/{s['total_slots']} busy" if s["slots_enabled"] else " · slots not reported")
-    if s["tokens_predicted_total"] is not None:
-        bar.append(f" · tokens predicted {s['tokens_predicted_total']} (server total)")
     c = snap["requests"]["counters"]
-    bar.append(f" · this console: requests done {c['finished']}")
+    bar.append(f" · requests done here {c['finished']}")
     return bar
 
 

@@ -62,8 +62,11 @@ def start_llama_server(
     n_ctx: int = 4096,
     timeout_s: float = 60.0,
     configure: Callable[[Any], None] | None = None,
+    port: int | None = None,
 ) -> RealLlamaServer:
     """Start llama-server with the SmolLM2 GGUF; ``configure(params)`` may set more ``CommonParams`` fields.
+
+    ``port``: listen there (e.g. to restart a stopped server at its address); default an ephemeral one.
 
     ``n_ctx`` is the whole context, split evenly over the ``n_parallel`` slots (llama-server's rule).
     Waits for ``GET /health`` to answer 200 for at most ``timeout_s`` wall seconds; raises ``TimeoutError``
@@ -72,7 +75,7 @@ def start_llama_server(
     import xllamacpp
 
     gguf = smollm2_gguf()
-    port = free_port()
+    port = free_port() if port is None else port
     p = xllamacpp.CommonParams()
     p.model.path = gguf
     p.n_parallel = n_parallel

@@ -160,7 +160,8 @@ class LlamaMaintenancePlane:
             self._no_lease("clear_kv", lease)
             slots = [self._slot_action("clear_kv", i, "erase") for i in range(self._n_slots)]
             erased = [int(s["server"].get("n_erased", 0)) for s in slots]
-            return {"ok": True, "detail": f"erased {sum(erased)} KV cells in {len(slots)} slots", "n_erased": erased}
+            return {"ok": True, "detail": f"erased {sum(erased)} KV cells in {len(slots)} slots", "n_erased": erased,
+                    "freed_tokens": sum(erased)}
         return self._audited("clear_kv", {}, run)
 
     def erase_slot(self, lease: Lease | None, slot: int) -> dict[str, Any]:
@@ -197,14 +198,16 @@ class LlamaMaintenancePlane:
         """``GET /health``: ok, loading (503) or error."""
         def run() -> dict[str, Any]:
             self._no_lease("health_check", lease)
+            t0 = time.perf_counter()
             try:
                 resp = self._conn.call("GET", "/health", read_timeout_s=10.0)
             except ServerUnreachable as e:
-                return {"ok": False, "detail": str(e)}
+                return {"ok": False, "detail": str(e), "wall_ms": (time.perf_counter() - t0) * 1e3}
+            wall_ms = (time.perf_counter() - t0) * 1e3
             if resp.status_code == 200:
-                return {"ok": True, "detail": "llama-server /health: ok"}
+                return {"ok": True, "detail": "llama-server /health: ok", "wall_ms": wall_ms}
             return {"ok": False, "detail": f"llama-server /health: HTTP {resp.status_code}: "
-                                           f"{error_body(resp).get('message')}"}
+                                           f"{error_body(resp).get('message')}", "wall_ms": wall_ms}
         return self._audited("health_check", {}, run)
 
     # --- not offered by a llama-server ------------------------------------------------------------

@@ -1,0 +1,235 @@
+"""The console and the headless commands attached to a REAL llama-server (xllamacpp + SmolLM2, the session fixture).
+
+Every wait is bounded (``wait_for``); the server is shared by the session, so the tests read deltas
+and the slots' states, never absolute counters.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from rich.console import Console
+from textual.widgets import Static
+
+from calconsole.app import CalConsoleApp
+from calconsole.cli import main
+from calconsole.layout import load_layout
+from calconsole.remote import NotAServer, connect
+from tests.console.pilot_helpers import log_text, wait_for
+
+MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def topbar(app: CalConsoleApp) -> str:
+    return str(app.query_one("#topbar", Static).render())
+
+
+def shown(app: CalConsoleApp, sel: str) -> str:
+    """A section's text as drawn (rich renders its content at the console's width)."""
+    console = Console(width=160, record=True, file=io.StringIO())
+    console.print(app.screen_stack[0].query_one(sel, Static).content)
+    return console.export_text()
+
+
+def slots_idle(url: str) -> bool:
+    return not any(s["is_processing"] for s in httpx.get(url + "/slots", timeout=5).json())
+
+
+async def test_the_console_names_the_server_fills_slots_while_streaming_and_shows_a_readable_reply(
+        llama_server: Any, tmp_path: Path) -> None:
+    system = connect(llama_server.url, audit_path=tmp_path / "audit.jsonl")
+    try:
+        app = CalConsoleApp(system, load_layout("operator"), refresh_hz=4)
+        async with app.run_test(size=(170, 50)) as pilot:
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+            bar = topbar(app)
+            assert "calconsole llama-server b" in bar and f"model {MODEL}" in bar
+            assert f"attached to {llama_server.url}" in bar
+            # the device-only sections say they are not reported, never show zeros
+            assert await wait_for(pilot, lambda: "not reported by llama-server" in shown(app, "#obs-kv"))
+            assert "not reported by llama-server" in shown(app, "#obs-jobs")
+            assert "not reported by llama-server" in shown(app, "#obs-device")
+            app.query_one("#p-max-tokens").value = "24"
+            app.query_one("#p-temperature").value = "0"
+            await pilot.click("#chat-input")
+            await pilot.press(*"Write one sentence about the sea.")
+            await pilot.press("enter")
+            # the slots section fills while the reply streams (a slot is processing, with its prompt size)
+            assert await wait_for(pilot, lambda: any(s["state"] == "processing"
+                                                     for s in app.last_snapshot["slots"]), timeout_s=30)
+            assert await wait_for(pilot, lambda: "processing" in shown(app, "#obs-slots"))
+            assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None, timeout_s=60)
+            log = log_text(app, "#chat-log")
+            reply = log.split("model ", 1)[1].split(" prompt ", 1)[0]
+            assert "\ufffd" not in log
+            assert re.search(r"[A-Za-z]+( [A-Za-z]+){2,}", reply), reply  # words of ASCII letters and spaces
+            # the server's timings as wall ms, and the latencies measured here as client
+            assert "(server wall)" in log and "(client wall)" in log
+            assert await wait_for(pilot, lambda: app.last_snapshot["requests"]["counters"]["finished"] == 1)
+            assert await wait_for(pilot, lambda: "client wall ms" in shown(app, "#obs-requests"))
+    finally:
+        system.close()
+
+
+async def test_cancel_in_the_chat_pane_frees_the_slot(llama_server: Any, tmp_path: Path) -> None:
+    system = connect(llama_server.url, audit_path=tmp_path / "audit.jsonl")
+    try:
+        app = CalConsoleApp(system, load_layout("operator"), refresh_hz=4)
+        async with app.run_test(size=(170, 50)) as pilot:
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+            app.query_one("#p-max-tokens").value = "1500"
+            await pilot.click("#chat-input")
+            await pilot.press(*"Tell me a very long story about a lighthouse")
+            await pilot.press("enter")
+            chat = app.query_one("#chat")
+            assert await wait_for(pilot, lambda: chat.handle is not None and chat._stream_text, timeout_s=30)
+            assert not slots_idle(llama_server.url)
+            await pilot.press("escape")
+            assert await wait_for(pilot, lambda: chat.handle is None, timeout_s=20)
+            assert "[cancelled" in log_text(app, "#chat-log")
+            assert await wait_for(pilot, lambda: slots_idle(llama_server.url), timeout_s=20)
+            assert await wait_for(pilot, lambda: app.last_snapshot["requests"]["counters"]["cancelled"] == 1)
+    finally:
+        system.close()
+
+
+async def test_a_maintenance_action_llama_server_lacks_is_refused_with_the_reason(llama_server: Any,
+                                                                                  tmp_path: Path) -> None:
+    audit = tmp_path / "audit.jsonl"
+    system = connect(llama_server.url, audit_path=audit)
+    try:
+        app = CalConsoleApp(system, load_layout("operator"))
+        async with app.run_test(size=(170, 50)) as pilot:
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+            pane = app.query_one("#maintenance")
+            assert app.query_one("#m-reset").disabled and not app.query_one("#m-health").disabled
+            await pilot.press("f3")
+            await pilot.press("x")
+            assert await wait_for(pilot, lambda: "not offered by llama-server: it has no exclusive mode"
+                                  in log_text(app, "#m-log"))
+            assert pane.lease is None
+            # this fixture runs without --slot-save-path: llama-server refuses even slot erase, and says so
+            await pilot.press("k")
+            assert await wait_for(pilot, lambda: "--slot-save-path" in log_text(app, "#m-log"))
+        records = [json.loads(line) for line in audit.read_text().splitlines()]
+        done = [r for r in records if r["phase"] == "finished"]
+        assert [r["action"] for r in done] == ["enter_exclusive", "clear_kv"]
+        assert all(not r["granted"] and r["origin"] == {"server": llama_server.url, "kind": "llama-server",
+                                                        "via": "http"} for r in done)
+    finally:
+        system.close()
+
+
+def test_slot_actions_of_a_server_with_a_slot_save_path(llama_server_slot_save: Any, tmp_path: Path) -> None:
+    url = llama_server_slot_save.url
+    with connect(url, audit_path=tmp_path / "audit.jsonl") as system:
+        from sim_backend.planes import ChatRequest, MaintenanceArgumentError
+
+        system.inference.generate(ChatRequest.from_prompt("hi", max_tokens=2), timeout=60)
+        mnt = system.maintenance
+        saved = mnt.save_slot(None, 0, "slot0.bin")
+        assert saved["ok"] and saved["server"]["filename"] == "slot0.bin"
+        assert mnt.restore_slot(None, 0, "slot0.bin")["ok"]
+        assert mnt.clear_kv(None)["ok"]
+        with pytest.raises(MaintenanceArgumentError, match="plain file name"):
+            mnt.save_slot(None, 0, "../escape.bin")
+        with pytest.raises(MaintenanceArgumentError, match="slot must be"):
+            mnt.erase_slot(None, 7)
+        statuses = [(e["action"], e["status"]) for e in mnt.audit.entries()]
+        assert statuses == [("save_slot", "granted"), ("restore_slot", "granted"), ("clear_kv", "granted"),
+                            ("save_slot", "refused"), ("erase_slot", "refused")]
+
+
+def test_snapshot_watch_of_a_llama_server_prints_three_json_lines(llama_server: Any, capsys: Any) -> None:
+    assert main(["snapshot", "--connect", llama_server.url, "--watch", "--interval", "0.25", "--count", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    snaps = [json.loads(line) for line in lines]
+    assert all(s["server"]["kind"] == "llama-server" and s["device"] is None and s["kv"] is None for s in snaps)
+    assert all(len(s["slots"]) == 2 and s["server"]["health"] == "ok" for s in snaps)
+    assert snaps[0]["taken_unix_s"] < snaps[1]["taken_unix_s"] < snaps[2]["taken_unix_s"]
+
+
+def test_headless_commands_on_a_llama_server(llama_server: Any, capsys: Any, tmp_path: Path) -> None:
+    url = llama_server.url
+    assert main(["snapshot", "--connect", url]) == 0
+    out = capsys.readouterr().out
+    assert "llama-server" in out and "not reported by llama-server" in out
+    assert main(["metrics", "--connect", url]) == 0
+    assert "llamacpp:tokens_predicted_total" in capsys.readouterr().out
+    assert main(["chat", "--connect", url, "--max-tokens", "4", "--temperature", "0", "Say hi"]) == 0
+    err = capsys.readouterr().err
+    assert "measured here as client" in err and "its wall clock" in err
+    log = str(tmp_path / "audit.jsonl")
+    with connect(url, audit_path=log) as system:
+        with pytest.raises(Exception, match="not offered by llama-server"):
+            system.maintenance.reset(None)
+    assert main(["audit", "--connect", url, "--audit-log", log, "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)
+    assert [(e["action"], e["status"]) for e in entries] == [("reset", "refused")]
+
+
+class _NotLlama(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        body = b'{"hello": "world"}'
+        self.send_response(200 if self.path == "/props" else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def other_server() -> Iterator[str]:
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _NotLlama)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(5)
+
+
+def test_a_url_that_is_neither_kind_is_a_clear_error_at_start_up(other_server: str, capsys: Any) -> None:
+    with pytest.raises(NotAServer, match="neither a calconsole server nor a llama-server"):
+        connect(other_server)
+    assert main(["snapshot", "--connect", other_server]) == 2
+    err = capsys.readouterr().err
+    assert "neither a calconsole server nor a llama-server" in err and "Traceback" not in err
+
+
+async def test_a_stopped_llama_server_shows_disconnected_and_the_console_recovers(tmp_path: Path) -> None:
+    from tests.real.llama_server import start_llama_server
+
+    first = start_llama_server(n_parallel=1, n_ctx=512)
+    again = None
+    system = connect(first.url, audit_path=tmp_path / "audit.jsonl")
+    try:
+        app = CalConsoleApp(system, load_layout("operator"), refresh_hz=4)
+        async with app.run_test(size=(170, 50)) as pilot:
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+            first.stop()
+            assert await wait_for(pilot, lambda: "DISCONNECTED since" in topbar(app), timeout_s=20)
+            assert app.last_snapshot is not None  # the last snapshot stays on screen
+            again = start_llama_server(n_parallel=1, n_ctx=512, port=first.port)
+            assert await wait_for(pilot, lambda: "DISCONNECTED" not in topbar(app), timeout_s=30)
+            assert system.connected and "llama-server b" in topbar(app)
+    finally:
+        system.close()
+        first.stop()
+        if again is not None:
+            again.stop()
