@@ -233,3 +233,19 @@ async def test_a_stopped_llama_server_shows_disconnected_and_the_console_recover
         first.stop()
         if again is not None:
             again.stop()
+
+
+def test_a_stop_word_is_reported_as_llama_cpp_reports_it(llama_server: Any, tmp_path: Path) -> None:
+    from sim_backend.planes import ChatRequest, SamplingParams
+
+    with connect(llama_server.url, audit_path=tmp_path / "audit.jsonl") as system:
+        req = ChatRequest.from_prompt("Name three colors.", max_tokens=20, sampling=SamplingParams(temperature=0.0))
+        free = system.inference.generate(req, timeout=60)
+        assert free.status == "finished" and free.stop_type in ("eos", "limit")
+        words = free.text.split()
+        assert len(words) >= 2, free.text
+        stopped = system.inference.generate(ChatRequest.from_prompt("Name three colors.", max_tokens=20,
+                                                                    sampling=SamplingParams(temperature=0.0),
+                                                                    stop=(words[1],)), timeout=60)
+        assert (stopped.stop_type, stopped.stopping_word) == ("word", words[1])
+        assert words[1] not in stopped.text

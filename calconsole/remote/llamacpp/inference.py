@@ -1,11 +1,12 @@
 """``InferencePlane`` of a stock llama-server (llama.cpp ``tools/server``), over its own routes.
 
 - chat (messages): ``POST /v1/chat/completions`` with ``stream: true`` and
-  ``stream_options.include_usage``; each ``delta.content`` is a ``TokenEvent``; the final chunks
-  carry ``finish_reason``, ``usage`` and llama.cpp's ``timings``;
+  ``stream_options.include_usage`` and ``verbose``; each ``delta.content`` is a ``TokenEvent``; the final
+  chunks carry ``finish_reason``, ``usage``, llama.cpp's ``timings`` and (``verbose``) its ``__verbose``
+  result, whose ``stop_type`` / ``stopping_word`` the result takes;
 - a raw prompt (token ids): ``POST /completion`` with ``stream: true`` and ``return_tokens``: its
   final chunk has ``stop_type``, ``stopping_word``, the generated ids and ``timings``;
-- ``tokenize`` / ``detokenize`` / ``token_bytes``: ``/tokenize`` (``with_pieces``) and ``/detokenize``;
+- ``tokenize`` / ``detokenize`` / ``token_bytes``: ``/tokenize`` and ``/detokenize``;
 - ``apply_template`` / ``count_prompt_tokens``: ``/apply-template``, then ``/tokenize`` of its prompt
   (special tokens parsed, as the server counts ``prompt_n + cache_n``).
 
@@ -103,9 +104,9 @@ class ClientMetrics:
 
 
 def stop_type_of(finish_reason: str | None, stop_words: Sequence[str]) -> str:
-    """llama.cpp's stop type from an OpenAI ``finish_reason``: "length" -> limit; "stop" -> eos when no
-    stop strings were sent, else "eos_or_word" (the chat stream does not say which one ended it);
-    None (no final chunk) -> none."""
+    """The stop type when the final chunk has no ``__verbose`` (a build that ignores ``verbose``), from the
+    OpenAI ``finish_reason``: "length" -> limit; "stop" -> eos when no stop strings were sent, else
+    "eos_or_word" (finish_reason does not say which one ended it); None (no final chunk) -> none."""
     if finish_reason == "length":
         return "limit"
     if finish_reason == "stop":
@@ -221,6 +222,7 @@ class LlamaRequestStream(EventStream):
 
     def _read(self) -> None:
         finish_reason: str | None = None
+        verbose: dict[str, Any] = {}  # the final chunk's "__verbose" (llama.cpp's stop_type, stopping_word)
         timings: dict[str, Any] | None = None
         final: dict[str, Any] | None = None
         try:
@@ -238,6 +240,8 @@ class LlamaRequestStream(EventStream):
                     return
                 if isinstance(obj.get("timings"), dict):
                     timings = obj["timings"]
+                if isinstance(obj.get("__verbose"), dict):
+                    verbose = obj["__verbose"]
                 if self._raw:  # /completion chunks: {"content", "stop", ...}
                     if obj.get("content"):
                         self._piece(str(obj["content"]))
@@ -262,8 +266,8 @@ class LlamaRequestStream(EventStream):
                 raise httpx.RemoteProtocolError("the stream ended without a finish_reason")
             else:
                 self._end("finished", server=timings,
-                                             stop_type=stop_type_of(finish_reason, self._req.stop),
-                                             stopping_word="", tokens=(), error=None,
+                          stop_type=str(verbose.get("stop_type") or stop_type_of(finish_reason, self._req.stop)),
+                          stopping_word=str(verbose.get("stopping_word") or ""), tokens=(), error=None,
                                              seed=self._req.sampling.seed)
         except Exception as e:  # noqa: BLE001 - whatever ended the read, the request gets a result
             if self._cancel.is_set():
@@ -296,8 +300,9 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
     if req.prompt_tokens is not None:
         body.update(prompt=[int(t) for t in req.prompt_tokens], n_predict=req.max_tokens, return_tokens=True)
         return "/completion", body
+    # verbose: the final chunk also carries llama.cpp's own result ("__verbose": stop_type, stopping_word)
     body.update(messages=[{"role": m["role"], "content": m["content"]} for m in req.messages],
-                max_tokens=req.max_tokens, stream_options={"include_usage": True})
+                max_tokens=req.max_tokens, stream_options={"include_usage": True}, verbose=True)
     return "/v1/chat/completions", body
 
 
