@@ -249,3 +249,12 @@ def test_a_stop_word_is_reported_as_llama_cpp_reports_it(llama_server: Any, tmp_
                                                                     stop=(words[1],)), timeout=60)
         assert (stopped.stop_type, stopped.stopping_word) == ("word", words[1])
         assert words[1] not in stopped.text
+
+
+def test_bench_poll_prints_the_cost_of_observing_a_llama_server(llama_server: Any, capsys: Any) -> None:
+    assert main(["bench", "poll", "--connect", llama_server.url, "--count", "3", "--console", "0", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["server"] == "llama-server" and out["snapshots"] == 3
+    assert 0 < out["wall_ms_p50"] <= out["wall_ms_max"] and out["cpu_ms_per_snapshot"] > 0
+    assert main(["bench", "poll"]) == 2 and "give --connect URL" in capsys.readouterr().err
+    assert main(["bench", "poll", "--connect", llama_server.url, "--count", "0"]) == 2
