@@ -34,6 +34,7 @@ from sim_backend.device.registers import RegisterFile
 from sim_backend.errors import CCUException, DeviceError, DeviceNotReady, DeviceReset, LinkError, SubmitError
 from sim_backend.model.batching import expected_union_touched, price_decode_batch
 from sim_backend.model.costmodel import CostModel
+from sim_backend.model.families import build_numerics
 from sim_backend.model.numerics import ShardedModel
 
 _DEFAULT_PACING = Pacing()  # frozen: one shared default is safe
@@ -103,7 +104,7 @@ class SimulatedBoard:
         self.kv = FaultInjectingKV(n_cells=n_cells, n_chips=self.shape.n_chips,
                                    bytes_per_token_per_chip=self.shape.kv_bytes_per_token_per_chip,
                                    faults=lambda: self.faults)
-        self.model: ShardedModel | NumericsProcess | None = None
+        self.model: ShardedModel | NumericsProcess | Any | None = None  # Any: another family's sharded model
         self._memory_cleared = False
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -147,7 +148,7 @@ class SimulatedBoard:
                 cm = self.cost_model if isinstance(self.cost_model, CostModel) else None
                 self.model = NumericsProcess(self.shape, self.bundle.numeric, n_cells, cost_model=cm)
             else:
-                self.model = ShardedModel(self.shape, self.bundle.numeric, n_cells=n_cells)
+                self.model = build_numerics(self.shape, self.bundle.numeric, n_cells)
         self._memory_cleared = False
         self.registers.set_bits("BOARD_STATUS", 0x2, True)
         for c in range(self.shape.n_chips):

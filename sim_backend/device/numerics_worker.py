@@ -33,7 +33,7 @@ from sim_backend.errors import DeviceError
 from sim_backend.model.costmodel import CostModel, StepCost, priced_experts_touched
 from sim_backend.model.numerics import StepNumerics
 
-START_TIMEOUT_S = 120.0  # building the synthetic weights takes ~1.5 s; generous for loaded machines
+START_TIMEOUT_S = 120.0  # synthetic weights ~1.5 s, the pilot's GGUF ~6 s of CPU; generous for loaded machines
 CONTROL_TIMEOUT_S = 30.0
 
 
@@ -60,9 +60,9 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_m
     and the worker writes it only while answering a call, so they never overlap.
     """
     # sim_backend/__init__ pins BLAS to one thread before numpy loads
-    from sim_backend.model.numerics import ShardedModel
+    from sim_backend.model.families import build_numerics
 
-    model = ShardedModel(shape, num, n_cells=n_cells)
+    model = build_numerics(shape, num, n_cells)
     shared = np.frombuffer(shared_logits, dtype=np.uint16)
 
     def logits(out: StepNumerics) -> np.ndarray | None:

@@ -7,7 +7,9 @@ The golden input is the Qwen3 chat-template fragment
 ``"<|im_start|>user\\nhi<|im_end|>\\n"`` = ``[151644, 872, 198, 6023, 151645, 198]``
 (facts.md "Tokenizer" reference ids), run as ONE prefill of 6 tokens at
 positions 0..5 by a freshly built ``numerics.ShardedModel`` (the synthetic
-weights are deterministic from the manifest's ``numerics.seed``).
+weights are deterministic from the manifest's ``numerics.seed``). Another family's
+bundle (the dense pilot) uses the same text in its own tokenizer (the pilot:
+``[1, 4093, 198, 6004, 2, 198]``) and its own sharded numerics (real GGUF weights).
 
 What ``golden.npz`` stores, and why (about 0.3 MB):
 
@@ -98,13 +100,24 @@ def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return f32_to_bf16(x)
 
 
-def reference_logits(bundle) -> np.ndarray:
-    """Float32 last-token logits of the golden input from a fresh ``ShardedModel`` (host wall ~0.1 s)."""
-    from sim_backend.model.numerics import ShardedModel
+def golden_ids(bundle) -> tuple[int, ...]:
+    """The golden input's ids in the bundle's tokenizer (Qwen3: ``GOLDEN_IDS``, checked)."""
+    from sim_backend.model.families import tokenizer_for
 
-    n = len(GOLDEN_IDS)
-    model = ShardedModel(bundle.shape, bundle.numeric, n_cells=max(8, n))
-    ids = np.asarray(GOLDEN_IDS, dtype=np.int64)
+    ids = tuple(int(i) for i in tokenizer_for(bundle).encode(GOLDEN_TEXT, allow_special=True))
+    if bundle.family == "qwen3_moe" and ids != GOLDEN_IDS:
+        raise RuntimeError(f"tokenizer gives {list(ids)} for the golden text, expected {list(GOLDEN_IDS)}")
+    return ids
+
+
+def reference_logits(bundle) -> np.ndarray:
+    """Float32 last-token logits of the golden input from the bundle's freshly built sharded numerics
+    (host wall ~0.1 s for Qwen3's synthetic weights, a few s for the pilot's GGUF)."""
+    from sim_backend.model.families import build_numerics
+
+    ids = np.asarray(golden_ids(bundle), dtype=np.int64)
+    n = len(ids)
+    model = build_numerics(bundle.shape, bundle.numeric, max(8, n))
     pos = np.arange(n, dtype=np.int64)
     out = model.forward(ids, pos, pos.copy(), pos.copy(), pos.copy())
     return np.asarray(out.logits, dtype=np.float32)
@@ -116,11 +129,7 @@ def sha256_f32(x: np.ndarray) -> str:
 
 def compute_golden(bundle) -> dict[str, np.ndarray]:
     """The arrays written to golden.npz (see module docstring)."""
-    from sim_backend.model.tokenizer import get_tokenizer
-
-    ids = get_tokenizer().encode(GOLDEN_TEXT, allow_special=True)
-    if tuple(ids) != GOLDEN_IDS:
-        raise RuntimeError(f"tokenizer gives {ids} for the golden text, expected {list(GOLDEN_IDS)}")
+    ids = list(golden_ids(bundle))
     ref = reference_logits(bundle)
     top = np.argsort(-ref, kind="stable")[:TOPK]
     # Top-1 agreement is part of the pass rule, so it must follow from the error bound on any CPU:
@@ -132,7 +141,7 @@ def compute_golden(bundle) -> dict[str, np.ndarray]:
                            "top-1 agreement would not be guaranteed across machines; pick another golden input")
     meta = {"format": GOLDEN_FORMAT, "bundle": bundle.name, "numerics": {
         "hidden": bundle.numeric.hidden, "head_dim": bundle.numeric.head_dim,
-        "expert_ffn": bundle.numeric.expert_ffn, "seed": bundle.numeric.seed},
+        "expert_ffn": bundle.numeric.expert_ffn, "seed": bundle.numeric.seed, "weights": bundle.numeric.weights},
         "vocab": int(ref.shape[0]), "job": "one prefill, positions 0..5",
         "logits": "uint16 BF16 bits of the expected device output (D2H dtype)",
         "max_abs_logit": float(np.max(np.abs(ref))), "top1_lead": gap}
@@ -297,10 +306,11 @@ def check_golden(bundle_dir: str | Path | None = None) -> dict:
     if bundle.golden_file is None:
         return {"ok": False, "detail": "no golden file in the bundle"}
     g = load_golden(bundle.golden_file)
-    if tuple(int(i) for i in g.input_ids) != GOLDEN_IDS:
+    want_ids = golden_ids(bundle)
+    if tuple(int(i) for i in g.input_ids) != want_ids:
         # the device self-test feeds the stored ids: a file whose ids were changed must not pass here
         return {"ok": False, "path": str(g.path), "detail": f"input_ids {g.input_ids.tolist()} are not the golden "
-                                                            f"input {list(GOLDEN_IDS)}"}
+                                                            f"input {list(want_ids)}"}
     ref = reference_logits(bundle)
     rep = compare(g, _f32_to_bf16_bits(ref), bundle.golden_max_abs_error)
     drift = float(np.max(np.abs(ref[g.ref_topk_ids.astype(np.int64)] - g.ref_topk_logits))) \

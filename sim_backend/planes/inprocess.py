@@ -71,11 +71,11 @@ class InferencePlane:
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         """Text of ``tokens``; InvalidRequestError for a non-integer or out-of-vocabulary id."""
-        return self._engine.tokenizer.decode(_check_ids(tokens))
+        return self._engine.tokenizer.decode(_check_ids(tokens, self._engine.rt.vocab))
 
     def token_bytes(self, token: int) -> bytes:
         """Raw bytes of one token's piece; InvalidRequestError for an id outside the vocabulary."""
-        return self._engine.tokenizer.token_bytes(_check_ids([token])[0])
+        return self._engine.tokenizer.token_bytes(_check_ids([token], self._engine.rt.vocab)[0])
 
     def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False) -> str:
         """The rendered chat prompt (generation prompt included)."""
@@ -84,17 +84,17 @@ class InferencePlane:
 
     @property
     def chat_template(self) -> str:
-        """Qwen3's chat template (no tools) as Jinja text."""
-        return CHAT_TEMPLATE
+        """The model's chat template as Jinja text: Qwen3's (no tools), or the GGUF's for the pilot."""
+        return str(getattr(self._engine.tokenizer, "chat_template", CHAT_TEMPLATE))
 
 
-def _check_ids(tokens: Any) -> list[int]:
+def _check_ids(tokens: Any, vocab: int = VOCAB_SIZE) -> list[int]:
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
         raise InvalidRequestError("tokens must be a list of token ids", param="tokens")
     out = []
     for i, t in enumerate(tokens):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < VOCAB_SIZE:
-            raise InvalidRequestError(f"tokens[{i}] must be a token id in [0, {VOCAB_SIZE}), got {t!r}",
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise InvalidRequestError(f"tokens[{i}] must be a token id in [0, {vocab}), got {t!r}",
                                       param="tokens")
         out.append(t)
     return out

@@ -554,7 +554,10 @@ class MaintenancePlane:
         if all(c["ok"] for c in checks):
             self._rt.free_seq(self._lease, SCRATCH_SEQ)
             try:
-                res = self._job("decode", [IM_START], 0, "health check")
+                # a control token the model knows: Qwen3's <|im_start|>, another tokenizer's BOS
+                probe_id = IM_START if self._engine.rt.vocab > IM_START else max(0, int(getattr(
+                    self._engine.tokenizer, "bos_id", 0)))
+                res = self._job("decode", [probe_id], 0, "health check")
                 sim_us = res.sim_us
                 ok = res.logits_bf16 is None or bool(np.isfinite(bf16_to_f32(res.logits_bf16)).all())
                 check("decode probe job", ok, f"{res.sim_us / 1e3:.2f} sim ms" + ("" if ok else ", non-finite logits"))
@@ -605,6 +608,7 @@ class MaintenancePlane:
 
     def _probe(self, prompt: str, max_tokens: int) -> dict:
         b, e = self._mon, self._engine
+        eos = frozenset(getattr(e.tokenizer, "eos_ids", EOS_IDS))
         t0 = time.perf_counter()
         sim0 = b.now_us
         ids = e.tokenize_prompt(ChatRequest.from_prompt(prompt, max_tokens=max_tokens))
@@ -626,7 +630,7 @@ class MaintenancePlane:
                     tok = int(np.argmax(bf16_to_f32(res.logits_bf16)))
                 e.record_stages(res, source="probe", framework_ms=host_ms, sampling_ms=(e.host_timer.now() - s0) / 1e3)
                 out.append(tok)
-                if tok in EOS_IDS or len(out) >= max_tokens:
+                if tok in eos or len(out) >= max_tokens:
                     break
                 res, host_ms = self._job_timed("decode", [tok], len(ids) + len(out) - 1)
         except CalError as err:
@@ -635,7 +639,7 @@ class MaintenancePlane:
                      **({"code": err.code} if hasattr(err, "code") else {})}
         finally:
             self._rt.free_seq(self._lease, SCRATCH_SEQ)
-        text = e.tokenizer.decode([t for t in out if t not in EOS_IDS]) if b.numerics else ""
+        text = e.tokenizer.decode([t for t in out if t not in eos]) if b.numerics else ""
         return {"ok": status == "finished", "status": status, "text": text, "n_tokens": len(out), "prompt_n": len(ids),
                 "error": error, "sim_ms": (b.now_us - sim0) / 1e3, "wall_ms": (time.perf_counter() - t0) * 1e3}
 

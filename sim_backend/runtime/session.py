@@ -48,6 +48,8 @@ class RuntimeSession:
         #: context per sequence in tokens (the calbin's, facts.md F2) and the logits' vocabulary size
         self.context: int = b.context
         self.vocab: int = board.shape.vocab
+        #: the bundle the device runs (its model family and tokenizer source)
+        self.bundle: Bundle = b
         self.parallel = parallel
         self._rr = 0
 

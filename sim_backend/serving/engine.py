@@ -93,7 +93,7 @@ from sim_backend.errors import (
     RequestCancelled,
     UnavailableError,
 )
-from sim_backend.model.tokenizer import EOS_IDS, get_tokenizer
+from sim_backend.model.families import tokenizer_for
 from sim_backend.planes.metrics import MetricsRegistry, percentiles, request_latencies
 from sim_backend.planes.types import (
     SLO,
@@ -171,7 +171,12 @@ class Engine(KVPressure):
         #: requested / free / capacity / held cells, fits_alone, and "others" (what each other running request
         #: held then). Read by tests and diagnostics; bounded.
         self.kv_pressure_log: deque[dict] = deque(maxlen=512)
-        self.tokenizer = get_tokenizer()
+        # the bundle's tokenizer (Qwen3's BPE, or a GGUF's own for the dense pilot); a stand-in runtime
+        # without a bundle gets Qwen3's
+        self.tokenizer = tokenizer_for(getattr(rt, "bundle", None))
+        self._eos_ids = frozenset(self.tokenizer.eos_ids)
+        #: token ids the timing-only stand-in draws from: the tokenizer's ordinary text tokens
+        self._text_ids = tuple(getattr(self.tokenizer, "text_id_range", (0, 151643)))
         self.n_ctx = rt.context
         self.n_slots = n_slots
         self.queue_limit = queue_limit
@@ -283,7 +288,8 @@ class Engine(KVPressure):
             handle._engine_wake = functools.partial(self._on_cancel, rid)
             booked_us = self.host_booking.before(tok_us)
             self.rt.clock.host_span(arrival, booked_us)  # tokenising is host work on the request's clock
-            r = _Request(rid, req, prompt, handle, arrival / 1e3, tok_us / 1e3)
+            r = _Request(rid, req, prompt, handle, arrival / 1e3, tok_us / 1e3, tokenizer=self.tokenizer,
+                         vocab=int(self.rt.vocab))
             r.host_booked_ms += booked_us / 1e3
             r.tokenized_ms = (arrival + booked_us) / 1e3
             self._queue.append(r)
@@ -840,7 +846,7 @@ class Engine(KVPressure):
     def _sample(self, r: _Request, res) -> int:
         if res.logits_bf16 is None or not r.numeric:
             # timing-only: no logits exist; a seeded generator stands in (labelled in Timings.numerics)
-            return int(r.fallback_rng.integers(0, 151643))
+            return int(r.fallback_rng.integers(*self._text_ids))
         # BF16 bits widen straight into the sampler's scratch buffer: no FP32 copy per step
         return r.sampler.sample_bf16(res.logits_bf16, r.prompt + r.generated if r.req.sampling.has_penalties else ())
 
@@ -852,7 +858,7 @@ class Engine(KVPressure):
         prefix, an incomplete UTF-8 sequence) is NOT flushed here; see ``_final_flush``.
         """
         r.generated.append(tok)
-        if tok in EOS_IDS:
+        if tok in self._eos_ids:
             return "", ("eos", "")
         r.pending_token = tok
         piece = r.decoder.push(tok)

@@ -33,7 +33,7 @@ class _Request:
     """Engine-side state of one request. Times in simulated ms unless named host."""
 
     def __init__(self, rid: int, req: ChatRequest, prompt: list[int], handle: RequestHandle, arrival_ms: float,
-                 tokenize_ms: float) -> None:
+                 tokenize_ms: float, *, tokenizer: Any = None, vocab: int | None = None) -> None:
         self.id = rid
         self.req = req
         if req.max_tokens is None:  # validate_request refuses this before a _Request is made
@@ -60,8 +60,9 @@ class _Request:
         self.tokenized_ms = arrival_ms  # simulated ms the prompt was tokenised (queue time starts here)
         self.device = {"h2d": 0.0, "infer": 0.0, "d2h": 0.0}
         self.tokenize_reported = False
-        self.sampler = Sampler(req.sampling)
-        self.decoder = StreamDecoder(skip_special=True)
+        # the model's vocabulary and tokenizer (defaults: Qwen3's)
+        self.sampler = Sampler(req.sampling) if vocab is None else Sampler(req.sampling, vocab)
+        self.decoder = StreamDecoder(tokenizer, skip_special=True)
         self.matcher = StopStringMatcher(req.stop)
         self.numeric = True
         self.kv_epoch = -1  # KVCacheManager.epoch at admission

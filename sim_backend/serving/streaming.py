@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
+from typing import Any
 
 from sim_backend.errors import InvalidRequestError
 from sim_backend.model.tokenizer import Qwen3Tokenizer, get_tokenizer
+
+Tokenizer = Any  # Qwen3Tokenizer or another family's (model.families.gguf_tokenizer.GGUFTokenizer)
 
 
 class StreamDecoder:
@@ -21,7 +24,7 @@ class StreamDecoder:
     dropped from the output (padding ids always decode to nothing).
     """
 
-    def __init__(self, tokenizer: Qwen3Tokenizer | None = None, *, skip_special: bool = False) -> None:
+    def __init__(self, tokenizer: Qwen3Tokenizer | Tokenizer | None = None, *, skip_special: bool = False) -> None:
         self._tok = tokenizer or get_tokenizer()
         self.skip_special = skip_special
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -29,7 +32,7 @@ class StreamDecoder:
     def push(self, token_id: int) -> str:
         """Feed one token id; return newly complete text."""
         b = self._tok.token_bytes(token_id)
-        if self.skip_special and Qwen3Tokenizer.is_special(token_id):
+        if self.skip_special and self._tok.is_special(token_id):
             return ""
         return self._dec.decode(b, final=False)
 

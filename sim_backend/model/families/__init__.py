@@ -7,3 +7,40 @@
 ``clear_kv()``; the op graph (``opgraph.build_graph``), cost model and memory plan follow
 ``ModelShape.family``.
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sim_backend.bundle.shapes import ModelShape, NumericShape
+
+if TYPE_CHECKING:
+    from sim_backend.bundle.manifest import Bundle
+
+
+def build_numerics(shape: ModelShape, num: NumericShape, n_cells: int) -> Any:
+    """The sharded numerics of ``shape``'s family with ``n_cells`` KV cells per chip.
+
+    ``qwen3_moe``: ``numerics.ShardedModel`` (synthetic weights from ``num.seed``);
+    ``llama_dense``: ``llama_dense.DenseShardedModel`` (weights read from ``num.weights_file``,
+    dequantised at load: host wall seconds). Raises ManifestError (weights file) or ValueError.
+    """
+    if shape.is_moe:
+        from sim_backend.model.numerics import ShardedModel
+        return ShardedModel(shape, num, n_cells=n_cells)
+    from sim_backend.model.families.llama_dense import DenseShardedModel
+    return DenseShardedModel(shape, num, n_cells=n_cells)
+
+
+def tokenizer_for(bundle: Bundle | None) -> Any:
+    """The tokenizer a bundle's model speaks: the Qwen3 BPE (``tokenizer_source`` "qwen3", also for
+    None), or the GGUF's own (``"gguf"``: vocabulary, merges, control tokens and chat template).
+    Raises ManifestError when the GGUF or a package for it is missing."""
+    if bundle is None or bundle.tokenizer_source == "qwen3":
+        from sim_backend.model.tokenizer import get_tokenizer
+        return get_tokenizer()
+    from sim_backend.model.families.gguf_file import open_gguf
+    from sim_backend.model.families.gguf_tokenizer import gguf_tokenizer
+    f = open_gguf(bundle.numeric.weights_file)
+    f.check_shape(bundle.shape)
+    return gguf_tokenizer(f.meta)
