@@ -6,6 +6,8 @@ import argparse
 
 from .common import add_connect_options, connect_from_args, fail, print_json
 
+DEFAULT_TAIL = 1000
+
 
 def register(sub, common) -> None:
     p = sub.add_parser("audit", help="print the maintenance audit log",
@@ -17,13 +19,18 @@ def register(sub, common) -> None:
                                    "audit record) is shown as 'corrupt' with its line number and counted on "
                                    "stderr; the exit code stays 0. A path that is not a regular file (a FIFO, "
                                    "a directory) is refused with exit code 2. With --connect URL (and the admin "
-                                   "key) the log is the running server's, read over HTTP.")
+                                   "key) the log is the running server's, read over HTTP. Only the last "
+                                   f"{DEFAULT_TAIL} entries by default, read from the end of the log without "
+                                   "reading the rest (--tail N for another count, --all for every entry, the "
+                                   "rotated files <log>.1, .2 ... included).")
     # SUPPRESS: do not clobber a top-level ``calconsole --audit-log X audit``
     p.add_argument("--audit-log", metavar="PATH", default=argparse.SUPPRESS,
                    help="audit log (default: $CALCONSOLE_AUDIT_LOG or the user state dir)")
     p.add_argument("--json", action="store_true", help="print JSON (a list of entries)")
     p.add_argument("--raw", action="store_true", help="the raw started/finished records, as JSON")
-    p.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N entries")
+    p.add_argument("--tail", type=int, default=None, metavar="N",
+                   help=f"only the last N entries (default {DEFAULT_TAIL}), read from the end of the log")
+    p.add_argument("--all", action="store_true", help="every entry, the rotated files included (reads them all)")
     add_connect_options(p)
     p.set_defaults(func=run)
 
@@ -35,6 +42,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.tail is not None and args.tail < 1:
         return fail(f"--tail must be >= 1, got {args.tail}")
+    if args.tail is not None and args.all:
+        return fail("give --tail N or --all, not both")
+    tail = None if args.all else (args.tail or DEFAULT_TAIL)
+    more = False
     if args.connect:
         if args.raw:
             return fail("--raw reads the log file itself; over HTTP (--connect) the server gives its entries")
@@ -44,12 +55,14 @@ def run(args: argparse.Namespace) -> int:
                 if remote.kind == "llama-server":
                     # a llama-server keeps no audit log: its calls were audited here, with their origin
                     records = [e for e in remote.maintenance.audit.entries()
-                               if (e.get("origin") or {}).get("server") == remote.url]
+                               if (e.get("origin") or {}).get("server") == remote.url][-(tail or 10_000):]
                     where = f"{remote.maintenance.audit.path} (entries for {remote.url})"
                 elif getattr(args, "audit_log", None) is not None:
                     return fail("--audit-log names a local file; with --connect the server's log is read")
                 else:
-                    records = remote.maintenance.audit.entries()
+                    from ..remote.maintenance import AUDIT_LIMIT
+
+                    records = remote.maintenance.audit.entries(limit=min(tail or AUDIT_LIMIT, AUDIT_LIMIT))
                     where = f"{remote.url} · {remote.maintenance.audit.path}"
         except (CalError, ValueError) as e:
             return fail(str(e))
@@ -59,18 +72,27 @@ def run(args: argparse.Namespace) -> int:
         log = AuditLog(getattr(args, "audit_log", None))
         where = str(log.path)
         try:
-            records = log.read()
+            if tail is None:
+                records = log.read_all()
+            elif args.raw:
+                records, more = log.tail_records(tail)
+            else:
+                entries, records, more = log.tail_read(tail)
         except AuditLogError as e:
             return fail(str(e))
         except OSError as e:
             return fail(f"cannot read audit log {log.path}: {e.strerror or e}")
         n_corrupt = sum(1 for r in records if "corrupt" in r and "phase" not in r)
-        entries = records if args.raw else summarize(records)
+        if tail is None or args.raw:
+            entries = records if args.raw else summarize(records)
     if n_corrupt:
         print(f"calconsole: warning: {n_corrupt} of {len(records)} lines of {where} are unreadable "
               f"(shown as corrupt); the rest was read", file=sys.stderr)
-    if args.tail is not None:
-        entries = entries[-args.tail:]
+    if tail is not None:
+        entries = entries[-tail:]
+    if more:
+        print(f"calconsole: the last {len(entries)} entries of {where}; older ones exist (--tail N, --all)",
+              file=sys.stderr)
     if args.json or args.raw:  # raw records have no table form: --raw implies JSON
         print_json(entries)
         return 0

@@ -185,6 +185,9 @@ class ServingFace:
         # set by run._config when served: the connection guard and the bound on requests in progress (conns)
         self.conn_guard: Any = None
         self.request_bound: Any = None
+        from .refusals import RefusalSummary
+
+        self.refusals = RefusalSummary()
         if self.maintenance is not None:
             from .leases import LeaseTable
 
@@ -242,24 +245,35 @@ class ServingFace:
         if label is None:
             self.stats.refused_auth += 1
             what = "API key" if kind == "api" else "admin key"
-            if kind == "admin":
-                self.audit_refusal(request, request.url.path, "authentication failed: missing or wrong admin key",
-                                   key_label="(none)")
             err = HTTPError(401, "authentication_error", f"Invalid {what}")
-            err.audited = kind == "admin"
+            if kind == "admin":  # audited by the route wrapper, off the event loop, summarised per peer
+                err.audit_action, err.unauthenticated = request.url.path, True
             raise err
         return label
 
-    def audit_refusal(self, request: Request, action: str, reason: str, *, key_label: str,
-                      args: dict[str, Any] | None = None) -> None:
-        """A refusal decided by the face (not the plane) as one audit record with the remote address."""
+    async def audit_refusal(self, request: Request, action: str, reason: str, *, key_label: str,
+                            unauthenticated: bool = False, args: dict[str, Any] | None = None) -> None:
+        """A refusal decided by the face (not the plane) as one audit record with the remote address,
+        written in a worker thread (its fsync never stalls the event loop). ``unauthenticated``: the
+        caller had no valid admin key: the first refusal of a window per peer address is written, the
+        rest are counted into a summary record (``refusals``)."""
         if self.audit is None:
             return
         from sim_backend.planes import audit_origin
 
-        try:
-            with audit_origin({"remote": remote_of(request), "key": key_label, "via": "http"}):
+        remote = remote_of(request)
+        if unauthenticated and not self.refusals.note_unauthenticated(remote.rsplit(":", 1)[0], action):
+            return
+        origin = {"remote": remote, "key": key_label, "via": "http"}
+
+        def write() -> None:
+            with audit_origin(origin):
                 self.audit.event(action, dict(args or {}), granted=False, ok=False, result=reason, duration_ms=0.0)
+            if self.refusals.pending():
+                self.refusals.flush(self.audit)
+
+        try:
+            await self.call(write)
         except Exception as e:  # noqa: BLE001 - the refusal still stands; say the audit failed
             log.error("audit log write failed for a refused %s: %s", action, e)
 
@@ -680,6 +694,11 @@ def _wrap(face: ServingFace, handler: Handler, auth: str) -> Handler:
                 request.state.key_label = face.authorize(request, auth)
             return await handler(request)
         except HTTPError as e:
+            if e.audit_action is not None and not e.audited:
+                reason = "authentication failed: missing or wrong admin key" if e.unauthenticated else e.message
+                await face.audit_refusal(request, e.audit_action, reason, unauthenticated=e.unauthenticated,
+                                         key_label="(none)" if e.unauthenticated
+                                         else getattr(request.state, "key_label", "?"))
             return JSONResponse(e.body(), status_code=e.status)
         except CalError as e:
             err = wire.from_cal_error(e)

@@ -8,7 +8,8 @@ name (``"device"``), the HTTP form of the console's typed confirmation.
 Audit: the plane audits every call it receives, granted or refused, and each record carries
 ``origin`` {remote address, key label, via http} (never the key). Refusals decided here, before
 the plane is called (wrong admin key, missing / unknown / expired lease, wrong device name), are
-audited by the face as ``granted: false`` events. Granted lease renewals are not audited (one
+audited by the face as ``granted: false`` events, written in a worker thread; refusals of callers
+without a valid admin key are summarised per address and interval (``refusals``). Granted lease renewals are not audited (one
 every few seconds would bury the log); refused ones are.
 
 Status of a refusal: 400 ``invalid_request_error`` for a bad argument (a body that does not parse, a
@@ -19,7 +20,8 @@ another holder, a read-only register); 401 for a wrong admin key.
 
 Routes (POST with a JSON body unless GET):
     GET  /maintenance/status                      mode, holder, lease expiry, faults, memory state
-    GET  /maintenance/audit?limit=N               the last N audit entries (default 100)
+    GET  /maintenance/audit?limit=N               the last N audit entries (default 100), read from the end of
+                                                  the log; ``more``: older entries exist
     POST /maintenance/exclusive  {holder, drain_timeout_s?}  -> {lease_id, ttl_s, expires_in_s, drain}
     POST /maintenance/lease/renew {lease_id}
     POST /maintenance/leave      {lease_id, force?}
@@ -88,9 +90,8 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
 
     def refuse(request: Request, action: str, reason: str, status: int = 403,
                type_: str = "permission_error") -> HTTPError:
-        face.audit_refusal(request, action, reason, key_label=getattr(request.state, "key_label", "?"))
         err = HTTPError(status, type_, reason)
-        err.audited = True
+        err.audit_action = action  # written by the face's route wrapper, in a worker thread
         return err
 
     def audited(handler: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
@@ -99,9 +100,8 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
             try:
                 return await handler(request)
             except HTTPError as e:
-                if not e.audited:
-                    face.audit_refusal(request, request.url.path, e.message,
-                                       key_label=getattr(request.state, "key_label", "?"))
+                if not e.audited and e.audit_action is None:
+                    e.audit_action = request.url.path
                 raise
 
         return h
@@ -139,8 +139,14 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
         raw = request.query_params.get("limit", "100")
         if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_AUDIT_ENTRIES:  # '²'.isdigit()
             raise wire.bad_request(f"'limit' must be an integer in [1, {MAX_AUDIT_ENTRIES}], got {raw!r}")
-        entries = await face.call(lambda: m.audit.entries())
-        return _json({"path": str(m.audit.path), "entries": entries[-int(raw):], "total": len(entries)})
+        # read from the end: the cost is that of the entries asked for, not of the log (audit.AuditLog.tail)
+        tail = getattr(m.audit, "tail", None)
+        if tail is not None:
+            entries, more = await face.call(tail, int(raw))
+        else:
+            every = await face.call(m.audit.entries)
+            entries, more = every[-int(raw):], len(every) > int(raw)
+        return _json({"path": str(m.audit.path), "entries": entries, "more": more})
 
     async def enter(request: Request) -> Response:
         body = await body_of(request)
@@ -274,3 +280,5 @@ async def reaper(face: ServingFace, period_s: float = 0.5) -> None:
         await anyio.sleep(period_s)
         if face.leases is not None and face.leases.held is not None:
             await face.call(reap_expired, face)
+        if face.audit is not None and face.refusals.pending():  # summaries of refusal windows that ended
+            await face.call(face.refusals.flush, face.audit)

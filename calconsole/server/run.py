@@ -67,6 +67,11 @@ def _app_with_lifespan(face: ServingFace, on_started: Callable[[], None] | None 
                 on_started()  # signal handlers are in place by now: a stop from here on is a clean one
             yield
             tg.cancel_scope.cancel()
+        if face.audit is not None:  # the refusal windows still open: their summaries, before the log closes
+            try:
+                await anyio.to_thread.run_sync(lambda: face.refusals.flush(face.audit, force=True))
+            except Exception as e:  # noqa: BLE001 - stopping goes on; say what was not written
+                log.error("audit log: refusal summaries not written at stop: %s", e)
 
     app.router.lifespan_context = lifespan
     c = face.config

@@ -48,6 +48,9 @@ class HTTPError(Exception):
         self.message = message
         self.extra = extra
         self.audited = False  # maintenance routes: already in the audit log (else the route audits it)
+        #: a refusal to audit (the action's name), written by the route wrapper off the event loop
+        self.audit_action: str | None = None
+        self.unauthenticated = False  # refused for a missing or wrong admin key: summarised per peer (refusals)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}}

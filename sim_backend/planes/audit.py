@@ -1,7 +1,13 @@
 """Append-only audit log of maintenance calls (JSON lines).
 
 Every maintenance call, granted or refused, is written with aiofiles,
-flushed and fsync'd before the action is reported done. An action writes a
+flushed and fsync'd before the action is reported done.
+
+The log has a size cap: an append that would take the file past ``max_bytes`` first renames it
+to ``<path>.1`` (``.1`` to ``.2`` ... up to ``backups`` files; the oldest is dropped), as
+logrotate and Python's ``RotatingFileHandler`` do, so the log's disk use is bounded by
+``(backups + 1) x max_bytes``. ``tail(n)`` reads the newest entries from the end of the file
+(and of the rotated files, as far as it needs) without reading or parsing the rest. An action writes a
 ``started`` record before it runs and a ``finished`` record after, so a crash
 in the middle leaves a log showing the action began and did not end.
 
@@ -37,6 +43,9 @@ from sim_backend.errors import CalError
 PHASES = ("started", "finished", "event")
 MAX_DEPTH = 32  # JSON nesting a record may have (real records nest 3 levels)
 MAX_LINE_BYTES = 1 << 20  # a longer line is corrupt; the reader never holds more than this of it
+DEFAULT_MAX_BYTES = 32 << 20  # one log file; an append past it rotates (module docstring)
+DEFAULT_BACKUPS = 3  # rotated files kept: <path>.1 (newest) .. <path>.3
+TAIL_BLOCK_BYTES = 64 << 10  # the tail reader reads backwards in blocks of this size
 CORRUPT_TEXT_CHARS = 1000  # how much of a corrupt line is kept
 
 
@@ -118,10 +127,45 @@ def audit_origin(origin: dict[str, Any]) -> Any:
 class AuditLog:
     """JSON-lines audit log at ``path`` (created with parents on first write)."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                 backups: int = DEFAULT_BACKUPS) -> None:
+        if max_bytes < 4096 or not 0 <= backups <= 100:
+            raise ValueError(f"audit log: max_bytes must be >= 4096 and backups in 0..100, got {max_bytes}, {backups}")
         self.path = Path(path) if path is not None else default_audit_path()
+        self.max_bytes = max_bytes
+        self.backups = backups
+        self.rotations = 0
         self._lock = threading.Lock()
         self.user = _os_user()
+
+    def rotated_paths(self) -> list[Path]:
+        """The rotated files that exist, newest first (``<path>.1``, ``<path>.2``, ...)."""
+        out = []
+        for i in range(1, self.backups + 1):
+            p = self.path.with_name(f"{self.path.name}.{i}")
+            if not p.exists():
+                break
+            out.append(p)
+        return out
+
+    def _rotate_if_needed(self, incoming: int) -> None:
+        """Rename the log away if ``incoming`` more bytes would take it past ``max_bytes`` (lock held)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return  # missing: the append creates it
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0 or st.st_size + incoming <= self.max_bytes:
+            return
+        if self.backups == 0:
+            os.truncate(self.path, 0)
+        else:
+            name = self.path.name
+            for i in range(self.backups - 1, 0, -1):
+                src = self.path.with_name(f"{name}.{i}")
+                if src.exists():
+                    os.replace(src, self.path.with_name(f"{name}.{i + 1}"))
+            os.replace(self.path, self.path.with_name(f"{name}.1"))
+        self.rotations += 1
 
     def _refuse_special(self) -> None:
         # opening a FIFO or device could block or write somewhere else entirely
@@ -192,6 +236,7 @@ class AuditLog:
         # ASCII only: a line torn by a crash can never end inside a multi-byte character
         line = (json.dumps(rec, default=str, ensure_ascii=True) + "\n").encode("ascii")
         with self._lock:
+            self._rotate_if_needed(len(line))
             try:
                 asyncio.get_running_loop()
                 running = True
@@ -228,12 +273,59 @@ class AuditLog:
                             "granted": granted, "ok": ok, "result": result, "duration_ms": round(duration_ms, 3),
                             **({"sim_ms": round(sim_ms, 3)} if sim_ms is not None else {})})
 
-    def entries(self) -> list[dict[str, Any]]:
-        """``summarize(self.read())``: one entry per action, oldest first."""
-        return summarize(self.read())
+    def entries(self, limit: int | None = None) -> list[dict[str, Any]]:
+        """One entry per action, oldest first: ``summarize(self.read())``, or with ``limit`` the last
+        ``limit`` entries, read from the end (``tail``)."""
+        if limit is None:
+            return summarize(self.read())
+        return self.tail(limit)[0]
+
+    def tail(self, n: int) -> tuple[list[dict[str, Any]], bool]:
+        """(the last ``n`` entries oldest first, whether older ones exist), read from the end of the log
+        and of its rotated files as far as needed; the cost is that of the entries read, not of the log.
+
+        An action whose ``started`` record lies beyond the window is an entry of its ``finished``
+        record alone (which repeats the action, arguments, user and time). Corrupt lines are corrupt
+        entries, as in ``read`` (without a line number: the tail does not count the lines before it).
+        Raises ValueError for n < 1, AuditLogError / OSError as ``read``.
+        """
+        entries, _records, more = self.tail_read(n)
+        return entries, more
+
+    def tail_read(self, n: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]], bool]:
+        """``tail`` with the records it read: (last ``n`` entries, the records read, older ones exist)."""
+        if n < 1:
+            raise ValueError(f"tail: n must be >= 1, got {n}")
+        want = 2 * n + 8  # records: a finished action is two
+        while True:
+            records, more = self.tail_records(want)
+            entries = summarize(records)
+            if len(entries) > n or not more:
+                return entries[-n:], records, more or len(entries) > n
+            want *= 4
+
+    def tail_records(self, n: int) -> tuple[list[dict[str, Any]], bool]:
+        """(the last ``n`` records oldest first, whether older records exist): the current file first,
+        then the rotated ones, newest first, until ``n`` are read. Records as ``read`` gives them."""
+        out: list[dict[str, Any]] = []
+        files = [self.path, *self.rotated_paths()]
+        for i, p in enumerate(files):
+            got, more = _tail_file(p, n - len(out))
+            out[:0] = got
+            if len(out) >= n:
+                return out, more or i < len(files) - 1
+        return out, False
+
+    def read_all(self) -> list[dict[str, Any]]:
+        """``read`` of the rotated files, oldest first, then of the log: every record kept."""
+        out: list[dict[str, Any]] = []
+        for p in reversed(self.rotated_paths()):
+            out.extend(AuditLog(p).read())
+        return out + self.read()
 
     def read(self) -> list[dict[str, Any]]:
-        """All records, oldest first. Never fails on a damaged log.
+        """All records of the log file (not of its rotated files: ``read_all``), oldest first.
+        Never fails on a damaged log.
 
         Each unreadable line (not UTF-8, not JSON, not a JSON object, nested deeper than
         MAX_DEPTH, longer than MAX_LINE_BYTES, no valid ``id``/``phase``/``action``) is
@@ -272,6 +364,57 @@ class AuditLog:
                 if raw:
                     out.append(parse_line(raw, n))
         return out
+
+
+def _tail_file(path: Path, n: int) -> tuple[list[dict[str, Any]], bool]:
+    """The last ``n`` records of one file, oldest first, and whether lines remain before them.
+
+    Reads backwards in TAIL_BLOCK_BYTES blocks; never holds more than MAX_LINE_BYTES of one line
+    (a longer line is one corrupt record). A missing file has no records.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return [], False
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise AuditLogError(path, f"is {_kind(mode)}, not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb") as f:
+        pos = f.seek(0, os.SEEK_END)
+        lines: list[dict[str, Any]] = []
+        partial = b""  # the start of the line being read (its end is already in ``partial``)
+        overlong = False
+        while pos > 0 and len(lines) < n:
+            step = min(TAIL_BLOCK_BYTES, pos)
+            pos -= step
+            f.seek(pos)
+            block = f.read(step)
+            parts = block.split(b"\n")
+            # parts[-1] continues the line after this block; parts[0] may continue before it
+            parts[-1] += partial
+            for i in range(len(parts) - 1, 0, -1):
+                raw = parts[i]
+                if overlong:
+                    lines.append(_corrupt(raw[:MAX_LINE_BYTES], 0, f"line longer than {MAX_LINE_BYTES} bytes"))
+                    overlong = False
+                elif raw.strip():
+                    lines.append(parse_line(raw.strip(), 0))
+                if len(lines) >= n:
+                    return lines[::-1], pos > 0 or any(q.strip() for q in parts[:i])
+            partial = parts[0]
+            if len(partial) > MAX_LINE_BYTES:
+                partial, overlong = partial[:MAX_LINE_BYTES], True
+        if len(lines) < n and (partial.strip() or overlong):
+            if overlong:
+                lines.append(_corrupt(partial, 0, f"line longer than {MAX_LINE_BYTES} bytes"))
+            else:
+                lines.append(parse_line(partial.strip(), 0))
+            partial = b""
+        return lines[::-1], pos > 0 or bool(partial.strip())
 
 
 def _corrupt(raw: bytes, n: int, reason: str) -> dict[str, Any]:

@@ -147,3 +147,66 @@ def test_crash_mid_action_leaves_started_without_finished(tmp_path):
 @pytest.mark.parametrize("bad", ["0", "-2"])
 def test_audit_tail_must_be_positive(tmp_path, bad, capsys):
     assert main(["audit", "--audit-log", str(tmp_path / "a.jsonl"), "--tail", bad]) == 2
+
+
+def test_the_log_rotates_at_its_size_cap_and_keeps_its_backups(tmp_path):
+    log = AuditLog(tmp_path / "a.jsonl", max_bytes=8192, backups=2)
+    for i in range(300):
+        log.event("probe", {"i": i}, granted=True, ok=True, result="ok", duration_ms=0.0)
+    files = [log.path, *log.rotated_paths()]
+    assert [p.name for p in files] == ["a.jsonl", "a.jsonl.1", "a.jsonl.2"] and log.rotations >= 3
+    assert all(p.stat().st_size <= 8192 for p in files)
+    assert not (tmp_path / "a.jsonl.3").exists()  # the oldest was dropped: disk use is bounded
+    kept = [r["args"]["i"] for r in log.read_all()]
+    assert kept == list(range(300 - len(kept), 300))  # every kept record, in order, none torn
+
+
+def test_tail_reads_the_newest_entries_from_the_end(tmp_path, monkeypatch):
+    from sim_backend.planes import audit as audit_mod
+
+    log = AuditLog(tmp_path / "a.jsonl")
+    for i in range(100):
+        a = log.start("reset", {"i": i})
+        log.finish(a, "reset", {"i": i}, granted=True, ok=True, result="done", duration_ms=1.0)
+    log.start("self_test", {})  # still running (or crashed)
+    with open(log.path, "a") as f:
+        f.write("{not json\n")
+    parsed: list[int] = []
+    real = audit_mod.parse_line
+    monkeypatch.setattr(audit_mod, "parse_line", lambda raw, n=0: parsed.append(1) or real(raw, n))
+    entries, more = log.tail(3)
+    assert [e["status"] for e in entries] == ["granted", "did not finish", "corrupt"] and more
+    assert entries[0]["args"] == {"i": 99} and entries[0]["duration_ms"] == 1.0
+    assert len(parsed) < 20  # the tail was read, not the 200 lines before it
+    monkeypatch.setattr(audit_mod, "parse_line", real)
+    every = summarize(log.read())
+    for n in (1, 2, 50, 102):
+        got, more = log.tail(n)
+        assert [(e["id"], e["status"]) for e in got] == [(e["id"], e["status"]) for e in every[-n:]]
+        assert more == (n < len(every))
+    assert log.tail(10_000) == (log.tail(102)[0], False)
+
+
+def test_tail_continues_into_the_rotated_files(tmp_path):
+    log = AuditLog(tmp_path / "a.jsonl", max_bytes=4096, backups=3)
+    for i in range(40):
+        log.event("probe", {"i": i}, granted=True, ok=True, result="ok", duration_ms=0.0)
+    assert log.rotated_paths()
+    n_current = len(log.read())
+    entries, more = log.tail(n_current + 5)
+    assert [e["args"]["i"] for e in entries] == list(range(40 - n_current - 5, 40))
+
+
+def test_tail_bounds_an_overlong_line(tmp_path, monkeypatch):
+    from sim_backend.planes import audit as audit_mod
+
+    monkeypatch.setattr(audit_mod, "MAX_LINE_BYTES", 1000)
+    monkeypatch.setattr(audit_mod, "TAIL_BLOCK_BYTES", 256)
+    log = AuditLog(tmp_path / "a.jsonl")
+    log.event("before", {}, granted=True, ok=True, result="ok", duration_ms=0.0)
+    with open(log.path, "a") as f:
+        f.write("x" * 5000 + "\n")
+    log.event("after", {}, granted=True, ok=True, result="ok", duration_ms=0.0)
+    entries, more = log.tail(3)
+    assert [e["action"] for e in entries] == ["before", "?", "after"] and not more
+    assert "longer than 1000 bytes" in entries[1]["result"]
