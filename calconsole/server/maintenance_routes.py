@@ -9,8 +9,8 @@ Audit: the plane audits every call it receives, granted or refused, and each rec
 ``origin`` {remote address, key label, via http} (never the key). Refusals decided here, before
 the plane is called (wrong admin key, missing / unknown / expired lease, wrong device name), are
 audited by the face as ``granted: false`` events, written in a worker thread; refusals of callers
-without a valid admin key are summarised per address and interval (``refusals``). Granted lease renewals are not audited (one
-every few seconds would bury the log); refused ones are.
+without a valid admin key are summarised per address and interval (``refusals``). Granted lease
+renewals are not audited (one every few seconds would bury the log); refused ones are.
 
 Status of a refusal: 400 ``invalid_request_error`` for a bad argument (a body that does not parse, a
 field of the wrong type, ``MaintenanceArgumentError`` from the plane: an unknown fault kind, a count
