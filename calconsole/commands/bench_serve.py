@@ -18,7 +18,11 @@ sustained: at real-time pacing (--speed), clients 1, 2, 4, ... for --duration s 
   by more than --lag-margin percent; the figure is the most clients whose streams all kept up
   (searching upward, stopping at the first that fell behind).
 
-With --url the sweep runs against that server; the overhead needs the in-process plane and is
+keepalive: GET /health median and P95 (host wall ms) on one kept-alive connection (what the
+  OpenAI SDK and httpx do) beside a new connection per request; a kept-alive request should cost
+  well under 1 ms on loopback.
+
+With --url the keep-alive and sweep phases run against that server; the overhead needs the in-process plane and is
 skipped; the sustained search runs if the server's /props says it paces in real time.
 Host wall ms and simulated device ms are labelled everywhere; a benchmark, not a test.
 """
@@ -51,9 +55,11 @@ from ..bench.serve_load import (
 )
 from .common import fail, print_json
 
-PHASES = ("sweep", "overhead", "sustained")
+PHASES = ("keepalive", "sweep", "overhead", "sustained")
 #: phases run only when named in --phases (the soak takes half an hour by default)
 EXTRA_PHASES = ("soak",)
+#: GET /health requests per leg of the keep-alive phase (the first 10 are warm-up)
+KEEPALIVE_REQUESTS = 200
 # Defaults from the operators' experiment matrix (facts.md F8): clients 1..16, the three mixes, prompt
 # and output lengths from its length lists, 3 warm-up runs, at least 20 measured; kept out of the
 # help texts, which cite no document the user does not have.
@@ -403,6 +409,29 @@ async def sustained(b: Bench, url: str, speed: float) -> dict[str, Any]:
 
 # --- the command ---------------------------------------------------------------------------------
 
+async def keepalive(b: Bench, url: str, n: int = KEEPALIVE_REQUESTS) -> dict[str, Any]:
+    """GET /health latency (host wall ms) on one kept-alive connection and on a new connection each time."""
+    import statistics
+
+    import httpx
+
+    out: dict[str, Any] = {"requests": n, "clock": "host wall ms", "path": "/health"}
+    for name, keep in (("kept_alive", 1), ("new_connection", 0)):
+        times: list[float] = []
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=keep)
+        async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10.0, limits=limits) as client:
+            for i in range(n + 10):
+                t0 = time.perf_counter()
+                r = await client.get("/health", headers=b.headers)
+                if i >= 10:
+                    times.append((time.perf_counter() - t0) * 1e3)
+                if r.status_code != 200:
+                    raise BenchError(f"GET /health answered {r.status_code}: {r.text[:200]}")
+        times.sort()
+        out[name] = {"median_ms": statistics.median(times), "p95_ms": times[int(0.95 * (len(times) - 1))]}
+    return out
+
+
 async def _props(b: Bench, url: str) -> dict[str, Any] | None:
     async with b.client(url, 1) as client:
         try:
@@ -428,7 +457,8 @@ def run(args: argparse.Namespace) -> int:
                            "shapes": {k: {"prompt_tokens": s.prompt_tokens, "output_tokens": s.output_tokens}
                                       for k, s in b.shapes.items()},
                            "slo": opts["slo"].to_dict() if opts["slo"] is not None else None,
-                           "configurations": [], "overhead": None, "sustained": None, "soak": None}
+                           "configurations": [], "overhead": None, "sustained": None, "soak": None,
+                           "keepalive": None}
     t0 = time.perf_counter()
     try:
         if args.url is not None:
@@ -457,8 +487,10 @@ def _run_in_process(b: Bench, rep: dict[str, Any]) -> None:
     queue = max(16, top)
     rep["server"] = {"numerics": args.numerics, "sweep_pacing": args.pacing, "speed": args.speed,
                      "sweep_slots": args.slots, "note": "client and server share this process (one interpreter)"}
-    if "sweep" in opts["phases"] or "overhead" in opts["phases"]:
+    if {"keepalive", "sweep", "overhead"} & set(opts["phases"]):
         with in_process_server(args, pacing=args.pacing, slots=args.slots, queue=queue, slo=opts["slo"]) as (url, sys_):
+            if "keepalive" in opts["phases"]:
+                rep["keepalive"] = asyncio.run(keepalive(b, url))
             if "sweep" in opts["phases"]:
                 rep["configurations"] = asyncio.run(sweep(b, url, args.pacing))
             if "overhead" in opts["phases"] and args.pacing == "fast":
@@ -485,6 +517,8 @@ def _run_remote(b: Bench, rep: dict[str, Any]) -> None:
     pacing, speed = dev.get("pacing"), dev.get("pacing_speed")
     rep["server"] = {"numerics": dev.get("numerics"), "pacing": pacing, "speed": speed,
                      "slots": props.get("total_slots")}
+    if "keepalive" in opts["phases"]:
+        rep["keepalive"] = asyncio.run(keepalive(b, url))
     if "sweep" in opts["phases"]:
         rep["configurations"] = asyncio.run(sweep(b, url, str(pacing or "unknown")))
     if "overhead" in opts["phases"]:
@@ -585,6 +619,12 @@ def print_report(rep: dict[str, Any]) -> None:
                           f" (P50 {_f(row['overhead_itl_p50_ms'], 3)}; CPU {_f(row['overhead_cpu_ms_per_token'], 3)} "
                           f"ms/token; wall per output token {_f(row['overhead_wall_ms_per_token'], 3)}; "
                           f"TTFT P50 +{_f(row['overhead_ttft_p50_ms'], 2)} ms)")
+    ka = rep.get("keepalive")
+    if ka is not None:
+        k, nc = ka["kept_alive"], ka["new_connection"]
+        con.print(f"[bold]GET /health, kept-alive connection: median {_f(k['median_ms'], 3)} ms[/] "
+                  f"(P95 {_f(k['p95_ms'], 3)}); new connection each: median {_f(nc['median_ms'], 3)} ms "
+                  f"(host wall ms, {ka['requests']} requests each)")
     so = rep.get("soak")
     if so is not None:
         v = so["verdict"]

@@ -3,8 +3,8 @@
 A chat request (messages) goes to ``/v1/chat/completions``, a raw prompt (token ids) to
 ``/v1/completions``, both with ``stream: true``. The response headers give the engine's request
 id (``X-Request-Id``) and prompt length (``X-Prompt-Tokens``); each content delta becomes a
-``TokenEvent``; the final chunk's ``timings`` (all of ``Timings.to_dict``) and ``calconsole``
-extension (request id, status, stop type and word, token ids, error, seed) rebuild the same
+``TokenEvent``; the final chunk's ``calconsole`` extension (request id, status, stop type and word,
+token ids, error, seed, the whole ``Timings``; ``calconsole.codec``) rebuilds the same
 ``RequestResult`` the in-process plane returns.
 
 How a stream can end, and the result it gives:
@@ -50,20 +50,16 @@ from sim_backend.planes import (
     validate_request,
 )
 
+from ..codec import result_from_extension, timings_from_wire
 from .connection import Connection, ServerUnreachable, describe
 
 #: added to the server's step timeout for a stream's read timeout (its SSE keep-alive is every 15 s)
 STREAM_MARGIN_S = 45.0
-_TIMING_FIELDS = Timings.__struct_fields__
 
 
 def timings_from(d: Mapping[str, Any]) -> Timings:
-    """``Timings`` from its wire form (``Timings.to_dict`` plus llama.cpp's names); TypeError if a field is missing."""
-    kw = {k: d[k] for k in _TIMING_FIELDS if k in d}
-    kw["itl_ms"] = tuple(kw["itl_ms"])
-    kw["host_ms"] = dict(kw["host_ms"])
-    kw["device_ms"] = dict(kw["device_ms"])
-    return Timings(**kw)
+    """``Timings`` from its wire form (``calconsole.codec.timings_from_wire``)."""
+    return timings_from_wire(d)
 
 
 def client_timings(prompt_n: int, predicted_n: int) -> Timings:
@@ -146,15 +142,8 @@ class RemoteRequestStream(EventStream):
                              stop_type="none", stopping_word="", error=error,
                              timings=client_timings(self._prompt_n, len(self._pieces)), seed=None)
 
-    def _server_result(self, ext: Mapping[str, Any], timings: Mapping[str, Any] | None,
-                       error: Mapping[str, Any] | None = None) -> RequestResult:
-        tokens = tuple(int(t) for t in ext.get("tokens") or ())
-        t = timings_from(timings) if timings else client_timings(self._prompt_n, len(tokens))
-        err = ext.get("error") or (dict(error) if error else None)
-        return RequestResult(request_id=int(ext.get("request_id", self._id)), status=str(ext.get("status")),
-                             text="".join(self._pieces), tokens=tokens, stop_type=str(ext.get("stop_type", "none")),
-                             stopping_word=str(ext.get("stopping_word") or ""), error=err, timings=t,
-                             seed=ext.get("seed"))
+    def _server_result(self, ext: Mapping[str, Any], error: Mapping[str, Any] | None = None) -> RequestResult:
+        return result_from_extension(ext, "".join(self._pieces), request_id=self._id, error=error)
 
     def _read(self) -> None:
         import json
@@ -167,7 +156,7 @@ class RemoteRequestStream(EventStream):
                 if "error" in obj:
                     ext = obj.get("calconsole")
                     if isinstance(ext, dict):
-                        self._finish(self._server_result(ext, obj.get("timings"), obj["error"]))
+                        self._finish(self._server_result(ext, obj["error"]))
                     else:
                         err = obj["error"]
                         self._finish(self._client_result("failed", {
@@ -181,7 +170,7 @@ class RemoteRequestStream(EventStream):
                         self._events.put(TokenEvent(self._id, text, len(self._pieces), math.nan))
                 ext = obj.get("calconsole")
                 if isinstance(ext, dict):
-                    self._finish(self._server_result(ext, obj.get("timings")))
+                    self._finish(self._server_result(ext))
             if not self._done.is_set():
                 raise httpx.RemoteProtocolError("the stream ended without a final chunk")
         except Exception as e:  # noqa: BLE001 - whatever ended the read, the request gets a result
@@ -251,7 +240,7 @@ class RemoteInferencePlane:
             return len(req.prompt_tokens)
         body = {"messages": [dict(m) for m in req.messages],
                 "chat_template_kwargs": {"enable_thinking": bool(req.enable_thinking)}}
-        return int(self._conn.json("POST", "/apply-template", json_body=body)["n_prompt_tokens"])
+        return int(self._conn.json("POST", "/chat/completions/input_tokens", json_body=body)["input_tokens"])
 
     def tokenize(self, text: str, *, parse_special: bool = False) -> list[int]:
         if not isinstance(text, str):

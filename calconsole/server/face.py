@@ -22,13 +22,14 @@ one is configured; keys are compared in constant time and never logged.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ import msgspec
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -56,7 +58,9 @@ from sim_backend.planes import (
 )
 
 from .. import __version__
+from ..codec import result_extension
 from . import wire
+from .bridge import EventBridge, Formatter
 from .keys import KeyRing
 from .wire import HTTPError
 
@@ -71,8 +75,23 @@ def _dumps(obj: Any) -> str:
 #: after a stop is asked, how long a stream has to end with its error event before it is cut (host s);
 #: below uvicorn's graceful-shutdown timeout (run.GRACEFUL_S)
 SHUTDOWN_GRACE_S = 3.0
-#: how often a waiting stream looks at its client, the deadline and shutdown (host s)
+#: how often a snapshot stream looks at shutdown while it sleeps between snapshots (host s)
 POLL_S = 0.25
+
+
+class _SSE(EventSourceResponse):
+    """sse-starlette's response with an ``on_end`` hook run once it is over (finished, cut or cancelled)."""
+
+    def __init__(self, *args: Any, on_end: Callable[[], None] | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._on_end = on_end
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self._on_end is not None:
+                self._on_end()
 
 
 @dataclass
@@ -104,6 +123,9 @@ class ServeConfig:
     ping_s: float = 15.0
     #: what one peer address and all peers may hold open (``conns.ConnLimits``); None: its defaults
     conn_limits: Any = None
+    #: browser origins allowed to call the server (CORS); None: localhost and 127.0.0.1 / [::1] on any
+    #: port; ("*",): any origin (llama-server's ``--cors-origins``)
+    cors_origins: tuple[str, ...] | None = None
 
     def check(self) -> None:
         """ValueError (one line, naming the setting) for a value no server should run with."""
@@ -177,10 +199,11 @@ class ServingFace:
         self._active = 0
         self._snap_streams = 0
         self._count_lock = threading.Lock()
+        self._bridges: set[EventBridge] = set()  # requests in flight (begin_shutdown cancels them)
         # plane calls run in threads: one per in-flight generation + a few for reads and maintenance
         self.limiter = anyio.CapacityLimiter(config.max_streams + config.max_snapshot_streams + 8)
         self.created = int(time.time())
-        self.fingerprint = f"calconsole-{__version__}-sim"
+        self.fingerprint = wire.BUILD_INFO  # llama-server's b<build>-<commit> form
         self.leases: Any = None
         # set by run._config when served: the connection guard and the bound on requests in progress (conns)
         self.conn_guard: Any = None
@@ -277,23 +300,32 @@ class ServingFace:
         except Exception as e:  # noqa: BLE001 - the refusal still stands; say the audit failed
             log.error("audit log write failed for a refused %s: %s", action, e)
 
-    def _enter_generation(self) -> None:
+    def _enter_generation(self, n: int = 1) -> None:
+        """Take ``n`` generation places (one per request; a prompt list takes one each); 503 beyond the limit."""
         with self._count_lock:
             if self.closing.is_set():
                 raise HTTPError(503, "unavailable_error", "server is shutting down")
-            if self._active >= self.config.max_streams:
+            if self._active + n > self.config.max_streams:
                 self.stats.refused_busy += 1
                 raise HTTPError(503, "unavailable_error",
                                 f"server busy: {self._active} requests in flight (limit {self.config.max_streams})")
-            self._active += 1
+            self._active += n
 
-    def _leave_generation(self) -> None:
+    def _leave_generation(self, n: int = 1) -> None:
         with self._count_lock:
-            self._active -= 1
+            self._active -= n
 
     @property
     def in_flight(self) -> int:
         return self._active
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting and cancel every request in flight: each stream ends with its error event at once."""
+        self.closing.set()
+        with self._count_lock:
+            bridges = list(self._bridges)
+        for b in bridges:
+            b.cancel("server shutting down")
 
     async def submit(self, req: ChatRequest) -> RequestStream:
         """Submit (the caller has entered a generation slot); typed refusals become HTTP errors."""
@@ -302,59 +334,154 @@ class ServingFace:
         except CalError as e:
             raise wire.from_cal_error(e) from None
 
-    async def events(self, h: RequestStream, request: Request | None = None
-                     ) -> AsyncIterator[TokenEvent | DoneEvent]:
-        """The request's events; cancels it on shutdown, on the deadline and when the client goes away.
-
-        Always ends with the DoneEvent unless the consumer stops first (then ``finally`` cancels).
-        """
-        deadline = time.monotonic() + self.config.request_timeout_s
-        next_look = time.monotonic() + POLL_S
-        silent_since = time.monotonic()
+    async def _open(self, reqs: list[ChatRequest], fmt: Formatter, *, on_silent: Callable[[int], list[Any]],
+                    on_error: Callable[[int, BaseException], list[Any]], first: list[Any] | None = None
+                    ) -> tuple[EventBridge, Callable[[], None]]:
+        """Take generation places, submit ``reqs`` and start their bridge; returns it and its ``close``
+        (cancels what has not ended, gives the places back; call exactly once). Errors before the
+        bridge exists (busy, refused) give the places back and cancel what was submitted."""
+        self._enter_generation(len(reqs))
+        handles: list[RequestStream] = []
         try:
-            while True:
-                ev = await anyio.to_thread.run_sync(h.next_event, POLL_S, limiter=self.limiter)
-                now = time.monotonic()
-                if ev is not None:
-                    silent_since = now
-                    yield ev
-                    if isinstance(ev, DoneEvent):
-                        return
-                if now >= next_look or ev is None:
-                    next_look = now + POLL_S
-                    if self.closing.is_set():
-                        h.cancel("server shutting down")
-                    elif now >= deadline:
-                        h.cancel(f"request exceeded the server's deadline of {self.config.request_timeout_s:g} s")
-                    elif request is not None and await request.is_disconnected():
-                        self.stats.disconnects += 1
-                        h.cancel("client disconnected")
-                    if ev is None and now - silent_since > self.inference.step_timeout_s + 30:
-                        h.cancel("no event from the engine within its step timeout")
-                        raise HTTPError(500, "server_error", f"request {h.id}: engine did not answer")
-        finally:
-            if not h.done:
-                h.cancel("client stopped reading the stream")
+            for r in reqs:
+                handles.append(await self.submit(r))
+            if self.closing.is_set():
+                raise HTTPError(503, "unavailable_error", "server is shutting down")
+            # every item a request can give: a piece per token, its end (final + usage + [DONE]), margin
+            buffer = sum(3 * ((r.max_tokens or self.inference.n_ctx) + 2) for r in reqs)
+            bridge = EventBridge(handles, fmt, silent_s=self.inference.step_timeout_s + 30, on_silent=on_silent,
+                                 on_error=on_error, buffer=buffer, first=first or ())
+        except BaseException:
+            for h in handles:
+                h.cancel("request refused")
+            self._leave_generation(len(reqs))
+            raise
+        with self._count_lock:
+            self._bridges.add(bridge)
+        timer = asyncio.get_running_loop().call_later(
+            self.config.request_timeout_s, bridge.cancel,
+            f"request exceeded the server's deadline of {self.config.request_timeout_s:g} s")
+        closed = False
+
+        def close() -> None:
+            nonlocal closed
+            if closed:
+                return
+            closed = True
+            timer.cancel()
+            with self._count_lock:
+                self._bridges.discard(bridge)
+            if not bridge.done:
+                self.stats.disconnects += 1
+                bridge.cancel("client disconnected")
+            self._leave_generation(len(reqs))
+
+        bridge.start()
+        return bridge, close
 
     async def generate(self, req: ChatRequest, request: Request) -> RequestResult:
         """Submit and wait for the result (non-streaming), cancelling if the client disconnects."""
-        self._enter_generation()
-        try:
-            h = await self.submit(req)
-            async for ev in self.events(h, request):
-                if isinstance(ev, DoneEvent):
-                    return ev.result
-            raise HTTPError(500, "server_error", "request ended without a result")
-        finally:
-            self._leave_generation()
+        return (await self.generate_all([req], request))[0]
 
-    def sse(self, gen: AsyncIterator[dict[str, Any]], headers: dict[str, str] | None = None) -> EventSourceResponse:
-        """An SSE response of ``data: <json>`` events (llama-server framing: ``\\n`` line ends)."""
-        # on shutdown sse-starlette would cancel the stream at once; the grace period lets ``events``
-        # (which sees ``closing`` within POLL_S) cancel the request and send its error event first
-        return EventSourceResponse(gen, sep="\n", send_timeout=self.config.send_timeout_s,
-                                   ping=self.config.ping_s, headers={"Cache-Control": "no-cache", **(headers or {})},
-                                   shutdown_event=anyio.Event(), shutdown_grace_period=SHUTDOWN_GRACE_S)
+    async def generate_all(self, reqs: list[ChatRequest], request: Request) -> list[RequestResult]:
+        """Several requests at once (a prompt list), each in its own generation place; their results in
+        order. The first that did not finish is the error; a client that goes away cancels them all."""
+
+        def fmt(i: int, ev: TokenEvent | DoneEvent) -> list[Any]:
+            return [(i, ev.result)] if isinstance(ev, DoneEvent) else []
+
+        def silent(i: int) -> list[Any]:
+            return [(i, HTTPError(500, "server_error", "engine did not answer within its step timeout"))]
+
+        def failed(i: int, e: BaseException) -> list[Any]:
+            return [(i, HTTPError(500, "server_error", f"internal error: {type(e).__name__}"))]
+
+        bridge, close = await self._open(reqs, fmt, on_silent=silent, on_error=failed)
+        results: dict[int, Any] = {}
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_disconnect, request, bridge)
+                async for i, r in bridge.receive:
+                    results[i] = r
+                tg.cancel_scope.cancel()
+        finally:
+            close()
+        out: list[RequestResult] = []
+        for i in range(len(reqs)):
+            r = results.get(i)
+            if isinstance(r, HTTPError):
+                raise r
+            if r is None:
+                raise HTTPError(500, "server_error", "request ended without a result")
+            if r.status != "finished":
+                raise wire.result_error(r)
+            out.append(r)
+        return out
+
+    async def _watch_disconnect(self, request: Request, bridge: EventBridge) -> None:
+        """Wait (without polling) for the client to go away; then cancel the bridge's requests."""
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                if not bridge.done:
+                    bridge.cancel("client disconnected")
+                return
+
+    async def _stream(self, reqs: list[ChatRequest], first: list[dict[str, Any]],
+                      piece: Callable[[int, TokenEvent], list[dict[str, Any]]],
+                      last: Callable[[int, RequestResult], list[dict[str, Any]]], send_done: bool) -> Response:
+        """Submit, then stream ``data:`` events: ``first``, ``piece(i, ev)`` per visible piece, ``last(i,
+        result)`` per request, then ``[DONE]`` if ``send_done`` (OpenAI routes: one request).
+
+        Errors before the first byte are ordinary HTTP errors; after it, one ``data: {"error": ...}``
+        event (llama-server's streaming error) ends that request's part of the stream.
+        """
+
+        def data(chunks: list[dict[str, Any]]) -> list[dict[str, str]]:
+            return [{"data": _dumps(c)} for c in chunks]
+
+        def fmt(i: int, ev: TokenEvent | DoneEvent) -> list[Any]:
+            if isinstance(ev, TokenEvent):
+                return data(piece(i, ev))
+            res = ev.result
+            if res.status != "finished":
+                return data([{**wire.result_error(res).body(), "timings": wire.timings(res),
+                              "calconsole": result_extension(res)}])
+            return data(last(i, res)) + ([{"data": "[DONE]"}] if send_done else [])
+
+        def silent(i: int) -> list[Any]:
+            return data([HTTPError(500, "server_error", "engine did not answer within its step timeout").body()])
+
+        def failed(i: int, e: BaseException) -> list[Any]:
+            log.error("formatting a stream chunk failed: %r", e)
+            return data([HTTPError(500, "server_error", f"internal error: {type(e).__name__}").body()])
+
+        bridge, close = await self._open(reqs, fmt, on_silent=silent, on_error=failed, first=data(first))
+        face = self
+        face.stats.streams_open += 1
+
+        async def on_client_close(_message: Any) -> None:
+            if not bridge.done:
+                bridge.cancel("client disconnected")
+
+        def closed() -> None:
+            face.stats.streams_open -= 1
+            close()
+
+        h = bridge.streams[0]
+        headers = {"X-Request-Id": str(h.id), "X-Prompt-Tokens": str(h.prompt_n)}
+        return self.sse(bridge.receive, headers=headers, on_client_close=on_client_close, on_end=closed)
+
+    def sse(self, items: AsyncIterable[dict[str, Any]], headers: dict[str, str] | None = None,
+            on_client_close: Callable[[Any], Awaitable[None]] | None = None,
+            on_end: Callable[[], None] | None = None) -> EventSourceResponse:
+        """An SSE response of ``data: <json>`` events (llama-server framing: ``\\n`` line ends); ``on_end``
+        runs once the response is over, however it ended."""
+        # the grace period lets a stop (begin_shutdown cancels every request) send each stream's error event
+        return _SSE(items, sep="\n", send_timeout=self.config.send_timeout_s, ping=self.config.ping_s,
+                    headers={"Cache-Control": "no-cache", **(headers or {})},
+                    client_close_handler_callable=on_client_close, shutdown_event=anyio.Event(),
+                    shutdown_grace_period=SHUTDOWN_GRACE_S, on_end=on_end)
 
     # --- request-level routes -----------------------------------------------------------------
 
@@ -368,24 +495,33 @@ class ServingFace:
         return JSONResponse({"status": "ok"})
 
     def _default_params(self) -> dict[str, Any]:
-
-        return {"n_predict": self.config.n_predict, **msgspec.structs.asdict(SamplingParams()), "stop": [],
-                "n_ctx": self.inference.n_ctx, "cache_prompt": True}
+        n = self.config.n_predict
+        return wire.sampling_settings(SamplingParams(), n_predict=n)
 
     async def props(self, request: Request) -> Response:
         snap = await self.call(self.observation.snapshot)
         dev = snap.device
         n_ctx = self.inference.n_ctx
         return JSONResponse({
-            "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": n_ctx, "speculative": False,
-                                            "is_processing": False, "params": self._default_params()},
+            "default_generation_settings": {"params": self._default_params(), "n_ctx": n_ctx},
             "total_slots": dev.n_slots,
-            "model_path": f"{dev.bundle} (simulated calbin bundle)",
             "model_alias": self.config.model_alias,
-            "modalities": {"vision": False, "audio": False},
+            "model_ftype": "BF16",  # the calbin's weights and KV are BF16 (facts.md F1)
+            "model_path": f"{dev.bundle} (simulated calbin bundle)",
+            "modalities": {"vision": False, "video": False, "audio": False},
+            "media_marker": "<__media__>",
+            "endpoint_slots": self.config.slots_endpoint, "endpoint_props": False,
+            "endpoint_metrics": self.config.metrics_endpoint,
+            "ui": False, "ui_settings": {},
             "chat_template": self.inference.chat_template,
+            "chat_template_caps": {"supports_object_arguments": False, "supports_parallel_tool_calls": False,
+                                   "supports_preserve_reasoning": False, "supports_reasoning_effort": False,
+                                   "supports_string_content": True, "supports_system_role": True,
+                                   "supports_tool_calls": False, "supports_tools": False,
+                                   "supports_typed_content": False},
             "bos_token": "", "eos_token": "<|im_end|>",
-            "build_info": f"calconsole {__version__} (simulated device)",
+            "build_info": wire.BUILD_INFO,
+            "is_sleeping": False, "cors_proxy_enabled": False,
             "device": {"name": dev.name, "status": dev.status, "mode": dev.mode, "calrt_version": dev.calrt_version,
                        "firmware_commit": dev.firmware_commit, "chiplets": msgspec.to_builtins(dev.chiplets),
                        "context_tokens": dev.context_tokens, "numerics": dev.numerics, "pacing": dev.pacing,
@@ -395,27 +531,32 @@ class ServingFace:
                        # which host work the timings book (--host-time): a client comparing runs
                        # (bench matrix records this key) cannot tell modeled from measured otherwise
                        "clock": "timings are "
-                                + (snap.requests.get("clock") or "simulated device ms + booked host work")},
+                                + (snap.requests.get("clock") or "simulated device ms + booked host work"),
+                       "calconsole_version": __version__},
         })
 
     async def slots(self, request: Request) -> Response:
+        """llama-server's ``/slots``: an idle slot is its id, n_ctx, speculative and is_processing; a busy one
+        adds the task, prompt counts, its sampling params and ``next_token`` (an array of one object)."""
         if not self.config.slots_endpoint:
             raise HTTPError(501, "not_supported_error", "This server does not support slots endpoint.")
         snap = await self.call(self.observation.snapshot)
         n_ctx = self.inference.n_ctx
-        out = []
+        out: list[dict[str, Any]] = []
         for s in snap.slots:
             busy = s.state != "idle"
-            params = {"n_predict": (-1 if s.max_tokens == n_ctx else s.max_tokens) if busy else self.config.n_predict,
-                      **(s.params if busy else self._default_params())}
-            params.pop("n_ctx", None)
-            out.append({"id": s.index, "id_task": s.request_id if s.request_id is not None else -1, "n_ctx": n_ctx,
-                        "speculative": False, "is_processing": busy, "state": s.state, "params": params,
-                        "n_prompt_tokens": s.prompt_n, "n_prompt_tokens_processed": s.n_prefilled,
-                        "n_cached_tokens": s.cached_tokens,
-                        "next_token": {"has_next_token": busy, "has_new_line": False,
-                                       "n_remain": max(0, s.max_tokens - s.predicted_n) if busy else -1,
-                                       "n_decoded": s.predicted_n, "stopping_word": ""}})
+            slot: dict[str, Any] = {"id": s.index, "n_ctx": n_ctx, "speculative": False, "is_processing": busy}
+            if busy:
+                known = {k: v for k, v in s.params.items() if k in wire.SAMPLING_FIELDS}
+                n_predict = -1 if s.max_tokens == n_ctx else s.max_tokens
+                slot.update({
+                    "id_task": s.request_id if s.request_id is not None else -1,
+                    "n_prompt_tokens": s.prompt_n, "n_prompt_tokens_processed": s.n_prefilled,
+                    "n_prompt_tokens_cache": s.cached_tokens,
+                    "params": wire.sampling_settings(SamplingParams(**known), n_predict=n_predict),
+                    "next_token": [{"has_next_token": True, "has_new_line": False,
+                                    "n_remain": max(0, s.max_tokens - s.predicted_n), "n_decoded": s.predicted_n}]})
+            out.append(slot)
         if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(o["is_processing"] for o in out):
             raise HTTPError(503, "unavailable_error", "no slot available")
         return JSONResponse(out)
@@ -424,22 +565,32 @@ class ServingFace:
         if not self.config.metrics_endpoint:
             raise HTTPError(501, "not_supported_error", "This server does not support metrics endpoint.")
         text = await self.call(self.observation.metrics_text)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8",
+                                 headers={"Process-Start-Time-Unix": str(self.created)})
 
     async def models(self, request: Request) -> Response:
         n_ctx = self.inference.n_ctx
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.config.model_alias, "object": "model", "created": self.created, "owned_by": "calconsole",
-            "meta": {"n_ctx_train": n_ctx, "n_ctx": n_ctx, "n_vocab": 151936, "simulated": True}}]})
+        alias = self.config.model_alias
+        return JSONResponse({
+            # the Ollama-style list llama-server also sends
+            "models": [{"name": alias, "model": alias, "modified_at": "", "size": "", "digest": "", "type": "model",
+                        "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
+                        "details": {"parent_model": "", "format": "calbin", "family": "", "families": [""],
+                                    "parameter_size": "", "quantization_level": ""}}],
+            "object": "list",
+            "data": [{"id": alias, "aliases": [alias], "tags": [], "object": "model",
+                      "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+                      "created": self.created, "owned_by": "calconsole",
+                      "meta": {"n_vocab": 151936, "n_ctx": n_ctx, "n_ctx_train": n_ctx}}]})
 
     async def tokenize(self, request: Request) -> Response:
         body = await self.read_json(request)
         content = body.get("content")
         if not isinstance(content, str):
             raise wire.bad_request("'content' must be a string")
-        parse_special = wire._bool(body, "parse_special", True)
-        wire._bool(body, "add_special", False)  # Qwen3 adds no BOS: accepted, nothing to add
-        with_pieces = wire._bool(body, "with_pieces", False)
+        parse_special = wire.flag(body, "parse_special", True)
+        wire.flag(body, "add_special", False)  # Qwen3 adds no BOS: accepted, nothing to add
+        with_pieces = wire.flag(body, "with_pieces", False)
         ids = await self.call(self.inference.tokenize, content, parse_special=parse_special)
         if not with_pieces:
             return JSONResponse({"tokens": ids})
@@ -462,7 +613,7 @@ class ServingFace:
             text = await self.call(self.inference.detokenize, tokens)
         except CalError as e:
             raise wire.bad_request(str(e)) from None
-        if not wire._bool(body, "with_pieces", False):
+        if not wire.flag(body, "with_pieces", False):
             return JSONResponse({"content": text})
         # our addition: each token's raw piece (str, or its bytes when not valid UTF-8, as /tokenize gives them)
         pieces = []
@@ -479,14 +630,30 @@ class ServingFace:
         body = await self.read_json(request)
         msgs = wire.messages_from(body)
         try:
-            think = wire._thinking(body)
+            think = wire.thinking(body)
             prompt = await self.call(self.inference.apply_template, msgs, enable_thinking=think)
-            n = await self.call(self.inference.count_prompt_tokens,
-                                ChatRequest(messages=msgs, max_tokens=1, enable_thinking=think))
         except CalError as e:
             raise wire.bad_request(str(e)) from None
-        # n_prompt_tokens: the templated prompt's tokens as the context limit counts them (our addition)
-        return JSONResponse({"prompt": prompt, "n_prompt_tokens": n})
+        return JSONResponse({"prompt": prompt})
+
+    async def input_tokens(self, request: Request) -> Response:
+        """``/chat/completions/input_tokens``: the templated prompt's tokens, as the context limit counts them."""
+        body = await self.read_json(request)
+        msgs = wire.messages_from(body)
+        try:
+            n = await self.call(self.inference.count_prompt_tokens,
+                                ChatRequest(messages=msgs, max_tokens=1, enable_thinking=wire.thinking(body)))
+        except CalError as e:
+            raise wire.bad_request(str(e)) from None
+        return JSONResponse({"input_tokens": n, "object": "response.input_tokens"})
+
+    @staticmethod
+    def not_offered(message: str) -> Handler:
+        """A route llama-server has that needs a model the calbin is not (embeddings, reranking, infill):
+        its 501 ``not_supported_error`` with its words."""
+        async def handler(request: Request) -> Response:
+            raise HTTPError(501, "not_supported_error", message)
+        return handler
 
     def _model(self, body: dict[str, Any]) -> str:
         """The model name a response reports: the request's (OpenAI echoes it), else the alias."""
@@ -500,68 +667,60 @@ class ServingFace:
         body = await self.read_json(request)
         req = wire.chat_request(body, n_ctx=self.inference.n_ctx, n_predict=self.config.n_predict,
                                 client=self._client(request))
-        stream = wire._bool(body, "stream", False)
-        opts = body.get("stream_options") or {}
-        if not isinstance(opts, dict):
-            raise wire.bad_request("'stream_options' must be an object")
-        include_usage = wire._bool(opts, "include_usage", False)
+        stream = wire.flag(body, "stream", False)
+        include_usage = wire.stream_options(body)
         cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
         model = self._model(body)
         if not stream:
             res = await self.generate(req, request)
             if res.status != "finished":
                 raise wire.result_error(res)
-            return JSONResponse(wire.chat_completion(res, cid, int(time.time()), model, self.fingerprint))
-        return await self._stream(req, request, *self._chat_chunks(cid, model, include_usage))
-
-    def _chat_chunks(self, cid: str, model: str, include_usage: bool) -> tuple[Any, Any, Any, bool]:
+            return JSONResponse(wire.chat_completion(res, cid, int(time.time()), model, self.fingerprint,
+                                                     wire.prefill_of(req)))
         created = int(time.time())
         fp = self.fingerprint
 
-        def first() -> list[dict[str, Any]]:
-            return [wire.chat_chunk(cid, created, model, fp, {"role": "assistant", "content": None})]
+        first = [wire.chat_chunk(cid, created, model, fp, {"role": "assistant", "content": None})]
 
-        def piece(ev: TokenEvent) -> list[dict[str, Any]]:
+        def piece(_i: int, ev: TokenEvent) -> list[dict[str, Any]]:
             return [wire.chat_chunk(cid, created, model, fp, {"content": ev.text})]
 
-        def last(res: RequestResult) -> list[dict[str, Any]]:
+        def last(_i: int, res: RequestResult) -> list[dict[str, Any]]:
             out = [wire.chat_chunk(cid, created, model, fp, {}, wire.finish_reason(res))]
             if include_usage:
                 out.append({"choices": [], "created": created, "id": cid, "model": model, "system_fingerprint": fp,
                             "object": "chat.completion.chunk", "usage": wire.usage(res)})
             out[-1]["timings"] = wire.timings(res)
-            out[-1]["calconsole"] = wire.result_extension(res)
+            out[-1]["calconsole"] = result_extension(res)
             return out
 
-        return first, piece, last, True
+        return await self._stream([req], first, piece, last, True)
 
     async def completions_oai(self, request: Request) -> Response:
         body = await self.read_json(request)
-        req = await self._completion_req(body, request, openai=True)
+        prompts = wire.prompts_from(body)
+        reqs = [await self._completion_req({**body, "prompt": p}, request, openai=True) for p in prompts]
         cid = f"cmpl-{uuid.uuid4().hex[:24]}"
         model = self._model(body)
-        if not wire._bool(body, "stream", False):
-            res = await self.generate(req, request)
-            if res.status != "finished":
-                raise wire.result_error(res)
-            return JSONResponse(wire.text_completion(res, cid, int(time.time()), model, self.fingerprint))
         created = int(time.time())
         fp = self.fingerprint
-        opts = body.get("stream_options") or {}
-        if not isinstance(opts, dict):
-            raise wire.bad_request("'stream_options' must be an object")
-        include_usage = wire._bool(opts, "include_usage", False)
+        if not wire.flag(body, "stream", False):
+            results = await self.generate_all(reqs, request)
+            return JSONResponse(wire.text_completion(results, cid, created, model, fp))
+        if len(reqs) > 1:
+            raise wire.bad_request("'prompt': several prompts stream on /completion only; ask /v1/completions "
+                                   "without 'stream' for several")
+        wire.stream_options(body)  # checked; llama-server sends usage in the final chunk whatever it says
 
-        def last(res: RequestResult) -> list[dict[str, Any]]:
+        def last(_i: int, res: RequestResult) -> list[dict[str, Any]]:
             c = wire.text_chunk(cid, created, model, fp, "", wire.finish_reason(res))
-            if include_usage:
-                c["usage"] = wire.usage(res)
+            c["usage"] = wire.usage(res)
             c["timings"] = wire.timings(res)
-            c["calconsole"] = wire.result_extension(res)
+            c["calconsole"] = result_extension(res)
             return [c]
 
-        return await self._stream(req, request, lambda: [],
-                                  lambda ev: [wire.text_chunk(cid, created, model, fp, ev.text)], last, True)
+        return await self._stream(reqs, [], lambda _i, ev: [wire.text_chunk(cid, created, model, fp, ev.text)],
+                                  last, True)
 
     async def _completion_req(self, body: dict[str, Any], request: Request, *, openai: bool) -> ChatRequest:
         return await self.call(lambda: wire.completion_request(
@@ -569,83 +728,40 @@ class ServingFace:
             n_predict=self.config.n_predict, client=self._client(request), openai=openai))
 
     async def completion(self, request: Request) -> Response:
-        """llama.cpp native ``/completion``: no chat template; ``data:`` chunks without ``[DONE]``."""
+        """llama.cpp native ``/completion``: no chat template; ``data:`` chunks without ``[DONE]``; a list of
+        prompts gives a JSON array of results (streamed: chunks of all, each with its ``index``)."""
         body = await self.read_json(request)
-        req = await self._completion_req(body, request, openai=False)
-        return_tokens = wire._bool(body, "return_tokens", False)
-        per_token = wire._bool(body, "timings_per_token", False)
+        prompts = wire.prompts_from(body)
+        reqs = [await self._completion_req({**body, "prompt": p}, request, openai=False) for p in prompts]
+        return_tokens = wire.flag(body, "return_tokens", False)
+        per_token = wire.flag(body, "timings_per_token", False)
+        stream = wire.flag(body, "stream", False)
         n_ctx = self.inference.n_ctx
         model = self.config.model_alias
-        ids = list(req.prompt_tokens or ())
-        prompt = await self.call(lambda: self.inference.detokenize(ids))  # echoed in the final result
-        if not wire._bool(body, "stream", False):
-            res = await self.generate(req, request)
-            if res.status != "finished":
-                raise wire.result_error(res)
-            return JSONResponse(wire.native_completion(res, req, n_ctx, model, id_slot=req.id_slot,
-                                                       return_tokens=return_tokens, stream=False, prompt=prompt))
+        # echoed in the final result: the prompt as the model saw it (its ids detokenized)
+        texts = [await self.call(self.inference.detokenize, list(r.prompt_tokens or ())) for r in reqs]
 
-        def piece(ev: TokenEvent) -> list[dict[str, Any]]:
-            c: dict[str, Any] = {"index": 0, "content": ev.text, "tokens": [], "stop": False, "id_slot": req.id_slot,
-                                 "tokens_predicted": ev.n_tokens, "tokens_evaluated": 0}
-            if per_token:
-                c["timings"] = {"predicted_n": ev.n_tokens, "sim_ms": ev.sim_ms,
-                                "clock": "simulated ms: device time + booked host work"}
+        def final(res: RequestResult, i: int) -> dict[str, Any]:
+            return wire.native_completion(res, reqs[i], n_ctx, model, id_slot=reqs[i].id_slot,
+                                          return_tokens=return_tokens, stream=stream, prompt=texts[i], index=i,
+                                          per_token=per_token)
+
+        if not stream:
+            results = await self.generate_all(reqs, request)
+            out = [final(r, i) for i, r in enumerate(results)]
+            return JSONResponse(out if len(prompts) > 1 else out[0])
+
+        n_prompt = [len(r.prompt_tokens or ()) for r in reqs]
+
+        def piece(i: int, ev: TokenEvent) -> list[dict[str, Any]]:
+            c = wire.native_chunk(ev.text, list(ev.tokens), id_slot=reqs[i].id_slot, n_predicted=ev.n_tokens,
+                                  n_evaluated=n_prompt[i])
+            c["index"] = i
+            if per_token:  # llama-server's per-chunk timings need counts the face does not see: ours instead
+                c["calconsole"] = {"sim_ms": ev.sim_ms, "clock": "simulated ms: device time + booked host work"}
             return [c]
 
-        def last(res: RequestResult) -> list[dict[str, Any]]:
-            return [wire.native_completion(res, req, n_ctx, model, id_slot=req.id_slot,
-                                           return_tokens=return_tokens, stream=True, prompt=prompt)]
-
-        return await self._stream(req, request, lambda: [], piece, last, False)
-
-    async def _stream(self, req: ChatRequest, request: Request, first: Callable[[], list[dict[str, Any]]],
-                      piece: Callable[[TokenEvent], list[dict[str, Any]]],
-                      last: Callable[[RequestResult], list[dict[str, Any]]], send_done: bool) -> Response:
-        """Submit, then stream ``data:`` events: ``first()``, ``piece(ev)`` per visible piece, ``last(result)``,
-        then ``[DONE]`` if ``send_done`` (OpenAI routes).
-
-        Errors before the first byte are ordinary HTTP errors; after it, one ``data: {"error": ...}``
-        event (llama-server's streaming error) ends the stream.
-        """
-        self._enter_generation()
-        try:
-            h = await self.submit(req)
-        except BaseException:
-            self._leave_generation()
-            raise
-        face = self
-
-        async def gen() -> AsyncIterator[dict[str, Any]]:
-            face.stats.streams_open += 1
-            try:
-                for c in first():
-                    yield {"data": _dumps(c)}
-                async for ev in face.events(h, None):
-                    if isinstance(ev, TokenEvent):
-                        for c in piece(ev):
-                            yield {"data": _dumps(c)}
-                        continue
-                    res = ev.result
-                    if res.status != "finished":
-                        yield {"data": _dumps({**wire.result_error(res).body(), "timings": wire.timings(res),
-                                               "calconsole": wire.result_extension(res)})}
-                        return
-                    for c in last(res):
-                        yield {"data": _dumps(c)}
-                    if send_done:
-                        yield {"data": "[DONE]"}
-                    return
-            except HTTPError as e:
-                yield {"data": _dumps(e.body())}
-            finally:
-                face.stats.streams_open -= 1
-                if not h.done:
-                    face.stats.disconnects += 1
-                    h.cancel("client disconnected")
-                face._leave_generation()
-
-        return self.sse(gen(), headers={"X-Request-Id": str(h.id), "X-Prompt-Tokens": str(h.prompt_n)})
+        return await self._stream(reqs, [], piece, lambda i, res: [final(res, i)], False)
 
     # --- observation ------------------------------------------------------------------------
 
@@ -713,7 +829,7 @@ def _wrap(face: ServingFace, handler: Handler, auth: str) -> Handler:
 
 def build_app(face: ServingFace) -> Starlette:
     """The Starlette app: routes above, llama-server error bodies for 404/405, one log line per request."""
-    routes = [
+    routes: list[tuple[str, Handler, list[str], str]] = [
         ("/health", face.health, ["GET"], "none"),
         ("/props", face.props, ["GET"], "api"),
         ("/slots", face.slots, ["GET"], "api"),
@@ -723,6 +839,8 @@ def build_app(face: ServingFace) -> Starlette:
         ("/tokenize", face.tokenize, ["POST"], "api"),
         ("/detokenize", face.detokenize, ["POST"], "api"),
         ("/apply-template", face.apply_template, ["POST"], "api"),
+        ("/chat/completions/input_tokens", face.input_tokens, ["POST"], "api"),
+        ("/v1/chat/completions/input_tokens", face.input_tokens, ["POST"], "api"),
         ("/completion", face.completion, ["POST"], "api"),
         ("/completions", face.completion, ["POST"], "api"),
         ("/v1/completions", face.completions_oai, ["POST"], "api"),
@@ -731,6 +849,14 @@ def build_app(face: ServingFace) -> Starlette:
         ("/snapshot", face.snapshot, ["GET"], "api"),
         ("/snapshot/stream", face.snapshot_stream, ["GET"], "api"),
     ]
+    # llama-server's answers for a model without embeddings / reranking / fill-in-the-middle tokens
+    embeddings = face.not_offered("This server does not support embeddings. Start it with `--embeddings`")
+    rerank = face.not_offered("This server does not support reranking. Start it with `--reranking`")
+    infill = face.not_offered("Infill is not supported by this model: prefix token is missing. "
+                              "suffix token is missing. middle token is missing. ")
+    routes += [(p, embeddings, ["POST"], "api") for p in ("/embedding", "/embeddings", "/v1/embeddings")]
+    routes += [(p, rerank, ["POST"], "api") for p in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")]
+    routes += [("/infill", infill, ["POST"], "api")]
     table = [Route(p, _wrap(face, h, auth), methods=m) for p, h, m, auth in routes]
     if face.maintenance is not None:
         from .maintenance_routes import maintenance_routes
@@ -738,19 +864,24 @@ def build_app(face: ServingFace) -> Starlette:
         table += [Route(p, _wrap(face, h, "admin"), methods=m) for p, h, m in maintenance_routes(face)]
 
     async def not_found(request: Request, exc: Exception) -> Response:
-        code = getattr(exc, "status_code", 404)
-        if code == 405:
-            return JSONResponse(HTTPError(405, "invalid_request_error",
-                                          f"method {request.method} not allowed on {request.url.path}").body(),
-                                status_code=405)
+        # llama-server routes by method and path together: a known path with another method is a 404 too
         return JSONResponse(HTTPError(404, "not_found_error", "File Not Found").body(), status_code=404)
 
     app = Starlette(routes=table, exception_handlers={StarletteHTTPException: not_found})
     # Starlette answers '/props/' with a redirect to an absolute URL built from the Host header, before any
     # key check (an open redirect); llama-server has no such routes: a trailing slash is a 404 here
     app.router.redirect_slashes = False
+    origins = face.config.cors_origins
+    # llama-server's CORS: the origin echoed, credentials allowed, its four methods, any header
+    app.add_middleware(CORSMiddleware, allow_origins=list(origins or ()),
+                       allow_origin_regex=None if origins else LOCAL_ORIGINS, allow_credentials=True,
+                       allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"])
     app.add_middleware(_AccessLog, face=face)
     return app
+
+
+#: the browser origins allowed without ``--cors-origins``: pages served from this machine
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
 
 
 class _AccessLog:

@@ -171,7 +171,7 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
     async def leave(request: Request) -> Response:
         body = await body_of(request)
         h = held_lease(request, body, "leave_exclusive")
-        force = wire._bool(body, "force", False)
+        force = wire.flag(body, "force", False)
         rep = await plane(request, m.leave_exclusive, h.lease, force=force)
         leases.release(h.lease.id)
         return _json(rep)

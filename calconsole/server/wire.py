@@ -9,8 +9,12 @@ with its types (``invalid_request_error`` 400, ``exceed_context_size_error`` 400
 Token accounting as llama-server counts it: ``usage.prompt_tokens`` is the whole prompt
 (cached tokens included; ``prompt_tokens_details.cached_tokens`` says how many were reused),
 ``completion_tokens`` the tokens generated (EOS included), ``finish_reason`` ``stop`` for an
-EOS or a stop word and ``length`` for the token or context limit. ``timings`` are the
-simulator's: simulated device milliseconds (host work measured and included).
+EOS or a stop word and ``length`` for the token or context limit. ``timings`` are llama-server's
+nine numbers (simulated device milliseconds, host work booked on that clock); the simulator's own
+fields ride in the ``calconsole`` key (``calconsole.codec``).
+
+Public helpers for the routes: ``flag`` / ``integer`` (typed body fields, 400 naming the field),
+``thinking`` (``chat_template_kwargs.enable_thinking``), ``stream_options``.
 """
 
 from __future__ import annotations
@@ -31,9 +35,26 @@ from sim_backend.planes import (
     SamplingParams,
 )
 
+from .. import __version__
+from ..codec import llama_timings, result_extension
+
 #: sampling fields a body may carry (llama.cpp names; OpenAI's temperature / top_p / penalties / seed among them)
 SAMPLING_FIELDS = SamplingParams.__struct_fields__
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+#: llama-server's seed for "no seed given" (LLAMA_DEFAULT_SEED: a random one is drawn)
+DEFAULT_SEED = 4294967295
+_V = [int(x) if x.isdigit() else 0 for x in (__version__.split(".") + ["0", "0"])[:3]]
+#: the build number in llama-server's ``b<build>-<commit>`` form (clients check ``startswith("b")``):
+#: calconsole's version as one integer (0.1.0 -> 100), "sim" for the commit
+BUILD_INFO = f"b{_V[0] * 10000 + _V[1] * 100 + _V[2]}-calconsole-sim"
+#: the samplers llama-server lists, in its order, and the neutral values of the ones the simulator
+#: does not run (reported as in effect: they are off)
+SAMPLERS = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
+_OFF_SAMPLERS: dict[str, Any] = {
+    "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_n_sigma": -1.0, "xtc_probability": 0.0,
+    "xtc_threshold": 0.1, "typical_p": 1.0, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2,
+    "dry_penalty_last_n": 64, "mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "adaptive_target": -1.0,
+    "adaptive_decay": 0.9}
 MAX_STOP_WORDS = 16
 MAX_MESSAGES = 1024
 
@@ -84,8 +105,10 @@ def result_error(res: RequestResult) -> HTTPError:
 
 # --- request fields ------------------------------------------------------------------------------
 
-def _int(body: Mapping[str, Any], name: str, default: int | None = None, *, lo: int | None = None,
-         hi: int | None = None) -> int | None:
+def integer(body: Mapping[str, Any], name: str, default: int | None = None, *, lo: int | None = None,
+            hi: int | None = None) -> int | None:
+    """``body[name]`` as an int (``default`` when absent or null); 400 naming the field if it is not an
+    integer or is outside [lo, hi]."""
     v = body.get(name, default)
     if v is None:
         return None
@@ -97,7 +120,8 @@ def _int(body: Mapping[str, Any], name: str, default: int | None = None, *, lo: 
     return v
 
 
-def _bool(body: Mapping[str, Any], name: str, default: bool) -> bool:
+def flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    """``body[name]`` as a bool (``default`` when absent or null); 400 naming the field otherwise."""
     v = body.get(name, default)
     if v is None:
         return default
@@ -143,7 +167,7 @@ def max_tokens_from(body: Mapping[str, Any], names: tuple[str, ...], n_ctx: int,
     """The generation limit: the first of ``names`` present, else ``default``; -1 = until the context end."""
     for name in names:
         if body.get(name) is not None:
-            v = _int(body, name, lo=-1)
+            v = integer(body, name, lo=-1)
             assert v is not None
             if v == 0:
                 raise bad_request(f"'{name}' must be a positive integer or -1 (until the context is full)")
@@ -186,45 +210,90 @@ def messages_from(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
             raise bad_request(f"'messages[{i}].role' must be one of system, developer, user, assistant; "
                               f"got {role!r}")
         out.append({"role": ROLES[role], "content": _content_text(m.get("content"), i)})
+    if len(out) > 1 and out[-1]["role"] == out[-2]["role"] == "assistant":
+        # llama-server's rule and words: one trailing assistant message is a prefill, two are an error
+        raise bad_request("Cannot have 2 or more assistant messages at the end of the list.")
     return tuple(out)
 
 
-def _thinking(body: Mapping[str, Any]) -> bool:
+def stream_options(body: Mapping[str, Any]) -> bool:
+    """``stream_options.include_usage`` (OpenAI): whether a stream ends with a usage chunk."""
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, Mapping):
+        raise bad_request("'stream_options' must be an object")
+    return flag(opts, "include_usage", False)
+
+
+def thinking(body: Mapping[str, Any]) -> bool:
+    """Qwen3 thinking mode: ``chat_template_kwargs.enable_thinking`` (or a top-level ``enable_thinking``)."""
     kw = body.get("chat_template_kwargs")
     if kw is None:
-        return _bool(body, "enable_thinking", False)
+        return flag(body, "enable_thinking", False)
     if not isinstance(kw, Mapping):
         raise bad_request("'chat_template_kwargs' must be an object")
-    return _bool(kw, "enable_thinking", False)
+    return flag(kw, "enable_thinking", False)
 
 
 def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client: str) -> ChatRequest:
     """``/v1/chat/completions`` body -> ChatRequest (400 naming the field for anything wrong)."""
-    if _int(body, "n", 1, lo=1) != 1:
+    if integer(body, "n", 1, lo=1) != 1:
         raise HTTPError(400, "invalid_request_error", "'n': only one choice per request is supported")
     if body.get("logprobs") not in (None, False):
         raise HTTPError(400, "invalid_request_error", "'logprobs' is not supported by this server")
     if body.get("tools"):
         raise HTTPError(400, "invalid_request_error", "'tools' is not supported by this server")
-    slot = _int(body, "id_slot", -1, lo=-1)
+    slot = integer(body, "id_slot", -1, lo=-1)
     return ChatRequest(messages=messages_from(body),
                        max_tokens=max_tokens_from(body, ("max_completion_tokens", "max_tokens", "n_predict"),
                                                   n_ctx, n_predict),
-                       sampling=sampling_from(body), stop=stop_from(body), enable_thinking=_thinking(body),
+                       sampling=sampling_from(body), stop=stop_from(body), enable_thinking=thinking(body),
                        client=client, id_slot=-1 if slot is None else slot,
-                       cache_prompt=_bool(body, "cache_prompt", True))
+                       cache_prompt=flag(body, "cache_prompt", True))
+
+
+#: prompts one /completion body may ask for (llama-server has no limit; each takes a generation slot)
+MAX_PROMPTS = 16
+
+
+def prompts_from(body: Mapping[str, Any]) -> list[Any]:
+    """``prompt`` split as llama-server splits it: a string, or a list holding a token id anywhere (ids,
+    or ids mixed with strings) is one prompt; any other list (strings, id lists, prompt objects
+    ``{"prompt_string": ...}``) is one prompt per element. Each item is then given to
+    ``prompt_tokens_from`` as a ``prompt``. 400 for an empty list, a bad element or over ``MAX_PROMPTS``."""
+    p = body.get("prompt")
+    if p is None:
+        raise bad_request("'prompt' is required")
+    if isinstance(p, str):
+        return [p]
+    if not isinstance(p, list):
+        raise bad_request("'prompt' must be a string, a list of token ids, or a list of prompts")
+    if not p:
+        raise bad_request("'prompt' must not be empty")
+    if any(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        return [p]  # ids, or ids mixed with strings: one prompt
+    if len(p) > MAX_PROMPTS:
+        raise bad_request(f"'prompt' holds {len(p)} prompts; at most {MAX_PROMPTS}")
+    out: list[Any] = []
+    for i, x in enumerate(p):
+        if isinstance(x, dict):
+            x = x.get("prompt_string")
+            if not isinstance(x, str):
+                raise bad_request(f"'prompt[{i}]': a prompt object needs a 'prompt_string' string "
+                                  "(multimodal data is not supported)")
+        if not isinstance(x, (str, list)):
+            raise bad_request(f"'prompt[{i}]' must be a string, a list of token ids or a prompt object")
+        out.append(x)
+    return out
 
 
 def prompt_tokens_from(body: Mapping[str, Any], tokenize: Any) -> tuple[int, ...]:
-    """``prompt`` as text, token ids, or a mix of both (llama.cpp) -> token ids."""
+    """One prompt (``body["prompt"]``: text, token ids, or a mix of both, as llama.cpp) -> token ids."""
     p = body.get("prompt")
     if p is None:
         raise bad_request("'prompt' is required")
     if isinstance(p, str):
         items: list[Any] = [p]
     elif isinstance(p, list):
-        if p and all(isinstance(x, str) for x in p) and len(p) > 1:
-            raise bad_request("'prompt': one prompt per request (a list of strings asks for several)")
         items = p
     else:
         raise bad_request("'prompt' must be a string or a list of token ids")
@@ -243,15 +312,16 @@ def prompt_tokens_from(body: Mapping[str, Any], tokenize: Any) -> tuple[int, ...
 
 def completion_request(body: Mapping[str, Any], tokenize: Any, *, n_ctx: int, n_predict: int, client: str,
                        openai: bool) -> ChatRequest:
-    """``/completion`` (llama.cpp) or ``/v1/completions`` (OpenAI) body -> a raw-prompt ChatRequest."""
-    if openai and _int(body, "n", 1, lo=1) != 1:
+    """``/completion`` (llama.cpp) or ``/v1/completions`` (OpenAI) body with one prompt (``body["prompt"]``,
+    as ``prompts_from`` split it) -> a raw-prompt ChatRequest."""
+    if openai and integer(body, "n", 1, lo=1) != 1:
         raise bad_request("'n': only one choice per request is supported")
     names = ("max_tokens", "n_predict") if openai else ("n_predict", "max_tokens")
-    slot = _int(body, "id_slot", -1, lo=-1)
+    slot = integer(body, "id_slot", -1, lo=-1)
     return ChatRequest(messages=(), prompt_tokens=prompt_tokens_from(body, tokenize),
                        max_tokens=max_tokens_from(body, names, n_ctx, n_predict), sampling=sampling_from(body),
                        stop=stop_from(body), client=client, id_slot=-1 if slot is None else slot,
-                       cache_prompt=_bool(body, "cache_prompt", True))
+                       cache_prompt=flag(body, "cache_prompt", True))
 
 
 # --- response shapes ------------------------------------------------------------------------------
@@ -260,22 +330,10 @@ def finish_reason(res: RequestResult) -> str:
     return "stop" if res.stop_type in ("eos", "word") else "length"
 
 
-def timings(res: RequestResult) -> dict[str, Any]:
-    """llama.cpp ``timings`` (simulated device ms) first, then the simulator's own fields (TTFT, TPOT,
-    ITL, E2E, queue time, host/device split: ``Timings.to_dict``), so a client can rebuild the result."""
-    t = res.timings
-    base = {"cache_n": t.cache_n, "prompt_n": t.prompt_n, "prompt_ms": t.prompt_ms,
-            "prompt_per_token_ms": t.prompt_per_token_ms, "prompt_per_second": t.prompt_per_second,
-            "predicted_n": t.predicted_n, "predicted_ms": t.predicted_ms,
-            "predicted_per_token_ms": t.predicted_per_token_ms, "predicted_per_second": t.predicted_per_second}
-    return {**base, **{k: v for k, v in t.to_dict().items() if k not in base}}
-
-
-def result_extension(res: RequestResult) -> dict[str, Any]:
-    """The ``calconsole`` key of a final chunk / response: what OpenAI's shapes cannot say (the engine's
-    request id, llama.cpp's stop type and word, token ids, status, error, seed). Clients ignore it."""
-    return {"request_id": res.request_id, "status": res.status, "stop_type": res.stop_type,
-            "stopping_word": res.stopping_word, "tokens": list(res.tokens), "error": res.error, "seed": res.seed}
+def timings(res: RequestResult) -> dict[str, int | float]:
+    """llama-server's ``timings`` (simulated device ms; numbers only). The simulator's own fields
+    (TTFT, TPOT, ITL, E2E, queue, host/device split) are in ``result_extension(res)["timings"]``."""
+    return llama_timings(res.timings)
 
 
 def usage(res: RequestResult) -> dict[str, Any]:
@@ -285,15 +343,72 @@ def usage(res: RequestResult) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": res.timings.cache_n}}
 
 
-def generation_settings(req: ChatRequest, n_ctx: int, model: str) -> dict[str, Any]:
-    return {"n_predict": req.max_tokens if req.max_tokens != n_ctx else -1, **msgspec.structs.asdict(req.sampling),
-            "stop": list(req.stop), "n_ctx": n_ctx, "model": model, "cache_prompt": req.cache_prompt,
-            "id_slot": req.id_slot}
+def sampling_settings(sp: SamplingParams, *, n_predict: int, stream: bool = False,
+                      per_token: bool = False) -> dict[str, Any]:
+    """llama-server's sampling ``params`` (as ``/props`` and ``/slots`` give them): ours where the simulator
+    samples with them, llama.cpp's neutral values for the samplers it does not run (they are off);
+    ``seed`` is the one asked for, ``DEFAULT_SEED`` for none (the drawn one is ``calconsole.seed``)."""
+    d = msgspec.structs.asdict(sp)
+    return {"seed": DEFAULT_SEED if d["seed"] is None else d["seed"], "temperature": d["temperature"],
+            "dynatemp_range": _OFF_SAMPLERS["dynatemp_range"], "dynatemp_exponent": _OFF_SAMPLERS["dynatemp_exponent"],
+            "top_k": d["top_k"], "top_p": d["top_p"], "min_p": d["min_p"], "top_n_sigma": _OFF_SAMPLERS["top_n_sigma"],
+            "xtc_probability": _OFF_SAMPLERS["xtc_probability"], "xtc_threshold": _OFF_SAMPLERS["xtc_threshold"],
+            "typical_p": _OFF_SAMPLERS["typical_p"], "repeat_last_n": d["repeat_last_n"],
+            "repeat_penalty": d["repeat_penalty"], "presence_penalty": d["presence_penalty"],
+            "frequency_penalty": d["frequency_penalty"],
+            **{k: _OFF_SAMPLERS[k] for k in ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+                                             "mirostat", "mirostat_tau", "mirostat_eta", "adaptive_target",
+                                             "adaptive_decay")},
+            "max_tokens": n_predict, "n_predict": n_predict, "n_keep": 0, "n_discard": 0, "ignore_eos": False,
+            "stream": stream, "n_probs": 0, "min_keep": 0, "chat_format": "Content-only", "reasoning_format": "none",
+            "reasoning_in_content": False, "generation_prompt": "", "samplers": list(SAMPLERS),
+            "speculative.types": "none", "timings_per_token": per_token, "post_sampling_probs": False,
+            "backend_sampling": False, "lora": []}
 
 
-def chat_completion(res: RequestResult, cid: str, created: int, model: str, fingerprint: str) -> dict[str, Any]:
+def generation_settings(req: ChatRequest, n_ctx: int, *, stream: bool = False,
+                        per_token: bool = False) -> dict[str, Any]:
+    """llama-server's ``generation_settings`` of a ``/completion`` result: the sampling params plus the
+    stop words, ``logit_bias`` (always present; the simulator applies none, so ``[]``), grammar fields
+    (no grammar) and ``dry_sequence_breakers``, in llama-server's key order."""
+    n_predict = req.max_tokens if req.max_tokens is not None and req.max_tokens != n_ctx else -1
+    base = sampling_settings(req.sampling, n_predict=n_predict, stream=stream, per_token=per_token)
+    out: dict[str, Any] = {}
+    for k, v in base.items():
+        if k == "mirostat":
+            out["dry_sequence_breakers"] = ["\n", ":", "\"", "*"]
+        if k == "max_tokens":
+            out["stop"] = list(req.stop)
+        if k == "n_probs":
+            out["logit_bias"] = []
+        if k == "chat_format":
+            out.update(grammar="", grammar_lazy=False, grammar_triggers=[], preserved_tokens=[])
+        out[k] = v
+    return out
+
+
+def native_chunk(text: str, tokens: list[int], *, id_slot: int, n_predicted: int, n_evaluated: int,
+                 timings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed ``/completion`` chunk: the piece, its token ids, the counts so far (llama-server's shape)."""
+    c: dict[str, Any] = {"index": 0, "content": text, "tokens": tokens, "stop": False, "id_slot": id_slot,
+                         "tokens_predicted": n_predicted, "tokens_evaluated": n_evaluated}
+    if timings is not None:
+        c["timings"] = timings
+    return c
+
+
+def prefill_of(req: ChatRequest) -> str:
+    """The assistant prefill of a chat request (its one trailing assistant message), else ""."""
+    m = req.messages
+    return str(m[-1]["content"]) if len(m) > 1 and m[-1]["role"] == "assistant" else ""
+
+
+def chat_completion(res: RequestResult, cid: str, created: int, model: str, fingerprint: str,
+                    prefill: str = "") -> dict[str, Any]:
+    """``/v1/chat/completions`` response; ``prefill``: the assistant message it continued (llama-server
+    returns it with the continuation; a stream sends the continuation only)."""
     return {"choices": [{"finish_reason": finish_reason(res), "index": 0,
-                         "message": {"role": "assistant", "content": res.text}}],
+                         "message": {"role": "assistant", "content": prefill + res.text}}],
             "created": created, "model": model, "system_fingerprint": fingerprint, "object": "chat.completion",
             "usage": usage(res), "id": cid, "timings": timings(res), "calconsole": result_extension(res)}
 
@@ -304,10 +419,20 @@ def chat_chunk(cid: str, created: int, model: str, fingerprint: str, delta: dict
             "model": model, "system_fingerprint": fingerprint, "object": "chat.completion.chunk"}
 
 
-def text_completion(res: RequestResult, cid: str, created: int, model: str, fingerprint: str) -> dict[str, Any]:
-    return {"choices": [{"text": res.text, "index": 0, "logprobs": None, "finish_reason": finish_reason(res)}],
-            "created": created, "model": model, "system_fingerprint": fingerprint, "object": "text_completion",
-            "usage": usage(res), "id": cid, "timings": timings(res)}
+def text_completion(results: list[RequestResult], cid: str, created: int, model: str,
+                    fingerprint: str) -> dict[str, Any]:
+    """``/v1/completions`` response: one choice per prompt (its ``index``), usage summed over them."""
+    choices = [{"text": r.text, "index": i, "logprobs": None, "finish_reason": finish_reason(r)}
+               for i, r in enumerate(results)]
+    u = [usage(r) for r in results]
+    total = {"completion_tokens": sum(x["completion_tokens"] for x in u),
+             "prompt_tokens": sum(x["prompt_tokens"] for x in u), "total_tokens": sum(x["total_tokens"] for x in u),
+             "prompt_tokens_details": {"cached_tokens": sum(x["prompt_tokens_details"]["cached_tokens"] for x in u)}}
+    out = {"choices": choices, "created": created, "model": model, "system_fingerprint": fingerprint,
+           "object": "text_completion", "usage": total, "id": cid, "timings": timings(results[0])}
+    if len(results) == 1:
+        out["calconsole"] = result_extension(results[0])
+    return out
 
 
 def text_chunk(cid: str, created: int, model: str, fingerprint: str, text: str,
@@ -317,13 +442,16 @@ def text_chunk(cid: str, created: int, model: str, fingerprint: str, text: str,
 
 
 def native_completion(res: RequestResult, req: ChatRequest, n_ctx: int, model: str, *, id_slot: int,
-                      return_tokens: bool, stream: bool, prompt: str = "") -> dict[str, Any]:
+                      return_tokens: bool, stream: bool, prompt: str = "", index: int = 0,
+                      per_token: bool = False) -> dict[str, Any]:
     """llama.cpp ``/completion`` final result (in a stream: its last chunk, ``content`` then empty).
     ``prompt``: the prompt as the model saw it (its token ids detokenized, as llama-server echoes it)."""
     t = res.timings
-    return {"index": 0, "content": "" if stream else res.text,
+    return {"index": index, "content": "" if stream else res.text,
             "tokens": list(res.tokens) if return_tokens and not stream else [], "id_slot": id_slot, "stop": True,
             "model": model, "tokens_predicted": t.predicted_n, "tokens_evaluated": t.prompt_n + t.cache_n,
-            "generation_settings": generation_settings(req, n_ctx, model), "prompt": prompt,
+            "generation_settings": generation_settings(req, n_ctx, stream=stream, per_token=per_token),
+            "prompt": prompt,
             "has_new_line": "\n" in res.text, "truncated": False, "stop_type": res.stop_type,
-            "stopping_word": res.stopping_word, "tokens_cached": t.cache_n, "timings": timings(res)}
+            "stopping_word": res.stopping_word, "tokens_cached": t.cache_n, "timings": timings(res),
+            "calconsole": result_extension(res)}

@@ -280,6 +280,17 @@ def _chat_segments(
             last_query = i
             break
 
+    # llama-server's assistant prefill: one trailing assistant message (after a non-assistant one) is
+    # the start of the reply, continued by generation: rendered after the generation prompt, unclosed
+    prefill: str | None = None
+    if add_generation_prompt and len(messages) > 1 and messages[-1]["role"] == "assistant":
+        if messages[-2]["role"] == "assistant":
+            raise InvalidRequestError("Cannot have 2 or more assistant messages at the end of the list.",
+                                      param="messages")
+        prefill = cast(str, messages[-1]["content"])
+        messages = messages[:-1]
+        last_query = min(last_query, len(messages) - 1)
+
     segs: list[int | str] = []
     for i, m in enumerate(messages):
         role, content = cast(str, m["role"]), cast(str, m["content"])
@@ -299,6 +310,8 @@ def _chat_segments(
         segs += [IM_START, "assistant\n"]
         if not enable_thinking:
             segs += [THINK, "\n\n", END_THINK, "\n\n"]
+        if prefill is not None:
+            segs.append(prefill)
     return [s for s in segs if s != ""]
 
 

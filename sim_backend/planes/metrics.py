@@ -121,6 +121,9 @@ class MetricsRegistry:
         self.submitted = self.finished = self.failed = self.cancelled = self.rejected = 0
         self.prompt_tokens = self.predicted_tokens = self.cache_tokens = 0
         self.prompt_ms_total = self.predicted_ms_total = 0.0
+        # llama.cpp's decode-call counters: device steps (prefill chunks and decode steps alike), the
+        # slots busy summed over them, and the longest sequence (prompt + generated) seen
+        self.n_decode = self.n_busy_slots_total = self.n_tokens_max = 0
         self.good_requests = self.good_tokens = 0
         self.hist = {k: _Hist(window) for k in ("ttft", "itl", "e2e", "tpot", "queue")}
         self.queued = self.running = 0
@@ -141,6 +144,12 @@ class MetricsRegistry:
             self.submitted += 1
             if live is not None:
                 self.queued, self.running, self.kv_usage_ratio = live
+
+    def on_decode(self, n_busy_slots: int) -> None:
+        """One device step ran (llama.cpp: one ``llama_decode`` call) while ``n_busy_slots`` slots held requests."""
+        with self._lock:
+            self.n_decode += 1
+            self.n_busy_slots_total += n_busy_slots
 
     def on_rejected(self) -> None:
         with self._lock:
@@ -186,6 +195,7 @@ class MetricsRegistry:
                 self.failed += 1
             self.prompt_tokens += prompt_n - cache_n
             self.cache_tokens += cache_n
+            self.n_tokens_max = max(self.n_tokens_max, prompt_n + predicted_n)
             self.predicted_tokens += predicted_n
             self.prompt_ms_total += prompt_ms
             self.predicted_ms_total += predicted_ms
@@ -247,12 +257,25 @@ class MetricsRegistry:
             def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
                 return CounterMetricFamily(f"llamacpp:{name}", doc, value=v)
 
-            yield counter("prompt_tokens_total", "Number of prompt tokens processed.", self.prompt_tokens)
+            yield counter("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens.",
+                          self.prompt_tokens)
+            yield counter("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache.",
+                          self.cache_tokens)
             yield counter("prompt_seconds_total", "Prompt process time (simulated device seconds).",
                           self.prompt_ms_total / 1e3)
             yield counter("tokens_predicted_total", "Number of generation tokens processed.", self.predicted_tokens)
             yield counter("tokens_predicted_seconds_total", "Predict process time (simulated device seconds).",
                           self.predicted_ms_total / 1e3)
+            yield counter("n_decode_total", "Total number of device steps (llama_decode() calls).", self.n_decode)
+            # a counter in llama.cpp's exposition too, though it is a maximum
+            yield counter("n_tokens_max", "Largest observed sequence length (prompt + generation).",
+                          self.n_tokens_max)
+            # no draft model: speculative decoding never runs, its counters stay 0 (llama.cpp exports them anyway)
+            yield counter("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated.", 0)
+            yield counter("spec_decode_num_accepted_tokens_total",
+                          "Speculative: Total draft tokens accepted by the target model.", 0)
+            yield counter("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps.",
+                          0)
             yield counter("requests_submitted_total", "Requests accepted into the queue.", self.submitted)
             yield counter("requests_finished_total", "Requests that finished.", self.finished)
             yield counter("requests_failed_total", "Requests that failed with an error.", self.failed)
@@ -273,6 +296,9 @@ class MetricsRegistry:
                                     value=self.prompt_tokens / pt if pt > 0 else 0.0)
             yield GaugeMetricFamily("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.",
                                     value=self.predicted_tokens / gt if gt > 0 else 0.0)
+            yield GaugeMetricFamily("llamacpp:n_busy_slots_per_decode",
+                                    "Average number of busy slots per device step (llama_decode() call).",
+                                    value=self.n_busy_slots_total / self.n_decode if self.n_decode else 0.0)
             for key, name, doc in (("ttft", "time_to_first_token_seconds", "Time to first token"),
                                    ("itl", "inter_token_latency_seconds", "Inter-token latency"),
                                    ("e2e", "e2e_request_latency_seconds", "End-to-end request latency"),

@@ -289,10 +289,10 @@ class Timings(msgspec.Struct, frozen=True):
       steps interleaved with its chunks, like llama.cpp's wall clock).
     - predicted_n: tokens generated, EOS included.
     - predicted_ms: first token sampled -> last token sampled (0 when n == 1).
-    - predicted_per_token_ms = predicted_ms / predicted_n and
-      predicted_per_second = 1e3 * predicted_n / predicted_ms: llama.cpp divides
-      the n - 1 gaps by n; ``tpot_ms`` is the exact per-gap figure. None
-      where llama.cpp would divide by zero.
+    - predicted_per_token_ms = predicted_ms / (predicted_n - 1) and
+      predicted_per_second = 1e3 * (predicted_n - 1) / predicted_ms, as
+      llama-server reports them (the first token costs no decode step);
+      0.0 for one token, as llama-server gives.
     Field metrics (facts.md F7): ttft_ms = arrival -> first visible piece, or ->
     first token sampled if nothing was shown (None if no token was produced,
     whatever the status); tpot_ms = (e2e - ttft) / (n - 1) (None when n < 2);
@@ -360,13 +360,15 @@ class RequestResult(msgspec.Struct, frozen=True):
 class TokenEvent(msgspec.Struct, frozen=True):
     """A visible piece of streamed text (never half a UTF-8 character, never part of a stop string).
 
-    n_tokens: tokens generated so far; sim_ms: when it became visible (simulated ms).
+    n_tokens: tokens generated so far; sim_ms: when it became visible (simulated ms); tokens: the ids
+    generated since the previous event (the piece's tokens; llama-server's per-chunk ``tokens``).
     """
 
     request_id: int
     text: str
     n_tokens: int
     sim_ms: float
+    tokens: tuple[int, ...] = ()
 
 
 class DoneEvent(msgspec.Struct, frozen=True):

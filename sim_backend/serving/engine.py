@@ -683,6 +683,9 @@ class Engine(KVPressure):
                 _add_device_ms(r, e)
                 self._end_locked(r, "failed", "none", _err(e))
             return
+        with self._lock:
+            busy = sum(1 for s in self.slots if s.req is not None)
+        self.metrics.on_decode(busy)
         self._after_step(r, res, info)
 
     def _after_step(self, r: _Request, res: Any, info: dict) -> float:
@@ -750,7 +753,9 @@ class Engine(KVPressure):
                 self.metrics.on_token_gap(t_end / 1e3 - r.pieces_ms[-1])
             r.pieces_ms.append(t_end / 1e3)
             r.text_parts.append(visible)
-            r.handle._events.put(TokenEvent(r.id, visible, len(r.generated), t_end / 1e3))
+            r.handle._events.put(TokenEvent(r.id, visible, len(r.generated), t_end / 1e3,
+                                            tuple(r.generated[r.n_streamed:])))
+            r.n_streamed = len(r.generated)
         with self._lock:
             if stop is not None:
                 self._end_locked(r, "finished", stop[0], None, stopping_word=stop[1], done_ms=t_end / 1e3)
@@ -833,6 +838,9 @@ class Engine(KVPressure):
         self.batch_log.append({"job_id": res.job_id, "occupancy": len(res.batch), "capacity": self.decode_batch,
                                "slots": [r.slot.idx for r in b.members if r.slot is not None],
                                "request_ids": [r.id for r in b.members], "sim_end_ms": res.sim_end_us / 1e3})
+        with self._lock:
+            busy = sum(1 for s in self.slots if s.req is not None)
+        self.metrics.on_decode(busy)
         t = res.sim_end_us
         for r, row, wait_us in zip(b.members, res.batch, info["kv_wait_us"], strict=True):
             mine = dataclasses.replace(res, seq_id=row.seq_id, past_len=row.past_len, logits_bf16=row.logits_bf16,
@@ -937,8 +945,9 @@ class Engine(KVPressure):
             prompt_per_token_ms=prompt_ms / pn if pn and done_prefill else None,
             prompt_per_second=1e3 * pn / prompt_ms if pn and prompt_ms > 0 and done_prefill else None,
             predicted_n=n, predicted_ms=predicted_ms,
-            predicted_per_token_ms=predicted_ms / n if n else None,
-            predicted_per_second=1e3 * n / predicted_ms if n and predicted_ms > 0 else None,
+            # llama.cpp: the first token costs no decode step, so n - 1 steps over predicted_ms; 0.0 for one token
+            predicted_per_token_ms=predicted_ms / (n - 1) if n > 1 else 0.0,
+            predicted_per_second=1e3 * (n - 1) / predicted_ms if n > 1 and predicted_ms > 0 else 0.0,
             cache_n=r.cache_n, ttft_ms=ttft, tpot_ms=tpot, itl_ms=itl, e2e_ms=e2e,
             # waiting for a slot, nothing else: from the tokenised prompt (its host work is booked before)
             queue_ms=max(0.0, r.assigned_ms - r.tokenized_ms) if r.assigned_ms is not None else None,

@@ -48,6 +48,7 @@ class _Request:
         self.n_prefilled = 0  # prompt tokens whose KV is written (including cache_n)
         self.cache_n = 0
         self.generated: list[int] = []
+        self.n_streamed = 0  # generated tokens already carried by a TokenEvent
         self.pending_token: int | None = None  # sampled, not yet fed to the model
         self.pieces_ms: list[float] = []
         self.ttft_recorded = False  # its TTFT sample went into the metrics (once per request)

@@ -239,13 +239,13 @@ def test_ttft_itl_tpot_e2e_exact_on_scripted_clock(make):
     assert t.e2e_ms == 500.0
     assert t.queue_ms == 0.0
     # llama.cpp timings: prompt_ms = prefill start -> first token; predicted_ms = first -> last token,
-    # and llama.cpp divides it by predicted_n (not n - 1)
+    # over the n - 1 decode steps after the first token (llama-server's predicted_per_* say so)
     assert t.prompt_n == len(h.engine.tokenize_prompt(req)) and t.cache_n == 0
     assert t.prompt_ms == 400.0
     assert t.prompt_per_token_ms == pytest.approx(400.0 / t.prompt_n)
     assert t.prompt_per_second == pytest.approx(1e3 * t.prompt_n / 400.0)
     assert t.predicted_n == 5 and t.predicted_ms == 100.0
-    assert t.predicted_per_token_ms == 20.0 and t.predicted_per_second == 50.0
+    assert t.predicted_per_token_ms == 25.0 and t.predicted_per_second == 40.0 == 1e3 / t.tpot_ms
     # F7: the old CSV's "TTFT" (prompt_ms + predicted_ms) is the whole generation, not TTFT
     assert t.prompt_ms + t.predicted_ms == t.e2e_ms != t.ttft_ms
     # device parts (simulated): 5 steps x (1 ms h2d, 2 ms d2h)
@@ -263,7 +263,8 @@ def test_single_token_has_no_tpot_and_no_itl(make):
     res, _ = run(h, ChatRequest.from_prompt("hi", max_tokens=1, sampling=GREEDY), words("A"))
     t = res.timings
     assert (t.ttft_ms, t.tpot_ms, t.itl_ms, t.e2e_ms) == (400.0, None, (), 400.0)
-    assert t.predicted_n == 1 and t.predicted_ms == 0.0 and t.predicted_per_second is None
+    assert t.predicted_n == 1 and t.predicted_ms == 0.0
+    assert t.predicted_per_second == 0.0 and t.predicted_per_token_ms == 0.0  # llama-server's numbers, never null
 
 
 def test_host_work_is_on_the_clock(make):
