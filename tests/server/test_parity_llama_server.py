@@ -205,7 +205,7 @@ def test_same_stream(pair: tuple[str, str], route: str, path: str, body: Any) ->
 
 
 def test_busy_slot_shape(make_server: Any, llama_server: Any) -> None:
-    from sim_backend.planes import Pacing, PacingMode
+    from sim_backend.compose import Pacing, PacingMode
 
     # real-time pacing: a fast-paced simulator could finish before /slots is read
     ours = make_server(system_kw={"n_slots": 2, "pacing": Pacing(PacingMode.REALTIME, 1.0)})
