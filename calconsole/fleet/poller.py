@@ -1,8 +1,10 @@
 """Poll every board of a fleet, each on its own asyncio task with its own client and back-off.
 
 One ``BoardPoller`` per board: an ``httpx.AsyncClient`` of its own (keep-alive, every phase timed out at
-``FleetConfig.timeout_s`` host seconds), a loop that polls once, publishes a ``BoardSample`` and sleeps
-until the next tick. A board that does not answer backs off (the interval doubling up to
+``FleetConfig.timeout_s`` host seconds), a loop that publishes a ``BoardSample`` per tick. A calconsole board
+is read from its ``/snapshot/stream`` (the server pushes a snapshot per tick over one long-lived response:
+no request per sample, about half the client CPU of polling ``/snapshot``); where the stream is refused it
+is polled like a llama-server board (``/health`` + ``/slots`` + ``/metrics`` for those). A board that does not answer backs off (the interval doubling up to
 ``BACKOFF_MAX_S``); a board that answers slowly delays only its own next poll. So one slow or dead board
 never delays another: they share nothing but the event loop, and every await is bounded.
 
@@ -32,8 +34,11 @@ BACKOFF_MAX_S = 5.0
 HISTORY_LEN = 120
 #: llama-server's /props (model, slots, build) is re-read this often (host s): it changes only on restart
 PROPS_EVERY_S = 60.0
-#: largest body read from a board (a calconsole snapshot is tens of KB)
+#: largest body read from a board (a calconsole snapshot is a few KB idle, tens of KB busy)
 MAX_BODY_BYTES = 8 << 20
+#: a calconsole board whose /snapshot/stream is refused (503: its stream limit; 404: an older server) is polled
+#: instead, and its stream tried again after this many host s
+STREAM_RETRY_S = 60.0
 
 
 class NotABoardServer(Exception):
@@ -183,11 +188,56 @@ class BoardPoller:
         self.last = sample
         return sample
 
+    def _sample(self, fig: dict[str, Any], poll_ms: float | None) -> BoardSample:
+        now = time.time()
+        self._last_seen = now
+        slo = fig.pop("slo", None)
+        level, reasons = assess({**fig, "slo": slo}, self.settings)
+        sample = BoardSample(name=self.spec.name, url=self.spec.url, state="up", taken_unix_s=now,
+                             last_seen_unix_s=now, poll_ms=poll_ms, level=level, reasons=reasons, **fig)
+        self.last = sample
+        return sample
+
+    async def _stream(self) -> bool:
+        """Read ``/snapshot/stream`` until it breaks; a sample per event. False if the server refused the
+        stream (then the caller polls); raises the transport error that ended it."""
+        from httpx_sse import aconnect_sse
+
+        timeout = httpx.Timeout(max(self.timeout_s, 3.0 * self.interval_s), connect=min(3.0, self.timeout_s))
+        async with aconnect_sse(self.client, "GET", "/snapshot/stream", params={"hz": 1.0 / self.interval_s},
+                                timeout=timeout) as src:
+            if src.response.status_code != 200:
+                await src.response.aread()
+                return False
+            prev = time.monotonic()
+            async for ev in src.aiter_sse():
+                if ev.data.startswith('{"error"'):
+                    raise httpx.RemoteProtocolError(f"stream ended by the server: {ev.data[:200]}")
+                now = time.monotonic()
+                self.polls += 1
+                try:
+                    fig = from_calconsole(self.spec.name, self.spec.url, ev.data.encode())
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    raise NotABoardServer(str(e)[:200]) from None
+                # for a streamed board, "poll ms" is the gap since its previous event (host wall ms)
+                self.on_sample(self._sample(fig, (now - prev) * 1e3))
+                prev = now
+        raise httpx.RemoteProtocolError("snapshot stream ended")
+
     async def run(self) -> None:
-        """Poll until cancelled: every ``interval_s`` while the board answers; backing off while it does not."""
+        """Sample until cancelled: a calconsole board from its stream, others by polling every ``interval_s``;
+        backing off while the board does not answer."""
         delay = self.interval_s
+        stream_refused_at = -STREAM_RETRY_S
         while True:
             started = time.monotonic()
+            if self.kind == "calconsole" and started - stream_refused_at >= STREAM_RETRY_S:
+                try:
+                    if not await self._stream():
+                        stream_refused_at = time.monotonic()
+                    continue
+                except (httpx.TransportError, NotABoardServer):
+                    pass  # the poll below reports why, with the board's state
             sample = await self.poll_once()
             self.on_sample(sample)
             if sample.state == "unreachable":

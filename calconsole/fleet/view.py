@@ -174,16 +174,20 @@ class FleetApp(App):
         self.redraws = 0
 
     def compose(self) -> ComposeResult:
-        yield Static(id="fleet-head")
-        yield DataTable(id="fleet-table", cursor_type="row", zebra_stripes=True)
-        yield Static(id="fleet-detail")
+        # kept as references: App.query_one searches the active screen, which is a board's console at times
+        self._head = Static(id="fleet-head")
+        self._table: DataTable[Text] = DataTable(id="fleet-table", cursor_type="row", zebra_stripes=True)
+        self._detail = Static(id="fleet-detail")
+        yield self._head
+        yield self._table
+        yield self._detail
         yield Footer()
 
     def on_mount(self) -> None:
         self.monitor.start()
         self.set_interval(1.0 / self.config.refresh_hz, self._redraw)
         self._redraw()
-        self.query_one(DataTable).focus()
+        self._table.focus()
 
     async def on_unmount(self) -> None:
         await self.monitor.stop()
@@ -200,11 +204,11 @@ class FleetApp(App):
         return rank(list(self.monitor.samples.values()))
 
     def _redraw(self) -> None:
-        if not self._dirty:
-            return
+        if not self._dirty or len(self.screen_stack) > 1:
+            return  # nothing new, or a board's console (or help) covers the table: redrawn on return
         self._dirty = False
         self.redraws += 1
-        table = self.query_one(DataTable)
+        table = self._table
         now = time.time()
         samples = self.ranked()
         cols = columns_for(self.size.width - 2)
@@ -230,17 +234,16 @@ class FleetApp(App):
                              (f"{up} answering", "green" if up == len(samples) else "bold red"), " · ",
                              (f"{crit} crit", "bold red" if crit else "green"), " · ",
                              (f"{warn} warn", "bold yellow" if warn else "green"),
-                             f" · polled {self.config.refresh_hz:g} Hz each (own back-off) · "
-                             "worst first · sim = simulated device time, wall = server wall time, n/r = not "
-                             "reported by that server")
-        self.query_one("#fleet-head", Static).update(head)
+                             f" · {self.config.refresh_hz:g} Hz each · worst first · sim: simulated device time, "
+                             "wall: server wall time, n/r: not reported")
+        self._head.update(head)
         self._show_detail()
 
     def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
         self._show_detail()
 
     def _show_detail(self) -> None:
-        table = self.query_one(DataTable)
+        table = self._table
         if not self._order or not 0 <= table.cursor_row < len(self._order):
             return
         s = self.monitor.samples[self._order[table.cursor_row]]
@@ -250,13 +253,13 @@ class FleetApp(App):
         if s.build:
             what += f" · build {s.build}"
         why = "; ".join(s.reasons) if s.reasons else "within every threshold"
-        self.query_one("#fleet-detail", Static).update(
+        self._detail.update(
             Text.assemble((s.name, "bold"), f": {what}\n", (why, LEVEL_STYLE.get(s.level, "white")),
                           "\nEnter opens this board's console (observation, chat; maintenance with its admin key); "
                           "Esc there returns here"))
 
     def selected(self) -> str | None:
-        table = self.query_one(DataTable)
+        table = self._table
         if not self._order or not 0 <= table.cursor_row < len(self._order):
             return None
         return self._order[table.cursor_row]
