@@ -4,7 +4,8 @@ One ``BoardPoller`` per board: an ``httpx.AsyncClient`` of its own (keep-alive, 
 ``FleetConfig.timeout_s`` host seconds), a loop that publishes a ``BoardSample`` per tick. A calconsole board
 is read from its ``/snapshot/stream`` (the server pushes a snapshot per tick over one long-lived response:
 no request per sample, about half the client CPU of polling ``/snapshot``); where the stream is refused it
-is polled like a llama-server board (``/health`` + ``/slots`` + ``/metrics`` for those). A board that does not answer backs off (the interval doubling up to
+is polled like a llama-server board (``/health`` + ``/slots`` + ``/metrics`` for those).
+A board that does not answer backs off (the interval doubling up to
 ``BACKOFF_MAX_S``); a board that answers slowly delays only its own next poll. So one slow or dead board
 never delays another: they share nothing but the event loop, and every await is bounded.
 
