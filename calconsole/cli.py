@@ -153,7 +153,8 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
             # by: one SLO in every panel. Attached (--connect), the server's own SLO is shown as such.
             slo = None if settings is None else SLO(ttft_ms=settings.slo_ttft_ms, tpot_ms=settings.slo_tpot_ms)
             # numerics in a worker process: the UI and the simulation would otherwise share one GIL
-            system = build_from_args(args, maintenance=not args.observe_only, numerics_process=True, slo=slo)
+            system = build_from_args(args, maintenance=not args.observe_only, numerics_process=True, slo=slo,
+                                     numerics_progress=_say_progress)
     except (CalError, ValueError) as e:
         return fail(str(e))
     try:
@@ -199,6 +200,12 @@ def run_fleet(args: argparse.Namespace, settings, layout) -> int:
         return fail("the fleet view needs a terminal; for scripts use 'calconsole fleet --json [--watch]'")
     app.run()
     return 0
+
+
+def _say_progress(line: str) -> None:
+    """A start-up stage that takes a while (compiling the numerics kernels on a first start), on stderr:
+    the terminal is still in line mode before the console takes the screen."""
+    print(f"calconsole: {line}", file=sys.stderr, flush=True)
 
 
 def parse_listen(spec: str) -> tuple[str, int]:

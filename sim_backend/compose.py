@@ -15,6 +15,7 @@ plane: the attribute is None and nothing else creates one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                  hardware: str | Path | None = None,
                  numerics_process: bool = False,
                  reset_timeout_s: float = 10.0, slo: Any | None = None, variant: Variant | None = None,
-                 host_time: str = "modeled") -> System:
+                 host_time: str = "modeled", numerics_progress: Callable[[str], None] | None = None) -> System:
     """Load the bundle (strict; raises ManifestError) and start device + engine threads.
 
     ``drain_timeout_s`` / ``reset_timeout_s``: the maintenance plane's bounded drain and reset
@@ -83,6 +84,8 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     ``numerics_max_prompt``: requests prefilling more new prompt tokens than this run timing-only; None takes
     ``NUMERIC_PROMPT_LIMIT`` (measured) and its reason. ``numerics_limit_reason``: why this limit,
     shown by the observation pane (default: the measurement, or "set at start-up").
+    ``numerics_progress``: called with one line per stage while the numerics kernels compile (a first
+    start after install; later starts load them from numba's disk cache); None: silent.
     ``host_time``: ``"modeled"`` books the cost model's fitted host allowance per sampled token
     (facts.md F7) on the simulated clock, ``"measured"`` this machine's measured host work
     (``serving.hosttime.HostBooking``; ValueError for anything else).
@@ -101,7 +104,8 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
         if kv_cells is None and variant.s8_v_cache:
             kv_cells = kv_capacity_tokens(bundle.context, variant)
     board = SimulatedBoard(bundle, cost, numerics=numerics, pacing=pacing or Pacing(PacingMode.FAST),
-                           kv_cells=kv_cells, numerics_process=numerics_process)
+                           kv_cells=kv_cells, numerics_process=numerics_process,
+                           numerics_progress=numerics_progress)
     engine = Engine(RuntimeSession(board, parallel=max_inflight > 1), n_slots=n_slots, queue_limit=queue_limit,
                     max_inflight=max_inflight,
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt,

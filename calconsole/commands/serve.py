@@ -128,7 +128,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         # numerics in a worker process, as in the console: the event loop and the model would share one GIL
         system = build_from_args(args, maintenance=args.admin_key_file is not None or _env_admin(),
-                                 queue_limit=args.queue_limit, numerics_process=not args.timing_only)
+                                 queue_limit=args.queue_limit, numerics_process=not args.timing_only,
+                                 numerics_progress=lambda line: print(f"calconsole serve: {line}", file=sys.stderr,
+                                                                      flush=True))
     except (CalError, ValueError) as e:
         return fail(str(e))
     try:

@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +88,8 @@ class SimulatedBoard:
     """
 
     def __init__(self, bundle: Bundle, cost_model: Any, *, numerics: bool = True,
-                 pacing: Pacing = _DEFAULT_PACING, kv_cells: int | None = None, numerics_process: bool = False) -> None:
+                 pacing: Pacing = _DEFAULT_PACING, kv_cells: int | None = None, numerics_process: bool = False,
+                 numerics_progress: Callable[[str], None] | None = None) -> None:
         # single-threaded BLAS: small ops, 2 cores shared with host threads (see sim_backend/__init__)
         threadpool_limits(limits=1, user_api="blas")
         self.bundle = bundle
@@ -96,6 +98,8 @@ class SimulatedBoard:
         self.numerics = numerics
         # run the numerics in a worker process (the console: keeps the GIL free for the UI)
         self.numerics_process = numerics_process
+        # told (one line each) while the numerics kernels compile on a first start; None: silent
+        self._numerics_progress = numerics_progress
         self.pacing = pacing
         self.clock = SimClock()
         self.registers = RegisterFile()
@@ -146,9 +150,15 @@ class SimulatedBoard:
             if self.numerics_process:
                 # a real cost model goes with it, so the worker prices each step where it computes it
                 cm = self.cost_model if isinstance(self.cost_model, CostModel) else None
-                self.model = NumericsProcess(self.shape, self.bundle.numeric, n_cells, cost_model=cm)
+                self.model = NumericsProcess(self.shape, self.bundle.numeric, n_cells, cost_model=cm,
+                                             progress=self._numerics_progress)
             else:
-                self.model = build_numerics(self.shape, self.bundle.numeric, n_cells)
+                model = build_numerics(self.shape, self.bundle.numeric, n_cells)
+                say = self._numerics_progress
+                if hasattr(model, "warm_up"):
+                    model.warm_up(None if say is None else
+                                  lambda i, n, stage: say(f"loading or compiling numerics kernels, {i}/{n}: {stage}"))
+                self.model = model
         self._memory_cleared = False
         self.registers.set_bits("BOARD_STATUS", 0x2, True)
         for c in range(self.shape.n_chips):
@@ -170,9 +180,8 @@ class SimulatedBoard:
             model = self.model
             self.model = None
         if model is not None:
-            if hasattr(model, "close"):
-                model.close()  # numerics process: its memory (weights, KV) goes with it
-            else:
+            model.close()  # numerics process: its memory (weights, KV) goes with it; in-process: its chip thread
+            if isinstance(model, ShardedModel):
                 for chip in model.chips:
                     _zero_chip(chip, weights=True)
         self.kv.clear()

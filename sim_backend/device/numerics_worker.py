@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,8 +33,32 @@ from sim_backend.errors import DeviceError
 from sim_backend.model.costmodel import CostModel, StepCost, priced_experts_touched
 from sim_backend.model.numerics import StepNumerics
 
-START_TIMEOUT_S = 120.0  # synthetic weights ~1.5 s, the pilot's GGUF ~6 s of CPU; generous for loaded machines
+#: Bound on the worker's start (host wall s): the synthetic weights take ~1.5 s, the pilot's GGUF ~6 s of
+#: CPU; a first start after install also compiles the kernels (~15 s of CPU on a quiet 2-core host, ~70 s
+#: wall measured with 18 runnable jobs beside it).
+START_TIMEOUT_S = 300.0
 CONTROL_TIMEOUT_S = 30.0
+#: How much lower than its parent the worker runs (``nice`` steps, Linux/Unix): on a busy host the
+#: simulation falls behind real time (the pacing flag says so) before the UI's keys do.
+WORKER_NICE = 5
+#: A start stage that takes longer than this (host wall s) is being compiled, not loaded: report it.
+PROGRESS_AFTER_S = 0.5
+
+
+def lower_priority(steps: int = WORKER_NICE) -> int | None:
+    """Lower this process's scheduling priority by ``steps`` nice levels (at most to 19).
+
+    Called first thing in the worker, before any thread starts, so every thread it starts inherits
+    the priority. Returns the new nice value, or None where the OS has no nice (Windows).
+    """
+    import os
+
+    if not hasattr(os, "nice"):
+        return None
+    try:
+        return os.nice(max(0, min(steps, 19 - os.nice(0))))
+    except OSError:
+        return None
 
 
 def price_numeric_step(cost_model: Any, shape: ModelShape, kind: str, n_tokens: int, past_len: int,
@@ -59,11 +83,20 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_m
     the answer carries None in their place; the parent reads the buffer only after the answer,
     and the worker writes it only while answering a call, so they never overlap.
     """
+    lower_priority()
     # sim_backend/__init__ pins BLAS to one thread before numpy loads
     from sim_backend.model.families import build_numerics
 
     model = build_numerics(shape, num, n_cells)
     shared = np.frombuffer(shared_logits, dtype=np.uint16)
+    # compile the kernels (or load them from the disk cache) before answering; each stage is announced
+    # so that the parent can show a first start's compilation
+    try:
+        if hasattr(model, "warm_up"):  # a family with compiled kernels
+            model.warm_up(lambda i, n, stage: conn.send((None, ("stage", i, n, stage))))
+    except Exception as e:  # noqa: BLE001 - a kernel that does not compile: a typed start failure
+        conn.send((False, f"compiling the numerics kernels failed: {type(e).__name__}: {e}"))
+        return
 
     def logits(out: StepNumerics) -> np.ndarray | None:
         bits = out.bf16()  # BF16 where the logits are made: what the device returns (D2H)
@@ -116,7 +149,7 @@ class NumericsProcess:
     """
 
     def __init__(self, shape: ModelShape, num: NumericShape, n_cells: int, *, step_timeout_s: float = 300.0,
-                 cost_model: CostModel | None = None) -> None:
+                 cost_model: CostModel | None = None, progress: Callable[[str], None] | None = None) -> None:
         self.step_timeout_s = step_timeout_s
         self._cost_model = cost_model
         self._shape = shape
@@ -131,8 +164,29 @@ class NumericsProcess:
         child.close()
         self._lock = threading.Lock()
         self._broken: str | None = None
+        self._progress = progress
         with self._lock:
             self._recv("start", START_TIMEOUT_S)
+        self.nice = self._nice_of_child()
+
+    def _nice_of_child(self) -> int | None:
+        """The worker's nice value as the OS reports it (None if unknown)."""
+        try:
+            import psutil
+
+            return int(psutil.Process(self._proc.pid).nice())
+        except Exception:  # noqa: BLE001 - informational only (gone, or no permission)
+            return None
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds (user + system) the worker process has used so far, or None if it cannot be read."""
+        try:
+            import psutil
+
+            t = psutil.Process(self._proc.pid).cpu_times()
+            return float(t.user + t.system)
+        except Exception:  # noqa: BLE001 - a dead worker reads as unknown; its calls raise DeviceError
+            return None
 
     @property
     def broken(self) -> bool:
@@ -141,20 +195,34 @@ class NumericsProcess:
         return self._broken is not None or not self._proc.is_alive()
 
     def _recv(self, op: str, timeout: float) -> Any:
-        if not self._conn.poll(timeout):
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            ok, payload = self._recv_one(op, max(0.0, deadline - time.monotonic()), timeout)
+            if ok is not None:
+                break
+            # a start stage (i, n, name): report it if it is still running after PROGRESS_AFTER_S (compiling)
+            _, i, n, stage = payload
+            if self._progress is not None and not self._conn.poll(PROGRESS_AFTER_S):
+                self._progress(f"compiling numerics kernels, {i}/{n}: {stage} (first start after install; "
+                               "later starts load them from the disk cache)")
+        if not ok:
+            raise DeviceError(f"numerics process failed in {op}: {payload}")
+        return payload
+
+    def _recv_one(self, op: str, wait: float, timeout: float) -> tuple[bool | None, Any]:
+        if not self._conn.poll(wait):
             alive = self._proc.is_alive()
             self._broken = f"{'did not answer' if alive else 'died'} during {op}"
             if alive:
                 self._proc.terminate()  # a late reply must never be read as the answer to a later call
             raise DeviceError(f"numerics process {self._broken} (waited {timeout:.0f} s)")
         try:
-            ok, payload = self._conn.recv()
+            return self._conn.recv()
         except (EOFError, OSError) as e:
             self._broken = f"connection lost during {op}"
             raise DeviceError(f"numerics process connection lost during {op}: {e}") from None
-        if not ok:
-            raise DeviceError(f"numerics process failed in {op}: {payload}")
-        return payload
 
     def _call(self, op: str, args: tuple, timeout: float) -> Any:
         with self._lock:

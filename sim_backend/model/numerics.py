@@ -21,12 +21,14 @@ the sharded result equals it within float tolerance.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape, NumericShape
-from sim_backend.model.bf16 import f32_to_bf16
+from sim_backend.model.bf16 import bf16_to_f32, f32_to_bf16
 from sim_backend.model.vocab import N_TOKENS
 
 F32 = np.float32
@@ -111,7 +113,9 @@ def make_weights(shape: ModelShape, num: NumericShape) -> ModelWeights:
         )
     embed = normal(V, H, scale=1.0)
     final_norm = norm_weight(H)
-    lm_head = normal(H, V, scale=3.0 / np.sqrt(H))
+    # the LM head is BF16, as the real model's weights are: float32 values that are exactly BF16, so the
+    # compiled path reads half the bytes (uint16 bits, widened exactly) and computes the same products
+    lm_head = bf16_to_f32(f32_to_bf16(normal(H, V, scale=3.0 / np.sqrt(H))))
     lm_bias = np.zeros(V, dtype=F32)
     lm_bias[FIRST_PADDING_ID:] = PADDING_LOGIT_BIAS
     return ModelWeights(embed, layers, final_norm, lm_head, lm_bias)
@@ -134,6 +138,22 @@ def lazy_zeros(shape: tuple[int, ...], dtype=F32) -> np.ndarray:
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         buf.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+#: Which implementation ``ShardedModel`` runs: ``compiled`` (the numba kernels, default) or ``numpy``
+#: (the reference). The environment variable sets the default for a process (benchmarks, tests).
+KERNELS_ENV = "CALCONSOLE_KERNELS"
+KERNELS = ("compiled", "numpy")
+
+
+def kernels_choice(kernels: str | None = None) -> str:
+    """``kernels`` if given, else ``$CALCONSOLE_KERNELS``, else ``compiled``. Raises ValueError for another name."""
+    import os
+
+    k = kernels or os.environ.get(KERNELS_ENV) or "compiled"
+    if k not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {k!r}")
+    return k
 
 
 _ONE = F32(1.0)
@@ -577,7 +597,8 @@ class ShardedModel:
     """
 
     def __init__(self, shape: ModelShape, num: NumericShape, n_cells: int,
-                 weights: ModelWeights | None = None) -> None:
+                 weights: ModelWeights | None = None, kernels: str | None = None) -> None:
+        self.kernels = kernels_choice(kernels)
         if shape.n_q_heads % shape.n_kv_heads or shape.n_kv_heads % shape.n_chips:
             raise ValueError("heads must split evenly over KV groups and chips")
         if num.expert_ffn % shape.n_chips or num.head_dim % 2:
@@ -622,16 +643,98 @@ class ShardedModel:
         for c in self.chips:
             a, b = c.vocab_range
             c.lm_head, c.lm_bias = self.lm_head[:, a:b], self.lm_bias[a:b]
+        self._stack_layers()
+        self._compiled: Any = None
+        if self.kernels == "compiled":
+            from sim_backend.model.compiled import CompiledMoe  # numba loads only when the kernels are used
+
+            self._compiled = CompiledMoe(self._moe_weights(), qh=qh, kvh=kvh, k_act=shape.n_experts_active,
+                                         eps=shape.rms_eps)
         kv_shape = (shape.n_chips, shape.n_layers, shape.kv_heads_per_chip, n_cells, num.head_dim)
         self._kv_shape = kv_shape
         self.clear_kv()
 
+    def _stack_layers(self) -> None:
+        """Every layer's chip-stacked weights in one all-layers array per kind, the per-layer entries of
+        ``stacked`` (and so each chip's shard) views into them: the compiled step reads the same memory."""
+        L = self.shape.n_layers
+        self._all: dict[str, np.ndarray] = {}
+        for key in ("wqkv", "wo", "down"):
+            big = np.stack([st[key] for st in self.stacked])  # (L, C, ...)
+            self._all[key] = big
+            for li, st in enumerate(self.stacked):
+                st[key] = big[li]
+                for ci, c in enumerate(self.chips):
+                    c.layers[li][key] = big[li, ci]
+        # gate|up of every chip side by side, (L, E, H, 2, C, F/C); per layer st["gue"] is (E, H, 2*C*F/C)
+        g5 = np.stack([np.stack([c.layers[li][key] for c in self.chips], axis=2)
+                       for li in range(L) for key in ("gate", "up")])
+        E, H, C, Fc = g5.shape[1], g5.shape[2], g5.shape[3], g5.shape[4]
+        gue = np.ascontiguousarray(g5.reshape(L, 2, E, H, C, Fc).transpose(0, 2, 3, 1, 4, 5))
+        self._all["gue"] = gue.reshape(L, E, H, 2 * C * Fc)
+        for li, st in enumerate(self.stacked):
+            st["gue"] = self._all["gue"][li]
+            for ci, c in enumerate(self.chips):
+                c.layers[li]["gate"] = gue[li, :, :, 0, ci]
+                c.layers[li]["up"] = gue[li, :, :, 1, ci]
+
+    def _moe_weights(self) -> Any:
+        """The compiled step's weights (``compiled.MoeWeights``): views of this model's arrays, plus the
+        LM head as BF16 bits (exact: its values are BF16, ``make_weights``)."""
+        from sim_backend.model.compiled import MoeWeights
+        from sim_backend.model.kernels import bf16_blocks
+
+        w = self.weights
+        return MoeWeights(
+            in_norm=np.stack([lw.in_norm for lw in w.layers]), post_norm=np.stack([lw.post_norm for lw in w.layers]),
+            wqkv=self._all["wqkv"], qk_norm=self._qk_norm_all, wo=self._all["wo"],
+            router=np.stack([lw.router for lw in w.layers]), gue=self._all["gue"], down=self._all["down"],
+            final_norm=np.ascontiguousarray(w.final_norm, dtype=F32), lm_bits=bf16_blocks(f32_to_bf16(self.lm_head)),
+            lm_bias=self.lm_bias)
+
     def clear_kv(self) -> None:
-        """Zero every chip's KV cache by mapping fresh zero pages (no page is written)."""
-        self.k_cache = lazy_zeros(self._kv_shape)
-        self.v_cache = lazy_zeros(self._kv_shape)
+        """Zero every chip's KV cache by mapping fresh zero pages (no page is written).
+
+        K and V are stored transposed, (C, L, kv_heads, D, cells) (``k_cache_t``, ``v_cache_t``): a decode
+        step reads each key (and value) dimension over the context as one contiguous run, vectorised over
+        keys. ``k_cache`` / ``v_cache`` are the (C, L, kv_heads, cells, D) views of them, as each chip's are.
+        """
+        C, L, kvh, cells, D = self._kv_shape
+        self.k_cache_t = lazy_zeros((C, L, kvh, D, cells))
+        self.v_cache_t = lazy_zeros((C, L, kvh, D, cells))
+        self.k_cache = self.k_cache_t.transpose(0, 1, 2, 4, 3)
+        self.v_cache = self.v_cache_t.transpose(0, 1, 2, 4, 3)
         for ci, c in enumerate(self.chips):
             c.k_cache, c.v_cache = self.k_cache[ci], self.v_cache[ci]
+
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
+        """Compile (or load from numba's on-disk cache) the kernels of both step kinds, then zero the KV.
+
+        Runs a 2-token prefill and one decode on cells 0..2 of this model; ``progress(i, n, stage)`` is
+        called before each of the n stages. A first start after install compiles (about 15 s of CPU on the
+        reference 2-core host); later starts load the cache (well under 1 s). Returns host wall seconds.
+        Nothing to do for the numpy kernels.
+        """
+        import time
+
+        t0 = time.perf_counter()
+        if self._compiled is None:
+            return 0.0
+        stages = ("decode step", "prefill (attention, experts, router, LM head)")
+        say = progress or (lambda _i, _n, _s: None)
+        say(1, len(stages), stages[0])
+        one, ctx = np.array([1], dtype=np.int64), np.arange(2, dtype=np.int64)
+        self.forward(one, one, one, ctx, ctx.copy())
+        say(2, len(stages), stages[1])
+        two = np.arange(2, dtype=np.int64)
+        self.forward(two, two, two.copy(), two.copy(), two.copy())
+        self.clear_kv()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stop the compiled path's chip thread (idempotent)."""
+        if self._compiled is not None:
+            self._compiled.close()
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray,
                 ctx_cells: np.ndarray, ctx_positions: np.ndarray) -> StepNumerics:
@@ -644,6 +747,8 @@ class ShardedModel:
         qh, kvh = shape.q_heads_per_chip, shape.kv_heads_per_chip
         group = shape.n_q_heads // shape.n_kv_heads
         n = tokens.shape[0]
+        if self._compiled is not None:
+            return self._forward_compiled(tokens, positions, new_cells, ctx_cells, ctx_positions)
         if n == 1 and (ctx_positions.size == 0 or ctx_positions.max() <= positions[0]):
             return self._decode(int(tokens[0]), int(positions[0]), int(new_cells[0]), ctx_cells)
         C = shape.n_chips
@@ -695,6 +800,27 @@ class ShardedModel:
             x = x + _moe_prefill(h, ids, w, used, st["gue"], st["down"]).sum(axis=0)  # reduce partial sums
         last = rms_norm(x[-1:], self.weights.final_norm, shape.rms_eps)[0]
         return StepNumerics(logits=self._lm_head(last), experts_touched=touched)
+
+    def _forward_compiled(self, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray,
+                          ctx_cells: np.ndarray, ctx_positions: np.ndarray) -> StepNumerics:
+        """``forward`` through the compiled kernels (``compiled.CompiledMoe``): same inputs, same outputs."""
+        shape = self.shape
+        embed = self.chips[0].embed
+        assert embed is not None  # chip0 holds the embedding
+        cos, sin = rope_tables(np.asarray(positions), self.num.head_dim, shape.rope_theta)
+        no_max = np.array(self._score_bounds(), dtype=np.bool_)
+        ctx = np.ascontiguousarray(ctx_cells, dtype=np.int64)
+        n = tokens.shape[0]
+        if n == 1 and (ctx_positions.size == 0 or ctx_positions.max() <= positions[0]):
+            x = embed[int(tokens[0])].astype(F32)
+            logits = self._compiled.decode(x, cos[0], sin[0], int(new_cells[0]), ctx, no_max, self.k_cache_t,
+                                           self.v_cache_t)
+            return StepNumerics(logits=logits, experts_touched=[shape.n_experts_active] * shape.n_layers)
+        x = embed[tokens].astype(F32)
+        logits, touched = self._compiled.prefill(
+            x, np.asarray(positions, dtype=np.int64), cos, sin, np.asarray(new_cells, dtype=np.int64), ctx,
+            np.asarray(ctx_positions, dtype=np.int64), no_max, self.k_cache_t, self.v_cache_t)
+        return StepNumerics(logits=logits, experts_touched=touched)
 
     def _lm_head(self, last: np.ndarray) -> np.ndarray:
         """LM head of the last token, last (H,) -> logits (V,) float32: each chip its half of the vocabulary,

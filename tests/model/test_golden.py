@@ -138,9 +138,10 @@ def _broken_models(bundle):
     m = fresh()
     m.chips[1].layers[40]["down"][...] = 0.0  # one chip's expert down-projections lost in one layer
     yield "expert weights zeroed", m
-    m = fresh()
-    m.chips[1].lm_head[:, :50] += 0.5
-    yield "LM head region", m
+    w = copy.deepcopy(make_weights(shape, num))
+    half = shape.vocab // shape.n_chips
+    w.lm_head[:, half:half + 50] += 0.5  # 50 columns of chip 1's half (the compiled path reads its BF16 copy)
+    yield "LM head region", fresh(w)
 
 
 def test_corrupted_numerics_fail_the_check(bundle, stored):

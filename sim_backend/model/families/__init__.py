@@ -18,16 +18,18 @@ if TYPE_CHECKING:
     from sim_backend.bundle.manifest import Bundle
 
 
-def build_numerics(shape: ModelShape, num: NumericShape, n_cells: int) -> Any:
+def build_numerics(shape: ModelShape, num: NumericShape, n_cells: int, kernels: str | None = None) -> Any:
     """The sharded numerics of ``shape``'s family with ``n_cells`` KV cells per chip.
 
-    ``qwen3_moe``: ``numerics.ShardedModel`` (synthetic weights from ``num.seed``);
+    ``qwen3_moe``: ``numerics.ShardedModel`` (synthetic weights from ``num.seed``; ``kernels``:
+    ``compiled`` or ``numpy``, default ``numerics.kernels_choice()``);
     ``llama_dense``: ``llama_dense.DenseShardedModel`` (weights read from ``num.weights_file``,
-    dequantised at load: host wall seconds). Raises ManifestError (weights file) or ValueError.
+    dequantised at load: host wall seconds; numpy only, ``kernels`` not used).
+    Raises ManifestError (weights file) or ValueError.
     """
     if shape.is_moe:
         from sim_backend.model.numerics import ShardedModel
-        return ShardedModel(shape, num, n_cells=n_cells)
+        return ShardedModel(shape, num, n_cells=n_cells, kernels=kernels)
     from sim_backend.model.families.llama_dense import DenseShardedModel
     return DenseShardedModel(shape, num, n_cells=n_cells)
 

@@ -1,0 +1,397 @@
+"""Compiled numerics kernels (numba), family-neutral: the per-layer work of a decoder layer.
+
+Each kernel is the math of one step of a transformer layer on float32 arrays, written as plain
+loops that numba compiles to machine code (``cache=True``: compiled once per machine and kept on
+disk; ``nogil=True``: two threads can run kernels at once, one per chiplet). Nothing here knows the
+model family: RMSNorm, matrix-vector products (float32 and BF16 weights), per-head RMSNorm with
+rotate-half RoPE, grouped-query attention (decode and causal prefill), SwiGLU, a softmax top-k
+router. A family's step (``sim_backend.model.compiled`` for Qwen3-MoE) is composed of them inside
+one compiled function, so a decode step is one call instead of thousands of numpy calls.
+
+The numpy code in ``numerics.py`` is the reference these kernels are tested against
+(``tests/model/test_kernels.py``). Results differ from it only by summation order and by
+``exp_f32`` (a polynomial exp within 2 ulp): each dot product of length n is summed in a
+different order than BLAS does it, which moves a float32 result by at most ~n * 2**-24 of the sum
+of |terms|; over 48 layers this gives logit drifts of order 1e-5 (measured in the tests and by
+``python -m sim_backend.model.golden --check``), the same size as the drift between BLAS builds
+that the golden bound already covers (``golden.F32_DRIFT_ATOL``).
+
+Layouts (C-contiguous float32 unless said):
+- a layer's K cache is stored transposed, (kv_heads, D, cells): a decode step's scores
+  ``q . k_t`` then read each key dimension as one contiguous run over the context, vectorised
+  over keys; V stays (kv_heads, cells, D) so ``p @ V`` adds whole D-wide rows.
+- BF16 weights are ``uint16`` bit patterns (the top half of a float32, ``bf16.py``), widened
+  exactly by a 16-bit shift as they are read.
+
+Shapes in the docstrings: H = hidden, D = head_dim, T = context keys, G = query heads per KV head.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+__all__ = [
+    "FMA", "SUM", "attend_decode", "attend_prefill", "bf16_blocks", "bf16_matvec", "exp_f32", "exp_shift",
+    "head_norm_rope", "kernel", "matvec", "matvec_add", "rms_norm", "silu_mul", "softmax_top_k",
+]
+
+
+
+def kernel(fastmath: set[str] | None = None) -> Any:
+    """The decorator every kernel is compiled with: on-disk cache, GIL released, numpy's float error
+    semantics (a division by zero gives inf, no exception), no bounds checks; ``fastmath`` names the LLVM
+    flags allowed (see ``FMA`` and ``SUM``; none by default)."""
+    return njit(cache=True, nogil=True, error_model="numpy", boundscheck=False, fastmath=fastmath or False)
+
+
+#: Fused multiply-add allowed (one rounding instead of two); no sum is reordered.
+FMA = {"contract"}
+#: Summation order only (``reassoc``: dot products and sums over keys in vector lanes; ``contract``:
+#: fused multiply-add); no finite-math or sign assumptions, so -inf masks and NaN propagate as usual.
+SUM = {"reassoc", "contract"}
+
+
+@intrinsic
+def _bits_to_f32(typingctx, bits):
+    """Reinterpret an int32's bits as a float32 (no conversion): inlines to one bitcast."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+_LOG2E = np.float32(1.4426950408889634)
+_LN2_HI = np.float32(0.693359375)  # Cody-Waite split of ln 2: n * _LN2_HI is exact for |n| < 2**13
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_HI = np.float32(88.72283)  # ln(largest float32)
+_EXP_LO = np.float32(-86.9)  # n >= -125 above it, so 2**(n-1) is a normal float32
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def exp_f32(x):
+    """exp of a float32 scalar, float32, within 2 ulp of the true value on [-87.3, 88.4] (Cephes'
+    expf: Cody-Waite reduction to |r| <= ln2/2, degree-6 polynomial, 2**n from its exponent bits);
+    +inf above, 0.0 below (where the true value is subnormal or 0), NaN for NaN. Branch-free
+    besides the clamps, so loops over it vectorise (libm's expf would be one call per element)."""
+    xc = min(max(x, _EXP_LO), _EXP_HI)
+    n = np.floor(xc * _LOG2E + np.float32(0.5))
+    r = xc - n * _LN2_HI
+    r = r - n * _LN2_LO
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * (r * r) + r + np.float32(1.0)
+    # 2**(n-1) * 2: n reaches 128 just below the overflow, whose 2**n alone is not a float32
+    y = p * _bits_to_f32(np.int32(n + np.float32(126.0)) << 23) * np.float32(2.0)
+    if x > _EXP_HI:
+        y = np.float32(np.inf)
+    if x < _EXP_LO:
+        y = np.float32(0.0)
+    if x != x:
+        y = x
+    return y
+
+
+@kernel()
+def rms_norm(x, w, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * w; x, w, out (H,) float32 (out may be x). eps float32."""
+    n = x.shape[0]
+    ss = np.float32(0.0)
+    for i in range(n):
+        ss += x[i] * x[i]
+    inv = np.float32(1.0) / np.sqrt(ss * np.float32(1.0 / n) + eps)
+    for i in range(n):
+        out[i] = x[i] * inv * w[i]
+
+
+@kernel()
+def matvec(x, w, out):
+    """out = x @ w; x (K,), w (K, N) C-contiguous, out (N,) float32 (overwritten)."""
+    out[:] = 0.0
+    matvec_add(x, w, out)
+
+
+@kernel(FMA)
+def matvec_add(x, w, out):
+    """out += x @ w; x (K,), w (K, N) C-contiguous, out (N,) float32. Row by row (axpy), so the
+    inner loop runs over N contiguous weights and vectorises without reordering any sum."""
+    K, N = w.shape
+    for k in range(K):
+        xk = x[k]
+        row = w[k]
+        for j in range(N):
+            out[j] += xk * row[j]
+
+
+#: Output columns per block of the BF16 weight layout (:func:`bf16_blocks`): a block's float32
+#: accumulators (4 KiB) stay in L1 while its K x 1024 weights stream past once, in memory order.
+BF16_BLOCK = 1024
+
+
+def bf16_blocks(w_bits: np.ndarray, block: int = BF16_BLOCK) -> np.ndarray:
+    """(K, N) uint16 BF16 weights -> (ceil(N / block), K, block) uint16, zero-padded past N: each
+    block of output columns is one contiguous run, so :func:`bf16_matvec` reads the weights as one
+    sequential stream (K strided row streams defeat the prefetcher). Same bytes, one copy."""
+    K, N = w_bits.shape
+    nb = -(-N // block)
+    out = np.zeros((nb, K, block), dtype=np.uint16)
+    full = N // block
+    out[:full] = w_bits[:, :full * block].reshape(K, full, block).transpose(1, 0, 2)
+    if full < nb:
+        out[full, :, :N - full * block] = w_bits[:, full * block:]
+    return out
+
+
+@kernel(FMA)
+def bf16_matvec(x, w_blocks, bias, out):
+    """out = x @ w + bias with BF16 weights: x (K,) float32; w_blocks (nb, K, B) uint16 BF16 bit
+    patterns in :func:`bf16_blocks`' layout; bias, out (N,) float32 (N <= nb * B). Half the bytes of
+    float32 weights; each weight is widened exactly (a 16-bit shift); a column's K products are
+    summed in row order."""
+    nb, K, B = w_blocks.shape
+    N = out.shape[0]
+    acc = np.empty(B, dtype=np.float32)
+    for bi in range(nb):
+        j0 = bi * B
+        m = min(B, N - j0)
+        acc[:] = 0.0
+        blk = w_blocks[bi]
+        for k in range(K):
+            xk = x[k]
+            row = blk[k]
+            for j in range(B):
+                acc[j] += xk * _bits_to_f32(np.int32(row[j]) << 16)
+        o = out[j0:j0 + m]
+        b = bias[j0:j0 + m]
+        for j in range(m):
+            o[j] = acc[j] + b[j]
+
+
+@kernel()
+def head_norm_rope(qk, w, cos, sin, eps):
+    """Per-head RMSNorm then rotate-half (NeoX) RoPE, in place. qk (heads, D) float32; w (heads, D)
+    norm weights; cos/sin (D/2,) float32 for this token's position; eps float32."""
+    nh, D = qk.shape
+    half = D // 2
+    inv_d = np.float32(1.0 / D)
+    for h in range(nh):
+        ss = np.float32(0.0)
+        for d in range(D):
+            ss += qk[h, d] * qk[h, d]
+        inv = np.float32(1.0) / np.sqrt(ss * inv_d + eps)
+        for d in range(half):
+            a = qk[h, d] * inv * w[h, d]
+            b = qk[h, d + half] * inv * w[h, d + half]
+            qk[h, d] = a * cos[d] - b * sin[d]
+            qk[h, d + half] = b * cos[d] + a * sin[d]
+
+
+#: Keys per chunk of the attention kernels: a chunk of every key dimension (D x 512 float32, 32 KiB at
+#: D = 16) stays in L1 while the G query heads of a KV head read it.
+ATT_CHUNK = 512
+
+
+
+@kernel()
+def exp_shift(row, m):
+    """row[:] = exp(row - m) in place, float32 (``exp_f32``; m float32). A kernel of its own, compiled
+    without ``reassoc``, so the exp's range reduction is evaluated exactly as written."""
+    for t in range(row.shape[0]):
+        row[t] = exp_f32(row[t] - m)
+
+
+@kernel(SUM)
+def _scores(q, k_t, a, kg, contiguous, s, s0, m):
+    """s[g, s0:s0+m] = q[g] . k[:, a:a+m] for one chunk of m keys: q (G, D); keys from k_t[:, a:a+m] if
+    ``contiguous`` else from the gathered chunk kg[:, :m]; s (G, >= s0+m) C-contiguous (rows are
+    sliced here, not by the caller: a sliced 2-D argument loses its known unit stride and with it
+    the vector loads). Four key dimensions per pass."""
+    G, D = q.shape
+    for g in range(G):
+        sg = s[g, s0:s0 + m]
+        for t in range(m):
+            sg[t] = 0.0
+        d = 0
+        while d + 4 <= D:
+            q0, q1, q2, q3 = q[g, d], q[g, d + 1], q[g, d + 2], q[g, d + 3]
+            if contiguous:
+                k0, k1, k2, k3 = k_t[d, a:a + m], k_t[d + 1, a:a + m], k_t[d + 2, a:a + m], k_t[d + 3, a:a + m]
+            else:
+                k0, k1, k2, k3 = kg[d, :m], kg[d + 1, :m], kg[d + 2, :m], kg[d + 3, :m]
+            for t in range(m):
+                sg[t] += q0 * k0[t] + q1 * k1[t] + q2 * k2[t] + q3 * k3[t]
+            d += 4
+        while d < D:
+            qd = q[g, d]
+            kd = k_t[d, a:a + m] if contiguous else kg[d, :m]
+            for t in range(m):
+                sg[t] += qd * kd[t]
+            d += 1
+
+
+@kernel(SUM)
+def _weighted_values(p, p0, m, v_t, a, vg, contiguous, acc, den):
+    """acc[g, d] += p[g, p0:p0+m] . v[d, a:a+m] and den[g] += sum(p[g, p0:p0+m]) for one chunk of m keys:
+    p (G, >= p0+m) the unnormalised probabilities; values from v_t[:, a:a+m] or the gathered vg[:, :m]."""
+    G = p.shape[0]
+    D = acc.shape[1]
+    for g in range(G):
+        pg = p[g, p0:p0 + m]
+        tot = np.float32(0.0)
+        for t in range(m):
+            tot += pg[t]
+        den[g] += tot
+        for d in range(D):
+            vd = v_t[d, a:a + m] if contiguous else vg[d, :m]
+            x = np.float32(0.0)
+            for t in range(m):
+                x += pg[t] * vd[t]
+            acc[g, d] += x
+
+
+@kernel()
+def attend_decode(q, k_t, v_t, start, idx, T, no_max, scores, out):
+    """One query's grouped attention over T cached keys of one KV head.
+
+    q (G, D) float32, already scaled by 1/sqrt(D); k_t, v_t (D, cells) this head's transposed K and V
+    caches; the keys are cells ``start .. start+T`` if ``start >= 0`` (one contiguous run, read in
+    place) else ``idx[:T]`` (int64 cells, gathered a chunk at a time). ``no_max``: the caller proved
+    |score| small enough (``numerics.SCORE_BOUND``) that exp needs no max shift. scores (G, >= T)
+    float32 scratch. Writes softmax(q k^T) v to out (G, D). Sums run in vector lanes (``_JIT_SUM``).
+    """
+    G, D = q.shape
+    contiguous = start >= 0
+    kg = np.empty((D, ATT_CHUNK if not contiguous else 0), dtype=np.float32)
+    vg = np.empty((D, ATT_CHUNK if not contiguous else 0), dtype=np.float32)
+    for t0 in range(0, T, ATT_CHUNK):
+        m = min(ATT_CHUNK, T - t0)
+        if not contiguous:
+            for d in range(D):
+                for t in range(m):
+                    kg[d, t] = k_t[d, idx[t0 + t]]
+        _scores(q, k_t, start + t0, kg, contiguous, scores, t0, m)
+        if no_max:
+            for g in range(G):
+                exp_shift(scores[g, t0:t0 + m], np.float32(0.0))
+    if not no_max:
+        for g in range(G):
+            sg = scores[g, :T]
+            mx = np.float32(-np.inf)
+            for t in range(T):
+                mx = max(mx, sg[t])
+            exp_shift(sg, mx)
+    acc = np.zeros((G, D), dtype=np.float32)
+    den = np.zeros(G, dtype=np.float32)
+    for t0 in range(0, T, ATT_CHUNK):
+        m = min(ATT_CHUNK, T - t0)
+        if not contiguous:
+            for d in range(D):
+                for t in range(m):
+                    vg[d, t] = v_t[d, idx[t0 + t]]
+        _weighted_values(scores, t0, m, v_t, start + t0, vg, contiguous, acc, den)
+    for g in range(G):
+        inv = np.float32(1.0) / den[g]
+        for d in range(D):
+            out[g, d] = acc[g, d] * inv
+
+
+@kernel()
+def attend_prefill(q, k_t, v_t, ends, k_pos, q_pos, masked, no_max, out):
+    """Causal grouped attention of n queries of one KV head over T keys.
+
+    q (n, G, D) float32, scaled by 1/sqrt(D); k_t, v_t (D, T) the sequence's keys and values in
+    position order (gathered, transposed); query i sees keys [0, ends[i]) (int64, from the sorted key
+    positions), and if ``masked`` (keys not sorted by position) only those with k_pos[t] <= q_pos[i]
+    (a masked score is -inf, exp gives exactly 0). ``no_max`` as in :func:`attend_decode`.
+    Writes (n, G, D) to out.
+    """
+    n, G, D = q.shape
+    T = k_t.shape[1]
+    s = np.empty((G, T), dtype=np.float32)
+    empty = np.empty((D, 0), dtype=np.float32)
+    acc = np.empty((G, D), dtype=np.float32)
+    den = np.empty(G, dtype=np.float32)
+    for i in range(n):
+        e = ends[i]
+        qi = q[i]
+        for t0 in range(0, e, ATT_CHUNK):
+            m = min(ATT_CHUNK, e - t0)
+            _scores(qi, k_t, t0, empty, True, s, t0, m)
+        if masked:
+            for t in range(e):
+                if k_pos[t] > q_pos[i]:
+                    for g in range(G):
+                        s[g, t] = -np.inf
+        for g in range(G):
+            sg = s[g, :e]
+            mx = np.float32(0.0)
+            if not no_max:
+                mx = np.float32(-np.inf)
+                for t in range(e):
+                    mx = max(mx, sg[t])
+            exp_shift(sg, mx)
+        acc[:, :] = 0.0
+        den[:] = 0.0
+        for t0 in range(0, e, ATT_CHUNK):
+            m = min(ATT_CHUNK, e - t0)
+            _weighted_values(s, t0, m, v_t, t0, empty, True, acc, den)
+        for g in range(G):
+            inv = np.float32(1.0) / den[g]
+            for d in range(D):
+                out[i, g, d] = acc[g, d] * inv
+
+
+@kernel()
+def silu_mul(g, u, scale, out):
+    """out = silu(g) * u * scale (SwiGLU's activation), elementwise over (F,) float32; scale float32."""
+    for j in range(g.shape[0]):
+        out[j] = g[j] / (np.float32(1.0) + exp_f32(-g[j])) * u[j] * scale
+
+
+@kernel()
+def softmax_top_k(logits, k, ids, w):
+    """Router: softmax over E logits, the k most probable (descending, ties to the lower id), their
+    probabilities renormalised to sum 1. logits (E,) float32 (overwritten with the probabilities);
+    ids (k,) int64 and w (k,) float32 outputs."""
+    E = logits.shape[0]
+    m = logits[0]
+    for e in range(E):
+        m = max(m, logits[e])
+    tot = np.float32(0.0)
+    for e in range(E):
+        p = exp_f32(logits[e] - m)
+        logits[e] = p
+        tot += p
+    inv = np.float32(1.0) / tot
+    for e in range(E):
+        logits[e] *= inv
+    for j in range(k):  # selection: the j-th best is the largest left, lowest id first
+        best = -1
+        bv = np.float32(-1.0)
+        for e in range(E):
+            pe = logits[e]
+            if pe > bv:
+                taken = False
+                for jj in range(j):
+                    if ids[jj] == e:
+                        taken = True
+                        break
+                if not taken:
+                    best, bv = e, pe
+        ids[j] = best
+        w[j] = bv
+    tot = np.float32(0.0)
+    for j in range(k):
+        tot += w[j]
+    for j in range(k):
+        w[j] /= tot

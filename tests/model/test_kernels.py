@@ -1,0 +1,198 @@
+"""The compiled kernels against the numpy reference they replace.
+
+Bounds, not bits: the kernels sum in another order than BLAS (and use their own exp), so float32
+results differ in the last bits. Token ids are compared exactly (one machine, greedy), except where
+the reference's two best logits tie within the drift bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sim_backend.bundle.shapes import ModelShape, NumericShape
+from sim_backend.model import golden as G
+from sim_backend.model import kernels as K
+from sim_backend.model.numerics import (
+    ShardedModel,
+    _prefill_attention,
+    apply_rope,
+    kernels_choice,
+    rms_norm,
+    rope_tables,
+    route,
+)
+
+SHAPE = ModelShape()
+NUM = NumericShape()
+F = np.float32
+RNG = np.random.default_rng(7)
+
+
+def test_exp_within_two_ulp_and_its_edges():
+    x = np.linspace(-86.8, 88.7, 400_001, dtype=F)
+    out = np.empty_like(x)
+    for i in range(0, x.size, 50_000):  # scalar kernel, called through a tiny compiled loop below
+        _exp_rows(x[i:i + 50_000], out[i:i + 50_000])
+    ref = np.exp(x.astype(np.float64))
+    assert np.max(np.abs(out - ref) / ref) <= 2 * 2.0**-24
+    edge = np.array([np.nan, np.inf, -np.inf, 100.0, -100.0, 0.0], dtype=F)
+    got = np.empty_like(edge)
+    _exp_rows(edge, got)
+    assert np.isnan(got[0]) and got[1] == np.inf and got[2] == 0.0 and got[3] == np.inf and got[4] == 0.0
+    assert got[5] == 1.0
+
+
+def _exp_rows(x, out):
+    out[:] = x
+    K.exp_shift(out, F(0.0))
+
+
+def test_rms_norm_matvec_and_bf16_matvec_match_numpy():
+    x = RNG.standard_normal(64).astype(F)
+    w = RNG.standard_normal(64).astype(F)
+    out = np.empty_like(x)
+    K.rms_norm(x, w, F(1e-6), out)
+    np.testing.assert_allclose(out, rms_norm(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+    W = RNG.standard_normal((64, 320)).astype(F)
+    o = np.empty(320, F)
+    K.matvec(x, W, o)
+    np.testing.assert_allclose(o, x @ W, rtol=1e-5, atol=1e-5)
+    # BF16 weights: N not a multiple of the block, bias added; exact widening, so only summation order differs
+    bits = (RNG.standard_normal((64, 5000)).astype(F).view(np.uint32) >> 16).astype(np.uint16)
+    bias = RNG.standard_normal(5000).astype(F)
+    got = np.empty(5000, F)
+    K.bf16_matvec(x, K.bf16_blocks(bits), bias, got)
+    want = x @ (bits.astype(np.uint32) << 16).view(F) + bias
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_head_norm_rope_matches_numpy():
+    qk = RNG.standard_normal((18, 16)).astype(F)
+    w = (1 + 0.1 * RNG.standard_normal((18, 16))).astype(F)
+    cos, sin = rope_tables(np.array([1234]), 16, 1e6)
+    want = apply_rope(rms_norm(qk[None], w, 1e-6), cos, sin)[0]
+    got = qk.copy()
+    K.head_norm_rope(got, w, cos[0], sin[0], F(1e-6))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_top_k_matches_the_router():
+    h = RNG.standard_normal((6, 64)).astype(F)
+    router = (RNG.standard_normal((64, 128)) * 0.25).astype(F)
+    ids_ref, w_ref = route(h, router, 8)
+    for i in range(6):
+        logits = h[i] @ router
+        ids, w = np.empty(8, np.int64), np.empty(8, F)
+        K.softmax_top_k(logits, 8, ids, w)
+        assert ids.tolist() == ids_ref[i].tolist()
+        np.testing.assert_allclose(w, w_ref[i], rtol=1e-5)
+    tie = np.zeros(128, F)  # all equal: the lowest ids, in order, weights 1/k
+    ids, w = np.empty(8, np.int64), np.empty(8, F)
+    K.softmax_top_k(tie, 8, ids, w)
+    assert ids.tolist() == list(range(8)) and np.allclose(w, 1 / 8)
+
+
+@pytest.mark.parametrize("T,contiguous,no_max", [(1, True, True), (700, True, False), (1100, False, True)])
+def test_attend_decode_matches_softmax_attention(T, contiguous, no_max):
+    G_, D, cells = 8, 16, 1200
+    q = (RNG.standard_normal((G_, D)) * 0.25).astype(F)
+    k_t = RNG.standard_normal((D, cells)).astype(F)
+    v_t = RNG.standard_normal((D, cells)).astype(F)
+    idx = np.arange(T, dtype=np.int64) + 50 if contiguous else RNG.permutation(cells)[:T].astype(np.int64)
+    out = np.empty((G_, D), F)
+    K.attend_decode(q, k_t, v_t, int(idx[0]) if contiguous else -1, idx, T, no_max, np.empty((G_, T), F), out)
+    s = q.astype(np.float64) @ k_t[:, idx]
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ v_t[:, idx].T
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,past,stride", [(37, 0, 1), (9, 4, 3)])
+def test_attend_prefill_matches_the_numpy_prefill(n, past, stride):
+    G_, D = 8, 16
+    q = (RNG.standard_normal((1, n, G_, D)) * 0.25).astype(F)
+    k = RNG.standard_normal((1, past + n, D)).astype(F)
+    v = RNG.standard_normal((1, past + n, D)).astype(F)
+    k_pos = np.arange(past + n, dtype=np.int64) * stride
+    q_pos = k_pos[past:].copy()
+    want = _prefill_attention(q, k, v, q_pos, k_pos)[0]
+    ends = np.searchsorted(k_pos, q_pos, side="right").astype(np.int64)
+    got = np.empty((n, G_, D), F)
+    qs = q[0] * F(1 / np.sqrt(D))  # the kernel takes q scaled; the numpy prefill scales it itself
+    K.attend_prefill(qs, np.ascontiguousarray(k[0].T), np.ascontiguousarray(v[0].T), ends, k_pos, q_pos,
+                     False, False, got)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # keys out of position order: the mask decides, not the ends
+    perm = RNG.permutation(past + n)
+    K.attend_prefill(qs, np.ascontiguousarray(k[0, perm].T), np.ascontiguousarray(v[0, perm].T),
+                     np.full(n, past + n, np.int64), k_pos[perm], q_pos, True, True, got)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernels_choice():
+    assert kernels_choice("numpy") == "numpy" and kernels_choice("compiled") == "compiled"
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        kernels_choice("fortran")
+
+
+@pytest.fixture(scope="module")
+def pair():
+    compiled = ShardedModel(SHAPE, NUM, n_cells=64, kernels="compiled")
+    ref = ShardedModel(SHAPE, NUM, n_cells=64, weights=compiled.weights, kernels="numpy")
+    return compiled, ref
+
+
+def _greedy(model: ShardedModel, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+    model.clear_kv()
+    ids = np.asarray(prompt, dtype=np.int64)
+    pos = np.arange(ids.size, dtype=np.int64)
+    out = model.forward(ids, pos, pos.copy(), pos.copy(), pos.copy())
+    toks, logits = [int(np.argmax(out.logits))], [out.logits]
+    for step in range(n - 1):
+        p = np.array([ids.size + step])
+        ctx = np.arange(ids.size + step + 1)
+        out = model.forward(np.array([toks[-1]]), p, p.copy(), ctx, ctx.copy())
+        toks.append(int(np.argmax(out.logits)))
+        logits.append(out.logits)
+    return toks, logits
+
+
+@pytest.mark.parametrize("prompt", [list(G.GOLDEN_IDS), [151644, 872, 198, 9707, 11, 1879, 0, 151645, 198]])
+def test_greedy_tokens_equal_the_numpy_reference(pair, prompt):
+    """Same token ids on this machine, token for token (prefill then decode), with logits within the
+    cross-machine drift bound (``golden.F32_DRIFT_ATOL``); a first difference is allowed only where the
+    reference's two best logits are closer than that bound (a tie the summation order may break)."""
+    compiled, ref = pair
+    a, la = _greedy(compiled, prompt, 12)
+    b, lb = _greedy(ref, prompt, 12)
+    for step, (x, y) in enumerate(zip(la, lb, strict=True)):
+        if a[:step] != b[:step]:
+            break
+        assert np.max(np.abs(x - y)) <= G.F32_DRIFT_ATOL, step
+        if a[step] != b[step]:
+            top2 = np.sort(y)[-2:]
+            assert top2[1] - top2[0] <= G.F32_DRIFT_ATOL, (step, a, b)
+            break
+    else:
+        assert a == b
+
+
+def test_compiled_model_sees_kv_changes(pair):
+    """The compiled step reads the model's own KV arrays (views, not copies): keys of one cached token
+    negated move its logits as they move the reference's."""
+    compiled, ref = pair
+    prompt = np.asarray(G.GOLDEN_IDS, dtype=np.int64)
+    pos = np.arange(prompt.size)
+    p = np.array([prompt.size])
+    ctx = np.arange(prompt.size + 1)
+    got = {}
+    for name, m in (("compiled", compiled), ("numpy", ref)):
+        for bad in (False, True):
+            m.clear_kv()
+            m.forward(prompt, pos, pos.copy(), pos.copy(), pos.copy())
+            if bad:
+                m.k_cache[:, :, :, 2] *= -1.0
+            got[name, bad] = m.forward(np.array([198]), p, p.copy(), ctx, ctx.copy()).logits
+    assert np.max(np.abs(got["compiled", True] - got["compiled", False])) > 0.1
+    np.testing.assert_allclose(got["compiled", True], got["numpy", True], atol=G.F32_DRIFT_ATOL)
