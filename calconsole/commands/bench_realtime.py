@@ -35,6 +35,9 @@ def register(bsub) -> None:
     p.add_argument("--lengths", default=",".join(map(str, PREFILL_LENGTHS)),
                    help="prefill prompt lengths, comma-separated tokens (default 128,256,512,1024,2048)")
     p.add_argument("--backend", choices=("both", *BACKENDS), default="both", help="which numerics placement")
+    p.add_argument("--kernels", choices=("compiled", "numpy", "both"), default="compiled",
+                   help="numerics implementation: the compiled kernels (what runs), the numpy reference, or both "
+                        "in one run (before/after on the same host and load; default compiled)")
     p.add_argument("--ui", action="store_true", help="also key latency and GC pauses in the headless console")
     p.add_argument("--ui-tokens", type=int, default=3000, help="reply length for --ui (default 3000 tokens)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -64,9 +67,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         return fail(str(e))
     backends = list(BACKENDS) if args.backend == "both" else [args.backend]
+    kernels = ["compiled", "numpy"] if args.kernels == "both" else [args.kernels]
     try:
         rep: dict[str, Any] = measure(backends=backends, runs=args.runs, decode_steps=args.decode_steps,
-                                      contexts=contexts, prompt_lengths=lengths)
+                                      contexts=contexts, prompt_lengths=lengths, kernels=kernels)
     except (CalError, ValueError) as e:
         return fail(str(e))
     if args.ui:
@@ -74,14 +78,21 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(rep)
         return 0
-    print(f"real-time factor = simulated device time / host wall time (medians of {args.runs} runs)")
-    for b in backends:
+    print(f"real-time factor = simulated device time / host wall time; CPU RTF = simulated / CPU time of the "
+          f"process running the numerics (medians of {args.runs} runs)")
+    la = rep.get("load_average")
+    if la:
+        print(f"  host load average (1 min) at start / end: {la[0]:.2f} / {la[1]:.2f}")
+    for b in (key for key in rep if isinstance(rep[key], dict) and "decode_rtf" in rep[key]):
         r = rep[b]
-        print(f"  {b}:")
-        print("    decode  " + "  ".join(f"ctx {k}: {v:.2f} ({r['decode_wall_ms'][k]:.2f} ms wall / "
-                                         f"{r['decode_sim_ms'][k]:.2f} ms sim)" for k, v in r["decode_rtf"].items()))
-        print("    prefill " + "  ".join(f"{k} tok: {v:.2f} ({r['prefill_wall_ms'][k]:.0f} ms wall / "
-                                         f"{r['prefill_sim_ms'][k]:.0f} ms sim)" for k, v in r["prefill_rtf"].items()))
+        nice = f", worker nice {r['worker_nice']}" if r.get("worker_nice") is not None else ""
+        print(f"  {b} ({r['kernels']} kernels{nice}):")
+        print("    decode  " + "  ".join(
+            f"ctx {k}: {v:.2f} ({r['decode_wall_ms'][k]:.2f} ms wall / {r['decode_sim_ms'][k]:.2f} ms sim; "
+            f"CPU RTF {r['decode_cpu_rtf'][k]:.2f})" for k, v in r["decode_rtf"].items()))
+        print("    prefill " + "  ".join(
+            f"{k} tok: {v:.2f} ({r['prefill_wall_ms'][k]:.0f} ms wall / {r['prefill_sim_ms'][k]:.0f} ms sim; "
+            f"CPU RTF {r['prefill_cpu_rtf'][k]:.2f})" for k, v in r["prefill_rtf"].items()))
         print(f"    numpy calls per decode step in this process: {r['numpy_calls_per_decode_step']}")
     print("  " + limit_line(rep, backends))
     if args.ui:
@@ -139,7 +150,7 @@ def limit_line(rep: dict[str, Any], backends: list[str]) -> str:
     """The numeric prompt limit as a sentence: the length, or that none of the measured lengths kept real
     time (not "0 tokens"), with the RTF of the first length that fell behind to 3 decimals (an RTF of
     0.998 prints as 1.00 in the table above)."""
-    src = rep.get("worker") or rep[backends[0]]
+    src = rep.get("worker") or next(v for v in rep.values() if isinstance(v, dict) and "prefill_rtf" in v)
     rtf = src["prefill_rtf"]
     limit = rep["numeric_limit_tokens"]
     miss = next((n for n in sorted(rtf, key=int) if int(n) > limit), None)

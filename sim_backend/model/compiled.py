@@ -143,8 +143,8 @@ def _prefill_attention_chip(qkv, qk_norm, cos, sin, eps, scale, qh, kvh, new_cel
     qkc = (qh + kvh) * D
     T = ctx_cells.shape[0]
     q = np.empty((n, G, D), dtype=np.float32)
-    kt_s = np.empty((D, T), dtype=np.float32)
-    v_s = np.empty((D, T), dtype=np.float32)
+    k_s = np.empty((T, D), dtype=np.float32)  # gathered in position order, a row per key (BLAS operands)
+    v_s = np.empty((T, D), dtype=np.float32)
     o = np.empty((n, G, D), dtype=np.float32)
     for i in range(n):
         qk = qkv[i, :qkc].reshape((qh + kvh, D))
@@ -159,13 +159,13 @@ def _prefill_attention_chip(qkv, qk_norm, cos, sin, eps, scale, qh, kvh, new_cel
             kr, vr = k_t[hk, d], v_t[hk, d]
             for t in range(T):
                 c = ctx_cells[t]
-                kt_s[d, t] = kr[c]
-                v_s[d, t] = vr[c]
+                k_s[t, d] = kr[c]
+                v_s[t, d] = vr[c]
         for i in range(n):
             for g in range(G):
                 for d in range(D):
                     q[i, g, d] = qkv[i, (hk * G + g) * D + d] * scale
-        attend_prefill(q, kt_s, v_s, ends, k_pos, q_pos, masked, no_max, o)
+        attend_prefill(q, k_s, v_s, ends, k_pos, q_pos, masked, no_max, o)
         for i in range(n):
             for g in range(G):
                 for d in range(D):

@@ -37,7 +37,7 @@ from numba.extending import intrinsic
 
 __all__ = [
     "FMA", "SUM", "attend_decode", "attend_prefill", "bf16_blocks", "bf16_matvec", "exp_f32", "exp_shift",
-    "head_norm_rope", "kernel", "matvec", "matvec_add", "rms_norm", "silu_mul", "softmax_top_k",
+    "head_norm_rope", "kernel", "matvec", "matvec_add", "rms_norm", "row_sum", "silu_mul", "softmax_top_k",
 ]
 
 
@@ -305,50 +305,66 @@ def attend_decode(q, k_t, v_t, start, idx, T, no_max, scores, out):
             out[g, d] = acc[g, d] * inv
 
 
+@kernel(SUM)
+def row_sum(row):
+    """Sum of a float32 row (returns float32), in vector lanes (``SUM``)."""
+    t = np.float32(0.0)
+    for i in range(row.shape[0]):
+        t += row[i]
+    return t
+
+
+#: Queries per block of :func:`attend_prefill`: a block's G x 16 score rows go through one BLAS product
+#: with the keys it can see (16 measured as fast as 8-64 at 512 tokens).
+PREFILL_QUERY_BLOCK = 16
+
+
 @kernel()
-def attend_prefill(q, k_t, v_t, ends, k_pos, q_pos, masked, no_max, out):
+def attend_prefill(q, ks, vs, ends, k_pos, q_pos, masked, no_max, out):
     """Causal grouped attention of n queries of one KV head over T keys.
 
-    q (n, G, D) float32, scaled by 1/sqrt(D); k_t, v_t (D, T) the sequence's keys and values in
-    position order (gathered, transposed); query i sees keys [0, ends[i]) (int64, from the sorted key
-    positions), and if ``masked`` (keys not sorted by position) only those with k_pos[t] <= q_pos[i]
-    (a masked score is -inf, exp gives exactly 0). ``no_max`` as in :func:`attend_decode`.
-    Writes (n, G, D) to out.
+    q (n, G, D) float32, scaled by 1/sqrt(D); ks, vs (T, D) the sequence's keys and values in position
+    order (gathered, C-contiguous); query i sees keys [0, ends[i]) (int64, from the sorted key
+    positions), and if ``masked`` (keys not sorted by position) only those with k_pos[t] <= q_pos[i].
+    ``no_max`` as in :func:`attend_decode`. Writes (n, G, D) to out.
+
+    Per block of ``PREFILL_QUERY_BLOCK`` queries: scores = one BLAS product (rows x D) @ (D x keys the
+    block sees), exp in place (``exp_shift``; keys a query must not see set to 0, which is what
+    exp(-inf) gives), then one BLAS product with V and a normalisation by the row sums.
     """
     n, G, D = q.shape
-    T = k_t.shape[1]
-    s = np.empty((G, T), dtype=np.float32)
-    empty = np.empty((D, 0), dtype=np.float32)
-    acc = np.empty((G, D), dtype=np.float32)
-    den = np.empty(G, dtype=np.float32)
-    for i in range(n):
-        e = ends[i]
-        qi = q[i]
-        for t0 in range(0, e, ATT_CHUNK):
-            m = min(ATT_CHUNK, e - t0)
-            _scores(qi, k_t, t0, empty, True, s, t0, m)
-        if masked:
-            for t in range(e):
-                if k_pos[t] > q_pos[i]:
-                    for g in range(G):
-                        s[g, t] = -np.inf
-        for g in range(G):
-            sg = s[g, :e]
-            mx = np.float32(0.0)
-            if not no_max:
-                mx = np.float32(-np.inf)
-                for t in range(e):
-                    mx = max(mx, sg[t])
-            exp_shift(sg, mx)
-        acc[:, :] = 0.0
-        den[:] = 0.0
-        for t0 in range(0, e, ATT_CHUNK):
-            m = min(ATT_CHUNK, e - t0)
-            _weighted_values(s, t0, m, v_t, t0, empty, True, acc, den)
-        for g in range(G):
-            inv = np.float32(1.0) / den[g]
-            for d in range(D):
-                out[i, g, d] = acc[g, d] * inv
+    for s0 in range(0, n, PREFILL_QUERY_BLOCK):
+        s1 = min(n, s0 + PREFILL_QUERY_BLOCK)
+        m = s1 - s0
+        e_end = 0
+        for i in range(s0, s1):
+            e_end = max(e_end, ends[i])
+        qb = q[s0:s1].reshape((m * G, D))
+        S = np.dot(qb, ks[:e_end].T)
+        for i in range(m):
+            e = ends[s0 + i]
+            qp = q_pos[s0 + i]
+            for g in range(G):
+                row = S[i * G + g]
+                if masked:
+                    for t in range(e):
+                        if k_pos[t] > qp:
+                            row[t] = -np.inf
+                mx = np.float32(0.0)
+                if not no_max:
+                    mx = np.float32(-np.inf)
+                    for t in range(e):
+                        mx = max(mx, row[t])
+                exp_shift(row[:e], mx)
+                for t in range(e, e_end):
+                    row[t] = 0.0
+        O = np.dot(S, vs[:e_end])
+        for i in range(m):
+            for g in range(G):
+                r = i * G + g
+                inv = np.float32(1.0) / row_sum(S[r])
+                for d in range(D):
+                    out[s0 + i, g, d] = O[r, d] * inv
 
 
 @kernel()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dis
 import math
+import os
 import statistics
 import sys
 import time
@@ -27,6 +28,7 @@ from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.device.numerics_worker import NumericsProcess
 from sim_backend.errors import CalError
 from sim_backend.model.costmodel import default_cost_model
+from sim_backend.model.numerics import KERNELS_ENV, kernels_choice
 
 BACKENDS = {"in_process": False, "worker": True}
 DECODE_CONTEXTS = (128, 1024, 2048, 4096)
@@ -43,15 +45,28 @@ def _tokens(n: int, offset: int = 0) -> np.ndarray:
     return ((np.arange(offset, offset + n, dtype=np.int64) * 7919 + 101) % 150_000).astype(np.int64)
 
 
-def _run(board: SimulatedBoard, kind: str, tokens: np.ndarray, p0: int) -> tuple[float, float]:
-    """One step on the board at positions/cells [p0, p0+n), context [0, p0+n). Returns (wall ms, sim ms)."""
+def _cpu_s(board: SimulatedBoard) -> float:
+    """CPU seconds so far of whichever process runs the numerics: the worker's (all its threads), or this
+    process's (the device thread and the prefill's chip thread; the waiting bench thread uses none)."""
+    model = board.model
+    if isinstance(model, NumericsProcess):
+        t = model.cpu_seconds()
+        if t is not None:
+            return t
+    return time.process_time()
+
+
+def _run(board: SimulatedBoard, kind: str, tokens: np.ndarray, p0: int) -> tuple[float, float, float]:
+    """One step on the board at positions/cells [p0, p0+n), context [0, p0+n).
+    Returns (host wall ms, simulated ms, CPU ms of the process that ran the numerics)."""
     n = tokens.shape[0]
     pos = np.arange(p0, p0 + n, dtype=np.int64)
     ctx = np.arange(0, p0 + n, dtype=np.int64)
+    c0 = _cpu_s(board)
     t0 = time.perf_counter()
     res = board.submit(kind, 0, tokens, pos, pos.copy(), ctx, ctx.copy()).wait(STEP_TIMEOUT_S)
     wall = (time.perf_counter() - t0) * 1e3
-    return wall, res.sim_us / 1e3
+    return wall, res.sim_us / 1e3, (_cpu_s(board) - c0) * 1e3
 
 
 def count_numpy_calls(fn: Callable[[], Any]) -> int:
@@ -131,42 +146,60 @@ def _decode_work_calls(board: SimulatedBoard, context: int) -> int:
 
 def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
                     contexts: Sequence[int] = DECODE_CONTEXTS, prompt_lengths: Sequence[int] = PREFILL_LENGTHS,
-                    bundle: Bundle | None = None, progress: Callable[[str], None] | None = None) -> dict:
+                    bundle: Bundle | None = None, progress: Callable[[str], None] | None = None,
+                    kernels: str = "compiled") -> dict:
     """Measure one backend on a fresh board.
 
     Prefill: each length in ``prompt_lengths`` as one chunk from position 0, ``runs`` times
     (once if a run takes over ``LONG_RUN_MS``; ``prefill_runs`` says how many).
     Decode: at each context in ``contexts`` (KV filled by real prefill chunks first),
-    ``runs`` x ``decode_steps`` steps. Returns ``{"decode_rtf": {ctx: median RTF}, "decode_wall_ms",
-    "decode_sim_ms", "prefill_rtf": {n: median RTF}, "prefill_wall_ms", "prefill_sim_ms",
-    "numpy_calls_per_decode_step"}`` (keys of the by-size dicts are str for JSON; ``*_wall_ms`` host
-    wall ms medians, ``*_sim_ms`` simulated device ms). Raises CalError on a failed step.
+    ``runs`` x ``decode_steps`` steps. ``kernels``: ``compiled`` or ``numpy`` (the reference), as
+    ``numerics.kernels_choice``. Returns ``{"decode_rtf": {ctx: median RTF}, "decode_wall_ms",
+    "decode_sim_ms", "decode_cpu_ms", "decode_cpu_rtf", "prefill_rtf": {n: median RTF}, "prefill_wall_ms",
+    "prefill_sim_ms", "prefill_cpu_ms", "prefill_cpu_rtf", "numpy_calls_per_decode_step", "kernels",
+    "worker_nice"}`` (keys of the by-size dicts are str for JSON; ``*_wall_ms`` host wall ms medians,
+    ``*_cpu_ms`` CPU ms of the process running the numerics, medians; ``*_sim_ms`` simulated device ms;
+    a CPU RTF is simulated / CPU time: what the step costs the host whatever else runs beside it).
+    Raises CalError on a failed step, ValueError for unknown kernels.
     """
     say = progress or (lambda _m: None)
     b = bundle or load_bundle()
     top = max([*contexts, *prompt_lengths]) + 1
     if top > b.context:
         raise CalError(f"largest context {top} exceeds the calbin context {b.context}")
-    board = SimulatedBoard(b, default_cost_model(), numerics=True, pacing=Pacing(PacingMode.FAST),
-                           kv_cells=max(top, 8), numerics_process=worker)
+    kernels = kernels_choice(kernels)
+    saved = os.environ.get(KERNELS_ENV)
+    os.environ[KERNELS_ENV] = kernels  # the board's model (in this process or the spawned worker) reads it
+    try:
+        board = SimulatedBoard(b, default_cost_model(), numerics=True, pacing=Pacing(PacingMode.FAST),
+                               kv_cells=max(top, 8), numerics_process=worker)
+    finally:
+        if saved is None:
+            os.environ.pop(KERNELS_ENV, None)
+        else:
+            os.environ[KERNELS_ENV] = saved
     try:
         _run(board, "prefill", _tokens(8), 0)  # warm up
         pre_wall: dict[str, float] = {}
         pre_sim: dict[str, float] = {}
+        pre_cpu: dict[str, float] = {}
         pre_runs: dict[str, int] = {}
         for n in sorted(prompt_lengths):
             say(f"prefill {n}")
-            walls = []
+            walls, cpus = [], []
             for _ in range(runs):
-                w, s = _run(board, "prefill", _tokens(n), 0)
+                w, s, c = _run(board, "prefill", _tokens(n), 0)
                 walls.append(w)
+                cpus.append(c)
                 if w > LONG_RUN_MS:  # one long run says enough; keeps the default sweep within minutes
                     break
             pre_wall[str(n)], pre_sim[str(n)] = statistics.median(walls), s
+            pre_cpu[str(n)] = statistics.median(cpus)
             pre_runs[str(n)] = len(walls)
         filled = max(prompt_lengths, default=0)  # the prefills wrote real K/V into cells [0, longest)
         dec_wall: dict[str, float] = {}
         dec_sim: dict[str, float] = {}
+        dec_cpu: dict[str, float] = {}
         for c in sorted(contexts):
             while filled < c:  # real K/V in every context cell (zero pages would read unrealistically fast)
                 m = min(FILL_CHUNK, c - filled)
@@ -174,21 +207,30 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
                 _run(board, "prefill", _tokens(m, filled), filled)
                 filled += m
             say(f"decode at {c}")
-            meds = []
+            meds, cmeds = [], []
             for _ in range(runs):
-                walls = []
+                walls, cpus = [], []
                 for _ in range(decode_steps):
-                    w, s = _run(board, "decode", _tokens(1, c), c)  # overwrites cell c: same context every step
+                    w, s, cpu = _run(board, "decode", _tokens(1, c), c)  # overwrites cell c: same context every step
                     walls.append(w)
+                    cpus.append(cpu)
                 meds.append(statistics.median(walls))
+                cmeds.append(statistics.median(cpus))
             dec_wall[str(c)], dec_sim[str(c)] = statistics.median(meds), s
+            dec_cpu[str(c)] = statistics.median(cmeds)
         calls = _decode_work_calls(board, min(contexts) if contexts else 128)
+        nice = getattr(board.model, "nice", None)
     finally:
         board.close()
-    return {"decode_rtf": {k: dec_sim[k] / dec_wall[k] for k in dec_wall}, "decode_wall_ms": dec_wall,
-            "decode_sim_ms": dec_sim,
-            "prefill_rtf": {k: pre_sim[k] / pre_wall[k] for k in pre_wall}, "prefill_wall_ms": pre_wall,
-            "prefill_sim_ms": pre_sim, "prefill_runs": pre_runs, "numpy_calls_per_decode_step": calls}
+
+    def rtf(sim: dict[str, float], host: dict[str, float]) -> dict[str, float]:
+        return {k: sim[k] / host[k] if host[k] > 0 else math.inf for k in host}
+
+    return {"decode_rtf": rtf(dec_sim, dec_wall), "decode_wall_ms": dec_wall, "decode_sim_ms": dec_sim,
+            "decode_cpu_ms": dec_cpu, "decode_cpu_rtf": rtf(dec_sim, dec_cpu),
+            "prefill_rtf": rtf(pre_sim, pre_wall), "prefill_wall_ms": pre_wall, "prefill_sim_ms": pre_sim,
+            "prefill_cpu_ms": pre_cpu, "prefill_cpu_rtf": rtf(pre_sim, pre_cpu), "prefill_runs": pre_runs,
+            "numpy_calls_per_decode_step": calls, "kernels": kernels, "worker_nice": nice}
 
 
 def numeric_limit(prefill_rtf: dict[str, float]) -> int:
@@ -205,12 +247,16 @@ def numeric_limit(prefill_rtf: dict[str, float]) -> int:
 
 def measure(*, backends: Sequence[str] = tuple(BACKENDS), runs: int = 3, decode_steps: int = 16,
             contexts: Sequence[int] = DECODE_CONTEXTS, prompt_lengths: Sequence[int] = PREFILL_LENGTHS,
-            bundle: Bundle | None = None, progress: Callable[[str], None] | None = None) -> dict:
+            bundle: Bundle | None = None, progress: Callable[[str], None] | None = None,
+            kernels: Sequence[str] = ("compiled",)) -> dict:
     """Both backends side by side in one run, plus the numeric prefill limit they give.
 
-    ``numeric_limit_tokens`` comes from the worker backend (what the console runs) when measured,
-    else from in-process. Returns ``{"in_process": {...}, "worker": {...}, "numeric_limit_tokens",
-    "runs", "decode_steps", "units"}``.
+    ``kernels``: which implementations to measure, each under every backend: ``compiled`` (what runs)
+    under the backend's own name, ``numpy`` (the reference, the former implementation) as
+    ``<backend>:numpy``, so one run gives the before/after figures on the same host and load.
+    ``numeric_limit_tokens`` comes from the worker backend with the compiled kernels (what the
+    console runs) when measured, else from the first measured. Returns ``{"in_process": {...},
+    "worker": {...}, "numeric_limit_tokens", "runs", "decode_steps", "load_average", "units"}``.
     """
     out: dict[str, Any] = {}
 
@@ -220,16 +266,28 @@ def measure(*, backends: Sequence[str] = tuple(BACKENDS), runs: int = 3, decode_
         report = progress
         return lambda m: report(f"{name}: {m}")
 
+    load0 = os.getloadavg() if hasattr(os, "getloadavg") else None
+    for k in kernels:
+        kernels_choice(k)
     for name in backends:
         if name not in BACKENDS:
             raise ValueError(f"unknown backend {name!r} (one of {', '.join(BACKENDS)})")
-        out[name] = measure_backend(BACKENDS[name], runs=runs, decode_steps=decode_steps, contexts=contexts,
-                                    prompt_lengths=prompt_lengths, bundle=bundle,
-                                    progress=tagged(name))
-    src = out.get("worker") or out[backends[0]]
+    for k in kernels:
+        for name in backends:
+            key = name if k == "compiled" else f"{name}:{k}"
+            out[key] = measure_backend(BACKENDS[name], runs=runs, decode_steps=decode_steps, contexts=contexts,
+                                       prompt_lengths=prompt_lengths, bundle=bundle, progress=tagged(key),
+                                       kernels=k)
+    measured = [key for key in out if isinstance(out[key], dict)]
+    src = out.get("worker") or out[measured[0]]
     out["numeric_limit_tokens"] = numeric_limit(src["prefill_rtf"])
     out["runs"], out["decode_steps"] = runs, decode_steps
+    load1 = os.getloadavg() if hasattr(os, "getloadavg") else None
+    # other work on the host slows wall time (and, less, CPU time): the 1-minute load average at start and end
+    out["load_average"] = [round(load0[0], 2), round(load1[0], 2)] if load0 and load1 else None
     out["units"] = {"rtf": "simulated device time / host wall time (>= 1 keeps real time)",
+                    "cpu_rtf": "simulated device time / CPU time of the process running the numerics",
                     "wall_ms": "host wall ms, median", "sim_ms": "simulated device ms (cost model)",
+                    "cpu_ms": "CPU ms of the process running the numerics (all its threads), median",
                     "numpy_calls": "numpy calls in this process per decode step (operators not counted)"}
     return out

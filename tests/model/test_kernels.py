@@ -120,12 +120,11 @@ def test_attend_prefill_matches_the_numpy_prefill(n, past, stride):
     ends = np.searchsorted(k_pos, q_pos, side="right").astype(np.int64)
     got = np.empty((n, G_, D), F)
     qs = q[0] * F(1 / np.sqrt(D))  # the kernel takes q scaled; the numpy prefill scales it itself
-    K.attend_prefill(qs, np.ascontiguousarray(k[0].T), np.ascontiguousarray(v[0].T), ends, k_pos, q_pos,
-                     False, False, got)
+    K.attend_prefill(qs, k[0], v[0], ends, k_pos, q_pos, False, False, got)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # keys out of position order: the mask decides, not the ends
     perm = RNG.permutation(past + n)
-    K.attend_prefill(qs, np.ascontiguousarray(k[0, perm].T), np.ascontiguousarray(v[0, perm].T),
+    K.attend_prefill(qs, np.ascontiguousarray(k[0, perm]), np.ascontiguousarray(v[0, perm]),
                      np.full(n, past + n, np.int64), k_pos[perm], q_pos, True, True, got)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
