@@ -180,8 +180,9 @@ class SimulatedBoard:
             model = self.model
             self.model = None
         if model is not None:
-            model.close()  # numerics process: its memory (weights, KV) goes with it; in-process: its chip thread
-            if isinstance(model, ShardedModel):
+            if hasattr(model, "close"):
+                model.close()  # numerics process: its memory (weights, KV) goes with it; in-process: its chip thread
+            if not isinstance(model, NumericsProcess):
                 for chip in model.chips:
                     _zero_chip(chip, weights=True)
         self.kv.clear()

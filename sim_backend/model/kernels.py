@@ -358,13 +358,13 @@ def attend_prefill(q, ks, vs, ends, k_pos, q_pos, masked, no_max, out):
                 exp_shift(row[:e], mx)
                 for t in range(e, e_end):
                     row[t] = 0.0
-        O = np.dot(S, vs[:e_end])
+        pv = np.dot(S, vs[:e_end])
         for i in range(m):
             for g in range(G):
                 r = i * G + g
                 inv = np.float32(1.0) / row_sum(S[r])
                 for d in range(D):
-                    out[s0 + i, g, d] = O[r, d] * inv
+                    out[s0 + i, g, d] = pv[r, d] * inv
 
 
 @kernel()
