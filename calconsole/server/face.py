@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -56,6 +56,7 @@ from sim_backend.planes import (
     SamplingParams,
     TokenEvent,
 )
+from sim_backend.planes.snapshot import DeviceInfo, Snapshot
 
 from .. import __version__
 from ..codec import result_extension
@@ -64,7 +65,11 @@ from .bridge import EventBridge, Formatter
 from .keys import KeyRing
 from .wire import HTTPError
 
+if TYPE_CHECKING:
+    from .leases import LeaseTable
+
 log = logging.getLogger("calconsole.serve")
+T = TypeVar("T")
 
 Handler = Callable[[Request], Awaitable[Response]]
 def _dumps(obj: Any) -> str:
@@ -162,6 +167,13 @@ class FaceStats:
     by_status: dict[int, int] = field(default_factory=dict)
 
 
+def device_of(snap: Snapshot) -> DeviceInfo:
+    """The snapshot's device; 503 if the plane reports none (a backend still starting)."""
+    if snap.device is None:
+        raise HTTPError(503, "unavailable_error", "Loading model: the device is not reporting yet")
+    return snap.device
+
+
 def remote_of(request: Request) -> str:
     c = request.client
     return f"{c.host}:{c.port}" if c else "?"
@@ -204,7 +216,7 @@ class ServingFace:
         self.limiter = anyio.CapacityLimiter(config.max_streams + config.max_snapshot_streams + 8)
         self.created = int(time.time())
         self.fingerprint = wire.BUILD_INFO  # llama-server's b<build>-<commit> form
-        self.leases: Any = None
+        self.leases: LeaseTable | None = None
         # set by run._config when served: the connection guard and the bound on requests in progress (conns)
         self.conn_guard: Any = None
         self.request_bound: Any = None
@@ -218,8 +230,8 @@ class ServingFace:
 
     # --- plumbing ----------------------------------------------------------------------------
 
-    async def call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """Run a blocking plane call in a worker thread."""
+    async def call(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """Run a blocking plane call in a worker thread; its result."""
         return await anyio.to_thread.run_sync(lambda: fn(*args, **kw), limiter=self.limiter)
 
     async def read_json(self, request: Request) -> dict[str, Any]:
@@ -487,7 +499,7 @@ class ServingFace:
 
     async def health(self, request: Request) -> Response:
         snap = await self.call(self.observation.snapshot)
-        dev = snap.device
+        dev = device_of(snap)
         if dev.status == "memory cleared":
             raise HTTPError(503, "unavailable_error", "Loading model: device memory is cleared")
         if dev.mode != "serving":
@@ -500,7 +512,7 @@ class ServingFace:
 
     async def props(self, request: Request) -> Response:
         snap = await self.call(self.observation.snapshot)
-        dev = snap.device
+        dev = device_of(snap)
         n_ctx = self.inference.n_ctx
         return JSONResponse({
             "default_generation_settings": {"params": self._default_params(), "n_ctx": n_ctx},
@@ -555,7 +567,8 @@ class ServingFace:
                     "n_prompt_tokens_cache": s.cached_tokens,
                     "params": wire.sampling_settings(SamplingParams(**known), n_predict=n_predict),
                     "next_token": [{"has_next_token": True, "has_new_line": False,
-                                    "n_remain": max(0, s.max_tokens - s.predicted_n), "n_decoded": s.predicted_n}]})
+                                    "n_remain": max(0, s.max_tokens - (s.predicted_n or 0)),
+                                    "n_decoded": s.predicted_n or 0}]})
             out.append(slot)
         if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(o["is_processing"] for o in out):
             raise HTTPError(503, "unavailable_error", "no slot available")

@@ -49,7 +49,7 @@ from starlette.responses import Response
 from sim_backend.planes import CalError, Lease, MaintenanceArgumentError, MaintenanceRefused, audit_origin
 
 from . import wire
-from .face import ServingFace, remote_of
+from .face import ServingFace, device_of, remote_of
 from .leases import HeldLease
 from .wire import HTTPError
 
@@ -120,7 +120,7 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
 
     async def confirm_device(request: Request, body: dict[str, Any], action: str) -> None:
         snap = await face.call(face.observation.snapshot)
-        name = snap.device.name
+        name = device_of(snap).name
         if body.get("device") != name:
             raise refuse(request, action, f"confirmation failed: 'device' must be the device name '{name}'",
                          status=400, type_="invalid_request_error")
