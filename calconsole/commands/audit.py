@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     t.add_column("wall ms", justify="right", no_wrap=True)
     t.add_column("sim ms", justify="right", no_wrap=True)
     styles = {"granted": "green", "ok": "green", "refused": "yellow", "failed": "red", "not as expected": "red",
-              "did not finish": "bold red", "corrupt": "bold red"}
+              "did not finish": "bold red", "corrupt": "bold red", "not run": "yellow"}
     for ent in entries:
         action = Text(ent["action"], style="bold")
         if ent["args"]:

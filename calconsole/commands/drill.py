@@ -218,7 +218,8 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
     step("enter_exclusive", enter)
     step("submit_request", submit_refused)
     step("reset", lease_call(m.reset, health_detail))
-    step("self_test", lease_call(m.self_test, lambda r: (bool(r["ok"]), r.get("detail", ""))))
+    # a self-test that cannot run on this device (timing-only) is not a failed step: it says why
+    step("self_test", lease_call(m.self_test, lambda r: (bool(r["ok"]) or r.get("ran") is False, r.get("detail", ""))))
     step("inject_fault", lease_call(lambda L: m.inject_fault(L, "ccu_exception"),
                                     lambda r: ("ccu_exception x1" in r["armed"], f"armed: {', '.join(r['armed'])}")))
     step("probe_request", lease_call(*probe_expect("CCUException")))

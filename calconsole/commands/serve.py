@@ -23,7 +23,8 @@ from .common import add_common_options, build_from_args, fail
 def add_key_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("keys (prefer the files or the environment: a flag is visible in ps)")
     g.add_argument("--api-key", default=None, metavar="KEY",
-                   help="API key every route but /health needs (Authorization: Bearer KEY); "
+                   help="API key every route but /health needs (Authorization: Bearer KEY, or X-Api-Key: KEY "
+                        "as llama-server takes it); "
                         "also $CALCONSOLE_API_KEY")
     g.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="file of API keys, one per line ('KEY' or 'LABEL KEY'; mode 600)")

@@ -457,6 +457,8 @@ class MaintenancePane(Vertical):
                       "green")
         elif not ok:
             self._log(f"{action}: refused/failed: {result}", "bold red")
+        elif isinstance(result, dict) and result.get("ran") is False:  # could not run here: neither ok nor failed
+            self._log(f"{action}: NOT RUN · {summarize_result(action, result)}", "yellow")
         else:
             good = not (isinstance(result, dict) and result.get("ok") is False)
             self._log(f"{action}: {'ok' if good else 'FAILED'} · {summarize_result(action, result)}",

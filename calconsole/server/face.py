@@ -279,7 +279,7 @@ class ServingFace:
         label = ring.match(_presented_key(request))
         if label is None:
             self.stats.refused_auth += 1
-            what = "API key" if kind == "api" else "admin key"
+            what = "API Key" if kind == "api" else "admin key"  # llama-server's words: "Invalid API Key"
             err = HTTPError(401, "authentication_error", f"Invalid {what}")
             if kind == "admin":  # audited by the route wrapper, off the event loop, summarised per peer
                 err.audit_action, err.unauthenticated = request.url.path, True

@@ -9,6 +9,9 @@ Sources, first found wins: the ``--api-key`` / ``--admin-key`` flag (visible in 
 file and the environment are preferred), ``--api-key-file`` / ``--admin-key-file``, then the
 environment variables ``CALCONSOLE_API_KEY`` / ``CALCONSOLE_ADMIN_KEY``.
 
+Presented as ``Authorization: Bearer KEY`` or as ``X-Api-Key: KEY`` (llama-server accepts both; when
+both are sent, ``Authorization`` decides: a non-Bearer scheme there is refused, not passed over).
+
 Key file format (llama-server's ``--api-key-file``: one key per line), optionally labelled:
 ``KEY`` or ``LABEL KEY``; blank lines and ``#`` comments are skipped. A key file readable by
 other users is refused, as ssh refuses such a private key.

@@ -16,7 +16,7 @@ Status of a refusal: 400 ``invalid_request_error`` for a bad argument (a body th
 field of the wrong type, ``MaintenanceArgumentError`` from the plane: an unknown fault kind, a count
 or chip out of range, no such register); 403 ``permission_error`` when the device's state or the
 lease does not allow the action now (no exclusive mode, a lease that is not the current one,
-another holder, a read-only register); 401 for a wrong admin key.
+another holder, a lease taken with another admin key, a read-only register); 401 for a wrong admin key.
 
 Routes (POST with a JSON body unless GET):
     GET  /maintenance/status                      mode, holder, lease expiry, faults, memory state
@@ -116,7 +116,15 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
         h = leases.find(lid)
         if h is None:
             raise refuse(request, action, "lease is not the current one (expired, released or unknown)")
+        holder_key(request, h, action)
         return h
+
+    def holder_key(request: Request, h: HeldLease, action: str) -> None:
+        """403 unless the caller's admin key is the one that took the lease: a lease id alone is not enough."""
+        mine = getattr(request.state, "key_label", "?")
+        if mine != h.key_label:
+            raise refuse(request, action, f"the lease of {h.lease.holder} was taken with admin key '{h.key_label}'; "
+                                          f"only that key may use, renew or leave it")
 
     async def confirm_device(request: Request, body: dict[str, Any], action: str) -> None:
         snap = await face.call(face.observation.snapshot)
@@ -163,6 +171,9 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
 
     async def renew(request: Request) -> Response:
         body = await body_of(request)
+        current = leases.find(body.get("lease_id"))
+        if current is not None:
+            holder_key(request, current, "renew_lease")
         h = leases.renew(body.get("lease_id"))
         if h is None:
             raise refuse(request, "renew_lease", "lease is not the current one (expired, released or unknown)")

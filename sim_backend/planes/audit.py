@@ -469,7 +469,9 @@ def summarize(records: list[Any]) -> list[dict[str, Any]]:
 
     Each entry: {"id", "time", "user", "pid", "action", "args", "status", "granted", "ok",
     "result", "duration_ms", "sim_ms"} where ``status`` is ``granted`` / ``refused`` /
-    ``failed`` (granted, not ok) / ``did not finish`` (a started record with no finished
+    ``failed`` (granted, not ok) / ``not run`` (granted, but its result says ``"ran": false``:
+    it cannot run on this device now, e.g. a self-test on a timing-only device) /
+    ``did not finish`` (a started record with no finished
     one: the process crashed or was killed mid-action, or the action is still running) /
     ``corrupt`` (an unreadable line; ``result`` says which line and why, then its text).
 
@@ -511,6 +513,9 @@ def summarize(records: list[Any]) -> list[dict[str, Any]]:
             e.update(granted=granted, ok=ok, result=rec.get("result"), duration_ms=_num(rec.get("duration_ms")),
                      sim_ms=_num(rec.get("sim_ms")),
                      status="refused" if granted is False else ("granted" if ok else "failed"))
+            res = rec.get("result")
+            if granted and isinstance(res, dict) and res.get("ran") is False:
+                e["status"] = "not run"  # granted, but it cannot run on this device now (no failure)
             # an event refused and not ok is a refusal (the serving face's); a drill step refused as
             # expected is ok
             if phase == "event" and not (granted is False and not ok):

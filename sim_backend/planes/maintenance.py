@@ -381,7 +381,9 @@ class MaintenancePlane:
         """Golden self-test: the bundle's golden input as one prefill on the scratch sequence,
         device BF16 logits vs the golden output; pass iff max abs error <= the bundle's
         ``golden.max_abs_error``. {"ok", "max_abs_error", "tolerance", "top1_match", "sim_ms",
-        "wall_ms", "detail"}. A missing golden file, cleared memory or a device error is a failure."""
+        "wall_ms", "detail"}. A missing golden file or a device error is a failure. Where it cannot
+        run (a timing-only device computes no logits; cleared memory holds no weights) it is not a
+        failure: {"ok": None, "ran": False, "detail": "not run: <why>"}, audited as ``not run``."""
         return self._run("self_test", {}, lease, self._self_test)
 
     def health_check(self, lease: Lease | None) -> dict:
@@ -583,12 +585,17 @@ class MaintenancePlane:
         def fail(detail: str) -> dict:
             return {"ok": False, **base, "detail": detail, "sim_ms": 0.0, "wall_ms": (time.perf_counter() - t0) * 1e3}
 
+        def not_run(why: str) -> dict:
+            return {"ok": None, "ran": False, **base, "detail": f"not run: {why}", "sim_ms": 0.0,
+                    "wall_ms": (time.perf_counter() - t0) * 1e3}
+
         if b.bundle.golden_file is None:
             return fail("no golden file in the bundle (run: python -m sim_backend.model.golden --write)")
         if not b.numerics:
-            return fail("device runs timing-only: no logits to compare")
+            return not_run("the device runs timing-only, which computes no logits to compare with the golden "
+                           "output (serve without --timing-only to self-test)")
         if b.memory_cleared:
-            return fail("not run: device memory is cleared (no weights to infer with); reload the model first")
+            return not_run("device memory is cleared (no weights to infer with); reload the model first")
         try:
             golden = load_golden(b.bundle.golden_file)
         except (GoldenFileError, OSError, ValueError) as e:

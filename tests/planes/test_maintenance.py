@@ -484,7 +484,8 @@ def test_self_test_on_cleared_memory_says_nothing_ran(system):
     m.clear_device_memory(lease)
     jobs = system.board.counters().submitted
     rep = m.self_test(lease)
-    assert rep["ok"] is False and "not run: device memory is cleared" in rep["detail"]
+    assert rep["ok"] is None and rep["ran"] is False and "not run: device memory is cleared" in rep["detail"]
+    assert system.maintenance.audit.entries()[-1]["status"] == "not run"
     assert rep.get("top1_match") is None and system.board.counters().submitted == jobs
     m.reload_model(lease)
     m.leave_exclusive(lease)
@@ -575,3 +576,16 @@ def test_internal_error_is_audited_and_raised(system, monkeypatch):
 
 def test_scratch_sequence_is_not_a_slot(system):
     assert SCRATCH_SEQ >= system.engine.n_slots
+
+
+def test_self_test_on_a_timing_only_device_says_it_cannot_run_there(make_system):
+    system = make_system(numerics=False)
+    m = system.maintenance
+    lease = m.enter_exclusive("alice")
+    jobs = system.board.counters().submitted
+    rep = m.self_test(lease)
+    assert rep["ok"] is None and rep["ran"] is False and rep["detail"].startswith("not run: the device runs timing-only")
+    assert system.board.counters().submitted == jobs  # nothing was sent to the device
+    entry = m.audit.entries()[-1]
+    assert entry["action"] == "self_test" and entry["status"] == "not run" and entry["granted"] is True
+    m.leave_exclusive(lease)

@@ -53,11 +53,13 @@ class ServerFactory:
     def __call__(self, *, system: Any = None, api_key: str | None = None, admin_key: str | None = None,
                  system_kw: dict[str, Any] | None = None, **config: Any) -> Served:
         if system is None:
-            kw = {"numerics": False, "maintenance": admin_key is not None, **(system_kw or {})}
+            kw = {"numerics": False, "maintenance": admin_key is not None or "admin_keys" in config,
+                  **(system_kw or {})}
             system = self.systems(**kw)
         cfg = ServeConfig(host="127.0.0.1", port=0,
                           api_keys=KeyRing([("api-1", api_key)], "api") if api_key else None,
-                          admin_keys=KeyRing([("admin-1", admin_key)], "admin") if admin_key else None, **config)
+                          admin_keys=config.pop("admin_keys", None)
+                          or (KeyRing([("admin-1", admin_key)], "admin") if admin_key else None), **config)
         audit = system.maintenance.audit if system.maintenance is not None else None
         face = ServingFace(system.inference, system.observation, system.maintenance, cfg, audit=audit)
         thread = ServerThread(face).start()

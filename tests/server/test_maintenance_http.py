@@ -159,3 +159,27 @@ def test_entering_drains_a_streaming_chat_with_a_reason(make_server):
         rest = [x for x in lines if x.startswith("data: ")]
     err = json.loads(rest[-1][len("data: "):])["error"]
     assert err["type"] == "unavailable_error" and "maintenance" in err["message"]
+
+
+def test_a_lease_serves_only_the_admin_key_that_took_it(make_server):
+    from calconsole.server.keys import KeyRing
+
+    other = "second-admin-key-5555"
+    s = make_server(admin_keys=KeyRing([("alice", ADMIN_KEY), ("bob", other)], "admin"))
+    alice = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    bob = {"Authorization": f"Bearer {other}"}
+    r = httpx.post(s.url + "/maintenance/exclusive", json={"holder": "alice", "drain_timeout_s": 0}, headers=alice)
+    assert r.status_code == 200
+    lid = r.json()["lease_id"]
+    audit = s.system.maintenance.audit
+    for path, body in (("/maintenance/clear-kv", {}), ("/maintenance/lease/renew", {}),
+                       ("/maintenance/leave", {"force": True}), ("/maintenance/reset", {"device": DEVICE})):
+        r = httpx.post(s.url + path, json={"lease_id": lid, **body}, headers=bob)
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error", path
+        assert "admin key 'alice'" in r.json()["error"]["message"]
+        last = audit.entries()[-1]
+        assert last["status"] == "refused" and last["origin"]["key"] == "bob"
+    assert s.system.maintenance.mode()["mode"] == "exclusive"  # bob's leave did not end alice's window
+    assert httpx.post(s.url + "/maintenance/clear-kv", json={"lease_id": lid}, headers=alice).status_code == 200
+    assert httpx.post(s.url + "/maintenance/leave", json={"lease_id": lid}, headers=alice).status_code == 200
+    assert s.system.maintenance.mode()["mode"] == "serving"

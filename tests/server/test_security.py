@@ -177,3 +177,22 @@ def test_unauthenticated_refusals_are_summarised_per_peer_off_the_event_loop(mak
     r = httpx.get(s.url + "/maintenance/audit?limit=1", headers=s.headers("admin"))
     assert r.status_code == 200 and r.json()["more"] is True
     assert [e["action"] for e in r.json()["entries"]] == ["refused_unauthenticated"]
+
+
+def test_key_headers_are_read_as_a_real_llama_server_reads_them(keyed):
+    """Bearer or X-Api-Key (Authorization decides when both are sent; another scheme is refused), and the
+    refusal's body, as the real llama-server answers on /slots."""
+    from tests.real.llama_server import start_llama_server
+
+    real = start_llama_server(configure=lambda p: setattr(p, "api_keys", [API_KEY]), n_parallel=1, n_ctx=512)
+    try:
+        for headers in ({}, {"Authorization": f"Bearer {API_KEY}"}, {"X-Api-Key": API_KEY},
+                        {"Authorization": f"Basic {API_KEY}"}, {"Authorization": "Bearer wrong-key-1", "X-Api-Key": API_KEY},
+                        {"Authorization": f"Bearer {API_KEY}", "X-Api-Key": "wrong-key-1"}):
+            theirs = httpx.get(real.url + "/slots", headers=headers, timeout=10)
+            ours = httpx.get(keyed.url + "/slots", headers=headers, timeout=10)
+            assert ours.status_code == theirs.status_code, headers
+            if theirs.status_code == 401:
+                assert ours.json() == theirs.json()
+    finally:
+        real.stop()
