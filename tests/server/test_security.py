@@ -187,7 +187,8 @@ def test_key_headers_are_read_as_a_real_llama_server_reads_them(keyed):
     real = start_llama_server(configure=lambda p: setattr(p, "api_keys", [API_KEY]), n_parallel=1, n_ctx=512)
     try:
         for headers in ({}, {"Authorization": f"Bearer {API_KEY}"}, {"X-Api-Key": API_KEY},
-                        {"Authorization": f"Basic {API_KEY}"}, {"Authorization": "Bearer wrong-key-1", "X-Api-Key": API_KEY},
+                        {"Authorization": f"Basic {API_KEY}"},
+                        {"Authorization": "Bearer wrong-key-1", "X-Api-Key": API_KEY},
                         {"Authorization": f"Bearer {API_KEY}", "X-Api-Key": "wrong-key-1"}):
             theirs = httpx.get(real.url + "/slots", headers=headers, timeout=10)
             ours = httpx.get(keyed.url + "/slots", headers=headers, timeout=10)
