@@ -7,10 +7,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from textual.widgets import DataTable
-
 from calconsole.fleet.config import BoardSpec, FleetConfig
-from calconsole.fleet.view import BoardScreen, FleetApp, columns_for, sparkline
+from calconsole.fleet.view import BoardScreen, FleetApp, FleetTable, columns_for, sparkline
 from tests.fleet.conftest import ADMIN_KEY, dead_url
 
 
@@ -34,8 +32,14 @@ def key_file(tmp_path: Path, name: str, key: str) -> str:
 
 
 def row_names(app: FleetApp) -> list[str]:
-    table = app.query_one(DataTable)
-    return [str(table.get_row_at(i)[0]) for i in range(table.row_count)]
+    """The board names as the table shows them, top to bottom (read off the rendered lines)."""
+    lines = app.query_one(FleetTable).render().plain.splitlines()[1:]
+    return [ln.split()[0] for ln in lines if ln.strip()]
+
+
+def row_text(app: FleetApp, name: str) -> str:
+    lines = app.query_one(FleetTable).render().plain.splitlines()[1:]
+    return next(ln for ln in lines if ln.split()[0] == name)
 
 
 async def test_fleet_of_four_worst_first_then_a_board_console(make_server: Any, gated_board: Any,
@@ -64,18 +68,20 @@ async def test_fleet_of_four_worst_first_then_a_board_console(make_server: Any, 
         names = row_names(app)
         # exclusive mode is a warning; the llama-server board is ok
         assert names.index("maint") < names.index("llama"), (names, app.ranked())
-        table = app.query_one(DataTable)
-        row = [str(c) for c in table.get_row_at(names.index("maint"))]
-        assert "exclusive · alice@ops" in row
-        lrow = [str(c) for c in table.get_row_at(names.index("llama"))]
+        assert "exclusive · alice@ops" in row_text(app, "maint")
+        lrow = row_text(app, "llama")
         assert "llama-server" in lrow and "n/r" in lrow  # KV %: not reported by llama-server
+        header = app.query_one(FleetTable).render().plain.splitlines()[0]
+        assert header.split()[:2] == ["board", "health"] and "KV %" in header
         head = str(app.query_one("#fleet-head").render())
         assert "4 boards" in head and "2 answering" in head  # the slow one has not answered yet
         slow.gate.set()
         assert await wait_for(pilot, lambda: samples["slow"].state == "up")
         # Enter on the board in exclusive mode: its console, with maintenance (its admin key was given)
         await wait_for(pilot, lambda: "maint" in row_names(app))
-        table.move_cursor(row=row_names(app).index("maint"))
+        for _ in range(row_names(app).index("maint")):  # the cursor starts on the first (worst) row
+            await pilot.press("down")
+        assert app.selected() == "maint"
         await pilot.press("enter")
         assert await wait_for(pilot, lambda: isinstance(app.screen, BoardScreen))
         screen = app.screen
@@ -88,7 +94,7 @@ async def test_fleet_of_four_worst_first_then_a_board_console(make_server: Any, 
         app._redraw()  # a refresh tick while the board's console covers the table: skipped, no crash
         await pilot.press("escape")
         assert await wait_for(pilot, lambda: not isinstance(app.screen, BoardScreen))
-        assert app.query_one(DataTable).row_count == 4
+        assert await wait_for(pilot, lambda: len(row_names(app)) == 4)
     maint.system.maintenance.leave_exclusive(lease)
 
 
