@@ -23,8 +23,8 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
-from textual.screen import Screen
 from textual.message import Message
+from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Static
 
