@@ -9,10 +9,19 @@ The face is a client of the plane contracts only (``sim_backend.planes``): it ca
 in-process device from any other implementation. Plane calls block, so each runs in a worker
 thread (``anyio.to_thread``), bounded by a capacity limiter.
 
-Routes (llama-server / OpenAI shapes; see ``wire``):
-    GET  /health /props /slots /metrics /v1/models /snapshot /snapshot/stream
-    POST /tokenize /detokenize /apply-template /completion(s) /v1/completions /v1/chat/completions
-    /maintenance/... only when an admin key is configured (``maintenance_routes``).
+The face in layers (as llama.cpp's server: http / task results that own their JSON / queue / slots):
+
+- ``middleware``: access log, CORS, body limit, key check (outermost first);
+- one routes module per family, each listing (path, handler, methods, key): ``routes_monitor``
+  (/health /props /slots /metrics /v1/models), ``routes_text`` (/tokenize /detokenize /apply-template
+  /chat/completions/input_tokens; embeddings, rerank, infill answered 501 as llama-server does without
+  such a model), ``routes_generate`` (/completion /v1/completions /v1/chat/completions),
+  ``routes_snapshot`` (/snapshot /snapshot/stream), ``maintenance_routes`` (/maintenance/..., only
+  when an admin key is configured);
+- ``wire``: request parsing and response shapes (public helpers), ``calconsole.codec`` the
+  ``calconsole`` extension both the face and the remote plane read;
+- this module: the planes, the bounds, generation places, the push bridge (``bridge``) from the
+  engine's threads to the event loop, SSE responses, the app assembly.
 
 Bounds (``ServeConfig``): body bytes and read time, concurrent generation requests (503 beyond;
 the engine's own queue limit also answers 503), per-request deadline, per-send timeout for
@@ -28,20 +37,18 @@ import logging
 import math
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
-import msgspec
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from sim_backend.planes import (
@@ -53,16 +60,15 @@ from sim_backend.planes import (
     ObservationPlane,
     RequestResult,
     RequestStream,
-    SamplingParams,
     TokenEvent,
 )
 from sim_backend.planes.snapshot import DeviceInfo, Snapshot
 
-from .. import __version__
 from ..codec import result_extension
 from . import wire
 from .bridge import EventBridge, Formatter
 from .keys import KeyRing
+from .middleware import AccessLog, BodyLimit, BodyTooLarge, KeyCheck
 from .wire import HTTPError
 
 if TYPE_CHECKING:
@@ -72,16 +78,14 @@ log = logging.getLogger("calconsole.serve")
 T = TypeVar("T")
 
 Handler = Callable[[Request], Awaitable[Response]]
-def _dumps(obj: Any) -> str:
-    """Compact JSON, as llama-server writes it (``data: {...}`` lines byte for byte)."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+#: one route: (path, handler, methods, key it needs: "none" | "api" | "admin"); each routes_* module lists its own
+RouteSpec = tuple[str, Handler, list[str], str]
+_dumps = wire.dumps
 
 
 #: after a stop is asked, how long a stream has to end with its error event before it is cut (host s);
 #: below uvicorn's graceful-shutdown timeout (run.GRACEFUL_S)
 SHUTDOWN_GRACE_S = 3.0
-#: how often a snapshot stream looks at shutdown while it sleeps between snapshots (host s)
-POLL_S = 0.25
 
 
 class _SSE(EventSourceResponse):
@@ -235,20 +239,15 @@ class ServingFace:
         return await anyio.to_thread.run_sync(lambda: fn(*args, **kw), limiter=self.limiter)
 
     async def read_json(self, request: Request) -> dict[str, Any]:
-        """The body as a JSON object; 400 for a missing, oversized, slow, malformed or non-object body."""
-        limit = self.config.max_body_bytes
-        cl = request.headers.get("content-length")
-        if cl is not None and (not cl.isdigit() or int(cl) > limit):
-            raise wire.bad_request(f"request body is {cl} bytes; the limit is {limit} bytes")
+        """The body as a JSON object; 400 for a missing, oversized (``middleware.BodyLimit``), slow,
+        malformed or non-object body."""
         chunks: list[bytes] = []
-        size = 0
         try:
             with anyio.fail_after(self.config.body_timeout_s):
                 async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise wire.bad_request(f"request body is over the limit of {limit} bytes")
                     chunks.append(chunk)
+        except BodyTooLarge as e:
+            raise wire.bad_request(str(e)) from None
         except TimeoutError:
             raise wire.bad_request(f"request body not received within {self.config.body_timeout_s:g} s") from None
         except ClientDisconnect:  # nobody reads the answer; a refusal, not an internal error
@@ -330,6 +329,18 @@ class ServingFace:
     @property
     def in_flight(self) -> int:
         return self._active
+
+    def enter_snapshot_stream(self) -> None:
+        """Take a snapshot-stream place; 503 beyond ``max_snapshot_streams``."""
+        with self._count_lock:
+            if self._snap_streams >= self.config.max_snapshot_streams:
+                raise HTTPError(503, "unavailable_error",
+                                f"too many snapshot streams (limit {self.config.max_snapshot_streams})")
+            self._snap_streams += 1
+
+    def leave_snapshot_stream(self) -> None:
+        with self._count_lock:
+            self._snap_streams -= 1
 
     def begin_shutdown(self) -> None:
         """Stop admitting and cancel every request in flight: each stream ends with its error event at once."""
@@ -439,7 +450,7 @@ class ServingFace:
                     bridge.cancel("client disconnected")
                 return
 
-    async def _stream(self, reqs: list[ChatRequest], first: list[dict[str, Any]],
+    async def stream(self, reqs: list[ChatRequest], first: list[dict[str, Any]],
                       piece: Callable[[int, TokenEvent], list[dict[str, Any]]],
                       last: Callable[[int, RequestResult], list[dict[str, Any]]], send_done: bool) -> Response:
         """Submit, then stream ``data:`` events: ``first``, ``piece(i, ev)`` per visible piece, ``last(i,
@@ -497,330 +508,11 @@ class ServingFace:
 
     # --- request-level routes -----------------------------------------------------------------
 
-    async def health(self, request: Request) -> Response:
-        snap = await self.call(self.observation.snapshot)
-        dev = device_of(snap)
-        if dev.status == "memory cleared":
-            raise HTTPError(503, "unavailable_error", "Loading model: device memory is cleared")
-        if dev.mode != "serving":
-            raise HTTPError(503, "unavailable_error", f"device in maintenance ({dev.mode}, lease: {dev.lease_holder})")
-        return JSONResponse({"status": "ok"})
-
-    def _default_params(self) -> dict[str, Any]:
-        n = self.config.n_predict
-        return wire.sampling_settings(SamplingParams(), n_predict=n)
-
-    async def props(self, request: Request) -> Response:
-        snap = await self.call(self.observation.snapshot)
-        dev = device_of(snap)
-        n_ctx = self.inference.n_ctx
-        return JSONResponse({
-            "default_generation_settings": {"params": self._default_params(), "n_ctx": n_ctx},
-            "total_slots": dev.n_slots,
-            "model_alias": self.config.model_alias,
-            "model_ftype": "BF16",  # the calbin's weights and KV are BF16 (facts.md F1)
-            "model_path": f"{dev.bundle} (simulated calbin bundle)",
-            "modalities": {"vision": False, "video": False, "audio": False},
-            "media_marker": "<__media__>",
-            "endpoint_slots": self.config.slots_endpoint, "endpoint_props": False,
-            "endpoint_metrics": self.config.metrics_endpoint,
-            "ui": False, "ui_settings": {},
-            "chat_template": self.inference.chat_template,
-            "chat_template_caps": {"supports_object_arguments": False, "supports_parallel_tool_calls": False,
-                                   "supports_preserve_reasoning": False, "supports_reasoning_effort": False,
-                                   "supports_string_content": True, "supports_system_role": True,
-                                   "supports_tool_calls": False, "supports_tools": False,
-                                   "supports_typed_content": False},
-            "bos_token": "", "eos_token": "<|im_end|>",
-            "build_info": wire.BUILD_INFO,
-            "is_sleeping": False, "cors_proxy_enabled": False,
-            "device": {"name": dev.name, "status": dev.status, "mode": dev.mode, "calrt_version": dev.calrt_version,
-                       "firmware_commit": dev.firmware_commit, "chiplets": msgspec.to_builtins(dev.chiplets),
-                       "context_tokens": dev.context_tokens, "numerics": dev.numerics, "pacing": dev.pacing,
-                       "pacing_speed": dev.pacing_speed, "step_timeout_s": self.inference.step_timeout_s,
-                       "maintenance_routes": self.maintenance is not None,
-                       "findings": msgspec.to_builtins(snap.findings),
-                       # which host work the timings book (--host-time): a client comparing runs
-                       # (bench matrix records this key) cannot tell modeled from measured otherwise
-                       "clock": "timings are "
-                                + (snap.requests.get("clock") or "simulated device ms + booked host work"),
-                       "calconsole_version": __version__},
-        })
-
-    async def slots(self, request: Request) -> Response:
-        """llama-server's ``/slots``: an idle slot is its id, n_ctx, speculative and is_processing; a busy one
-        adds the task, prompt counts, its sampling params and ``next_token`` (an array of one object)."""
-        if not self.config.slots_endpoint:
-            raise HTTPError(501, "not_supported_error", "This server does not support slots endpoint.")
-        snap = await self.call(self.observation.snapshot)
-        n_ctx = self.inference.n_ctx
-        out: list[dict[str, Any]] = []
-        for s in snap.slots:
-            busy = s.state != "idle"
-            slot: dict[str, Any] = {"id": s.index, "n_ctx": n_ctx, "speculative": False, "is_processing": busy}
-            if busy:
-                known = {k: v for k, v in s.params.items() if k in wire.SAMPLING_FIELDS}
-                n_predict = -1 if s.max_tokens == n_ctx else s.max_tokens
-                slot.update({
-                    "id_task": s.request_id if s.request_id is not None else -1,
-                    "n_prompt_tokens": s.prompt_n, "n_prompt_tokens_processed": s.n_prefilled,
-                    "n_prompt_tokens_cache": s.cached_tokens,
-                    "params": wire.sampling_settings(SamplingParams(**known), n_predict=n_predict),
-                    "next_token": [{"has_next_token": True, "has_new_line": False,
-                                    "n_remain": max(0, s.max_tokens - (s.predicted_n or 0)),
-                                    "n_decoded": s.predicted_n or 0}]})
-            out.append(slot)
-        if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(o["is_processing"] for o in out):
-            raise HTTPError(503, "unavailable_error", "no slot available")
-        return JSONResponse(out)
-
-    async def metrics(self, request: Request) -> Response:
-        if not self.config.metrics_endpoint:
-            raise HTTPError(501, "not_supported_error", "This server does not support metrics endpoint.")
-        text = await self.call(self.observation.metrics_text)
-        return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8",
-                                 headers={"Process-Start-Time-Unix": str(self.created)})
-
-    async def models(self, request: Request) -> Response:
-        n_ctx = self.inference.n_ctx
-        alias = self.config.model_alias
-        return JSONResponse({
-            # the Ollama-style list llama-server also sends
-            "models": [{"name": alias, "model": alias, "modified_at": "", "size": "", "digest": "", "type": "model",
-                        "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
-                        "details": {"parent_model": "", "format": "calbin", "family": "", "families": [""],
-                                    "parameter_size": "", "quantization_level": ""}}],
-            "object": "list",
-            "data": [{"id": alias, "aliases": [alias], "tags": [], "object": "model",
-                      "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
-                      "created": self.created, "owned_by": "calconsole",
-                      "meta": {"n_vocab": 151936, "n_ctx": n_ctx, "n_ctx_train": n_ctx}}]})
-
-    async def tokenize(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        content = body.get("content")
-        if not isinstance(content, str):
-            raise wire.bad_request("'content' must be a string")
-        parse_special = wire.flag(body, "parse_special", True)
-        wire.flag(body, "add_special", False)  # Qwen3 adds no BOS: accepted, nothing to add
-        with_pieces = wire.flag(body, "with_pieces", False)
-        ids = await self.call(self.inference.tokenize, content, parse_special=parse_special)
-        if not with_pieces:
-            return JSONResponse({"tokens": ids})
-        pieces = []
-        for t in ids:
-            b = self.inference.token_bytes(t)
-            try:
-                piece: Any = b.decode("utf-8")
-            except UnicodeDecodeError:
-                piece = list(b)  # llama-server: a piece that is not valid UTF-8 is given as its bytes
-            pieces.append({"id": t, "piece": piece})
-        return JSONResponse({"tokens": pieces})
-
-    async def detokenize(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        tokens = body.get("tokens", [])
-        if not isinstance(tokens, list):
-            raise wire.bad_request("'tokens' must be a list of token ids")
-        try:
-            text = await self.call(self.inference.detokenize, tokens)
-        except CalError as e:
-            raise wire.bad_request(str(e)) from None
-        if not wire.flag(body, "with_pieces", False):
-            return JSONResponse({"content": text})
-        # our addition: each token's raw piece (str, or its bytes when not valid UTF-8, as /tokenize gives them)
-        pieces = []
-        for t in tokens:
-            b = self.inference.token_bytes(t)
-            try:
-                piece: Any = b.decode("utf-8")
-            except UnicodeDecodeError:
-                piece = list(b)
-            pieces.append({"id": t, "piece": piece})
-        return JSONResponse({"content": text, "pieces": pieces})
-
-    async def apply_template(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        msgs = wire.messages_from(body)
-        try:
-            think = wire.thinking(body)
-            prompt = await self.call(self.inference.apply_template, msgs, enable_thinking=think)
-        except CalError as e:
-            raise wire.bad_request(str(e)) from None
-        return JSONResponse({"prompt": prompt})
-
-    async def input_tokens(self, request: Request) -> Response:
-        """``/chat/completions/input_tokens``: the templated prompt's tokens, as the context limit counts them."""
-        body = await self.read_json(request)
-        msgs = wire.messages_from(body)
-        try:
-            n = await self.call(self.inference.count_prompt_tokens,
-                                ChatRequest(messages=msgs, max_tokens=1, enable_thinking=wire.thinking(body)))
-        except CalError as e:
-            raise wire.bad_request(str(e)) from None
-        return JSONResponse({"input_tokens": n, "object": "response.input_tokens"})
-
-    @staticmethod
-    def not_offered(message: str) -> Handler:
-        """A route llama-server has that needs a model the calbin is not (embeddings, reranking, infill):
-        its 501 ``not_supported_error`` with its words."""
-        async def handler(request: Request) -> Response:
-            raise HTTPError(501, "not_supported_error", message)
-        return handler
-
-    def _model(self, body: dict[str, Any]) -> str:
-        """The model name a response reports: the request's (OpenAI echoes it), else the alias."""
-        m = body.get("model")
-        return m if isinstance(m, str) and m else self.config.model_alias
-
-    def _client(self, request: Request) -> str:
-        return f"http {remote_of(request)}"
-
-    async def chat_completions(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        req = wire.chat_request(body, n_ctx=self.inference.n_ctx, n_predict=self.config.n_predict,
-                                client=self._client(request))
-        stream = wire.flag(body, "stream", False)
-        include_usage = wire.stream_options(body)
-        cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-        model = self._model(body)
-        if not stream:
-            res = await self.generate(req, request)
-            if res.status != "finished":
-                raise wire.result_error(res)
-            return JSONResponse(wire.chat_completion(res, cid, int(time.time()), model, self.fingerprint,
-                                                     wire.prefill_of(req)))
-        created = int(time.time())
-        fp = self.fingerprint
-
-        first = [wire.chat_chunk(cid, created, model, fp, {"role": "assistant", "content": None})]
-
-        def piece(_i: int, ev: TokenEvent) -> list[dict[str, Any]]:
-            return [wire.chat_chunk(cid, created, model, fp, {"content": ev.text})]
-
-        def last(_i: int, res: RequestResult) -> list[dict[str, Any]]:
-            out = [wire.chat_chunk(cid, created, model, fp, {}, wire.finish_reason(res))]
-            if include_usage:
-                out.append({"choices": [], "created": created, "id": cid, "model": model, "system_fingerprint": fp,
-                            "object": "chat.completion.chunk", "usage": wire.usage(res)})
-            out[-1]["timings"] = wire.timings(res)
-            out[-1]["calconsole"] = result_extension(res)
-            return out
-
-        return await self._stream([req], first, piece, last, True)
-
-    async def completions_oai(self, request: Request) -> Response:
-        body = await self.read_json(request)
-        prompts = wire.prompts_from(body)
-        reqs = [await self._completion_req({**body, "prompt": p}, request, openai=True) for p in prompts]
-        cid = f"cmpl-{uuid.uuid4().hex[:24]}"
-        model = self._model(body)
-        created = int(time.time())
-        fp = self.fingerprint
-        if not wire.flag(body, "stream", False):
-            results = await self.generate_all(reqs, request)
-            return JSONResponse(wire.text_completion(results, cid, created, model, fp))
-        if len(reqs) > 1:
-            raise wire.bad_request("'prompt': several prompts stream on /completion only; ask /v1/completions "
-                                   "without 'stream' for several")
-        wire.stream_options(body)  # checked; llama-server sends usage in the final chunk whatever it says
-
-        def last(_i: int, res: RequestResult) -> list[dict[str, Any]]:
-            c = wire.text_chunk(cid, created, model, fp, "", wire.finish_reason(res))
-            c["usage"] = wire.usage(res)
-            c["timings"] = wire.timings(res)
-            c["calconsole"] = result_extension(res)
-            return [c]
-
-        return await self._stream(reqs, [], lambda _i, ev: [wire.text_chunk(cid, created, model, fp, ev.text)],
-                                  last, True)
-
-    async def _completion_req(self, body: dict[str, Any], request: Request, *, openai: bool) -> ChatRequest:
-        return await self.call(lambda: wire.completion_request(
-            body, lambda text: self.inference.tokenize(text, parse_special=True), n_ctx=self.inference.n_ctx,
-            n_predict=self.config.n_predict, client=self._client(request), openai=openai))
-
-    async def completion(self, request: Request) -> Response:
-        """llama.cpp native ``/completion``: no chat template; ``data:`` chunks without ``[DONE]``; a list of
-        prompts gives a JSON array of results (streamed: chunks of all, each with its ``index``)."""
-        body = await self.read_json(request)
-        prompts = wire.prompts_from(body)
-        reqs = [await self._completion_req({**body, "prompt": p}, request, openai=False) for p in prompts]
-        return_tokens = wire.flag(body, "return_tokens", False)
-        per_token = wire.flag(body, "timings_per_token", False)
-        stream = wire.flag(body, "stream", False)
-        n_ctx = self.inference.n_ctx
-        model = self.config.model_alias
-        # echoed in the final result: the prompt as the model saw it (its ids detokenized)
-        texts = [await self.call(self.inference.detokenize, list(r.prompt_tokens or ())) for r in reqs]
-
-        def final(res: RequestResult, i: int) -> dict[str, Any]:
-            return wire.native_completion(res, reqs[i], n_ctx, model, id_slot=reqs[i].id_slot,
-                                          return_tokens=return_tokens, stream=stream, prompt=texts[i], index=i,
-                                          per_token=per_token)
-
-        if not stream:
-            results = await self.generate_all(reqs, request)
-            out = [final(r, i) for i, r in enumerate(results)]
-            return JSONResponse(out if len(prompts) > 1 else out[0])
-
-        n_prompt = [len(r.prompt_tokens or ()) for r in reqs]
-
-        def piece(i: int, ev: TokenEvent) -> list[dict[str, Any]]:
-            c = wire.native_chunk(ev.text, list(ev.tokens), id_slot=reqs[i].id_slot, n_predicted=ev.n_tokens,
-                                  n_evaluated=n_prompt[i])
-            c["index"] = i
-            if per_token:  # llama-server's per-chunk timings need counts the face does not see: ours instead
-                c["calconsole"] = {"sim_ms": ev.sim_ms, "clock": "simulated ms: device time + booked host work"}
-            return [c]
-
-        return await self._stream(reqs, [], piece, lambda i, res: [final(res, i)], False)
-
-    # --- observation ------------------------------------------------------------------------
-
-    async def snapshot(self, request: Request) -> Response:
-        snap = await self.call(self.observation.snapshot)
-        # msgspec writes the typed snapshot directly (NaN as null, as to_dict does): ~40x faster than json.dumps
-        return Response(msgspec.json.encode(snap), media_type="application/json")
-
-    async def snapshot_stream(self, request: Request) -> Response:
-        raw = request.query_params.get("hz", "2")
-        try:
-            hz = float(raw)
-        except ValueError:
-            raise wire.bad_request(f"'hz' must be a number, got {raw!r}") from None
-        top = self.config.snapshot_max_hz
-        if not (math.isfinite(hz) and 0.1 <= hz <= top):
-            raise wire.bad_request(f"'hz' must be in [0.1, {top:g}], got {raw}")
-        with self._count_lock:
-            if self._snap_streams >= self.config.max_snapshot_streams:
-                raise HTTPError(503, "unavailable_error",
-                                f"too many snapshot streams (limit {self.config.max_snapshot_streams})")
-            self._snap_streams += 1
-        face = self
-
-        async def gen() -> AsyncIterator[dict[str, Any]]:
-            try:
-                while not face.closing.is_set():
-                    t0 = time.monotonic()
-                    snap = await face.call(face.observation.snapshot)
-                    yield {"data": msgspec.json.encode(snap).decode()}
-                    # slept in POLL_S slices: a stop is seen at once, also at hz=0.1
-                    while not face.closing.is_set() and (left := 1.0 / hz - (time.monotonic() - t0)) > 0:
-                        await anyio.sleep(min(left, POLL_S))
-                yield {"data": _dumps(HTTPError(503, "unavailable_error", "server shutting down").body())}
-            finally:
-                with face._count_lock:
-                    face._snap_streams -= 1
-
-        return self.sse(gen())
-
-
-def _wrap(face: ServingFace, handler: Handler, auth: str) -> Handler:
+def _wrap(face: ServingFace, handler: Handler) -> Handler:
+    """The route's errors as llama-server's error bodies (typed refusals keep their status and type; a bug
+    of ours is a 500 naming the exception, never a traceback page); audited refusals are written."""
     async def endpoint(request: Request) -> Response:
         try:
-            if auth != "none":
-                request.state.key_label = face.authorize(request, auth)
             return await handler(request)
         except HTTPError as e:
             if e.audit_action is not None and not e.audited:
@@ -841,40 +533,19 @@ def _wrap(face: ServingFace, handler: Handler, auth: str) -> Handler:
 
 
 def build_app(face: ServingFace) -> Starlette:
-    """The Starlette app: routes above, llama-server error bodies for 404/405, one log line per request."""
-    routes: list[tuple[str, Handler, list[str], str]] = [
-        ("/health", face.health, ["GET"], "none"),
-        ("/props", face.props, ["GET"], "api"),
-        ("/slots", face.slots, ["GET"], "api"),
-        ("/metrics", face.metrics, ["GET"], "api"),
-        ("/v1/models", face.models, ["GET"], "api"),
-        ("/models", face.models, ["GET"], "api"),
-        ("/tokenize", face.tokenize, ["POST"], "api"),
-        ("/detokenize", face.detokenize, ["POST"], "api"),
-        ("/apply-template", face.apply_template, ["POST"], "api"),
-        ("/chat/completions/input_tokens", face.input_tokens, ["POST"], "api"),
-        ("/v1/chat/completions/input_tokens", face.input_tokens, ["POST"], "api"),
-        ("/completion", face.completion, ["POST"], "api"),
-        ("/completions", face.completion, ["POST"], "api"),
-        ("/v1/completions", face.completions_oai, ["POST"], "api"),
-        ("/v1/chat/completions", face.chat_completions, ["POST"], "api"),
-        ("/chat/completions", face.chat_completions, ["POST"], "api"),
-        ("/snapshot", face.snapshot, ["GET"], "api"),
-        ("/snapshot/stream", face.snapshot_stream, ["GET"], "api"),
-    ]
-    # llama-server's answers for a model without embeddings / reranking / fill-in-the-middle tokens
-    embeddings = face.not_offered("This server does not support embeddings. Start it with `--embeddings`")
-    rerank = face.not_offered("This server does not support reranking. Start it with `--reranking`")
-    infill = face.not_offered("Infill is not supported by this model: prefix token is missing. "
-                              "suffix token is missing. middle token is missing. ")
-    routes += [(p, embeddings, ["POST"], "api") for p in ("/embedding", "/embeddings", "/v1/embeddings")]
-    routes += [(p, rerank, ["POST"], "api") for p in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")]
-    routes += [("/infill", infill, ["POST"], "api")]
-    table = [Route(p, _wrap(face, h, auth), methods=m) for p, h, m, auth in routes]
+    """The Starlette app: one routes module per family, llama-server error bodies for 404, and the
+    middleware stack (``middleware``: access log, CORS, body limit, key check; outermost first)."""
+    from . import routes_generate, routes_monitor, routes_snapshot, routes_text
+
+    specs: list[RouteSpec] = []
+    for family in (routes_monitor, routes_text, routes_generate, routes_snapshot):
+        specs += family.routes(face)
     if face.maintenance is not None:
         from .maintenance_routes import maintenance_routes
 
-        table += [Route(p, _wrap(face, h, "admin"), methods=m) for p, h, m in maintenance_routes(face)]
+        specs += [(p, h, m, "admin") for p, h, m in maintenance_routes(face)]
+    auth = {p: a for p, _, _, a in specs}
+    table = [Route(p, _wrap(face, h), methods=m) for p, h, m, _ in specs]
 
     async def not_found(request: Request, exc: Exception) -> Response:
         # llama-server routes by method and path together: a known path with another method is a 404 too
@@ -884,48 +555,17 @@ def build_app(face: ServingFace) -> Starlette:
     # Starlette answers '/props/' with a redirect to an absolute URL built from the Host header, before any
     # key check (an open redirect); llama-server has no such routes: a trailing slash is a 404 here
     app.router.redirect_slashes = False
+    # added innermost first: the key check runs last, right before the route
+    app.add_middleware(KeyCheck, face=face, auth_of=auth.get)
+    app.add_middleware(BodyLimit, max_bytes=face.config.max_body_bytes)
     origins = face.config.cors_origins
     # llama-server's CORS: the origin echoed, credentials allowed, its four methods, any header
     app.add_middleware(CORSMiddleware, allow_origins=list(origins or ()),
                        allow_origin_regex=None if origins else LOCAL_ORIGINS, allow_credentials=True,
                        allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"])
-    app.add_middleware(_AccessLog, face=face)
+    app.add_middleware(AccessLog, face=face)
     return app
 
 
 #: the browser origins allowed without ``--cors-origins``: pages served from this machine
 LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
-
-
-class _AccessLog:
-    """One log line per request, when it ends: remote, method, path, status, wall ms, key label (never a key)."""
-
-    def __init__(self, app: Any, face: ServingFace) -> None:
-        self.app = app
-        self.face = face
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        t0 = time.perf_counter()
-        status = {"code": 0}
-
-        async def send_wrapper(message: dict[str, Any]) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            code = status["code"]
-            self.face.stats.requests += 1
-            self.face.stats.by_status[code] = self.face.stats.by_status.get(code, 0) + 1
-            client = scope.get("client")
-            label = scope.get("state", {}).get("key_label", "-")
-            path = scope["path"]
-            if not path.isprintable():  # %0A, ESC... in a path must not forge or split a log line
-                path = path.encode("unicode_escape").decode("ascii")
-            log.info('%s "%s %s" %d %.1fms key=%s', f"{client[0]}:{client[1]}" if client else "?",
-                     scope["method"], path, code, (time.perf_counter() - t0) * 1e3, label)

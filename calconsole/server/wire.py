@@ -19,6 +19,7 @@ Public helpers for the routes: ``flag`` / ``integer`` (typed body fields, 400 na
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -57,6 +58,11 @@ _OFF_SAMPLERS: dict[str, Any] = {
     "adaptive_decay": 0.9}
 MAX_STOP_WORDS = 16
 MAX_MESSAGES = 1024
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON, as llama-server writes it (``data: {...}`` lines byte for byte)."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
 class HTTPError(Exception):

@@ -1,0 +1,139 @@
+"""Generation routes: ``POST /completion`` (llama.cpp native), ``/v1/completions`` and
+``/v1/chat/completions`` (OpenAI), streamed (SSE through the face's bridge) and not."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from sim_backend.planes import ChatRequest, RequestResult, TokenEvent
+
+from ..codec import result_extension
+from . import wire
+from .face import remote_of
+
+if TYPE_CHECKING:
+    from .face import RouteSpec, ServingFace
+
+
+def routes(face: ServingFace) -> list[RouteSpec]:
+    """(path, handler, methods, auth) of this family."""
+    return [("/completion", partial(completion, face), ["POST"], "api"),
+            ("/completions", partial(completion, face), ["POST"], "api"),
+            ("/v1/completions", partial(completions_oai, face), ["POST"], "api"),
+            ("/v1/chat/completions", partial(chat_completions, face), ["POST"], "api"),
+            ("/chat/completions", partial(chat_completions, face), ["POST"], "api")]
+
+
+def model_of(face: ServingFace, body: dict[str, Any]) -> str:
+    """The model name a response reports: the request's (OpenAI echoes it), else the alias."""
+    m = body.get("model")
+    return m if isinstance(m, str) and m else face.config.model_alias
+
+def client_of(request: Request) -> str:
+    return f"http {remote_of(request)}"
+
+async def chat_completions(face: ServingFace, request: Request) -> Response:
+    body = await face.read_json(request)
+    req = wire.chat_request(body, n_ctx=face.inference.n_ctx, n_predict=face.config.n_predict,
+                            client=client_of(request))
+    stream = wire.flag(body, "stream", False)
+    include_usage = wire.stream_options(body)
+    cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
+    model = model_of(face, body)
+    if not stream:
+        res = await face.generate(req, request)
+        if res.status != "finished":
+            raise wire.result_error(res)
+        return JSONResponse(wire.chat_completion(res, cid, int(time.time()), model, face.fingerprint,
+                                                 wire.prefill_of(req)))
+    created = int(time.time())
+    fp = face.fingerprint
+
+    first = [wire.chat_chunk(cid, created, model, fp, {"role": "assistant", "content": None})]
+
+    def piece(_i: int, ev: TokenEvent) -> list[dict[str, Any]]:
+        return [wire.chat_chunk(cid, created, model, fp, {"content": ev.text})]
+
+    def last(_i: int, res: RequestResult) -> list[dict[str, Any]]:
+        out = [wire.chat_chunk(cid, created, model, fp, {}, wire.finish_reason(res))]
+        if include_usage:
+            out.append({"choices": [], "created": created, "id": cid, "model": model, "system_fingerprint": fp,
+                        "object": "chat.completion.chunk", "usage": wire.usage(res)})
+        out[-1]["timings"] = wire.timings(res)
+        out[-1]["calconsole"] = result_extension(res)
+        return out
+
+    return await face.stream([req], first, piece, last, True)
+
+async def completions_oai(face: ServingFace, request: Request) -> Response:
+    body = await face.read_json(request)
+    prompts = wire.prompts_from(body)
+    reqs = [await completion_req(face, {**body, "prompt": p}, request, openai=True) for p in prompts]
+    cid = f"cmpl-{uuid.uuid4().hex[:24]}"
+    model = model_of(face, body)
+    created = int(time.time())
+    fp = face.fingerprint
+    if not wire.flag(body, "stream", False):
+        results = await face.generate_all(reqs, request)
+        return JSONResponse(wire.text_completion(results, cid, created, model, fp))
+    if len(reqs) > 1:
+        raise wire.bad_request("'prompt': several prompts stream on /completion only; ask /v1/completions "
+                               "without 'stream' for several")
+    wire.stream_options(body)  # checked; llama-server sends usage in the final chunk whatever it says
+
+    def last(_i: int, res: RequestResult) -> list[dict[str, Any]]:
+        c = wire.text_chunk(cid, created, model, fp, "", wire.finish_reason(res))
+        c["usage"] = wire.usage(res)
+        c["timings"] = wire.timings(res)
+        c["calconsole"] = result_extension(res)
+        return [c]
+
+    return await face.stream(reqs, [], lambda _i, ev: [wire.text_chunk(cid, created, model, fp, ev.text)],
+                              last, True)
+
+async def completion_req(face: ServingFace, body: dict[str, Any], request: Request, *, openai: bool) -> ChatRequest:
+    return await face.call(lambda: wire.completion_request(
+        body, lambda text: face.inference.tokenize(text, parse_special=True), n_ctx=face.inference.n_ctx,
+        n_predict=face.config.n_predict, client=client_of(request), openai=openai))
+
+async def completion(face: ServingFace, request: Request) -> Response:
+    """llama.cpp native ``/completion``: no chat template; ``data:`` chunks without ``[DONE]``; a list of
+    prompts gives a JSON array of results (streamed: chunks of all, each with its ``index``)."""
+    body = await face.read_json(request)
+    prompts = wire.prompts_from(body)
+    reqs = [await completion_req(face, {**body, "prompt": p}, request, openai=False) for p in prompts]
+    return_tokens = wire.flag(body, "return_tokens", False)
+    per_token = wire.flag(body, "timings_per_token", False)
+    stream = wire.flag(body, "stream", False)
+    n_ctx = face.inference.n_ctx
+    model = face.config.model_alias
+    # echoed in the final result: the prompt as the model saw it (its ids detokenized)
+    texts = [await face.call(face.inference.detokenize, list(r.prompt_tokens or ())) for r in reqs]
+
+    def final(res: RequestResult, i: int) -> dict[str, Any]:
+        return wire.native_completion(res, reqs[i], n_ctx, model, id_slot=reqs[i].id_slot,
+                                      return_tokens=return_tokens, stream=stream, prompt=texts[i], index=i,
+                                      per_token=per_token)
+
+    if not stream:
+        results = await face.generate_all(reqs, request)
+        out = [final(r, i) for i, r in enumerate(results)]
+        return JSONResponse(out if len(prompts) > 1 else out[0])
+
+    n_prompt = [len(r.prompt_tokens or ()) for r in reqs]
+
+    def piece(i: int, ev: TokenEvent) -> list[dict[str, Any]]:
+        c = wire.native_chunk(ev.text, list(ev.tokens), id_slot=reqs[i].id_slot, n_predicted=ev.n_tokens,
+                              n_evaluated=n_prompt[i])
+        c["index"] = i
+        if per_token:  # llama-server's per-chunk timings need counts the face does not see: ours instead
+            c["calconsole"] = {"sim_ms": ev.sim_ms, "clock": "simulated ms: device time + booked host work"}
+        return [c]
+
+    return await face.stream(reqs, [], piece, lambda i, res: [final(res, i)], False)

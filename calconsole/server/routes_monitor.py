@@ -1,0 +1,130 @@
+"""Monitoring routes, llama-server's shapes: ``GET /health /props /slots /metrics /v1/models /models``."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from sim_backend.planes import SamplingParams
+
+from .. import __version__
+from . import wire
+from .face import device_of
+from .wire import HTTPError
+
+if TYPE_CHECKING:
+    from .face import RouteSpec, ServingFace
+
+
+def routes(face: ServingFace) -> list[RouteSpec]:
+    """(path, handler, methods, auth) of this family; /health needs no key (llama-server's rule)."""
+    return [("/health", partial(health, face), ["GET"], "none"),
+            ("/props", partial(props, face), ["GET"], "api"),
+            ("/slots", partial(slots, face), ["GET"], "api"),
+            ("/metrics", partial(metrics, face), ["GET"], "api"),
+            ("/v1/models", partial(models, face), ["GET"], "api"),
+            ("/models", partial(models, face), ["GET"], "api")]
+
+
+async def health(face: ServingFace, request: Request) -> Response:
+    snap = await face.call(face.observation.snapshot)
+    dev = device_of(snap)
+    if dev.status == "memory cleared":
+        raise HTTPError(503, "unavailable_error", "Loading model: device memory is cleared")
+    if dev.mode != "serving":
+        raise HTTPError(503, "unavailable_error", f"device in maintenance ({dev.mode}, lease: {dev.lease_holder})")
+    return JSONResponse({"status": "ok"})
+
+def default_params(face: ServingFace) -> dict[str, Any]:
+    n = face.config.n_predict
+    return wire.sampling_settings(SamplingParams(), n_predict=n)
+
+async def props(face: ServingFace, request: Request) -> Response:
+    snap = await face.call(face.observation.snapshot)
+    dev = device_of(snap)
+    n_ctx = face.inference.n_ctx
+    return JSONResponse({
+        "default_generation_settings": {"params": default_params(face), "n_ctx": n_ctx},
+        "total_slots": dev.n_slots,
+        "model_alias": face.config.model_alias,
+        "model_ftype": "BF16",  # the calbin's weights and KV are BF16 (facts.md F1)
+        "model_path": f"{dev.bundle} (simulated calbin bundle)",
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "media_marker": "<__media__>",
+        "endpoint_slots": face.config.slots_endpoint, "endpoint_props": False,
+        "endpoint_metrics": face.config.metrics_endpoint,
+        "ui": False, "ui_settings": {},
+        "chat_template": face.inference.chat_template,
+        "chat_template_caps": {"supports_object_arguments": False, "supports_parallel_tool_calls": False,
+                               "supports_preserve_reasoning": False, "supports_reasoning_effort": False,
+                               "supports_string_content": True, "supports_system_role": True,
+                               "supports_tool_calls": False, "supports_tools": False,
+                               "supports_typed_content": False},
+        "bos_token": "", "eos_token": "<|im_end|>",
+        "build_info": wire.BUILD_INFO,
+        "is_sleeping": False, "cors_proxy_enabled": False,
+        "device": {"name": dev.name, "status": dev.status, "mode": dev.mode, "calrt_version": dev.calrt_version,
+                   "firmware_commit": dev.firmware_commit, "chiplets": msgspec.to_builtins(dev.chiplets),
+                   "context_tokens": dev.context_tokens, "numerics": dev.numerics, "pacing": dev.pacing,
+                   "pacing_speed": dev.pacing_speed, "step_timeout_s": face.inference.step_timeout_s,
+                   "maintenance_routes": face.maintenance is not None,
+                   "findings": msgspec.to_builtins(snap.findings),
+                   # which host work the timings book (--host-time): a client comparing runs
+                   # (bench matrix records this key) cannot tell modeled from measured otherwise
+                   "clock": "timings are "
+                            + (snap.requests.get("clock") or "simulated device ms + booked host work"),
+                   "calconsole_version": __version__},
+    })
+
+async def slots(face: ServingFace, request: Request) -> Response:
+    """llama-server's ``/slots``: an idle slot is its id, n_ctx, speculative and is_processing; a busy one
+    adds the task, prompt counts, its sampling params and ``next_token`` (an array of one object)."""
+    if not face.config.slots_endpoint:
+        raise HTTPError(501, "not_supported_error", "This server does not support slots endpoint.")
+    snap = await face.call(face.observation.snapshot)
+    n_ctx = face.inference.n_ctx
+    out: list[dict[str, Any]] = []
+    for s in snap.slots:
+        busy = s.state != "idle"
+        slot: dict[str, Any] = {"id": s.index, "n_ctx": n_ctx, "speculative": False, "is_processing": busy}
+        if busy:
+            known = {k: v for k, v in s.params.items() if k in wire.SAMPLING_FIELDS}
+            n_predict = -1 if s.max_tokens == n_ctx else s.max_tokens
+            slot.update({
+                "id_task": s.request_id if s.request_id is not None else -1,
+                "n_prompt_tokens": s.prompt_n, "n_prompt_tokens_processed": s.n_prefilled,
+                "n_prompt_tokens_cache": s.cached_tokens,
+                "params": wire.sampling_settings(SamplingParams(**known), n_predict=n_predict),
+                "next_token": [{"has_next_token": True, "has_new_line": False,
+                                "n_remain": max(0, s.max_tokens - (s.predicted_n or 0)),
+                                "n_decoded": s.predicted_n or 0}]})
+        out.append(slot)
+    if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(o["is_processing"] for o in out):
+        raise HTTPError(503, "unavailable_error", "no slot available")
+    return JSONResponse(out)
+
+async def metrics(face: ServingFace, request: Request) -> Response:
+    if not face.config.metrics_endpoint:
+        raise HTTPError(501, "not_supported_error", "This server does not support metrics endpoint.")
+    text = await face.call(face.observation.metrics_text)
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8",
+                             headers={"Process-Start-Time-Unix": str(face.created)})
+
+async def models(face: ServingFace, request: Request) -> Response:
+    n_ctx = face.inference.n_ctx
+    alias = face.config.model_alias
+    return JSONResponse({
+        # the Ollama-style list llama-server also sends
+        "models": [{"name": alias, "model": alias, "modified_at": "", "size": "", "digest": "", "type": "model",
+                    "description": "", "tags": [""], "capabilities": ["completion"], "parameters": "",
+                    "details": {"parent_model": "", "format": "calbin", "family": "", "families": [""],
+                                "parameter_size": "", "quantization_level": ""}}],
+        "object": "list",
+        "data": [{"id": alias, "aliases": [alias], "tags": [], "object": "model",
+                  "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
+                  "created": face.created, "owned_by": "calconsole",
+                  "meta": {"n_vocab": 151936, "n_ctx": n_ctx, "n_ctx_train": n_ctx}}]})

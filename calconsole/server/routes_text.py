@@ -1,0 +1,109 @@
+"""Text routes, llama-server's shapes: ``POST /tokenize /detokenize /apply-template
+/chat/completions/input_tokens``, and the routes llama-server has for models the calbin is not
+(embeddings, reranking, infill: its 501 ``not_supported_error``)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from sim_backend.planes import CalError, ChatRequest
+
+from . import wire
+from .wire import HTTPError
+
+if TYPE_CHECKING:
+    from .face import Handler, RouteSpec, ServingFace
+
+
+def routes(face: ServingFace) -> list[RouteSpec]:
+    """(path, handler, methods, auth) of this family."""
+    out: list[RouteSpec] = [("/tokenize", partial(tokenize, face), ["POST"], "api"),
+                            ("/detokenize", partial(detokenize, face), ["POST"], "api"),
+                            ("/apply-template", partial(apply_template, face), ["POST"], "api"),
+                            ("/chat/completions/input_tokens", partial(input_tokens, face), ["POST"], "api"),
+                            ("/v1/chat/completions/input_tokens", partial(input_tokens, face), ["POST"], "api")]
+    # llama-server's answers for a model without embeddings / reranking / fill-in-the-middle tokens
+    embeddings = not_offered("This server does not support embeddings. Start it with `--embeddings`")
+    rerank = not_offered("This server does not support reranking. Start it with `--reranking`")
+    infill = not_offered("Infill is not supported by this model: prefix token is missing. "
+                         "suffix token is missing. middle token is missing. ")
+    out += [(p, embeddings, ["POST"], "api") for p in ("/embedding", "/embeddings", "/v1/embeddings")]
+    out += [(p, rerank, ["POST"], "api") for p in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")]
+    out += [("/infill", infill, ["POST"], "api")]
+    return out
+
+
+async def tokenize(face: ServingFace, request: Request) -> Response:
+    body = await face.read_json(request)
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise wire.bad_request("'content' must be a string")
+    parse_special = wire.flag(body, "parse_special", True)
+    wire.flag(body, "add_special", False)  # Qwen3 adds no BOS: accepted, nothing to add
+    with_pieces = wire.flag(body, "with_pieces", False)
+    ids = await face.call(face.inference.tokenize, content, parse_special=parse_special)
+    if not with_pieces:
+        return JSONResponse({"tokens": ids})
+    pieces = []
+    for t in ids:
+        b = face.inference.token_bytes(t)
+        try:
+            piece: Any = b.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(b)  # llama-server: a piece that is not valid UTF-8 is given as its bytes
+        pieces.append({"id": t, "piece": piece})
+    return JSONResponse({"tokens": pieces})
+
+async def detokenize(face: ServingFace, request: Request) -> Response:
+    body = await face.read_json(request)
+    tokens = body.get("tokens", [])
+    if not isinstance(tokens, list):
+        raise wire.bad_request("'tokens' must be a list of token ids")
+    try:
+        text = await face.call(face.inference.detokenize, tokens)
+    except CalError as e:
+        raise wire.bad_request(str(e)) from None
+    if not wire.flag(body, "with_pieces", False):
+        return JSONResponse({"content": text})
+    # our addition: each token's raw piece (str, or its bytes when not valid UTF-8, as /tokenize gives them)
+    pieces = []
+    for t in tokens:
+        b = face.inference.token_bytes(t)
+        try:
+            piece: Any = b.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(b)
+        pieces.append({"id": t, "piece": piece})
+    return JSONResponse({"content": text, "pieces": pieces})
+
+async def apply_template(face: ServingFace, request: Request) -> Response:
+    body = await face.read_json(request)
+    msgs = wire.messages_from(body)
+    try:
+        think = wire.thinking(body)
+        prompt = await face.call(face.inference.apply_template, msgs, enable_thinking=think)
+    except CalError as e:
+        raise wire.bad_request(str(e)) from None
+    return JSONResponse({"prompt": prompt})
+
+async def input_tokens(face: ServingFace, request: Request) -> Response:
+    """``/chat/completions/input_tokens``: the templated prompt's tokens, as the context limit counts them."""
+    body = await face.read_json(request)
+    msgs = wire.messages_from(body)
+    try:
+        n = await face.call(face.inference.count_prompt_tokens,
+                            ChatRequest(messages=msgs, max_tokens=1, enable_thinking=wire.thinking(body)))
+    except CalError as e:
+        raise wire.bad_request(str(e)) from None
+    return JSONResponse({"input_tokens": n, "object": "response.input_tokens"})
+
+def not_offered(message: str) -> Handler:
+    """A route llama-server has that needs a model the calbin is not (embeddings, reranking, infill):
+    its 501 ``not_supported_error`` with its words."""
+    async def handler(request: Request) -> Response:
+        raise HTTPError(501, "not_supported_error", message)
+    return handler
