@@ -74,7 +74,8 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                  hardware: str | Path | None = None,
                  numerics_process: bool = False,
                  reset_timeout_s: float = 10.0, slo: Any | None = None, variant: Variant | None = None,
-                 host_time: str = "modeled", numerics_progress: Callable[[str], None] | None = None) -> System:
+                 host_time: str = "modeled", numerics_progress: Callable[[str], None] | None = None,
+                 prefill_chunk: int = 2048) -> System:
     """Load the bundle (strict; raises ManifestError) and start device + engine threads.
 
     ``drain_timeout_s`` / ``reset_timeout_s``: the maintenance plane's bounded drain and reset
@@ -88,7 +89,8 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     start after install; later starts load them from numba's disk cache); None: silent.
     ``host_time``: ``"modeled"`` books the cost model's fitted host allowance per sampled token
     (facts.md F7) on the simulated clock, ``"measured"`` this machine's measured host work
-    (``serving.hosttime.HostBooking``; ValueError for anything else).
+    (``serving.hosttime.HostBooking``; ValueError for anything else). ``prefill_chunk``: most prompt
+    tokens one prefill step carries (the engine's round rule).
     """
     if numerics_max_prompt is None:
         numerics_max_prompt, default_reason = NUMERIC_PROMPT_LIMIT, NUMERIC_LIMIT_REASON
@@ -107,7 +109,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                            kv_cells=kv_cells, numerics_process=numerics_process,
                            numerics_progress=numerics_progress)
     engine = Engine(RuntimeSession(board, parallel=max_inflight > 1), n_slots=n_slots, queue_limit=queue_limit,
-                    max_inflight=max_inflight,
+                    max_inflight=max_inflight, prefill_chunk=prefill_chunk,
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt,
                     host_time=host_time, host_token_us=cost.host_overhead_ms_per_token * 1e3,
                     slo=slo)  # slo: planes.types.SLO for goodput (simulated ms); None = no objectives
@@ -120,7 +122,8 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
         from sim_backend.planes.maintenance import MaintenancePlane
         from sim_backend.runtime import MaintenanceRuntime
 
-        mplane = MaintenancePlane(MaintenanceRuntime(board, memory_plan=memory_plan), engine, AuditLog(audit_path),
+        mplane = MaintenancePlane(lambda check: MaintenanceRuntime(board, check, memory_plan=memory_plan), engine,
+                                  AuditLog(audit_path),
                                   drain_timeout_s=drain_timeout_s, reset_timeout_s=reset_timeout_s,
                                   memory_plan=memory_plan)
         observation.set_mode_source(mplane.mode)

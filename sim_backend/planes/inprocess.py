@@ -334,5 +334,5 @@ class ObservationPlane:
 
     def metrics_text(self) -> str:
         """Prometheus text exposition (llamacpp: names)."""
-        self._engine._notify()
+        self._engine.wake()
         return self._engine.metrics.prometheus_text()

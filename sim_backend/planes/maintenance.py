@@ -27,7 +27,7 @@ Probe requests: while exclusive, the engine refuses every request, so a
 rehearsal cannot see an injected fault through the chat path. ``probe_request``
 is the window's own test request: it tokenises a prompt with the chat
 template and runs it through the same device path as the engine (KV apply ->
-prefill job -> Wait -> greedy decode jobs) on the scratch sequence 63,
+prefill job -> Wait -> greedy decode jobs) on the runtime's scratch sequence (the last KV sequence, never a slot),
 outside the engine's queue, so no client can slip in during the window. A
 fault hits it exactly as it would hit a served request, and it reports the
 typed error. Faults left armed when leaving exclusive mode stay armed, so a
@@ -63,8 +63,6 @@ from sim_backend.runtime.maintenance import MaintenanceRuntime
 from sim_backend.serving.engine import Engine
 
 MAINTENANCE_REASON = "device in maintenance"
-#: KV sequence id used by health checks, the golden self-test and probe requests (never a slot).
-SCRATCH_SEQ = 63
 FAULT_KINDS = ("ccu_exception", "kv_exhaustion", "link_error", "slow_chip")
 #: the names the snapshot shows for an armed / fired fault, accepted as the kind they name
 #: (``faults_armed`` lists "d2d_link_error x1", and inject_fault refused "d2d_link_error")
@@ -75,7 +73,10 @@ class MaintenancePlane:
     """Exclusive mode and guarded device actions.
 
     Args:
-        rt: the maintenance runtime (the only door to the device); engine: the serving engine.
+        open_runtime: builds the maintenance runtime (the only door to the device) around the lease
+            check it is given, this plane's, so a stale lease is refused by the runtime too:
+            ``lambda check: MaintenanceRuntime(board, check, memory_plan=plan)``.
+        engine: the serving engine.
         audit: the audit log every call is appended to.
         drain_timeout_s: default bounded drain (host wall s) before in-flight
             requests are cancelled with a reason.
@@ -84,12 +85,12 @@ class MaintenancePlane:
         dump_dir: default directory of ``dump`` files (default: next to the audit log).
     """
 
-    def __init__(self, rt: MaintenanceRuntime, engine: Engine, audit: AuditLog, *,
+    def __init__(self, open_runtime: Callable[[Callable[[str, Any], None]], MaintenanceRuntime], engine: Engine,
+                 audit: AuditLog, *,
                  drain_timeout_s: float = 5.0, reset_timeout_s: float = 10.0, memory_plan: Any = None,
                  dump_dir: str | Path | None = None) -> None:
-        self._rt = rt
-        rt.lease_check = self._check  # a stale lease is refused by the runtime too
-        self._mon = rt.monitor
+        self._rt = open_runtime(self._check)
+        self._mon = self._rt.monitor
         self._engine = engine
         self.audit = audit
         self.drain_timeout_s = drain_timeout_s
@@ -513,7 +514,7 @@ class MaintenancePlane:
         """
         ht = self._engine.host_timer
         h0 = ht.now()
-        out = self._rt.scratch_submit(self._lease, kind, SCRATCH_SEQ, tokens, p0)
+        out = self._rt.scratch_submit(self._lease, kind, self._rt.scratch_seq, tokens, p0)
         host_ms = (ht.now() - h0) / 1e3
         try:
             return out.wait(self.reset_timeout_s), host_ms
@@ -554,7 +555,7 @@ class MaintenancePlane:
         check("buffer pool full", free == size, f"{free} of {size} buffer pairs free")
         sim_us = 0.0
         if all(c["ok"] for c in checks):
-            self._rt.free_seq(self._lease, SCRATCH_SEQ)
+            self._rt.free_seq(self._lease, self._rt.scratch_seq)
             try:
                 # a control token the model knows: Qwen3's <|im_start|>, another tokenizer's BOS
                 probe_id = IM_START if self._engine.rt.vocab > IM_START else max(0, int(getattr(
@@ -566,7 +567,7 @@ class MaintenancePlane:
             except (DeviceError, KVExhausted, CalError) as e:
                 check("decode probe job", False, f"{type(e).__name__}: {e}")
             finally:
-                self._rt.free_seq(self._lease, SCRATCH_SEQ)
+                self._rt.free_seq(self._lease, self._rt.scratch_seq)
         ok = all(c["ok"] for c in checks)
         failed = [f"{c['check']}: {c['detail']}" for c in checks if not c["ok"]]
         with self._lock:  # the device reads as faulty until a health check passes again
@@ -600,13 +601,13 @@ class MaintenancePlane:
             golden = load_golden(b.bundle.golden_file)
         except (GoldenFileError, OSError, ValueError) as e:
             return fail(f"golden file unreadable: {e}")
-        self._rt.free_seq(self._lease, SCRATCH_SEQ)
+        self._rt.free_seq(self._lease, self._rt.scratch_seq)
         try:
             res = self._job("prefill", golden.input_ids.tolist(), 0, "self-test")
         except CalError as e:
             return fail(f"{type(e).__name__}: {e}")
         finally:
-            self._rt.free_seq(self._lease, SCRATCH_SEQ)
+            self._rt.free_seq(self._lease, self._rt.scratch_seq)
         rep = compare(golden, res.logits_bf16, tol)
         rep.update(golden=golden.path.name, n_tokens=int(golden.input_ids.size), sim_ms=res.sim_us / 1e3,
                    wall_ms=(time.perf_counter() - t0) * 1e3,
@@ -625,7 +626,7 @@ class MaintenancePlane:
             raise MaintenanceArgumentError("probe_request", f"prompt is {len(ids)} tokens; a probe runs exact numerics "
                                                       f"and takes at most {limit}")
         out: list[int] = []
-        self._rt.free_seq(self._lease, SCRATCH_SEQ)
+        self._rt.free_seq(self._lease, self._rt.scratch_seq)
         status, error = "finished", None
         try:
             res, host_ms = self._job_timed("prefill", ids, 0)
@@ -645,7 +646,7 @@ class MaintenancePlane:
             error = {"type": type(err).__name__, "message": str(err),
                      **({"code": err.code} if hasattr(err, "code") else {})}
         finally:
-            self._rt.free_seq(self._lease, SCRATCH_SEQ)
+            self._rt.free_seq(self._lease, self._rt.scratch_seq)
         text = e.tokenizer.decode([t for t in out if t not in eos]) if b.numerics else ""
         return {"ok": status == "finished", "status": status, "text": text, "n_tokens": len(out), "prompt_n": len(ids),
                 "error": error, "sim_ms": (b.now_us - sim0) / 1e3, "wall_ms": (time.perf_counter() - t0) * 1e3}

@@ -13,7 +13,7 @@ from sim_backend.errors import MaintenanceRefused
 from sim_backend.runtime.calbin import OutputBuf
 from sim_backend.runtime.calrt import CALRT_VERSION
 from sim_backend.runtime.monitor import DeviceMonitor
-from sim_backend.runtime.session import RuntimeSession
+from sim_backend.runtime.session import RuntimeSession, scratch_sequence
 
 # --- maintenance-only runtime functions ------------------------------------------------
 
@@ -41,8 +41,10 @@ class MaintenanceRuntime:
     def __init__(self, board: SimulatedBoard, lease_check: Callable[[str, Any], None] = require_lease,
                  memory_plan: Any = None) -> None:
         self._board = board
-        #: callable(action, lease) raising MaintenanceRefused; the maintenance plane installs its own
-        self.lease_check = lease_check
+        #: callable(action, lease) raising MaintenanceRefused, fixed at construction (the maintenance plane's)
+        self._lease_check = lease_check
+        #: the KV sequence of the maintenance jobs (probe, self-test, health check); never a serving slot's
+        self.scratch_seq = scratch_sequence(board.kv.n_seq_max)
         self._memory_plan = memory_plan
         #: read-only status (no lease): what the maintenance plane shows and checks
         self.monitor = DeviceMonitor(board)
@@ -50,7 +52,7 @@ class MaintenanceRuntime:
 
     def read_register(self, lease: Any, key: str | int) -> int:
         """Any register of the map, by name or address (KeyError-like MaintenanceRefused if unknown)."""
-        self.lease_check("read_register", lease)
+        self._lease_check("read_register", lease)
         try:
             return self._board.registers.read(key)
         except KeyError as e:
@@ -58,19 +60,19 @@ class MaintenanceRuntime:
 
     def write_register(self, lease: Any, key: str | int, value: int) -> None:
         """Write a register the map marks writable; MaintenanceRefused otherwise."""
-        self.lease_check("write_register", lease)
+        self._lease_check("write_register", lease)
         try:
             self._board.registers.write(key, value)
         except (KeyError, PermissionError, ValueError) as e:
             raise MaintenanceRefused("write_register", str(e)) from None
 
     def dump_registers(self, lease: Any) -> dict[str, int]:
-        self.lease_check("dump_registers", lease)
+        self._lease_check("dump_registers", lease)
         return self._board.registers.dump()
 
     def config_metadata(self, lease: Any) -> dict:
         """Config metadata: bundle identity, sub-models with I/O specs and CSRs, findings, registers."""
-        self.lease_check("config_metadata", lease)
+        self._lease_check("config_metadata", lease)
         b = self._board.bundle
         return {
             "bundle": b.name, "path": str(b.path), "calrt_version": b.calrt_version,
@@ -89,7 +91,7 @@ class MaintenanceRuntime:
 
     def clear_kv(self, lease: Any) -> None:
         """Clear the whole KV cache (every sequence)."""
-        self.lease_check("clear_kv", lease)
+        self._lease_check("clear_kv", lease)
         self._board.kv.clear()
 
     # --- device state ---------------------------------------------------------------
@@ -98,24 +100,24 @@ class MaintenanceRuntime:
         """Reset the device: every pending/running job ends with DeviceReset, registers, KV and faults
         back to power-on, the calbin reconfigured. {"failed_jobs", "calbin", "resets", "wall_ms"}.
         Raises DeviceError if the device thread does not come back within ``timeout`` host s."""
-        self.lease_check("reset", lease)
+        self._lease_check("reset", lease)
         rep = self._board.reset(timeout=timeout)
         self._session = None  # a fresh buffer pool: nothing from before the reset can hold one
         return rep
 
     def clear_memory(self, lease: Any) -> None:
         """ClearAllDevMem: weights and KV zeroed on both chips; jobs refused until ``load_model``."""
-        self.lease_check("clear_device_memory", lease)
+        self._lease_check("clear_device_memory", lease)
         self._board.clear_memory()
 
     def load_model(self, lease: Any) -> float:
         """Load the weights again (after ClearAllDevMem); returns host wall seconds taken."""
-        self.lease_check("reload_model", lease)
+        self._lease_check("reload_model", lease)
         return self._board.load_model()
 
     def free_seq(self, lease: Any, seq_id: int) -> None:
         """Free every KV cell of ``seq_id`` (the maintenance scratch sequence)."""
-        self.lease_check("free_seq", lease)
+        self._lease_check("free_seq", lease)
         self._board.kv.free(seq_id)
 
     # --- faults ---------------------------------------------------------------------------
@@ -124,7 +126,7 @@ class MaintenanceRuntime:
         """Arm ``kind`` (ccu_exception | kv_exhaustion | link_error: the next ``count`` jobs/applies;
         slow_chip: ``chip`` runs ``factor`` x slower until cleared or reset). Returns the armed list.
         Arguments are the caller's to validate (MaintenancePlane.inject_fault)."""
-        self.lease_check("inject_fault", lease)
+        self._lease_check("inject_fault", lease)
         f = self._board.faults
         if kind == "slow_chip":
             with f._lock:
@@ -136,7 +138,7 @@ class MaintenanceRuntime:
 
     def disarm_faults(self, lease: Any) -> list[str]:
         """Disarm every injected fault; returns what was armed or in effect."""
-        self.lease_check("clear_faults", lease)
+        self._lease_check("clear_faults", lease)
         f = self._board.faults
         before = f.active()
         with f._lock:
@@ -155,7 +157,7 @@ class MaintenanceRuntime:
         checked path (InputBuf checks, CSR, sub-model by exact name) after applying KV for positions
         ``p0..p0+n-1``. Returns the OutputBuf at once (``wait(timeout)`` gives the StepResult); raises
         the runtime's typed errors (KVExhausted, SubmitError, DeviceNotReady, ...)."""
-        self.lease_check("scratch_submit", lease)
+        self._lease_check("scratch_submit", lease)
         if self._session is None:
             self._session = RuntimeSession(self._board, parallel=False)
         s = self._session

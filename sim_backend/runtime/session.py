@@ -21,6 +21,12 @@ from sim_backend.runtime.views import ClockView
 # --- the whole submission path, as the engine would use it -----------------------------
 
 
+def scratch_sequence(n_seq_max: int) -> int:
+    """The KV sequence the maintenance runtime keeps for its own jobs (probe, self-test, health check):
+    the last of ``n_seq_max``; sequences below it serve requests (``RuntimeSession.serving_sequences``)."""
+    return n_seq_max - 1
+
+
 class RuntimeSession:
     """The facts.md F1 submission path, bound once: device + configured calbin + sub-models + pool.
 
@@ -52,6 +58,11 @@ class RuntimeSession:
         self.bundle: Bundle = b
         self.parallel = parallel
         self._rr = 0
+
+    @property
+    def serving_sequences(self) -> int:
+        """KV sequences the serving engine may use as slots (ids 0..n-1): all but the maintenance scratch one."""
+        return scratch_sequence(self._board.kv.n_seq_max)
 
     @property
     def numerics(self) -> bool:

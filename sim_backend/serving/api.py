@@ -22,6 +22,8 @@ from sim_backend.planes.types import DoneEvent, RequestResult, TokenEvent
 
 
 class RequestState(str, Enum):
+    """Where a request is: queued, prefilling, decoding, or ended (finished | failed | cancelled)."""
+
     QUEUED = "queued"
     PREFILLING = "prefilling"
     DECODING = "decoding"
@@ -58,6 +60,15 @@ class RequestHandle(EventStream):
     @property
     def cancelled(self) -> bool:
         return self._cancel.is_set()
+
+    @property
+    def cancel_event(self) -> threading.Event:
+        """Set when the request is cancelled (a KV wait watches it)."""
+        return self._cancel
+
+    def emit(self, event: TokenEvent) -> None:
+        """Stream one visible piece to the client (engine thread)."""
+        self._events.put(event)
 
     def _finish(self, result: RequestResult) -> None:
         self._result = result

@@ -15,7 +15,8 @@ from sim_backend.device.registers import REGISTER_MAP
 from sim_backend.errors import DeviceError, DeviceReset, MaintenanceRefused, UnavailableError
 from sim_backend.planes import ChatRequest, TokenEvent
 from sim_backend.planes.contracts import Lease
-from sim_backend.planes.maintenance import SCRATCH_SEQ
+from sim_backend.runtime.session import scratch_sequence
+from sim_backend.serving.engine import Engine
 
 
 @pytest.fixture
@@ -575,7 +576,12 @@ def test_internal_error_is_audited_and_raised(system, monkeypatch):
 
 
 def test_scratch_sequence_is_not_a_slot(system):
-    assert SCRATCH_SEQ >= system.engine.n_slots
+    """The runtime keeps its last KV sequence for maintenance jobs; no engine slot can take it."""
+    rt = system.engine.rt
+    scratch = scratch_sequence(system.board.kv.n_seq_max)
+    assert rt.serving_sequences == scratch and all(s.seq_id < scratch for s in system.engine.slots)
+    with pytest.raises(ValueError, match="serving sequences"):
+        Engine(rt, n_slots=rt.serving_sequences + 1)
 
 
 def test_self_test_on_a_timing_only_device_says_it_cannot_run_there(make_system):

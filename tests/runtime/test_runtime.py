@@ -355,8 +355,9 @@ def test_maintenance_runtime_needs_a_lease(board, tmp_path):
     calls = [lambda L: mr.read_register(L, "CALCORERT_COMMIT"), lambda L: mr.write_register(L, "CHIP0_SCRATCH", 1),
              lambda L: mr.dump_registers(L), lambda L: mr.config_metadata(L), lambda L: mr.clear_kv(L),
              lambda L: mr.reset(L, 5.0), lambda L: mr.clear_memory(L), lambda L: mr.load_model(L),
-             lambda L: mr.free_seq(L, 63), lambda L: mr.arm_fault(L, "ccu_exception"), lambda L: mr.disarm_faults(L),
-             lambda L: mr.scratch_submit(L, "decode", 63, [1], 0)]
+             lambda L: mr.free_seq(L, mr.scratch_seq), lambda L: mr.arm_fault(L, "ccu_exception"),
+             lambda L: mr.disarm_faults(L),
+             lambda L: mr.scratch_submit(L, "decode", mr.scratch_seq, [1], 0)]
     for call in calls:
         with pytest.raises(MaintenanceRefused):
             call(None)
@@ -390,16 +391,16 @@ def test_scratch_jobs_go_through_the_checked_runtime_path(bundle):
     b = SimulatedBoard(bundle, CostModel.load(None), numerics=True, kv_cells=256)
     try:
         mr = MaintenanceRuntime(b)
-        out = mr.scratch_submit("lease", "prefill", 63, [9707, 11, 1879, 0], 0)
+        out = mr.scratch_submit("lease", "prefill", mr.scratch_seq, [9707, 11, 1879, 0], 0)
         res = out.wait(WAIT)
         # the D2H array is handed over as is: the OutputBuf shows the result's bits, no second copy
         assert res.logits_bf16.dtype == np.uint16 and res.logits_bf16.shape == (bundle.shape.vocab,)
         assert out.logits_bf16 is res.logits_bf16 and res.n_tokens == 4
         with pytest.raises(SubmitError):
-            mr.scratch_submit("lease", "nosuch", 63, [1], 4)
+            mr.scratch_submit("lease", "nosuch", mr.scratch_seq, [1], 4)
         with pytest.raises(CalError):
-            mr.scratch_submit("lease", "decode", 63, [bundle.shape.vocab + 5], 4)  # token id out of range
-        mr.free_seq("lease", 63)
+            mr.scratch_submit("lease", "decode", mr.scratch_seq, [bundle.shape.vocab + 5], 4)  # token id out of range
+        mr.free_seq("lease", mr.scratch_seq)
         assert b.kv.used_cells == 0
     finally:
         b.close()
@@ -443,8 +444,7 @@ def test_a_leftover_one_token_prefill_chunk_runs_the_decode_submodel():
     from sim_backend.tools.calibration import ENGINE_PROMPT
 
     with build_system(numerics=False, maintenance=False, n_slots=1, host_timer=ScriptedHostTimer(0.0),
-                      host_time="measured") as system:
-        system.engine.prefill_chunk = 26
+                      host_time="measured", prefill_chunk=26) as system:
         rec = StepRecorder()
         system.board.add_listener(rec)
         res = system.engine.generate(ChatRequest.from_prompt(ENGINE_PROMPT, max_tokens=2), timeout=30)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sim_backend.planes import ChatRequest, SamplingParams
+from sim_backend.serving.tokens import TokenPipeline
 
 GREEDY = SamplingParams(temperature=0.0, seed=1)
 PROMPT = "The quick brown fox jumps over the lazy dog."
@@ -43,15 +44,15 @@ def test_prefix_cache_is_dropped_when_the_kv_is_cleared(system, action):
 
 def test_a_bug_fails_one_request_and_the_scheduler_survives(system, monkeypatch):
     calls = {"n": 0}
-    orig = system.engine._sample
+    orig = TokenPipeline.sample
 
-    def broken_once(r, res):
+    def broken_once(self, logits_bf16, numeric):
         calls["n"] += 1
         if calls["n"] == 1:
             raise ValueError("no finite logits to sample from")
-        return orig(r, res)
+        return orig(self, logits_bf16, numeric)
 
-    monkeypatch.setattr(system.engine, "_sample", broken_once)
+    monkeypatch.setattr(TokenPipeline, "sample", broken_once)
     bad = ask(system, "first")
     assert bad.status == "failed" and bad.error["type"] == "server_error"
     assert "ValueError" in bad.error["message"]
@@ -59,4 +60,4 @@ def test_a_bug_fails_one_request_and_the_scheduler_survives(system, monkeypatch)
     assert good.status == "finished" and good.timings.predicted_n == 8
     summary = system.engine.metrics.summary()
     assert summary["balanced"] and summary["counters"]["running"] == 0
-    assert system.engine._thread.is_alive()
+    assert ask(system, "third").status == "finished"  # the scheduler thread still serves

@@ -420,10 +420,10 @@ def test_stop_string_after_emoji(make):
 
 def test_context_end_stops_with_limit(make):
     """A prompt that fits generates until prompt + generated reach n_ctx; then stop type limit."""
-    h = make()
     req = ChatRequest.from_prompt("hi", max_tokens=10, sampling=GREEDY)
-    p = h.script(req, words("A", " b", " c"))
-    h.engine.n_ctx = p + 3  # shrink the engine's view of the context: room for 3 tokens in all
+    p = len(make().engine.tokenize_prompt(req))
+    h = make(n_ctx=p + 3)  # an engine with a shorter context than the calbin's: room for 3 tokens in all
+    assert h.script(req, words("A", " b", " c")) == p
     res, _ = run(h, req)
     assert res.stop_type == "limit" and res.timings.predicted_n == 3
 

@@ -70,8 +70,8 @@ def test_two_prompts_that_do_not_fit_together_the_newest_ends_and_the_oldest_fin
     """The issue's reproduction at small scale: two slots, each prompt more than half the pool, chunked
     prefill interleaving them until the pool is full. Exactly one is ended (the newest), with the chunk
     it asked for and the free cells it saw; the oldest is not ended with half the pool free."""
-    with build_system(numerics=False, kv_cells=512, kv_timeout_s=30.0, n_slots=2, maintenance=False) as s:
-        s.engine.prefill_chunk = 64
+    with build_system(numerics=False, kv_cells=512, kv_timeout_s=30.0, n_slots=2,
+                      maintenance=False, prefill_chunk=64) as s:
         h1, h2 = s.inference.submit(_req("alpha", 300, 40)), s.inference.submit(_req("beta", 300, 40))
         assert h1.prompt_n + 39 <= 512 < h1.prompt_n + h2.prompt_n
         r1, r2 = h1.result(RESULT_S), h2.result(RESULT_S)
@@ -91,8 +91,8 @@ def test_two_prompts_that_do_not_fit_together_the_newest_ends_and_the_oldest_fin
 def test_many_requests_over_a_small_pool_end_only_as_many_as_needed():
     """The 16-prompt reproduction at small scale: 8 slots, each request fits alone, two fit at once
     (not three). At least one finishes (before the fix none did), and each ended one really did not fit."""
-    with build_system(numerics=False, kv_cells=1024, kv_timeout_s=30.0, n_slots=8, maintenance=False) as s:
-        s.engine.prefill_chunk = 64
+    with build_system(numerics=False, kv_cells=1024, kv_timeout_s=30.0, n_slots=8,
+                      maintenance=False, prefill_chunk=64) as s:
         hs = [s.inference.submit(_req(f"w{i}", 100, 200)) for i in range(8)]
         assert all(_total(h.prompt_n, 200) <= 1024 for h in hs)
         rs = {h.id: h.result(RESULT_S) for h in hs}
@@ -107,8 +107,8 @@ def test_many_requests_over_a_small_pool_end_only_as_many_as_needed():
 def test_a_request_that_cannot_fit_alone_is_ended_before_an_older_one_that_fits_is_touched():
     """Older B can never finish in the 512-cell pool (400 + 1000 tokens); newer A fits. When both
     wait, B is ended first though it is older: it holds cells it can never use to finish."""
-    with build_system(numerics=False, kv_cells=512, kv_timeout_s=30.0, n_slots=2, maintenance=False) as s:
-        s.engine.prefill_chunk = 64
+    with build_system(numerics=False, kv_cells=512, kv_timeout_s=30.0, n_slots=2,
+                      maintenance=False, prefill_chunk=64) as s:
         hb = s.inference.submit(_req("big", 250, 1000))
         ha = s.inference.submit(_req("small", 150, 150))
         assert _total(hb.prompt_n, 1000) > 512 >= _total(ha.prompt_n, 150)
@@ -155,8 +155,7 @@ def test_property_kv_pressure_rule(cells, n_slots, chunk, timeout_s, max_infligh
       whose step fits the free cells is ended; each error carries those true numbers;
     - every request ends finished or with KVExhausted, and no KV cell leaks."""
     with build_system(numerics=False, kv_cells=cells, kv_timeout_s=timeout_s, n_slots=n_slots,
-                      queue_limit=8, max_inflight=max_inflight, maintenance=False) as s:
-        s.engine.prefill_chunk = chunk
+                      queue_limit=8, max_inflight=max_inflight, maintenance=False, prefill_chunk=chunk) as s:
         hs, totals = [], {}
         for i, (frac, mt) in enumerate(reqs):
             # one token per word; the chat template adds 13

@@ -1,0 +1,141 @@
+"""Admission: the bounded FIFO queue in front of the slots, and the choice of a slot.
+
+A request is validated and tokenised by the engine's ``submit`` (typed errors, nothing allocated on
+error); it waits in a FIFO queue of at most ``queue_limit`` requests beyond the free slots (more ->
+``UnavailableError`` at once) and takes the first free slot as llama-server chooses it: the one
+sharing the longest cached prefix with its prompt, then the least recently used. A request that
+names a slot (``id_slot``) waits for that slot, keeping its place in the queue.
+
+A reused prefix counts toward the numerics limit only if its cells hold values (a timing-only
+request's cells hold none); see ``assign``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from sim_backend.errors import ExceedContextSizeError, InvalidRequestError, UnavailableError
+from sim_backend.runtime import KVView
+from sim_backend.serving.api import RequestState
+from sim_backend.serving.requests import RequestRecord, Slot
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token id sequences."""
+    n = min(len(a), len(b))
+    if n == 0:
+        return 0
+    x = np.asarray(a[:n]) != np.asarray(b[:n])
+    idx = np.flatnonzero(x)
+    return int(idx[0]) if idx.size else n
+
+
+def check_prompt(prompt_n: int, id_slot: int, *, n_ctx: int, n_slots: int, kv_cells: int) -> None:
+    """Refuse a tokenised prompt that cannot run: ExceedContextSizeError for ``prompt_n >= n_ctx``
+    (llama.cpp: no room for one token) or more tokens than the KV pool holds; InvalidRequestError
+    for an ``id_slot`` that does not exist."""
+    if prompt_n >= n_ctx:
+        raise ExceedContextSizeError(prompt_n, n_ctx)
+    if id_slot >= n_slots:
+        raise InvalidRequestError(f"id_slot {id_slot} does not exist (slots 0..{n_slots - 1})", param="id_slot")
+    if prompt_n > kv_cells:  # a board built with a KV pool smaller than the context
+        raise ExceedContextSizeError(prompt_n, kv_cells, f"the prompt has {prompt_n} tokens but the KV "
+                                     f"cache holds {kv_cells} tokens in all (context {n_ctx})")
+
+
+def choose_slot(free: Sequence[Slot], prompt: Sequence[int], *, cache_prompt: bool) -> tuple[Slot, int]:
+    """The slot a request takes among ``free`` (non-empty) and the prefix tokens it reuses there.
+
+    llama.cpp: the idle slot sharing the longest prefix with the prompt, then the least recently
+    used. At least one prompt token is left to prefill (its logits give the first token); with
+    ``cache_prompt`` False nothing is reused.
+    """
+    best = max(free, key=lambda s: (common_prefix(s.cache_tokens, prompt), -s.last_used))
+    n_common = min(common_prefix(best.cache_tokens, prompt), len(prompt) - 1) if cache_prompt else 0
+    return best, max(0, n_common)
+
+
+class Admission:
+    """The queue and the slot assignment (module docstring). State only; the engine holds the lock.
+
+    Args:
+        queue_limit: requests allowed to wait beyond the free slots (>= 0).
+    """
+
+    def __init__(self, queue_limit: int) -> None:
+        if queue_limit < 0:
+            raise ValueError("queue_limit must be >= 0")
+        self.queue_limit = queue_limit
+        self.queue: deque[RequestRecord] = deque()
+        self.admitting = True
+        self.refuse_reason = ""
+
+    def refusal(self, stopped: bool) -> str | None:
+        """Why a request would be refused now (engine shut down, or maintenance paused admission), or None."""
+        if stopped:
+            return "engine is shut down"
+        if not self.admitting:
+            return self.refuse_reason or "not admitting requests"
+        return None
+
+    def check_room(self, free_slots: int) -> None:
+        """UnavailableError if ``queue_limit`` requests already wait beyond the ``free_slots``."""
+        if len(self.queue) >= self.queue_limit + free_slots:
+            raise UnavailableError(f"server busy: {len(self.queue)} requests queued (limit {self.queue_limit})")
+
+    def forget(self, r: RequestRecord) -> None:
+        """``r`` ended while queued: it leaves the queue."""
+        if r in self.queue:
+            self.queue.remove(r)
+
+    def assign(self, slots: Sequence[Slot], kv: KVView, now_ms: Callable[[], float], *, numerics: bool,
+               numerics_max_prompt: int, on_assigned: Callable[[Slot], None]) -> None:
+        """Give queued requests free slots, in queue order (``id_slot`` requests wait for theirs).
+
+        The slot's sequence keeps the reused prefix (``seq_rm`` of the rest) or is freed. The request
+        runs with numerics if the device computes them and the prompt tokens it must prefill (beyond a
+        reused prefix that holds values) are at most ``numerics_max_prompt``; otherwise timing-only.
+        ``now_ms``: the simulated clock (ms); ``on_assigned``: called for each slot given a request.
+        """
+        waiting: deque[RequestRecord] = deque()  # asked for a busy slot (id_slot): keep their place in the queue
+        while self.queue:
+            free = [s for s in slots if s.req is None]
+            if not free:
+                break
+            r = self.queue.popleft()
+            if r.req.id_slot >= 0:
+                free = [s for s in free if s.idx == r.req.id_slot]
+                if not free:
+                    waiting.append(r)
+                    continue
+            best, n_common = choose_slot(free, r.prompt, cache_prompt=r.req.cache_prompt)
+            if n_common <= 0:
+                kv.free(best.seq_id)
+            else:
+                kv.seq_rm(best.seq_id, n_common, -1)
+            best.cache_tokens = r.prompt[:n_common]
+            best.req = r
+            r.slot = best
+            r.cache_n = r.n_prefilled = n_common
+            r.assigned_ms = now_ms()
+            r.kv_epoch = kv.epoch
+            r.handle.state = RequestState.PREFILLING
+            # the limit bounds the tokens this request prefills; a reused prefix counts only if its KV
+            # was computed by the numerics (a timing-only request's cells hold no values)
+            reuse_ok = n_common == 0 or best.cache_numeric
+            r.numeric = numerics and reuse_ok and len(r.prompt) - n_common <= numerics_max_prompt
+            best.cache_numeric = r.numeric
+            on_assigned(best)
+        self.queue.extendleft(reversed(waiting))
+
+    @staticmethod
+    def drop_stale_caches(slots: Sequence[Slot], epoch: int) -> None:
+        """Forget prefix caches whose cells a KV clear (reset, ClearAllDevMem, Clear KV) removed."""
+        for s in slots:
+            if s.cache_epoch != epoch:
+                if s.req is None:
+                    s.cache_tokens = []
+                s.cache_epoch = epoch

@@ -1,0 +1,109 @@
+"""One request's token pipeline: sample a token, apply the stop rules, release visible text that
+is never half a UTF-8 character and never part of a stop string.
+
+Stop rules (llama.cpp ``stop_type``), checked in this order for each sampled token:
+``eos`` (an EOS id was sampled; it counts in ``predicted_n`` but prints nothing), ``word`` (a stop
+string appeared in the text made visible by this token; it and everything after it are dropped),
+``limit`` (``max_tokens`` reached, or the context end: prompt + generated tokens reached ``n_ctx``,
+so ``usage.total_tokens`` never exceeds ``n_ctx``), and ``none`` for a request that is cancelled or
+fails (set by the engine, not here). When generation stops for ``eos`` or ``limit``, held text is
+released: an incomplete UTF-8 tail becomes U+FFFD, and if the released text completes a stop
+string the stop becomes ``word``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from sim_backend.model.vocab import EOS_IDS, N_BPE
+from sim_backend.planes.types import ChatRequest
+from sim_backend.serving.sampling import Sampler
+from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder, Tokenizer
+
+#: (stop_type, stopping word): ("eos", ""), ("limit", ""), ("word", the stop string)
+Stop = tuple[str, str]
+
+
+class TokenPipeline:
+    """Sampler + stop rules + streaming text of one request. Not thread-safe (the engine thread's).
+
+    Args:
+        req: the request (sampling parameters, stop strings).
+        prompt: its prompt token ids (the penalties' history starts with them).
+        n_ctx: context in tokens (the ``limit`` stop at prompt + generated = n_ctx).
+        max_tokens: generated tokens at most (``limit``).
+        tokenizer: for the pieces' bytes and which ids are special (default the shared Qwen3 tokenizer).
+        vocab: the model's logits rows (default Qwen3's); eos_ids: the ids that end generation
+        (default Qwen3's); text_ids: the [lo, hi) range of ordinary text ids the timing-only stand-in
+        draws from (default Qwen3's BPE tokens).
+    """
+
+    def __init__(self, req: ChatRequest, prompt: Sequence[int], *, n_ctx: int, max_tokens: int,
+                 tokenizer: Tokenizer | None = None, vocab: int | None = None,
+                 eos_ids: frozenset[int] = EOS_IDS, text_ids: tuple[int, int] = (0, N_BPE)) -> None:
+        self.sampler = Sampler(req.sampling) if vocab is None else Sampler(req.sampling, vocab)
+        # timing-only steps have no logits: a generator seeded like the sampler stands in, so a run replays
+        self.fallback_rng = np.random.default_rng(self.sampler.seed)
+        self.decoder = StreamDecoder(tokenizer, skip_special=True)
+        self.matcher = StopStringMatcher(req.stop)
+        self._penalties = req.sampling.has_penalties
+        self._prompt = prompt
+        self._n_ctx = n_ctx
+        self._max_tokens = max_tokens
+        self._eos_ids = eos_ids
+        self._text_ids = text_ids
+        self.generated: list[int] = []
+        #: the last sampled token, fed to the model by the next decode step
+        self.pending_token: int | None = None
+
+    @property
+    def seed(self) -> int:
+        """The sampler's seed (drawn when the request gave none), for replay."""
+        return self.sampler.seed
+
+    def sample(self, logits_bf16: np.ndarray | None, numeric: bool) -> int:
+        """The next token id from one step's BF16 logits (``uint16`` (vocab,)); timing-only
+        (``numeric`` False or no logits): an ordinary text id (``text_ids``) from the seeded generator."""
+        if logits_bf16 is None or not numeric:
+            return int(self.fallback_rng.integers(*self._text_ids))
+        # BF16 bits widen straight into the sampler's scratch buffer: no FP32 copy per step
+        recent = list(self._prompt) + self.generated if self._penalties else ()
+        return self.sampler.sample_bf16(logits_bf16, recent)
+
+    def push(self, tok: int) -> tuple[str, Stop | None]:
+        """Apply the stop rules to sampled token ``tok``: (text now visible, the stop or None).
+
+        When a stop is returned the held text has been released (module docstring)."""
+        visible, stop = self._consume(tok)
+        if stop is not None:
+            visible, stop = self._final_flush(visible, stop)
+        return visible, stop
+
+    def _consume(self, tok: int) -> tuple[str, Stop | None]:
+        self.generated.append(tok)
+        if tok in self._eos_ids:
+            return "", ("eos", "")
+        self.pending_token = tok
+        piece = self.decoder.push(tok)
+        visible, word = self.matcher.push(piece) if piece else ("", None)
+        if word is not None:
+            return visible, ("word", word)
+        if len(self.generated) >= self._max_tokens:
+            return visible, ("limit", "")
+        # context end (llama.cpp): prompt + generated never exceeds n_ctx, so usage.total_tokens <= n_ctx
+        if len(self._prompt) + len(self.generated) >= self._n_ctx:
+            return visible, ("limit", "")
+        return visible, None
+
+    def _final_flush(self, visible: str, stop: Stop) -> tuple[str, Stop]:
+        if stop[0] == "word":
+            return visible, stop
+        tail = self.decoder.flush()
+        if tail:
+            more, word = self.matcher.push(tail)
+            visible += more
+            if word is not None:
+                return visible, ("word", word)
+        return visible + self.matcher.flush(), stop
