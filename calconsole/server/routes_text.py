@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,26 @@ def routes(face: ServingFace) -> list[RouteSpec]:
     return out
 
 
+def _json_bytes(obj: Any) -> bytes:
+    """JSON as Starlette's JSONResponse renders it (UTF-8, compact), for bodies built off the event loop."""
+    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+def _pieces(face: ServingFace, ids: list[Any]) -> list[dict[str, Any]]:
+    out = []
+    for t in ids:
+        b = face.inference.token_bytes(t)
+        try:
+            piece: Any = b.decode("utf-8")
+        except UnicodeDecodeError:
+            piece = list(b)  # llama-server: a piece that is not valid UTF-8 is given as its bytes
+        out.append({"id": t, "piece": piece})
+    return out
+
+
 async def tokenize(face: ServingFace, request: Request) -> Response:
+    """Tokens, pieces and the JSON text are built in one worker-thread call; a large body also takes a
+    generation place (``ServingFace.heavy``)."""
     body = await face.read_json(request)
     content = body.get("content")
     if not isinstance(content, str):
@@ -45,40 +65,35 @@ async def tokenize(face: ServingFace, request: Request) -> Response:
     parse_special = wire.flag(body, "parse_special", True)
     wire.flag(body, "add_special", False)  # Qwen3 adds no BOS: accepted, nothing to add
     with_pieces = wire.flag(body, "with_pieces", False)
-    ids = await face.call(face.inference.tokenize, content, parse_special=parse_special)
-    if not with_pieces:
-        return JSONResponse({"tokens": ids})
-    pieces = []
-    for t in ids:
-        b = face.inference.token_bytes(t)
-        try:
-            piece: Any = b.decode("utf-8")
-        except UnicodeDecodeError:
-            piece = list(b)  # llama-server: a piece that is not valid UTF-8 is given as its bytes
-        pieces.append({"id": t, "piece": piece})
-    return JSONResponse({"tokens": pieces})
+
+    def run() -> bytes:
+        ids = face.inference.tokenize(content, parse_special=parse_special)
+        return _json_bytes({"tokens": _pieces(face, ids) if with_pieces else ids})
+
+    return Response(await face.heavy(request, run), media_type="application/json")
+
 
 async def detokenize(face: ServingFace, request: Request) -> Response:
+    """As ``tokenize``: off the event loop, a large body inside the generation bound."""
     body = await face.read_json(request)
     tokens = body.get("tokens", [])
     if not isinstance(tokens, list):
         raise wire.bad_request("'tokens' must be a list of token ids")
+    with_pieces = wire.flag(body, "with_pieces", False)
+
+    def run() -> bytes:
+        text = face.inference.detokenize(tokens)
+        if not with_pieces:
+            return _json_bytes({"content": text})
+        # our addition: each token's raw piece (str, or its bytes when not valid UTF-8, as /tokenize gives them)
+        return _json_bytes({"content": text, "pieces": _pieces(face, tokens)})
+
     try:
-        text = await face.call(face.inference.detokenize, tokens)
+        data = await face.heavy(request, run)
     except CalError as e:
         raise wire.bad_request(str(e)) from None
-    if not wire.flag(body, "with_pieces", False):
-        return JSONResponse({"content": text})
-    # our addition: each token's raw piece (str, or its bytes when not valid UTF-8, as /tokenize gives them)
-    pieces = []
-    for t in tokens:
-        b = face.inference.token_bytes(t)
-        try:
-            piece: Any = b.decode("utf-8")
-        except UnicodeDecodeError:
-            piece = list(b)
-        pieces.append({"id": t, "piece": piece})
-    return JSONResponse({"content": text, "pieces": pieces})
+    return Response(data, media_type="application/json")
+
 
 async def apply_template(face: ServingFace, request: Request) -> Response:
     body = await face.read_json(request)

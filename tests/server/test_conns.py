@@ -157,3 +157,36 @@ def test_limits_are_checked() -> None:
         ConnLimits(max_idle_per_peer=0).check()
     with pytest.raises(ValueError, match="idle budget"):
         ConnLimits(max_idle_per_peer=10, max_conns_per_peer=5).check()
+
+
+def test_large_tokenize_and_detokenize_count_against_the_bound_off_the_event_loop(make_server: Any) -> None:
+    import threading
+
+    from calconsole.server.face import HEAVY_BODY_BYTES
+
+    s = make_server(max_streams=1)
+    threads: list[str] = []
+    real = s.face.inference.token_bytes
+
+    def spy(t: int) -> bytes:
+        threads.append(threading.current_thread().name)
+        return real(t)
+
+    s.face.inference.token_bytes = spy  # type: ignore[method-assign]
+    big_text = "river stone " * (HEAVY_BODY_BYTES // 12 + 100)
+    big_ids = {"tokens": [1000] * (HEAVY_BODY_BYTES // 5 + 100), "with_pieces": True}
+    s.face._enter_generation()  # the one generation place is taken (as by a stream in flight)
+    try:
+        for path, big in (("/tokenize", {"content": big_text, "with_pieces": True}), ("/detokenize", big_ids)):
+            rb = httpx.post(s.url + path, json=big, timeout=60, trust_env=False)
+            assert rb.status_code == 503 and rb.json()["error"]["type"] == "unavailable_error", path
+            assert "busy" in rb.json()["error"]["message"]
+        small = httpx.post(s.url + "/tokenize", json={"content": "hi there", "with_pieces": True}, timeout=60,
+                           trust_env=False)
+        assert small.status_code == 200 and [p["piece"] for p in small.json()["tokens"]] == ["hi", " there"]
+    finally:
+        s.face._leave_generation()
+    r2 = httpx.post(s.url + "/detokenize", json=big_ids, timeout=120, trust_env=False)
+    assert r2.status_code == 200 and len(r2.json()["pieces"]) == len(big_ids["tokens"])
+    assert s.face.in_flight == 0
+    assert threads and "calconsole-serve" not in threads  # pieces built in worker threads, not on the loop
