@@ -146,3 +146,22 @@ def test_levels_follow_the_console_thresholds() -> None:
                BoardSample(name="c", url="u", state="unreachable", level="crit"),
                BoardSample(name="d", url="u", state="up", level="crit")]
     assert [s.name for s in rank(samples)] == ["c", "d", "a", "b"]
+
+
+def test_a_board_that_stops_answering_keeps_what_was_known(make_server: Any) -> None:
+    served = make_server()
+
+    async def go() -> tuple[BoardSample, BoardSample]:
+        mon = FleetMonitor(fleet(("b", served.url)))
+        try:
+            up = (await mon.poll_all_once())[0]
+            served.thread.stop()  # the board's server goes away
+            return up, (await mon.poll_all_once())[0]
+        finally:
+            await mon.stop()
+
+    up, down = asyncio.run(go())
+    assert up.state == "up" and down.state == "unreachable" and down.level == "crit"
+    assert down.kind == "calconsole" and down.model == up.model  # still known: what it was
+    assert down.last_seen_unix_s == up.last_seen_unix_s  # when it last answered
+    assert down.kv_percent is None  # no figure is carried over as if current
