@@ -43,7 +43,8 @@ def register(sub, common) -> None:
                     "audited). Timings in responses are simulated ms: device time plus the host work "
                     "booked on the same clock (--host-time).")
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1; any other needs an API key)")
+                   help="address to bind, or several as a comma list (default 127.0.0.1; any non-loopback "
+                        "address needs an API key)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks a free one)")
     add_key_options(p)
     p.add_argument("--no-slots-endpoint", action="store_true", help="disable /slots (501, as llama-server)")
@@ -61,7 +62,17 @@ def register(sub, common) -> None:
                    help="a maintenance lease not renewed for S seconds lapses (default 30)")
     p.add_argument("-n", "--n-predict", type=int, default=-1, metavar="N",
                    help="default generation limit when a request gives none (-1: until the context is full)")
-    p.add_argument("--alias", default="qwen3-30b-a3b", help="model name reported by /v1/models and responses")
+    p.add_argument("--alias", default="qwen3-30b-a3b",
+                   help="model name reported by /v1/models and responses; a comma list gives aliases (the first "
+                        "is reported)")
+    p.add_argument("--tags", default="", help="comma list of tags /v1/models shows (llama-server's --tags)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, metavar="N",
+                   help="slot context in tokens, 1..40960: a longer prompt is refused (exceed_context_size_error), "
+                        "generation stops at it (default: the calbin's 40960, which it stays)")
+    p.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="seed of requests that give none (default: a fresh random seed each, reported per result)")
+    p.add_argument("--cors-origins", default=None, metavar="LIST",
+                   help="browser origins allowed (CORS), a comma list or '*' (default: pages on localhost)")
     g = p.add_argument_group("many boards (trials of the fleet view)")
     g.add_argument("--boards", type=int, default=None, metavar="N",
                    help="start N isolated simulator processes (1..64), one per board, on consecutive ports from "
@@ -83,10 +94,23 @@ def load_serving_keys(args: argparse.Namespace) -> tuple[KeyRing | None, KeyRing
 
     api = load_keys("api", key=getattr(args, "api_key", None), key_file=getattr(args, "api_key_file", None))
     admin = load_keys("admin", key_file=getattr(args, "admin_key_file", None))
-    if not is_loopback(args.host) and api is None:
-        raise ValueError(f"refusing to listen on {args.host} without an API key: give --api-key-file "
-                         "(or $CALCONSOLE_API_KEY), or bind 127.0.0.1")
+    for host in hosts_of(args.host):
+        if not is_loopback(host) and api is None:
+            raise ValueError(f"refusing to listen on {host} without an API key: give --api-key-file "
+                             "(or $CALCONSOLE_API_KEY), or bind 127.0.0.1")
     return api, admin
+
+
+def hosts_of(spec: str) -> list[str]:
+    """The addresses of a ``--host`` comma list (llama-server's form); ValueError for an empty one."""
+    hosts = [h.strip() for h in str(spec).split(",") if h.strip()]
+    if not hosts:
+        raise ValueError("--host must name an address")
+    return hosts
+
+
+def _list(spec: str | None) -> tuple[str, ...]:
+    return tuple(x.strip() for x in (spec or "").split(",") if x.strip())
 
 
 def build_face(args: argparse.Namespace, system) -> tuple[ServeConfig, ServingFace]:
@@ -101,7 +125,10 @@ def build_face(args: argparse.Namespace, system) -> tuple[ServeConfig, ServingFa
                                                                                            1 << 20),
                       request_timeout_s=getattr(args, "request_timeout", 600.0),
                       send_timeout_s=getattr(args, "send_timeout", 30.0), lease_ttl_s=getattr(args, "lease_ttl", 30.0),
-                      n_predict=getattr(args, "n_predict", -1), model_alias=getattr(args, "alias", "qwen3-30b-a3b"))
+                      n_predict=getattr(args, "n_predict", -1), model_alias=getattr(args, "alias", "qwen3-30b-a3b"),
+                      model_tags=_list(getattr(args, "tags", "")), n_ctx=getattr(args, "ctx_size", None),
+                      seed=getattr(args, "seed", None),
+                      cors_origins=_list(getattr(args, "cors_origins", None)) or None)
     cfg.check()
     audit = system.maintenance.audit if system.maintenance is not None else None
     face = ServingFace(system.inference, system.observation, system.maintenance, cfg, audit=audit)
@@ -137,22 +164,30 @@ def run(args: argparse.Namespace) -> int:
     try:
         try:
             cfg, face = build_face(args, system)
-            sock = bind_socket(args.host, args.port)
+            socks = []
+            try:
+                for h in hosts_of(args.host):
+                    socks.append(bind_socket(h, args.port))
+            except OSError:
+                for sk in socks:
+                    sk.close()
+                raise
         except (KeySourceError, ValueError) as e:
             return fail(str(e))
         except OSError as e:
             return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
-        host, port = sock.getsockname()[:2]
+        where = ", ".join("http://" + (f"[{h}]:{p}" if ":" in h else f"{h}:{p}")
+                          for h, p in (s.getsockname()[:2] for s in socks))
 
         def announce() -> None:
             # printed once uvicorn is up with its signal handlers: a stop after this line is a clean stop
             mode = "timing-only" if args.timing_only else "numerics"
-            print(f"calconsole serve: listening on http://{host}:{port} ({args.pacing} pacing, "
+            print(f"calconsole serve: listening on {where} ({args.pacing} pacing, "
                   f"{mode}; API key {'required' if cfg.api_keys else 'off'}; "
                   f"maintenance routes {'on' if face.maintenance is not None else 'off'}); Ctrl-C stops",
                   file=sys.stderr, flush=True)
 
-        serve_foreground(face, sock, on_started=announce)
+        serve_foreground(face, socks, on_started=announce)
         print("calconsole serve: stopped", file=sys.stderr, flush=True)
     finally:
         system.close()

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
+import msgspec
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -129,7 +130,14 @@ class ServeConfig:
     send_timeout_s: float = 30.0
     lease_ttl_s: float = 30.0
     n_predict: int = -1
+    #: the model's names (llama-server's --alias, comma list): the first is reported, all are aliases
     model_alias: str = "qwen3-30b-a3b"
+    #: tags /v1/models lists (llama-server's --tags)
+    model_tags: tuple[str, ...] = ()
+    #: the slot context the face enforces, tokens (llama-server's --ctx-size; None: the calbin's 40960)
+    n_ctx: int | None = None
+    #: the seed of a request that gives none (llama-server's --seed; None: a fresh random one each)
+    seed: int | None = None
     snapshot_max_hz: float = 10.0
     max_snapshot_streams: int = 8
     ping_s: float = 15.0
@@ -155,6 +163,12 @@ class ServeConfig:
                 raise ValueError(f"{fname} must be in [{flo:g}, {fhi:g}], got {fv}")
         if self.conn_limits is not None:
             self.conn_limits.check()
+        if self.n_ctx is not None and not 1 <= self.n_ctx <= 40960:
+            raise ValueError(f"--ctx-size must be in 1..40960 (the calbin's context, facts.md F2), got {self.n_ctx}")
+        if self.seed is not None and not 0 <= self.seed <= 0xFFFFFFFF:
+            raise ValueError(f"--seed must be in 0..4294967295, got {self.seed}")
+        if not [a for a in self.model_alias.split(",") if a.strip()]:
+            raise ValueError("--alias must name the model")
         if self.n_predict == 0 or self.n_predict < -1:
             raise ValueError(f"n_predict must be -1 (until the context is full) or positive, got {self.n_predict}")
         if self.api_keys is not None and self.admin_keys is not None and self.api_keys.shares_a_key_with(
@@ -356,6 +370,39 @@ class ServingFace:
     def in_flight(self) -> int:
         return self._active
 
+    @property
+    def n_ctx(self) -> int:
+        """The slot context the face enforces (tokens): ``--ctx-size``, at most the plane's."""
+        c = self.config.n_ctx
+        return self.inference.n_ctx if c is None else min(c, self.inference.n_ctx)
+
+    @property
+    def aliases(self) -> list[str]:
+        """The model's names, the reported one first."""
+        return [a.strip() for a in self.config.model_alias.split(",") if a.strip()]
+
+    def with_defaults(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``body`` with the server's default seed when it gives none (llama-server's --seed)."""
+        if self.config.seed is not None and body.get("seed") is None:
+            return {**body, "seed": self.config.seed}
+        return body
+
+    async def fit_context(self, req: ChatRequest) -> ChatRequest:
+        """``req`` within the slot context (``--ctx-size`` below the plane's): a prompt that fills it is
+        llama-server's 400 exceed_context_size_error; the generation limit is cut to what is left."""
+        if self.n_ctx >= self.inference.n_ctx:
+            return req  # the plane enforces its own context
+        n = len(req.prompt_tokens) if req.prompt_tokens is not None else await self.call(
+            self.inference.count_prompt_tokens, req)
+        if n >= self.n_ctx:
+            raise HTTPError(400, "exceed_context_size_error",
+                            f"request ({n} tokens) exceeds the available context size ({self.n_ctx} tokens), "
+                            "try increasing it", n_prompt_tokens=n, n_ctx=self.n_ctx)
+        left = self.n_ctx - n
+        if req.max_tokens is None or req.max_tokens > left:
+            req = msgspec.structs.replace(req, max_tokens=left)
+        return req
+
     def enter_snapshot_stream(self) -> None:
         """Take a snapshot-stream place; 503 beyond ``max_snapshot_streams``."""
         with self._count_lock:
@@ -389,6 +436,7 @@ class ServingFace:
         """Take generation places, submit ``reqs`` and start their bridge; returns it and its ``close``
         (cancels what has not ended, gives the places back; call exactly once). Errors before the
         bridge exists (busy, refused) give the places back and cancel what was submitted."""
+        reqs = [await self.fit_context(r) for r in reqs]
         self._enter_generation(len(reqs))
         handles: list[RequestStream] = []
         try:
@@ -397,7 +445,7 @@ class ServingFace:
             if self.closing.is_set():
                 raise HTTPError(503, "unavailable_error", "server is shutting down")
             # every item a request can give: a piece per token, its end (final + usage + [DONE]), margin
-            buffer = sum(3 * ((r.max_tokens or self.inference.n_ctx) + 2) for r in reqs)
+            buffer = sum(3 * ((r.max_tokens or self.n_ctx) + 2) for r in reqs)
             bridge = EventBridge(handles, fmt, silent_s=self.inference.step_timeout_s + 30, on_silent=on_silent,
                                  on_error=on_error, buffer=buffer, first=first or ())
         except BaseException:

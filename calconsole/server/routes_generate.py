@@ -33,14 +33,14 @@ def routes(face: ServingFace) -> list[RouteSpec]:
 def model_of(face: ServingFace, body: dict[str, Any]) -> str:
     """The model name a response reports: the request's (OpenAI echoes it), else the alias."""
     m = body.get("model")
-    return m if isinstance(m, str) and m else face.config.model_alias
+    return m if isinstance(m, str) and m else face.aliases[0]
 
 def client_of(request: Request) -> str:
     return f"http {remote_of(request)}"
 
 async def chat_completions(face: ServingFace, request: Request) -> Response:
-    body = await face.read_json(request)
-    req = wire.chat_request(body, n_ctx=face.inference.n_ctx, n_predict=face.config.n_predict,
+    body = face.with_defaults(await face.read_json(request))
+    req = wire.chat_request(body, n_ctx=face.n_ctx, n_predict=face.config.n_predict,
                             client=client_of(request))
     stream = wire.flag(body, "stream", False)
     include_usage = wire.stream_options(body)
@@ -72,7 +72,7 @@ async def chat_completions(face: ServingFace, request: Request) -> Response:
     return await face.stream([req], first, piece, last, True)
 
 async def completions_oai(face: ServingFace, request: Request) -> Response:
-    body = await face.read_json(request)
+    body = face.with_defaults(await face.read_json(request))
     prompts = wire.prompts_from(body)
     reqs = [await completion_req(face, {**body, "prompt": p}, request, openai=True) for p in prompts]
     cid = f"cmpl-{uuid.uuid4().hex[:24]}"
@@ -99,20 +99,20 @@ async def completions_oai(face: ServingFace, request: Request) -> Response:
 
 async def completion_req(face: ServingFace, body: dict[str, Any], request: Request, *, openai: bool) -> ChatRequest:
     return await face.call(lambda: wire.completion_request(
-        body, lambda text: face.inference.tokenize(text, parse_special=True), n_ctx=face.inference.n_ctx,
+        body, lambda text: face.inference.tokenize(text, parse_special=True), n_ctx=face.n_ctx,
         n_predict=face.config.n_predict, client=client_of(request), openai=openai))
 
 async def completion(face: ServingFace, request: Request) -> Response:
     """llama.cpp native ``/completion``: no chat template; ``data:`` chunks without ``[DONE]``; a list of
     prompts gives a JSON array of results (streamed: chunks of all, each with its ``index``)."""
-    body = await face.read_json(request)
+    body = face.with_defaults(await face.read_json(request))
     prompts = wire.prompts_from(body)
     reqs = [await completion_req(face, {**body, "prompt": p}, request, openai=False) for p in prompts]
     return_tokens = wire.flag(body, "return_tokens", False)
     per_token = wire.flag(body, "timings_per_token", False)
     stream = wire.flag(body, "stream", False)
-    n_ctx = face.inference.n_ctx
-    model = face.config.model_alias
+    n_ctx = face.n_ctx
+    model = face.aliases[0]
     # echoed in the final result: the prompt as the model saw it (its ids detokenized)
     texts = [await face.call(face.inference.detokenize, list(r.prompt_tokens or ())) for r in reqs]
 

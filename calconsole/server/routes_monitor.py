@@ -41,16 +41,17 @@ async def health(face: ServingFace, request: Request) -> Response:
 
 def default_params(face: ServingFace) -> dict[str, Any]:
     n = face.config.n_predict
-    return wire.sampling_settings(SamplingParams(), n_predict=n)
+    return wire.sampling_settings(SamplingParams(seed=face.config.seed), n_predict=n)
+
 
 async def props(face: ServingFace, request: Request) -> Response:
     snap = await face.call(face.observation.snapshot)
     dev = device_of(snap)
-    n_ctx = face.inference.n_ctx
+    n_ctx = face.n_ctx
     return JSONResponse({
         "default_generation_settings": {"params": default_params(face), "n_ctx": n_ctx},
         "total_slots": dev.n_slots,
-        "model_alias": face.config.model_alias,
+        "model_alias": face.aliases[0],
         "model_ftype": "BF16",  # the calbin's weights and KV are BF16 (facts.md F1)
         "model_path": f"{dev.bundle} (simulated calbin bundle)",
         "modalities": {"vision": False, "video": False, "audio": False},
@@ -86,7 +87,7 @@ async def slots(face: ServingFace, request: Request) -> Response:
     if not face.config.slots_endpoint:
         raise HTTPError(501, "not_supported_error", "This server does not support slots endpoint.")
     snap = await face.call(face.observation.snapshot)
-    n_ctx = face.inference.n_ctx
+    n_ctx = face.n_ctx
     out: list[dict[str, Any]] = []
     for s in snap.slots:
         busy = s.state != "idle"
@@ -115,8 +116,8 @@ async def metrics(face: ServingFace, request: Request) -> Response:
                              headers={"Process-Start-Time-Unix": str(face.created)})
 
 async def models(face: ServingFace, request: Request) -> Response:
-    n_ctx = face.inference.n_ctx
-    alias = face.config.model_alias
+    n_ctx = face.n_ctx
+    alias = face.aliases[0]
     return JSONResponse({
         # the Ollama-style list llama-server also sends
         "models": [{"name": alias, "model": alias, "modified_at": "", "size": "", "digest": "", "type": "model",
@@ -124,7 +125,8 @@ async def models(face: ServingFace, request: Request) -> Response:
                     "details": {"parent_model": "", "format": "calbin", "family": "", "families": [""],
                                 "parameter_size": "", "quantization_level": ""}}],
         "object": "list",
-        "data": [{"id": alias, "aliases": [alias], "tags": [], "object": "model",
+        "data": [{"id": alias, "aliases": face.aliases, "tags": list(face.config.model_tags), "object": "model",
                   "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
                   "created": face.created, "owned_by": "calconsole",
-                  "meta": {"n_vocab": 151936, "n_ctx": n_ctx, "n_ctx_train": n_ctx}}]})
+                  "meta": {"n_vocab": 151936, "n_ctx": n_ctx,
+                           "n_ctx_train": face.inference.n_ctx}}]})

@@ -145,11 +145,13 @@ def _config(face: ServingFace, *, signals: bool, on_started: Callable[[], None] 
                           h11_max_incomplete_event_size=64 * 1024, server_header=False, date_header=True)
 
 
-def serve_foreground(face: ServingFace, sock: socket.socket, on_started: Callable[[], None] | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn installs the handlers). ``on_started`` runs once the server is
-    up and the handlers are installed (``calconsole serve`` prints its "listening" line then)."""
+def serve_foreground(face: ServingFace, socks: socket.socket | list[socket.socket],
+                     on_started: Callable[[], None] | None = None) -> None:
+    """Serve ``socks`` (one listening socket, or several: ``--host a,b``) until SIGINT/SIGTERM (uvicorn
+    installs the handlers). ``on_started`` runs once the server is up and the handlers are installed
+    (``calconsole serve`` prints its "listening" line then)."""
     server = _Server(_config(face, signals=True, on_started=on_started), face)
-    server.run(sockets=[sock])
+    server.run(sockets=socks if isinstance(socks, list) else [socks])
 
 
 class ServerThread:
