@@ -7,7 +7,8 @@ sharing the longest cached prefix with its prompt, then the least recently used.
 names a slot (``id_slot``) waits for that slot, keeping its place in the queue.
 
 A reused prefix counts toward the numerics limit only if its cells hold values (a timing-only
-request's cells hold none); see ``assign``.
+request's cells hold none), and such a prefix is not reused for a request that can run with
+numerics without it; see ``choose_slot``.
 """
 
 from __future__ import annotations
@@ -46,16 +47,30 @@ def check_prompt(prompt_n: int, id_slot: int, *, n_ctx: int, n_slots: int, kv_ce
                                      f"cache holds {kv_cells} tokens in all (context {n_ctx})")
 
 
-def choose_slot(free: Sequence[Slot], prompt: Sequence[int], *, cache_prompt: bool) -> tuple[Slot, int]:
-    """The slot a request takes among ``free`` (non-empty) and the prefix tokens it reuses there.
+def choose_slot(free: Sequence[Slot], prompt: Sequence[int], *, cache_prompt: bool, numerics: bool,
+                numerics_max_prompt: int) -> tuple[Slot, int, bool]:
+    """The slot a request takes among ``free`` (non-empty): (slot, prefix tokens reused, runs with numerics).
 
     llama.cpp: the idle slot sharing the longest prefix with the prompt, then the least recently
     used. At least one prompt token is left to prefill (its logits give the first token); with
-    ``cache_prompt`` False nothing is reused.
+    ``cache_prompt`` False nothing is reused. The request runs with numerics if the device computes
+    them (``numerics``) and the tokens it must prefill beyond a reused prefix that holds values are at
+    most ``numerics_max_prompt``. A prefix that holds no values (left by a timing-only request) is not
+    reused for a request that can run with numerics without it: it would make that request timing-only
+    too. Slots where the request runs with numerics are preferred.
     """
-    best = max(free, key=lambda s: (common_prefix(s.cache_tokens, prompt), -s.last_used))
-    n_common = min(common_prefix(best.cache_tokens, prompt), len(prompt) - 1) if cache_prompt else 0
-    return best, max(0, n_common)
+    fresh = numerics and len(prompt) <= numerics_max_prompt  # numeric with nothing reused
+
+    def plan(s: Slot) -> tuple[bool, int, int, float]:
+        raw = common_prefix(s.cache_tokens, prompt)
+        usable = raw if s.cache_numeric or not fresh else 0
+        n = max(0, min(usable, len(prompt) - 1)) if cache_prompt else 0
+        numeric = numerics and (n == 0 or s.cache_numeric) and len(prompt) - n <= numerics_max_prompt
+        return numeric, usable, n, -s.last_used
+
+    plans = [plan(s) for s in free]
+    i = max(range(len(free)), key=lambda k: (plans[k][0], plans[k][1], plans[k][3]))
+    return free[i], plans[i][2], plans[i][0]
 
 
 class Admission:
@@ -95,9 +110,8 @@ class Admission:
                numerics_max_prompt: int, on_assigned: Callable[[Slot], None]) -> None:
         """Give queued requests free slots, in queue order (``id_slot`` requests wait for theirs).
 
-        The slot's sequence keeps the reused prefix (``seq_rm`` of the rest) or is freed. The request
-        runs with numerics if the device computes them and the prompt tokens it must prefill (beyond a
-        reused prefix that holds values) are at most ``numerics_max_prompt``; otherwise timing-only.
+        The slot's sequence keeps the reused prefix (``seq_rm`` of the rest) or is freed; whether the
+        request runs with numerics is ``choose_slot``'s (otherwise timing-only).
         ``now_ms``: the simulated clock (ms); ``on_assigned``: called for each slot given a request.
         """
         waiting: deque[RequestRecord] = deque()  # asked for a busy slot (id_slot): keep their place in the queue
@@ -111,7 +125,8 @@ class Admission:
                 if not free:
                     waiting.append(r)
                     continue
-            best, n_common = choose_slot(free, r.prompt, cache_prompt=r.req.cache_prompt)
+            best, n_common, r.numeric = choose_slot(free, r.prompt, cache_prompt=r.req.cache_prompt,
+                                                    numerics=numerics, numerics_max_prompt=numerics_max_prompt)
             if n_common <= 0:
                 kv.free(best.seq_id)
             else:
@@ -123,10 +138,6 @@ class Admission:
             r.assigned_ms = now_ms()
             r.kv_epoch = kv.epoch
             r.handle.state = RequestState.PREFILLING
-            # the limit bounds the tokens this request prefills; a reused prefix counts only if its KV
-            # was computed by the numerics (a timing-only request's cells hold no values)
-            reuse_ok = n_common == 0 or best.cache_numeric
-            r.numeric = numerics and reuse_ok and len(r.prompt) - n_common <= numerics_max_prompt
             best.cache_numeric = r.numeric
             on_assigned(best)
         self.queue.extendleft(reversed(waiting))
