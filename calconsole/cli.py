@@ -144,7 +144,7 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
             # without an admin key (or with --observe-only) there is no maintenance plane, so no pane
             admin = not args.observe_only and bool(args.admin_key_file or os.environ.get("CALCONSOLE_ADMIN_KEY"))
             system = connect_from_args(args, admin=admin)
-            if system.kind == "llama-server" and args.observe_only:
+            if getattr(system, "kind", None) == "llama-server" and args.observe_only:
                 system.maintenance = None  # its slot actions need no admin key: --observe-only drops them
         else:
             from sim_backend.planes import SLO
@@ -167,7 +167,7 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
         if args.connect:
             from .commands.common import ignored_simulator_options
 
-            ignored = ignored_simulator_options(args, kind=system.kind)
+            ignored = ignored_simulator_options(args, kind=getattr(system, "kind", "calconsole"))
             if ignored:
                 notes = (f"{', '.join(ignored)}: with --connect the simulator options are the server's, "
                          "not applied here",)

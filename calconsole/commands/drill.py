@@ -63,6 +63,11 @@ def run(args: argparse.Namespace) -> int:
             system = connect_from_args(args, admin=True)
         except (CalError, ValueError) as e:
             return fail(str(e))
+        if getattr(system, "kind", None) == "llama-server":
+            system.close()
+            return fail(f"the drill rehearses a device maintenance window (exclusive mode, faults, reset, self-test); "
+                        f"{args.connect} is a llama-server, which offers none of them (its own actions: slot erase "
+                        "and save/restore, in the console's maintenance pane)")
         if not (system.props.get("device") or {}).get("numerics", True):
             system.close()
             return fail(f"the drill needs the numerics (its golden self-test compares logits); {args.connect} "

@@ -68,6 +68,8 @@ async def test_the_console_names_the_server_fills_slots_while_streaming_and_show
                                                      for s in app.last_snapshot["slots"]), timeout_s=30)
             assert await wait_for(pilot, lambda: "processing" in shown(app, "#obs-slots"))
             assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None, timeout_s=60)
+            # the log renders a reply in slices: wait for its metrics line to be drawn
+            assert await wait_for(pilot, lambda: "(client wall)" in log_text(app, "#chat-log"))
             log = log_text(app, "#chat-log")
             reply = log.split("model ", 1)[1].split(" prompt ", 1)[0]
             assert "\ufffd" not in log
@@ -95,7 +97,7 @@ async def test_cancel_in_the_chat_pane_frees_the_slot(llama_server: Any, tmp_pat
             assert not slots_idle(llama_server.url)
             await pilot.press("escape")
             assert await wait_for(pilot, lambda: chat.handle is None, timeout_s=20)
-            assert "[cancelled" in log_text(app, "#chat-log")
+            assert await wait_for(pilot, lambda: "[cancelled" in log_text(app, "#chat-log"))
             assert await wait_for(pilot, lambda: slots_idle(llama_server.url), timeout_s=20)
             assert await wait_for(pilot, lambda: app.last_snapshot["requests"]["counters"]["cancelled"] == 1)
     finally:
@@ -176,6 +178,8 @@ def test_headless_commands_on_a_llama_server(llama_server: Any, capsys: Any, tmp
     assert main(["audit", "--connect", url, "--audit-log", log, "--json"]) == 0
     entries = json.loads(capsys.readouterr().out)
     assert [(e["action"], e["status"]) for e in entries] == [("reset", "refused")]
+    assert main(["drill", "--connect", url]) == 2
+    assert "is a llama-server, which offers none of them" in capsys.readouterr().err
 
 
 class _NotLlama(BaseHTTPRequestHandler):
