@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from sim_backend.bundle.manifest import Bundle, load_bundle
-from sim_backend.device.board import Pacing, PacingMode, SimulatedBoard
+from sim_backend.device.board import SimulatedBoard
+from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.device.memory import MemoryPlan
 from sim_backend.model.batching import BatchedCostModel, Variant, kv_capacity_tokens
 from sim_backend.model.costmodel import CostModel

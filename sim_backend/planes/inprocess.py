@@ -100,7 +100,7 @@ def _check_ids(tokens: Any, vocab: int = VOCAB_SIZE) -> list[int]:
     return out
 
 
-def step_view(res: Any | None) -> dict:
+def step_view(res: Any | None) -> dict[str, Any]:
     """Observation view of a StepResult: per layer, per chip, per category (simulated µs)."""
     if res is None:
         return {"kind": None, "layers": []}
@@ -129,7 +129,7 @@ def step_view(res: Any | None) -> dict:
     return view
 
 
-def _outside_view(cost: Any) -> dict:
+def _outside_view(cost: Any) -> dict[str, Any]:
     """The step's ops outside the layers ("embed" before layer 0, "head" after the last), each chip's
     busy and barrier-wait time, and the experts the MoE weights were priced with (simulated µs).
 
@@ -180,7 +180,7 @@ class _LoadSampler:
         self._lock = threading.Lock()
 
     def sample(self, sim_now_us: float, board_busy_us: float, chip_busy_us: tuple[float, ...],
-               predicted: int) -> tuple[dict, list[float | None]]:
+               predicted: int) -> tuple[dict[str, Any], list[float | None]]:
         """Record a sample; returns (LoadInfo fields, busy % per chip or None each)."""
         now = time.monotonic()
         cur = (now, sim_now_us, board_busy_us, chip_busy_us, predicted)
@@ -194,7 +194,7 @@ class _LoadSampler:
             while len(self._samples) > 1 and now - self._samples[1][0] >= self.interval_s:
                 self._samples.popleft()  # the newest old-enough sample stays as the next reference
             self._samples.append(cur)
-        out: dict = {"interval_s": self.interval_s}
+        out: dict[str, Any] = {"interval_s": self.interval_s}
         if ref is None:
             return out, [None] * len(chip_busy_us)
         d_sim = sim_now_us - ref[1]
@@ -224,13 +224,13 @@ class ObservationPlane:
         self._proc = psutil.Process(os.getpid())
         self._proc.cpu_percent(None)  # prime: later calls report usage since the previous call
         self._lock = threading.Lock()
-        self._step_cache: dict[int, dict] = {}
+        self._step_cache: dict[int, dict[str, Any]] = {}
         self._load = _LoadSampler()
 
     def set_mode_source(self, fn: Any) -> None:
         self._mode_source = fn
 
-    def _step(self, res: Any | None) -> dict:
+    def _step(self, res: Any | None) -> dict[str, Any]:
         if res is None:
             return step_view(None)
         with self._lock:
@@ -330,7 +330,8 @@ class ObservationPlane:
             load=load,
             decode_batches=list(e.batch_log),
         )
-        return convert(data, Snapshot)
+        snap: Snapshot = convert(data, Snapshot)
+        return snap
 
     def metrics_text(self) -> str:
         """Prometheus text exposition (llamacpp: names)."""

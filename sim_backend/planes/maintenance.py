@@ -48,7 +48,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
@@ -57,10 +57,12 @@ from sim_backend.errors import CalError, DeviceError, KVExhausted, MaintenanceAr
 from sim_backend.model.bf16 import bf16_to_f32
 from sim_backend.model.vocab import EOS_IDS, IM_START
 from sim_backend.planes.audit import AuditLog, AuditLogError
-from sim_backend.planes.contracts import Lease
+from sim_backend.planes.contracts import Lease, Report
 from sim_backend.planes.types import ChatRequest
 from sim_backend.runtime.maintenance import MaintenanceRuntime
 from sim_backend.serving.engine import Engine
+
+_T = TypeVar("_T")
 
 MAINTENANCE_REASON = "device in maintenance"
 FAULT_KINDS = ("ccu_exception", "kv_exhaustion", "link_error", "slow_chip")
@@ -104,12 +106,12 @@ class MaintenancePlane:
         self._mode = "serving"
         self._pending_holder: str | None = None
         self._since = time.time()
-        self.last_drain: dict | None = None
+        self.last_drain: dict[str, Any] | None = None
         self._health_failed: str | None = None
 
     # --- state ---------------------------------------------------------------
 
-    def mode(self) -> dict:
+    def mode(self) -> Report:
         """{"mode": serving | draining | exclusive, "lease_holder": str | None, "since_unix_s",
         "health_failed": what the last health check found wrong, or None (it passed, or none ran)}.
 
@@ -130,8 +132,8 @@ class MaintenancePlane:
         if not isinstance(lease, Lease) or self._lease is None or lease.id != self._lease.id:
             raise MaintenanceRefused(action, "lease is not the current one (expired or released)")
 
-    def _run(self, action: str, args: dict, lease: Lease | None, fn: Callable[[], Any], *,
-             needs_lease: bool = True, describe: Callable[[Any], Any] | None = None) -> Any:
+    def _run(self, action: str, args: dict[str, Any], lease: Lease | None, fn: Callable[[], _T], *,
+             needs_lease: bool = True, describe: Callable[[Any], Any] | None = None) -> _T:
         """Audit start, check the lease, run, audit the outcome (durably) and return/raise.
 
         Refusals (MaintenanceRefused) are audited ``granted: false``; typed device
@@ -228,13 +230,13 @@ class MaintenancePlane:
         return self._run("enter_exclusive", args, None, go, needs_lease=False,
                          describe=lambda lease: {**lease.to_dict(), "drain": self.last_drain})
 
-    def leave_exclusive(self, lease: Lease | None, *, force: bool = False) -> dict:
+    def leave_exclusive(self, lease: Lease | None, *, force: bool = False) -> Report:
         """Release the lease and re-admit requests.
 
         Refused while device memory is cleared (every request would fail with
         DeviceNotReady) unless ``force``: reload the model first.
         """
-        def go() -> dict:
+        def go() -> Report:
             if self._mon.memory_cleared and not force:
                 raise MaintenanceRefused("leave_exclusive", "device memory is cleared: reload the model first "
                                          "(or leave with force; requests then fail with DeviceNotReady)")
@@ -248,7 +250,7 @@ class MaintenancePlane:
 
     # --- device actions --------------------------------------------------------------
 
-    def reset(self, lease: Lease | None) -> dict:
+    def reset(self, lease: Lease | None) -> Report:
         """Reset the device, then run a health check. Bounded: stopping the device takes at most
         ``reset_timeout_s`` and the health check's job wait at most another ``reset_timeout_s``
         (host wall s); a simulated reset itself takes ~2-5 wall ms and no simulated time.
@@ -259,7 +261,7 @@ class MaintenancePlane:
         "failed_jobs", "calbin", "resets", "reset_wall_ms", "health"}; a health failure is
         ``"ok": False``. Raises DeviceError if the device does not come back in time.
         """
-        def go() -> dict:
+        def go() -> Report:
             rep = self._rt.reset(lease, self.reset_timeout_s)
             health = self._health()
             return {"ok": health["ok"], "failed_jobs": rep["failed_jobs"], "calbin": rep["calbin"],
@@ -267,35 +269,35 @@ class MaintenancePlane:
 
         return self._run("reset", {"timeout_s": self.reset_timeout_s}, lease, go)
 
-    def clear_device_memory(self, lease: Lease | None) -> dict:
+    def clear_device_memory(self, lease: Lease | None) -> Report:
         """ClearAllDevMem: zero weights and KV on both chips. Inference is refused (DeviceNotReady)
         until ``reload_model``, which the result offers ("next": "reload_model")."""
-        def go() -> dict:
+        def go() -> Report:
             self._rt.clear_memory(lease)
             return {"ok": True, "memory_cleared": True, "inference": "refused until the model is reloaded",
                     "next": "reload_model"}
 
         return self._run("clear_device_memory", {}, lease, go)
 
-    def reload_model(self, lease: Lease | None) -> dict:
+    def reload_model(self, lease: Lease | None) -> Report:
         """Reload weights, reconfigure the calbin, then health-check. {"ok", "load_wall_ms", "health"}."""
-        def go() -> dict:
+        def go() -> Report:
             wall = self._rt.load_model(lease)
             health = self._health()
             return {"ok": health["ok"], "load_wall_ms": wall * 1e3, "health": health}
 
         return self._run("reload_model", {}, lease, go)
 
-    def clear_kv(self, lease: Lease | None) -> dict:
+    def clear_kv(self, lease: Lease | None) -> Report:
         """Clear the whole KV cache (every sequence). {"ok", "freed_tokens"}."""
-        def go() -> dict:
+        def go() -> Report:
             used = self._mon.kv_occupancy().used_cells
             self._rt.clear_kv(lease)
             return {"ok": True, "freed_tokens": used}
 
         return self._run("clear_kv", {}, lease, go)
 
-    def dump(self, lease: Lease | None, path: str | Path | None = None) -> dict:
+    def dump(self, lease: Lease | None, path: str | Path | None = None) -> Report:
         """Write trace and config metadata to one JSON file (default ``dump_dir``/<device>-<time>.json).
 
         Contents: ``metadata`` (bundle manifest info, sub-models, findings, registers), ``registers``
@@ -309,7 +311,7 @@ class MaintenancePlane:
             stamp = time.strftime("%Y%m%dT%H%M%S")
             path = self.dump_dir / f"{self._mon.bundle.device_name}-dump-{stamp}-{uuid.uuid4().hex[:4]}.json"
 
-        def go() -> dict:
+        def go() -> Report:
             from sim_backend.model.trace import chrome_trace
 
             p = self._dump_target(path, default)
@@ -378,7 +380,7 @@ class MaintenancePlane:
             raise MaintenanceRefused("dump", f"{target} exists: dumps never overwrite a file")
         return target
 
-    def self_test(self, lease: Lease | None) -> dict:
+    def self_test(self, lease: Lease | None) -> Report:
         """Golden self-test: the bundle's golden input as one prefill on the scratch sequence,
         device BF16 logits vs the golden output; pass iff max abs error <= the bundle's
         ``golden.max_abs_error``. {"ok", "max_abs_error", "tolerance", "top1_match", "sim_ms",
@@ -387,14 +389,14 @@ class MaintenancePlane:
         failure: {"ok": None, "ran": False, "detail": "not run: <why>"}, audited as ``not run``."""
         return self._run("self_test", {}, lease, self._self_test)
 
-    def health_check(self, lease: Lease | None) -> dict:
+    def health_check(self, lease: Lease | None) -> Report:
         """Status registers, job accounting, buffer pool, one decode probe job (bounded).
         {"ok", "checks", "detail", "sim_us", "wall_ms"}."""
         return self._run("health_check", {}, lease, self._health)
 
-    def read_register(self, lease: Lease | None, key: str | int) -> dict:
+    def read_register(self, lease: Lease | None, key: str | int) -> Report:
         """Read any mapped register by name or address ("0x1000" or int). Unknown -> MaintenanceRefused."""
-        def go() -> dict:
+        def go() -> Report:
             k = _reg_key(key, "read_register")
             d = self._resolve(k, "read_register")
             v = self._rt.read_register(lease, d.name)
@@ -403,9 +405,9 @@ class MaintenancePlane:
 
         return self._run("read_register", {"key": key}, lease, go)
 
-    def write_register(self, lease: Lease | None, key: str | int, value: int | str) -> dict:
+    def write_register(self, lease: Lease | None, key: str | int, value: int | str) -> Report:
         """Write a register the map marks writable. Read-only, unknown or out-of-range -> MaintenanceRefused."""
-        def go() -> dict:
+        def go() -> Report:
             d = self._resolve(_reg_key(key, "write_register"), "write_register")
             if not d.writable:
                 raise MaintenanceRefused("write_register", f"register {d.name} is read-only")
@@ -416,12 +418,12 @@ class MaintenancePlane:
 
         return self._run("write_register", {"key": key, "value": value}, lease, go)
 
-    def dump_registers(self, lease: Lease | None) -> dict:
+    def dump_registers(self, lease: Lease | None) -> Report:
         """All registers: {"ok", "registers": {name: value}}."""
         return self._run("dump_registers", {}, lease, lambda: {"ok": True, "registers": self._rt.dump_registers(lease)})
 
     def inject_fault(self, lease: Lease | None, kind: str, *, chip: int = 1, factor: float = 4.0,
-                     count: int = 1) -> dict:
+                     count: int = 1) -> Report:
         """Arm a fault (visible at once in the snapshot's ``device.faults``).
 
         kind: ``ccu_exception`` (the next ``count`` jobs raise CCUException),
@@ -437,7 +439,7 @@ class MaintenancePlane:
         kind = FAULT_ALIASES.get(kind, kind) if isinstance(kind, str) else kind
         args = {"kind": kind, "count": count} | ({"chip": chip, "factor": factor} if kind == "slow_chip" else {})
 
-        def go() -> dict:
+        def go() -> Report:
             if kind not in FAULT_KINDS:
                 raise MaintenanceArgumentError(
                     "inject_fault", f"unknown fault {kind!r}; one of {', '.join(FAULT_KINDS)}")
@@ -456,32 +458,32 @@ class MaintenancePlane:
 
         return self._run("inject_fault", args, lease, go)
 
-    def clear_faults(self, lease: Lease | None) -> dict:
+    def clear_faults(self, lease: Lease | None) -> Report:
         """Disarm every injected fault. {"ok", "disarmed"}."""
-        def go() -> dict:
+        def go() -> Report:
             return {"ok": True, "disarmed": self._rt.disarm_faults(lease)}
 
         return self._run("clear_faults", {}, lease, go)
 
-    def acknowledge_faults(self, holder: str) -> dict:
+    def acknowledge_faults(self, holder: str) -> Report:
         """Acknowledge every fault that fired: the snapshot's ``device.faults_fired`` empties and the
         status no longer reads ``fault`` (armed faults stay armed). Needs no lease: it changes nothing
         on the device, it records that ``holder`` saw the faults (audited with their list).
         {"ok", "acknowledged": [{"fault", "detail"}]}. Refused for an empty ``holder``.
         """
-        def go() -> dict:
+        def go() -> Report:
             _check_holder(holder, "acknowledge_faults")
             return {"ok": True, "acknowledged": self._rt.acknowledge_faults()}
 
         return self._run("acknowledge_faults", {"holder": holder}, None, go, needs_lease=False)
 
-    def probe_request(self, lease: Lease | None, prompt: str = "hi", max_tokens: int = 8) -> dict:
+    def probe_request(self, lease: Lease | None, prompt: str = "hi", max_tokens: int = 8) -> Report:
         """A test request through the device while exclusive (see module docstring).
 
         Greedy decoding; ends at EOS or ``max_tokens``. {"ok", "status": finished | failed,
         "text", "n_tokens", "prompt_n", "error" (typed: {"type", "message"}), "sim_ms", "wall_ms"}.
         """
-        def go() -> dict:
+        def go() -> Report:
             if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= 256:
                 raise MaintenanceArgumentError("probe_request", f"max_tokens must be 1..256, got {max_tokens!r}")
             if not isinstance(prompt, str) or not 0 < len(prompt) <= MAX_PROBE_PROMPT_CHARS:
@@ -491,7 +493,7 @@ class MaintenancePlane:
 
         return self._run("probe_request", {"prompt": prompt, "max_tokens": max_tokens}, lease, go)
 
-    def status(self) -> dict:
+    def status(self) -> Report:
         """Mode, armed faults, memory state (read-only; not audited)."""
         f = self._mon.faults()
         return {**self.mode(), "faults": f["active"], "faults_fired": f["fired"],
@@ -500,14 +502,14 @@ class MaintenancePlane:
 
     # --- internals ------------------------------------------------------------------
 
-    def _resolve(self, key: str | int, action: str):
+    def _resolve(self, key: str | int, action: str) -> Any:
         try:
             return self._mon.resolve_register(key)
         except KeyError as e:
             # the message itself, not str(KeyError), which quotes it (and strip() would eat its closing quote)
             raise MaintenanceArgumentError(action, str(e.args[0]) if e.args else "no such register") from None
 
-    def _job_timed(self, kind: str, tokens: list[int], p0: int):
+    def _job_timed(self, kind: str, tokens: list[int], p0: int) -> tuple[Any, float]:
         """Apply KV on the scratch sequence, submit one job, wait (bounded).
 
         Returns (StepResult, host ms of the KV apply and submit, measured like the engine's framework stage).
@@ -522,19 +524,19 @@ class MaintenancePlane:
             out.discard()  # a job that outlives its wait gives its buffer pair back when it ends
             raise
 
-    def _job(self, kind: str, tokens: list[int], p0: int, source: str):
+    def _job(self, kind: str, tokens: list[int], p0: int, source: str) -> Any:
         """``_job_timed``, and the step shown in the observation's stage table as ``source``. Returns the StepResult."""
         res, host_ms = self._job_timed(kind, tokens, p0)
         self._engine.record_stages(res, source=source, framework_ms=host_ms)
         return res
 
-    def _health(self) -> dict:
+    def _health(self) -> Report:
         """Health check after reset/reload: status registers, job accounting (counters balance, nothing
         in flight, no job from before the reset left unended), the engine's buffer pool full (bounded
         wait, at most 1 s), then one decode job on the scratch sequence."""
         mon = self._mon
         t0 = time.perf_counter()
-        checks: list[dict] = []
+        checks: list[dict[str, Any]] = []
 
         def check(name: str, ok: bool, detail: str = "") -> bool:
             checks.append({"check": name, "ok": bool(ok), "detail": detail})
@@ -575,7 +577,7 @@ class MaintenancePlane:
         return {"ok": ok, "detail": "healthy" if ok else "; ".join(failed), "checks": checks, "sim_us": sim_us,
                 "wall_ms": (time.perf_counter() - t0) * 1e3}
 
-    def _self_test(self) -> dict:
+    def _self_test(self) -> Report:
         from sim_backend.model.golden import GoldenFileError, compare, load_golden
 
         b = self._mon
@@ -583,10 +585,10 @@ class MaintenancePlane:
         tol = b.bundle.golden_max_abs_error
         base = {"tolerance": tol, "max_abs_error": None}
 
-        def fail(detail: str) -> dict:
+        def fail(detail: str) -> Report:
             return {"ok": False, **base, "detail": detail, "sim_ms": 0.0, "wall_ms": (time.perf_counter() - t0) * 1e3}
 
-        def not_run(why: str) -> dict:
+        def not_run(why: str) -> Report:
             return {"ok": None, "ran": False, **base, "detail": f"not run: {why}", "sim_ms": 0.0,
                     "wall_ms": (time.perf_counter() - t0) * 1e3}
 
@@ -614,7 +616,7 @@ class MaintenancePlane:
                    detail=_self_test_detail(rep))
         return rep
 
-    def _probe(self, prompt: str, max_tokens: int) -> dict:
+    def _probe(self, prompt: str, max_tokens: int) -> Report:
         b, e = self._mon, self._engine
         eos = frozenset(getattr(e.tokenizer, "eos_ids", EOS_IDS))
         t0 = time.perf_counter()
@@ -666,7 +668,7 @@ def _reg_key(key: Any, action: str) -> str | int:
     raise MaintenanceArgumentError(action, f"register key must be a name or an address, got {key!r}")
 
 
-def _self_test_detail(rep: dict) -> str:
+def _self_test_detail(rep: dict[str, Any]) -> str:
     """One line for a golden comparison (``golden.compare``'s report): verdict, error, rule, top-1."""
     if rep.get("max_abs_error") is None:
         return "FAIL: " + str(rep.get("detail", "no comparison"))
@@ -721,4 +723,4 @@ def _reg_value(value: Any) -> int:
         value = int(text, 0) if text[:2].lower() == "0x" else int(text, 10)
     if not 0 <= value <= 0xFFFFFFFF:
         raise MaintenanceArgumentError("write_register", f"value must fit in 32 bits (0..0xFFFFFFFF), got {value}")
-    return value
+    return int(value)

@@ -40,14 +40,17 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import pairwise
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from sim_backend.planes.types import SLO
+
+__all__ = ["SLO", "MetricsRegistry", "percentiles", "request_latencies"]
 
 # Histogram bucket upper bounds in seconds (Prometheus convention is base units).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -216,7 +219,7 @@ class MetricsRegistry:
             tps = predicted_n / (predicted_ms / 1e3) if predicted_ms > 0 else 0.0
             self.history.append((done_ms, tps, ttft if ttft is not None else float("nan"), e2e))
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """JSON-friendly aggregates: counters, P50/P95/P99 of each latency (sim ms), goodput."""
         with self._lock:
             span_s = ((self.last_done_ms or 0) - (self.first_arrival_ms or 0)) / 1e3
@@ -251,7 +254,7 @@ class MetricsRegistry:
 
     # --- Prometheus ---------------------------------------------------------------
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         """prometheus_client custom-collector protocol: yields metric families."""
         with self._lock:
             def counter(name: str, doc: str, v: float) -> CounterMetricFamily:

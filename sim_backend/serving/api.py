@@ -89,7 +89,7 @@ class SlotInfo:
     cached_tokens: int
     numeric: bool | None = None  # the request's tokens come from the model (False: timing-only); None when idle
     max_tokens: int = 0  # the request's n_predict (0 when idle)
-    params: dict = field(default_factory=dict)  # the request's sampling parameters, llama.cpp names (idle: {})
+    params: dict[str, Any] = field(default_factory=dict)  # sampling parameters, llama.cpp names (idle: {})
 
 
 def error_dict(e: CalError) -> dict[str, Any]:

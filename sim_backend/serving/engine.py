@@ -34,8 +34,8 @@ from typing import Any, NoReturn
 from sim_backend.errors import ExceedContextSizeError, InvalidRequestError, UnavailableError
 from sim_backend.model.families import tokenizer_for
 from sim_backend.model.vocab import N_BPE
-from sim_backend.planes.metrics import SLO, MetricsRegistry
-from sim_backend.planes.types import ChatRequest, RequestResult, StageTimes, validate_request
+from sim_backend.planes.metrics import MetricsRegistry
+from sim_backend.planes.types import SLO, ChatRequest, RequestResult, StageTimes, validate_request
 from sim_backend.runtime import RuntimeSession
 from sim_backend.serving.admission import Admission, check_prompt
 from sim_backend.serving.api import RequestHandle, SlotInfo
@@ -45,6 +45,7 @@ from sim_backend.serving.ledger import RequestLedger
 from sim_backend.serving.requests import RequestRecord, Slot, slot_info, slot_states
 from sim_backend.serving.scheduler import RoundScheduler, Work
 from sim_backend.serving.steps import InFlight, StepRunner
+from sim_backend.serving.streaming import Tokenizer
 from sim_backend.serving.tokens import TokenPipeline
 
 
@@ -97,7 +98,7 @@ class Engine:
         self.rt = rt
         # the bundle's tokenizer (Qwen3's BPE, or a GGUF's own for the dense pilot); a stand-in runtime
         # without a bundle gets Qwen3's
-        self.tokenizer = tokenizer_for(getattr(rt, "bundle", None))
+        self.tokenizer: Tokenizer = tokenizer_for(getattr(rt, "bundle", None))
         self._eos_ids = frozenset(self.tokenizer.eos_ids)
         #: token ids the timing-only stand-in draws from: the tokenizer's ordinary text tokens
         lo, hi = getattr(self.tokenizer, "text_id_range", (0, N_BPE))

@@ -33,7 +33,7 @@ the two pick identical tokens):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -117,7 +117,7 @@ def _pick(q: np.ndarray, total: float, u: float) -> int:
 
 def _top_p_cut(cs: np.ndarray, top_p: float) -> int:
     """Number kept: up to and including the first index with cumsum >= top_p."""
-    return min(int(np.searchsorted(cs, top_p, side="left")) + 1, cs.shape[0])
+    return min(int(np.searchsorted(cs, top_p, side="left")) + 1, int(cs.shape[0]))
 
 
 # --- reference implementation -------------------------------------------------------
@@ -337,7 +337,7 @@ class Sampler:
         x = self._x[: self.vocab_size]
         return self._sorted(np.flatnonzero(x >= self._threshold(k)))
 
-    def _grow(self, w: np.ndarray, need: float, enough) -> np.ndarray:
+    def _grow(self, w: np.ndarray, need: float, enough: Callable[[np.ndarray], bool]) -> np.ndarray:
         """A sorted candidate prefix whose exact mass satisfies ``enough``.
 
         Candidates are ``{x >= t}`` (any such set is a prefix of the full
@@ -353,7 +353,7 @@ class Sampler:
         floor = need * (1.0 - 1e-9)
         m = float(self._colmax.max())
 
-        def schedule():
+        def schedule() -> Iterator[float]:
             last = m
             for k in (64, 256, 1024):
                 if k <= self._colmax.shape[0]:

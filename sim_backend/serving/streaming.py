@@ -4,13 +4,33 @@ character, and stop-string matching that never shows part of a stop string."""
 from __future__ import annotations
 
 import codecs
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Protocol
 
 from sim_backend.errors import InvalidRequestError
-from sim_backend.model.tokenizer import Qwen3Tokenizer, get_tokenizer
+from sim_backend.model.tokenizer import get_tokenizer
 
-Tokenizer = Any  # Qwen3Tokenizer or another family's (model.families.gguf_tokenizer.GGUFTokenizer)
+
+class Tokenizer(Protocol):
+    """What serving needs of a model family's tokenizer: ``Qwen3Tokenizer`` or another family's
+    (``model.families.gguf_tokenizer``). Token ids are ints; pieces are raw bytes (maybe part of a
+    UTF-8 character)."""
+
+    eos_ids: Collection[int]
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+    def token_bytes(self, token_id: int) -> bytes: ...
+
+    def is_special(self, token_id: int) -> bool: ...
+
+    def render_chat(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
+                    enable_thinking: bool = False) -> str: ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
+                    enable_thinking: bool = False) -> list[int]: ...
 
 
 class StreamDecoder:
@@ -24,7 +44,7 @@ class StreamDecoder:
     dropped from the output (padding ids always decode to nothing).
     """
 
-    def __init__(self, tokenizer: Qwen3Tokenizer | Tokenizer | None = None, *, skip_special: bool = False) -> None:
+    def __init__(self, tokenizer: Tokenizer | None = None, *, skip_special: bool = False) -> None:
         self._tok = tokenizer or get_tokenizer()
         self.skip_special = skip_special
         self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
