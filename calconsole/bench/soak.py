@@ -4,7 +4,7 @@
 seconds. Each task cycles through the request kinds an operator's traffic holds (``KINDS``):
 streamed chat run to the end, streamed chat the client drops after its first chunk (the server
 sees a disconnect and cancels), non-streamed chat, ``/tokenize``, ``/health``, ``/metrics`` and
-``/snapshot``. Every 1,000 requests the server's resident set is read from its own ``/snapshot``
+``/snapshot``. Every 1,000 requests (and every minute) the server's resident set is read from its own ``/snapshot``
 (``host.rss_bytes``: the serving process, measured by psutil), so the series is the server's
 even when the bench runs in another process (``--url``).
 
@@ -28,6 +28,8 @@ from .serve_load import CHAT_PATH, prompt_text
 
 KINDS = ("stream", "drop", "chat", "tokenize", "health", "metrics", "snapshot")
 SAMPLE_EVERY = 1000
+#: and at least this often (host s), for slow runs (numerics) that take minutes per 1,000 requests
+SAMPLE_EVERY_S = 60.0
 #: the last half grew by at most this share of the first half's growth (or by at most SETTLED_MB): settled
 SETTLE_RATIO = 0.25
 SETTLED_MB = 4.0
@@ -115,9 +117,10 @@ async def soak(url: str, headers: Mapping[str, str], *, clients: int, duration_s
 
         await sample()
         next_sample = SAMPLE_EVERY
+        last_sample = time.perf_counter()
 
         async def task() -> None:
-            nonlocal done, next_sample
+            nonlocal done, next_sample, last_sample
             while time.perf_counter() < deadline:
                 i = next(counter)
                 kind = KINDS[i % len(KINDS)]
@@ -127,8 +130,10 @@ async def soak(url: str, headers: Mapping[str, str], *, clients: int, duration_s
                 if err and len(errors) < 20:
                     errors.append(err)
                 done += 1
-                if done >= next_sample:
-                    next_sample += SAMPLE_EVERY
+                if done >= next_sample or time.perf_counter() - last_sample >= SAMPLE_EVERY_S:
+                    if done >= next_sample:
+                        next_sample += SAMPLE_EVERY
+                    last_sample = time.perf_counter()
                     await sample()
 
         await asyncio.gather(*(task() for _ in range(clients)))

@@ -634,7 +634,7 @@ def print_report(rep: dict[str, Any]) -> None:
                   + (f"(first half of the samples +{_f(v['first_half_growth_mb'])} MiB, last half "
                      f"+{_f(v['last_half_growth_mb'])} MiB; {v['rule']})" if v["settles"] is not None
                      else f"({v['why']})"))
-        con.print("  RSS per 1,000 requests (MiB): " + " ".join(
+        con.print("  server RSS (MiB) by requests served, every 1,000 and every minute: " + " ".join(
             f"{s['requests']}:{_f(s['rss_mb'])}" for s in so["samples"]))
         for e in so["errors"]:
             con.print(f"  [red]error:[/] {e}")
