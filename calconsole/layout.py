@@ -9,8 +9,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
+
+from sim_backend import safe_yaml
 
 PANES = ("observation", "chat", "maintenance")
 _SIZE = re.compile(r"^(\d+(?:\.\d+)?)(fr|%|)$")
@@ -25,62 +28,19 @@ MAX_FILE_BYTES = 64 * 1024
 MAX_INT_DIGITS = 40  # an integer literal longer than this is no layout value (Python refuses > 4300)
 
 
-class _DepthLimitedLoader(yaml.SafeLoader):
-    """SafeLoader that refuses nesting deeper than MAX_DEPTH and any anchor or alias
-    while composing, and keeps over-long integer literals unconverted.
-
-    Nesting: before PyYAML's recursive composer and constructor could hit Python's
-    recursion limit. Anchors/aliases: a 1 KB "billion laughs" file shares one list
-    billions of times; a layout never needs them. Long integers: PyYAML's int() raises
-    a bare ValueError past 4,300 digits; they become ``_LongInt`` so the field check
-    names the field.
-    """
-
-    _depth = 0
-
-    def compose_node(self, parent, index):  # noqa: ANN001, ANN201 - PyYAML's signature
-        ev = self.peek_event()
-        if isinstance(ev, yaml.AliasEvent) or getattr(ev, "anchor", None) is not None:
-            raise _Refused(ev.start_mark, "YAML anchors and aliases (&name, *name) are not allowed in a layout")
-        self._depth += 1
-        try:
-            if self._depth > MAX_DEPTH:
-                raise _Refused(ev.start_mark, f"nested deeper than {MAX_DEPTH} levels")
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-    def construct_yaml_int(self, node):  # noqa: ANN001, ANN201 - PyYAML's signature
-        text = str(node.value)
-        if len(text.replace("_", "")) > MAX_INT_DIGITS:
-            return _LongInt(len(text))
-        return super().construct_yaml_int(node)
-
-
-_DepthLimitedLoader.add_constructor("tag:yaml.org,2002:int", _DepthLimitedLoader.construct_yaml_int)
-
-
-class _LongInt:
-    """An integer literal too long to be a layout value (kept as its length only)."""
-
-    def __init__(self, n_chars: int) -> None:
-        self.n_chars = n_chars
-
-    def __repr__(self) -> str:
-        return f"<an integer of {self.n_chars} characters>"
-
-
-class _Refused(yaml.YAMLError):
-    def __init__(self, mark, message: str) -> None:  # noqa: ANN001
-        self.problem_mark = mark
-        super().__init__(message)
+def load_yaml(text: str, what: str = "a layout") -> Any:
+    """A console YAML file (layout, fleet file) through the one hardened loader
+    (``sim_backend.safe_yaml``): nesting at most ``MAX_DEPTH``, no anchors or aliases, long integers
+    kept as ``LongInt``.
+    Raises safe_yaml.YAMLRefused, yaml.YAMLError, ValueError."""
+    return safe_yaml.load(text, aliases=False, max_depth=MAX_DEPTH, max_int_digits=MAX_INT_DIGITS, what=what)
 
 
 def _show(v: object, limit: int = 40) -> str:
     """A bounded description of an unchecked value: never formats a large or shared structure."""
     if isinstance(v, str):
         return repr(v[:limit]) + (f" (+{len(v) - limit} characters)" if len(v) > limit else "")
-    if isinstance(v, bool | float | _LongInt) or v is None:
+    if isinstance(v, bool | float | safe_yaml.LongInt) or v is None:
         return repr(v)
     if isinstance(v, int):
         return repr(v) if v.bit_length() <= 128 else f"<an integer of {v.bit_length()} bits>"
@@ -179,9 +139,9 @@ def load_layout(name_or_path: str) -> Layout:
             data = fh.read(MAX_FILE_BYTES + 1)
         if len(data) > MAX_FILE_BYTES:
             raise LayoutError(f, "<file>", f"larger than {MAX_FILE_BYTES // 1024} KiB: not a layout file")
-        # a bounded loader: safe tags only, nesting bounded, no anchors/aliases (checked while composing)
-        doc = yaml.load(data.decode("utf-8"), Loader=_DepthLimitedLoader)  # noqa: S506 - SafeLoader subclass
-    except _Refused as e:
+        # the bounded loader: safe tags only, nesting bounded, no anchors/aliases (checked while composing)
+        doc = load_yaml(data.decode("utf-8"))
+    except safe_yaml.YAMLRefused as e:
         raise LayoutError(f, "<yaml>", f"{e} at line {e.problem_mark.line + 1}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

@@ -27,6 +27,8 @@ from typing import Any
 import platformdirs
 import yaml
 
+from sim_backend import safe_yaml
+
 from .layout import MAX_REFRESH_HZ, MIN_REFRESH_HZ
 
 HISTORY_WINDOWS_S = (60, 300, 900)  # 1 / 5 / 15 min (host wall time)
@@ -256,8 +258,8 @@ def load_settings(path: Path | None = None, environ: dict[str, str] | None = Non
         raise SettingsError(src, "(file)", f"cannot read it: {e}") from None
     if text is not None:
         try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as e:
+            data = safe_yaml.load(text, aliases=False, what="a settings file")
+        except (yaml.YAMLError, ValueError) as e:
             mark = getattr(e, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""
             raise SettingsError(src, "(file)", f"not valid YAML{where}: {getattr(e, 'problem', e)}") from None
@@ -305,8 +307,8 @@ def save_sections(s: Settings, path: Path | None = None) -> Path:
     data: dict[str, Any] = {}
     if path.exists():
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            loaded = safe_yaml.load(path.read_text(encoding="utf-8"), aliases=False, what="a settings file")
+        except (yaml.YAMLError, ValueError) as e:  # UnicodeDecodeError is a ValueError
             raise SettingsError(str(path), "(file)", f"not rewritten, it no longer reads: {e}") from None
         if loaded is not None and not isinstance(loaded, dict):
             raise SettingsError(str(path), "(file)", "not rewritten, it is not a mapping of settings")

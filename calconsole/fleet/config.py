@@ -25,7 +25,9 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from ..layout import _DepthLimitedLoader, _Refused, _show
+from sim_backend import safe_yaml
+
+from ..layout import _show, load_yaml
 
 MAX_BOARDS = 512
 MAX_FILE_BYTES = 256 * 1024
@@ -135,8 +137,8 @@ def load_fleet(path: str | Path) -> FleetConfig:
             data = fh.read(MAX_FILE_BYTES + 1)
         if len(data) > MAX_FILE_BYTES:
             raise FleetConfigError(src, "<file>", f"larger than {MAX_FILE_BYTES // 1024} KiB: not a fleet file")
-        doc = yaml.load(data.decode("utf-8"), Loader=_DepthLimitedLoader)  # noqa: S506 - SafeLoader subclass
-    except _Refused as e:
+        doc = load_yaml(data.decode("utf-8"), what="a fleet file")
+    except safe_yaml.YAMLRefused as e:
         raise FleetConfigError(src, "<yaml>", f"{e} at line {e.problem_mark.line + 1}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from sim_backend import safe_yaml
 from sim_backend.bundle.shapes import LLAMA_DENSE, QWEN3_MOE, ModelShape, NumericShape, split_over_chips
 from sim_backend.errors import ManifestError
 
@@ -215,7 +216,7 @@ class _Reader:
             raise self.fail(fld, f"expected {getattr(typ, '__name__', typ)}, got bool")
         if not isinstance(val, typ):
             tn = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
-            if isinstance(val, _LongInt):
+            if isinstance(val, safe_yaml.LongInt):
                 raise self.fail(fld, f"expected {tn}, got {val!r} (at most {MAX_INT_DIGITS} digits)")
             raise self.fail(fld, f"expected {tn}, got {type(val).__name__} ({_short(val)})")
         if isinstance(val, str) and len(val) > MAX_STR:
@@ -248,81 +249,13 @@ class _Reader:
         return full
 
 
-#: An integer literal longer than this (digits) is no manifest value; Python's int() refuses > 4300.
-MAX_INT_DIGITS = 40
-#: Values in one YAML file with aliases expanded. The largest valid manifest (16 sub-models of
-#: 64 + 64 tensors of rank 8) has about 30,000; the shipped one a few hundred.
-MAX_EXPANDED_NODES = 100_000
-
-
-class _LongInt:
-    """An integer literal too long to be a manifest value (kept as its length only)."""
-
-    def __init__(self, n_chars: int) -> None:
-        self.n_chars = n_chars
-
-    def __repr__(self) -> str:
-        return f"<an integer of {self.n_chars} characters>"
-
-
-class _TooLarge(yaml.YAMLError):
-    def __init__(self, mark: Any) -> None:
-        self.problem_mark = mark
-        self.problem = (f"more than {MAX_EXPANDED_NODES:,} values once YAML aliases are expanded "
-                        "(an alias bomb?); a manifest has a few hundred")
-        super().__init__(self.problem)
-
-
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that bounds the size of the document with its aliases expanded
-    (``MAX_EXPANDED_NODES``) while composing, and keeps over-long integer literals
-    unconverted (``_LongInt``).
-
-    A 1 KB "billion laughs" file shares one list billions of times, and any later
-    repr or walk of it takes gigabytes. Aliases themselves stay allowed: PyYAML's own
-    ``safe_dump`` writes them for shared objects. PyYAML's int() raises a bare
-    ValueError past 4,300 digits; as ``_LongInt`` the field's type check names the field.
-    """
-
-    def __init__(self, stream: Any) -> None:
-        super().__init__(stream)
-        self._expanded = 0  # nodes composed so far, an alias counting as the nodes it stands for
-        self._weight: dict[int, int] = {}  # id(node) -> its expanded size
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        ev = self.peek_event()
-        if isinstance(ev, yaml.AliasEvent):
-            node = super().compose_node(parent, index)
-            self._expanded += self._weight.get(id(node), 1)  # 1: an alias of a node still being composed
-        else:
-            before = self._expanded
-            self._expanded += 1
-            node = super().compose_node(parent, index)
-            self._weight[id(node)] = self._expanded - before
-        if self._expanded > MAX_EXPANDED_NODES:
-            raise _TooLarge(ev.start_mark)
-        return node
-
-    def construct_yaml_int(self, node: Any) -> Any:
-        text = str(node.value)
-        if len(text.replace("_", "")) > MAX_INT_DIGITS:
-            return _LongInt(len(text))
-        return super().construct_yaml_int(node)
-
-
-_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+#: An integer literal longer than this (digits) is no manifest value; values in one YAML file with
+#: aliases expanded (the largest valid manifest has about 30,000, the shipped one a few hundred).
+MAX_INT_DIGITS = safe_yaml.MAX_INT_DIGITS
+MAX_EXPANDED_NODES = safe_yaml.MAX_EXPANDED_NODES
 
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlong = 2, 60, 60, 60
-
-
-def safe_load_bounded(text: str) -> Any:
-    """``yaml.safe_load`` with the alias-expansion bound (``MAX_EXPANDED_NODES``) and long
-    integer literals kept as an opaque value (see ``_StrictLoader``).
-
-    Raises yaml.YAMLError (with ``problem_mark``) for malformed YAML or an alias bomb,
-    RecursionError for absurd nesting."""
-    return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 def bounded_repr(v: Any) -> str:
@@ -355,11 +288,10 @@ def _load_yaml(path: Path) -> Any:
     except OSError as e:
         raise ManifestError(str(path), "<file>", f"cannot read: {e.strerror or e}") from None
     try:
-        return safe_load_bounded(text)
-    except (ValueError, RecursionError) as e:
-        # ValueError: an integer literal too long to convert; RecursionError: absurd nesting
+        return safe_yaml.load(text, what="a manifest")
+    except ValueError as e:  # a constructor's own error (a date 2001-13-45)
         raise ManifestError(str(path), "<yaml>", f"malformed YAML: {str(e)[:120]}") from None
-    except _TooLarge as e:
+    except safe_yaml.YAMLRefused as e:  # an alias bomb or absurd nesting
         mark = e.problem_mark
         raise ManifestError(str(path), "<yaml>", f"{e.problem} (line {mark.line + 1}, column {mark.column + 1})"
                             ) from None

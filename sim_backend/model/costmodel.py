@@ -51,7 +51,8 @@ from typing import Any
 import numpy as np
 import yaml
 
-from sim_backend.bundle.manifest import bounded_repr, safe_load_bounded
+from sim_backend import safe_yaml
+from sim_backend.bundle.manifest import bounded_repr
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.errors import ManifestError
 from sim_backend.model.opgraph import CATEGORIES, OpGraph, build_graph
@@ -181,7 +182,7 @@ class HardwareSpec:
                 raise ManifestError(str(p), "", "not a regular file")
             if st.st_size > _MAX_HW_BYTES:
                 raise ManifestError(str(p), "", f"{st.st_size} bytes: not a hardware YAML (limit {_MAX_HW_BYTES})")
-            doc = safe_load_bounded(p.read_text(encoding="utf-8"))  # an alias bomb is refused
+            doc = safe_yaml.load(p.read_text(encoding="utf-8"), what="a hardware file")  # an alias bomb is refused
         except OSError as exc:
             raise ManifestError(str(p), "", f"cannot read: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
