@@ -8,8 +8,6 @@ UI's event loop.
 from __future__ import annotations
 
 import json
-import logging
-import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -26,6 +24,9 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Static
 
+from sim_backend.planes.snapshot import Snapshot
+
+from .feed import SnapshotFeed
 from .gcpolicy import GCPolicy
 from .layout import Layout
 from .messages import SnapshotReady
@@ -54,7 +55,6 @@ class LinkState(Message):
     def __init__(self, since: float | None) -> None:
         super().__init__()
         self.since = since
-log = logging.getLogger(__name__)
 
 
 class CalConsoleApp(App):
@@ -89,14 +89,14 @@ class CalConsoleApp(App):
         # --observe-only: the system has no maintenance plane, so the pane is dropped too
         self.layout_spec = layout if system.maintenance is not None else layout.without("maintenance")
         self.refresh_hz = refresh_hz or self.settings.refresh_hz or layout.refresh_hz
-        self.last_snapshot: dict | None = None
+        self.last_snapshot: Snapshot | None = None
         # widget references: App.query_one searches the *active* screen, which is a modal at times
         self._topbar = Static(id="topbar")
         self._topbar_text = ""
         self._panes: list = []
         self.gc_policy = GCPolicy()
         self._last_input = self._steps_changed = time.monotonic()
-        self._idle_steps: tuple[int, int, int] | None = None
+        self._idle_steps: tuple[int | None, int, int] | None = None
 
     def compose(self) -> ComposeResult:
         yield self._topbar
@@ -144,10 +144,11 @@ class CalConsoleApp(App):
             self.notify(note, severity="warning", timeout=10)
         if self.screen_stack[0].query("#chat-input"):
             self.action_focus_pane("chat")
-        # one long-lived sampler thread (nvitop-style): cheaper than a Textual worker per refresh
-        self._sampler_stop = threading.Event()
-        self._sampler = threading.Thread(target=self._sample_loop, name="calconsole-snapshots", daemon=True)
-        self._sampler.start()
+        # one long-lived sampler thread, the same for in-process and remote planes (feed.py)
+        self.feed = SnapshotFeed(self.system, lambda: self.refresh_hz,
+                                 lambda snap: self.post_message(SnapshotReady(snap)),
+                                 lambda since: self.post_message(LinkState(since)))
+        self.feed.start()
         watch_lease = getattr(self.system.maintenance, "on_lease_lost", None)  # remote planes only
         if watch_lease is not None:
             watch_lease(lambda lease, reason: self.post_message(LeaseLost(lease, reason)))
@@ -188,25 +189,6 @@ class CalConsoleApp(App):
         if obs is not None:
             obs.set_compact(on)
 
-    def _sample_loop(self) -> None:
-        """Take a snapshot every 1/refresh_hz s off the UI thread and post it (bounded waits only)."""
-        conn = getattr(self.system, "connection", None)  # remote planes only
-        while not self._sampler_stop.is_set():
-            period = 1.0 / self.refresh_hz  # read each time: the palette changes it
-            try:
-                snap = self.system.observation.snapshot().to_dict()
-            except Exception:  # noqa: BLE001 - a failed sample is skipped, the next one retries
-                if conn is not None and not conn.connected:
-                    # the planes retry with back-off; the header says since when, the panes keep the last snapshot
-                    self.post_message(LinkState(conn.disconnected_since))
-                else:
-                    log.exception("snapshot failed")
-            else:
-                if self.disconnected_since is not None:
-                    self.post_message(LinkState(None))
-                self.post_message(SnapshotReady(snap))
-            self._sampler_stop.wait(period)
-
     def on_link_state(self, message: LinkState) -> None:
         since = message.since
         if since == self.disconnected_since:
@@ -216,7 +198,9 @@ class CalConsoleApp(App):
             self._show_topbar(self.last_snapshot)
 
     def on_unmount(self) -> None:
-        self._sampler_stop.set()
+        feed = getattr(self, "feed", None)
+        if feed is not None:
+            feed.stop(timeout_s=0.0)  # a daemon: it ends within one period, the UI does not wait for it
         self.gc_policy.stop()  # collectable again once the console is gone (tests run many apps in one process)
 
     async def on_event(self, event: events.Event) -> None:
@@ -227,16 +211,18 @@ class CalConsoleApp(App):
     #: no key or mouse event and no device step for this long (wall s): the console is idle
     IDLE_S = 2.0
 
-    def _maybe_idle_gc(self, snap: dict) -> None:
-        jobs = snap["jobs"]
+    def _maybe_idle_gc(self, snap: Snapshot) -> None:
+        jobs = snap.jobs
         if jobs is None:  # a server without device jobs (llama-server): its slots say whether it works
-            busy = sum(1 for s in snap["slots"] if s["state"] != "idle")
-            jobs = {"finished": (snap.get("server") or {}).get("n_decode_total"), "failed": 0, "left": busy}
-        steps = (jobs["finished"], jobs["failed"], jobs["left"])
+            busy = sum(1 for s in snap.slots if s.state != "idle")
+            done = snap.server.n_decode_total if snap.server is not None else None
+            steps: tuple[int | None, int, int] = (done, 0, busy)
+        else:
+            steps = (jobs.finished, jobs.failed, jobs.left)
         now = time.monotonic()
         if steps != self._idle_steps:
             self._idle_steps, self._steps_changed = steps, now
-        elif (jobs["left"] == 0 and now - self._steps_changed >= self.IDLE_S
+        elif (steps[2] == 0 and now - self._steps_changed >= self.IDLE_S
               and now - self._last_input >= self.IDLE_S):
             self.gc_policy.idle()
 
@@ -251,18 +237,19 @@ class CalConsoleApp(App):
             except NoMatches:
                 pass  # pane still composing; the next refresh fills it
 
-    def _show_topbar(self, snap: dict) -> None:
-        if snap.get("server"):  # not this simulator: the server's kind, build and model (widgets/server.py)
+    def _show_topbar(self, snap: Snapshot) -> None:
+        # not this simulator: the server's kind, build and model (widgets/server.py)
+        if snap.server is not None or snap.device is None:
             bar = Text.assemble(("calconsole ", "bold"), server_render.topbar(snap, getattr(self.system, "url", None)))
             self._topbar_bar(bar)
             return
-        d = snap["device"]
-        req = snap["requests"]["counters"]
-        bar = Text.assemble(("calconsole ", "bold"), f"{d['name']} · ", mode_text(d), " · ",
+        d = snap.device
+        kv = "-" if snap.kv is None else f"{snap.kv.used_tokens}/{snap.kv.capacity_tokens}"
+        bar = Text.assemble(("calconsole ", "bold"), f"{d.name} · ", mode_text(d), " · ",
                             status_text(d, compact=True),
-                            f" · requests done {req['finished']} · device steps {snap['jobs']['finished']} · "
-                            f"KV {snap['kv']['used_tokens']}/{snap['kv']['capacity_tokens']} · "
-                            f"sim clock {snap['sim_now_ms'] / 1e3:.2f} s")
+                            f" · requests done {snap.requests.counters.finished} · device steps "
+                            f"{'-' if snap.jobs is None else snap.jobs.finished} · KV {kv} · "
+                            f"sim clock {(snap.sim_now_ms or 0.0) / 1e3:.2f} s")
         if self.listen_url:
             bar.append(f" · HTTP API {self.listen_url}")
         if self.where:
@@ -412,7 +399,7 @@ class CalConsoleApp(App):
             return None
         path = (directory or Path.cwd()) / f"calconsole-snapshot-{time.strftime('%Y%m%d-%H%M%S')}.json"
         try:
-            path.write_text(json.dumps(self.last_snapshot, indent=1), encoding="utf-8")
+            path.write_text(json.dumps(self.last_snapshot.to_dict(), indent=1), encoding="utf-8")
         except OSError as e:
             self.notify(f"snapshot not written: {e}", severity="error")
             return None

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from textual.message import Message
 
+from sim_backend.planes.snapshot import Snapshot
+
 
 class SnapshotReady(Message):
-    """A fresh observation snapshot (``Snapshot.to_dict()`` form)."""
+    """A fresh, typed observation snapshot."""
 
-    def __init__(self, snap: dict) -> None:
+    def __init__(self, snap: Snapshot) -> None:
         super().__init__()
         self.snap = snap

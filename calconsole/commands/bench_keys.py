@@ -144,7 +144,7 @@ async def _measure(max_tokens: int, after_s: float, size: tuple[int, int]) -> di
                 # keys typed after the end never arrive: fewer arrivals than posts
                 samples = [(a, (a - p) * 1e3) for p, a in zip(posted, arrived, strict=False)]
                 result = chat.history[-1]["content"] if chat.history else ""
-                stats = system.observation.snapshot().requests["tokens"]
+                stats = system.observation.snapshot().requests.tokens
         finally:
             system.close()
     # the reply's end is seen (handle cleared) only once the UI thread is free again: a key held up
@@ -153,4 +153,4 @@ async def _measure(max_tokens: int, after_s: float, size: tuple[int, int]) -> di
     streaming = [ms for t, ms in samples if done_at is None or t < done_at - 0.25]
     return {"unit": "host wall ms from key posted to the input showing it", "reply_chars": len(result),
             "window_perf_s": (posted[0] if posted else None, time.perf_counter()),
-            "reply_tokens": stats["predicted"], "streaming": _stats(streaming), "end_of_reply": _stats(end)}
+            "reply_tokens": stats.predicted, "streaming": _stats(streaming), "end_of_reply": _stats(end)}

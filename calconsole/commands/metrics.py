@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 
+import msgspec
+
 from .common import add_common_options, add_connect_options, build_from_args, connect_from_args, fail, print_json
 
 WARMUP_PROMPTS = ("Hello!", "Summarise the history of lighthouses in three sentences.",
@@ -88,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             with connect_from_args(args) as remote:
                 text = remote.observation.metrics_text()
-                summary = remote.observation.snapshot().requests if args.json else None
+                summary = msgspec.to_builtins(remote.observation.snapshot().requests) if args.json else None
         except (CalError, ValueError) as e:
             return fail(str(e))
         if args.json:
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
             for h in batch:
                 h.result(600.0)
         text = system.observation.metrics_text()
-        summary = system.observation.snapshot().requests
+        summary = msgspec.to_builtins(system.observation.snapshot().requests)
     if args.json:
         print_json(summary)
     else:

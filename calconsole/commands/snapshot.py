@@ -57,11 +57,11 @@ def run(args: argparse.Namespace) -> int:
         if args.watch:
             return watch(system, args.interval, args.count)
         try:
-            snap = system.observation.snapshot().to_dict()
+            snap = system.observation.snapshot()
         except CalError as e:
             return fail(str(e))
     if args.json:
-        print_json(snap)
+        print_json(snap.to_dict())
     else:
         from rich.console import Console
         from rich.text import Text
@@ -70,14 +70,14 @@ def run(args: argparse.Namespace) -> int:
 
         c = Console()
         c.print(Text(f"{device_origin(system)}; --json for scripts", style="grey62"))
-        if snap.get("server"):  # a llama-server: its own figures; the device sections are not reported
+        if snap.server is not None:  # a llama-server: its own figures; the device sections are not reported
             from ..widgets import server as server_render
 
             c.print(server_render.server_table(snap))
             c.print(server_render.server_header(snap))
             c.print(render.slots_panel(snap))
             for name in ("jobs", "kv", "memory", "host", "findings"):
-                c.print(server_render.absent(name, snap["server"]["kind"]))
+                c.print(server_render.absent(name, snap.server.kind))
             return 0
         for panel in (render.device_panel, render.jobs_panel, render.kv_panel, render.memory_panel,
                       render.host_panel, render.findings_panel):

@@ -28,6 +28,9 @@ from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Static
 
+from sim_backend.planes.snapshot import Snapshot
+
+from ..feed import SnapshotFeed
 from ..layout import Layout, load_layout
 from ..messages import SnapshotReady
 from ..settings import LEVEL_STYLE, Settings
@@ -395,9 +398,10 @@ class BoardScreen(Screen):
         self.settings = settings
         self.layout_spec = layout if system.maintenance is not None else layout.without("maintenance")
         self.refresh_hz = layout.refresh_hz
-        self.last_snapshot: dict[str, Any] | None = None
+        self.last_snapshot: Snapshot | None = None
         self._panes: list[Any] = []
-        self._stop = threading.Event()
+        # the console's own feed (feed.py): one sampler thread, typed snapshots
+        self.feed = SnapshotFeed(system, lambda: self.refresh_hz, lambda snap: self.post_message(SnapshotReady(snap)))
         self._topbar = Static(id="topbar")
 
     def compose(self) -> ComposeResult:
@@ -431,18 +435,8 @@ class BoardScreen(Screen):
     def on_mount(self) -> None:
         self._topbar.update(Text.assemble(("calconsole ", "bold"), (self.spec.name, "bold cyan"),
                                           f" · attached to {self.spec.url} · Esc / F10: back to the fleet"))
-        threading.Thread(target=self._sample_loop, name=f"board-{self.spec.name}", daemon=True).start()
+        self.feed.start()
         self.action_focus_pane("observation")
-
-    def _sample_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                snap = self.system.observation.snapshot().to_dict()
-            except Exception:  # noqa: BLE001, S112 - the planes retry with back-off; the panes keep the last snapshot
-                pass
-            else:
-                self.post_message(SnapshotReady(snap))
-            self._stop.wait(1.0 / self.refresh_hz)
 
     def on_snapshot_ready(self, message: SnapshotReady) -> None:
         self.last_snapshot = message.snap
@@ -475,6 +469,6 @@ class BoardScreen(Screen):
 
     def close_board(self) -> None:
         """Stop sampling and close the board's connection on a thread (releases a held lease, bounded)."""
-        self._stop.set()
+        self.feed.stop(timeout_s=0.0)
         system = self.system
         threading.Thread(target=system.close, name=f"close-{self.spec.name}", daemon=True).start()

@@ -24,6 +24,7 @@ from sim_backend.planes import (
     RequestError,
     RequestStream,
     SamplingParams,
+    Snapshot,
     TokenEvent,
 )
 
@@ -331,13 +332,12 @@ class ChatPane(Vertical):
         if self.handle is not None:
             self.handle.cancel("chat pane closed")
 
-    def update_snapshot(self, snap: dict) -> None:
-        d = snap["device"]
+    def update_snapshot(self, snap: Snapshot) -> None:
+        d = snap.device
         if d is None:  # a server without a device (llama-server)
-            server = snap.get("server") or {}
-            set_subtitle(self, f"{server.get('kind', 'server')} · model {server.get('model', '?')}")
+            set_subtitle(self, f"{snap.source} · model {snap.server.model if snap.server is not None else '?'}")
             return
-        set_subtitle(self, d["mode"] + (f" (lease: {d['lease_holder']})" if d.get("lease_holder") else ""))
+        set_subtitle(self, d.mode + (f" (lease: {d.lease_holder})" if d.lease_holder else ""))
 
 
 def metrics_line(result, wall_s: float) -> str:

@@ -33,7 +33,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Button, Input, RichLog, Static
 
-from sim_backend.planes import CalError
+from sim_backend.planes import CalError, Snapshot
 
 from ..widgets.confirm import ConfirmModal
 from ..widgets.render import set_subtitle, status_text
@@ -239,25 +239,25 @@ class MaintenancePane(Vertical):
     def _log(self, text: str, style: str = "") -> None:
         self.query_one("#m-log", RichLog).write(Text(text, style=style))
 
-    def update_snapshot(self, snap: dict) -> None:
-        d = snap["device"]
+    def update_snapshot(self, snap: Snapshot) -> None:
+        d = snap.device
         if d is None:  # a llama-server: always serving, no device status; its own actions only
-            server = snap.get("server") or {}
-            line = Text.assemble("mode serving (no exclusive mode on ", server.get("kind", "this server"),
-                                 ") · health ", server.get("health", "?"))
+            server = snap.server
+            line = Text.assemble("mode serving (no exclusive mode on ", snap.source,
+                                 ") · health ", server.health if server is not None else "?")
             set_subtitle(self, "serving")
             if line.plain != self._mode_line:
                 self._mode_line = line.plain
                 self.query_one("#m-mode", Static).update(line)
             return
-        mode = d["mode"] + (f" (lease: {d['lease_holder']})" if d.get("lease_holder") else "")
+        mode = d.mode + (f" (lease: {d.lease_holder})" if d.lease_holder else "")
         set_subtitle(self, mode)
-        style = {"serving": "green", "draining": "yellow", "exclusive": "bold red"}.get(d["mode"], "")
+        style = {"serving": "green", "draining": "yellow", "exclusive": "bold red"}.get(d.mode, "")
         line = Text.assemble("mode ", (mode, style), " · device ", status_text(d, compact=True))
         if line.plain != self._mode_line:  # unchanged: no redraw, no relayout
             self._mode_line = line.plain
             self.query_one("#m-mode", Static).update(line)
-        fired = list(d.get("faults_fired") or ())
+        fired = list(d.faults_fired)
         if fired != self._fired:
             self._fired = fired
             self._sync_buttons()

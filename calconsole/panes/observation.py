@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 from rich.console import Group
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Vertical, VerticalScroll
 from textual.widgets import Static
+
+from sim_backend.planes.snapshot import Snapshot, StepView
 
 from ..settings import HISTORY_WINDOWS_S, SECTIONS, Settings, SettingsError, save_sections
 from ..widgets import render
@@ -81,7 +84,7 @@ class ObservationPane(VerticalScroll):
         self.compact = False
         self.graph_index = 0
         self.history = History()
-        self._last: dict | None = None
+        self._last: Snapshot | None = None
         self._shape: dict[str, object] = {}
         self._shown: dict[str, object] = {}  # section -> the snapshot data it currently shows
         self._rendered_at: dict[str, float] = {}
@@ -157,7 +160,7 @@ class ObservationPane(VerticalScroll):
     def applicable(self, name: str) -> bool:
         """A section with something to show on this device (batches: a batch-N variant only)."""
         if name == "batches":
-            return self._last is not None and int((self._last["device"] or {}).get("decode_batch", 1)) > 1
+            return self._last is not None and self._last.device is not None and self._last.device.decode_batch > 1
         return True
 
     def listed(self) -> list[str]:
@@ -316,19 +319,25 @@ class ObservationPane(VerticalScroll):
 
     VIEW_NAMES = {"last_step": "last step", "last_decode": "last decode", "last_prefill": "last prefill"}
 
-    def _layers_key(self, snap: dict) -> tuple:
-        return (self.show_kind, self.heat_by, snap[self.show_kind])
+    def _shown_step(self, snap: Snapshot) -> StepView | None:
+        step: StepView | None = getattr(snap, self.show_kind)
+        return step
 
-    def _render_layers(self, snap: dict) -> None:
-        step = snap[self.show_kind]
+    def _layers_key(self, snap: Snapshot) -> tuple:
+        return (self.show_kind, self.heat_by, self._shown_step(snap))
+
+    def _render_layers(self, snap: Snapshot) -> None:
+        step = self._shown_step(snap)
+        if step is None:
+            return
         view = Text(f"per-layer view: {self.VIEW_NAMES[self.show_kind]} (t cycles last step / decode / prefill; "
                     f"h: heatmap rows {'chips' if self.heat_by == 'chip' else 'op categories'})",
                     style="bold grey70")
         width = max(20, self.size.width - 2)
-        capacity = int(snap["device"].get("decode_batch", 1))
-        if capacity > 1 and step.get("batch_seq_ids"):
-            view.append(f"\nbatched decode step: {len(step['batch_seq_ids'])}/{capacity} rows "
-                        f"(seqs {', '.join(map(str, step['batch_seq_ids']))}); the times are the whole "
+        capacity = snap.device.decode_batch if snap.device is not None else 1
+        if capacity > 1 and step.batch_seq_ids:
+            view.append(f"\nbatched decode step: {len(step.batch_seq_ids)}/{capacity} rows "
+                        f"(seqs {', '.join(map(str, step.batch_seq_ids))}); the times are the whole "
                         f"step's, all riders together", style="bold magenta")
         heat = render.layers_heatmap(step, self.heat_by, width)
         panel = render.layers_panel(step, capacity=capacity)
@@ -337,10 +346,10 @@ class ObservationPane(VerticalScroll):
         # the footer lines (per-chip busy/wait, experts, the heatmap's outside-the-layers line) wrap too
         texts = [r.plain for r in panel.renderables if isinstance(r, Text)] if isinstance(panel, Group) else []
         heat_last = heat.plain.rsplit("\n", 1)[-1] if isinstance(heat, Text) else ""
-        n_rows = len(step.get("layers", ())[0]["category_us"]) if step.get("layers") and self.heat_by != "chip" else 2
+        n_rows = len(step.layers[0].category_us) if step.layers and self.heat_by != "chip" else 2
         self._update("#obs-layers", Group(view, heat, panel),
-                     (self.show_kind, self.heat_by, n_rows, len(step.get("layers", ())), len(view.plain),
-                      render.layers_uniform(step), tuple(len(x) for x in texts), len(step.get("outside") or ()),
+                     (self.show_kind, self.heat_by, n_rows, len(step.layers), len(view.plain),
+                      render.layers_uniform(step), tuple(len(x) for x in texts), len(step.outside),
                       len(heat_last)))
 
     # widget id -> (snapshot keys it shows, renderer)
@@ -374,7 +383,7 @@ class ObservationPane(VerticalScroll):
         if full:
             self._last_layout = now
 
-    def update_snapshot(self, snap: dict) -> None:
+    def update_snapshot(self, snap: Snapshot) -> None:
         """Re-render only the sections whose data changed (an idle console stays idle).
 
         Rendering competes with the simulation for the interpreter: during
@@ -389,28 +398,29 @@ class ObservationPane(VerticalScroll):
             self._apply_arrangement()
             return
         kind = server_render.kind_of(snap)  # a llama-server: no device sections (None), said so
-        set_subtitle(self, server_render.subtitle(snap) if kind else render.mode_text(snap["device"]).plain)
+        set_subtitle(self, server_render.subtitle(snap) if kind else
+                     render.mode_text(snap.device).plain if snap.device is not None else "")
         now = time.monotonic()
         visible = self.shown_sections
         fresh, self._fresh = self._fresh, set()
         # a hidden (folded, compact, not focused) section is not rendered at all: it costs nothing
         if "device" in visible and kind:
             table = server_render.server_table(snap, self.compact)
-            key = ("server", snap["server"], snap["slots"], (snap.get("load") or {}).get("busy_percent"), self.compact)
+            key = ("server", snap.server, snap.slots, snap.load.busy_percent, self.compact)
             if self._shown.get("#obs-device") != key:
                 self._shown["#obs-device"] = key
-                self._update("#obs-device", table, ("server", self.compact, bool(snap["server"]["health_detail"])))
-        elif "device" in visible:
+                detail = bool(snap.server and snap.server.health_detail)
+                self._update("#obs-device", table, ("server", self.compact, detail))
+        elif "device" in visible and snap.device is not None and snap.jobs is not None:
             # the load's busy % only: its window length (wall s) changes at every sample, idle or not
-            dev = (snap["device"], snap["jobs"]["finished"], (snap.get("load") or {}).get("busy_percent"),
-                   snap["memory"], self.compact)
+            dev = (snap.device, snap.jobs.finished, snap.load.busy_percent, snap.memory, self.compact)
             if self._shown.get("#obs-device") != dev:
                 self._shown["#obs-device"] = dev
                 table = render.device_table(snap, self.compact, self.settings)
                 # the faults line wraps: its length is part of the shape (a fault that fired later
                 # kept the rows of "faults none", its detail cut, until something else moved)
                 faults = table.renderables[-1]
-                self._update("#obs-device", table, (len(snap["device"]["chiplets"]), self.compact,
+                self._update("#obs-device", table, (len(snap.device.chiplets), self.compact,
                                                     len(faults.plain) if isinstance(faults, Text) else None))
         if "thresholds" in visible:
             header = (server_render.server_header(snap, self.compact) if kind
@@ -423,7 +433,7 @@ class ObservationPane(VerticalScroll):
             name = self.WIDGET_SECTION[wid]
             if name not in visible:
                 continue
-            data = tuple(snap[k] for k in keys)
+            data = tuple(getattr(snap, k) for k in keys)
             if kind and any(v is None for v in data):  # a section the server does not report
                 if self._shown.get(wid) != ("absent", kind):
                     self._shown[wid] = ("absent", kind)
@@ -440,7 +450,7 @@ class ObservationPane(VerticalScroll):
                 self._update(wid, self._section(fn, snap), _shape_key(snap, keys))
         if "per-layer" not in visible:
             return
-        if snap[self.show_kind] is None:
+        if self._shown_step(snap) is None:
             if kind and self._shown.get("#obs-layers") != ("absent", kind):
                 self._shown["#obs-layers"] = ("absent", kind)
                 self._update("#obs-layers", server_render.absent("per-layer", kind), ("absent",))
@@ -454,7 +464,7 @@ class ObservationPane(VerticalScroll):
 
     WIDGET_SECTION = {w: n for n, w in SECTION_WIDGET.items()}
 
-    def _section(self, fn, snap: dict):
+    def _section(self, fn, snap: Snapshot):
         """A detail renderer; the requests panel also names the console's SLO (the header's colours)."""
         return fn(snap, self.settings) if fn is render.requests_panel else fn(snap)
 
@@ -497,15 +507,16 @@ class ObservationPane(VerticalScroll):
             min(due, key=lambda x: x[0])[1].draw(self.history, self.window_s, now)
 
 
-def _shape_key(snap: dict, keys: tuple[str, ...]) -> tuple:
+def _shape_key(snap: Snapshot, keys: tuple[str, ...]) -> tuple:
     """What decides a section's height: row counts, and text length in 20-char buckets."""
     out: list[int | tuple[int, int] | None] = []
     for k in keys:
-        v = snap[k]
+        v = getattr(snap, k)
         if isinstance(v, (list, tuple)):
             out.append(len(v))
-        elif isinstance(v, dict) and k != "host":  # host is one line whatever its numbers
-            out.append((len(v), len(str(v)) // 20))
+        elif v is not None and k != "host":  # host is one line whatever its numbers
+            b = msgspec.to_builtins(v)
+            out.append((len(b) if isinstance(b, dict) else 0, len(str(b)) // 20))
         else:
             out.append(None)
     return tuple(out)

@@ -77,7 +77,7 @@ async def props(face: ServingFace, request: Request) -> Response:
                    # which host work the timings book (--host-time): a client comparing runs
                    # (bench matrix records this key) cannot tell modeled from measured otherwise
                    "clock": "timings are "
-                            + (snap.requests.get("clock") or "simulated device ms + booked host work"),
+                            + (snap.requests.clock or "simulated device ms + booked host work"),
                    "calconsole_version": __version__},
     })
 

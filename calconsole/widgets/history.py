@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from textual_plotext import PlotextPlot
 
+from sim_backend.planes.snapshot import Snapshot
+
 MAX_WINDOW_S = 900.0
 
 
@@ -46,22 +48,19 @@ GRAPHS: tuple[GraphSpec, ...] = (
 )
 
 
-def figures(snap: dict) -> dict[str, float | None]:
-    """The plotted figures of one snapshot (``Snapshot.to_dict()`` form)."""
-    kv = snap["kv"]
-    load = snap.get("load") or {}
-    lat = snap["requests"]["latency_ms"]
-    c = snap["requests"]["counters"]
+def figures(snap: Snapshot) -> dict[str, float | None]:
+    """The plotted figures of one snapshot (None: not reported, or no sample yet)."""
+    kv = snap.kv
     if kv is None:  # a llama-server: KV % only where its build reports the ratio
-        ratio = (snap.get("server") or {}).get("kv_cache_usage_ratio")
+        ratio = snap.server.kv_cache_usage_ratio if snap.server is not None else None
         kv_percent = None if ratio is None else 100.0 * ratio
     else:
-        cap = kv["capacity_tokens"]
-        kv_percent = 100.0 * kv["used_tokens"] / cap if cap else None
-    return {"kv_percent": kv_percent,
-            "busy_percent": load.get("busy_percent"), "tok_s": load.get("output_tokens_per_s"),
-            "ttft_p95": lat["ttft"]["p95"], "tpot_p95": lat["tpot"]["p95"],
-            "queued": float(c["queued"]), "running": float(c["running"])}
+        cap = kv.capacity_tokens
+        kv_percent = 100.0 * kv.used_tokens / cap if cap else None
+    r = snap.requests
+    return {"kv_percent": kv_percent, "busy_percent": snap.load.busy_percent, "tok_s": snap.load.output_tokens_per_s,
+            "ttft_p95": r.latency_ms.ttft.p95, "tpot_p95": r.latency_ms.tpot.p95,
+            "queued": float(r.counters.queued), "running": float(r.counters.running)}
 
 
 class History:
@@ -70,7 +69,7 @@ class History:
     def __init__(self) -> None:
         self.samples: deque[tuple[float, dict[str, float | None]]] = deque()
 
-    def record(self, snap: dict, now: float | None = None) -> None:
+    def record(self, snap: Snapshot, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         self.samples.append((now, figures(snap)))
         while self.samples and now - self.samples[0][0] > MAX_WINDOW_S:

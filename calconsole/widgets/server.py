@@ -1,4 +1,4 @@
-"""Rendering of a snapshot from a server that is not this simulator (``snap["server"]``: a llama-server).
+"""Rendering of a snapshot from a server that is not this simulator (``snap.server``: a llama-server).
 
 Such a snapshot has no device, jobs, KV, steps, memory, stages, host or findings (None): every such
 section is drawn as ``absent(...)`` — "not reported by llama-server" — never as zeros. The device
@@ -15,6 +15,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from sim_backend.planes.snapshot import ServerInfo, Snapshot
+
 #: what each absent section would have shown, for the line that says it is not reported
 SECTION_WHAT = {
     "device": "device table (chiplets, health, mode, faults)", "jobs": "device job counters",
@@ -24,10 +26,9 @@ SECTION_WHAT = {
 }
 
 
-def kind_of(snap: dict) -> str | None:
+def kind_of(snap: Snapshot) -> str | None:
     """The server kind of a snapshot (``"llama-server"``), or None for the simulator's own."""
-    server = snap.get("server")
-    return str(server["kind"]) if server else None
+    return snap.server.kind if snap.server is not None else None
 
 
 def absent(section: str, kind: str) -> Text:
@@ -45,67 +46,72 @@ def health_style(health: str) -> str:
     return {"ok": "bold green", "loading": "bold yellow"}.get(health, "bold red")
 
 
-def server_table(snap: dict, compact: bool = False) -> Group:
+def _server(snap: Snapshot) -> ServerInfo:
+    if snap.server is None:
+        raise ValueError("not a server snapshot (snap.server is None)")
+    return snap.server
+
+
+def server_table(snap: Snapshot, compact: bool = False) -> Group:
     """The server row (kind, build, model, health, slots busy, context) in place of the device table."""
-    s = snap["server"]
-    busy = sum(1 for sl in snap["slots"] if sl["state"] != "idle")
-    load = snap.get("load") or {}
+    s = _server(snap)
+    busy = sum(1 for sl in snap.slots if sl.state != "idle")
+    load = snap.load
     t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
-    for col in (s["kind"], "model", "health", "slots busy", "n_ctx/slot", "busy %"):
+    for col in (s.kind, "model", "health", "slots busy", "n_ctx/slot", "busy %"):
         t.add_column(col)
-    t.add_row(s["build"], s["model"], Text(s["health"], style=health_style(s["health"])),
-              f"{busy}/{s['total_slots']}" if s["slots_enabled"] else "not reported (--slots off)",
-              str(s["n_ctx"]), "-" if load.get("busy_percent") is None else f"{load['busy_percent']:.0f}")
+    t.add_row(s.build, s.model, Text(s.health, style=health_style(s.health)),
+              f"{busy}/{s.total_slots}" if s.slots_enabled else "not reported (--slots off)",
+              str(s.n_ctx), "-" if load.busy_percent is None else f"{load.busy_percent:.0f}")
     lines: list[Any] = [t]
-    if s["health_detail"]:
-        lines.append(Text(f"health: {s['health_detail']}", style="yellow"))
+    if s.health_detail:
+        lines.append(Text(f"health: {s.health_detail}", style="yellow"))
     if not compact:
-        lines.append(absent("device", s["kind"]))
-        lines.append(Text(f"busy % and tok/s: {load.get('clock', '')} (counter growth between polls); "
-                          f"poll {_num(s['poll_wall_ms'], '{:.1f}')} ms wall", style="grey50"))
+        lines.append(absent("device", s.kind))
+        lines.append(Text(f"busy % and tok/s: {load.clock} (counter growth between polls); "
+                          f"poll {_num(s.poll_wall_ms, '{:.1f}')} ms wall", style="grey50"))
     return Group(*lines)
 
 
-def server_header(snap: dict, compact: bool = False) -> Text:
+def server_header(snap: Snapshot, compact: bool = False) -> Text:
     """The thresholds line for a server: its gauges and counters, and this console's client latencies."""
-    s = snap["server"]
-    lat = snap["requests"]["latency_ms"]
-    load = snap.get("load") or {}
+    s = _server(snap)
+    lat = snap.requests.latency_ms
     t = Text()
-    if not s["metrics_enabled"]:
+    if not s.metrics_enabled:
         t.append("metrics: not reported (server runs without --metrics) · ", style="yellow")
     else:
-        t.append(f"processing {_num(s['requests_processing'])} · deferred {_num(s['requests_deferred'])} · ")
-        kv = s.get("kv_cache_usage_ratio")
+        t.append(f"processing {_num(s.requests_processing)} · deferred {_num(s.requests_deferred)} · ")
+        kv = s.kv_cache_usage_ratio
         t.append("KV " + (f"{100 * kv:.0f}%" if kv is not None else "not reported by this build") + " · ")
-        tps = load.get("output_tokens_per_s")
+        tps = snap.load.output_tokens_per_s
         t.append(f"{tps:.1f} tok/s" if tps is not None else "tok/s -")
         t.append(" (server wall) · ")
         if not compact:
-            t.append(f"tokens prompt {_num(s['prompt_tokens_total'])} predicted {_num(s['tokens_predicted_total'])}"
+            t.append(f"tokens prompt {_num(s.prompt_tokens_total)} predicted {_num(s.tokens_predicted_total)}"
                      " (server total) · ")
-    t.append(f"TTFT P95 {_ms(lat['ttft']['p95'])} · TPOT P95 {_ms(lat['tpot']['p95'])}")
+    t.append(f"TTFT P95 {_ms(lat.ttft.p95)} · TPOT P95 {_ms(lat.tpot.p95)}")
     t.append(" (client wall, this console's requests)", style="grey62")
     return t
 
 
-def subtitle(snap: dict) -> str:
-    s = snap["server"]
-    return f"{s['kind']} · health {s['health']}"
+def subtitle(snap: Snapshot) -> str:
+    """The observation pane's border subtitle for a server: its kind and health."""
+    s = _server(snap)
+    return f"{s.kind} · health {s.health}"
 
 
-def topbar(snap: dict, url: str | None = None) -> Text:
+def topbar(snap: Snapshot, url: str | None = None) -> Text:
     """The header after "calconsole ": ``llama-server b… · model … · URL · health … · slots …``."""
-    s = snap["server"]
-    busy = sum(1 for sl in snap["slots"] if sl["state"] != "idle")
-    bar = Text.assemble((f"{s['kind']} {s['build']}", "bold"), f" · model {s['model']} · ")
+    s = _server(snap)
+    busy = sum(1 for sl in snap.slots if sl.state != "idle")
+    bar = Text.assemble((f"{s.kind} {s.build}", "bold"), f" · model {s.model} · ")
     if url:
         bar.append(f"attached to {url}", "bold cyan")
         bar.append(" · ")
-    bar.append_text(Text.assemble("health ", (s["health"], health_style(s["health"]))))
-    bar.append(f" · slots {busy}/{s['total_slots']} busy" if s["slots_enabled"] else " · slots not reported")
-    c = snap["requests"]["counters"]
-    bar.append(f" · requests done here {c['finished']}")
+    bar.append_text(Text.assemble("health ", (s.health, health_style(s.health))))
+    bar.append(f" · slots {busy}/{s.total_slots} busy" if s.slots_enabled else " · slots not reported")
+    bar.append(f" · requests done here {snap.requests.counters.finished}")
     return bar
 
 

@@ -549,7 +549,7 @@ class SimulatedBoard:
     _device_free_us = 0.0
     _pace_anchor: tuple[float, float] | None = None  # (wall s, sim µs) pacing is measured from
     _pace_prev: tuple[float, float] | None = None  # (deadline wall s, end sim µs) of the previous step
-    _pace_epoch = 0  # bumped at every re-anchor; achieved_speed only looks at the current run
+    _pace_epoch = 0  # bumped when a run starts after an idle gap; achieved_speed only looks at the current run
     IDLE_GAP_S = 0.05  # a wall gap this much longer than the booked host work means the device idled
 
     def _pacing_deadline(self, wall0: float, start_us: float, end_us: float) -> float:
@@ -570,8 +570,9 @@ class SimulatedBoard:
             self._pace_epoch += 1
         deadline = a[0] + (end_us - a[1]) / 1e6 / speed
         if deadline < time.perf_counter() - 1.0:
+            # more than 1 s behind: no catching up later, so the anchor moves, but the run goes on (same
+            # epoch): achieved_speed keeps measuring it, and the console keeps saying the host is behind
             a = (wall0, start_us)
-            self._pace_epoch += 1
             deadline = a[0] + (end_us - a[1]) / 1e6 / speed
         self._pace_anchor = a
         self._pace_prev = (max(deadline, time.perf_counter()), end_us)

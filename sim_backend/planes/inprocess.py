@@ -251,8 +251,8 @@ class ObservationPlane:
         chiplets = b.chiplets()
         requests = e.metrics.summary()
         slots = e.slot_info()
-        # generated so far: ended requests' tokens plus those of the requests in the slots now
-        generated = int(requests["tokens"]["predicted"]) + sum(s.predicted_n for s in slots if s.request_id is not None)
+        # generated so far: ended requests' tokens plus those in the slots now, in one read (engine lock)
+        generated = e.tokens_generated()
         load, chip_pct = self._load.sample(b.now_us, b.busy_us, tuple(ch.busy_us for ch in chiplets), generated)
         chips = [
             {"index": ch.index, "state": ch.state, "busy": ch.busy, "slow_factor": ch.slow_factor,

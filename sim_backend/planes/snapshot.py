@@ -368,15 +368,97 @@ class ServerInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
     poll_wall_ms: float | None = None
 
 
+class Percentiles(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One latency's recent samples: P50/P95/P99 and mean in simulated ms (None with no sample), ``n`` samples."""
+
+    p50: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+    mean: float | None = None
+    n: int = 0
+
+
+class RequestCounters(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Requests by outcome since start (counts); ``queued`` / ``running`` are the live gauges."""
+
+    submitted: int = 0
+    finished: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    queued: int = 0
+    running: int = 0
+    rejected: int = 0
+
+
+class TokenCounts(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Tokens as llama.cpp counts them: ``prompt`` processed (the reused prefix excluded), ``cached`` the
+    reused prefix, ``predicted`` generated (ended requests only)."""
+
+    prompt: int = 0
+    cached: int = 0
+    predicted: int = 0
+
+
+class LatencyTable(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Percentiles of each request latency (vLLM's definitions; simulated ms, see ``RequestsView.clock``)."""
+
+    ttft: Percentiles = Percentiles()
+    tpot: Percentiles = Percentiles()
+    itl: Percentiles = Percentiles()
+    e2e: Percentiles = Percentiles()
+    queue: Percentiles = Percentiles()
+
+
+class SLOView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The engine's service-level objectives in simulated ms; None = not checked."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+
+class GoodputView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Finished requests meeting every SLO: count, share, and rates over ``span_s`` (simulated s from the first
+    arrival to the last end, idle included); rates None before any span."""
+
+    slo: SLOView = SLOView()
+    good_requests: int = 0
+    good_fraction: float | None = None
+    span_s: float = 0.0
+    requests_per_s: float | None = None
+    tokens_per_s: float | None = None
+
+
+class RequestsView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The serving metrics summary (``MetricsRegistry.summary``): counters, tokens, latency percentiles, goodput.
+
+    ``balanced``: submitted = finished + failed + cancelled + queued + running; ``latency_sampled_from``
+    names which requests give each latency's samples; ``kv_cache_usage_ratio`` 0..1 (None: not reported);
+    ``clock`` what the latencies' clock is (simulated device ms, with or without booked host work; or the
+    console's wall clock as a client of a llama-server).
+    """
+
+    counters: RequestCounters = RequestCounters()
+    balanced: bool = True
+    tokens: TokenCounts = TokenCounts()
+    latency_ms: LatencyTable = LatencyTable()
+    latency_sampled_from: dict[str, str] = {}
+    goodput: GoodputView = GoodputView()
+    kv_cache_usage_ratio: float | None = 0.0
+    clock: str = ""
+    #: whose requests these are, when not every request of the server (a console observing a llama-server
+    #: counts the requests it sent, measured as client); "" for the simulator's own metrics
+    scope: str = ""
+
+
 class Snapshot(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One read-only observation of the whole system.
 
     ``taken_unix_s``: host wall clock; ``sim_now_ms``: the simulated device clock (None: no simulated
     device, e.g. a llama-server). Sections typed ``X | None`` are None where the server does not report them.
     ``load``: busy % and output rate over the last interval (simulated time).
-    ``requests`` is the serving metrics summary (``MetricsRegistry.summary``: counters, token counts,
-    latency percentiles in simulated ms, goodput); ``history`` the recent per-request series.
-    Both are JSON-shaped maps owned by the snapshot.
+    ``requests`` is the serving metrics summary (``RequestsView``: counters, token counts, latency
+    percentiles, goodput); ``history`` the recent per-request series (a map owned by the snapshot).
     """
 
     taken_unix_s: float
@@ -389,7 +471,7 @@ class Snapshot(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     last_decode: StepView | None
     memory: MemoryView | None
     slots: tuple[SlotView, ...]
-    requests: dict[str, Any]
+    requests: RequestsView
     stages: dict[str, StageView] | None
     history: dict[str, tuple[float | None, ...]]
     host: HostInfo | None

@@ -308,6 +308,13 @@ class Engine:
             Admission.drop_stale_caches(self.slots, self.rt.kv.epoch)
             return [slot_info(s) for s in self.slots]
 
+    def tokens_generated(self) -> int:
+        """Tokens generated since start: ended requests' (the metrics' predicted) plus those of the requests in
+        the slots now, read under the engine lock, so a request ending meanwhile is counted exactly once (read
+        apart, its tokens were in neither count for one sample and the next sample's rate rose by them)."""
+        with self._lock:
+            return self.metrics.predicted_tokens + sum(len(s.req.generated) for s in self.slots if s.req is not None)
+
     def buffer_pool_state(self, timeout: float = 0.0) -> tuple[int, int]:
         """(free, size) of the device buffer pairs, after waiting up to ``timeout`` host s for all to be free.
 

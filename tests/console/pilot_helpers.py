@@ -42,3 +42,19 @@ def log_text(app, sel: str) -> str:
 
 def has(app, sel: str, text: str) -> bool:
     return text in log_text(app, sel)
+
+
+def typed(snap):
+    """A snapshot in its wire form (a dict a test edits) as the typed ``Snapshot`` the panes take."""
+    from sim_backend.planes.snapshot import Snapshot
+
+    return snap if isinstance(snap, Snapshot) else Snapshot.from_dict(snap)
+
+
+def typed_step(step):
+    """A step view in its wire form as the typed ``StepView``."""
+    import msgspec
+
+    from sim_backend.planes.snapshot import StepView
+
+    return step if isinstance(step, StepView) else msgspec.convert(step, StepView)

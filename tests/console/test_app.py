@@ -34,7 +34,7 @@ async def test_typed_prompt_streams_reply_and_counters_rise(system, monkeypatch)
     app = CalConsoleApp(system, load_layout("operator"))
     async with app.run_test(size=(170, 50)) as pilot:
         await wait_for(pilot, lambda: app.last_snapshot is not None)
-        finished_before = app.last_snapshot["jobs"]["finished"]
+        finished_before = app.last_snapshot.jobs.finished
         set_max_tokens(app, 80)
         await pilot.click("#chat-input")
         await pilot.press(*"Hello there")
@@ -51,11 +51,11 @@ async def test_typed_prompt_streams_reply_and_counters_rise(system, monkeypatch)
         assert "TTFT" in metrics and "TPOT" in metrics and "sim ms (device time + modeled host work)" in metrics
         assert "generated 80 tok" in metrics
         # the observation pane's finished-jobs counter rises (1 prefill + 79 decode jobs)
-        assert await wait_for(pilot, lambda: app.last_snapshot["jobs"]["finished"] >= finished_before + 80)
+        assert await wait_for(pilot, lambda: app.last_snapshot.jobs.finished >= finished_before + 80)
         jobs_text = str(app.query_one("#obs-jobs", Static).render())
-        assert f"finished {app.last_snapshot['jobs']['finished']}" in jobs_text
-        assert app.last_snapshot["kv"]["used_tokens"] > 0
-        assert len(app.last_snapshot["last_step"]["layers"]) == 48
+        assert f"finished {app.last_snapshot.jobs.finished}" in jobs_text
+        assert app.last_snapshot.kv.used_tokens > 0
+        assert len(app.last_snapshot.last_step.layers) == 48
 
 
 async def test_escape_cancels_and_marks_reply(system):
@@ -85,7 +85,7 @@ async def test_reset_disabled_outside_exclusive_and_works_inside(system):
         assert len(app.screen_stack) == 1
         await pilot.click("#m-enter")
         assert await wait_for(pilot, lambda: not reset.disabled)
-        assert await wait_for(pilot, lambda: app.last_snapshot and app.last_snapshot["device"]["mode"] == "exclusive")
+        assert await wait_for(pilot, lambda: app.last_snapshot and app.last_snapshot.device.mode == "exclusive")
         await pilot.click("#m-reset")
         assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
         modal = app.screen
@@ -94,7 +94,7 @@ async def test_reset_disabled_outside_exclusive_and_works_inside(system):
         await pilot.press("enter")  # Enter without the name: the default, Cancel
         assert await wait_for(pilot, lambda: len(app.screen_stack) == 1)
         assert await wait_for(pilot, lambda: any("cancelled" in line for line in log_lines(app, "#m-log")))
-        assert app.last_snapshot["jobs"]["resets"] == 0
+        assert app.last_snapshot.jobs.resets == 0
         await click_button(pilot, "#m-reset")  # a second click on the same button
         assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
         modal = app.screen
@@ -104,7 +104,7 @@ async def test_reset_disabled_outside_exclusive_and_works_inside(system):
         assert not modal.query_one("#confirm-ok", Button).disabled
         await pilot.press("enter")
         assert await wait_for(pilot, lambda: any("reset: ok" in line for line in log_lines(app, "#m-log")))
-        assert await wait_for(pilot, lambda: app.last_snapshot["jobs"]["resets"] == 1)
+        assert await wait_for(pilot, lambda: app.last_snapshot.jobs.resets == 1)
         await pilot.click("#m-leave")
         assert await wait_for(pilot, lambda: reset.disabled)
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 import argparse
 import html
 import io
+import json
 import re
+from pathlib import Path
 
+import msgspec
 import pytest
 from rich.console import Console
 from rich.text import Text
@@ -18,7 +21,8 @@ from calconsole.widgets import render
 from calconsole.widgets.wraplog import SLICE_CHARS, WrapLog
 from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
-from tests.console.pilot_helpers import click_button, has, wait_for
+from sim_backend.planes.snapshot import RequestsView, TokenCounts
+from tests.console.pilot_helpers import click_button, has, typed, wait_for
 
 
 @pytest.fixture
@@ -62,7 +66,7 @@ async def test_header_shows_armed_then_fired_until_acknowledged(system):
         assert await wait_for(pilot, lambda: "ccu_exception fired" in topbar(app))
         assert "fault: ccu_exception fired (a acks)" in topbar(app)
         assert "fired (1 unacknowledged, last chip0, job" in shown(render.device_panel(app.last_snapshot))
-        assert await wait_for(pilot, lambda: "chip0  ready  idle  jobs 0  ccu_exc 1" in shown(
+        assert await wait_for(pilot, lambda: "chip0  ready  idle  steps done 0  ccu_exc 1" in shown(
             render.device_panel(app.last_snapshot)))  # on chip0's own row, not on both
         await click_button(pilot, "#m-probe")  # the device serves again: the fault is still shown
         assert await wait_for(pilot, lambda: has(app, "#m-log", "probe_request: ok"))
@@ -79,15 +83,21 @@ async def test_header_shows_armed_then_fired_until_acknowledged(system):
     assert [e["action"] for e in m.audit.entries()][-1] == "acknowledge_faults"
 
 
+def _scripted():
+    return typed(json.loads((Path(__file__).parent / "data" / "scripted_snapshot.json").read_text()))
+
+
 def test_status_text_and_header_counts_say_what_they_count():
-    d = {"status": "degraded", "faults_in_effect": ["slow_chip1 x4"], "faults_armed": ["d2d_link_error x1"],
-         "faults_fired": []}
+    base = _scripted().device
+    d = msgspec.structs.replace(base, status="degraded", faults_in_effect=("slow_chip1 x4",),
+                                faults_armed=("d2d_link_error x1",), faults_fired=())
     assert render.status_text(d).plain == "degraded (slow_chip1 x4) · armed: d2d_link_error x1"
-    d = {"numerics": True, "numerics_max_prompt": 1024, "timing_only_running": [7]}
+    d = msgspec.structs.replace(base, numerics=True, numerics_max_prompt=1024, timing_only_running=(7,))
     assert render.numerics_text(d) == "numerics on, but request 7 timing-only (> 1024 new prompt tok)"
-    assert render.numerics_text({**d, "timing_only_running": [], "numerics_limit_reason": "--numeric-limit"}) == (
+    assert render.numerics_text(msgspec.structs.replace(d, timing_only_running=(),
+                                                        numerics_limit_reason="--numeric-limit")) == (
         "numerics up to 1024 new prompt tokens (--numeric-limit); longer prompts timing-only")
-    assert render.numerics_text({"numerics": False}) == "numerics off (timing-only)"
+    assert render.numerics_text(msgspec.structs.replace(d, numerics=False)) == "numerics off (timing-only)"
 
 
 async def test_long_prompt_running_timing_only_is_named_in_the_device_line(tmp_path):
@@ -99,20 +109,15 @@ async def test_long_prompt_running_timing_only_is_named_in_the_device_line(tmp_p
         h = s.inference.submit(ChatRequest.from_prompt("a prompt longer than eight tokens " * 3, max_tokens=50))
         snap = s.observation.snapshot().to_dict()
         assert h.id in snap["device"]["timing_only_running"]
-        assert f"request {h.id} timing-only" in render.device_panel(snap).renderables[0].plain
+        assert f"request {h.id} timing-only" in render.device_panel(typed(snap)).renderables[0].plain
         h.cancel("test over")
     finally:
         s.close()
 
 
 def test_tokens_line_never_shows_more_cached_than_prompt():
-    snap = {"requests": {"counters": {k: 0 for k in ("submitted", "finished", "failed", "cancelled", "queued",
-                                                      "running", "rejected")},
-                         "balanced": True,
-                         "latency_ms": {k: {"p50": None, "p95": None, "p99": None, "n": 0}
-                                        for k in ("ttft", "tpot", "itl", "e2e", "queue")},
-                         "goodput": {"slo": {}, "good_requests": 0, "tokens_per_s": None},
-                         "tokens": {"prompt": 2295, "cached": 2312, "predicted": 10}}}
+    snap = msgspec.structs.replace(_scripted(), requests=RequestsView(
+        tokens=TokenCounts(prompt=2295, cached=2312, predicted=10)))
     toks = render.requests_panel(snap).renderables[-1].plain
     assert toks == "tokens prompt 4607 (processed 2295 + cached 2312) predicted 10"
 
@@ -131,9 +136,9 @@ async def test_slow_chip_shows_on_its_own_column_and_probe_updates_stages(system
         await click_button(pilot, "#m-probe")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "probe_request: ok"))
         assert await wait_for(pilot, lambda: "decode (probe)" in shown(render.stages_panel(app.last_snapshot)))
-        step = app.last_snapshot["last_decode"]
-        assert step["sim_us"] == pytest.approx(step["h2d_us"] + step["infer_us"] + step["d2h_us"], rel=1e-12)
-        layer = step["layers"][0]["chip_us"]
+        step = app.last_snapshot.last_decode
+        assert step.sim_us == pytest.approx(step.h2d_us + step.infer_us + step.d2h_us, rel=1e-12)
+        layer = step.layers[0].chip_us
         assert layer[1] == pytest.approx(4.0 * layer[0], rel=0.05)
 
 
@@ -171,7 +176,7 @@ async def test_sampling_fields_show_their_whole_value_and_a_refusal_is_visible_a
         msg2 = "invalid_request_error: temperature must be a finite number; got 'abc'"
         assert await wait_for(pilot, lambda: has(app, "#chat-log", msg2))
         assert not top_p.has_class("-refused") and app.query_one("#p-temperature").has_class("-refused")
-        assert system.observation.snapshot().requests["counters"]["rejected"] == 2
+        assert system.observation.snapshot().requests.counters.rejected == 2
 
 
 # --- the log: slices, re-wrap on resize ------------------------------------------------------

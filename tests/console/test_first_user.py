@@ -15,7 +15,7 @@ from calconsole.panes.maintenance import MaintenancePane
 from calconsole.widgets import render
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.planes import SamplingParams
-from tests.console.pilot_helpers import log_text, wait_for
+from tests.console.pilot_helpers import log_text, typed_step, wait_for
 
 
 @pytest.fixture
@@ -200,7 +200,7 @@ async def test_per_layer_table_shows_the_last_step_after_a_cancel(system):
 
 def test_slowest_category_fits_the_observation_pane_at_120_columns():
     def layer(i, us):
-        return {"layer": i, "chip_us": (us, us), "slowest_category": "moe_dense_group"}
+        return {"layer": i, "chip_us": (us, us), "category_us": {}, "slowest_category": "moe_dense_group"}
 
     step = {"kind": "prefill", "n_tokens": 14, "past_len": 0, "sim_us": 91e3, "h2d_us": 15.0, "infer_us": 91e3,
             "d2h_us": 40.0, "compute_wall_ms": 120.5, "layers": tuple(layer(i, 1000.0 + 10 * i) for i in range(48))}
@@ -208,7 +208,7 @@ def test_slowest_category_fits_the_observation_pane_at_120_columns():
     from rich.console import Console
 
     console = Console(width=inner, record=True, file=open("/dev/null", "w"))  # noqa: SIM115
-    console.print(render.layers_panel(step))
+    console.print(render.layers_panel(typed_step(step)))
     text = console.export_text()
     assert "slowest category" in text
     assert text.count("moe_dense_group") == 48

@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from calconsole.widgets import render
+from tests.console.pilot_helpers import typed_step
 
 SCRIPTED = json.loads((Path(__file__).parent / "data" / "scripted_snapshot.json").read_text())
 
@@ -29,7 +30,7 @@ def _row(text: str, label: str) -> list[str]:
 
 def test_uniform_decode_has_embed_and_head_rows_around_the_layers():
     step = SCRIPTED["last_decode"]  # chip1 4x slow
-    text = plain(render.layers_panel(step))
+    text = plain(render.layers_panel(typed_step(step)))
     lines = [ln.strip() for ln in text.splitlines()]
     i_embed = next(i for i, ln in enumerate(lines) if ln.startswith("embed "))
     i_layers = next(i for i, ln in enumerate(lines) if ln.startswith("0-47 "))
@@ -52,7 +53,7 @@ def test_numeric_prefill_rows_follow_the_router_and_say_so():
     for layer, e in zip(step["layers"], pattern, strict=True):
         layer["chip_us"] = [u * e / 100.0 for u in layer["chip_us"]]
     step["experts_priced"], step["experts_rule"] = pattern, "per-layer counts"
-    text = plain(render.layers_panel(step))
+    text = plain(render.layers_panel(typed_step(step)))
     assert "all layers equal" not in text
     assert all(re.search(rf"^\s*{i}\s", text, re.M) for i in (0, 1, 47))  # one row per layer
     assert "experts priced: the router's choices per layer (90.0-106.0 per layer" in text
@@ -61,7 +62,7 @@ def test_numeric_prefill_rows_follow_the_router_and_say_so():
 
 def test_heatmap_names_the_outside_figures_and_keeps_the_layer_scale():
     step = SCRIPTED["last_decode"]
-    text = render.layers_heatmap(step, "chip", 160).plain
+    text = render.layers_heatmap(typed_step(step), "chip", 160).plain
     out = {o["part"]: o for o in step["outside"]}
     e0, e1 = (f"{u:.0f}" for u in out["embed"]["chip_us"])
     assert f"embed {e0} / {e1}" in text and "head" in text
@@ -73,5 +74,5 @@ def test_a_step_view_without_the_outside_fields_still_renders():
     step = copy.deepcopy(SCRIPTED["last_decode"])
     for key in ("outside", "chip_busy_us", "chip_wait_us", "submit_us", "experts_priced", "experts_rule"):
         step.pop(key)
-    text = plain(render.layers_panel(step)) + render.layers_heatmap(step, "chip", 160).plain
+    text = plain(render.layers_panel(typed_step(step))) + render.layers_heatmap(typed_step(step), "chip", 160).plain
     assert "0-47" in text and "embed" not in text and "per chip:" not in text and "outside the layers" not in text

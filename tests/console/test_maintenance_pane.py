@@ -79,8 +79,8 @@ async def test_full_maintenance_window(system):
         assert await wait_for(pilot, lambda: chat_pane.handle is None)
         cancelled = "[cancelled: device entering maintenance: not finished within the 0.5 s drain]"
         assert cancelled in log_text(app, "#chat-log")
-        assert await wait_for(pilot, lambda: app.last_snapshot["device"]["mode"] == "exclusive")
-        assert app.last_snapshot["device"]["lease_holder"] == pane.holder
+        assert await wait_for(pilot, lambda: app.last_snapshot.device.mode == "exclusive")
+        assert app.last_snapshot.device.lease_holder == pane.holder
         assert "exclusive" in str(app.query_one("#chat").border_subtitle)
 
         # a chat typed now is refused at once
@@ -103,7 +103,7 @@ async def test_full_maintenance_window(system):
         await click_button(pilot, "#confirm-ok")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "reset: ok"))
         assert "health ok: healthy" in log_text(app, "#m-log")
-        assert await wait_for(pilot, lambda: app.last_snapshot["jobs"]["resets"] == 1)
+        assert await wait_for(pilot, lambda: app.last_snapshot.jobs.resets == 1)
 
         # clear memory: Escape at the confirmation does nothing
         await click_button(pilot, "#m-clear")
@@ -118,14 +118,14 @@ async def test_full_maintenance_window(system):
 
         # CCU fault: visible in the snapshot; the next request fails typed, the one after succeeds
         await click_button(pilot, "#m-f-ccu")
-        assert await wait_for(pilot, lambda: "ccu_exception x1" in app.last_snapshot["device"]["faults"])
+        assert await wait_for(pilot, lambda: "ccu_exception x1" in app.last_snapshot.device.faults)
         await click_button(pilot, "#m-probe")
         assert await wait_for(pilot, lambda: has(app, "#m-log", "request failed: CCUException")), \
             log_text(app, "#m-log")
         await click_button(pilot, "#m-probe")  # a second click on the same button: see click_button
         assert await wait_for(pilot, lambda: has(app, "#m-log", "probe_request: ok · request finished"))
-        assert await wait_for(pilot, lambda: app.last_snapshot["device"]["faults"] == ()
-                              or app.last_snapshot["device"]["faults"] == [])
+        assert await wait_for(pilot, lambda: app.last_snapshot.device.faults == ()
+                              or app.last_snapshot.device.faults == [])
 
         # leave exclusive and chat again
         await click_button(pilot, "#m-leave")

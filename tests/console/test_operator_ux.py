@@ -20,7 +20,7 @@ from calconsole.widgets import history as history_mod
 from calconsole.widgets import render
 from calconsole.widgets.help import HelpScreen
 from sim_backend.planes.snapshot import Snapshot
-from tests.console.pilot_helpers import has, wait_for
+from tests.console.pilot_helpers import has, log_lines, typed, typed_step, wait_for
 
 
 @pytest.fixture
@@ -123,11 +123,19 @@ async def test_every_maintenance_key_runs_its_audited_action(fast_system):
         await pilot.pause()
         # outside exclusive mode: each guarded key says so (notification), nothing reaches the plane
         before = len(audit.entries())
-        for key in ("h", "k", "d", "1", "2", "3", "4", "0", "v", "w", "e", "t", "p", "o", "l"):
+        notified: list[str] = []
+        notify = pane.notify
+        pane.notify = lambda message, **kw: (notified.append(message), notify(message, **kw))[1]
+        keys = ("h", "k", "d", "1", "2", "3", "4", "0", "v", "w", "e", "t", "p", "o", "l")
+        for key in keys:
             await pilot.press(key)
-        await pilot.pause()
-        notes = [n.message for n in app._notifications]
-        assert notes.count("enter exclusive mode first (x)") == 15
+        # the pane's log keeps one line per key (a notification lasts 4 s: under load the first ones
+        # expired before the last key was pressed, and counting them saw 6 of 15)
+        said = [f"key {k}: enter exclusive mode first (x)" for k in keys]
+        assert await wait_for(pilot, lambda: [ln.strip() for ln in log_lines(app, "#m-log")
+                                              if ln.strip() in said] == said)
+        assert notified == ["enter exclusive mode first (x)"] * 15
+        pane.notify = notify
         assert len(audit.entries()) == before
         await pilot.press("x")
         assert await wait_for(pilot, lambda: pane.lease is not None)
@@ -163,7 +171,7 @@ async def test_every_maintenance_key_runs_its_audited_action(fast_system):
 def test_kv_occupancy_turns_warning_then_critical(used, style):
     snap = copy.deepcopy(SCRIPTED)
     snap["kv"]["used_tokens"] = used
-    line = render.header_line(snap, Settings())
+    line = render.header_line(typed(snap), Settings())
     pct = f"{100 * used / 40960:.1f}%"
     assert style in spans_of(line, pct)
 
@@ -171,16 +179,16 @@ def test_kv_occupancy_turns_warning_then_critical(used, style):
 def test_tpot_queue_failures_and_pacing_are_coloured_by_their_thresholds():
     snap = copy.deepcopy(SCRIPTED)  # TPOT P95 47 ms, SLO 50: 0.94 x SLO (warn); 2 queued (warn); achieved 0.62
     s = Settings()
-    line = render.header_line(snap, s)
+    line = render.header_line(typed(snap), s)
     assert "bold yellow" in spans_of(line, "47.0 ms")
-    assert "bold red" in spans_of(render.header_line(snap, s.replace(slo_tpot_ms=40.0)), "47.0 ms")
-    assert "green" in spans_of(render.header_line(snap, s.replace(slo_tpot_ms=100.0)), "47.0 ms")
-    assert "bold yellow" in spans_of(line, "x0.62/1") and "host behind real time" in line.plain
+    assert "bold red" in spans_of(render.header_line(typed(snap), s.replace(slo_tpot_ms=40.0)), "47.0 ms")
+    assert "green" in spans_of(render.header_line(typed(snap), s.replace(slo_tpot_ms=100.0)), "47.0 ms")
+    assert "bold yellow" in spans_of(line, "0.62/1 sim s per wall s") and "host behind real time" in line.plain
     snap["requests"]["counters"]["queued"] = 0
-    assert "green" in spans_of(render.header_line(snap, s), "queue 0") or \
-        "green" in {str(sp.style) for sp in render.header_line(snap, s).spans}
+    assert "green" in spans_of(render.header_line(typed(snap), s), "queue 0") or \
+        "green" in {str(sp.style) for sp in render.header_line(typed(snap), s).spans}
     snap["requests"]["counters"]["failed"] = 6
-    assert "bold red" in spans_of(render.header_line(snap, s), "6 req")
+    assert "bold red" in spans_of(render.header_line(typed(snap), s), "6 req")
 
 
 def test_configured_thresholds_change_the_colour(tmp_path):
@@ -189,9 +197,9 @@ def test_configured_thresholds_change_the_colour(tmp_path):
     s = load_settings(cfg, environ={})
     snap = copy.deepcopy(SCRIPTED)
     snap["kv"]["used_tokens"] = 22528  # 55 %
-    assert "bold yellow" in spans_of(render.header_line(snap, s), "55.0%")
+    assert "bold yellow" in spans_of(render.header_line(typed(snap), s), "55.0%")
     s2 = load_settings(cfg, environ={"CALCONSOLE_THRESHOLD_KV_PERCENT": "10,20"})
-    assert "bold red" in spans_of(render.header_line(snap, s2), "55.0%")
+    assert "bold red" in spans_of(render.header_line(typed(snap), s2), "55.0%")
 
 
 # --- settings --------------------------------------------------------------------------------------
@@ -263,33 +271,33 @@ def test_chip_health_is_ok_again_once_the_fired_fault_is_acknowledged():
     snap = copy.deepcopy(SCRIPTED)
     snap["device"]["faults_fired"] = []  # acknowledged: the exception count stays, the alarm does not
     snap["device"]["status"] = "degraded"
-    rows = plain(render.device_table(snap)).splitlines()
+    rows = plain(render.device_table(typed(snap))).splitlines()
     assert rows[2].startswith(" chip0") and "ccu 1" not in rows[2] and " ok " in rows[2]
 
 
 def test_device_table_has_the_board_and_one_row_per_chip_with_busy_and_memory():
-    text = plain(render.device_table(SCRIPTED))
+    text = plain(render.device_table(typed(SCRIPTED)))
     rows = text.splitlines()
-    assert rows[0].split()[:5] == ["dev", "health", "state", "busy", "jobs"]
+    assert rows[0].split()[:5] == ["dev", "health", "state", "busy", "steps"]
     assert rows[1].startswith("calculet0") and " 97%" in rows[1]
     assert rows[2].startswith(" chip0") and "ccu 1" in rows[2] and " 25%" in rows[2]
     assert rows[3].startswith(" chip1") and "slow x4" in rows[3] and " 97%" in rows[3]
     assert "fired ccu_exception (last chip0, job 41" in text and "slow_chip1" in text
     # the operator layout's observation pane at 80x24: 42 columns less borders and padding
-    compact = plain(render.device_table(SCRIPTED, compact=True), width=38)
+    compact = plain(render.device_table(typed(SCRIPTED), compact=True), width=38)
     table = compact.split("faults")[0]
     assert all(len(line) <= 38 for line in table.splitlines()) and "…" not in table
 
 
 def test_heatmap_puts_the_slow_chip_on_one_scale_with_a_legend():
     step = SCRIPTED["last_decode"]
-    text = render.layers_heatmap(step, "chip", 120)
+    text = render.layers_heatmap(typed_step(step), "chip", 120)
     assert "chip0" in text.plain and "chip1" in text.plain and "scale 0" in text.plain
     chip1_top = max(layer["chip_us"][1] for layer in step["layers"])
     chip0_top = max(layer["chip_us"][0] for layer in step["layers"])
     assert chip1_top > 3 * chip0_top  # the probe ran with chip1 4x slow
     assert f"max {chip1_top:.0f} µs" in text.plain
-    cats = render.layers_heatmap(step, "category", 120).plain
+    cats = render.layers_heatmap(typed_step(step), "category", 120).plain
     assert "moe" in cats
 
 
@@ -318,9 +326,9 @@ class ObservationHost(App):
             snap["load"] = dict(SCRIPTED["load"], busy_percent=min(97.4, i / 2.0),
                                 output_tokens_per_s=31.5 * min(1.0, i / 150))
             snap["requests"]["counters"]["queued"] = i // 100
-            hist.record(snap, now=1000.0 + i)
+            hist.record(typed(snap), now=1000.0 + i)
         pane.set_compact(self.compact)
-        pane.update_snapshot(SCRIPTED)
+        pane.update_snapshot(typed(SCRIPTED))
 
 
 @pytest.fixture

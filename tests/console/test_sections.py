@@ -20,7 +20,7 @@ from calconsole.widgets import render
 from calconsole.widgets.help import HelpScreen
 from sim_backend.bundle.manifest import DEFAULT_BUNDLE_DIR
 from sim_backend.planes import ChatRequest, SamplingParams
-from tests.console.pilot_helpers import wait_for
+from tests.console.pilot_helpers import typed, wait_for
 
 B8 = DEFAULT_BUNDLE_DIR.parent / "qwen3-30b-a3b-b8"
 SCRIPTED = json.loads((Path(__file__).parent / "data" / "scripted_snapshot.json").read_text())
@@ -221,7 +221,7 @@ async def test_b8_bundle_shows_batch_occupancy_and_slots_of_two_chats_decoding_t
         pane.show_kind = "last_decode"
         pane._refresh_layers()
         snap = app.last_snapshot
-        assert snap["last_decode"]["batch_seq_ids"]
+        assert snap.last_decode.batch_seq_ids
         layers = shown(pane, "per-layer")
         assert "batched decode step" in layers and "/8 rows" in layers and "batched decode:" in layers
 
@@ -244,17 +244,17 @@ def test_header_and_requests_panel_name_the_same_slo_when_the_console_built_the_
     s = Settings()
     snap = copy.deepcopy(SCRIPTED)
     snap["requests"]["goodput"]["slo"] = {"ttft_ms": s.slo_ttft_ms, "tpot_ms": s.slo_tpot_ms, "e2el_ms": None}
-    header = render.header_line(snap, s).plain
-    req = plain(render.requests_panel(snap, s), 200)
+    header = render.header_line(typed(snap), s).plain
+    req = plain(render.requests_panel(typed(snap), s), 200)
     assert "console SLO 50" in header
     assert "goodput against the console SLO (TTFT <= 2000, TPOT <= 50 ms sim" in req and "no SLO" not in req
     # an engine without an SLO (attached to a server started without one): said, and the header's SLO named
     snap["requests"]["goodput"]["slo"] = {"ttft_ms": None, "tpot_ms": None, "e2el_ms": None}
-    req = plain(render.requests_panel(snap, s), 200)
+    req = plain(render.requests_panel(typed(snap), s), 200)
     assert "the engine checks no SLO" in req and "header colours: console SLO TTFT 2000 / TPOT 50 ms" in req
     # a different engine SLO: both named, each as what it is
     snap["requests"]["goodput"]["slo"] = {"ttft_ms": 500.0, "tpot_ms": 30.0, "e2el_ms": None}
-    req = plain(render.requests_panel(snap, s), 200)
+    req = plain(render.requests_panel(typed(snap), s), 200)
     assert "engine's SLO (TTFT <= 500, TPOT <= 30 ms sim)" in req and "console SLO TTFT 2000 / TPOT 50" in req
 
 

@@ -13,6 +13,7 @@ from textual.widgets import Static
 from calconsole.panes.observation import ObservationPane
 from calconsole.settings import Settings
 from calconsole.widgets import render
+from tests.console.pilot_helpers import typed, typed_step
 
 CSS = Path(__file__).resolve().parents[2] / "calconsole" / "styles.tcss"
 SCRIPTED = json.loads((Path(__file__).parent / "data" / "scripted_snapshot.json").read_text())
@@ -40,10 +41,10 @@ def test_exclusive_mode_leaves_the_device_table_its_columns():
     # (79 columns inside) it took the width of busy and jobs, shown as "…", and cut dev and health
     snap = _quiet(SCRIPTED)
     snap["device"].update(mode="exclusive", lease_holder="root@console")
-    table = plain(render.device_table(snap), width=79).split("faults")[0]
+    table = plain(render.device_table(typed(snap)), width=79).split("faults")[0]
     assert "…" not in table
     rows = table.splitlines()
-    assert rows[0].split()[:5] == ["dev", "health", "state", "busy", "jobs"]
+    assert rows[0].split()[:5] == ["dev", "health", "state", "busy", "steps"]
     assert rows[1].split()[:3] == ["calculet0", "ok", "exclusive"]
 
 
@@ -64,13 +65,13 @@ async def test_a_fault_that_fires_later_gets_the_rows_its_line_needs():
     app = OnePane()
     async with app.run_test(size=(81, 48)) as pilot:
         pane = app.query_one(ObservationPane)
-        pane.update_snapshot(quiet)
+        pane.update_snapshot(typed(quiet))
         await pilot.pause(0.2)
         dev = app.query_one("#obs-device", Static)
         before = dev.size.height
-        pane.update_snapshot(fired)
+        pane.update_snapshot(typed(fired))
         await pilot.pause(0.2)
-        need = len(plain(render.device_table(fired), width=dev.content_region.width).rstrip("\n").splitlines())
+        need = len(plain(render.device_table(typed(fired)), width=dev.content_region.width).rstrip("\n").splitlines())
         assert need > before
         assert dev.size.height >= need
 
@@ -91,10 +92,10 @@ def test_bench_realtime_says_when_no_measured_length_keeps_real_time():
 def test_category_heatmap_says_its_cells_sum_both_chips():
     # "moe_dense_group max 5705 µs ... µs sim per layer" beside a layer of ~3035 µs per chip
     step = SCRIPTED["last_decode"]
-    cats = render.layers_heatmap(step, "category", 120).plain
+    cats = render.layers_heatmap(typed_step(step), "category", 120).plain
     moe = max(sum(lay["category_us"]["moe_dense_group"]) for lay in step["layers"])
     assert f"max {moe:.0f} µs" in cats and "both chips summed" in cats
-    assert "both chips summed" not in render.layers_heatmap(step, "chip", 120).plain
+    assert "both chips summed" not in render.layers_heatmap(typed_step(step), "chip", 120).plain
 
 
 async def test_start_notes_are_shown_in_the_console(make_system):

@@ -89,7 +89,7 @@ async def test_fleet_of_four_worst_first_then_a_board_console(make_server: Any, 
         assert await wait_for(pilot, lambda: bool(screen.query("#observation")))
         assert screen.query("#maintenance") and screen.query("#chat")
         assert await wait_for(pilot, lambda: screen.last_snapshot is not None)
-        assert screen.last_snapshot["device"]["mode"] == "exclusive"
+        assert screen.last_snapshot.device.mode == "exclusive"
         app._dirty = True
         app._redraw()  # a refresh tick while the board's console covers the table: skipped, no crash
         await pilot.press("escape")

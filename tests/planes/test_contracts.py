@@ -180,10 +180,10 @@ def test_cancel_ends_a_running_request_and_frees_its_kv(planes: Planes) -> None:
     snap = wait_idle(obs)
     assert all(s.state == "idle" for s in snap.slots)
     deadline = time.monotonic() + 20  # the engine frees the slot, then counts the request
-    while snap.requests["counters"]["cancelled"] != 1 and time.monotonic() < deadline:
+    while snap.requests.counters.cancelled != 1 and time.monotonic() < deadline:
         time.sleep(0.02)
         snap = obs.snapshot()
-    assert snap.requests["counters"]["cancelled"] == 1
+    assert snap.requests.counters.cancelled == 1
     if kind(planes) == LLAMA:  # no KV view: the slot is free and the server stopped generating
         assert snap.kv is None and snap.server is not None and snap.server.requests_processing == 0
         assert snap.server.tokens_predicted_total is not None and first.server is not None
@@ -205,7 +205,7 @@ def test_invalid_requests_are_refused_before_anything_is_allocated(planes: Plane
         r = msgspec.structs.replace(req(), **bad)
         inf.submit(r)
     after = obs.snapshot()
-    assert after.requests["counters"]["submitted"] == before.requests["counters"]["submitted"]
+    assert after.requests.counters.submitted == before.requests.counters.submitted
     if kind(planes) == LLAMA:  # nothing reached the server: its counters did not move
         assert after.server is not None and before.server is not None
         assert after.server.prompt_tokens_total == before.server.prompt_tokens_total
@@ -263,7 +263,7 @@ def test_observing_changes_nothing(planes: Planes) -> None:
         obs.metrics_text()
     b = obs.snapshot()
     assert (a.jobs, a.kv, a.slots, a.sim_now_ms) == (b.jobs, b.kv, b.slots, b.sim_now_ms)
-    assert a.requests["counters"] == b.requests["counters"]
+    assert a.requests.counters == b.requests.counters
     if kind(planes) == LLAMA:  # GETs only: the server's counters stand still
         assert a.server is not None and b.server is not None
         assert (a.server.n_decode_total, a.server.tokens_predicted_total, a.server.prompt_tokens_total) == (
@@ -275,7 +275,7 @@ def test_counters_follow_the_work(planes: Planes) -> None:
     a = obs.snapshot()
     res = inf.generate(req(n=5), timeout=60)
     b = obs.snapshot()
-    assert b.requests["counters"]["finished"] == a.requests["counters"]["finished"] + 1
+    assert b.requests.counters.finished == a.requests.counters.finished + 1
     if kind(planes) == LLAMA:  # the server's own counters (llamacpp: families)
         assert a.server is not None and b.server is not None
         assert a.server.tokens_predicted_total is not None and b.server.tokens_predicted_total is not None

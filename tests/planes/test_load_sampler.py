@@ -44,3 +44,41 @@ def test_the_reference_is_the_newest_sample_old_enough(monkeypatch: pytest.Monke
         t[0] += 0.5
     load, _ = s.sample(5 * 5e5, 5 * 5e5, (5 * 5e5,), 0)
     assert load["window_wall_s"] == 1.0 and load["window_sim_ms"] == 1000.0 and load["busy_percent"] == 100.0
+
+
+def test_the_output_rate_adds_up_to_the_token_counters_when_a_request_ends_mid_snapshot() -> None:
+    # the rate's tokens were the metrics' count (read first) plus the slots' (read after): a request ending
+    # between the two reads was in neither for one sample, so the next sample's rate rose by all its tokens
+    # (a 20-token chat ending read as 78 tok/s on a device making 58). Forced here: the end happens between
+    from sim_backend.compose import build_system
+    from sim_backend.device.clock import Pacing, PacingMode
+    from sim_backend.planes import ChatRequest, SamplingParams
+
+    with build_system(pacing=Pacing(PacingMode.REALTIME, speed=1.0), numerics=False, maintenance=False) as s:
+        s.observation._load.interval_s = 0.0  # every sample is compared with the previous one
+        metrics = s.engine.metrics
+        h = s.inference.submit(ChatRequest.from_prompt("count the tokens", max_tokens=24,
+                                                       sampling=SamplingParams(seed=3)))
+        first = None
+        while first is None or not any(sl.predicted_n for sl in first.slots):  # a few tokens in
+            first = s.observation.snapshot()
+            assert not h.done, "the request ended before it was seen running"
+        before = first.requests.tokens.predicted + sum(sl.predicted_n or 0 for sl in first.slots)
+        orig = metrics.summary
+
+        def summary_then_end():  # the snapshot's counters are read, then the request ends
+            out = orig()
+            h.result(60)
+            return out
+
+        metrics.summary = summary_then_end
+        try:
+            race = s.observation.snapshot()
+        finally:
+            metrics.summary = orig
+        s.inference.generate(ChatRequest.from_prompt("more", max_tokens=4, sampling=SamplingParams(seed=4)), 60)
+        last = s.observation.snapshot()
+        total = last.requests.tokens.predicted
+        counted = sum((snap.load.output_tokens_per_s or 0.0) * (snap.load.window_sim_ms or 0.0) / 1e3
+                      for snap in (race, last))
+        assert counted == pytest.approx(total - before, abs=1e-6)

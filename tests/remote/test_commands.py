@@ -55,7 +55,7 @@ def test_chat_and_metrics_act_on_the_live_device(served: Any, capsys: Any) -> No
     assert main(["chat", "hello", "--max-tokens", "4", "--seed", "5", "--json", *conn]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["status"] == "finished" and len(out["tokens"]) == 4
-    assert s.system.observation.snapshot().requests["counters"]["finished"] == 1
+    assert s.system.observation.snapshot().requests.counters.finished == 1
     assert main(["metrics", *conn]) == 0
     text = capsys.readouterr().out
     assert "llamacpp:tokens_predicted_total 4.0" in text

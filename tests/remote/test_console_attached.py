@@ -44,12 +44,12 @@ async def test_an_attached_console_streams_chat_and_another_client_sees_it(make_
             assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None)
             assert "generated 12 tok" in log_text(app, "#chat-log")
             # the console's counters follow the server's device...
-            assert await wait_for(pilot, lambda: app.last_snapshot["requests"]["counters"]["finished"] == 1)
+            assert await wait_for(pilot, lambda: app.last_snapshot.requests.counters.finished == 1)
             # ...and a second attached client sees the same request
-            assert watcher.observation.snapshot().requests["counters"]["finished"] == 1
+            assert watcher.observation.snapshot().requests.counters.finished == 1
             # a request from elsewhere (an HTTP client of the same server) shows in this console too
             watcher.inference.generate(ChatRequest.from_prompt("hi", max_tokens=3), timeout=60)
-            assert await wait_for(pilot, lambda: app.last_snapshot["requests"]["counters"]["finished"] == 2)
+            assert await wait_for(pilot, lambda: app.last_snapshot.requests.counters.finished == 2)
     finally:
         watcher.close()
         client.close()
@@ -89,7 +89,7 @@ async def test_the_maintenance_window_works_over_http_with_the_lease(make_server
             assert await wait_for(pilot, lambda: app.query_one("#maintenance").lease is not None)
             mode = s.system.maintenance.mode()
             assert mode["mode"] == "exclusive" and mode["lease_holder"].endswith("@console")
-            assert await wait_for(pilot, lambda: app.last_snapshot["device"]["mode"] == "exclusive")
+            assert await wait_for(pilot, lambda: app.last_snapshot.device.mode == "exclusive")
             await click_button(pilot, "#m-leave")
             assert await wait_for(pilot, lambda: app.query_one("#maintenance").lease is None)
             assert s.system.maintenance.mode()["mode"] == "serving"

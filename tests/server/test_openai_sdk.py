@@ -89,5 +89,5 @@ def test_eight_concurrent_streams(client, srv):
     assert [i for i, _ in results] == list(range(8))
     assert all(n <= 8 for _, n in results)
     snap = srv.system.observation.snapshot()
-    assert snap.requests["balanced"] and snap.kv.used_tokens >= 0
+    assert snap.requests.balanced and snap.kv.used_tokens >= 0
     assert all(s.state == "idle" for s in snap.slots)

@@ -323,7 +323,7 @@ def test_disconnect_mid_stream_cancels_and_frees_kv(make_server):
     # the client is gone: within one device step (~17 ms simulated, x2 at speed 0.5) plus polling
     assert wait_until(lambda: obs.snapshot().slots[0].state == "idle")
     snap = obs.snapshot()
-    assert snap.requests["counters"]["cancelled"] == 1 and snap.requests["balanced"]
+    assert snap.requests.counters.cancelled == 1 and snap.requests.balanced
     assert snap.kv.used_tokens == 0  # a cancelled reply's sequence is freed
 
 
@@ -355,7 +355,7 @@ def test_a_reader_that_stops_reading_loses_its_slot(make_server):
         obs = s.system.observation
         assert wait_until(lambda: obs.snapshot().slots[0].state != "idle")
         # never read: the server's sends block, time out, and the request is cancelled
-        assert wait_until(lambda: obs.snapshot().requests["counters"]["cancelled"] == 1, timeout=30)
+        assert wait_until(lambda: obs.snapshot().requests.counters.cancelled == 1, timeout=30)
         assert obs.snapshot().slots[0].state == "idle" and obs.snapshot().kv.used_tokens == 0
     finally:
         sock.close()
@@ -367,7 +367,7 @@ def test_non_streaming_client_that_gives_up_cancels(make_server):
     body = {"messages": [{"role": "user", "content": "slow one"}], "max_tokens": 500}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(s.url + CHAT, json=body, timeout=httpx.Timeout(60, read=1.0))
-    assert wait_until(lambda: obs.snapshot().requests["counters"]["cancelled"] == 1)
+    assert wait_until(lambda: obs.snapshot().requests.counters.cancelled == 1)
     assert obs.snapshot().slots[0].state == "idle" and obs.snapshot().kv.used_tokens == 0
 
 

@@ -30,7 +30,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from sim_backend.planes import CalError, Snapshot
-from sim_backend.planes.snapshot import LoadInfo, ServerInfo, SlotView
+from sim_backend.planes.snapshot import LoadInfo, RequestsView, ServerInfo, SlotView, convert
 
 from ..connection import Connection, raise_for
 from .inference import ClientMetrics
@@ -202,7 +202,8 @@ class LlamaObservationPlane:
             **counters)  # type: ignore[arg-type]
         return Snapshot(taken_unix_s=time.time(), sim_now_ms=None, device=None, jobs=None, kv=None, last_step=None,
                         last_prefill=None, last_decode=None, memory=None, slots=slots,
-                        requests=self._metrics.summary(server.kv_cache_usage_ratio), stages=None,
+                        requests=convert(self._metrics.summary(server.kv_cache_usage_ratio), RequestsView),
+                        stages=None,
                         history=self._metrics.history(), host=None, findings=None, load=load, server=server)
 
     def _load(self, now: float, c: Mapping[str, float | int]) -> LoadInfo:
