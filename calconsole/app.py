@@ -15,6 +15,7 @@ from typing import Any
 
 from rich.text import Text
 from textual import events
+from textual.actions import SkipAction
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
@@ -22,7 +23,7 @@ from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
 from textual.widget import Widget
-from textual.widgets import Footer, Static
+from textual.widgets import Footer, Input, Static
 
 from sim_backend.planes.snapshot import Snapshot
 
@@ -63,11 +64,14 @@ class CalConsoleApp(App):
     CSS_PATH = "styles.tcss"
     TITLE = "calconsole"
     BINDINGS = [
+        # first, so a narrow footer still names it. Priority: the chat input has focus at start and took "?"
+        # as text; on an empty input (or any other widget) "?" opens the help, in an input with text it types
+        # (action_help steps aside)
+        Binding("question_mark", "help", "help", priority=True),
         Binding("ctrl+q", "quit", "quit", priority=True),
         Binding("f1", "focus_pane('observation')", "observation"),
         Binding("f2", "focus_pane('chat')", "chat"),
         Binding("f3", "focus_pane('maintenance')", "maintenance"),
-        Binding("question_mark", "help", "help"),
     ]
     #: refresh rates the palette offers (Hz)
     REFRESH_CHOICES = (0.5, 1.0, 2.0, 4.0)
@@ -166,6 +170,12 @@ class CalConsoleApp(App):
 
     def on_resize(self, event: events.Resize) -> None:
         self._check_size(event.size)
+        if self.last_snapshot is not None:  # the header keeps what fits the new width
+            self.call_after_refresh(self._refit_topbar)
+
+    def _refit_topbar(self) -> None:
+        if self.last_snapshot is not None:
+            self._show_topbar(self.last_snapshot)
 
     def _check_size(self, size=None) -> None:
         size = size or self.size  # in on_resize, self.size can still be the previous size
@@ -245,15 +255,35 @@ class CalConsoleApp(App):
             return
         d = snap.device
         kv = "-" if snap.kv is None else f"{snap.kv.used_tokens}/{snap.kv.capacity_tokens}"
-        bar = Text.assemble(("calconsole ", "bold"), f"{d.name} · ", mode_text(d), " · ",
-                            status_text(d, compact=True),
-                            f" · requests done {snap.requests.counters.finished} · device steps "
-                            f"{'-' if snap.jobs is None else snap.jobs.finished} · KV {kv} · "
-                            f"sim clock {(snap.sim_now_ms or 0.0) / 1e3:.2f} s")
-        if self.listen_url:
-            bar.append(f" · HTTP API {self.listen_url}")
+        # (text, style, keep): at a narrow width the parts with the lowest keep go first, so where the
+        # console is attached, its mode and its status are never cut
+        parts: list[tuple[Text | str, str, int]] = [
+            (f"{d.name}", "", 9), (mode_text(d), "", 9), (status_text(d, compact=True), "", 9)]
         if self.where:
-            bar.append(f" · {self.where}", "bold cyan")
+            parts.append((self.where, "bold cyan", 8))
+        if self.listen_url:
+            parts.append((f"HTTP API {self.listen_url}", "", 7))
+        parts += [(f"requests done {snap.requests.counters.finished}", "", 4),
+                  (f"device steps {'-' if snap.jobs is None else snap.jobs.finished}", "", 2), (f"KV {kv}", "", 3),
+                  (f"sim clock {(snap.sim_now_ms or 0.0) / 1e3:.2f} s", "", 1)]
+        brief = status_text(d, compact=True, brief=True)
+        width = self.size.width - 1 if self.size.width else 1000
+        if self.disconnected_since is not None:
+            width -= len("DISCONNECTED since 00:00:00 (retrying) · ")
+        while True:
+            bar = Text("calconsole ", style="bold")
+            for i, (part, style, _) in enumerate(parts):
+                if i:
+                    bar.append(" · ")
+                bar.append_text(part if isinstance(part, Text) else Text(part, style=style))
+            if bar.cell_len <= width:
+                break
+            if len(parts) <= 3:
+                if parts[2][0] == brief:
+                    break
+                parts[2] = (brief, "", 9)  # the status without what is in effect or armed (the table has it)
+                continue
+            parts.remove(min(parts, key=lambda p: p[2]))
         self._topbar_bar(bar)
 
     def _topbar_bar(self, bar: Text) -> None:
@@ -292,7 +322,15 @@ class CalConsoleApp(App):
         return None
 
     def action_help(self) -> None:
-        """``?``: the keys of the focused pane and the global ones, the figures, the thresholds."""
+        """``?``: the keys of the focused pane and the global ones, the figures, the thresholds.
+
+        Steps aside (the key types ``?``) in an input that holds text, and on a modal screen (the help
+        screen closes on ``?``; a confirmation takes it as text)."""
+        if self.screen is not self.screen_stack[0]:
+            raise SkipAction()
+        focused = self.screen_stack[0].focused
+        if isinstance(focused, Input) and focused.value:
+            raise SkipAction()
         pane = self._focused_pane()
 
         def keys(bindings) -> list[tuple[str, str]]:

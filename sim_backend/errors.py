@@ -2,12 +2,16 @@
 
 Every failure the operator can see is one of these, never a bare
 ``Exception``, an ``abort()`` or a silent hang (facts.md F6 lists the
-production integration's failures this replaces).
+production integration's failures this replaces). ``Finding`` is the
+manifest check that did not refuse a bundle (its value type lives here, the
+one module both the bundle loader and the planes' seam may import).
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import msgspec
 
 
 class CalError(Exception):
@@ -15,6 +19,20 @@ class CalError(Exception):
 
 
 # --- bundle / manifest -------------------------------------------------------
+
+class Finding(msgspec.Struct, frozen=True):
+    """One bundle-manifest check that did not refuse the bundle (that is ``ManifestError``): ``severity``
+    "info" | "warning" | "error", a short ``code``, the ``file`` and ``field`` it concerns, the ``message`` and
+    the ``action`` the loader took. One struct from the loader to the snapshot (``Snapshot.findings``): it lives
+    in this bottom layer so the bundle loader and the planes' seam can both name it."""
+
+    severity: str
+    code: str
+    file: str
+    field: str
+    message: str
+    action: str
+
 
 class ManifestError(CalError):
     """A calbin manifest (or other bundle file) is malformed or inconsistent.

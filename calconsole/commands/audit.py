@@ -104,14 +104,14 @@ def run(args: argparse.Namespace) -> int:
     if not records:
         c.print(Text(f"no audit records in {where}"))
         return 0
-    users = sorted({str(e["user"]) for e in entries if e["user"]})
+    users = sorted({_who(e) for e in entries if _who(e)})
     one_user = len(users) <= 1
     # Text, not markup: the path and the user names come from outside ("[/]" in a damaged log)
-    title = Text(f"maintenance audit log · {where}" + (f" · user {users[0]}" if one_user and users else ""))
+    title = Text(f"maintenance audit log · {where}" + (f" · by {users[0]}" if one_user and users else ""))
     t = Table(title=title, title_justify="left", expand=True)
     t.add_column("time", no_wrap=True)
     if not one_user:
-        t.add_column("user")
+        t.add_column("who")  # the OS user, or for a call over HTTP the admin key's label and the address
     t.add_column("action", overflow="fold", ratio=1, min_width=19)
     t.add_column("status", no_wrap=True)
     t.add_column("result", overflow="fold", ratio=2, min_width=20)
@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         action = Text(ent["action"], style="bold")
         if ent["args"]:
             action.append("\n" + _kv(ent["args"]), style="dim")
-        row = [Text(ent["time"][11:19] or "?")] + ([] if one_user else [Text(str(ent["user"]))]) + [
+        row = [Text(ent["time"][11:19] or "?")] + ([] if one_user else [Text(_who(ent))]) + [
             action, Text(ent["status"], style=styles.get(ent["status"], "")), Text(brief(ent["result"])),
             Text("" if ent["duration_ms"] is None else f"{ent['duration_ms']:.1f}"),
             Text("" if ent["sim_ms"] is None else f"{ent['sim_ms']:.1f}")]
@@ -160,3 +160,15 @@ def brief(result, limit: int = 120) -> str:
             parts.append(f"drained {d.get('drained')} cancelled {d.get('cancelled')}")
         text = "; ".join(parts) or _kv(result)
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _who(ent: dict) -> str:
+    """Who made the call: the OS user of an in-process call; over HTTP the key's label (never the key) and the
+    peer address ("ops-admin from 127.0.0.1:50412"; "no valid key from ..." for a refused authentication)."""
+    origin = ent.get("origin") if isinstance(ent.get("origin"), dict) else None
+    if origin is None:
+        return str(ent.get("user") or "")
+    key = origin.get("key")
+    name = "no valid key" if key in (None, "?", "(none)") else str(key)
+    remote = origin.get("remote") or origin.get("server")
+    return f"{name} from {remote}" if remote else name

@@ -120,11 +120,13 @@ class ChatPane(Vertical):
                 for pid, label, _, name in PARAMS:
                     default = param_defaults()[pid]
                     yield Label(label, classes="param-label")
-                    yield Input(default, id=pid, classes="param-input", compact=True,
+                    # no select-all on focus: a refused field is focused, and its value under the selection
+                    # on the red mark read as blank
+                    yield Input(default, id=pid, classes="param-input", compact=True, select_on_focus=False,
                                 tooltip=PARAM_HELP.get(name, name), placeholder="none" if default == "" else "")
             yield Button("reset to defaults", id="p-reset", compact=True,
                          tooltip="every sampling parameter back to its default (Ctrl+L keeps them)")
-        yield Input(placeholder="Type a message, Enter to send · Esc cancels · Ctrl+L new chat · PgUp/PgDn scroll",
+        yield ChatInput(placeholder="Type a message, Enter to send · Esc cancels · Ctrl+L new chat · PgUp/PgDn scroll",
                     id="chat-input", compact=True)
 
     # --- parameters ---------------------------------------------------------------
@@ -217,10 +219,10 @@ class ChatPane(Vertical):
     def _on_refused(self, e: RequestError, prompt: str) -> None:
         self._submitting = False
         msg = f"{e.error_type}: {e}"
-        self._log_error(msg)
-        self.query_one("#chat-input", Input).value = prompt
+        self._restore_prompt(prompt)
         pid = PARAM_INPUT.get(getattr(e, "param", None) or "")
-        # the status line sits by the input: a refusal is seen there even when the log is scrolled
+        # once, on the status line by the input (seen even when the log is scrolled); it was also written to
+        # the transcript, so every refusal read twice
         self._set_status(Text(msg, style="bold red"))
         if pid is not None:
             self._mark_param(pid)
@@ -244,7 +246,7 @@ class ChatPane(Vertical):
         self._set_stream(None)
         self._set_status("")
         self._log_error(f"request {request_id}: no progress for {NO_PROGRESS_S:.0f} s; cancelled and abandoned")
-        self.query_one("#chat-input", Input).value = prompt
+        self._restore_prompt(prompt)
 
     def on_mount(self) -> None:
         self._set_stream(None)
@@ -285,7 +287,13 @@ class ChatPane(Vertical):
             self.history.extend([{"role": "user", "content": prompt},
                                  {"role": "assistant", "content": result.text}])
         elif result.status == "cancelled":
-            self.query_one("#chat-input", Input).value = prompt
+            self._restore_prompt(prompt)
+
+    def _restore_prompt(self, prompt: str) -> None:
+        """The prompt back in the input to edit or resend, the cursor at its end (it was at the start)."""
+        inp = self.query_one("#chat-input", Input)
+        inp.value = prompt
+        inp.cursor_position = len(prompt)
 
     def _set_status(self, content) -> None:
         """The line by the input; hidden while empty (the transcript gets the row)."""
@@ -338,6 +346,17 @@ class ChatPane(Vertical):
             set_subtitle(self, f"{snap.source} · model {snap.server.model if snap.server is not None else '?'}")
             return
         set_subtitle(self, d.mode + (f" (lease: {d.lease_holder})" if d.lease_holder else ""))
+
+
+class ChatInput(Input):
+    """The chat's message input. It lets "?" through to the app's help binding (so the footer names the help
+    key while the chat has focus, as it has at start); the app steps aside when the input holds text, and
+    the "?" is then typed as usual."""
+
+    def check_consume_key(self, key: str, character: str | None) -> bool:
+        if character == "?":
+            return False
+        return super().check_consume_key(key, character)
 
 
 def metrics_line(result, wall_s: float) -> str:

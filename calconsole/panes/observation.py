@@ -209,6 +209,14 @@ class ObservationPane(VerticalScroll):
     def on_resize(self) -> None:
         if self.has_class("-focus-graphs"):
             self._size_graphs()
+        shown = self._shown.get("#obs-device")
+        if self._last is not None and not (isinstance(shown, tuple) and shown[-1] == self._table_width()):
+            self.update_snapshot(self._last)  # the device table picks the form that fits the new width
+
+    def _table_width(self) -> int | None:
+        """Columns the device table may take (the pane's content width); None before layout."""
+        w = self.scrollable_content_region.width
+        return max(20, w) if w > 0 else None  # already less a vertical scrollbar when one is shown
 
     def _size_graphs(self) -> None:
         """Focused, the graphs share the pane's height (inline styles); otherwise the stylesheet's rows."""
@@ -413,10 +421,12 @@ class ObservationPane(VerticalScroll):
                 self._update("#obs-device", table, ("server", self.compact, detail))
         elif "device" in visible and snap.device is not None and snap.jobs is not None:
             # the load's busy % only: its window length (wall s) changes at every sample, idle or not
-            dev = (snap.device, snap.jobs.finished, snap.load.busy_percent, snap.memory, self.compact)
+            width = self._table_width()
+            dev = (snap.device, snap.jobs.finished, snap.load.busy_percent, snap.memory, self.compact, width)
             if self._shown.get("#obs-device") != dev:
                 self._shown["#obs-device"] = dev
-                table = render.device_table(snap, self.compact, self.settings)
+                # the widest form that fits: columns drop in a stated order, no figure becomes "…"
+                table = render.device_table(snap, self.compact, self.settings, width=width)
                 # the faults line wraps: its length is part of the shape (a fault that fired later
                 # kept the rows of "faults none", its detail cut, until something else moved)
                 faults = table.renderables[-1]

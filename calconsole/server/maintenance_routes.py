@@ -70,6 +70,12 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
     def origin(request: Request) -> dict[str, Any]:
         return {"remote": remote_of(request), "key": getattr(request.state, "key_label", "?"), "via": "http"}
 
+    def by_key(request: Request, holder: str) -> str:
+        """Who holds or acknowledges, as the server knows it: the admin key's label first (the name the caller
+        gives is its own claim: every remote console said root@console), then that claim."""
+        label = getattr(request.state, "key_label", None)
+        return holder.strip() if label in (None, "?", "open") else f"{label} ({holder.strip()})"
+
     async def plane(request: Request, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         o = origin(request)
 
@@ -165,7 +171,7 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
         drain = body.get("drain_timeout_s")
         if drain is not None and (isinstance(drain, bool) or not isinstance(drain, (int, float))):
             raise wire.bad_request("'drain_timeout_s' must be a number of seconds")
-        lease: Lease = await plane(request, m.enter_exclusive, holder, drain)
+        lease: Lease = await plane(request, m.enter_exclusive, by_key(request, holder), drain)
         h = leases.grant(lease, getattr(request.state, "key_label", "?"), remote_of(request))
         return _json({**h.to_dict(), "drain": getattr(m, "last_drain", None)})
 
@@ -224,7 +230,7 @@ def maintenance_routes(face: ServingFace) -> list[tuple[str, Callable[[Request],
         holder = body.get("holder")
         if not isinstance(holder, str) or not holder.strip():
             raise wire.bad_request("'holder' (who acknowledges) is required")
-        return _json(await plane(request, m.acknowledge_faults, holder))
+        return _json(await plane(request, m.acknowledge_faults, by_key(request, holder)))
 
     async def probe(request: Request) -> Response:
         body = await body_of(request)

@@ -33,6 +33,26 @@ FIGURES = (
 )
 
 
+#: words of this device and its report the console uses; the README's glossary says the same
+GLOSSARY = (
+    ("F1 / F2 / F3 (keys)", "focus the observation / chat / maintenance pane; ? (on an empty input) is this help"),
+    ("facts.md F1..F9", "a section of sim_backend/facts.md, the facts about the real device the simulator "
+                        "follows (F4 the memory map, F7 the cost figures, F8 the stage times)"),
+    ("calbin", "the compiled device program: the model's prefill and decode sub-models as the NPU runs them; "
+               "the bundle is the calbin with its manifest and weights"),
+    ("C0 / C1 / C2 / C3", "status of a capability in the device report: C0 used today, C1 in the SDK but unused, "
+                          "C2 buildable by us, C3 needs the vendor (e.g. a batch-8 decode calbin); anything but "
+                          "C0 is a what-if, labelled wherever it is shown"),
+    ("S8 V-cache", "a KV-cache layout the SDK has but the product does not use (a C1 what-if): 4/3 the tokens"),
+    ("job / device step", "one prefill chunk or one decode step run on the device; 'steps' counts those done "
+                          "(not requests, and not processes as npu-smi's running jobs are)"),
+    ("fault xN", "slow_chipK xN: chip K runs N times slower; ccu_exception / d2d_link_error / kv_exhaustion xN: "
+                 "the next N jobs it hits"),
+    ("pacing A/S", "the device runs paced at S simulated s per wall s; A is what this host achieved "
+                   "(below S: the host is behind, replies stream slower than the sim figures)"),
+)
+
+
 def _keys_table(title: str, bindings: list[tuple[str, str]]) -> Group:
     t = Table(box=None, padding=(0, 2), show_header=False)
     t.add_column("key", style="bold cyan", no_wrap=True)
@@ -55,6 +75,12 @@ def help_renderable(pane_title: str, pane_keys: list[tuple[str, str]], global_ke
     for k, d in FIGURES:
         f.add_row(k, d)
     parts += [Text("what the figures mean", style="bold"), f, Text("")]
+    w = Table(box=None, padding=(0, 2), show_header=False)
+    w.add_column(style="bold magenta", no_wrap=True)
+    w.add_column()
+    for k, d in GLOSSARY:
+        w.add_row(k, d)
+    parts += [Text("words", style="bold"), w, Text("")]
     th = Table(box=None, padding=(0, 2))
     for col in ("name", "warn", "crit", "unit", "meaning"):
         th.add_column(col, justify="right" if col in ("warn", "crit") else "left")

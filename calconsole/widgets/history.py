@@ -8,6 +8,7 @@ clock (nvitop draws its history the same way).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -107,6 +108,38 @@ def _tick_label(s: float) -> str:
     return "now" if s == 0 else f"-{s / 60:g}m" if s % 60 == 0 else f"-{s:g}s"
 
 
+#: tick steps (s) the time axis may use, and the y scale's step mantissas
+X_STEPS_S = (15, 30, 60, 120, 150, 180, 300, 450, 900)
+Y_STEPS = (1.0, 2.0, 2.5, 5.0)
+#: columns a time label needs with its gap ("-15m" and a space or two)
+X_LABEL_COLS = 6
+
+
+def x_ticks(window_s: float, width: int) -> list[float]:
+    """Ticks of the time axis (s before now, ending at 0 = "now"): round steps, as many as fit ``width``
+    columns with a label each (plotext drops the labels that collide: "-2m" went missing at 20 columns)."""
+    room = max(2, (max(0, width - 8)) // X_LABEL_COLS + 1)  # less the y labels
+    preferred = TICK_STEP_S.get(int(window_s), window_s / 4)
+    # a step that divides the window first (the left edge gets its label), then any that fits
+    order = [st for st in X_STEPS_S if window_s % st == 0] + [st for st in X_STEPS_S if window_s % st]
+    step = next((st for st in order if st >= preferred and window_s / st + 1 <= room),
+                next((st for st in order if window_s / st + 1 <= room), window_s))
+    n = int(window_s // step)
+    return [-n * step + i * step for i in range(n + 1)]
+
+
+def y_ticks(peak: float, n: int = 4) -> list[float]:
+    """``n + 1`` evenly spaced ticks from 0 to a round top at or above ``peak`` (steps of 1, 2, 2.5 or 5 x 10^k):
+    100 gives 0 / 25 / 50 / 75 / 100 (plotext's own were 100.0 / 83.3 / 50.0 / 33.3 / 0.0)."""
+    peak = max(peak, 1e-9)
+    raw = peak / n
+    k = math.floor(math.log10(raw))
+    step = next(m * 10 ** k for m in (*Y_STEPS, 10.0) if m * 10 ** k >= raw - 1e-12)
+    if peak <= 1.0 and step < 0.25:
+        step = 0.25  # an empty graph reads 0..1
+    return [round(i * step, 10) for i in range(n + 1)]
+
+
 class HistoryGraph(PlotextPlot):
     """A braille line graph of one ``GraphSpec`` with its y scale, a time axis and a legend."""
 
@@ -117,11 +150,15 @@ class HistoryGraph(PlotextPlot):
         self.clock_label: str | None = None
         self.drawn_at = 0.0
         self._built: tuple[tuple[int, int], object] | None = None  # (size, renderable) of the last build
+        self._window_s: float | None = None  # the window of the last draw (host wall s)
 
     def render(self):  # noqa: ANN201 - Textual's RenderResult
         """The plot, built once per ``draw`` and size: a repaint (a relayout, a scroll) reuses it."""
         size = (self.size.width, self.size.height)
         if self._built is None or self._built[0] != size:
+            if self._window_s is not None:  # the time labels that fit the new width
+                ticks = x_ticks(self._window_s, self.size.width)
+                self.plt.xticks(ticks, [_tick_label(t) for t in ticks])
             self._built = (size, super().render())
         return self._built[1]
 
@@ -142,10 +179,12 @@ class HistoryGraph(PlotextPlot):
             plt.text("no data yet", x=-window_s / 2, y=0.5)
             peak = 1.0
         plt.xlim(-window_s, 0)
-        step = TICK_STEP_S.get(int(window_s), window_s / 4)
-        ticks = [-window_s + i * step for i in range(int(window_s // step) + 1)]
+        self._window_s = window_s
+        ticks = x_ticks(window_s, self.size.width)
         plt.xticks(ticks, [_tick_label(t) for t in ticks])
-        # the scale starts at 0 (a bar or line never reads against its own minimum)
-        plt.ylim(0, top if top is not None else max(1.0, peak * 1.15))
+        # the scale starts at 0 (a bar or line never reads against its own minimum), evenly ticked
+        yt = y_ticks(top if top is not None else peak * 1.1)
+        plt.ylim(0, yt[-1])
+        plt.yticks(yt, [f"{v:g}" for v in yt])
         self._built = None
         self.refresh()

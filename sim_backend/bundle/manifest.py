@@ -22,7 +22,7 @@ import yaml
 
 from sim_backend import safe_yaml
 from sim_backend.bundle.shapes import LLAMA_DENSE, QWEN3_MOE, ModelShape, NumericShape, split_over_chips
-from sim_backend.errors import ManifestError
+from sim_backend.errors import Finding, ManifestError
 
 DEFAULT_BUNDLE_DIR = Path(__file__).resolve().parents[1] / "bundles" / "qwen3-30b-a3b"
 MANIFEST_NAME = "calbin.yaml"
@@ -86,18 +86,6 @@ MAX_YAML_BYTES = 1 << 20
 MAX_DEVICE_MEMORY_BYTES = 1 << 50
 #: Tokenizer model_max_length is only reported (facts.md F1 [131072]); at most 2**24.
 MAX_TOKENIZER_LENGTH = 1 << 24
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One manifest check result. severity: "info" | "warning" | "error"."""
-
-    severity: str
-    code: str
-    file: str
-    field: str
-    message: str
-    action: str
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ from typing import Any
 
 import msgspec
 
+from sim_backend.errors import Finding
+
+from .types import StageTimes
+
 
 class _Frozen(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Base of the snapshot sections (frozen, keyword-only)."""
@@ -264,26 +268,6 @@ class SlotView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     n_ctx: int | None = None
 
 
-class StageView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Where the last prefill or decode step's time went, in ms.
-
-    ``h2d_ms`` / ``infer_ms`` / ``d2h_ms``: simulated device time; the others are measured host CPU ms.
-    """
-
-    kind: str
-    h2d_ms: float
-    infer_ms: float
-    d2h_ms: float
-    kv_wait_ms: float
-    sampling_ms: float
-    detokenize_ms: float
-    framework_ms: float
-    tokenize_ms: float
-    n_tokens: int
-    request_id: int | None
-    source: str = "request"
-
-
 class HostInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """This process, measured: CPU % since the previous snapshot, RSS bytes, threads, system CPU %."""
 
@@ -291,17 +275,6 @@ class HostInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     rss_bytes: int
     threads: int
     system_cpu_percent: float
-
-
-class FindingView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """A bundle manifest finding (``severity`` warning|error), with the file and field it concerns."""
-
-    severity: str
-    code: str
-    file: str
-    field: str
-    message: str
-    action: str
 
 
 class LoadInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -472,10 +445,10 @@ class Snapshot(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     memory: MemoryView | None
     slots: tuple[SlotView, ...]
     requests: RequestsView
-    stages: dict[str, StageView] | None
+    stages: dict[str, StageTimes] | None
     history: dict[str, tuple[float | None, ...]]
     host: HostInfo | None
-    findings: tuple[FindingView, ...] | None
+    findings: tuple[Finding, ...] | None
     load: LoadInfo = LoadInfo()
     #: recent batched decode steps, oldest first (empty with a batch-1 calbin)
     decode_batches: tuple[BatchStepView, ...] = ()

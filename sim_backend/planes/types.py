@@ -258,7 +258,8 @@ class StageTimes(msgspec.Struct, frozen=True):
     framework_ms: float
     tokenize_ms: float = 0.0
     n_tokens: int = 0
-    request_id: int = 0
+    #: the served request the step belongs to; None for a maintenance step (``source`` says which)
+    request_id: int | None = None
     source: str = "request"  # "request" (served by the engine) or a maintenance step: "probe", "self-test", ...
 
     @property

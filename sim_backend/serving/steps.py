@@ -320,6 +320,6 @@ class StepRunner:
         last step of its kind; not added to ``stage_history`` (the percentiles stay those of served requests)."""
         cost = res.cost
         st = StageTimes(res.kind, cost.h2d_us / 1e3, cost.infer_us / 1e3, cost.d2h_us / 1e3, 0.0, sampling_ms, 0.0,
-                        framework_ms, 0.0, res.n_tokens, 0, source)
+                        framework_ms, 0.0, res.n_tokens, None, source)
         self.last_stage[res.kind] = st
         return st

@@ -66,11 +66,14 @@ async def test_escape_cancels_and_marks_reply(system):
         await pilot.press(*"go on")
         await pilot.press("enter")
         assert await wait_for(pilot, lambda: app.query_one("#chat").handle is not None)
-        await pilot.pause(0.3)
+        await pilot.pause(0.3)  # a few tokens stream (not an assertion's gate: Esc may come at any time)
         await pilot.press("escape")
         assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None)
         lines = log_lines(app, "#chat-log")
         assert any("[cancelled:" in line for line in lines)
+        # the prompt comes back to edit or resend, the cursor at its end (it was at the start)
+        inp = app.query_one("#chat-input")
+        assert inp.value == "go on" and inp.cursor_position == len("go on")
         assert app.query_one("#chat-input").value == "go on"  # prompt restored
         assert app.query_one("#chat").history == []
 

@@ -162,11 +162,18 @@ async def test_sampling_fields_show_their_whole_value_and_a_refusal_is_visible_a
         await pilot.pause()
         await pilot.press(*"hello", "enter")
         msg = "invalid_request_error: top_p must be in (0, 1]; got 20.95"
-        assert await wait_for(pilot, lambda: has(app, "#chat-log", msg))
         status = app.query_one("#chat-status")
-        assert msg == str(status.content) and status.region.height >= 2  # by the input, not only in the log
+        assert await wait_for(pilot, lambda: str(status.content) == msg)
+        assert status.region.height >= 2  # by the input, seen when the log is scrolled
+        assert not has(app, "#chat-log", "top_p must be")  # said once, not also in the transcript
         assert not app.query_one("#chat-params").collapsed and top_p.has_class("-refused")
         assert app.focused is top_p
+        # the refused field shows its value (focus selected it all, and under the red mark it read blank)
+        assert top_p.value == "20.95" and not top_p.selected_text
+        shown = "".join(seg.text for seg in top_p.render_line(0))
+        assert "20.95" in shown, shown
+        # the prompt is back in the input, the cursor at its end (it was at the start)
+        assert inp.value == "hello" and inp.cursor_position == len("hello")
         # a value the pane cannot even parse reads and counts the same way: the engine refuses it
         top_p.value = "0.9"
         app.query_one("#p-temperature").value = "abc"
@@ -174,7 +181,7 @@ async def test_sampling_fields_show_their_whole_value_and_a_refusal_is_visible_a
         await pilot.pause()
         await pilot.press("enter")
         msg2 = "invalid_request_error: temperature must be a finite number; got 'abc'"
-        assert await wait_for(pilot, lambda: has(app, "#chat-log", msg2))
+        assert await wait_for(pilot, lambda: str(status.content) == msg2)
         assert not top_p.has_class("-refused") and app.query_one("#p-temperature").has_class("-refused")
         assert system.observation.snapshot().requests.counters.rejected == 2
 

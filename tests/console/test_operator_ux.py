@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 from textual.app import App
+from textual.command import CommandPalette
+from textual.widgets import OptionList
 
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
@@ -68,6 +70,28 @@ async def test_question_mark_lists_the_focused_panes_keys_global_keys_figures_an
         assert "Observation (read-only): keys" in text and "heatmap" in text and "history 1/5/15 min" in text
 
 
+async def test_question_mark_on_the_empty_chat_input_opens_the_help_and_types_in_a_filled_one(fast_system):
+    # the chat input has focus at start: "?" went into it as text, and the help was reachable only after F1/F3
+    app = CalConsoleApp(fast_system, load_layout("operator"))
+    async with app.run_test(size=(160, 48)) as pilot:
+        inp = app.query_one("#chat-input")
+        assert await wait_for(pilot, lambda: app.focused is inp)
+        await pilot.press("question_mark")
+        assert await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen))
+        assert inp.value == ""
+        text = plain(app.screen.content)
+        for word in ("calbin", "C0 / C1 / C2 / C3", "S8 V-cache", "facts.md F1..F9", "job / device step",
+                     "fault xN", "pacing A/S"):
+            assert word in text, word
+        await pilot.press("question_mark")  # ? closes it again
+        assert await wait_for(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        await pilot.press("w", "h", "y", "question_mark")
+        assert await wait_for(pilot, lambda: inp.value == "why?")
+        assert not isinstance(app.screen, HelpScreen)
+        # the footer names the help key whatever has focus
+        assert any(b.binding.action == "help" and b.binding.show for b in app.active_bindings.values())
+
+
 # --- the palette ------------------------------------------------------------------------------------
 
 
@@ -95,9 +119,17 @@ async def test_palette_offers_every_console_command_and_they_work(fast_system, t
         assert app.theme == "nord"
         # through the palette itself, as an operator types it
         await pilot.press("ctrl+p")
-        await pilot.pause(0.3)
+        assert await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette))
         await pilot.press(*"Export snapshot")
-        await pilot.pause(0.5)
+
+        def highlighted() -> str:
+            lists = app.screen.query(OptionList)
+            ol = lists.first() if lists else None
+            if ol is None or ol.highlighted is None or not ol.option_count:
+                return ""
+            return str(ol.get_option_at_index(ol.highlighted).prompt)
+
+        assert await wait_for(pilot, lambda: "Export snapshot" in highlighted())
         await pilot.press("enter")
         assert await wait_for(pilot, lambda: list(tmp_path.glob("calconsole-snapshot-*.json")))
         wire = json.loads(next(tmp_path.glob("calconsole-snapshot-*.json")).read_text())

@@ -13,7 +13,7 @@ from textual.widgets import Static
 from calconsole.panes.observation import ObservationPane
 from calconsole.settings import Settings
 from calconsole.widgets import render
-from tests.console.pilot_helpers import typed, typed_step
+from tests.console.pilot_helpers import typed, typed_step, wait_for
 
 CSS = Path(__file__).resolve().parents[2] / "calconsole" / "styles.tcss"
 SCRIPTED = json.loads((Path(__file__).parent / "data" / "scripted_snapshot.json").read_text())
@@ -66,14 +66,13 @@ async def test_a_fault_that_fires_later_gets_the_rows_its_line_needs():
     async with app.run_test(size=(81, 48)) as pilot:
         pane = app.query_one(ObservationPane)
         pane.update_snapshot(typed(quiet))
-        await pilot.pause(0.2)
         dev = app.query_one("#obs-device", Static)
+        assert await wait_for(pilot, lambda: dev.size.height > 0)
         before = dev.size.height
         pane.update_snapshot(typed(fired))
-        await pilot.pause(0.2)
         need = len(plain(render.device_table(typed(fired)), width=dev.content_region.width).rstrip("\n").splitlines())
         assert need > before
-        assert dev.size.height >= need
+        assert await wait_for(pilot, lambda: dev.size.height >= need)
 
 
 def test_bench_realtime_says_when_no_measured_length_keeps_real_time():
@@ -126,6 +125,7 @@ def test_the_console_passes_the_ignored_options_note(monkeypatch):
 
     class FakeSystem:
         maintenance = None
+        kind = "calconsole"  # what --connect found at the URL (remote planes say it)
 
         def close(self):
             seen["closed"] = True

@@ -64,8 +64,8 @@ async def test_the_console_names_the_server_fills_slots_while_streaming_and_show
             await pilot.press(*"Write one sentence about the sea.")
             await pilot.press("enter")
             # the slots section fills while the reply streams (a slot is processing, with its prompt size)
-            assert await wait_for(pilot, lambda: any(s["state"] == "processing"
-                                                     for s in app.last_snapshot["slots"]), timeout_s=30)
+            assert await wait_for(pilot, lambda: any(s.state == "processing"
+                                                     for s in app.last_snapshot.slots), timeout_s=30)
             assert await wait_for(pilot, lambda: "processing" in shown(app, "#obs-slots"))
             assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None, timeout_s=60)
             # the log renders a reply in slices: wait for its metrics line to be drawn
@@ -76,7 +76,7 @@ async def test_the_console_names_the_server_fills_slots_while_streaming_and_show
             assert re.search(r"[A-Za-z]+( [A-Za-z]+){2,}", reply), reply  # words of ASCII letters and spaces
             # the server's timings as wall ms, and the latencies measured here as client
             assert "(server wall)" in log and "(client wall)" in log
-            assert await wait_for(pilot, lambda: app.last_snapshot["requests"]["counters"]["finished"] == 1)
+            assert await wait_for(pilot, lambda: app.last_snapshot.requests.counters.finished == 1)
             assert await wait_for(pilot, lambda: "client wall ms" in shown(app, "#obs-requests"))
     finally:
         system.close()
@@ -99,7 +99,7 @@ async def test_cancel_in_the_chat_pane_frees_the_slot(llama_server: Any, tmp_pat
             assert await wait_for(pilot, lambda: chat.handle is None, timeout_s=20)
             assert await wait_for(pilot, lambda: "[cancelled" in log_text(app, "#chat-log"))
             assert await wait_for(pilot, lambda: slots_idle(llama_server.url), timeout_s=20)
-            assert await wait_for(pilot, lambda: app.last_snapshot["requests"]["counters"]["cancelled"] == 1)
+            assert await wait_for(pilot, lambda: app.last_snapshot.requests.counters.cancelled == 1)
     finally:
         system.close()
 

@@ -183,3 +183,25 @@ def test_a_lease_serves_only_the_admin_key_that_took_it(make_server):
     assert httpx.post(s.url + "/maintenance/clear-kv", json={"lease_id": lid}, headers=alice).status_code == 200
     assert httpx.post(s.url + "/maintenance/leave", json={"lease_id": lid}, headers=alice).status_code == 200
     assert s.system.maintenance.mode()["mode"] == "serving"
+
+
+def test_the_lease_is_held_under_the_admin_keys_name_and_the_audit_table_shows_who(make_server, capsys,
+                                                                                   monkeypatch):
+    # a remote console with the ops key held the lease as root@console (its own claim), and
+    # 'calconsole audit' showed no caller (the origin was in --json only), refused logins no address
+    from calconsole.cli import main
+
+    s = make_server(admin_key=ADMIN_KEY)
+    enter(s, holder="root@console")
+    assert s.system.observation.snapshot().device.lease_holder == "admin-1 (root@console)"
+    bad = httpx.post(s.url + "/maintenance/exclusive", json={"holder": "x"}, headers={"Authorization": "Bearer no"},
+                     timeout=60)
+    assert bad.status_code == 401
+    path = str(s.system.maintenance.audit.path)
+    audit = s.system.maintenance.audit
+    assert wait_until(lambda: any(e["action"] == "/maintenance/exclusive" for e in audit.entries()))
+    capsys.readouterr()
+    monkeypatch.setenv("COLUMNS", "250")  # one table row a line
+    assert main(["audit", "--audit-log", path, "--all"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "admin-1 from 127.0.0.1:" in out and "no valid key from 127.0.0.1:" in out

@@ -290,18 +290,23 @@ def test_unknown_route_and_method(srv):
 
 def test_too_many_streams_is_503(make_server):
     s = make_server(max_streams=1, system_kw={"pacing": Pacing(PacingMode.REALTIME, 0.2)})
-    body = {"messages": [{"role": "user", "content": "long"}], "max_tokens": 200, "stream": True}
+    # greedy with a seed: the same reply every run (a sampled one could stop at an early end-of-text token, and
+    # on a loaded machine the first stream had ended by the time the second request came: 200)
+    body = {"messages": [{"role": "user", "content": "long"}], "max_tokens": 200, "stream": True,
+            "temperature": 0, "seed": 1}
     with httpx.stream("POST", s.url + CHAT, json=body, timeout=60) as r:
         lines = r.iter_lines()  # kept: a dropped iterator closes the stream when collected
         next(lines)
+        assert wait_until(lambda: s.face.in_flight == 1)
         second = post(s, CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
         assert "busy" in error_of(second, 503, "unavailable_error")
-        assert s.face.stats.refused_busy == 1
+        assert s.face.stats.refused_busy == 1 and s.face.in_flight == 1  # the first one still streams
 
 
 def test_queue_full_is_503(make_server):
     s = make_server(system_kw={"n_slots": 1, "queue_limit": 0, "pacing": Pacing(PacingMode.REALTIME, 0.2)})
-    body = {"messages": [{"role": "user", "content": "long"}], "max_tokens": 200, "stream": True}
+    body = {"messages": [{"role": "user", "content": "long"}], "max_tokens": 200, "stream": True,
+            "temperature": 0, "seed": 1}
     with httpx.stream("POST", s.url + CHAT, json=body, timeout=60) as r:
         lines = r.iter_lines()  # kept: a dropped iterator closes the stream when collected
         next(lines)

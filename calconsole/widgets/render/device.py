@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Group
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -25,12 +26,13 @@ def mode_text(device: DeviceInfo) -> Text:
     return t
 
 
-def status_text(device: DeviceInfo, compact: bool = False) -> Text:
+def status_text(device: DeviceInfo, compact: bool = False, brief: bool = False) -> Text:
     """The device status as the operator reads it: armed faults are armed (not a failure), a fault
     that fired stays a fault until acknowledged (maintenance key ``a``) or reset.
 
     ``compact``: one short phrase per kind (header, maintenance mode line); the observation pane
-    gives the count and where the last one hit."""
+    gives the count and where the last one hit. ``brief`` (a narrow header): the status and what fired only,
+    the faults in effect and armed are in the device table's faults line."""
     style = {"ok": "green", "degraded": "yellow"}.get(device.status, "bold red")
     t = Text(device.status, style=style)
     fired = device.faults_fired
@@ -39,6 +41,8 @@ def status_text(device: DeviceInfo, compact: bool = False) -> Text:
         t.append(f": {kinds} fired (a acks)" if compact else
                  f": {kinds} fired ({len(fired)} unacknowledged, last {fired[-1].detail}; a acknowledges)",
                  style="bold red")
+    if brief:
+        return t
     if device.faults_in_effect:
         t.append(f" ({', '.join(device.faults_in_effect)})", style="yellow")
     if device.faults_armed:
@@ -130,17 +134,22 @@ def mem_bar(used: int, reserved: int, physical: int, width: int, warn: float = 0
     return t
 
 
-def _mem_cell(m: tuple[int, int, int], compact: bool, sram: bool = False) -> Text:
+def _mem_cell(m: tuple[int, int, int], level: int, sram: bool = False) -> Text:
+    """A memory cell at a detail level (see ``device_table``): bar + used/reserved/physical (0, 1),
+    bar + used/physical (2), a short bar + the used share in % (3 and narrower)."""
     used, reserved, physical = m
-    if compact:  # the used share, as the full table's first figure (the bar shows reserved as ▒)
+    if level >= 3:  # the used share, as the full table's first figure (the bar shows reserved as ▒)
         t = mem_bar(used, reserved, physical, 3)
         t.append(f"{100 * used / physical:3.0f}%" if physical else "  -", style="grey70")
         return t
     t = mem_bar(used, reserved, physical, 4 if sram else 6)
     if sram:
-        t.append(f" {used / MIB:.1f}/{reserved / MIB:.1f}/{physical / MIB:.0f}M", style="grey70")
+        figs = (f"{used / MIB:.1f}/{reserved / MIB:.1f}/{physical / MIB:.0f}M" if level < 2 else
+                f"{used / MIB:.1f}/{physical / MIB:.0f}M")
     else:
-        t.append(f" {fmt_gib(used)}/{fmt_gib(reserved)}/{physical / GIB:.0f}G", style="grey70")
+        figs = (f"{fmt_gib(used)}/{fmt_gib(reserved)}/{physical / GIB:.0f}G" if level < 2 else
+                f"{fmt_gib(used)}/{physical / GIB:.0f}G")
+    t.append(" " + figs, style="grey70")
     return t
 
 
@@ -158,57 +167,105 @@ def _chip_health(c: ChipletInfo, d: DeviceInfo, compact: bool) -> Text:
     if c.state == "fault" or (c.ccu_exceptions and d.faults_fired):
         health = Text(f"ccu {c.ccu_exceptions}" if c.ccu_exceptions else "fault", style="bold red")
     elif c.slow_factor != 1:
-        health = Text(f"slow x{c.slow_factor:g}" if not compact else f"x{c.slow_factor:g}", style="yellow")
+        health = Text(f"slow x{c.slow_factor:g}", style="yellow")
     if compact:
         health.truncate(4)
     return health
 
 
-def device_table(snap: Snapshot, compact: bool = False, settings: object = None) -> Any:
+#: what each narrower level of the device table leaves out, in the order it is left out (said under the table)
+DEVICE_LEVELS = (
+    "",
+    "steps column dropped (the device steps section has it)",
+    "steps dropped, reserved bytes shown as ▒ only",
+    "compact rows: DRAM/SRAM % used",
+    "compact rows, SRAM dropped (the memory section has it)",
+    "compact rows, SRAM and state dropped (the mode is in the border)",
+)
+
+
+def device_table(snap: Snapshot, compact: bool = False, settings: object = None, width: int | None = None) -> Any:
     """npu-smi style: the board row, then one row per chiplet (health, state, busy % of simulated time
     over the last interval, device steps done, DRAM and SRAM used / reserved / physical as bars), then
     the faults.
 
-    ``compact`` (a pane ~40 columns wide): no steps column, the bars with the used share as a figure
-    (the reserved share is the ▒ part of the bar)."""
+    ``width`` (columns the table may take; None: no limit): the widest level that fits is drawn, never a
+    cell cut to "…". Narrower, in this order: the steps column goes, then the reserved figures (the ▒ part
+    of the bar still shows them), then the compact rows (bars with the used share in %), then SRAM, then the
+    state column (``DEVICE_LEVELS`` names each; the faults line says which one is drawn). ``compact`` (a pane
+    ~40 columns wide) starts at the compact rows."""
     d = snap.device
     if d is None or snap.jobs is None:
         return not_reported("device", snap)
-    load = snap.load
+    first = 3 if compact else 0
+    for level in range(first, len(DEVICE_LEVELS)):
+        table = _device_rows(snap, level)
+        if width is None or _table_width(table) <= width:
+            break
+    return Group(table, _faults_line(d, level))
+
+
+def _table_width(table: Table) -> int:
+    from rich.console import Console
+
+    return Measurement.get(Console(width=1000), Console(width=1000).options, table).maximum
+
+
+def _device_rows(snap: Snapshot, level: int) -> Table:
+    d, jobs_counts = snap.device, snap.jobs
+    assert d is not None and jobs_counts is not None
+    compact = level >= 3
     mems = chip_memory(snap.memory)
     t = Table(box=None, padding=(0, 1, 0, 0), show_edge=False, header_style="bold grey70", pad_edge=False)
     t.add_column("dev", no_wrap=True)
-    t.add_column("hlth" if compact else "health", no_wrap=True)
-    t.add_column("state", no_wrap=True)
+    short = level >= 2  # health in 4 cells ("slow", "ccu 1", "FLT")
+    t.add_column("hlth" if short else "health", no_wrap=True)
+    if level < 5:
+        t.add_column("state", no_wrap=True)
     t.add_column("busy", justify="right", no_wrap=True)
-    if not compact:
+    if level == 0:
         t.add_column("steps", justify="right", no_wrap=True)
-    t.add_column("DRAM" if compact else "DRAM used/rsv/phys", no_wrap=True)
-    t.add_column("SRAM" if compact else "SRAM used/rsv/phys", no_wrap=True)
-    tot = (sum(m.get("dram", (0, 0, 0))[0] for m in mems), sum(m.get("dram", (0, 0, 0))[1] for m in mems),
-           sum(m.get("dram", (0, 0, 0))[2] for m in mems))
-    stot = (sum(m.get("sram", (0, 0, 0))[0] for m in mems), sum(m.get("sram", (0, 0, 0))[1] for m in mems),
-            sum(m.get("sram", (0, 0, 0))[2] for m in mems))
-    jobs = [] if compact else [str(snap.jobs.finished)]
+    t.add_column("DRAM" if compact else "DRAM used/rsv/phys" if level < 2 else "DRAM used/phys", no_wrap=True)
+    if level < 4:
+        t.add_column("SRAM" if compact else "SRAM used/rsv/phys" if level < 2 else "SRAM used/phys", no_wrap=True)
+
+    def total(kind: str) -> tuple[int, int, int]:
+        return (sum(m.get(kind, (0, 0, 0))[0] for m in mems), sum(m.get(kind, (0, 0, 0))[1] for m in mems),
+                sum(m.get(kind, (0, 0, 0))[2] for m in mems))
+
+    def row(name: Text, health: Text, state: Text, busy: Text, steps: str, m: ChipKinds) -> None:
+        cells: list[Any] = [name, health]
+        if level < 5:
+            cells.append(state)
+        cells.append(busy)
+        if level == 0:
+            cells.append(steps)
+        cells.append(_mem_cell(m.get("dram", (0, 0, 0)), level))
+        if level < 4:
+            cells.append(_mem_cell(m.get("sram", (0, 0, 0)), level, sram=True))
+        t.add_row(*cells)
+
     # the mode word only: the lease holder is in the header line and the pane's border (in the cell
     # "exclusive (lease: root@host)" took the width of busy, jobs and health, shown as "…")
     mode = Text(d.mode, style=mode_text(d).style)
     if compact:  # and the mode in 5 cells
         mode = Text({"serving": "serve", "draining": "drain", "exclusive": "excl"}.get(d.mode, "?"),
                     style=mode.style)
-    busy = load.busy_percent
-    t.add_row(Text("board" if compact else d.name, style="bold"), _health(d, compact), mode,
-              Text(fmt_pct(busy), style="bold cyan" if busy else "grey50"),
-              *jobs, _mem_cell(tot, compact), _mem_cell(stot, compact, sram=True))
+    busy = snap.load.busy_percent
+    row(Text("board" if compact else d.name, style="bold"), _health(d, short), mode,
+        Text(fmt_pct(busy), style="bold cyan" if busy else "grey50"), str(jobs_counts.finished),
+        {"dram": total("dram"), "sram": total("sram")})
     for c in d.chiplets:
         st = {"ready": "green", "fault": "bold red", "cleared": "yellow"}.get(c.state, "white")
-        m = mems[c.index] if c.index < len(mems) else {}
-        cjobs = [] if compact else [str(c.jobs_done)]
-        t.add_row(Text(f"{'' if compact else ' '}chip{c.index}", style="bold"), _chip_health(c, d, compact),
-                  Text(c.state[:5], style=st),
-                  Text(fmt_pct(c.busy_percent), style="cyan" if c.busy_percent else "grey50"),
-                  *cjobs, _mem_cell(m.get("dram", (0, 0, 0)), compact),
-                  _mem_cell(m.get("sram", (0, 0, 0)), compact, sram=True))
+        row(Text(f"{'' if compact else ' '}chip{c.index}", style="bold"), _chip_health(c, d, short),
+            Text(c.state[:5], style=st),
+            Text(fmt_pct(c.busy_percent), style="cyan" if c.busy_percent else "grey50"), str(c.jobs_done),
+            mems[c.index] if c.index < len(mems) else {})
+    return t
+
+
+def _faults_line(d: DeviceInfo, level: int) -> Text:
+    compact = level >= 3
     faults = Text("faults ", style="grey62")
     fired = d.faults_fired
     parts: list[tuple[str, str]] = []
@@ -230,11 +287,11 @@ def device_table(snap: Snapshot, compact: bool = False, settings: object = None)
             faults.append(" (what-if, not the product)", style="magenta")
     elif not compact:
         faults.append("   decode batch 1", style="grey50")
-    if compact:  # the figures' meaning, as the full table's headers say it
-        faults.append(" · DRAM/SRAM: % used (▒ reserved)", style="grey50")
-    else:
+    if level == 0:
         faults.append("   busy: % of sim time executing, last interval · steps: device steps done", style="grey50")
-    return Group(t, faults)
+    else:
+        faults.append(f" · {DEVICE_LEVELS[level]}", style="grey50")
+    return faults
 
 
 def batches_panel(snap: Snapshot, max_rows: int = 6) -> Any:
