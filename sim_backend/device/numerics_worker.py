@@ -48,8 +48,8 @@ PROGRESS_AFTER_S = 0.5
 def lower_priority(steps: int = WORKER_NICE) -> int | None:
     """Lower this process's scheduling priority by ``steps`` nice levels (at most to 19).
 
-    Called first thing in the worker, before any thread starts, so every thread it starts inherits
-    the priority. Returns the new nice value, or None where the OS has no nice (Windows).
+    Called in the worker after its start, while it runs no other thread (Linux keeps nice per thread;
+    threads started later inherit it). Returns the new nice value, or None where the OS has no nice.
     """
     import os
 
@@ -83,7 +83,6 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_m
     the answer carries None in their place; the parent reads the buffer only after the answer,
     and the worker writes it only while answering a call, so they never overlap.
     """
-    lower_priority()
     # sim_backend/__init__ pins BLAS to one thread before numpy loads
     from sim_backend.model.families import build_numerics
 
@@ -97,6 +96,12 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_m
     except Exception as e:  # noqa: BLE001 - a kernel that does not compile: a typed start failure
         conn.send((False, f"compiling the numerics kernels failed: {type(e).__name__}: {e}"))
         return
+    # steps run below the UI's priority; the start (weights, compiling) does not, nothing else runs yet.
+    # Linux keeps nice per thread: the warm-up's chip thread is stopped first, and the next prefill starts
+    # a new one that inherits the lowered value
+    if hasattr(model, "close"):
+        model.close()
+    lower_priority()
 
     def logits(out: StepNumerics) -> np.ndarray | None:
         bits = out.bf16()  # BF16 where the logits are made: what the device returns (D2H)

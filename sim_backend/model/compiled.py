@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim_backend.model.kernels import (
-    FMA,
     attend_decode,
     attend_prefill,
     bf16_matvec,
@@ -172,40 +171,55 @@ def _prefill_attention_chip(qkv, qk_norm, cos, sin, eps, scale, qh, kvh, new_cel
                     out[i, (hk * G + g) * D + d] = o[i, g, d]
 
 
-@kernel(FMA)
+@kernel()
 def _prefill_experts_chip(h, ids, w, gue, down, chip, out):
     """One chip's SwiGLU expert partial sums for a prefill, one layer.
 
     h (n, H) the post-attention normed rows; ids/w (n, k) routing; gue (E, H, 2 C F) every chip's gate
     then up columns; down (E, F, H) this chip's rows; out (n, H) written: sum_j w_j down(silu(g) u).
+    Tokens are grouped by expert (a counting sort), and each expert's rows go through two BLAS products:
+    (m x H) @ (H x 2 C F) (both chips' columns: one contiguous operand; this chip's are picked) and the
+    chip's (m x F) @ (F x H), added into the tokens' rows.
     """
     n, k = ids.shape
     H = h.shape[1]
-    F = down.shape[1]
+    E, F = down.shape[0], down.shape[1]
     C = gue.shape[2] // (2 * F)
-    g = np.empty(F, dtype=np.float32)
-    u = np.empty(F, dtype=np.float32)
-    act = np.empty(F, dtype=np.float32)
     g0, u0 = chip * F, (C + chip) * F
+    counts = np.zeros(E + 1, dtype=np.int64)
     for i in range(n):
-        row = out[i]
-        row[:] = 0.0
-        hi = h[i]
+        for j in range(k):
+            counts[ids[i, j] + 1] += 1
+    for e in range(E):
+        counts[e + 1] += counts[e]
+    fill = counts[:E].copy()
+    tok = np.empty(n * k, dtype=np.int64)
+    wgt = np.empty(n * k, dtype=np.float32)
+    for i in range(n):
         for j in range(k):
             e = ids[i, j]
-            for f in range(F):
-                g[f] = 0.0
-                u[f] = 0.0
-            we = gue[e]
-            for r in range(H):
-                hr = hi[r]
-                wg = we[r, g0:g0 + F]  # slices: the inner index is the loop's own (vector loads)
-                wu = we[r, u0:u0 + F]
-                for f in range(F):
-                    g[f] += hr * wg[f]
-                    u[f] += hr * wu[f]
-            silu_mul(g, u, w[i, j], act)
-            matvec_add(act, down[e], row)
+            tok[fill[e]] = i
+            wgt[fill[e]] = w[i, j]
+            fill[e] += 1
+    out[:, :] = 0.0
+    for e in range(E):
+        a, b = counts[e], counts[e + 1]
+        m = b - a
+        if m == 0:
+            continue
+        x = np.empty((m, H), dtype=np.float32)
+        for r in range(m):
+            x[r] = h[tok[a + r]]
+        gu = np.dot(x, gue[e])  # (m, 2 C F)
+        act = np.empty((m, F), dtype=np.float32)
+        for r in range(m):
+            silu_mul(gu[r, g0:g0 + F], gu[r, u0:u0 + F], wgt[a + r], act[r])
+        y = np.dot(act, down[e])  # (m, H)
+        for r in range(m):
+            row = out[tok[a + r]]
+            yr = y[r]
+            for c in range(H):
+                row[c] += yr[c]
 
 
 class CompiledMoe:
