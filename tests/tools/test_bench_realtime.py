@@ -30,11 +30,11 @@ def test_cli_json_tiny_both_backends(capsys):
     for b in ("in_process", "worker"):
         r = rep[b]
         assert set(r["decode_rtf"]) == {"16", "40"} and set(r["prefill_rtf"]) == {"8", "24"}
-        for key in ("decode_rtf", "decode_wall_ms", "decode_sim_ms", "prefill_rtf", "prefill_wall_ms",
-                    "prefill_sim_ms"):
+        for key in ("decode_rtf", "decode_wall_ms", "decode_sim_ms", "decode_cpu_ms", "decode_cpu_rtf",
+                    "prefill_rtf", "prefill_wall_ms", "prefill_sim_ms", "prefill_cpu_ms", "prefill_cpu_rtf"):
             assert all(math.isfinite(v) and v > 0 for v in r[key].values()), (b, key, r[key])
         assert r["prefill_runs"] == {"8": 1, "24": 1}
-        assert r["numpy_calls_per_decode_step"] > 0
+        assert r["numpy_calls_per_decode_step"] > 0 and r["kernels"] == "compiled"
     # the worker's process does the numerics: this process makes far fewer numpy calls per step
     assert rep["worker"]["numpy_calls_per_decode_step"] < rep["in_process"]["numpy_calls_per_decode_step"]
     assert rep["numeric_limit_tokens"] in (0, 8, 24)
