@@ -28,8 +28,11 @@ Shapes in the docstrings: H = hidden, D = head_dim, T = context keys, G = query 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
+import numba.core.config
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -40,6 +43,37 @@ __all__ = [
     "head_norm_rope", "kernel", "matvec", "matvec_add", "rms_norm", "row_sum", "silu_mul", "softmax_top_k",
 ]
 
+
+
+def cache_dir() -> Path:
+    """Where numba keeps the compiled kernels: ``$NUMBA_CACHE_DIR`` if set, else ``__pycache__`` beside
+    this file (numba's default, e.g. in site-packages after a wheel install) when it is writable, else
+    ``<user cache dir>/calconsole/numba`` (platformdirs), which is then set as numba's cache directory.
+    numba's own fallback (its user-wide directory) fails where HOME has no usable cache directory; this
+    one is created here. Called at import, before any kernel is defined. Raises OSError if no directory
+    can be created."""
+    import platformdirs
+
+    cfg: Any = numba.core.config  # set at runtime from the environment; not in its type stubs
+    if cfg.CACHE_DIR:
+        return Path(cfg.CACHE_DIR)
+    here = Path(__file__).resolve().parent
+    pyc = here / "__pycache__"
+    try:
+        pyc.mkdir(exist_ok=True)
+        probe = pyc / f".calconsole-write-test-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+        return pyc
+    except OSError:
+        pass
+    d = Path(platformdirs.user_cache_dir("calconsole")) / "numba"
+    d.mkdir(parents=True, exist_ok=True)
+    cfg.CACHE_DIR = str(d)
+    return d
+
+
+CACHE_DIR = cache_dir()
 
 
 def kernel(fastmath: set[str] | None = None) -> Any:

@@ -195,3 +195,25 @@ def test_compiled_model_sees_kv_changes(pair):
             got[name, bad] = m.forward(np.array([198]), p, p.copy(), ctx, ctx.copy()).logits
     assert np.max(np.abs(got["compiled", True] - got["compiled", False])) > 0.1
     np.testing.assert_allclose(got["compiled", True], got["numpy", True], atol=G.F32_DRIFT_ATOL)
+
+
+def test_cache_dir_falls_back_to_the_user_cache_when_the_package_is_read_only(monkeypatch, tmp_path):
+    """A wheel in a read-only site-packages: the kernels are cached under the user cache directory (numba's
+    own fallback needs a usable HOME cache); NUMBA_CACHE_DIR, when set, wins."""
+    import numba.core.config as cfg
+    import platformdirs
+
+    monkeypatch.setattr(cfg, "CACHE_DIR", "")
+    real_touch = K.Path.touch
+
+    def read_only(self, *a, **kw):
+        if "__pycache__" in str(self):
+            raise PermissionError(13, "Read-only file system")
+        return real_touch(self, *a, **kw)
+
+    monkeypatch.setattr(K.Path, "touch", read_only)
+    monkeypatch.setattr(platformdirs, "user_cache_dir", lambda app: str(tmp_path / app))
+    d = K.cache_dir()
+    assert d == tmp_path / "calconsole" / "numba" and d.is_dir() and cfg.CACHE_DIR == str(d)
+    monkeypatch.setattr(cfg, "CACHE_DIR", str(tmp_path / "given"))
+    assert K.cache_dir() == tmp_path / "given"
