@@ -692,6 +692,15 @@ class ShardedModel:
             final_norm=np.ascontiguousarray(w.final_norm, dtype=F32), lm_bits=bf16_blocks(f32_to_bf16(self.lm_head)),
             lm_bias=self.lm_bias)
 
+    def lm_head_changed(self) -> None:
+        """Re-derive the compiled path's BF16 LM head (``kernels.bf16_blocks``) from ``lm_head`` after the
+        float32 array (or a chip's column view of it) was written in place, e.g. a corrupted region for a
+        self-test; values are rounded to BF16, as the device holds them. ~0.1 s; no-op for numpy kernels."""
+        if self._compiled is not None:
+            from sim_backend.model.kernels import bf16_blocks
+
+            self._compiled.w.lm_bits = bf16_blocks(f32_to_bf16(self.lm_head))
+
     def clear_kv(self) -> None:
         """Zero every chip's KV cache by mapping fresh zero pages (no page is written).
 

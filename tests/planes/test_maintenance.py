@@ -340,6 +340,7 @@ def test_self_test_passes_and_detects_corruption(system):
     assert rep["ok"] and rep["max_abs_error"] <= rep["tolerance"] == 0.05 and rep["top1_match"]
     assert rep["sim_ms"] > 0 and b.kv.occupancy().used_cells == 0
     b.model.chips[1].lm_head[:, :50] += 0.5  # a corrupted weight region
+    b.model.lm_head_changed()  # the compiled kernels read the LM head's BF16 copy
     bad = m.self_test(lease)
     assert bad["ok"] is False and bad["max_abs_error"] > 0.05 and bad["detail"].startswith("FAIL")
     assert m.audit.entries()[-1]["status"] == "failed"
