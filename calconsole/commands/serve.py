@@ -62,9 +62,9 @@ def register(sub, common) -> None:
                    help="a maintenance lease not renewed for S seconds lapses (default 30)")
     p.add_argument("-n", "--n-predict", type=int, default=-1, metavar="N",
                    help="default generation limit when a request gives none (-1: until the context is full)")
-    p.add_argument("--alias", default="qwen3-30b-a3b",
+    p.add_argument("--alias", default=None,
                    help="model name reported by /v1/models and responses; a comma list gives aliases (the first "
-                        "is reported)")
+                        "is reported; default: the bundle's name)")
     p.add_argument("--tags", default="", help="comma list of tags /v1/models shows (llama-server's --tags)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, metavar="N",
                    help="slot context in tokens, 1..40960: a longer prompt is refused (exceed_context_size_error), "
@@ -125,7 +125,8 @@ def build_face(args: argparse.Namespace, system) -> tuple[ServeConfig, ServingFa
                                                                                            1 << 20),
                       request_timeout_s=getattr(args, "request_timeout", 600.0),
                       send_timeout_s=getattr(args, "send_timeout", 30.0), lease_ttl_s=getattr(args, "lease_ttl", 30.0),
-                      n_predict=getattr(args, "n_predict", -1), model_alias=getattr(args, "alias", "qwen3-30b-a3b"),
+                      n_predict=getattr(args, "n_predict", -1),
+                      model_alias=getattr(args, "alias", None) or system.bundle.name,
                       model_tags=_list(getattr(args, "tags", "")), n_ctx=getattr(args, "ctx_size", None),
                       seed=getattr(args, "seed", None),
                       cors_origins=_list(getattr(args, "cors_origins", None)) or None)

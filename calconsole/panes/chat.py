@@ -36,6 +36,11 @@ SYNTHETIC_BANNER = "synthetic weights: the text is not meaningful"
 SYNTHETIC_NOTICE = ("Weights are synthetic: the text is not meaningful. Tokens, timings and KV are real "
                     "products of the simulated run. Times are simulated ms: device time plus the host work "
                     "booked on the clock (modeled by default, --host-time).")
+#: the dense pilot bundle (real GGUF weights): replies are the small model's own
+REAL_BANNER = "real weights: the dense pilot (C3), not the product's model"
+REAL_NOTICE = ("Real weights (the pilot bundle's GGUF, a small dense model run by the simulator's numerics): replies "
+               "are that model's own, not Qwen3-30B-A3B's. Times are simulated ms: device time plus the host work "
+               "booked on the clock (modeled by default, --host-time).")
 STREAM_UPDATE_S = 1 / 10
 STREAM_TAIL_CHARS = 600  # live stream box shows the last characters of the reply
 CANCEL_GRACE_S = 10.0  # after a no-progress cancel, how long to wait for the request to end
@@ -106,6 +111,9 @@ class ChatPane(Vertical):
             notice.tooltip = (f"Replies come from the {kind}'s model. Under each reply: the server's timings "
                               "(prompt / predicted ms, its wall clock) and TTFT / TPOT / E2E measured by this "
                               "console as client (wall ms).")
+        elif getattr(self.inference, "weights", "synthetic") == "real":
+            notice = Static(REAL_BANNER, id="chat-notice", classes="dim")
+            notice.tooltip = REAL_NOTICE
         else:
             notice = Static(SYNTHETIC_BANNER, id="chat-notice", classes="dim")
             notice.tooltip = SYNTHETIC_NOTICE

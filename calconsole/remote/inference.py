@@ -205,6 +205,7 @@ class RemoteInferencePlane:
         self._n_ctx = int(p["default_generation_settings"]["n_ctx"])
         self._step_timeout_s = float(p.get("device", {}).get("step_timeout_s", 120.0))
         self._template = str(p.get("chat_template", ""))
+        self._weights = str(p.get("device", {}).get("weights", "synthetic"))
 
     @property
     def n_ctx(self) -> int:
@@ -217,6 +218,11 @@ class RemoteInferencePlane:
     @property
     def chat_template(self) -> str:
         return self._template
+
+    @property
+    def weights(self) -> str:
+        """The server's model weights: "synthetic" or "real" (``/props`` device.weights)."""
+        return self._weights
 
     def submit(self, req: ChatRequest) -> RemoteRequestStream:
         """Send the request; returns once the server admitted it (headers received). Raises

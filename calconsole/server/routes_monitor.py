@@ -70,7 +70,8 @@ async def props(face: ServingFace, request: Request) -> Response:
         "is_sleeping": False, "cors_proxy_enabled": False,
         "device": {"name": dev.name, "status": dev.status, "mode": dev.mode, "calrt_version": dev.calrt_version,
                    "firmware_commit": dev.firmware_commit, "chiplets": msgspec.to_builtins(dev.chiplets),
-                   "context_tokens": dev.context_tokens, "numerics": dev.numerics, "pacing": dev.pacing,
+                   "context_tokens": dev.context_tokens, "numerics": dev.numerics, "weights": dev.weights,
+                   "pacing": dev.pacing,
                    "pacing_speed": dev.pacing_speed, "step_timeout_s": face.inference.step_timeout_s,
                    "maintenance_routes": face.maintenance is not None,
                    "findings": msgspec.to_builtins(snap.findings),
@@ -128,5 +129,5 @@ async def models(face: ServingFace, request: Request) -> Response:
         "data": [{"id": alias, "aliases": face.aliases, "tags": list(face.config.model_tags), "object": "model",
                   "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
                   "created": face.created, "owned_by": "calconsole",
-                  "meta": {"n_vocab": 151936, "n_ctx": n_ctx,
+                  "meta": {"n_vocab": int(getattr(face.inference, "n_vocab", 151936)), "n_ctx": n_ctx,
                            "n_ctx_train": face.inference.n_ctx}}]})

@@ -83,6 +83,16 @@ class InferencePlane:
                                                   add_generation_prompt=True, enable_thinking=bool(enable_thinking))
 
     @property
+    def n_vocab(self) -> int:
+        """Rows of the model's LM head (Qwen3 151936, the pilot 49152)."""
+        return int(self._engine.rt.vocab)
+
+    @property
+    def weights(self) -> str:
+        """The model's weights: "synthetic" (Qwen3 at reduced width) or "real" (a GGUF, the dense pilot)."""
+        return "real" if self._engine.rt.bundle.numeric.weights == "gguf" else "synthetic"
+
+    @property
     def chat_template(self) -> str:
         """The model's chat template as Jinja text: Qwen3's (no tools), or the GGUF's for the pilot."""
         return str(getattr(self._engine.tokenizer, "chat_template", CHAT_TEMPLATE))
@@ -303,6 +313,7 @@ class ObservationPlane:
                 "n_slots": e.n_slots, "admitting": e.admitting,
                 "bundle_status": self._bundle.status, "bundle_label": self._bundle.variant_label,
                 "decode_batch": self._bundle.decode_batch,
+                "weights": "real" if self._bundle.numeric.weights == "gguf" else "synthetic",
             },
             jobs={"submitted": c.submitted, "pending": c.pending, "running": c.running, "finished": c.finished,
                   "failed": c.failed, "left": c.left, "ccu_exceptions": c.ccu_exceptions, "resets": c.resets},

@@ -96,6 +96,8 @@ class DeviceInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
     bundle_status: str = "C0"
     #: the variant's label as its manifest states it ("" for the production bundle)
     bundle_label: str = ""
+    #: the model's weights: "synthetic" (drawn from a seed) or "real" (the pilot's GGUF)
+    weights: str = "synthetic"
     #: sequences one decode step may carry (1 today, facts.md F1; N for a batch-N variant)
     decode_batch: int = 1
 

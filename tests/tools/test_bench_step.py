@@ -36,3 +36,14 @@ def test_cli_refuses_bad_arguments(capsys):
         assert main(["bench", "step", *argv]) == 2
         err = capsys.readouterr().err
         assert name in err and err.count("\n") == 1
+
+
+def test_pilot_bundle_prints_simulated_time_beside_wall(capsys):
+    from pathlib import Path
+
+    pilot = Path(__file__).resolve().parents[2] / "sim_backend" / "bundles" / "smollm2-135m-pilot"
+    rc = main(["bench", "step", "--bundle", str(pilot), "--mode", "in-process", "--steps", "2",
+               "--tokens-per-request", "3", "--context", "20", "--prefill", "16"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "| sim " in out and "prefill 16 tokens: wall" in out and "tok/s" in out

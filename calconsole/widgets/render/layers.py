@@ -110,6 +110,8 @@ def experts_line(step: StepView) -> Text | None:
     rule = step.experts_rule
     if not priced or rule is None:
         return None
+    if not any(priced):  # a dense model (the pilot): no experts to price
+        return Text("dense model: no experts (one MLP per layer, split over the chips)", style="grey62")
     lo, hi, mean = min(priced), max(priced), sum(priced) / len(priced)
     if rule == "expectation":
         return Text(f"experts priced: the expectation, {mean:.1f} per layer in every layer (timing-only: "
