@@ -84,8 +84,9 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     roadmap what-if (``batching.Variant``: S8 V-cache grows the KV pool to 4/3 of its tokens unless
     ``kv_cells`` is given; on-device top-k); None or all off = today's pricing.
     ``numerics_max_prompt``: requests prefilling more new prompt tokens than this run timing-only; None takes
-    ``NUMERIC_PROMPT_LIMIT`` (measured) and its reason. ``numerics_limit_reason``: why this limit,
-    shown by the observation pane (default: the measurement, or "set at start-up").
+    ``NUMERIC_PROMPT_LIMIT`` (measured) and its reason (a real-weights bundle, the pilot: its whole
+    context). ``numerics_limit_reason``: why this limit, shown by the observation pane (default: the
+    measurement, or "set at start-up").
     ``numerics_progress``: called with one line per stage while the numerics kernels compile (a first
     start after install; later starts load them from numba's disk cache); None: silent.
     ``host_time``: ``"modeled"`` books the cost model's fitted host allowance per sampled token
@@ -93,6 +94,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     (``serving.hosttime.HostBooking``; ValueError for anything else). ``prefill_chunk``: most prompt
     tokens one prefill step carries (the engine's round rule).
     """
+    limit_given = numerics_max_prompt is not None
     if numerics_max_prompt is None:
         numerics_max_prompt, default_reason = NUMERIC_PROMPT_LIMIT, NUMERIC_LIMIT_REASON
     else:
@@ -101,6 +103,11 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
         raise ValueError(f"numerics_max_prompt must be >= 1 token, got {numerics_max_prompt}")
     HostBooking(host_time)  # ValueError for an unknown mode, before any thread starts
     bundle = load_bundle(bundle_dir)
+    if not limit_given and bundle.numeric.weights == "gguf":
+        # real weights (the dense pilot): a timing-only reply would be seeded tokens, not the model's, and
+        # its host cannot keep real time at any prompt length anyway (the pacing figure says so)
+        numerics_max_prompt = bundle.context
+        default_reason = "real weights: every prompt runs the numerics (timing-only tokens would not be the model's)"
     cost: Any = CostModel.load(hardware)
     if variant is not None and not variant.is_default:
         cost = BatchedCostModel(cost, variant)

@@ -40,6 +40,7 @@ def register(bsub) -> None:
                         "in one run (before/after on the same host and load; default compiled)")
     p.add_argument("--ui", action="store_true", help="also key latency and GC pauses in the headless console")
     p.add_argument("--ui-tokens", type=int, default=3000, help="reply length for --ui (default 3000 tokens)")
+    p.add_argument("--bundle", metavar="DIR", default=None, help="calbin bundle directory (default: built-in)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)
 
@@ -70,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     kernels = ["compiled", "numpy"] if args.kernels == "both" else [args.kernels]
     try:
         rep: dict[str, Any] = measure(backends=backends, runs=args.runs, decode_steps=args.decode_steps,
-                                      contexts=contexts, prompt_lengths=lengths, kernels=kernels)
+                                      contexts=contexts, prompt_lengths=lengths, kernels=kernels,
+                                      bundle=getattr(args, "bundle", None))
     except (CalError, ValueError) as e:
         return fail(str(e))
     if args.ui:

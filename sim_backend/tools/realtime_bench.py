@@ -40,9 +40,10 @@ STEP_TIMEOUT_S = 600.0
 LONG_RUN_MS = 4000.0
 
 
-def _tokens(n: int, offset: int = 0) -> np.ndarray:
-    """Deterministic prompt ids (ordinary text tokens, below the special ids)."""
-    return ((np.arange(offset, offset + n, dtype=np.int64) * 7919 + 101) % 150_000).astype(np.int64)
+def _tokens(n: int, offset: int = 0, vocab: int = 151_936) -> np.ndarray:
+    """Deterministic prompt ids (ordinary text tokens: below Qwen3's special ids, above the pilot's 0..16)."""
+    hi = min(150_000, vocab) - 17
+    return ((np.arange(offset, offset + n, dtype=np.int64) * 7919 + 101) % hi + 17).astype(np.int64)
 
 
 def _cpu_s(board: SimulatedBoard) -> float:
@@ -125,7 +126,7 @@ def _decode_work_calls(board: SimulatedBoard, context: int) -> int:
     and prices the step) only the pipe round trip and unpacking the StepCost."""
     model = board.model
     assert model is not None
-    tok = _tokens(1, context)
+    tok = _tokens(1, context, board.shape.vocab)
     pos = np.array([context], dtype=np.int64)
     ctx = np.arange(context + 1, dtype=np.int64)
 
@@ -146,7 +147,7 @@ def _decode_work_calls(board: SimulatedBoard, context: int) -> int:
 
 def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
                     contexts: Sequence[int] = DECODE_CONTEXTS, prompt_lengths: Sequence[int] = PREFILL_LENGTHS,
-                    bundle: Bundle | None = None, progress: Callable[[str], None] | None = None,
+                    bundle: Bundle | str | None = None, progress: Callable[[str], None] | None = None,
                     kernels: str = "compiled") -> dict:
     """Measure one backend on a fresh board.
 
@@ -163,7 +164,7 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
     Raises CalError on a failed step, ValueError for unknown kernels.
     """
     say = progress or (lambda _m: None)
-    b = bundle or load_bundle()
+    b = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     top = max([*contexts, *prompt_lengths]) + 1
     if top > b.context:
         raise CalError(f"largest context {top} exceeds the calbin context {b.context}")
@@ -179,7 +180,7 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
         else:
             os.environ[KERNELS_ENV] = saved
     try:
-        _run(board, "prefill", _tokens(8), 0)  # warm up
+        _run(board, "prefill", _tokens(8, 0, b.shape.vocab), 0)  # warm up
         pre_wall: dict[str, float] = {}
         pre_sim: dict[str, float] = {}
         pre_cpu: dict[str, float] = {}
@@ -188,7 +189,7 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
             say(f"prefill {n}")
             walls, cpus = [], []
             for _ in range(runs):
-                w, s, c = _run(board, "prefill", _tokens(n), 0)
+                w, s, c = _run(board, "prefill", _tokens(n, 0, b.shape.vocab), 0)
                 walls.append(w)
                 cpus.append(c)
                 if w > LONG_RUN_MS:  # one long run says enough; keeps the default sweep within minutes
@@ -204,14 +205,15 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
             while filled < c:  # real K/V in every context cell (zero pages would read unrealistically fast)
                 m = min(FILL_CHUNK, c - filled)
                 say(f"fill KV {filled}..{filled + m}")
-                _run(board, "prefill", _tokens(m, filled), filled)
+                _run(board, "prefill", _tokens(m, filled, b.shape.vocab), filled)
                 filled += m
             say(f"decode at {c}")
             meds, cmeds = [], []
             for _ in range(runs):
                 walls, cpus = [], []
                 for _ in range(decode_steps):
-                    w, s, cpu = _run(board, "decode", _tokens(1, c), c)  # overwrites cell c: same context every step
+                    # overwrites cell c: same context every step
+                    w, s, cpu = _run(board, "decode", _tokens(1, c, b.shape.vocab), c)
                     walls.append(w)
                     cpus.append(cpu)
                 meds.append(statistics.median(walls))
@@ -247,7 +249,7 @@ def numeric_limit(prefill_rtf: dict[str, float]) -> int:
 
 def measure(*, backends: Sequence[str] = tuple(BACKENDS), runs: int = 3, decode_steps: int = 16,
             contexts: Sequence[int] = DECODE_CONTEXTS, prompt_lengths: Sequence[int] = PREFILL_LENGTHS,
-            bundle: Bundle | None = None, progress: Callable[[str], None] | None = None,
+            bundle: Bundle | str | None = None, progress: Callable[[str], None] | None = None,
             kernels: Sequence[str] = ("compiled",)) -> dict:
     """Both backends side by side in one run, plus the numeric prefill limit they give.
 
