@@ -12,10 +12,10 @@ the same fitted efficiencies) and re-pricing only the roles that batching change
   their compute and activations scale with N (GEMV rows = N, no tile padding);
 - expert weights are read once per DISTINCT expert the batch's tokens touch in a layer
   (``experts_touched`` = the union over the N tokens), expert compute = N·k rows;
-- flash attention reads each sequence's KV at its OWN context (``past_lens[i] + 1``);
-  FLOPs are the sum over sequences; the split-KV merges are summed over sequences
-  (``ramp="sum"``, the default, pessimistic) or taken once at the longest context
-  (``ramp="max"``, optimistic: partitions of several sequences run side by side);
+- flash attention reads each sequence's KV at its OWN context (``past_lens[i] + 1``) with
+  CostModel's flash decoding (``costmodel.flash_decode``); the sequences run one after the
+  other on the cores (``ramp="sum"``, the default, pessimistic) or share them (``ramp="max"``,
+  optimistic: all KV at the shared DRAM rate, the longest sequence's chain and merge once);
 - final norm, LM head rows, the logits gather and the D2H are per sequence
   (N x 303,872 B BF16 logits, facts.md F1/F4, in one transfer set-up); H2D carries N token
   ids, N positions and N CSR pairs.
@@ -40,7 +40,6 @@ roofline terms; test_batching checks it to a relative 1e-9).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +47,14 @@ from typing import Any
 import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape
-from sim_backend.model.costmodel import CostModel, StepCost, assemble_step, expected_experts_touched
+from sim_backend.model.costmodel import (
+    CostModel,
+    StepCost,
+    assemble_step,
+    expected_experts_touched,
+    flash_decode,
+    sram_workspace_bytes,
+)
 
 #: Decode batch sizes a variant calbin may declare (the ones the report asks the vendor about, §11).
 BATCH_SIZES = (1, 4, 8, 16)
@@ -137,7 +143,7 @@ class BatchedCostModel:
     Args:
         base: the calibrated cost model (default: the shipped one is the caller's choice).
         variant: switches applied to every step priced through this object.
-        ramp: "sum" (default) or "max": how the split-KV merges of N sequences combine.
+        ramp: "sum" (default) or "max": how the flash decoding of N sequences combines.
     """
 
     def __init__(self, base: CostModel, variant: Variant | None = None, *, ramp: str = "sum") -> None:
@@ -238,9 +244,8 @@ class BatchedCostModel:
     def _consts(self) -> dict[str, float]:
         hw, f = self.hw.hardware, self.hw.fitted
         bw = hw["dram_bw_gbps"] * 1e3  # bytes per µs
-        mem = self.hw.memory
         # as CostModel._role_costs: the SRAM activation workspace (facts.md F4) and its bandwidth
-        sram_ws = max(0.0, (mem["sram_reservation_mib"] - mem["param_sram_window_mib"]) * 2**20)
+        sram_ws = sram_workspace_bytes(self.hw)
         return {"act_bw": bw * f["activation_eff"], "w_bw": bw * f["weight_stream_eff"],
                 "sram_ws": sram_ws, "sram_bw": hw["sram_bw_gbps"] * 1e3,
                 "attn_c": hw["peak_fp16_tflops"] * 1e6 * f["attn_compute_eff"],
@@ -259,27 +264,32 @@ class BatchedCostModel:
 
     def _switch_attn(self, t: dict, dram: dict, shape: ModelShape, kind: str, n: int, ctxs: Sequence[int],
                      ctx_eff: Sequence[float]) -> None:
-        """Flash attention over sequences at their own contexts, with CostModel's mechanisms: KV rows
-        stream at the weights' efficiency plus a fixed per-row overhead (``kv_row_overhead_bytes``;
-        an S8 V row is half as long, so pays the overhead on fewer bytes), and decode is split-KV with
-        a merge per partition. ``ramp="sum"`` charges every sequence's merges (pessimistic),
-        ``"max"`` only the longest's (the partitions of several sequences run side by side)."""
+        """Flash attention over sequences at their own contexts, with CostModel's mechanism
+        (``costmodel.flash_decode``: per KV block max(DMA, vector work), DMA latency unless double
+        buffered, tree merge of the partitions; an S8 V block is half as many bytes).  The
+        sequences' attention runs one after the other on the chip's cores (``ramp="sum"``, the
+        default, pessimistic), or, ``ramp="max"``, their partitions share the cores so the step
+        costs the longest sequence's merge once and the KV of all at the shared DRAM rate
+        (optimistic)."""
         c = self._consts()
-        f, a = self.hw.fitted, self.hw.quantisation["activation_bytes"]
+        a = self.hw.quantisation["activation_bytes"]
         hq, hkv, d = shape.n_q_heads // shape.n_chips, shape.n_kv_heads // shape.n_chips, shape.head_dim
         kb, vb = self._kv_elem_bytes()
-        ovh = f["kv_row_overhead_bytes"]
-        rows_per_seq = n / len(ctxs)  # decode: 1 per sequence; prefill: the chunk
-        flops = sum(4.0 * rows_per_seq * hq * d * ce for ce in ctx_eff)
-        kv_read = sum(cx * hkv * d * (kb + vb) for cx in ctxs)
-        kv_us = sum(cx * hkv * ((d * kb + ovh) + (d * vb + ovh)) for cx in ctxs) / c["w_bw"]
-        act_us = self._act_us(c, 2 * n * hq * d * a)
-        merges = [0.0] if kind == "prefill" else [
-            min(max(1, math.ceil(cx / f["attn_kv_block_rows"])), f["attn_max_splits"]) * f["attn_split_merge_us"]
-            for cx in ctxs]
-        merge = sum(merges) if self.ramp == "sum" else max(merges)
-        t["attn"] = max(flops / c["attn_c"], kv_us + act_us) + merge + c["ov"]
-        dram["kv"] = kv_read * shape.n_layers
+        act_us = self._act_us(c, n * hq * d * a) * 2
+        if kind == "prefill":
+            rows_per_seq = n / len(ctxs)
+            flops = sum(4.0 * rows_per_seq * hq * d * ce for ce in ctx_eff)
+            kv_read = sum(cx * hkv * d * (kb + vb) for cx in ctxs)
+            t["attn"] = max(flops / c["attn_c"], kv_read / c["w_bw"] + act_us) + c["ov"]
+        else:
+            fds = [flash_decode(self.hw, shape, cx, k_bytes=kb, v_bytes=vb) for cx in ctxs]
+            if self.ramp == "sum":
+                body = sum(fd.us for fd in fds)
+            else:
+                body = max(sum(fd.kv_bytes for fd in fds) / c["w_bw"], max(fd.stream_us for fd in fds)) \
+                    + max(fd.merge_us for fd in fds)
+            t["attn"] = body + act_us + c["ov"]
+        dram["kv"] = sum(cx * hkv * d * (kb + vb) for cx in ctxs) * shape.n_layers
 
     def _switch_v_scatter(self, t: dict, shape: ModelShape, n: int) -> None:
         if self.variant.s8_v_cache:

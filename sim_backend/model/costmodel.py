@@ -8,9 +8,16 @@ Method (GenZ ``operator_base.get_roofline``; STYLE.md "Simulators")::
     op_us = max(flops / (peak * compute_eff),
                 sum_s bytes_s / (dram_bw * eff_s)) + per_op_overhead_us
 
-with a separate fitted efficiency per byte stream ``s``: weight streaming,
-KV reads, activations.  Chiplet-to-chiplet ops (syncs, decode gathers,
-prefill dynamic D2D) cost ``d2d_latency_us + bytes / (link * d2d_eff)``.
+with a separate efficiency per byte stream ``s``: weight streaming (and the
+prefill's KV blocks, sequential like the weights), activations.  Decode flash
+attention is priced by mechanism (:func:`flash_decode`: per KV block
+max(DMA, vector work), the DMA latency unless double-buffered, partitions
+merged in a tree).  SRAM tiling: each op's activation tensors that fit the
+SRAM workspace (facts.md F4) move at SRAM rate, larger ones through DRAM; tile
+intermediates (the expert intermediate of the MoE tiles) stay in SRAM.
+:func:`data_moving_table` derives the explicit DMA entries of a prefill
+(facts.md F3's data-moving table).  Chiplet-to-chiplet ops (syncs, decode
+gathers, prefill dynamic D2D) cost ``d2d_latency_us + bytes / (link * d2d_eff)``.
 
 Sharding (facts.md F3, report §6): every layer runs on both chips; each chip
 holds 16 of 32 Q heads, 2 of 4 KV heads, half the columns of every expert
@@ -74,13 +81,16 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
                      "kv_bytes", "token_input_bytes", "csr_bytes"),
     "memory": ("param_dram_shared_gib", "param_file_gib", "param_sram_window_mib",
                "dram_reservation_gib", "sram_reservation_mib", "address_union_gib"),
-    "fitted": ("weight_stream_eff", "kv_row_overhead_bytes", "attn_kv_block_rows", "attn_max_splits",
-               "attn_split_merge_us", "activation_eff", "d2d_eff",
+    "fitted": ("weight_stream_eff", "kv_block_kib", "attn_cores", "kv_dma_latency_us", "attn_vector_tflops",
+               "attn_merge_level_us", "softmax_flops_per_score", "activation_eff", "d2d_eff",
                "int8_compute_eff", "fp16_compute_eff", "attn_compute_eff", "prefill_m_tile",
                "per_op_overhead_us", "step_submit_overhead_us", "host_overhead_ms_per_token"),
 }
 #: fitted parameters that must be integers (tile rows, partition counts)
-_INTEGER_FITTED = ("prefill_m_tile", "attn_kv_block_rows", "attn_max_splits")
+_INTEGER_FITTED = ("prefill_m_tile", "kv_block_kib", "attn_cores")
+#: hardware figures that may carry a physical range (``hardware_ranges``) for the joint sampling
+_RANGED_HARDWARE = ("peak_int8_tops", "peak_fp16_tflops", "dram_bw_gbps", "sram_bw_gbps", "d2d_link_gbps",
+                    "pcie_gbps")
 
 
 # Accepted range (lo, hi, lo inclusive?) of every number in the hardware YAML, so a
@@ -106,8 +116,8 @@ _RANGES: dict[str, tuple[float, float, bool]] = {
     "memory.*_gib": (0.0, _GIB_MAX, False),
     "memory.*_mib": (0.0, _MIB_MAX, False),
     "fitted.prefill_m_tile": (1, 4096, True),
-    "fitted.attn_kv_block_rows": (1, 1 << 20, True),
-    "fitted.attn_max_splits": (1, 4096, True),
+    "fitted.kv_block_kib": (1, 1 << 20, True),
+    "fitted.attn_cores": (1, 4096, True),
     "fitted.*": (0.0, 1e7, True),                           # overheads (us, ms per token); _eff checked apart
 }
 
@@ -163,6 +173,9 @@ class HardwareSpec:
         ranges: ``(lo, hi)`` physical range of every ``fitted`` parameter (the YAML's
             ``ranges`` section): fits stay inside it, sensitivity ranges sweep it, and
             a value outside it is refused at load.
+        hardware_ranges: ``(lo, hi)`` of the assumed hardware peaks that have one (the YAML's
+            optional ``hardware_ranges``; keys of :data:`_RANGED_HARDWARE`): the joint sampling of
+            ``tools/sweep.py`` moves them; a value outside is refused at load.
     """
 
     path: str
@@ -171,6 +184,7 @@ class HardwareSpec:
     memory: Mapping[str, Any]
     fitted: Mapping[str, Any]
     ranges: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    hardware_ranges: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> HardwareSpec:
@@ -225,7 +239,33 @@ class HardwareSpec:
                                   integer=key == "n_chips" or key in _INTEGER_FITTED)
             sections[sec] = _freeze(dict(body))
         ranges = cls._check_ranges(doc.get("ranges"), sections["fitted"], path)
-        return cls(path=path, ranges=ranges, **sections)
+        hw_ranges = cls._check_hardware_ranges(doc.get("hardware_ranges"), sections["hardware"], path)
+        return cls(path=path, ranges=ranges, hardware_ranges=hw_ranges, **sections)
+
+    @staticmethod
+    def _check_hardware_ranges(body: Any, hardware: Mapping[str, Any], path: str
+                               ) -> Mapping[str, tuple[float, float]]:
+        """The optional ``hardware_ranges`` section: ``[lo, hi]`` for some of :data:`_RANGED_HARDWARE`."""
+        if body is None:
+            return MappingProxyType({})
+        if not isinstance(body, Mapping):
+            raise ManifestError(path, "hardware_ranges", "must map hardware peaks to [lo, hi]")
+        out: dict[str, tuple[float, float]] = {}
+        for key, rng in body.items():
+            fld = f"hardware_ranges.{key}"
+            if key not in _RANGED_HARDWARE:
+                raise ManifestError(path, fld, f"not a ranged hardware figure (one of {', '.join(_RANGED_HARDWARE)})")
+            if not isinstance(rng, list) or len(rng) != 2:
+                raise ManifestError(path, fld, f"must be [lo, hi], got {bounded_repr(rng)}")
+            for i, v in enumerate(rng):
+                _check_number(path, f"{fld}[{i}]", v, _range_for("hardware", key))
+            lo, hi = float(rng[0]), float(rng[1])
+            if lo > hi:
+                raise ManifestError(path, fld, f"lo {lo:g} > hi {hi:g}")
+            if not lo <= float(hardware[key]) <= hi:
+                raise ManifestError(path, f"hardware.{key}", f"{hardware[key]:g} is outside its range [{lo:g}, {hi:g}]")
+            out[key] = (lo, hi)
+        return MappingProxyType(out)
 
     @staticmethod
     def _check_ranges(body: Any, fitted: Mapping[str, Any], path: str) -> Mapping[str, tuple[float, float]]:
@@ -264,6 +304,162 @@ class HardwareSpec:
         if unknown:
             raise KeyError(f"unknown fitted parameter(s): {sorted(unknown)}")
         return replace(self, fitted=MappingProxyType({**self.fitted, **overrides}))
+
+    def with_hardware(self, **overrides: float) -> HardwareSpec:
+        """Copy with some ``hardware`` peaks replaced (the joint sampling of assumed figures)."""
+        unknown = set(overrides) - set(self.hardware)
+        if unknown:
+            raise KeyError(f"unknown hardware figure(s): {sorted(unknown)}")
+        return replace(self, hardware=MappingProxyType({**self.hardware, **overrides}))
+
+
+def sram_workspace_bytes(hw: HardwareSpec) -> float:
+    """Bytes of SRAM the memory plan leaves for activations, per chip: the reservation minus the
+    parameters' window (facts.md F4: 16.844 - 14.381 MiB = 2.463 MiB)."""
+    return max(0.0, (hw.memory["sram_reservation_mib"] - hw.memory["param_sram_window_mib"]) * 2**20)
+
+
+@dataclass(frozen=True)
+class FlashDecode:
+    """One decode flash-attention op on one chip (:func:`flash_decode`); times are simulated µs.
+
+    Attributes:
+        us: the op's time without its issue overhead (stream + merge).
+        stream_us: the KV blocks' time on the critical partition (max of the shared-DRAM time and
+            the per-core chain of DMA latency, transfer and vector work).
+        merge_us: the tree merge of the partitions.
+        block_rows: KV rows (positions) per block of one head's K or V.
+        blocks_per_head: ``ceil(ctx / block_rows)``.
+        partitions_per_head: partitions each KV head's blocks are spread over.
+        block_steps: blocks (K and V pairs) the critical partition streams in sequence.
+        merge_levels: ``ceil(log2(partitions_per_head))``.
+        double_buffered: the partitions' next K and V blocks fit the SRAM workspace beside the
+            current ones, so each block's DMA latency is hidden behind the previous block.
+        kv_bytes: K and V bytes the op reads on this chip.
+    """
+
+    us: float
+    stream_us: float
+    merge_us: float
+    block_rows: int
+    blocks_per_head: int
+    partitions_per_head: int
+    block_steps: int
+    merge_levels: int
+    double_buffered: bool
+    kv_bytes: float
+
+
+def flash_decode(hw: HardwareSpec, shape: ModelShape, ctx: int, *, k_bytes: float | None = None,
+                 v_bytes: float | None = None) -> FlashDecode:
+    """Flash decoding of ONE query token over ``ctx`` KV positions on one chip (one layer).
+
+    Mechanism (every parameter in the hardware YAML with its range and reason):
+
+    * each of the chip's KV heads (``n_kv_heads / n_chips``) is cut into blocks of
+      ``kv_block_kib`` of K (and as many rows of V); the blocks are spread over
+      ``attn_cores // heads`` partitions per head (at most one block each);
+    * a partition streams its blocks in sequence; a block costs
+      ``max(DMA of its K+V, vector work of its QK + softmax + PV)``.  The DRAM is shared: all
+      partitions' bytes move at ``dram_bw * weight_stream_eff`` (KV blocks are sequential reads
+      like the weights); the vector work of a block (``group x rows x (4 x head_dim +
+      softmax_flops_per_score)`` flops, group = query heads per KV head) runs on one core at
+      ``attn_vector_tflops / attn_cores``;
+    * the DMA latency ``kv_dma_latency_us`` of each block is hidden (double buffering) only when
+      every partition's next K and V blocks fit in the SRAM workspace beside the current ones
+      (``2 x 2 x block x partitions <= workspace``, facts.md F4); else each block pays it;
+    * the partitions of a head are merged in a tree: ``ceil(log2(partitions))`` levels of
+      ``attn_merge_level_us`` (they run in parallel, so the merge does not grow linearly).
+
+    Family-neutral: only the shape's heads, head dim and chip count enter.  ``k_bytes`` /
+    ``v_bytes``: bytes per K / V element (default the YAML's ``kv_bytes``; an S8 V-cache gives 1).
+    Raises ValueError for ``ctx < 1``.
+    """
+    if ctx < 1:
+        raise ValueError(f"ctx must be >= 1, got {ctx}")
+    hwf, f, q = hw.hardware, hw.fitted, hw.quantisation
+    kb = float(q["kv_bytes"] if k_bytes is None else k_bytes)
+    vb = float(q["kv_bytes"] if v_bytes is None else v_bytes)
+    d = shape.head_dim
+    heads = max(1, shape.n_kv_heads // shape.n_chips)
+    group = max(1, shape.n_q_heads // shape.n_kv_heads)
+    rows = max(1, int(f["kv_block_kib"]) * 1024 // int(d * kb))
+    nb = math.ceil(ctx / rows)
+    cores = int(f["attn_cores"])
+    p = max(1, min(nb, cores // heads))
+    steps = math.ceil(nb / p)
+    r = ctx / p                                               # rows of the critical partition (balanced split)
+    kv_bw = hwf["dram_bw_gbps"] * 1e3 * f["weight_stream_eff"]          # bytes per µs
+    block_kv = rows * d * (kb + vb)                           # one K block + its V block
+    db = 2.0 * block_kv * heads * p <= sram_workspace_bytes(hw)
+    xfer = r * d * (kb + vb) / kv_bw                          # the partition's K+V alone at the shared rate
+    vec_rate = f["attn_vector_tflops"] * 1e6 / cores  # flops per µs of one core
+    vec = r * group * (4.0 * d + f["softmax_flops_per_score"]) / vec_rate
+    lat = f["kv_dma_latency_us"]
+    chain = lat + max(xfer, vec) if db else steps * lat + xfer + vec
+    shared = heads * p * xfer                                 # every partition's bytes through the one DRAM
+    stream = max(shared, chain)
+    levels = math.ceil(math.log2(p)) if p > 1 else 0
+    merge = levels * f["attn_merge_level_us"]
+    return FlashDecode(us=stream + merge, stream_us=stream, merge_us=merge, block_rows=rows, blocks_per_head=nb,
+                       partitions_per_head=p, block_steps=steps, merge_levels=levels, double_buffered=db,
+                       kv_bytes=ctx * heads * d * (kb + vb))
+
+
+#: the data-moving table's block classes (facts.md F3: 64 / 32 / 1 KiB), bytes
+DATA_MOVING_BLOCKS = (64 * 1024, 32 * 1024, 1024)
+
+
+def data_moving_table(hw: HardwareSpec, shape: ModelShape, n_tokens: int | None = None) -> list[dict[str, Any]]:
+    """The explicit DMA moves (data-moving entries) of a prefill of ``n_tokens`` per chip, derived from the
+    mechanisms the cost model prices; default ``n_tokens`` = the calbin context (the static
+    upper-bound graph of facts.md F3).
+
+    Per chip: ``{"chip", "entries", "bytes", "gib", "blocks": {block_bytes: count}, "moves": [...]}``
+    where each move is ``{"what", "tensors", "bytes", "block", "entries"}`` (block 0: one entry per tensor):
+
+    * the prefill's dynamic D2D (``2 x n_layers`` ops, facts.md F3): every token's hidden state
+      (``n x hidden x activation_bytes``) per op, cut into 64 KiB link descriptors;
+    * the KV scatter (K and V of the chip's heads, ``2 x n_layers`` ops) and flash attention's KV
+      read (``n_layers`` ops, each KV block read once: the compiled loop re-uses a descriptor), in
+      ``kv_block_kib`` blocks;
+    * chip0 only: the embedding gather (``n x hidden x embedding_bytes_per_weight``, one entry) and
+      the token ids (``n x token_input_bytes``, one entry).
+
+    Not derived (no mechanism of ours produces it): the table's 1 KiB class (75,968 entries,
+    0.07 GiB per chip).  Weights and activations streamed by the compute ops are their operands,
+    not data-moving entries, and are not in this table.
+    """
+    q, f = hw.quantisation, hw.fitted
+    n = shape.n_ctx if n_tokens is None else int(n_tokens)
+    if n < 1:
+        raise ValueError(f"n_tokens must be >= 1, got {n}")
+    L, H, a = shape.n_layers, shape.hidden, q["activation_bytes"]
+    heads = shape.n_kv_heads // shape.n_chips
+    kv_block = int(f["kv_block_kib"]) * 1024
+    per_tensor = n * shape.head_dim * q["kv_bytes"]            # one head's K (or V) for n positions
+
+    def move(what: str, tensors: int, nbytes_each: float, block: int, entries_each: int | None = None) -> dict:
+        e = tensors * (math.ceil(nbytes_each / block) if entries_each is None else entries_each)
+        return {"what": what, "tensors": tensors, "bytes": float(tensors * nbytes_each), "block": block,
+                "entries": int(e)}
+
+    out = []
+    for chip in range(shape.n_chips):
+        moves = [move("dynamic D2D (hidden states)", 2 * L, n * H * a, 64 * 1024),
+                 move("KV scatter (K and V)", 2 * L * heads, per_tensor, kv_block),
+                 move("flash attention KV read", 2 * L * heads, per_tensor, kv_block)]
+        if chip == 0:
+            moves += [move("embedding gather", 1, n * H * q["embedding_bytes_per_weight"], 0, 1),
+                      move("token ids", 1, n * q["token_input_bytes"], 0, 1)]
+        blocks: dict[int, int] = {}
+        for m in moves:
+            if m["block"]:
+                blocks[m["block"]] = blocks.get(m["block"], 0) + m["entries"]
+        nbytes = sum(m["bytes"] for m in moves)
+        out.append({"chip": chip, "entries": sum(m["entries"] for m in moves), "bytes": nbytes,
+                    "gib": nbytes / 2**30, "blocks": blocks, "moves": moves})
+    return out
 
 
 def expected_experts_touched(n_tokens: int, n_experts: int = 128, k: int = 8) -> float:
@@ -546,6 +742,13 @@ class CostModel:
         new._prepared = self._prepared
         return new
 
+    def with_hardware(self, **overrides: float) -> CostModel:
+        """A new model with some hardware peaks replaced (the joint sampling of ``tools/sweep.py``);
+        shares the prepared graphs like :meth:`with_fitted`."""
+        new = CostModel(self.hw.with_hardware(**overrides))
+        new._prepared = self._prepared
+        return new
+
     def __getstate__(self) -> dict[str, Any]:
         # pickled for the numerics worker: the spec only; the prepared graphs are rebuilt there
         return {"hw": self.hw, "_prepared": {}}
@@ -591,16 +794,13 @@ class CostModel:
 
         bw = hw["dram_bw_gbps"] * 1e3                      # bytes per µs
         w_bw, act_bw = bw * f["weight_stream_eff"], bw * f["activation_eff"]
-        # KV rows: one head's K (or V) for one position, 128 x BF16 = 256 B.  They stream like the
-        # weights (same DRAM, same efficiency) but each row also pays a fixed overhead (page/bank
-        # switch, descriptor), so their efficiency is row / (row + overhead) of the weights'.
         row = d * q["kv_bytes"]
-        kv_bw = w_bw * row / (row + f["kv_row_overhead_bytes"])
         # SRAM: what the memory plan reserves beyond the parameters' window is the activation
-        # workspace (facts.md F4: 16.844 - 14.381 MiB per chip); an op whose activations fit in it
-        # reads and writes them at SRAM bandwidth, a larger one streams them through DRAM.
-        sram_ws = max(0.0, (self.hw.memory["sram_reservation_mib"] - self.hw.memory["param_sram_window_mib"])
-                      * 2**20)
+        # workspace (facts.md F4: 16.844 - 14.381 MiB per chip).  SRAM tiling: an op runs tile by
+        # tile through it, so only the tensors it reads or writes that do not fit the workspace as a
+        # whole go through DRAM; smaller ones, and what stays inside a tile (the expert
+        # intermediate between gate/up and down, attention scores), stay at SRAM bandwidth.
+        sram_ws = sram_workspace_bytes(self.hw)
         sram_bw = hw["sram_bw_gbps"] * 1e3
         link = hw["d2d_link_gbps"] * 1e3 * f["d2d_eff"]
         lat = hw["d2d_latency_us"]
@@ -614,21 +814,28 @@ class CostModel:
         t: dict[str, Any] = {}
         wbytes = {"weights": 0.0, "lm_head": 0.0, "kv": 0.0, "activations": 0.0, "sram_activations": 0.0}
 
-        def act(nbytes: float, mult: float) -> float:
-            """µs to move an op's activations, booking the bytes (x mult ops) to SRAM or DRAM."""
-            if nbytes <= sram_ws:
-                wbytes["sram_activations"] += nbytes * mult
-                return nbytes / sram_bw
-            wbytes["activations"] += nbytes * mult
-            return nbytes / act_bw
+        def act(nbytes: float | Sequence[float], mult: float, resident: float = 0.0) -> float:
+            """µs to move an op's activation tensors ``nbytes`` (one size or a list), booking the bytes (x mult
+            ops): each tensor that fits the workspace at SRAM rate, each larger one through DRAM;
+            ``resident`` bytes stay inside the op's tiles (SRAM)."""
+            us = resident / sram_bw
+            wbytes["sram_activations"] += resident * mult
+            for nb_ in ([nbytes] if isinstance(nbytes, (int, float)) else nbytes):
+                if nb_ <= sram_ws:
+                    wbytes["sram_activations"] += nb_ * mult
+                    us += nb_ / sram_bw
+                else:
+                    wbytes["activations"] += nb_ * mult
+                    us += nb_ / act_bw
+            return us
 
         def mm(role: str, m: int, kdim: int, ndim: int, bpw: float, peak: float, key="weights") -> None:
             wb = kdim * ndim * bpw
             mult = shape.n_layers if role not in ("lm_head",) else 1
-            t[role] = max(2.0 * rows(m) * kdim * ndim / peak, wb / w_bw + act((m * kdim + m * ndim) * a, mult)) + ov
+            t[role] = max(2.0 * rows(m) * kdim * ndim / peak, wb / w_bw + act([m * kdim * a, m * ndim * a], mult)) + ov
             wbytes[key] += wb * mult
 
-        def vec(role: str, nbytes: float, layers: bool = True) -> None:
+        def vec(role: str, nbytes: float | list[float], layers: bool = True) -> None:
             t[role] = act(nbytes, shape.n_layers if layers else 1) + ov
 
         def d2d(role: str, nbytes: float, profiled: bool = True) -> None:
@@ -636,28 +843,27 @@ class CostModel:
 
         # --- attention block
         for role, width in (("input_norm", H), ("post_attn_norm", H), ("q_norm", hq * d), ("k_norm", hkv * d)):
-            vec(role, 2 * n * width * a)
+            vec(role, [n * width * a] * 2)                           # reads x, writes norm(x)
         mm("q_proj", n, H, hq * d, q["attn_proj_bytes_per_weight"], int8)
         mm("kv_proj", n, H, 2 * hkv * d, q["attn_proj_bytes_per_weight"], int8)
         mm("o_proj", n, hq * d, H, q["attn_proj_bytes_per_weight"], int8)
-        vec("rope_q", 2 * n * hq * d * a)
-        vec("rope_k", 2 * n * hkv * d * a)
+        vec("rope_q", [n * hq * d * a] * 2)
+        vec("rope_k", [n * hkv * d * a] * 2)
         vec("k_scatter", n * hkv * d * q["kv_bytes"])
         vec("v_scatter", n * hkv * d * q["kv_bytes"])
         # flash attention: KV read grows with context; prefill FLOPs are quadratic (causal)
         ctx_eff = past + (n + 1) / 2.0 if prefill else float(ctx)
         attn_flops = 4.0 * n * hq * d * ctx_eff
         kv_read = ctx * hkv * 2 * row
-        attn_t = act(2 * n * hq * d * a, shape.n_layers)
-        # Decode is split-KV (flash decoding): the context is cut into blocks of attn_kv_block_rows
-        # positions spread over at most attn_max_splits partitions (cores); each partition ends
-        # with a merge of its partial max / sum / output.  The merges grow with the context until
-        # every partition is used, then stay constant.  Prefill parallelises over query tiles.
-        merge = 0.0
-        if not prefill:
-            splits = min(max(1, math.ceil(ctx / f["attn_kv_block_rows"])), f["attn_max_splits"])
-            merge = splits * f["attn_split_merge_us"]
-        t["attn"] = max(attn_flops / attn_c, kv_read / kv_bw + attn_t) + merge + ov
+        attn_t = act([n * hq * d * a] * 2, shape.n_layers)              # Q in, output out
+        if prefill:
+            # query tiles on the GEMM array; each KV block read once (facts.md F3: the data-moving table lists
+            # every KV block once), at the weights' sequential rate
+            t["attn"] = max(attn_flops / attn_c, kv_read / w_bw + attn_t) + ov
+        else:
+            # flash decoding (flash_decode): per-block max(DMA, vector work), latency, tree merge
+            fd = flash_decode(self.hw, shape, ctx)
+            t["attn"] = fd.us + attn_t + ov
         wbytes["kv"] += kv_read * shape.n_layers
         # --- chiplet exchanges: barriers are data-less (CCU, not profiled)
         for role in ("attn_sync", "router_sync", "moe_sync"):
@@ -665,38 +871,46 @@ class CostModel:
         if prefill:
             d2d("attn_dyn_d2d", n * H * a)
             d2d("moe_dyn_d2d", n * H * a)
-            vec("attn_gather", 2 * n * H * a)
-            vec("moe_gather", 2 * n * H * a)
-            vec("router_gather", 2 * n * Ec * a)
+            vec("attn_gather", [n * H * a] * 2)
+            vec("moe_gather", [n * H * a] * 2)
+            vec("router_gather", [n * Ec * a] * 2)
         else:  # decode gathers read the peer's partials over the link
             d2d("attn_gather", n * H * a)
             d2d("moe_gather", n * H * a)
             d2d("router_gather", n * Ec * a)
-        vec("attn_residual", 4 * n * H * a)
-        vec("moe_residual", 4 * n * H * a)
-        # --- MoE block
+        vec("attn_residual", [n * H * a] * 4)                        # four hidden-sized tensors (residual add + copy)
+        vec("moe_residual", [n * H * a] * 4)
+        # --- MoE block (MoE tiles): the dispatch is an index (token ids + weights per expert); the grouped
+        # GEMMs gather their rows by it and keep each tile's intermediate (rows x expert_ffn) in SRAM, so
+        # gate -> up -> SiLU -> multiply -> down never writes the n x k x expert_ffn tensors to DRAM
+        idx = n * k * (4 + a)                                        # int32 token id + BF16 weight per choice
         mm("router", n, H, Ec, q["router_bytes_per_weight"], fp16)
-        vec("gate_pre", n * Ec * 2 * a + n * H * a + n * k * H * a)   # top-k + dispatch copies
-        vec("gate_post", 2 * n * k * H * a)                          # restore token order
-        vec("expert_reduce", n * k * H * a + n * H * a)              # weighted sum over top-k
-        vec("silu", 2 * n * k * Fc * a)
-        vec("multiply", 3 * n * k * Fc * a)
+        vec("gate_pre", [n * Ec * 2 * a, idx])                       # router logits in, top-k index out
+        # restore: down's epilogue stores each output row at its token's slot (a scatter store of 4 KiB rows
+        # costs the bytes of a contiguous one), so the restore op only reads the index and the weights
+        vec("gate_post", [idx])
+        vec("expert_reduce", [n * k * H * a, n * H * a])             # weighted sum over top-k
+        t["silu"] = act(0.0, shape.n_layers, resident=2 * n * k * Fc * a) + ov
+        t["multiply"] = act(0.0, shape.n_layers, resident=3 * n * k * Fc * a) + ov
         r = n * k / touched                                          # tokens per touched expert
         e_w = touched * H * Fc * q["expert_bytes_per_weight"]        # (n_layers,)
-        e_act_t = act((n * k * H + n * k * Fc) * a, 3 * shape.n_layers)
+        # per grouped GEMM: gate and up read the gathered rows (n x k x hidden), down writes its outputs
+        # (n x k x hidden); the expert intermediate is tile-resident
+        e_act_t = act([n * k * H * a], 3 * shape.n_layers, resident=n * k * Fc * a)
         e_flops = 2.0 * touched * rows(r) * H * Fc
         e_t = np.maximum(e_flops / fp16, e_w / w_bw + e_act_t) + ov
         for role in ("expert_gate", "expert_up", "expert_down"):
             t[role] = e_t
         wbytes["weights"] += 3 * float(e_w.sum())
         # --- outside the layers
-        # the embedding rows are gathered from the DRAM table; the output lands in the workspace
+        # the embedding rows are gathered from the DRAM table (one data-moving entry, facts.md F3) into
+        # the hidden buffer both chips read
         t["embedding"] = n * H * q["embedding_bytes_per_weight"] / act_bw + act(n * H * a, 1) + ov
         wbytes["activations"] += n * H * q["embedding_bytes_per_weight"]
-        d2d("embed_sync", n * H * a)
-        vec("layout_in", 2 * n * H * a, layers=False)
-        vec("layout_out", 2 * n * H * a, layers=False)
-        vec("final_norm", 2 * H * a, layers=False)                   # last row only
+        d2d("embed_sync", 0.0)                                       # a barrier: chip1 reads the rows chip0 wrote
+        vec("layout_in", [n * H * a] * 2, layers=False)
+        vec("layout_out", [n * H * a] * 2, layers=False)
+        vec("final_norm", [H * a] * 2, layers=False)                 # last row only
         mm("lm_head", 1, H, Vc, q["lm_head_bytes_per_weight"], int8, key="lm_head")
         d2d("logits_gather", Vc * a)
         d2d("logits_sync", 0.0)

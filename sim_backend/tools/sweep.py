@@ -1,4 +1,4 @@
-"""Prompt-length / context sweep with sensitivity ranges (``calconsole bench sweep``).
+"""Prompt-length / context sweep with JOINT ranges (``calconsole bench sweep``).
 
 Every figure here is SIMULATED device time of the cost model at full Qwen3-30B-A3B size
 (no host work): TTFT of a prompt (its prefill chunks, ``prefill_chunk`` tokens each as
@@ -6,18 +6,23 @@ the engine cuts them, a leftover 1-token chunk priced as a decode step, facts.md
 prefill rate ``n / TTFT`` and the decode rate at a context.
 
 Outside the measured F7 points these figures are extrapolations that rest on ASSUMED
-parameters (the YAML's non-fitted values).  Each figure therefore carries a range: for
-every assumed parameter of :data:`SENSITIVITY_PARAMS`, one at a time, the value is moved
-to each end of its physical range (the YAML's ``ranges``), the fitted parameters are
-refitted to the F7 cases (:func:`~sim_backend.tools.calibration.fit_parameters`), and the
-figure is recomputed; ``low`` / ``high`` are the extremes over these variants and the
-shipped model, ``low_by`` / ``high_by`` name the variant that gives them.  The ranges are
-one-at-a-time (no joint corners), so they are not bounds, and they do not include the
-fitted parameters' own uncertainty (see the held-out errors of ``bench calibrate``).
+parameters.  Each figure therefore carries a range from a JOINT sample (:func:`joint_models`):
+every assumed parameter of the hardware YAML's ``fitted`` section that the fit does not move
+(its ``ranges``) and every hardware peak with a ``hardware_ranges`` entry (DRAM, SRAM, link,
+PCIe bandwidth, INT8/FP16 peaks) are drawn together from a scrambled Sobol sequence (fixed
+seed; log-uniform where a range spans a factor of 8 or more, integers rounded, KV blocks a
+power of two); for each draw the fitted parameters are refitted on the FITTED cases only
+(:func:`~sim_backend.tools.calibration.fit_parameters`), and the draw is kept when its refit
+reproduces the three F7 points within the tolerance (±3 %) and places every fitted band at
+least as well as the shipped fit does (inside it, or no further outside than the shipped
+model plus the tolerance: the shipped mechanisms cannot place ~2K and ~40K both inside).
+``low`` / ``high`` are the extremes over the kept draws and the shipped model; a decode figure
+at a context the report gives a band for also carries that band.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from sim_backend.bundle.shapes import ModelShape
@@ -26,11 +31,17 @@ from sim_backend.model.costmodel import CostModel
 #: facts.md F8 (report §12.1): prompt lengths of the experiment matrix
 SWEEP_PROMPTS: tuple[int, ...] = (1, 16, 128, 512, 2048, 4096, 8192, 16384, 32768, 40900)
 #: decode contexts: the F7 band contexts and the ones between them
-SWEEP_CONTEXTS: tuple[int, ...] = (27, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 33000, 40900)
-#: assumed (not fitted) parameters whose ranges make the sensitivity figures
-SENSITIVITY_PARAMS: tuple[str, ...] = ("attn_compute_eff", "prefill_m_tile", "activation_eff", "per_op_overhead_us",
-                                       "int8_compute_eff", "d2d_eff", "step_submit_overhead_us", "attn_kv_block_rows")
+SWEEP_CONTEXTS: tuple[int, ...] = (27, 128, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 33000,
+                                   40900)
+#: facts.md F7 decode rows by context (tok/s): the band a decode figure is shown beside
+REPORT_BANDS: dict[int, tuple[float, float, str]] = {
+    128: (58.0, 64.0, "short"), 2048: (38.0, 46.0, "~2K"), 4096: (28.0, 40.0, "~4K"),
+    8192: (20.0, 30.0, "~8K-16K"), 12288: (20.0, 30.0, "~8K-16K"), 16384: (20.0, 30.0, "~8K-16K"),
+    33000: (10.5, 13.5, "~33K: 'about 12'"), 40900: (10.0, 16.0, "~40K")}
 PREFILL_CHUNK = 2048   # the engine's default prefill_chunk (serving/engine.py)
+#: draws of the joint sample by default (each costs one refit, ~1-2 s of host time)
+DEFAULT_SAMPLES = 32
+_LOG_RATIO = 8.0
 
 
 def ttft_us(cm: CostModel, n_prompt: int, chunk: int = PREFILL_CHUNK, shape: ModelShape | None = None) -> float:
@@ -60,57 +71,104 @@ def figures(cm: CostModel, prompts=SWEEP_PROMPTS, contexts=SWEEP_CONTEXTS,
             "decode_tok_s": {c: 1e6 / cm.price_step(shape, "decode", 1, c).total_us for c in contexts}}
 
 
-def variants(cm: CostModel, params: tuple[str, ...] = SENSITIVITY_PARAMS,
-             progress: Callable[[str], None] | None = None,
-             rejected: dict[str, str] | None = None) -> list[tuple[str, CostModel]]:
-    """The shipped model and, per assumed parameter and range end, the refitted model.
+def sampled_parameters(cm: CostModel) -> list[tuple[str, str, float, float]]:
+    """What the joint sample moves: ``(section, key, lo, hi)`` for every assumed ``fitted``-section
+    parameter (not refitted) and every hardware peak with a range."""
+    from sim_backend.tools.calibration import FIT_FREE
 
-    Names: ``"shipped"``, ``"<param>=<value>"``.  One refit per variant (about a second each).
-    A variant whose refit cannot reproduce the three F7 points within the tolerance is
-    ruled out by the data: it is left out and, if ``rejected`` is given, recorded there
-    (name -> reason).
-    """
-    from sim_backend.tools.calibration import POINT_CASES, TOLERANCE_PCT, case_error_pct, evaluate_cases, fit_parameters
-
-    shipped = {k: float(v) for k, v in cm.hw.fitted.items()}
-    out: list[tuple[str, CostModel]] = [("shipped", cm)]
-    for p in params:
-        lo, hi = cm.hw.ranges[p]
-        for v in (lo, hi):
-            if v == cm.hw.fitted[p]:
-                continue
-            name = f"{p}={v:g}"
-            if progress is not None:
-                progress(name)
-            fit = fit_parameters(cm, fixed={p: v}, start=shipped)
-            m = cm.with_fitted(**{p: v}, **fit)
-            sims = evaluate_cases(m)
-            errs = {c: case_error_pct(c, sims[c]) for c in POINT_CASES}
-            worst = max(errs, key=lambda c: abs(errs[c]))
-            if abs(errs[worst]) > TOLERANCE_PCT:
-                if rejected is not None:
-                    rejected[name] = f"refit misses {worst} by {errs[worst]:+.1f}%"
-                continue
-            out.append((name, m))
+    out = [("fitted", k, float(lo), float(hi)) for k, (lo, hi) in cm.hw.ranges.items()
+           if k not in FIT_FREE and k != "host_overhead_ms_per_token" and lo < hi]
+    out += [("hardware", k, float(lo), float(hi)) for k, (lo, hi) in cm.hw.hardware_ranges.items() if lo < hi]
     return out
 
 
+def _draw(u: float, key: str, lo: float, hi: float) -> float:
+    if key == "kv_block_kib":       # a DMA block is a power of two
+        e_lo, e_hi = math.log2(lo), math.log2(hi)
+        return float(2 ** round(e_lo + u * (e_hi - e_lo)))
+    v = lo * (hi / lo) ** u if lo > 0 and hi / lo >= _LOG_RATIO else lo + u * (hi - lo)
+    from sim_backend.model.costmodel import _INTEGER_FITTED
+
+    return float(round(v)) if key in _INTEGER_FITTED else float(v)
+
+
+def joint_models(cm: CostModel, samples: int = DEFAULT_SAMPLES, *, seed: int = 0,
+                 progress: Callable[[str], None] | None = None) -> dict:
+    """The joint sample (module docstring): ``{"models": [(name, CostModel)], "kept", "drawn",
+    "rejected": {name: reason}, "draws": [{"name", "values", "fit", "kept", "why"}], "parameters"}``.
+
+    ``models`` starts with ``("shipped", cm)``.  Raises ValueError for ``samples < 1``.
+    """
+    from scipy.stats import qmc
+
+    from sim_backend.tools.calibration import (
+        FIT_CASES,
+        POINT_CASES,
+        TOLERANCE_PCT,
+        band_miss_pct,
+        case_error_pct,
+        evaluate_cases,
+        fit_parameters,
+    )
+
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    params = sampled_parameters(cm)
+    shipped_fit = {k: float(cm.hw.fitted[k]) for k in cm.hw.fitted}
+    base_sims = evaluate_cases(cm, names=FIT_CASES)
+    base_miss = {c: abs(band_miss_pct(c, base_sims[c])) for c in FIT_CASES if c not in POINT_CASES}
+    # a prefix of the next power-of-two Sobol set (its balance properties need 2^m points)
+    pts = qmc.Sobol(d=len(params), scramble=True, seed=seed).random_base2(m=max(0, math.ceil(math.log2(samples))))
+    pts = pts[:samples]
+    models: list[tuple[str, CostModel]] = [("shipped", cm)]
+    draws, rejected = [], {}
+    for i, u in enumerate(pts):
+        name = f"draw{i}"
+        if progress is not None:
+            progress(name)
+        vals = {(sec, k): _draw(float(x), k, lo, hi) for (sec, k, lo, hi), x in zip(params, u, strict=True)}
+        m0 = cm.with_hardware(**{k: v for (sec, k), v in vals.items() if sec == "hardware"}).with_fitted(
+            **{k: (int(v) if isinstance(cm.hw.fitted[k], int) else v) for (sec, k), v in vals.items()
+               if sec == "fitted"})
+        fit = fit_parameters(m0, start=shipped_fit, globalise=False)
+        m = m0.with_fitted(**fit)
+        sims = evaluate_cases(m, names=FIT_CASES)
+        why = case = None
+        for c in FIT_CASES:
+            if c in POINT_CASES:
+                e = case_error_pct(c, sims[c])
+                if abs(e) > TOLERANCE_PCT:
+                    why, case = f"refit misses {c} by {e:+.1f}%", f"{c} beyond ±{TOLERANCE_PCT:g}%"
+                    break
+            elif abs(band_miss_pct(c, sims[c])) > base_miss[c] + TOLERANCE_PCT:
+                why = f"refit puts {c} {band_miss_pct(c, sims[c]):+.1f}% outside its band"
+                case = f"{c} further outside its band than the shipped fit + {TOLERANCE_PCT:g}%"
+                break
+        draws.append({"name": name, "values": {f"{sec}.{k}": v for (sec, k), v in vals.items()}, "fit": fit,
+                      "kept": why is None, "why": why, "rule": case})
+        if why is None:
+            models.append((name, m))
+        else:
+            rejected[name] = why
+    return {"models": models, "kept": len(models) - 1, "drawn": samples, "rejected": rejected, "draws": draws,
+            "parameters": [f"{sec}.{k} [{lo:g}, {hi:g}]" for sec, k, lo, hi in params]}
+
+
 def sweep(cm: CostModel | None = None, *, prompts=SWEEP_PROMPTS, contexts=SWEEP_CONTEXTS,
-          chunk: int = PREFILL_CHUNK, params: tuple[str, ...] = SENSITIVITY_PARAMS,
+          chunk: int = PREFILL_CHUNK, samples: int = DEFAULT_SAMPLES, seed: int = 0,
           progress: Callable[[str], None] | None = None) -> dict:
     """Run the sweep; JSON-friendly dict.
 
     ``prompts``: list of ``{"prompt_tokens", "ttft_ms": R, "prefill_tok_s": R}`` and
-    ``contexts``: list of ``{"context", "decode_tok_s": R}``, where each R is
-    ``{"value", "low", "high", "low_by", "high_by"}`` (shipped value, extremes over the
-    variants, the variant names that give them).  ``variants``: the variant names used;
-    ``rejected_variants``: those the F7 points rule out, with the reason.
+    ``contexts``: list of ``{"context", "decode_tok_s": R, "band": [lo, hi, label] or None}``,
+    where each R is ``{"value", "low", "high", "low_by", "high_by"}`` (shipped value, extremes
+    over the kept draws and the shipped model, the names of the draws that give them).
+    ``joint``: ``{"drawn", "kept", "parameters", "rejected", "draws"}`` (:func:`joint_models`).
     All figures simulated device time.
     """
     cm = cm or CostModel.load()
-    rejected: dict[str, str] = {}
-    models = variants(cm, params, progress, rejected)
-    figs = [(name, figures(m, prompts, contexts, chunk)) for name, m in models]
+    joint = joint_models(cm, samples, seed=seed, progress=progress)
+    figs = [(name, figures(m, prompts, contexts, chunk)) for name, m in joint["models"]]
 
     def rng(key: str, x: int) -> dict:
         vals = [(f[key][x], name) for name, f in figs]
@@ -120,13 +178,15 @@ def sweep(cm: CostModel | None = None, *, prompts=SWEEP_PROMPTS, contexts=SWEEP_
     return {
         "time_unit": "simulated device time (cost model, no host work)",
         "prefill_chunk": chunk,
-        "variants": [name for name, _ in models],
-        "rejected_variants": rejected,
-        "method": "one assumed parameter at a time at each end of its physical range, fitted parameters refitted "
-                  "to the F7 cases; low/high = extremes over those variants and the shipped model",
+        "method": "joint sample of the assumed parameters and hardware peaks (Sobol, seed "
+                  f"{seed}), fitted parameters refitted on the fitted F7 cases; kept when the F7 points stay within "
+                  "3 % and the fitted bands no worse than the shipped fit + 3 %; low/high = extremes over the kept "
+                  "draws and the shipped model",
+        "joint": {k: joint[k] for k in ("drawn", "kept", "parameters", "rejected", "draws")},
         "prompts": [{"prompt_tokens": n, "ttft_ms": rng("ttft_ms", n), "prefill_tok_s": rng("prefill_tok_s", n)}
                     for n in prompts],
-        "contexts": [{"context": c, "decode_tok_s": rng("decode_tok_s", c)} for c in contexts],
+        "contexts": [{"context": c, "decode_tok_s": rng("decode_tok_s", c),
+                      "band": list(REPORT_BANDS[c]) if c in REPORT_BANDS else None} for c in contexts],
     }
 
 

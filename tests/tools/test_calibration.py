@@ -17,32 +17,66 @@ def cases():
     return {c["name"]: c for c in run_calibration()}
 
 
-def test_every_case_ok(cases):
-    """Every case is ok, except a band miss the report explains, and only by a little."""
-    bad = {n: c for n, c in cases.items() if not c["ok"]}
-    assert set(bad) <= set(cal.EXPLAINED_BANDS), bad
-    for c in bad.values():
-        assert c["explained"] and 0 < abs(c["band_miss_pct"]) <= cal.EXPLAINED_MISS_PCT
-    assert all(c["explained"] is None for c in cases.values() if c["ok"])
-    assert all(c["mode"] == "timing-only" for c in cases.values())
-    assert {n for n, c in cases.items() if c["role"] == "fitted"} == set(cal.FIT_CASES)
+def test_roles_are_honest(cases):
+    """Fitted = what the fit uses (3 F7 points, ~2K/~4K/~40K); every other case is held out, predicted once."""
+    assert {n for n, c in cases.items() if c["role"] == "fitted"} == set(cal.FIT_CASES) == {
+        "prefill_27_tok_s", "decode_246_tok_s", "e2e_27_prompt_246_decode", "decode_ctx_2k", "decode_ctx_4k",
+        "decode_ctx_40k"}
+    assert {n for n, c in cases.items() if c["role"] == "held-out"} == {
+        "decode_ctx_short", "decode_ctx_8k_16k", "decode_ctx_33k", "prefill_rises_with_prompt_length",
+        "decode_falls_with_context", "prefill_40960_data_moving"}
+    # the report's single ~8K-16K row is ONE case, checked at both ends
+    assert cases["decode_ctx_8k_16k"]["contexts"] == [8192, 16384] and len(cases["decode_ctx_8k_16k"][
+        "simulated_ends"]) == 2
+    assert all(c["mode"] == "timing-only" and c["explained"] is None for c in cases.values())
 
 
-def test_case_set_and_fields(cases):
+def test_f7_points_and_where_the_mechanisms_cannot_reach_the_bands(cases):
+    """The three F7 points within +-3 %; the fitted bands as close as the stated mechanisms get (the
+    best achievable, shown, not tuned to): ~4K inside or within 1 % of its edge, ~2K and ~40K within
+    8 % of theirs (they need more concavity than a tree merge gives: a linear KV cost through ~2K
+    and ~40K is 2.4 vs 2.0 us per context token)."""
     for name in ("prefill_27_tok_s", "decode_246_tok_s", "e2e_27_prompt_246_decode"):
         c = cases[name]
-        assert c["measured"] is not None and abs(c["error_pct"]) <= 3.0
+        assert c["measured"] is not None and abs(c["error_pct"]) <= 3.0 and c["ok"], c
     assert cases["prefill_27_tok_s"]["measured"] == 184.27
     assert cases["decode_246_tok_s"]["measured"] == 58.25
     assert cases["e2e_27_prompt_246_decode"]["measured"] == 4.41
     assert cases["e2e_27_prompt_246_decode"]["unit"] == "s"
-    bands = [c for c in cases.values() if "band" in c]
-    assert len(bands) == 6
-    for c in bands:
-        assert c["measured"] is None and (c["band"][0] <= c["simulated"] <= c["band"][1] or c["explained"])
-    assert cases["decode_ctx_33k"]["band"] == [10.5, 13.5]
+    assert abs(cases["decode_ctx_4k"]["band_miss_pct"]) <= 1.0
+    assert abs(cases["decode_ctx_2k"]["band_miss_pct"]) <= 8.0 and abs(cases["decode_ctx_40k"]["band_miss_pct"]) <= 8.0
+    for c in cases.values():
+        if "band" in c:
+            assert c["ok"] == (c["band_miss_pct"] == 0.0)
+    assert cases["decode_ctx_33k"]["band"] == [10.5, 13.5] and cases["decode_ctx_33k"]["measured"] == 12.0
     assert cases["prefill_rises_with_prompt_length"]["ok"]
     assert cases["decode_falls_with_context"]["ok"]
+
+
+def test_held_out_decode_error(cases):
+    """The issue's criterion: RMS over the held-out decode cases (short, ~8K-16K at its middle, ~33K vs 12)
+    <= 8 %; the short row and ~33K inside their bands; ~8K-16K inside at 8K and within 3 % of 20 at 16K."""
+    s = cal.summarise(list(cases.values()))["timing-only"]
+    assert set(s["held_out_decode"]) == set(cal.HELD_OUT_DECODE)
+    assert s["held_out_decode_rms_pct"] <= 8.0
+    assert s["held_out_decode_rms_pct"] == pytest.approx(cal.rms([cases[n]["error_pct"] for n in cal.HELD_OUT_DECODE]))
+    assert cases["decode_ctx_short"]["ok"] and cases["decode_ctx_33k"]["ok"]
+    lo8, lo16 = cases["decode_ctx_8k_16k"]["simulated_ends"]
+    assert 20.0 <= lo8 <= 30.0 and lo16 >= 20.0 * 0.97
+    assert s["data_moving_ok"]
+
+
+def test_data_moving_case(cases):
+    c = cases["prefill_40960_data_moving"]
+    assert c["ok"] and abs(c["error_pct"]) <= cal.DATA_MOVING_TOLERANCE_PCT
+    assert [m["entries"] for m in c["measured"]] == [444_610, 444_608]
+    assert all(chk["ok"] for chk in c["checks"]) and len(c["checks"]) == 5
+    # the tolerance is the underived 1 KiB class plus the table's rounding, not slack
+    one_kib_share = 75_968 * 1024 / 2**30 / 18.822 * 100
+    assert one_kib_share < cal.DATA_MOVING_TOLERANCE_PCT < one_kib_share + 0.05
+    # a model whose KV block were 64 KiB would not reproduce the table's 32 KiB class
+    other = cal.data_moving_case(CostModel.load().with_fitted(kv_block_kib=64))
+    assert not other["ok"]
 
 
 def test_expected_experts_touched():
@@ -169,6 +203,7 @@ def test_engine_cases_match_f7_in_both_modes(numerics):
         assert c["ok"] and abs(c["error_pct"]) <= 3.0, c
         assert c["prompt_n"] == 27 and c["predicted_n"] == 246 and c["numerics"] is numerics
         assert c["host_time"] == "modeled" and c["mode"] == ("numeric" if numerics else "timing-only")
+        assert c["role"] == "consistency"   # the FITTED points through the engine: a check, not a prediction
     assert cases["engine_e2e_27_prompt_246_decode"]["unit"] == "s"
     assert cases["engine_e2e_27_prompt_246_decode"]["measured"] == 4.41
 
@@ -234,70 +269,35 @@ def test_priced_experts_touched_rules():
         priced_experts_touched([0, 5], 27)
 
 
-# --- held-out validation (leave-one-out) ----------------------------------------
+# --- the fit: shipped values, convergence from spread starts ---------------------
 
 @pytest.fixture(scope="module")
-def loo():
-    return cal.leave_one_out()
+def fit():
+    return cal.fit_parameters(full=True)
 
 
-def _band_halfwidth_rms() -> float:
-    import math
-
-    return 100 * cal.rms([0.5 * math.log(hi / lo) for _, _, (lo, hi) in cal.DECODE_BANDS])
-
-
-def test_leave_one_out_predicts_the_decode_cases(loo):
-    """Held-out bounds, and why:
-
-    * the 246-token decode point is predicted from the six bands alone within the F7
-      tolerance (3 %): the bands carry the context-independent decode time;
-    * the band cases' held-out RMS (vs their geometric centres) is below the RMS of the
-      bands' own half-widths (18.0 %): on average a held-out band is predicted no worse
-      than "somewhere inside the band" would be; a model that misses the trend fails this;
-    * at least 4 of the 6 held-out band predictions land inside their band.
-    """
-    assert set(loo) == set(cal.FIT_CASES) | {"_params"}
-    assert abs(loo["decode_246_tok_s"]["loo_error_pct"]) <= cal.TOLERANCE_PCT
-    bands = [loo[n] for n, _, _ in cal.DECODE_BANDS]
-    assert cal.rms([b["loo_error_pct"] for b in bands]) < _band_halfwidth_rms()
-    assert sum(b["in_band"] for b in bands) >= 4
-    # the E2E case is predicted with the host allowance at the middle of its range
-    assert abs(loo["e2e_27_prompt_246_decode"]["loo_error_pct"]) <= cal.TOLERANCE_PCT
-
-
-def test_refits_stay_in_their_physical_ranges_and_the_prefill_is_not_predictable(loo):
-    ranges = CostModel.load().hw.ranges
-    for p in loo["_params"].values():
-        for k, v in p.items():
-            lo, hi = ranges[k]
-            assert lo <= v <= hi, (k, v)
-    # without its only point, fp16_compute_eff is identified only by the E2E case (which has the
-    # host allowance to trade against) and the prior: the held-out prefill error is large, and it
-    # is reported, not hidden.  A second prefill measurement would make it predictable.
-    assert loo["prefill_27_tok_s"]["loo_error_pct"] > 10
-
-
-def test_shipped_yaml_is_the_fit():
-    """The YAML's fitted values are what fit_parameters gives (rounded by hand)."""
+def test_shipped_yaml_is_the_fit(fit):
+    """The YAML's fitted values are what fit_parameters gives (rounded by hand), none at a range edge."""
     cm = CostModel.load()
-    fit = cal.fit_parameters(cm)
-    for k, v in fit.items():
+    assert set(fit["params"]) == set(cal.FIT_FREE)
+    for k, v in fit["params"].items():
         assert cm.hw.fitted[k] == pytest.approx(v, rel=0.02, abs=0.01), k
+        lo, hi = cm.hw.ranges[k]
+        assert lo < v < hi and fit["at_edge"] == [], (k, v)
+    # the fit used the fitted cases only
+    assert set(fit["residuals"]) == set(cal.FIT_CASES)
 
 
-def test_run_calibration_carries_the_held_out_figures(loo):
-    cases = run_calibration(loo=loo)
-    fitted = [c for c in cases if c["role"] == "fitted"]
-    assert len(fitted) == 9 and all({"loo_simulated", "loo_error_pct"} <= c.keys() for c in fitted)
-    assert all("loo_in_band" in c for c in fitted if "band" in c)
-    # every band that lands outside itself when held out says why (and only those do)
-    for c in fitted:
-        if "band" in c:
-            assert bool(c["loo_explained"]) == (not c["loo_in_band"]), c["name"]
-    s = cal.summarise(cases)["timing-only"]
-    assert s["loo_rms_pct"] == pytest.approx(cal.rms([c["loo_error_pct"] for c in fitted]))
-    assert s["loo_bands_in_band"].endswith("/6")
+def test_fit_converges_from_a_start_where_the_vector_term_is_hidden():
+    """Two spread starts (the first puts attn_vector_tflops at 3 TFLOPS, where decode attention is
+    DMA-bound and the vector throughput has no gradient): both reach the same parameters (+-5 %).
+    ``bench calibrate`` runs the full check from 6 starts."""
+    cv = cal.convergence(starts=2)
+    assert len(cv["starts"]) == 2 and cv["starts"][0]["start"]["attn_vector_tflops"] > 2.0
+    assert cv["converged"] and cv["at_edge"] == [], cv["spread_pct"]
+    assert all(v <= cal.CONVERGENCE_PCT for v in cv["spread_pct"].values())
+    with pytest.raises(ValueError):
+        cal.convergence(starts=0)
     with pytest.raises(ValueError):
         run_calibration(mode="numeric")  # numeric mode needs the router's experts
 
