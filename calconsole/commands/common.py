@@ -53,7 +53,7 @@ def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_l
                         "on the reference host (calconsole bench realtime measures this one)")
     g.add_argument("--host-time", choices=("modeled", "measured"), default=d("host_time"),
                    help="host work put on the simulated clock: 'modeled' books the real serving host's "
-                        "fitted allowance per token (0.227 ms, fitted to the report's end-to-end figure; "
+                        "fitted allowance per token (0.204 ms, fitted to the report's end-to-end figure; "
                         "timings then do not depend on this machine), 'measured' books this machine's own "
                         "host work (default: modeled)")
     g.add_argument("--slots", type=int, default=d("slots"),

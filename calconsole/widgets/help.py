@@ -17,7 +17,7 @@ FIGURES = (
     ("sim", "simulated device time: what the cost model, calibrated to the real device, says the NPU takes "
             "(step and layer times, TTFT / TPOT / ITL / E2E, busy %, tok/s, the sim clock)"),
     ("wall", "measured host time on this machine (compute of a step, drains, waits, host CPU and RSS)"),
-    ("host work", "the serving host's work per token on the sim clock: modeled by default (0.227 ms a token, "
+    ("host work", "the serving host's work per token on the sim clock: modeled by default (0.204 ms a token, "
                   "fitted to the real system's end-to-end figure), or this machine's measured work with "
                   "--host-time measured"),
     ("busy", "share of the simulated time of the last ~1 s interval the board (or chip) spent executing; "

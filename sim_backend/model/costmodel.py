@@ -371,7 +371,8 @@ def flash_decode(hw: HardwareSpec, shape: ModelShape, ctx: int, *, k_bytes: floa
     * the partitions of a head are merged in a tree: ``ceil(log2(partitions))`` levels of
       ``attn_merge_level_us`` (they run in parallel, so the merge does not grow linearly).
 
-    Family-neutral: only the shape's heads, head dim and chip count enter.  ``k_bytes`` /
+    Family-neutral: only the shape's heads (the busiest chip's KV heads), head dim and chip count
+    enter; the dense pilot's attention uses it as the MoE family's does.  ``k_bytes`` /
     ``v_bytes``: bytes per K / V element (default the YAML's ``kv_bytes``; an S8 V-cache gives 1).
     Raises ValueError for ``ctx < 1``.
     """
@@ -381,7 +382,7 @@ def flash_decode(hw: HardwareSpec, shape: ModelShape, ctx: int, *, k_bytes: floa
     kb = float(q["kv_bytes"] if k_bytes is None else k_bytes)
     vb = float(q["kv_bytes"] if v_bytes is None else v_bytes)
     d = shape.head_dim
-    heads = max(1, shape.n_kv_heads // shape.n_chips)
+    heads = max(1, shape.kv_heads_per_chip)                  # the busiest chip's KV heads (uneven splits: chip0)
     group = max(1, shape.n_q_heads // shape.n_kv_heads)
     rows = max(1, int(f["kv_block_kib"]) * 1024 // int(d * kb))
     nb = math.ceil(ctx / rows)

@@ -48,7 +48,7 @@ class HostBooking:
 
     - ``"modeled"`` (default): each sampled token books ``per_token_us`` of host work, the
       real serving host's allowance fitted to facts.md F7 (``host_overhead_ms_per_token`` in the
-      hardware YAML, 0.227 ms: the E2E of 4.41 s minus the device time of the 27-token prefill
+      hardware YAML, 0.204 ms: the E2E of 4.41 s minus the device time of the 27-token prefill
       and 245 decode steps, over 246 tokens); tokenising, KV applies and submission book 0 (the
       allowance covers the host's work per token). Simulated timings then do not depend on
       this machine and are deterministic, and both modes of the numerics reproduce F7.

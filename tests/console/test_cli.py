@@ -52,7 +52,7 @@ def test_host_time_modeled_by_default_and_measured_on_request(capsys):
         assert code == 0
         runs.append(json.loads(out)["timings"])
     a, b = runs
-    assert a["host_time"] == "modeled" and a["host_booked_ms"] == pytest.approx(4 * 0.227)
+    assert a["host_time"] == "modeled" and a["host_booked_ms"] == pytest.approx(4 * 0.204)
     assert (a["ttft_ms"], a["e2e_ms"], a["itl_ms"]) == (b["ttft_ms"], b["e2e_ms"], b["itl_ms"])
     assert "host work modeled" in a["clock"]
     code, out, _ = run(capsys, *argv, "--host-time", "measured")

@@ -61,7 +61,6 @@ def dense_role_costs(hw_spec: Any, shape: ModelShape, kind: str, n: int, past: i
     bw = hw["dram_bw_gbps"] * 1e3                                       # bytes per µs
     w_bw, act_bw = bw * f["weight_stream_eff"], bw * f["activation_eff"]
     row = d * q["kv_bytes"]
-    kv_bw = w_bw * row / (row + f["kv_row_overhead_bytes"])
     sram_ws = hw["sram_physical_mib"] * 2**20
     sram_bw = hw["sram_bw_gbps"] * 1e3
     link = hw["d2d_link_gbps"] * 1e3 * f["d2d_eff"]
@@ -110,11 +109,12 @@ def dense_role_costs(hw_spec: Any, shape: ModelShape, kind: str, n: int, past: i
     attn_flops = 4.0 * n * hq * d * ctx_eff
     kv_read = ctx * hkv * 2 * row
     attn_t = act(2 * n * hq * d * a, L)
-    merge = 0.0
-    if not prefill:  # split-KV decode, as the MoE family's
-        splits = min(max(1, math.ceil(ctx / f["attn_kv_block_rows"])), f["attn_max_splits"])
-        merge = splits * f["attn_split_merge_us"]
-    t["attn"] = max(attn_flops / attn_c, kv_read / kv_bw + attn_t) + merge + ov
+    if prefill:  # query tiles on the array, each KV block read once at the weights' sequential rate
+        t["attn"] = max(attn_flops / attn_c, kv_read / w_bw + attn_t) + ov
+    else:  # flash decoding by mechanism, as the MoE family's (costmodel.flash_decode, shapes only)
+        from sim_backend.model.costmodel import flash_decode
+
+        t["attn"] = flash_decode(hw_spec, shape, ctx).us + attn_t + ov
     b["kv"] += kv_read * L
     # --- chiplet exchanges at the same kinds of sync points: a data-less barrier, then the gather
     for role in ("attn_sync", "mlp_sync"):
