@@ -13,7 +13,17 @@ import argparse
 import sys
 
 from sim_backend.planes import CalError
-from sim_backend.tools.roadmap import CLIENTS, DEFAULT_SLO, MIXES, OUTPUT_TOKENS, SLO, STAGE_NAMES, fmt, run_roadmap
+from sim_backend.tools.roadmap import (
+    CLIENTS,
+    DEFAULT_SLO,
+    MIXES,
+    OUTPUT_TOKENS,
+    RANGE_SAMPLES,
+    SLO,
+    STAGE_NAMES,
+    fmt,
+    run_roadmap,
+)
 
 from .common import fail, print_json
 
@@ -38,6 +48,9 @@ def register(bsub) -> None:
     p.add_argument("--requests-per-client", type=int, default=2, help="closed-loop requests per client (default 2)")
     p.add_argument("--max-tokens", type=int, default=OUTPUT_TOKENS, help=f"output tokens (default {OUTPUT_TOKENS})")
     p.add_argument("--quick", action="store_true", help="clients 1,4,16, mixes short,mixed, 1 request per client")
+    p.add_argument("--range-samples", type=int, default=RANGE_SAMPLES, metavar="N",
+                   help=f"joint draws of assumed parameters and hardware peaks behind each record's range "
+                        f"(default {RANGE_SAMPLES}, ~2 s of refit each; 0 = the first-order range only)")
     p.add_argument("--slo", default=None, metavar="SPEC",
                    help="goodput SLOs, simulated ms (default ttft:10000,tpot:100)")
     p.set_defaults(func=run)
@@ -53,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(e))
     if not 1 <= args.requests_per_client <= 64:
         return fail(f"--requests-per-client must be in 1..64, got {args.requests_per_client}")
+    if not 0 <= args.range_samples <= 512:
+        return fail(f"--range-samples must be in 0..512, got {args.range_samples}")
     if not 2 <= args.max_tokens <= 4096:
         return fail(f"--max-tokens must be in 2..4096, got {args.max_tokens}")
     rpc = args.requests_per_client
@@ -65,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     prog = None if args.json else progress
     try:
         rep = run_roadmap(stages=stages, mixes=mixes, clients=clients, requests_per_client=rpc,
-                          max_tokens=args.max_tokens, slo=slo, progress=prog)
+                          max_tokens=args.max_tokens, slo=slo, progress=prog, range_samples=args.range_samples)
     except (CalError, ValueError) as e:
         return fail(str(e))
     if prog:
@@ -101,6 +116,9 @@ def _table(rep: dict) -> None:
                          for m, v in a["tpot_slo_knee_clients"].items())
         out.write(f"{name} [{a['status']}]: {a['clients']} clients -> tok/s {tps} (gain {gain}); "
                   f"TPOT SLO: {knee}\n")
+    rf = rep["ranges_from"]
+    out.write(f"tok/s ranges: {rf['first_order']}, and {rf['joint_kept']} kept of {rf['joint_drawn']} joint draws of "
+              "the assumed parameters and hardware peaks (refitted to F7; `calconsole bench sweep`)\n")
     out.write(f"({rep['clock']}; C3 = a calbin the vendor would have to compile, not today's product)\n")
 
 

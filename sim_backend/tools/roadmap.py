@@ -27,13 +27,14 @@ Metric definitions (facts.md F7): TTFT = request in -> first visible token; TPOT
 the first; ITL = the per-token gaps (pooled over requests); goodput = completed tokens/s of
 requests meeting every SLO (default TTFT <= 10 s, TPOT <= 100 ms, simulated).
 
-Ranges (``*_range`` = [low, high]): the fidelity issue's sensitivity ranges are not available
-here, so each record carries a first-order range from the cost model's own stated uncertainty:
-``weight_stream_eff`` refitted so the short-context decode spans the F7 band 58-64 tok/s, and,
-for batched stages, the fitted KV ramp summed per sequence (pessimistic) or taken once
-(optimistic). The representative decode step of the record (its mean batch occupancy at the mix's
-mean context) is priced at both ends; throughputs scale by nominal/end step time, TPOT and ITL
-by its inverse. TTFT has no range (F7 has a single prefill point, no band).
+Ranges (``*_range`` = [low, high]): each record's representative decode step (its mean batch
+occupancy at the mix's mean context) is priced by a set of cost models and the throughputs scale
+by nominal/that step time (TPOT and ITL by its inverse); low/high are the extremes over the set:
+``weight_stream_eff`` refitted so the short-context decode spans the F7 band 58-64 tok/s, and the
+kept draws of the JOINT sample of assumed parameters and hardware peaks
+(:func:`sim_backend.tools.sweep.joint_models`, ``range_samples`` draws, each refitted to the
+fitted F7 cases), each with the batched flash decoding run sequence by sequence (pessimistic) or
+sharing the cores (optimistic). TTFT has no range (F7 has a single prefill point, no band).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ from sim_backend.planes.types import SLO, ChatRequest, SamplingParams
 __all__ = ["SLO", "run_roadmap", "answers", "RangeModel", "Stage"]  # SLO re-exported for the CLI (layer rule)
 
 CLIENTS = (1, 2, 4, 8, 16)
+#: joint draws (sweep.joint_models) behind the records' ranges by default: ~2 s of refit each
+RANGE_SAMPLES = 8
 MIXES = ("short", "long", "mixed")
 SHORT_PROMPT, LONG_PROMPT, OUTPUT_TOKENS = 128, 4096, 64
 DEFAULT_SLO = SLO(ttft_ms=10_000.0, tpot_ms=100.0)
@@ -204,13 +207,19 @@ def _fit_weight_eff(cm: CostModel, shape: ModelShape, target_tok_s: float) -> fl
 
 
 class RangeModel:
-    """Pessimistic / optimistic cost models for the ranges (module docstring, "Ranges")."""
+    """Pessimistic / optimistic cost models for the ranges (module docstring, "Ranges").
 
-    def __init__(self, base: CostModel | None = None, shape: ModelShape | None = None) -> None:
+    ``joint``: further cost models (the kept draws of ``sweep.joint_models``) whose steps widen the
+    range; None or empty = the first-order range alone.
+    """
+
+    def __init__(self, base: CostModel | None = None, shape: ModelShape | None = None,
+                 joint: Sequence[CostModel] | None = None) -> None:
         self.base = base or CostModel.load()
         self.shape = shape or ModelShape()
         self.eff_lo = _fit_weight_eff(self.base, self.shape, 58.0)   # F7 short band 58-64 tok/s
         self.eff_hi = _fit_weight_eff(self.base, self.shape, 64.0)
+        self.joint = list(joint or ())
         self._cache: dict[tuple, tuple[float, float]] = {}
 
     def factors(self, stage: Stage, occupancy: float, context: int) -> tuple[float, float]:
@@ -222,14 +231,17 @@ class RangeModel:
             return self._cache[key]
         pasts = [ctx] * n
 
-        def step(eff: float | None, ramp: str) -> float:
-            base = self.base if eff is None else self.base.with_fitted(weight_stream_eff=eff)
+        def step(base: CostModel, ramp: str) -> float:
             return BatchedCostModel(base, stage.variant, ramp=ramp).price_decode_batch(self.shape, pasts).total_us
 
-        nominal = step(None, "sum")
-        pess = step(self.eff_lo, "sum")
-        opt = step(self.eff_hi, "max" if n > 1 else "sum")
-        out = (nominal / pess, nominal / opt)
+        nominal = step(self.base, "sum")
+        opt_ramp = "max" if n > 1 else "sum"
+        slow = [step(self.base.with_fitted(weight_stream_eff=self.eff_lo), "sum")]
+        fast = [step(self.base.with_fitted(weight_stream_eff=self.eff_hi), opt_ramp)]
+        for m in self.joint:
+            slow.append(step(m, "sum"))
+            fast.append(step(m, opt_ramp))
+        out = (min(1.0, nominal / max(slow)), max(1.0, nominal / min(fast)))
         self._cache[key] = out
         return out
 
@@ -245,7 +257,7 @@ def _mean_context(mix: str, short_prompt: int, long_prompt: int, max_tokens: int
 def run_roadmap(*, stages: Sequence[str] = STAGE_NAMES, mixes: Sequence[str] = MIXES,
                 clients: Sequence[int] = CLIENTS, requests_per_client: int = 2, max_tokens: int = OUTPUT_TOKENS,
                 short_prompt: int = SHORT_PROMPT, long_prompt: int = LONG_PROMPT, slo: SLO = DEFAULT_SLO,
-                progress: Callable[[str], None] | None = None) -> dict:
+                progress: Callable[[str], None] | None = None, range_samples: int = RANGE_SAMPLES) -> dict:
     """Run the matrix; returns ``{"records": [...], "answers": {...}, "slo": ..., "clock": ...}``.
 
     ``best+s8`` / ``best+topk`` use the batch stage with the highest tokens/s at the largest
@@ -258,7 +270,19 @@ def run_roadmap(*, stages: Sequence[str] = STAGE_NAMES, mixes: Sequence[str] = M
     badm = [m for m in mixes if m not in MIXES]
     if badm:
         raise ValueError(f"unknown mix(es) {badm}; known: {', '.join(MIXES)}")
-    ranges = RangeModel()
+    if not 0 <= range_samples <= 512:
+        raise ValueError(f"range_samples must be in 0..512, got {range_samples}")
+    joint: list[CostModel] = []
+    if range_samples:
+        from sim_backend.tools.sweep import joint_models
+
+        def note(d: str) -> None:
+            if progress:
+                progress(f"range {d}")
+
+        joint = [m for name, m in joint_models(CostModel.load(), range_samples, progress=note)["models"]
+                 if name != "shipped"]
+    ranges = RangeModel(joint=joint)
     records: list[dict] = []
     kw: dict[str, Any] = dict(requests_per_client=requests_per_client, max_tokens=max_tokens,
                               short_prompt=short_prompt, long_prompt=long_prompt, slo=slo)
@@ -291,6 +315,8 @@ def run_roadmap(*, stages: Sequence[str] = STAGE_NAMES, mixes: Sequence[str] = M
             "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms, "e2el_ms": slo.e2el_ms},
             "workload": {"short_prompt": short_prompt, "long_prompt": long_prompt, "max_tokens": max_tokens,
                          "requests_per_client": requests_per_client, "mixed": "10% long + 90% short"},
+            "ranges_from": {"first_order": "weight_stream_eff refitted to the F7 short band 58-64 tok/s",
+                            "joint_drawn": range_samples, "joint_kept": len(joint)},
             "clock": CLOCK_NOTE}
 
 

@@ -17,9 +17,10 @@ FIELDS = {"stage", "status", "mix", "clients", "requests_per_s", "tokens_per_s",
 
 def test_json_shape(capsys):
     rc = main(["bench", "roadmap", "--json", "--stages", "today,batch4,best+topk", "--mixes", "short",
-               "--clients", "1,4", "--requests-per-client", "1", "--max-tokens", "4"])
+               "--clients", "1,4", "--requests-per-client", "1", "--max-tokens", "4", "--range-samples", "2"])
     assert rc == 0
     rep = json.loads(capsys.readouterr().out)
+    assert rep["ranges_from"]["joint_drawn"] == 2 and 0 <= rep["ranges_from"]["joint_kept"] <= 2
     recs = rep["records"]
     assert [(r["stage"], r["clients"]) for r in recs] == [("today", 1), ("today", 4), ("batch4", 1), ("batch4", 4),
                                                            ("best+topk", 1), ("best+topk", 4)]
@@ -42,7 +43,7 @@ def test_json_shape(capsys):
 @pytest.mark.parametrize("argv,fragment", [
     (["--stages", "tomorrow"], "--stages"), (["--clients", "3"], "--clients"), (["--mixes", ""], "--mixes"),
     (["--requests-per-client", "0"], "--requests-per-client"), (["--max-tokens", "1"], "--max-tokens"),
-    (["--slo", "speed:3"], "SLO"),
+    (["--slo", "speed:3"], "SLO"), (["--range-samples", "-1"], "--range-samples"),
 ])
 def test_bad_arguments_exit_2(capsys, argv, fragment):
     assert main(["bench", "roadmap", *argv]) == 2
@@ -65,3 +66,10 @@ def test_answers_knee_and_ranges():
     assert rm.eff_lo < rm.eff_hi
     lo, hi = rm.factors(Stage("batch8", 8, True), 8.0, 200)
     assert lo < 1.0 < hi
+    # a joint model slower than either first-order end widens the pessimistic side, and only it
+    from sim_backend.model.costmodel import CostModel
+
+    slow = CostModel.load().with_fitted(attn_vector_tflops=0.1, weight_stream_eff=0.6)
+    wide = RangeModel(joint=[slow])
+    lo2, hi2 = wide.factors(Stage("batch8", 8, True), 8.0, 200)
+    assert lo2 < lo and hi2 == pytest.approx(hi)
