@@ -33,7 +33,7 @@ def srv(make_server):
 
 def test_window_over_http(srv):
     lease = enter(srv)
-    assert len(lease["lease_id"]) == 32 and lease["holder"] == "ops" and lease["ttl_s"] == 30.0
+    assert len(lease["lease_id"]) == 32 and lease["holder"] == "admin-1 (ops)" and lease["ttl_s"] == 30.0
     assert lease["drain"] == {"drained": 0, "cancelled": 0, "wall_ms": pytest.approx(lease["drain"]["wall_ms"]),
                               "sim_ms": 0.0}
     lid = lease["lease_id"]
@@ -43,7 +43,7 @@ def test_window_over_http(srv):
                                                               "max_tokens": 1})
     assert chat.status_code == 503 and "maintenance" in chat.json()["error"]["message"]
     st = call(srv, "/maintenance/status", method="GET").json()
-    assert st["mode"] == "exclusive" and st["lease_holder"] == "ops" and st["http_lease"]["key"] == "admin-1"
+    assert st["mode"] == "exclusive" and st["lease_holder"] == "admin-1 (ops)" and st["http_lease"]["key"] == "admin-1"
     assert "lease_id" not in json.dumps(st)
     assert call(srv, "/maintenance/self-test", {"lease_id": lid}).json()["ok"] is True
     assert call(srv, "/maintenance/health-check", {"lease_id": lid}).json()["ok"] is True
@@ -100,7 +100,7 @@ def test_second_holder_is_refused_and_sees_who_holds_it(srv):
     enter(srv, "alice")
     r = call(srv, "/maintenance/exclusive", {"holder": "bob"})
     assert r.status_code == 403 and "alice" in r.json()["error"]["message"]
-    assert call(srv, "/maintenance/status", method="GET").json()["lease_holder"] == "alice"
+    assert call(srv, "/maintenance/status", method="GET").json()["lease_holder"] == "admin-1 (alice)"
 
 
 def test_bad_maintenance_bodies(srv):
