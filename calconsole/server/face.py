@@ -537,14 +537,26 @@ class ServingFace:
         def data(chunks: list[dict[str, Any]]) -> list[dict[str, str]]:
             return [{"data": _dumps(c)} for c in chunks]
 
+        ended = {"n": 0, "failed": False}
+        ended_lock = threading.Lock()
+
+        def all_ended(failed: bool) -> bool:
+            with ended_lock:  # the pumps run in their own threads
+                ended["n"] += 1
+                ended["failed"] = ended["failed"] or failed
+                return ended["n"] == len(reqs) and not ended["failed"]
+
         def fmt(i: int, ev: TokenEvent | DoneEvent) -> list[Any]:
             if isinstance(ev, TokenEvent):
                 return data(piece(i, ev))
             res = ev.result
             if res.status != "finished":
+                all_ended(True)
                 return data([{**wire.result_error(res).body(), "timings": wire.timings(res),
                               "calconsole": result_extension(res)}])
-            return data(last(i, res)) + ([{"data": "[DONE]"}] if send_done else [])
+            # [DONE] once, after the last request's end (n choices stream interleaved)
+            done = all_ended(False) and send_done
+            return data(last(i, res)) + ([{"data": "[DONE]"}] if done else [])
 
         def silent(i: int) -> list[Any]:
             return data([HTTPError(500, "server_error", "engine did not answer within its step timeout").body()])

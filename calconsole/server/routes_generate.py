@@ -46,22 +46,22 @@ async def chat_completions(face: ServingFace, request: Request) -> Response:
     include_usage = wire.stream_options(body)
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
     model = model_of(face, body)
+    reqs = [req] * wire.choices_of(body)  # n choices: n requests of the same prompt, each its own seed
     if not stream:
-        res = await face.generate(req, request)
-        if res.status != "finished":
-            raise wire.result_error(res)
-        return JSONResponse(wire.chat_completion(res, cid, int(time.time()), model, face.fingerprint,
+        results = await face.generate_all(reqs, request)
+        return JSONResponse(wire.chat_completion(results, cid, int(time.time()), model, face.fingerprint,
                                                  wire.prefill_of(req)))
     created = int(time.time())
     fp = face.fingerprint
 
-    first = [wire.chat_chunk(cid, created, model, fp, {"role": "assistant", "content": None})]
+    first = [wire.chat_chunk(cid, created, model, fp, {"role": "assistant", "content": None}, index=i)
+             for i in range(len(reqs))]
 
-    def piece(_i: int, ev: TokenEvent) -> list[dict[str, Any]]:
-        return [wire.chat_chunk(cid, created, model, fp, {"content": ev.text})]
+    def piece(i: int, ev: TokenEvent) -> list[dict[str, Any]]:
+        return [wire.chat_chunk(cid, created, model, fp, {"content": ev.text}, index=i)]
 
-    def last(_i: int, res: RequestResult) -> list[dict[str, Any]]:
-        out = [wire.chat_chunk(cid, created, model, fp, {}, wire.finish_reason(res))]
+    def last(i: int, res: RequestResult) -> list[dict[str, Any]]:
+        out = [wire.chat_chunk(cid, created, model, fp, {}, wire.finish_reason(res), index=i)]
         if include_usage:
             out.append({"choices": [], "created": created, "id": cid, "model": model, "system_fingerprint": fp,
                         "object": "chat.completion.chunk", "usage": wire.usage(res)})
@@ -69,12 +69,14 @@ async def chat_completions(face: ServingFace, request: Request) -> Response:
         out[-1]["calconsole"] = result_extension(res)
         return out
 
-    return await face.stream([req], first, piece, last, True)
+    return await face.stream(reqs, first, piece, last, True)
 
 async def completions_oai(face: ServingFace, request: Request) -> Response:
     body = face.with_defaults(await face.read_json(request))
     prompts = wire.prompts_from(body)
-    reqs = [await completion_req(face, {**body, "prompt": p}, request, openai=True) for p in prompts]
+    n = wire.choices_of(body)
+    # choice index = prompt index * n + j (OpenAI's order)
+    reqs = [r for p in prompts for r in [await completion_req(face, {**body, "prompt": p}, request, openai=True)] * n]
     cid = f"cmpl-{uuid.uuid4().hex[:24]}"
     model = model_of(face, body)
     created = int(time.time())
@@ -82,19 +84,19 @@ async def completions_oai(face: ServingFace, request: Request) -> Response:
     if not wire.flag(body, "stream", False):
         results = await face.generate_all(reqs, request)
         return JSONResponse(wire.text_completion(results, cid, created, model, fp))
-    if len(reqs) > 1:
+    if len(prompts) > 1:
         raise wire.bad_request("'prompt': several prompts stream on /completion only; ask /v1/completions "
                                "without 'stream' for several")
     wire.stream_options(body)  # checked; llama-server sends usage in the final chunk whatever it says
 
-    def last(_i: int, res: RequestResult) -> list[dict[str, Any]]:
-        c = wire.text_chunk(cid, created, model, fp, "", wire.finish_reason(res))
+    def last(i: int, res: RequestResult) -> list[dict[str, Any]]:
+        c = wire.text_chunk(cid, created, model, fp, "", wire.finish_reason(res), index=i)
         c["usage"] = wire.usage(res)
         c["timings"] = wire.timings(res)
         c["calconsole"] = result_extension(res)
         return [c]
 
-    return await face.stream(reqs, [], lambda _i, ev: [wire.text_chunk(cid, created, model, fp, ev.text)],
+    return await face.stream(reqs, [], lambda i, ev: [wire.text_chunk(cid, created, model, fp, ev.text, index=i)],
                               last, True)
 
 async def completion_req(face: ServingFace, body: dict[str, Any], request: Request, *, openai: bool) -> ChatRequest:

@@ -242,8 +242,8 @@ def thinking(body: Mapping[str, Any]) -> bool:
 
 def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client: str) -> ChatRequest:
     """``/v1/chat/completions`` body -> ChatRequest (400 naming the field for anything wrong)."""
-    if integer(body, "n", 1, lo=1) != 1:
-        raise HTTPError(400, "invalid_request_error", "'n': only one choice per request is supported")
+    choices_of(body)
+    refuse_unsupported(body)
     if body.get("logprobs") not in (None, False):
         raise HTTPError(400, "invalid_request_error", "'logprobs' is not supported by this server")
     if body.get("tools"):
@@ -259,6 +259,34 @@ def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client:
 
 #: prompts one /completion body may ask for (llama-server has no limit; each takes a generation slot)
 MAX_PROMPTS = 16
+
+
+def refuse_unsupported(body: Mapping[str, Any]) -> None:
+    """400 for a field llama-server honours that the simulator cannot (constrained decoding, token
+    probabilities, logit biases): ignoring it would hand back output the client did not ask for."""
+    rf = body.get("response_format")
+    if isinstance(rf, Mapping) and rf.get("type") not in (None, "text"):
+        raise bad_request(f"'response_format' {rf.get('type')!r} (constrained decoding) is not supported by this "
+                          "server")
+    for name in ("grammar", "json_schema"):
+        if body.get(name):
+            raise bad_request(f"'{name}' (constrained decoding) is not supported by this server")
+    if body.get("n_probs") not in (None, 0) or body.get("post_sampling_probs") not in (None, False) or body.get(
+            "top_logprobs") not in (None, 0):
+        raise bad_request("token probabilities ('n_probs', 'top_logprobs', 'post_sampling_probs') are not "
+                          "supported by this server")
+    if body.get("logit_bias") not in (None, [], {}):
+        raise bad_request("'logit_bias' is not supported by this server")
+
+
+#: choices one request may ask for (``n``); each takes a generation place
+MAX_CHOICES = 8
+
+
+def choices_of(body: Mapping[str, Any]) -> int:
+    """``n``: how many choices (OpenAI), 1..``MAX_CHOICES``; 400 naming the field otherwise."""
+    n = integer(body, "n", 1, lo=1, hi=MAX_CHOICES)
+    return 1 if n is None else n
 
 
 def prompts_from(body: Mapping[str, Any]) -> list[Any]:
@@ -320,8 +348,9 @@ def completion_request(body: Mapping[str, Any], tokenize: Any, *, n_ctx: int, n_
                        openai: bool) -> ChatRequest:
     """``/completion`` (llama.cpp) or ``/v1/completions`` (OpenAI) body with one prompt (``body["prompt"]``,
     as ``prompts_from`` split it) -> a raw-prompt ChatRequest."""
-    if openai and integer(body, "n", 1, lo=1) != 1:
-        raise bad_request("'n': only one choice per request is supported")
+    if openai:
+        choices_of(body)
+    refuse_unsupported(body)
     names = ("max_tokens", "n_predict") if openai else ("n_predict", "max_tokens")
     slot = integer(body, "id_slot", -1, lo=-1)
     return ChatRequest(messages=(), prompt_tokens=prompt_tokens_from(body, tokenize),
@@ -409,19 +438,33 @@ def prefill_of(req: ChatRequest) -> str:
     return str(m[-1]["content"]) if len(m) > 1 and m[-1]["role"] == "assistant" else ""
 
 
-def chat_completion(res: RequestResult, cid: str, created: int, model: str, fingerprint: str,
-                    prefill: str = "") -> dict[str, Any]:
-    """``/v1/chat/completions`` response; ``prefill``: the assistant message it continued (llama-server
-    returns it with the continuation; a stream sends the continuation only)."""
-    return {"choices": [{"finish_reason": finish_reason(res), "index": 0,
-                         "message": {"role": "assistant", "content": prefill + res.text}}],
-            "created": created, "model": model, "system_fingerprint": fingerprint, "object": "chat.completion",
-            "usage": usage(res), "id": cid, "timings": timings(res), "calconsole": result_extension(res)}
+def usage_of(results: list[RequestResult]) -> dict[str, Any]:
+    """``usage`` of several choices or prompts: completion tokens summed (OpenAI's count), prompt tokens
+    once per distinct request (n choices of one prompt share it)."""
+    u = [usage(r) for r in results]
+    return {"completion_tokens": sum(x["completion_tokens"] for x in u), "prompt_tokens": u[0]["prompt_tokens"],
+            "total_tokens": u[0]["prompt_tokens"] + sum(x["completion_tokens"] for x in u),
+            "prompt_tokens_details": {"cached_tokens": u[0]["prompt_tokens_details"]["cached_tokens"]}}
+
+
+def chat_completion(results: RequestResult | list[RequestResult], cid: str, created: int, model: str,
+                    fingerprint: str, prefill: str = "") -> dict[str, Any]:
+    """``/v1/chat/completions`` response, one choice per result (``n``); ``prefill``: the assistant message
+    it continued (llama-server returns it with the continuation; a stream sends the continuation only)."""
+    rs = results if isinstance(results, list) else [results]
+    out = {"choices": [{"finish_reason": finish_reason(r), "index": i,
+                        "message": {"role": "assistant", "content": prefill + r.text}} for i, r in enumerate(rs)],
+           "created": created, "model": model, "system_fingerprint": fingerprint, "object": "chat.completion",
+           "usage": usage(rs[0]) if len(rs) == 1 else usage_of(rs), "id": cid, "timings": timings(rs[0]),
+           "calconsole": result_extension(rs[0])}
+    if len(rs) > 1:
+        out["calconsole"] = {**result_extension(rs[0]), "choices": [result_extension(r) for r in rs]}
+    return out
 
 
 def chat_chunk(cid: str, created: int, model: str, fingerprint: str, delta: dict[str, Any],
-               finish: str | None = None) -> dict[str, Any]:
-    return {"choices": [{"finish_reason": finish, "index": 0, "delta": delta}], "created": created, "id": cid,
+               finish: str | None = None, index: int = 0) -> dict[str, Any]:
+    return {"choices": [{"finish_reason": finish, "index": index, "delta": delta}], "created": created, "id": cid,
             "model": model, "system_fingerprint": fingerprint, "object": "chat.completion.chunk"}
 
 
@@ -442,8 +485,8 @@ def text_completion(results: list[RequestResult], cid: str, created: int, model:
 
 
 def text_chunk(cid: str, created: int, model: str, fingerprint: str, text: str,
-               finish: str | None = None) -> dict[str, Any]:
-    return {"choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}], "created": created,
+               finish: str | None = None, index: int = 0) -> dict[str, Any]:
+    return {"choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": finish}], "created": created,
             "id": cid, "model": model, "system_fingerprint": fingerprint, "object": "text_completion"}
 
 

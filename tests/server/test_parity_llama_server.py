@@ -87,6 +87,8 @@ CASES = [
     ("POST", "/v1/completions", {"prompt": ["Hello", "Bye"], "max_tokens": 2}),
     ("POST", CHAT, {"messages": MSG, "max_tokens": 3}),
     ("POST", CHAT, {"messages": MSG + [{"role": "assistant", "content": "Hi"}], "max_tokens": 2}),
+    ("POST", CHAT, {"messages": MSG, "max_tokens": 2, "n": 2}),
+    ("POST", "/v1/completions", {"prompt": "Hello", "max_tokens": 2, "n": 2}),
     # refusals
     ("POST", CHAT, {"messages": MSG + [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}],
                     "max_tokens": 2}),
@@ -206,6 +208,22 @@ def test_same_stream(pair: tuple[str, str], route: str, path: str, body: Any) ->
     if route == "native":  # each piece carries its own token ids, and the prompt's count
         for e in (e for e in a if _kind(e, route) == "piece"):
             assert e["tokens"] and e["tokens_evaluated"] > 0, e
+
+
+def test_n_choices_stream(pair: tuple[str, str]) -> None:
+    body = {"messages": MSG, "max_tokens": 2, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    ours, theirs = both(pair, "POST", CHAT, body)
+    a, b = _body(ours), _body(theirs)
+    for events in (a, b):  # per choice: a role chunk, a finish chunk and a usage chunk; one [DONE], last
+        kinds = [(_kind(e, "chat"), e["choices"][0]["index"] if e != "[DONE]" and e["choices"] else None)
+                 for e in events]
+        for i in (0, 1):
+            assert ("role", i) in kinds and ("finish", i) in kinds, kinds
+        assert [k for k, _ in kinds].count("usage") == 2 and events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    for kind in ("role", "piece", "finish", "usage"):
+        ea = next(e for e in a if e != "[DONE]" and _kind(e, "chat") == kind)
+        eb = next(e for e in b if e != "[DONE]" and _kind(e, "chat") == kind)
+        assert _unexplained(ea, eb) == [], kind
 
 
 def test_busy_slot_shape(make_server: Any, llama_server: Any) -> None:

@@ -73,3 +73,18 @@ def test_host_lists() -> None:
         load_serving_keys(args)
     args.host = "127.0.0.1,::1"
     assert load_serving_keys(args) == (None, None)
+
+
+@pytest.mark.parametrize("extra,word", [({"grammar": "root ::= \"a\""}, "grammar"),
+                                        ({"json_schema": {"type": "object"}}, "json_schema"),
+                                        ({"response_format": {"type": "json_object"}}, "response_format"),
+                                        ({"n_probs": 3}, "probabilities"), ({"top_logprobs": 2}, "probabilities"),
+                                        ({"logit_bias": [[15, -1.0]]}, "logit_bias")])
+def test_what_cannot_be_honoured_is_refused_not_ignored(srv: Any, extra: dict[str, Any], word: str) -> None:
+    for path, body in (("/completion", {"prompt": "hi", "n_predict": 1}),
+                       (CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})):
+        r = httpx.post(srv.url + path, json={**body, **extra}, timeout=60)
+        assert r.status_code == 400 and word in r.json()["error"]["message"], r.text
+    ok = httpx.post(srv.url + CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                                          "response_format": {"type": "text"}, "n": 2}, timeout=60)
+    assert ok.status_code == 200 and [c["index"] for c in ok.json()["choices"]] == [0, 1]
