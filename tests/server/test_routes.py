@@ -234,7 +234,7 @@ def test_id_slot_and_cache_prompt(srv):
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
-    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 9}, "n"),  # at most MAX_CHOICES (8)
     ({"messages": [{"role": "user", "content": "hi"}], "stop": 5}, "stop"),
     ({"messages": [{"role": "user", "content": "   "}]}, "prompt"),
 ])
