@@ -27,7 +27,7 @@ from sim_backend.device.memory import MemoryPlan
 from sim_backend.model.batching import BatchedCostModel, Variant, kv_capacity_tokens
 from sim_backend.model.costmodel import CostModel
 from sim_backend.planes.audit import AuditLog
-from sim_backend.planes.inprocess import InferencePlane, ObservationPlane
+from sim_backend.planes.inprocess import InProcessInference, InProcessObservation
 from sim_backend.runtime import RuntimeSession
 from sim_backend.runtime.monitor import DeviceMonitor
 from sim_backend.serving.engine import Engine
@@ -52,8 +52,8 @@ class System:
     bundle: Bundle
     board: SimulatedBoard
     engine: Engine
-    inference: InferencePlane
-    observation: ObservationPlane
+    inference: InProcessInference
+    observation: InProcessObservation
     maintenance: Any | None
 
     def close(self) -> None:
@@ -122,20 +122,20 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                     host_time=host_time, host_token_us=cost.host_overhead_ms_per_token * 1e3,
                     slo=slo)  # slo: planes.types.SLO for goodput (simulated ms); None = no objectives
     memory_plan = MemoryPlan.for_bundle(bundle.shape, cost.hw)
-    observation = ObservationPlane(DeviceMonitor(board), engine, bundle, memory_plan,
+    observation = InProcessObservation(DeviceMonitor(board), engine, bundle, memory_plan,
                                    numerics_limit_reason=numerics_limit_reason or default_reason)
     mplane = None
     if maintenance:
         # imported only when asked for (--observe-only proof)
-        from sim_backend.planes.maintenance import MaintenancePlane
+        from sim_backend.planes.maintenance import InProcessMaintenance
         from sim_backend.runtime import MaintenanceRuntime
 
-        mplane = MaintenancePlane(lambda check: MaintenanceRuntime(board, check, memory_plan=memory_plan), engine,
+        mplane = InProcessMaintenance(lambda check: MaintenanceRuntime(board, check, memory_plan=memory_plan), engine,
                                   AuditLog(audit_path),
                                   drain_timeout_s=drain_timeout_s, reset_timeout_s=reset_timeout_s,
                                   memory_plan=memory_plan)
         observation.set_mode_source(mplane.mode)
-    return System(bundle, board, engine, InferencePlane(engine), observation, mplane)
+    return System(bundle, board, engine, InProcessInference(engine), observation, mplane)
 
 
 __all__ = ["NUMERIC_LIMIT_REASON", "NUMERIC_PROMPT_LIMIT", "Pacing", "PacingMode", "System", "build_system"]

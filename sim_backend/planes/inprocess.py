@@ -3,11 +3,11 @@
 The console talks to the simulator only through the contracts; these classes are the
 in-process simulator's implementation, as the HTTP client planes will be another.
 
-- ``InferencePlane``: submit / stream / cancel chat requests. No registers,
+- ``InProcessInference`` (an ``InferencePlane``): submit / stream / cancel chat requests. No registers,
   no reset, no raw memory (facts.md F5 C4).
-- ``ObservationPlane``: ``snapshot()`` returns a typed, frozen ``Snapshot`` built in one
+- ``InProcessObservation`` (an ``ObservationPlane``): ``snapshot()`` returns a typed, frozen ``Snapshot`` built in one
   conversion; nothing reachable from it can change the device.
-- ``MaintenancePlane``: lives in ``maintenance.py``; built only when asked
+- ``InProcessMaintenance`` (a ``MaintenancePlane``): lives in ``maintenance.py``; built only when asked
   for (``--observe-only`` never constructs it).
 """
 
@@ -35,7 +35,7 @@ from sim_backend.serving.api import RequestHandle
 from sim_backend.serving.engine import Engine
 
 
-class InferencePlane:
+class InProcessInference:
     """Submit, stream and cancel chat requests (the ordinary serving API)."""
 
     def __init__(self, engine: Engine) -> None:
@@ -220,7 +220,7 @@ class _LoadSampler:
         return out, chips
 
 
-class ObservationPlane:
+class InProcessObservation:
     """Read-only snapshots of device, jobs, KV, last steps, requests and host."""
 
     def __init__(self, monitor: DeviceMonitor, engine: Engine, bundle: Bundle, memory_plan: Any = None,

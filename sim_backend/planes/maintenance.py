@@ -71,7 +71,7 @@ FAULT_KINDS = ("ccu_exception", "kv_exhaustion", "link_error", "slow_chip")
 FAULT_ALIASES = {"d2d_link_error": "link_error"}
 
 
-class MaintenancePlane:
+class InProcessMaintenance:
     """Exclusive mode and guarded device actions.
 
     Args:

@@ -30,7 +30,7 @@ class MaintenanceRuntime:
     Every method takes the maintenance ``lease`` and calls
     ``lease_check(action, lease)`` first, which raises MaintenanceRefused
     (the maintenance plane passes its own ``_check``, so a stale lease is
-    refused too). Auditing is the caller's job (``MaintenancePlane._run``).
+    refused too). Auditing is the caller's job (``InProcessMaintenance._run``).
 
     Args:
         board: the simulated board.
