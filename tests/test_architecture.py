@@ -48,7 +48,10 @@ def test_headless_stack_runs_without_textual_loaded():
 
 def test_bf16_bit_shift_lives_only_in_the_bf16_module():
     shift = re.compile(r"(<<|>>)\s*(np\.uint32\()?16\b|left_shift\(")
-    offenders = [f"{py.relative_to(ROOT)}:{i}" for py in (ROOT / "sim_backend").rglob("*.py") if py.name != "bf16.py"
+    # kernels.py: the compiled BF16 matvec decodes the bits inside its numba loop, where the numpy bf16
+    # module cannot be called; its result is checked against bf16.py's in tests/model/test_kernels.py
+    offenders = [f"{py.relative_to(ROOT)}:{i}" for py in (ROOT / "sim_backend").rglob("*.py")
+                 if py.name not in ("bf16.py", "kernels.py")
                  for i, line in enumerate(py.read_text(encoding="utf-8").splitlines(), 1) if shift.search(line)]
     assert offenders == []
 

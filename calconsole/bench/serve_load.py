@@ -254,7 +254,10 @@ async def _stream_sse(client: httpx.AsyncClient, path: str, body: Mapping[str, A
                     rec.arrival_tokens.append(n_so_far if isinstance(n_so_far, int) else len(rec.arrivals_ms))
                 if d.get("usage"):
                     usage = d["usage"]
-                if isinstance(d.get("timings"), dict) and (final or not native):
+                ext = d.get("calconsole")  # calconsole serve's full timings (llama-server's stay numbers-only)
+                if isinstance(ext, dict) and isinstance(ext.get("timings"), dict):
+                    rec.server = ext["timings"]
+                elif isinstance(d.get("timings"), dict) and (final or not native):
                     rec.server = d["timings"]
                 last_data = now
                 if final:  # /completion's last chunk: the counts llama-server reports, then the stream ends

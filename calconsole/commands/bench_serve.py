@@ -422,7 +422,10 @@ async def keepalive(b: Bench, url: str, n: int = KEEPALIVE_REQUESTS) -> dict[str
         async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=10.0, limits=limits) as client:
             for i in range(n + 10):
                 t0 = time.perf_counter()
-                r = await client.get("/health", headers=b.headers)
+                try:
+                    r = await client.get("/health", headers=b.headers)
+                except httpx.TransportError as e:  # an unreachable server is the user's one-line error
+                    raise BenchError(f"GET {url}/health: {type(e).__name__}: {e}") from None
                 if i >= 10:
                     times.append((time.perf_counter() - t0) * 1e3)
                 if r.status_code != 200:

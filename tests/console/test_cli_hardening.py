@@ -189,7 +189,9 @@ def test_trace_out_unwritable_is_refused_before_running(capsys, monkeypatch, out
 
 def test_trace_out_probe_write_refuses_a_file_that_opens(capsys, monkeypatch):
     _no_build(monkeypatch)
-    monkeypatch.setattr(audit_mod, "pseudo_filesystem", lambda p: None)  # only the probe is left
+    # only the probe is left (the commands take the function through the planes' public surface)
+    monkeypatch.setattr(audit_mod, "pseudo_filesystem", lambda p: None)
+    monkeypatch.setattr("sim_backend.planes.pseudo_filesystem", lambda p: None)
     refused(capsys, "trace", "--out", "/proc/version", "hi", says="--out is not writable")
 
 
