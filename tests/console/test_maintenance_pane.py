@@ -198,9 +198,9 @@ async def test_observe_only_never_constructs_the_plane(monkeypatch, tmp_path):
     import sim_backend.planes.maintenance as maint
 
     def boom(*a, **k):
-        raise AssertionError("MaintenancePlane constructed in observe-only mode")
+        raise AssertionError("InProcessMaintenance constructed in observe-only mode")
 
-    monkeypatch.setattr(maint.MaintenancePlane, "__init__", boom)
+    monkeypatch.setattr(maint.InProcessMaintenance, "__init__", boom)
     system = build_system(pacing=Pacing(PacingMode.FAST), maintenance=False, audit_path=tmp_path / "a.jsonl")
     try:
         assert system.maintenance is None
