@@ -46,7 +46,13 @@ def board_command(args, port: int, audit_log: Path) -> list[str]:
            "--audit-log", str(audit_log), "--pacing", args.pacing, "--speed", repr(args.speed),
            "--slots", str(args.slots), "--host-time", args.host_time,
            "--max-streams", str(args.max_streams), "--queue-limit", str(args.queue_limit),
-           "--alias", args.alias, "-n", str(args.n_predict)]
+           "-n", str(args.n_predict)]
+    # the launcher's optional serve options, passed on only where given (None: the board's own default)
+    for opt, key in (("--alias", "alias"), ("--tags", "tags"), ("--ctx-size", "ctx_size"), ("--seed", "seed"),
+                     ("--cors-origins", "cors_origins")):
+        v = getattr(args, key, None)
+        if v not in (None, ""):
+            cmd += [opt, str(v)]
     if args.bundle:
         cmd += ["--bundle", args.bundle]
     if args.timing_only:
