@@ -58,7 +58,8 @@ async def test_the_console_names_the_server_fills_slots_while_streaming_and_show
             assert await wait_for(pilot, lambda: "not reported by llama-server" in shown(app, "#obs-kv"))
             assert "not reported by llama-server" in shown(app, "#obs-jobs")
             assert "not reported by llama-server" in shown(app, "#obs-device")
-            app.query_one("#p-max-tokens").value = "24"
+            # long enough (~2 s at one thread) that a 4 Hz poll of /slots sees the slot processing
+            app.query_one("#p-max-tokens").value = "96"
             app.query_one("#p-temperature").value = "0"
             await pilot.click("#chat-input")
             await pilot.press(*"Write one sentence about the sea.")
