@@ -181,9 +181,10 @@ def check_common(args: argparse.Namespace, *, maintenance: bool, audit_log: bool
     """Check the shared options before anything is built; raises ValueError or AuditLogError
     (a CalError) with a one-line message naming the option.
 
-    The audit log is checked for writability (``AuditLog.check_writable``: creates it if
-    missing) when it was given explicitly or when ``maintenance`` (a maintenance plane
-    will write to it), so an unusable path is refused at start-up, not at the first action;
+    The audit log is checked for writability (``AuditLog.check_writable``, which creates
+    nothing: the first record creates the log and its directories) when it was given explicitly
+    or when ``maintenance`` (a maintenance plane will write to it), so an unusable path is
+    refused at start-up, not at the first action, and a refused or failed command leaves nothing;
     ``audit_log=False`` skips that (``calconsole audit`` only reads the log).
     """
     from sim_backend.planes import AuditLog

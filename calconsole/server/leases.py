@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from sim_backend.planes import Lease
 
@@ -29,9 +30,11 @@ class HeldLease:
     expires_mono: float
     key_label: str
     remote: str
+    #: the host monotonic clock, seconds (the table's; a test hands in one it advances)
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
 
     def remaining_s(self, now: float | None = None) -> float:
-        return max(0.0, self.expires_mono - (time.monotonic() if now is None else now))
+        return max(0.0, self.expires_mono - (self.clock() if now is None else now))
 
     def to_dict(self) -> dict[str, object]:
         """Wire form for the holder: the full id (it is theirs), holder, ttl and expiry on the host wall clock."""
@@ -42,18 +45,23 @@ class HeldLease:
 
 
 class LeaseTable:
-    """The one lease held over HTTP (the plane allows one at a time). Thread-safe."""
+    """The one lease held over HTTP (the plane allows one at a time). Thread-safe.
 
-    def __init__(self, ttl_s: float) -> None:
+    ``clock``: host monotonic seconds (``time.monotonic``); every deadline is read on it, so a
+    test can hand in a clock it advances and check expiry without waiting for it.
+    """
+
+    def __init__(self, ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if not MIN_TTL_S <= ttl_s <= MAX_TTL_S:
             raise ValueError(f"lease ttl must be in [{MIN_TTL_S:g}, {MAX_TTL_S:g}] s, got {ttl_s:g}")
         self.ttl_s = ttl_s
+        self.clock = clock
         self._lock = threading.Lock()
         self._held: HeldLease | None = None
 
     def grant(self, lease: Lease, key_label: str, remote: str) -> HeldLease:
         with self._lock:
-            self._held = HeldLease(lease, self.ttl_s, time.monotonic() + self.ttl_s, key_label, remote)
+            self._held = HeldLease(lease, self.ttl_s, self.clock() + self.ttl_s, key_label, remote, self.clock)
             return self._held
 
     def find(self, lease_id: object) -> HeldLease | None:
@@ -69,7 +77,7 @@ class LeaseTable:
             h = self._held
             if h is None or not isinstance(lease_id, str) or h.lease.id != lease_id or h.remaining_s() <= 0:
                 return None
-            h.expires_mono = time.monotonic() + h.ttl_s
+            h.expires_mono = self.clock() + h.ttl_s
             return h
 
     def release(self, lease_id: str) -> None:

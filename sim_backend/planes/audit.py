@@ -179,26 +179,34 @@ class AuditLog:
     def check_writable(self) -> None:
         """Raise AuditLogError with the reason unless records can be appended to ``path``.
 
-        Creates the parent directories and an empty log if missing (an empty log is a
-        valid log: no records). Never blocks (a FIFO is refused, not opened for writing).
+        Creates nothing: a missing log (and missing parent directories) is created by the first
+        record written (``append``), so a command refused or failing after the check leaves no
+        trace on disk. A missing log is accepted when its nearest existing ancestor is a
+        directory this process may create entries in (``os.access`` W_OK | X_OK, which also
+        says no on a read-only mount). Never blocks (a FIFO is refused, not opened for writing).
         Refuses a path on a kernel pseudo-filesystem (``pseudo_filesystem``: /proc, /sys,
-        /dev, ...) before creating anything, then makes a zero-length probe write through
-        the opened file (changes nothing in a regular file; fails where writes would,
-        e.g. EINVAL on a /proc file that root can open).
+        /dev, ...); an existing log gets a zero-length probe write through the opened file
+        (changes nothing in a regular file; fails where writes would, e.g. EINVAL on a /proc
+        file that root can open).
         """
         self._refuse_special()
         pseudo = pseudo_filesystem(self.path)
         if pseudo is not None:
             raise AuditLogError(self.path, f"not writable: on the {pseudo[0]} pseudo-filesystem (mounted at "
                                            f"{pseudo[1]}), which holds kernel interfaces, not files")
-        anc = self.path.parent
-        while not anc.exists() and anc != anc.parent:
-            anc = anc.parent
-        if not anc.is_dir():  # mkdir would say "File exists", which misleads
-            raise AuditLogError(self.path, f"not writable: {anc} is not a directory")
+        if not os.path.lexists(self.path):
+            anc = self.path.parent
+            while not anc.exists() and anc != anc.parent:
+                anc = anc.parent
+            if not anc.is_dir():  # mkdir would say "File exists", which misleads
+                raise AuditLogError(self.path, f"not writable: {anc} is not a directory")
+            if not os.access(anc, os.W_OK | os.X_OK):
+                what = "directory" if anc == self.path.parent else "nearest existing directory"
+                raise AuditLogError(self.path, f"not writable: the {what} {anc} does not allow creating files "
+                                               "in it (permission denied or a read-only file system)")
+            return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK)
         except OSError as e:
             where = f" ({e.filename})" if e.filename and str(e.filename) != str(self.path) else ""
             raise AuditLogError(self.path, f"not writable: {e.strerror or e}{where}") from None

@@ -334,10 +334,32 @@ def test_default_audit_path_is_checked_where_maintenance_runs(capsys, monkeypatc
     assert code == 0, err
 
 
-def test_writable_audit_path_is_created_empty(tmp_path):
+def test_the_check_creates_nothing_and_the_first_record_creates_the_log(tmp_path):
     log = AuditLog(tmp_path / "new" / "a.jsonl")
     log.check_writable()
-    assert log.path.read_bytes() == b"" and log.read() == []
+    assert not (tmp_path / "new").exists()  # checked, not created: a command may still fail after the check
+    log.start("self_test", {})
+    assert [r["action"] for r in log.read()] == ["self_test"]
+
+
+@pytest.mark.parametrize("argv", [
+    [],                                   # the console: refused without a terminal, after the option checks
+    ["drill", "--bundle", "no/such/bundle"],  # fails loading the bundle
+])
+def test_a_command_that_fails_leaves_no_audit_directories(capsys, tmp_path, argv):
+    # a fresh user's `--audit-log` in a new directory: the directories appeared although nothing ran
+    path = tmp_path / "new" / "deeper" / "a.jsonl"
+    code, _, err = run(capsys, "--audit-log", str(path), *argv)
+    assert code == 2 and "Traceback" not in err, err
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may create entries in any directory")
+def test_a_directory_that_takes_no_new_files_is_refused_at_start_up(capsys, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    refused(capsys, "--audit-log", str(locked / "sub" / "a.jsonl"), "drill",
+            says=f"the nearest existing directory {locked} does not allow creating files")
 
 
 # --- chat prompt from stdin ------------------------------------------------------------------------

@@ -207,7 +207,13 @@ def test_the_lease_is_renewed_past_its_ttl(make_server: Any) -> None:
     with connect(s.url, admin_key=ADMIN_KEY) as client:
         m = client.maintenance
         lease = m.enter_exclusive("renew-test")
-        time.sleep(5.0)  # 2.5 ttl: without renewal the server would have reaped it
+        first = s.face.leases.held.expires_mono  # the deadline the grant set (server's host monotonic s)
+
+        def renewed_past_the_first_ttl() -> bool:
+            h = s.face.leases.held  # a renewal accepted 1.5 ttl after the grant: the lease outlived its ttl
+            return h is not None and h.expires_mono > first + 3.0
+
+        assert wait_until(renewed_past_the_first_ttl, timeout=20.0)
         assert m.lease == lease and m.lease_lost is None
         assert m.read_register(lease, "CHIP0_SCRATCH")["ok"]
         m.leave_exclusive(lease)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
@@ -123,11 +122,32 @@ def test_bad_maintenance_bodies(srv):
     assert r.status_code == 400
 
 
-def test_lease_lapses_without_renewal(make_server):
+class StepClock:
+    """A host clock the test moves (``LeaseTable(clock=...)``): lease deadlines without waiting for them."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def served_with_a_test_clock(make_server):
     s = make_server(admin_key=ADMIN_KEY, lease_ttl_s=2.0)
+    clock = StepClock()
+    s.face.leases.clock = clock  # before any lease is granted: the lease reads the table's clock
+    return s, clock
+
+
+def test_lease_lapses_without_renewal(make_server):
+    s, clock = served_with_a_test_clock(make_server)
     lid = enter(s, "crashy")["lease_id"]
     assert s.system.maintenance.mode()["mode"] == "exclusive"
-    assert wait_until(lambda: s.system.maintenance.mode()["mode"] == "serving", timeout=8)
+    clock.t += 1.9  # within the ttl: still held
+    assert call(s, "/maintenance/status", method="GET").json()["http_lease"]["expires_in_s"] == pytest.approx(0.1)
+    assert s.system.maintenance.mode()["mode"] == "exclusive"
+    clock.t += 0.2  # past it: the reaper (every 0.5 s) takes the lease back
+    assert wait_until(lambda: s.system.maintenance.mode()["mode"] == "serving")
     assert httpx.get(s.url + "/health").json() == {"status": "ok"}
     r = call(s, "/maintenance/self-test", {"lease_id": lid})
     assert r.status_code == 403
@@ -137,14 +157,16 @@ def test_lease_lapses_without_renewal(make_server):
 
 
 def test_renewed_lease_holds(make_server):
-    s = make_server(admin_key=ADMIN_KEY, lease_ttl_s=2.0)
+    from calconsole.server.maintenance_routes import reap_expired
+
+    s, clock = served_with_a_test_clock(make_server)
     lid = enter(s)["lease_id"]
-    end = time.monotonic() + 4.0
-    while time.monotonic() < end:
+    for _ in range(4):  # renewed every 1.5 s for 6 s, three times the 2 s ttl
+        clock.t += 1.5
         r = call(s, "/maintenance/lease/renew", {"lease_id": lid})
-        assert r.status_code == 200 and r.json()["expires_in_s"] > 1.5
-        time.sleep(0.5)
-    assert s.system.maintenance.mode()["mode"] == "exclusive"
+        assert r.status_code == 200 and r.json()["expires_in_s"] == pytest.approx(2.0)
+        assert reap_expired(s.face) is None  # what the reaper does finds nothing to take
+        assert s.system.maintenance.mode()["mode"] == "exclusive"
     assert call(s, "/maintenance/leave", {"lease_id": lid}).json()["ok"] is True
 
 
