@@ -254,7 +254,7 @@ def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client:
                                                   n_ctx, n_predict),
                        sampling=sampling_from(body), stop=stop_from(body), enable_thinking=thinking(body),
                        client=client, id_slot=-1 if slot is None else slot,
-                       cache_prompt=flag(body, "cache_prompt", True))
+                       cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False))
 
 
 #: prompts one /completion body may ask for (llama-server has no limit; each takes a generation slot)
@@ -356,7 +356,7 @@ def completion_request(body: Mapping[str, Any], tokenize: Any, *, n_ctx: int, n_
     return ChatRequest(messages=(), prompt_tokens=prompt_tokens_from(body, tokenize),
                        max_tokens=max_tokens_from(body, names, n_ctx, n_predict), sampling=sampling_from(body),
                        stop=stop_from(body), client=client, id_slot=-1 if slot is None else slot,
-                       cache_prompt=flag(body, "cache_prompt", True))
+                       cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False))
 
 
 # --- response shapes ------------------------------------------------------------------------------
@@ -379,7 +379,7 @@ def usage(res: RequestResult) -> dict[str, Any]:
 
 
 def sampling_settings(sp: SamplingParams, *, n_predict: int, stream: bool = False,
-                      per_token: bool = False) -> dict[str, Any]:
+                      per_token: bool = False, ignore_eos: bool = False) -> dict[str, Any]:
     """llama-server's sampling ``params`` (as ``/props`` and ``/slots`` give them): ours where the simulator
     samples with them, llama.cpp's neutral values for the samplers it does not run (they are off);
     ``seed`` is the one asked for, ``DEFAULT_SEED`` for none (the drawn one is ``calconsole.seed``)."""
@@ -394,7 +394,7 @@ def sampling_settings(sp: SamplingParams, *, n_predict: int, stream: bool = Fals
             **{k: _OFF_SAMPLERS[k] for k in ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
                                              "mirostat", "mirostat_tau", "mirostat_eta", "adaptive_target",
                                              "adaptive_decay")},
-            "max_tokens": n_predict, "n_predict": n_predict, "n_keep": 0, "n_discard": 0, "ignore_eos": False,
+            "max_tokens": n_predict, "n_predict": n_predict, "n_keep": 0, "n_discard": 0, "ignore_eos": ignore_eos,
             "stream": stream, "n_probs": 0, "min_keep": 0, "chat_format": "Content-only", "reasoning_format": "none",
             "reasoning_in_content": False, "generation_prompt": "", "samplers": list(SAMPLERS),
             "speculative.types": "none", "timings_per_token": per_token, "post_sampling_probs": False,
@@ -407,7 +407,8 @@ def generation_settings(req: ChatRequest, n_ctx: int, *, stream: bool = False,
     stop words, ``logit_bias`` (always present; the simulator applies none, so ``[]``), grammar fields
     (no grammar) and ``dry_sequence_breakers``, in llama-server's key order."""
     n_predict = req.max_tokens if req.max_tokens is not None and req.max_tokens != n_ctx else -1
-    base = sampling_settings(req.sampling, n_predict=n_predict, stream=stream, per_token=per_token)
+    base = sampling_settings(req.sampling, n_predict=n_predict, stream=stream, per_token=per_token,
+                             ignore_eos=req.ignore_eos)
     out: dict[str, Any] = {}
     for k, v in base.items():
         if k == "mirostat":

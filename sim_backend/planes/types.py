@@ -129,7 +129,8 @@ class ChatRequest(msgspec.Struct, frozen=True):
     most, an int > 0 (required). stop: stop strings (each non-empty).
     sampling: :class:`SamplingParams`. enable_thinking: Qwen3 thinking mode.
     prompt_tokens: a raw prompt (token ids, no chat template; llama.cpp ``/completion``).
-    id_slot / cache_prompt: llama.cpp's slot choice and prefix reuse.
+    id_slot / cache_prompt: llama.cpp's slot choice and prefix reuse. ignore_eos: llama.cpp's (EOS never
+    sampled).
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -144,6 +145,9 @@ class ChatRequest(msgspec.Struct, frozen=True):
     id_slot: int = -1
     #: reuse the KV of a common prefix left in a slot (llama.cpp ``cache_prompt``)
     cache_prompt: bool = True
+    #: never sample an end-of-generation token (llama.cpp ``ignore_eos``: their logits are set to -inf),
+    #: so generation runs to ``max_tokens``, a stop word or the context end
+    ignore_eos: bool = False
 
     @staticmethod
     def from_prompt(prompt: str, **kw: Any) -> ChatRequest:

@@ -22,6 +22,9 @@ from sim_backend.planes.types import ChatRequest
 from sim_backend.serving.sampling import Sampler
 from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder, Tokenizer
 
+#: BF16 bits of -inf (sign 1, exponent all ones, mantissa 0)
+_BF16_NEG_INF = np.uint16(0xFF80)
+
 #: (stop_type, stopping word): ("eos", ""), ("limit", ""), ("word", the stop string)
 Stop = tuple[str, str]
 
@@ -53,6 +56,8 @@ class TokenPipeline:
         self._n_ctx = n_ctx
         self._max_tokens = max_tokens
         self._eos_ids = eos_ids
+        self._ban_eos = req.ignore_eos and bool(eos_ids)
+        self._eos_index = np.fromiter(sorted(eos_ids), dtype=np.intp, count=len(eos_ids))
         self._text_ids = text_ids
         self.generated: list[int] = []
         #: the last sampled token, fed to the model by the next decode step
@@ -68,6 +73,9 @@ class TokenPipeline:
         (``numeric`` False or no logits): an ordinary text id (``text_ids``) from the seeded generator."""
         if logits_bf16 is None or not numeric:
             return int(self.fallback_rng.integers(*self._text_ids))
+        if self._ban_eos:  # llama.cpp's ignore_eos: -inf logits for the end-of-generation ids
+            logits_bf16 = logits_bf16.copy()
+            logits_bf16[self._eos_index] = _BF16_NEG_INF
         # BF16 bits widen straight into the sampler's scratch buffer: no FP32 copy per step
         recent = list(self._prompt) + self.generated if self._penalties else ()
         return self.sampler.sample_bf16(logits_bf16, recent)

@@ -6,6 +6,7 @@ and the slots' states, never absolute counters.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
@@ -44,6 +45,33 @@ def slots_idle(url: str) -> bool:
     return not any(s["is_processing"] for s in httpx.get(url + "/slots", timeout=5).json())
 
 
+@contextlib.contextmanager
+def busy_slot(url: str) -> Iterator[None]:
+    """Hold one slot of the real server processing: a streamed /completion that ignores EOS (up to 2,000
+    tokens, ~40 s at one thread) read in a thread until the block ends; closing the stream makes
+    llama-server cancel the task. Yields once the first token has arrived (the slot is processing)."""
+    started, stop = threading.Event(), threading.Event()
+    body = {"prompt": "Once upon a time", "n_predict": 2000, "ignore_eos": True, "stream": True}
+
+    def run() -> None:
+        with httpx.stream("POST", url + "/completion", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    started.set()
+                if stop.is_set():
+                    break
+        started.set()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    try:
+        assert started.wait(60), "the real server never started streaming"
+        yield
+    finally:
+        stop.set()
+        t.join(60)
+
+
 async def test_the_console_names_the_server_fills_slots_while_streaming_and_shows_a_readable_reply(
         llama_server: Any, tmp_path: Path) -> None:
     system = connect(llama_server.url, audit_path=tmp_path / "audit.jsonl")
@@ -58,16 +86,19 @@ async def test_the_console_names_the_server_fills_slots_while_streaming_and_show
             assert await wait_for(pilot, lambda: "not reported by llama-server" in shown(app, "#obs-kv"))
             assert "not reported by llama-server" in shown(app, "#obs-jobs")
             assert "not reported by llama-server" in shown(app, "#obs-device")
-            # long enough (~2 s at one thread) that a 4 Hz poll of /slots sees the slot processing
+            # the slots section shows a slot processing while a request runs: a streamed request that
+            # ignores EOS holds one slot busy until this test closes it (the chat reply below may end at
+            # EOS after a few tokens, faster than a 4 Hz poll of /slots)
+            with busy_slot(llama_server.url):
+                assert await wait_for(pilot, lambda: any(s.state == "processing"
+                                                         for s in app.last_snapshot.slots), timeout_s=30)
+                assert await wait_for(pilot, lambda: "processing" in shown(app, "#obs-slots"))
+            assert await wait_for(pilot, lambda: slots_idle(llama_server.url), timeout_s=30)
             app.query_one("#p-max-tokens").value = "96"
             app.query_one("#p-temperature").value = "0"
             await pilot.click("#chat-input")
             await pilot.press(*"Write one sentence about the sea.")
             await pilot.press("enter")
-            # the slots section fills while the reply streams (a slot is processing, with its prompt size)
-            assert await wait_for(pilot, lambda: any(s.state == "processing"
-                                                     for s in app.last_snapshot.slots), timeout_s=30)
-            assert await wait_for(pilot, lambda: "processing" in shown(app, "#obs-slots"))
             assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None, timeout_s=60)
             # the log renders a reply in slices: wait for its metrics line to be drawn
             assert await wait_for(pilot, lambda: "(client wall)" in log_text(app, "#chat-log"))
@@ -89,7 +120,9 @@ async def test_cancel_in_the_chat_pane_frees_the_slot(llama_server: Any, tmp_pat
         app = CalConsoleApp(system, load_layout("operator"), refresh_hz=4)
         async with app.run_test(size=(170, 50)) as pilot:
             assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+            # greedy: a long story on every run (a sampled reply could end at EOS before Esc lands)
             app.query_one("#p-max-tokens").value = "1500"
+            app.query_one("#p-temperature").value = "0"
             await pilot.click("#chat-input")
             await pilot.press(*"Tell me a very long story about a lighthouse")
             await pilot.press("enter")

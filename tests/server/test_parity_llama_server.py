@@ -152,6 +152,9 @@ def test_fingerprint_and_settings(pair: tuple[str, str]) -> None:
     for r in both(pair, "POST", "/completion", {"prompt": "Hi", "n_predict": 1}):
         gs = r.json()["generation_settings"]
         assert gs["logit_bias"] == [] and gs["seed"] == 4294967295
+    for r in both(pair, "POST", "/completion", {"prompt": "Hi", "n_predict": 4, "ignore_eos": True, "temperature": 0}):
+        body = r.json()  # no EOS: the reply runs to n_predict
+        assert body["generation_settings"]["ignore_eos"] is True and body["tokens_predicted"] == 4, body
     for r in both(pair, "GET", "/props"):
         assert r.json()["default_generation_settings"]["params"]["seed"] == 4294967295
 
@@ -184,12 +187,17 @@ def _sequence(events: list[Any], route: str) -> list[str]:
     return out
 
 
+#: greedy and ``ignore_eos``: every stream has its pieces on both sides (a sampled reply of the real model could
+#: end at EOS at once, or stop on a partial UTF-8 character, and stream no piece: the sequences then differ)
+_FULL = {"temperature": 0, "ignore_eos": True}
 STREAMS = [
-    ("chat", CHAT, {"messages": MSG, "max_tokens": 3, "stream": True}),
-    ("chat", CHAT, {"messages": MSG, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}),
-    ("text", "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True}),
-    ("native", "/completion", {"prompt": "Hello", "n_predict": 3, "stream": True}),
-    ("native", "/completion", {"prompt": [1, 2, 3], "n_predict": 2, "stream": True, "return_tokens": True}),
+    ("chat", CHAT, {"messages": MSG, "max_tokens": 3, "stream": True, **_FULL}),
+    ("chat", CHAT, {"messages": MSG, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
+                    **_FULL}),
+    ("text", "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True, **_FULL}),
+    ("native", "/completion", {"prompt": "Hello", "n_predict": 3, "stream": True, **_FULL}),
+    ("native", "/completion", {"prompt": [1, 2, 3], "n_predict": 2, "stream": True, "return_tokens": True,
+                               **_FULL}),
 ]
 
 
