@@ -4,7 +4,7 @@ HTTP serving face, the remote planes) import for their types.
 - contracts: ``InferencePlane``, ``ObservationPlane``, ``MaintenancePlane``, ``RequestStream``,
   ``Lease``, ``AuditReader``, ``Report`` (``sim_backend.planes.contracts``);
 - value types: ``ChatRequest``, ``SamplingParams``, ``TokenEvent``, ``DoneEvent``, ``RequestResult``
-  and its ``Timings``, ``StageTimes``, ``SLO``, ``validate_request`` (``sim_backend.planes.types``);
+  and its ``Timings`` and ``TokenProbs``, ``StageTimes``, ``SLO``, ``validate_request`` (``sim_backend.planes.types``);
   ``EventStream``, the consuming side of a request stream (``sim_backend.planes.eventstream``);
 - snapshot types: ``Snapshot`` and its sections (``sim_backend.planes.snapshot``);
 - errors: the typed errors every plane raises (``sim_backend.errors``);
@@ -56,6 +56,8 @@ from sim_backend.planes.types import (
     StageTimes,
     Timings,
     TokenEvent,
+    TokenLogprob,
+    TokenProbs,
     validate_request,
 )
 
@@ -64,5 +66,6 @@ __all__ = ["SLO", "AuditLog", "AuditLogError", "AuditReader", "CalError", "ChatR
            "MaintenanceArgumentError", "MaintenancePlane", "MaintenanceRefused", "ManifestError", "MetricsRegistry",
            "NotOffered", "ObservationPlane",
            "Report", "RequestCancelled", "RequestError", "RequestResult", "RequestStream", "SamplingParams",
-           "Snapshot", "StageTimes", "Timings", "TokenEvent", "UnavailableError", "audit_origin", "pseudo_filesystem",
+           "Snapshot", "StageTimes", "Timings", "TokenEvent", "TokenLogprob", "TokenProbs", "UnavailableError",
+           "audit_origin", "pseudo_filesystem",
            "summarize", "validate_request"]

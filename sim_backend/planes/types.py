@@ -148,6 +148,12 @@ class ChatRequest(msgspec.Struct, frozen=True):
     #: never sample an end-of-generation token (llama.cpp ``ignore_eos``: their logits are set to -inf),
     #: so generation runs to ``max_tokens``, a stop word or the context end
     ignore_eos: bool = False
+    #: report each generated token's probability and the ``n_probs`` most probable tokens at its step
+    #: (llama.cpp ``n_probs``; OpenAI ``top_logprobs``); 0: none
+    n_probs: int = 0
+    #: the probabilities after the sampler chain (penalties, top-k, top-p, min-p, temperature) instead of
+    #: the softmax of the raw logits (llama.cpp ``post_sampling_probs``)
+    post_sampling_probs: bool = False
 
     @staticmethod
     def from_prompt(prompt: str, **kw: Any) -> ChatRequest:
@@ -222,6 +228,10 @@ def validate_request(req: ChatRequest, vocab: int = VOCAB_SIZE) -> None:
         raise InvalidRequestError(f"id_slot must be -1 (any) or a slot index, got {req.id_slot!r}", param="id_slot")
     if not isinstance(req.cache_prompt, bool):
         raise InvalidRequestError("cache_prompt must be true or false", param="cache_prompt")
+    if not _is_int(req.n_probs) or not 0 <= req.n_probs <= vocab:
+        raise InvalidRequestError(f"n_probs must be an integer in [0, {vocab}], got {req.n_probs!r}", param="n_probs")
+    if not isinstance(req.post_sampling_probs, bool):
+        raise InvalidRequestError("post_sampling_probs must be true or false", param="post_sampling_probs")
     mt = req.max_tokens
     if mt is None:
         raise InvalidRequestError("max_tokens is required", param="max_tokens")
@@ -347,9 +357,41 @@ class Timings(msgspec.Struct, frozen=True):
         return d
 
 
+class TokenLogprob(msgspec.Struct, frozen=True):
+    """One token and its natural-log probability (``logprob <= 0``; ``exp(logprob)`` is the probability);
+    ``piece``: the bytes it adds to the text (maybe part of a UTF-8 character; ``b""`` for a special
+    token, which the text never shows)."""
+
+    id: int
+    logprob: float
+    piece: bytes = b""
+
+
+class TokenProbs(msgspec.Struct, frozen=True):
+    """The probabilities of one generation step (a request with ``ChatRequest.n_probs`` > 0).
+
+    ``id`` / ``logprob``: the token sampled and its natural-log probability; ``top``: the ``n_probs`` most
+    probable tokens, most probable first (ties: lower id first), fewer when the distribution has fewer
+    tokens with a probability above 0. Which distribution: ``post_sampling`` False, the softmax of the
+    step's raw logits over the tokenizer's ids (no penalty, no temperature: llama.cpp's default);
+    True, the candidates the sampler chain left, renormalised (greedy: the arg-max with probability 1).
+    A timing-only step has no logits: the distribution is the seeded generator's (uniform over the
+    ordinary text ids), and the request's ``Timings.numerics`` is False.
+    """
+
+    id: int
+    logprob: float
+    top: tuple[TokenLogprob, ...]
+    post_sampling: bool = False
+    #: the sampled token's bytes (as ``TokenLogprob.piece``)
+    piece: bytes = b""
+
+
 class RequestResult(msgspec.Struct, frozen=True):
     """Final outcome of a request. status: finished | failed | cancelled; ``stop_type`` one of
-    ``STOP_TYPES``; ``error``: llama.cpp's error object (code, message, type) when not finished."""
+    ``STOP_TYPES``; ``error``: llama.cpp's error object (code, message, type) when not finished;
+    ``probs``: one ``TokenProbs`` per generated token (aligned with ``tokens``) when the request asked
+    for ``n_probs``, else empty."""
 
     request_id: int
     status: str
@@ -360,13 +402,15 @@ class RequestResult(msgspec.Struct, frozen=True):
     error: dict[str, Any] | None
     timings: Timings
     seed: int | None
+    probs: tuple[TokenProbs, ...] = ()
 
 
 class TokenEvent(msgspec.Struct, frozen=True):
     """A visible piece of streamed text (never half a UTF-8 character, never part of a stop string).
 
     n_tokens: tokens generated so far; sim_ms: when it became visible (simulated ms); tokens: the ids
-    generated since the previous event (the piece's tokens; llama-server's per-chunk ``tokens``).
+    generated since the previous event (the piece's tokens; llama-server's per-chunk ``tokens``);
+    probs: their ``TokenProbs`` (aligned with ``tokens``) when the request asked for ``n_probs``.
     """
 
     request_id: int
@@ -374,6 +418,7 @@ class TokenEvent(msgspec.Struct, frozen=True):
     n_tokens: int
     sim_ms: float
     tokens: tuple[int, ...] = ()
+    probs: tuple[TokenProbs, ...] = ()
 
 
 class DoneEvent(msgspec.Struct, frozen=True):
@@ -428,4 +473,4 @@ class SLO(msgspec.Struct, frozen=True):
 
 
 __all__ = ["ROLES", "SLO", "STAGES", "STOP_TYPES", "VOCAB_SIZE", "ChatRequest", "DoneEvent", "RequestResult",
-           "SamplingParams", "StageTimes", "Timings", "TokenEvent", "validate_request"]
+           "SamplingParams", "StageTimes", "Timings", "TokenEvent", "TokenLogprob", "TokenProbs", "validate_request"]

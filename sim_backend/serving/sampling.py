@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
 from sim_backend.model import bf16 as _bf16
 from sim_backend.model.vocab import N_TOKENS, VOCAB_SIZE
-from sim_backend.planes.types import SamplingParams
+from sim_backend.planes.types import SamplingParams, TokenLogprob, TokenProbs
 
 __all__ = [
     "VOCAB_SIZE",
@@ -48,6 +49,8 @@ __all__ = [
     "naive_sample",
     "bf16_to_f32",
     "f32_to_bf16",
+    "logit_probs",
+    "uniform_probs",
 ]
 
 #: Real tokenizer ids (151643 BPE + 26 specials); 151669..151935 are padding rows (model.vocab).
@@ -224,6 +227,9 @@ class Sampler:
         self._grid = self._x.reshape(_GROUP_ROWS, self._cols)
         self._colmax = np.empty(self._cols, dtype=np.float32)
         self._f64 = np.empty(vocab_size, dtype=np.float64)
+        #: what the last sample drew from (for post_sampling_probs): ("greedy", id) | ("cand", ids, q, total)
+        #: | ("full", q over the vocabulary, total)
+        self._last: tuple[Any, ...] | None = None
 
     def sample(self, logits: np.ndarray, recent: Sequence[int] = ()) -> int:
         """Choose the next token id.
@@ -275,7 +281,9 @@ class Sampler:
             if m == -math.inf:
                 raise ValueError("no finite logits to sample from")
         if p.is_greedy:
-            return int(np.argmax(x))
+            tok = int(np.argmax(x))
+            self._last = ("greedy", tok)
+            return tok
         u = self.rng.random()
         cand: np.ndarray | None = None  # sorted candidate ids; None = whole vocab, uncut
         if 0 < p.top_k < nv:
@@ -300,13 +308,45 @@ class Sampler:
         T = float(p.temperature)
         if cand is not None:
             q = np.exp((x[cand].astype(np.float64) - m) / T)
-            return int(cand[_pick(q, np.sum(q), u)])
+            total = float(np.sum(q))
+            self._last = ("cand", cand, q, total)
+            return int(cand[_pick(q, total, u)])
         # Pure temperature sampling over the whole vocabulary.
         q_full = self._exp_full(m, T)
-        total = np.sum(q_full)
+        total = float(np.sum(q_full))
         target = u * total
         cand = self._grow(q_full, target, lambda c: np.cumsum(q_full[c])[-1] > target)
+        self._last = ("full", q_full, total)
         return int(cand[_pick(q_full[cand], total, u)])
+
+    def post_sampling_probs(self, tok: int, n: int) -> TokenProbs:
+        """The distribution the last :meth:`sample` / :meth:`sample_bf16` drew ``tok`` from, after the
+        whole chain (llama.cpp ``post_sampling_probs``): the candidates penalties, top-k, top-p and min-p
+        kept, ``exp((x - m) / T)`` renormalised over them; greedy: the arg-max alone, probability 1.
+
+        Call it right after that sample (it reads the sampler's scratch). Returns ``tok``'s natural-log
+        probability and the ``n`` most probable candidates (ties: lower id), zero probabilities left out
+        (as llama-server filters them). RuntimeError if nothing was sampled yet.
+        """
+        last = self._last
+        if last is None:
+            raise RuntimeError("post_sampling_probs needs a sample first")
+        if last[0] == "greedy":
+            top = (TokenLogprob(last[1], 0.0),)[: max(n, 0)]
+            return TokenProbs(int(tok), 0.0 if tok == last[1] else -math.inf, top, post_sampling=True)
+        if last[0] == "cand":
+            _, cand, q, total = last
+            keep = int(np.count_nonzero(q))  # q is non-increasing: the non-zero ones are a prefix
+            lp = np.log(q[: min(n, keep)]) - math.log(total)
+            top = tuple(TokenLogprob(int(i), float(v)) for i, v in zip(cand[: min(n, keep)], lp, strict=True))
+            hit = np.flatnonzero(cand == tok)
+            mine = float(math.log(q[hit[0]]) - math.log(total)) if hit.size and q[hit[0]] > 0 else -math.inf
+            return TokenProbs(int(tok), mine, top, post_sampling=True)
+        _, q_full, total = last
+        ids = [i for i in _top_ids(self._x[: self.vocab_size], n) if q_full[i] > 0]
+        top = tuple(TokenLogprob(int(i), float(math.log(q_full[i]) - math.log(total))) for i in ids)
+        mine = float(math.log(q_full[tok]) - math.log(total)) if q_full[tok] > 0 else -math.inf
+        return TokenProbs(int(tok), mine, top, post_sampling=True)
 
     # -- candidate helpers (operate on self._x after penalties/masking) --
 
@@ -390,6 +430,73 @@ class Sampler:
                 return c
             hi = lo
         return self._sorted(np.arange(self.vocab_size))
+
+
+# --- token probabilities ---------------------------------------------------------------
+
+
+def _top_ids(x: np.ndarray, n: int) -> np.ndarray:
+    """The ``n`` ids of largest ``x`` above ``-inf``, descending, ties by lower id (fewer if fewer are finite).
+
+    Never sorts the whole vector: a partition finds the n-th value, everything reaching it (ties
+    included) is sorted, the first ``n`` are kept."""
+    k = min(max(n, 0), x.shape[0])
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    thr = np.partition(x, x.shape[0] - k)[x.shape[0] - k]
+    sel = np.flatnonzero(x >= thr) if thr > -np.inf else np.flatnonzero(x > -np.inf)
+    sel = sel[np.lexsort((sel, -x[sel]))]  # descending value, then ascending id
+    return sel[:k]
+
+
+def logit_probs(logits: np.ndarray, tok: int, n: int, *, n_valid: int | None = None) -> TokenProbs:
+    """Probabilities from one step's raw logits, as llama-server gives them by default: the softmax of
+    the logits (no penalty, no temperature, no top-k/top-p/min-p), ``tok``'s natural-log probability and
+    the ``n`` most probable ids (descending, ties by lower id).
+
+    Args:
+        logits: ``float32`` (vocab,), the step's logits (not modified).
+        tok: the token sampled at this step.
+        n: how many top ids to list (``n_probs``).
+        n_valid: ids ``>= n_valid`` (tokenizer padding, never sampled) are left out of the softmax
+            (default as :class:`Sampler`). NaN counts as ``-inf``; if any logit is ``+inf``, those share
+            the probability equally (the sampler's convention).
+
+    The log-sum-exp sums FP32 ``exp`` terms in float64 (FP32 ``exp`` is vectorised; float64's ran ~15x
+    slower here), so a logprob is good to ~1e-6. Returns a ``TokenProbs`` (``post_sampling`` False);
+    ``tok``'s logprob is ``-inf`` if it has no probability. ValueError if no logit is finite.
+    """
+    nv = _default_n_valid(logits.shape[0]) if n_valid is None else int(n_valid)
+    x = np.array(logits[:nv], dtype=np.float32)
+    m = float(x.max())
+    if not math.isfinite(m):  # NaN or +inf somewhere (rare): the sampler's convention
+        _sanitize(x)
+        m = float(x.max())
+        if m == -math.inf:
+            raise ValueError("no finite logits to take probabilities of")
+    lse = m + math.log(float(np.sum(np.exp(x - np.float32(m)), dtype=np.float64)))
+    ids = _top_ids(x, n)
+    top = tuple(TokenLogprob(int(i), float(x[i]) - lse) for i in ids)
+    mine = float(x[tok]) - lse if 0 <= tok < nv else -math.inf
+    return TokenProbs(int(tok), mine, top, post_sampling=False)
+
+
+def uniform_probs(tok: int, n: int, lo: int, hi: int, *, post_sampling: bool = False) -> TokenProbs:
+    """Probabilities of a timing-only step (no logits): the seeded generator draws uniformly from the
+    ids ``[lo, hi)``, so each has probability ``1 / (hi - lo)``. All tie: ``top`` lists ``tok`` first, then
+    the lowest other ids, ``n`` in all (at most ``hi - lo``). ValueError for an empty range."""
+    if hi <= lo:
+        raise ValueError(f"empty id range [{lo}, {hi})")
+    lp = -math.log(hi - lo)
+    k = min(max(n, 0), hi - lo)
+    ids = [tok] if k and lo <= tok < hi else []
+    i = lo
+    while len(ids) < k:
+        if i != tok:
+            ids.append(i)
+        i += 1
+    return TokenProbs(int(tok), lp if lo <= tok < hi else -math.inf, tuple(TokenLogprob(j, lp) for j in ids),
+                      post_sampling=post_sampling)
 
 
 # --- benchmark -----------------------------------------------------------------------

@@ -282,7 +282,8 @@ class StepRunner:
                 self._metrics.on_token_gap(t_end / 1e3 - r.pieces_ms[-1])
             r.pieces_ms.append(t_end / 1e3)
             r.text_parts.append(visible)
-            r.handle.emit(TokenEvent(r.id, visible, len(r.generated), t_end / 1e3, tuple(r.generated[r.n_streamed:])))
+            r.handle.emit(TokenEvent(r.id, visible, len(r.generated), t_end / 1e3, tuple(r.generated[r.n_streamed:]),
+                                     tuple(r.tokens.probs[r.n_streamed:])))
             r.n_streamed = len(r.generated)
         with self._lock:
             if stop is not None:

@@ -14,12 +14,15 @@ string the stop becomes ``word``.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import msgspec
 import numpy as np
 
+from sim_backend.model.tokenizer import get_tokenizer
 from sim_backend.model.vocab import EOS_IDS, N_BPE
-from sim_backend.planes.types import ChatRequest
-from sim_backend.serving.sampling import Sampler
+from sim_backend.planes.types import ChatRequest, TokenProbs
+from sim_backend.serving.sampling import Sampler, bf16_to_f32, logit_probs, uniform_probs
 from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder, Tokenizer
 
 #: BF16 bits of -inf (sign 1, exponent all ones, mantissa 0)
@@ -41,6 +44,11 @@ class TokenPipeline:
         vocab: the model's logits rows (default Qwen3's); eos_ids: the ids that end generation
         (default Qwen3's); text_ids: the [lo, hi) range of ordinary text ids the timing-only stand-in
         draws from (default Qwen3's BPE tokens).
+
+    With ``req.n_probs`` > 0 each sampled token's ``TokenProbs`` is appended to ``probs`` (aligned with
+    ``generated``): from the step's raw logits (``sampling.logit_probs``), or after the sampler chain
+    with ``req.post_sampling_probs`` (``Sampler.post_sampling_probs``); a timing-only step from the
+    seeded generator's uniform distribution over ``text_ids`` (``sampling.uniform_probs``).
     """
 
     def __init__(self, req: ChatRequest, prompt: Sequence[int], *, n_ctx: int, max_tokens: int,
@@ -49,6 +57,8 @@ class TokenPipeline:
         self.sampler = Sampler(req.sampling) if vocab is None else Sampler(req.sampling, vocab)
         # timing-only steps have no logits: a generator seeded like the sampler stands in, so a run replays
         self.fallback_rng = np.random.default_rng(self.sampler.seed)
+        # the pieces' bytes of the probabilities' tokens come from the same tokenizer as the text
+        self._tok: Any = tokenizer if tokenizer is not None else get_tokenizer()
         self.decoder = StreamDecoder(tokenizer, skip_special=True)
         self.matcher = StopStringMatcher(req.stop)
         self._penalties = req.sampling.has_penalties
@@ -60,6 +70,10 @@ class TokenPipeline:
         self._eos_index = np.fromiter(sorted(eos_ids), dtype=np.intp, count=len(eos_ids))
         self._text_ids = text_ids
         self.generated: list[int] = []
+        self.n_probs = int(req.n_probs)
+        self.post_sampling = bool(req.post_sampling_probs)
+        #: one per sampled token when ``n_probs`` > 0 (aligned with ``generated``)
+        self.probs: list[TokenProbs] = []
         #: the last sampled token, fed to the model by the next decode step
         self.pending_token: int | None = None
 
@@ -72,13 +86,33 @@ class TokenPipeline:
         """The next token id from one step's BF16 logits (``uint16`` (vocab,)); timing-only
         (``numeric`` False or no logits): an ordinary text id (``text_ids``) from the seeded generator."""
         if logits_bf16 is None or not numeric:
-            return int(self.fallback_rng.integers(*self._text_ids))
+            tok = int(self.fallback_rng.integers(*self._text_ids))
+            if self.n_probs:
+                self.probs.append(self._with_pieces(uniform_probs(tok, self.n_probs, *self._text_ids,
+                                                                  post_sampling=self.post_sampling)))
+            return tok
+        raw = logits_bf16  # the probabilities' softmax is of the model's logits, before any bias (llama.cpp)
         if self._ban_eos:  # llama.cpp's ignore_eos: -inf logits for the end-of-generation ids
             logits_bf16 = logits_bf16.copy()
             logits_bf16[self._eos_index] = _BF16_NEG_INF
         # BF16 bits widen straight into the sampler's scratch buffer: no FP32 copy per step
         recent = list(self._prompt) + self.generated if self._penalties else ()
-        return self.sampler.sample_bf16(logits_bf16, recent)
+        tok = self.sampler.sample_bf16(logits_bf16, recent)
+        if self.n_probs:
+            if self.post_sampling:
+                tp = self.sampler.post_sampling_probs(tok, self.n_probs)
+            else:  # the raw logits (the sampler's scratch holds them penalised and masked)
+                tp = logit_probs(bf16_to_f32(raw), tok, self.n_probs, n_valid=self.sampler.n_valid)
+            self.probs.append(self._with_pieces(tp))
+        return tok
+
+    def _piece(self, tok: int) -> bytes:
+        return b"" if self._tok.is_special(tok) else bytes(self._tok.token_bytes(tok))
+
+    def _with_pieces(self, tp: TokenProbs) -> TokenProbs:
+        """``tp`` with each token's bytes (special tokens: none, as the streamed text shows them)."""
+        top = tuple(msgspec.structs.replace(t, piece=self._piece(t.id)) for t in tp.top)
+        return msgspec.structs.replace(tp, top=top, piece=self._piece(tp.id))
 
     def push(self, tok: int) -> tuple[str, Stop | None]:
         """Apply the stop rules to sampled token ``tok``: (text now visible, the stop or None).

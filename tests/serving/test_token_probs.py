@@ -1,0 +1,139 @@
+"""Token probabilities (llama.cpp ``n_probs`` / ``post_sampling_probs``): checked against a full softmax
+and against the sampler's own draws."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from sim_backend.model.bf16 import f32_to_bf16
+from sim_backend.planes import ChatRequest, SamplingParams
+from sim_backend.serving.sampling import N_VALID, Sampler, logit_probs, uniform_probs
+from sim_backend.serving.tokens import TokenPipeline
+
+
+def _logits(seed: int, n: int = 151936) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 2.0).astype(np.float32)
+    x[rng.choice(min(n, N_VALID), 8, replace=False)] += 6.0
+    return x
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    z = x.astype(np.float64) - x.max()
+    e = np.exp(z)
+    return e / e.sum()
+
+
+def test_logit_probs_are_the_softmax_of_the_valid_ids():
+    x = _logits(1)
+    tp = logit_probs(x, 7, 10)
+    p = _softmax(x[:N_VALID])  # padding rows are not tokens
+    order = np.lexsort((np.arange(N_VALID), -x[:N_VALID]))
+    assert [t.id for t in tp.top] == [int(i) for i in order[:10]]
+    assert [t.logprob for t in tp.top] == pytest.approx([math.log(p[i]) for i in order[:10]], abs=1e-5)
+    assert tp.logprob == pytest.approx(math.log(p[7]), abs=1e-5) and not tp.post_sampling
+    probs = [math.exp(t.logprob) for t in tp.top]
+    assert probs == sorted(probs, reverse=True) and sum(probs) <= 1.0 + 1e-9
+    # every id: the whole distribution sums to 1
+    full = logit_probs(x[:2048], 0, 4096, n_valid=2048)
+    assert len(full.top) == 2048 and math.fsum(math.exp(t.logprob) for t in full.top) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_logit_probs_top_one_is_the_greedy_token():
+    for seed in range(4):
+        x = _logits(seed)
+        tok = Sampler(SamplingParams.greedy()).sample(x)
+        tp = logit_probs(x, tok, 3)
+        assert tp.top[0].id == tok and tp.logprob == tp.top[0].logprob
+
+
+def test_logit_probs_non_finite():
+    x = np.full(100, -np.inf, np.float32)
+    x[3], x[5] = np.nan, 1.0
+    tp = logit_probs(x, 3, 5, n_valid=100)
+    assert [t.id for t in tp.top] == [5] and tp.top[0].logprob == 0.0 and tp.logprob == -math.inf
+    with pytest.raises(ValueError):
+        logit_probs(np.full(10, -np.inf, np.float32), 0, 1, n_valid=10)
+
+
+CHAINS = [SamplingParams(seed=1), SamplingParams(top_k=0, top_p=1.0, min_p=0.0, temperature=0.7, seed=2),
+          SamplingParams(top_k=0, top_p=0.9, min_p=0.0, seed=3), SamplingParams(top_k=5, top_p=1.0, min_p=0.0, seed=4),
+          SamplingParams(top_k=0, top_p=1.0, min_p=0.1, temperature=1.5, seed=5)]
+
+
+@pytest.mark.parametrize("sp", CHAINS, ids=lambda sp: f"k{sp.top_k}-p{sp.top_p}-m{sp.min_p}-t{sp.temperature}")
+def test_post_sampling_probs_follow_the_chain(sp: SamplingParams):
+    x = _logits(11)
+    s = Sampler(sp)
+    tok = s.sample(x)
+    tp = s.post_sampling_probs(tok, 50)
+    assert tp.post_sampling and tp.logprob > -math.inf  # the drawn token had a probability
+    ids = [t.id for t in tp.top]
+    probs = [math.exp(t.logprob) for t in tp.top]
+    assert probs == sorted(probs, reverse=True) and sum(probs) <= 1.0 + 1e-9
+    # the candidates after the chain, by the module's convention (descending logit, ties by lower id)
+    order = np.lexsort((np.arange(N_VALID), -x[:N_VALID]))
+    keep = order if sp.top_k == 0 else order[: sp.top_k]
+    if sp.top_p < 1.0:
+        # Z over the whole vocabulary while nothing was cut, else over the kept candidates (module docstring)
+        cs = np.cumsum(_softmax(x[keep]) if sp.top_k else _softmax(x[:N_VALID])[keep])
+        keep = keep[: int(np.searchsorted(cs, sp.top_p)) + 1]
+    if sp.min_p > 0.0:
+        keep = keep[x[keep].astype(np.float64) >= x.max() + math.log(sp.min_p)]
+    q = _softmax(x[keep] / np.float32(sp.temperature))
+    assert ids == [int(i) for i in keep[:50]]
+    assert probs == pytest.approx(list(q[:50]), rel=1e-6, abs=1e-12)
+    assert tok in set(int(i) for i in keep)
+
+
+def test_post_sampling_probs_match_the_draws():
+    # a small vocabulary: the frequencies of seeded draws approach the reported probabilities
+    x = _logits(5, 64)
+    sp = SamplingParams(top_k=0, top_p=0.95, min_p=0.0, temperature=1.0, seed=7)
+    s = Sampler(sp, 64)
+    counts: dict[int, int] = {}
+    reported: dict[int, float] = {}
+    for _ in range(3000):
+        tok = s.sample(x)
+        counts[tok] = counts.get(tok, 0) + 1
+        reported[tok] = math.exp(s.post_sampling_probs(tok, 0).logprob)
+    for tok, c in counts.items():
+        assert c / 3000 == pytest.approx(reported[tok], abs=0.03)
+
+
+def test_greedy_post_sampling_is_the_argmax_alone():
+    x = _logits(2)
+    s = Sampler(SamplingParams.greedy())
+    tok = s.sample(x)
+    tp = s.post_sampling_probs(tok, 5)
+    assert tok == int(np.argmax(x[:N_VALID])) and [(t.id, t.logprob) for t in tp.top] == [(tok, 0.0)]
+    with pytest.raises(RuntimeError):
+        Sampler(SamplingParams()).post_sampling_probs(0, 1)
+
+
+def test_uniform_probs_of_the_timing_only_generator():
+    tp = uniform_probs(500, 3, 0, 1000)
+    assert tp.logprob == pytest.approx(-math.log(1000)) and [t.id for t in tp.top] == [500, 0, 1]
+    assert all(t.logprob == tp.logprob for t in tp.top)
+    assert len(uniform_probs(1, 10, 0, 4).top) == 4
+    with pytest.raises(ValueError):
+        uniform_probs(0, 1, 5, 5)
+
+
+def test_pipeline_records_one_entry_per_token_with_pieces():
+    req = ChatRequest.from_prompt("hi", max_tokens=4, n_probs=2, sampling=SamplingParams.greedy())
+    pl = TokenPipeline(req, [1, 2, 3], n_ctx=100, max_tokens=4)
+    x = _logits(3)
+    x[151645] = 50.0  # <|im_end|> (special) is the arg-max
+    tok = pl.sample(f32_to_bf16(x), True)
+    assert tok == 151645 and pl.probs[-1].piece == b"" and pl.probs[-1].top[0].piece == b""
+    assert pl.probs[-1].top[1].piece == pl._tok.token_bytes(pl.probs[-1].top[1].id)
+    pl.push(tok)
+    tok = pl.sample(None, False)  # timing-only: the generator's distribution
+    assert pl.probs[-1].id == tok and pl.probs[-1].piece and len(pl.probs) == 2
+    plain = TokenPipeline(ChatRequest.from_prompt("hi", max_tokens=2), [1], n_ctx=100, max_tokens=2)
+    plain.sample(f32_to_bf16(x), True)
+    assert plain.probs == []
