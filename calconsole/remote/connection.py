@@ -27,6 +27,7 @@ from sim_backend.planes import (
     CalError,
     DeviceError,
     ExceedContextSizeError,
+    Health,
     InvalidRequestError,
     MaintenanceArgumentError,
     MaintenanceRefused,
@@ -86,6 +87,16 @@ def error_body(resp: httpx.Response) -> dict[str, Any]:
     text = resp.text[:200] if resp.content else ""
     return {"code": resp.status_code, "type": "server_error",
             "message": f"HTTP {resp.status_code} {resp.reason_phrase}" + (f": {text}" if text else "")}
+
+
+def health_of(resp: httpx.Response) -> Health:
+    """``Health`` from a ``GET /health`` answer (llama-server's and ours): 200 "ok"; 503 "loading" (the
+    model is loading, memory cleared, or the device is in maintenance: the message says which); any
+    other status "error". A server that says nothing about its mode is "serving"."""
+    if resp.status_code == 200:
+        return Health(status="ok")
+    detail = str(error_body(resp).get("message", f"HTTP {resp.status_code}"))
+    return Health(status="loading" if resp.status_code == 503 else "error", detail=detail)
 
 
 def raise_for(resp: httpx.Response, *, action: str | None = None) -> NoReturn:

@@ -18,9 +18,9 @@ import httpx
 import msgspec
 from httpx_sse import EventSource
 
-from sim_backend.planes import CalError, Snapshot
+from sim_backend.planes import CalError, Health, Snapshot
 
-from .connection import BACKOFF_MAX_S, BACKOFF_MIN_S, Connection, describe, raise_for
+from .connection import BACKOFF_MAX_S, BACKOFF_MIN_S, Connection, describe, health_of, raise_for
 
 SNAPSHOT_READ_S = 10.0
 
@@ -44,6 +44,11 @@ class RemoteObservationPlane:
             return msgspec.json.decode(resp.content, type=Snapshot)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             raise CalError(f"the server's snapshot does not match this console's Snapshot type: {e}") from None
+
+    def health(self) -> Health:
+        """The server's ``GET /health`` (no key needed): ok, or loading / error with its message.
+        ServerUnreachable while disconnected."""
+        return health_of(self._conn.call("GET", "/health", read_timeout_s=SNAPSHOT_READ_S, gate=True))
 
     def metrics_text(self) -> str:
         """Prometheus text exposition (``llamacpp:`` names) of the server's ``/metrics``."""

@@ -31,12 +31,19 @@ def routes(face: ServingFace) -> list[RouteSpec]:
 
 
 async def health(face: ServingFace, request: Request) -> Response:
-    snap = await face.call(face.observation.snapshot)
-    dev = device_of(snap)
-    if dev.status == "memory cleared":
+    """llama-server's ``/health``: 200 ``{"status": "ok"}``, 503 while the model is not usable (memory
+    cleared, the device in maintenance, a backend still loading). Reads the plane's ``health()`` (state
+    only), not a snapshot; a plane whose ``health()`` never blocks (``health_nonblocking``: the in-process
+    one reads a few fields under short locks, ~4 µs) is read on the event loop, others in a worker thread
+    (a thread hop is two context switches: on a loaded host each waits for a time slice)."""
+    obs = face.observation
+    h = obs.health() if getattr(obs, "health_nonblocking", False) else await face.call(obs.health)
+    if h.status == "memory cleared":
         raise HTTPError(503, "unavailable_error", "Loading model: device memory is cleared")
-    if dev.mode != "serving":
-        raise HTTPError(503, "unavailable_error", f"device in maintenance ({dev.mode}, lease: {dev.lease_holder})")
+    if h.mode != "serving":
+        raise HTTPError(503, "unavailable_error", f"device in maintenance ({h.mode}, lease: {h.lease_holder})")
+    if h.status in ("loading", "error"):  # a plane over another server: its own refusal
+        raise HTTPError(503, "unavailable_error", h.detail or f"backend {h.status}")
     return JSONResponse({"status": "ok"})
 
 def default_params(face: ServingFace) -> dict[str, Any]:

@@ -46,7 +46,7 @@ from sim_backend.planes.contracts import (
 )
 from sim_backend.planes.eventstream import EventStream
 from sim_backend.planes.metrics import MetricsRegistry
-from sim_backend.planes.snapshot import Snapshot
+from sim_backend.planes.snapshot import Health, Snapshot
 from sim_backend.planes.types import (
     SLO,
     ChatRequest,
@@ -62,7 +62,8 @@ from sim_backend.planes.types import (
 )
 
 __all__ = ["SLO", "AuditLog", "AuditLogError", "AuditReader", "CalError", "ChatRequest", "DeviceError", "DoneEvent",
-           "EventStream", "ExceedContextSizeError", "InferencePlane", "InvalidRequestError", "KVExhausted", "Lease",
+           "EventStream", "ExceedContextSizeError", "Health", "InferencePlane", "InvalidRequestError", "KVExhausted",
+           "Lease",
            "MaintenanceArgumentError", "MaintenancePlane", "MaintenanceRefused", "ManifestError", "MetricsRegistry",
            "NotOffered", "ObservationPlane",
            "Report", "RequestCancelled", "RequestError", "RequestResult", "RequestStream", "SamplingParams",

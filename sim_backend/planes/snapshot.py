@@ -102,6 +102,22 @@ class DeviceInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
     decode_batch: int = 1
 
 
+class Health(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a health probe needs and nothing more (``ObservationPlane.health()``, GET /health): state only,
+    no counters, no percentiles, no host figures, so it costs microseconds instead of a snapshot's ms.
+
+    ``status``: ``DeviceInfo.status``'s words for the simulator (ok | degraded | fault... | memory cleared);
+    for a server that only answers its /health: "ok", "loading" (503) or "error" (anything else), with
+    its message in ``detail``. ``mode``: serving | draining | exclusive ("serving" for a server that
+    reports none); ``lease_holder``: who holds the maintenance lease, if anyone.
+    """
+
+    status: str
+    mode: str = "serving"
+    lease_holder: str | None = None
+    detail: str = ""
+
+
 class JobCounts(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Device job counters (device steps, not requests)."""
 

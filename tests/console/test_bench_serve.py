@@ -65,6 +65,9 @@ def test_json_against_a_live_server(server: ServerThread, capsys):
     assert rep["server"]["pacing"] == "fast" and rep["server"]["numerics"] is False
     # without the in-process plane there is no baseline; a fast server cannot be judged against real time
     assert "skipped" in rep["overhead"] and "skipped" in rep["sustained"]
+    ka = rep["keepalive"]
+    for leg in ("kept_alive", "new_connection"):
+        assert 0 < ka[leg]["median_ms"] <= ka[leg]["p95_ms"] and ka[leg]["cpu_ms_per_request"] > 0
     confs = rep["configurations"]
     assert [(c["mix"], c["clients"]) for c in confs] == [("short", 1), ("short", 2), ("mixed", 1), ("mixed", 2)]
     for c in confs:

@@ -25,6 +25,7 @@ from sim_backend.planes import (
     ChatRequest,
     DoneEvent,
     ExceedContextSizeError,
+    Health,
     InferencePlane,
     InvalidRequestError,
     Lease,
@@ -139,6 +140,17 @@ def test_implementations_satisfy_the_protocols(planes: Planes) -> None:
         assert inf.n_ctx == 2048
     else:
         assert inf.n_ctx == 40960
+
+
+def test_health_is_the_state_a_health_probe_needs(planes: Planes) -> None:
+    _, obs, _ = planes
+    h = obs.health()
+    assert isinstance(h, Health) and (h.status, h.mode, h.detail) == ("ok", "serving", "")
+    snap = obs.snapshot()
+    if snap.device is not None:  # the simulator (here or over HTTP): the snapshot's words
+        assert (h.status, h.mode) == (snap.device.status, snap.device.mode)
+    else:
+        assert snap.server is not None and snap.server.health == h.status
 
 
 # --- inference ---------------------------------------------------------------------------------

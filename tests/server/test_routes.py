@@ -47,6 +47,19 @@ def sse_events(raw: bytes) -> list[str]:
 
 # --- monitoring routes ----------------------------------------------------------------------------
 
+def test_health_reads_the_planes_state_not_a_snapshot(srv, monkeypatch):
+    """GET /health takes ``observation.health()`` (state only, ~4 µs), never a snapshot (~0.7 ms CPU)."""
+    obs = srv.system.observation
+    h, dev = obs.health(), obs.snapshot().device
+    assert (h.status, h.mode, h.lease_holder) == (dev.status, dev.mode, dev.lease_holder) == ("ok", "serving", None)
+
+    def no_snapshot():
+        raise AssertionError("GET /health took a snapshot")
+
+    monkeypatch.setattr(obs, "snapshot", no_snapshot)
+    assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
+
+
 def test_health_props_models(srv):
     assert httpx.get(srv.url + "/health").json() == {"status": "ok"}
     props = httpx.get(srv.url + "/props").json()

@@ -29,10 +29,10 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from sim_backend.planes import CalError, Snapshot
+from sim_backend.planes import CalError, Health, Snapshot
 from sim_backend.planes.snapshot import LoadInfo, RequestsView, ServerInfo, SlotView, convert
 
-from ..connection import Connection, raise_for
+from ..connection import Connection, health_of, raise_for
 from .inference import ClientMetrics
 
 READ_S = 10.0
@@ -142,6 +142,10 @@ class LlamaObservationPlane:
         resp = self._conn.call("GET", path, read_timeout_s=READ_S, gate=True)
         return resp
 
+    def health(self) -> Health:
+        """The server's ``GET /health``: ok, loading (503) or error, with its message."""
+        return health_of(self._get("/health"))
+
     def metrics_text(self) -> str:
         """The server's own ``/metrics`` text (``llamacpp:`` names). CalError when it runs without --metrics."""
         resp = self._get("/metrics")
@@ -161,15 +165,8 @@ class LlamaObservationPlane:
                 self._props = props
                 if self._on_props is not None:
                     self._on_props(props)
-        health = self._get("/health")
-        status, detail = "ok", ""
-        if health.status_code != 200:
-            try:
-                err = health.json().get("error") or {}
-            except (ValueError, AttributeError):
-                err = {}
-            detail = str(err.get("message", f"HTTP {health.status_code}"))
-            status = "loading" if health.status_code == 503 else "error"
+        health = self.health()
+        status, detail = health.status, health.detail
         slots: tuple[SlotView, ...] = ()
         if self._slots_enabled:
             resp = self._get("/slots")
