@@ -29,20 +29,14 @@ result's tokens and timings are exact.
 from __future__ import annotations
 
 import math
-import queue
-import socket
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 import msgspec
-from httpx_sse import EventSource
 
 from sim_backend.planes import (
     ChatRequest,
-    DoneEvent,
-    EventStream,
     InvalidRequestError,
     RequestResult,
     Timings,
@@ -51,7 +45,8 @@ from sim_backend.planes import (
 )
 
 from ..codec import result_from_extension, timings_from_wire
-from .connection import Connection, ServerUnreachable, describe
+from .connection import Connection, ServerUnreachable
+from .sse_stream import SseRequestStream
 
 #: added to the server's step timeout for a stream's read timeout (its SSE keep-alive is every 15 s)
 STREAM_MARGIN_S = 45.0
@@ -75,6 +70,8 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {"max_tokens": req.max_tokens, "stream": True, "stop": list(req.stop),
                             "id_slot": req.id_slot, "cache_prompt": req.cache_prompt}
     body.update({k: v for k, v in msgspec.structs.asdict(req.sampling).items() if v is not None})
+    if req.ignore_eos:
+        body["ignore_eos"] = True
     if req.prompt_tokens is not None:
         body["prompt"] = [int(t) for t in req.prompt_tokens]
         return "/v1/completions", body
@@ -83,111 +80,48 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
     return "/v1/chat/completions", body
 
 
-class RemoteRequestStream(EventStream):
-    """One streaming request (``RequestStream``): a reader thread turns SSE chunks into events. Thread-safe."""
+class RemoteRequestStream(SseRequestStream):
+    """One streaming request (``RequestStream``) to ``calconsole serve``: a reader thread turns SSE chunks
+    into events (module docstring: how a stream ends). Thread-safe."""
 
     def __init__(self, conn: Connection, resp: httpx.Response, *, raw: bool) -> None:
-        self._conn = conn
-        self._resp = resp
-        self._raw = raw
         try:
-            self._id = int(resp.headers.get("x-request-id", "-1"))
-            self._prompt_n = int(resp.headers.get("x-prompt-tokens", "0"))
+            rid, prompt_n = int(resp.headers.get("x-request-id", "-1")), int(resp.headers.get("x-prompt-tokens", "0"))
         except ValueError:
-            self._id, self._prompt_n = -1, 0
-        self.id = self._id
-        self._events: queue.Queue[TokenEvent | DoneEvent] = queue.Queue()
-        self._cancel = threading.Event()
-        self._cancel_reason = ""
-        self._done = threading.Event()
-        self._result: RequestResult | None = None
-        self._pieces: list[str] = []
-        self._thread = threading.Thread(target=self._read, name=f"calconsole-remote-req{self._id}", daemon=True)
-        self._thread.start()
+            rid, prompt_n = -1, 0
+        super().__init__(conn, resp, rid, prompt_n)
+        self._raw = raw
+        self._start(f"calconsole-remote-req{rid}")
 
-    @property
-    def prompt_n(self) -> int:
-        return self._prompt_n
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def cancel(self, reason: str = "cancelled by client") -> None:
-        """Close the stream (the server cancels the request within one device step); idempotent, returns at once."""
-        if self._done.is_set() or self._cancel.is_set():
-            return
-        self._cancel_reason = reason
-        self._cancel.set()
-        # shutdown, not close: it wakes the reader blocked in recv() and sends the FIN the server sees
-        stream = self._resp.extensions.get("network_stream")
-        sock = stream.get_extra_info("socket") if stream is not None else None
-        if isinstance(sock, socket.socket):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # already closed: the reader has ended or is ending
-
-    # --- the reader thread ----------------------------------------------------------------
-
-    def _finish(self, res: RequestResult) -> None:
-        if self._done.is_set():
-            return
-        self._result = res
-        self._events.put(DoneEvent(res.request_id, res))
-        self._done.set()
-
-    def _client_result(self, status: str, error: dict[str, Any]) -> RequestResult:
-        return RequestResult(request_id=self._id, status=status, text="".join(self._pieces), tokens=(),
-                             stop_type="none", stopping_word="", error=error,
-                             timings=client_timings(self._prompt_n, len(self._pieces)), seed=None)
+    def _end_client(self, status: str, error: dict[str, Any]) -> None:
+        self._finish(RequestResult(request_id=self.id, status=status, text="".join(self._pieces), tokens=(),
+                                   stop_type="none", stopping_word="", error=error,
+                                   timings=client_timings(self._prompt_n, len(self._pieces)), seed=None))
 
     def _server_result(self, ext: Mapping[str, Any], error: Mapping[str, Any] | None = None) -> RequestResult:
-        return result_from_extension(ext, "".join(self._pieces), request_id=self._id, error=error)
+        return result_from_extension(ext, "".join(self._pieces), request_id=self.id, error=error)
 
-    def _read(self) -> None:
-        import json
-
-        try:
-            for sse in EventSource(self._resp).iter_sse():
-                if sse.data == "[DONE]":
-                    break
-                obj = json.loads(sse.data)
-                if "error" in obj:
-                    ext = obj.get("calconsole")
-                    if isinstance(ext, dict):
-                        self._finish(self._server_result(ext, obj["error"]))
-                    else:
-                        err = obj["error"]
-                        self._finish(self._client_result("failed", {
-                            "type": str(err.get("type", "server_error")),
-                            "message": f"the server ended the stream: {err.get('message')}"}))
-                    break
-                for choice in obj.get("choices") or ():
-                    text = (choice.get("text") if self._raw else (choice.get("delta") or {}).get("content"))
-                    if text:
-                        self._pieces.append(text)
-                        self._events.put(TokenEvent(self._id, text, len(self._pieces), math.nan))
+    def _consume(self) -> None:
+        for obj in self._chunks():
+            if "error" in obj:
                 ext = obj.get("calconsole")
                 if isinstance(ext, dict):
-                    self._finish(self._server_result(ext))
-            if not self._done.is_set():
-                raise httpx.RemoteProtocolError("the stream ended without a final chunk")
-        except Exception as e:  # noqa: BLE001 - whatever ended the read, the request gets a result
-            if self._cancel.is_set():
-                self._finish(self._client_result("cancelled", {"type": "cancelled", "message": self._cancel_reason}))
-            elif not self._done.is_set():
-                reason = describe(e)
-                if isinstance(e, httpx.TransportError):
-                    self._conn.mark_down(reason)
-                self._finish(self._client_result("failed", {
-                    "type": "connection_lost",
-                    "message": f"connection to {self._conn.url} lost mid-stream after {len(self._pieces)} "
-                               f"pieces: {reason}"}))
-        finally:
-            if self._cancel.is_set() and not self._done.is_set():
-                self._finish(self._client_result("cancelled", {"type": "cancelled", "message": self._cancel_reason}))
-            self._resp.close()
+                    self._finish(self._server_result(ext, obj["error"]))
+                else:
+                    err = obj["error"]
+                    self._end_client("failed", {"type": str(err.get("type", "server_error")),
+                                                "message": f"the server ended the stream: {err.get('message')}"})
+                return
+            for choice in obj.get("choices") or ():
+                text = (choice.get("text") if self._raw else (choice.get("delta") or {}).get("content"))
+                if text:
+                    self._pieces.append(text)
+                    self._events.put(TokenEvent(self.id, text, len(self._pieces), math.nan))
+            ext = obj.get("calconsole")
+            if isinstance(ext, dict):
+                self._finish(self._server_result(ext))
+        if not self._done.is_set():
+            raise httpx.RemoteProtocolError("the stream ended without a final chunk")
 
 
 class RemoteInferencePlane:

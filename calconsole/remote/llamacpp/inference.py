@@ -22,10 +22,7 @@ plane reports (its clock says so).
 
 from __future__ import annotations
 
-import json
 import math
-import queue
-import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -34,12 +31,9 @@ from typing import Any
 
 import httpx
 import msgspec
-from httpx_sse import EventSource
 
 from sim_backend.planes import (
     ChatRequest,
-    DoneEvent,
-    EventStream,
     InvalidRequestError,
     MetricsRegistry,
     NotOffered,
@@ -49,7 +43,8 @@ from sim_backend.planes import (
     validate_request,
 )
 
-from ..connection import Connection, describe
+from ..connection import Connection
+from ..sse_stream import SseRequestStream
 
 #: host s without a byte on a running stream before it counts as lost (llama-server sends no keep-alive)
 STREAM_READ_S = 120.0
@@ -114,53 +109,20 @@ def stop_type_of(finish_reason: str | None, stop_words: Sequence[str]) -> str:
     return "none"
 
 
-class LlamaRequestStream(EventStream):
+class LlamaRequestStream(SseRequestStream):
     """One streaming request to a llama-server (``RequestStream``): a reader thread turns SSE chunks
     into events and measures the client-side latencies. Thread-safe. ``id`` is this console's
     request number (llama-server's chat ids are strings; its task ids are not sent on the stream)."""
 
     def __init__(self, conn: Connection, resp: httpx.Response, req: ChatRequest, prompt_n: int,
                  sent_s: float, metrics: ClientMetrics) -> None:
-        self._conn = conn
-        self._resp = resp
+        super().__init__(conn, resp, next(_ids), prompt_n)
         self._req = req
         self._raw = req.prompt_tokens is not None
-        self._prompt_n = prompt_n
         self._sent_s = sent_s
         self._metrics = metrics
-        self.id = next(_ids)
-        self._events: queue.Queue[TokenEvent | DoneEvent] = queue.Queue()
-        self._cancel = threading.Event()
-        self._cancel_reason = ""
-        self._done = threading.Event()
-        self._result: RequestResult | None = None
-        self._pieces: list[str] = []
         self._piece_s: list[float] = []
-        self._thread = threading.Thread(target=self._read, name=f"calconsole-llama-req{self.id}", daemon=True)
-        self._thread.start()
-
-    @property
-    def prompt_n(self) -> int:
-        """Prompt tokens with the chat template applied (counted by the server's /tokenize before sending)."""
-        return self._prompt_n
-
-    @property
-    def cancelled(self) -> bool:
-        return self._cancel.is_set()
-
-    def cancel(self, reason: str = "cancelled by client") -> None:
-        """Close the stream (llama-server stops the task and frees its slot); idempotent, returns at once."""
-        if self._done.is_set() or self._cancel.is_set():
-            return
-        self._cancel_reason = reason
-        self._cancel.set()
-        stream = self._resp.extensions.get("network_stream")
-        sock = stream.get_extra_info("socket") if stream is not None else None
-        if isinstance(sock, socket.socket):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes the reader blocked in recv()
-            except OSError:
-                pass  # already closed: the reader has ended or is ending
+        self._start(f"calconsole-llama-req{self.id}")
 
     # --- results ----------------------------------------------------------------------------
 
@@ -201,13 +163,6 @@ class LlamaRequestStream(EventStream):
         if not self._done.is_set():
             self._finish(self._result_of(status, **kw))
 
-    def _finish(self, res: RequestResult) -> None:
-        if self._done.is_set():
-            return
-        self._result = res
-        self._events.put(DoneEvent(res.request_id, res))
-        self._done.set()
-
     def _piece(self, text: str) -> None:
         now = time.monotonic()
         if not self._piece_s:
@@ -220,72 +175,53 @@ class LlamaRequestStream(EventStream):
 
     # --- the reader thread -------------------------------------------------------------------
 
-    def _read(self) -> None:
+    def _end_client(self, status: str, error: dict[str, Any]) -> None:
+        self._end(status, server=None, stop_type="none", stopping_word="", tokens=(), error=error)
+
+    def _consume(self) -> None:
         finish_reason: str | None = None
         verbose: dict[str, Any] = {}  # the final chunk's "__verbose" (llama.cpp's stop_type, stopping_word)
         timings: dict[str, Any] | None = None
         final: dict[str, Any] | None = None
-        try:
-            for sse in EventSource(self._resp).iter_sse():
-                if sse.data == "[DONE]":
+        for obj in self._chunks():
+            if not isinstance(obj, dict):
+                continue
+            if "error" in obj:  # llama-server ends a failed stream with an error event
+                err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
+                self._end("failed", server=timings, stop_type="none", stopping_word="", tokens=(),
+                          error={"type": str(err.get("type", "server_error")), "message": str(err.get("message"))})
+                return
+            if isinstance(obj.get("timings"), dict):
+                timings = obj["timings"]
+            if isinstance(obj.get("__verbose"), dict):
+                verbose = obj["__verbose"]
+            if self._raw:  # /completion chunks: {"content", "stop", ...}
+                if obj.get("content"):
+                    self._piece(str(obj["content"]))
+                if obj.get("stop"):
+                    final = obj
                     break
-                obj = json.loads(sse.data)
-                if not isinstance(obj, dict):
-                    continue
-                if "error" in obj:  # llama-server ends a failed stream with an error event
-                    err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
-                    self._end("failed", server=timings, stop_type="none", stopping_word="",
-                                                 tokens=(), error={"type": str(err.get("type", "server_error")),
-                                                                   "message": str(err.get("message"))})
-                    return
-                if isinstance(obj.get("timings"), dict):
-                    timings = obj["timings"]
-                if isinstance(obj.get("__verbose"), dict):
-                    verbose = obj["__verbose"]
-                if self._raw:  # /completion chunks: {"content", "stop", ...}
-                    if obj.get("content"):
-                        self._piece(str(obj["content"]))
-                    if obj.get("stop"):
-                        final = obj
-                        break
-                    continue
-                for choice in obj.get("choices") or ():
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        self._piece(str(text))
-                    if choice.get("finish_reason"):
-                        finish_reason = str(choice["finish_reason"])
-            if self._raw:
-                if final is None:
-                    raise httpx.RemoteProtocolError("the stream ended without a final chunk")
-                toks = tuple(int(t) for t in final.get("tokens") or ())
-                self._end("finished", server=timings, stop_type=str(final.get("stop_type", "none")),
-                                             stopping_word=str(final.get("stopping_word") or ""), tokens=toks,
-                                             error=None, predicted_n=int(final.get("tokens_predicted", len(toks))))
-            elif finish_reason is None:
-                raise httpx.RemoteProtocolError("the stream ended without a finish_reason")
-            else:
-                self._end("finished", server=timings,
-                          stop_type=str(verbose.get("stop_type") or stop_type_of(finish_reason, self._req.stop)),
-                          stopping_word=str(verbose.get("stopping_word") or ""), tokens=(), error=None,
-                                             seed=self._req.sampling.seed)
-        except Exception as e:  # noqa: BLE001 - whatever ended the read, the request gets a result
-            if self._cancel.is_set():
-                self._end("cancelled", server=None, stop_type="none", stopping_word="", tokens=(),
-                                             error={"type": "cancelled", "message": self._cancel_reason})
-            elif not self._done.is_set():
-                reason = describe(e)
-                if isinstance(e, httpx.TransportError):
-                    self._conn.mark_down(reason)
-                self._end("failed", server=None, stop_type="none", stopping_word="", tokens=(),
-                                             error={"type": "connection_lost",
-                                                    "message": f"connection to {self._conn.url} lost mid-stream "
-                                                               f"after {len(self._pieces)} pieces: {reason}"})
-        finally:
-            if self._cancel.is_set() and not self._done.is_set():
-                self._end("cancelled", server=None, stop_type="none", stopping_word="", tokens=(),
-                                             error={"type": "cancelled", "message": self._cancel_reason})
-            self._resp.close()
+                continue
+            for choice in obj.get("choices") or ():
+                text = (choice.get("delta") or {}).get("content")
+                if text:
+                    self._piece(str(text))
+                if choice.get("finish_reason"):
+                    finish_reason = str(choice["finish_reason"])
+        if self._raw:
+            if final is None:
+                raise httpx.RemoteProtocolError("the stream ended without a final chunk")
+            toks = tuple(int(t) for t in final.get("tokens") or ())
+            self._end("finished", server=timings, stop_type=str(final.get("stop_type", "none")),
+                      stopping_word=str(final.get("stopping_word") or ""), tokens=toks, error=None,
+                      predicted_n=int(final.get("tokens_predicted", len(toks))))
+        elif finish_reason is None:
+            raise httpx.RemoteProtocolError("the stream ended without a finish_reason")
+        else:
+            self._end("finished", server=timings,
+                      stop_type=str(verbose.get("stop_type") or stop_type_of(finish_reason, self._req.stop)),
+                      stopping_word=str(verbose.get("stopping_word") or ""), tokens=(), error=None,
+                      seed=self._req.sampling.seed)
 
 
 def _opt(v: Any) -> float | None:
@@ -297,6 +233,8 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
     body: dict[str, Any] = {"stream": True, "stop": list(req.stop), "id_slot": req.id_slot,
                             "cache_prompt": req.cache_prompt}
     body.update({k: v for k, v in msgspec.structs.asdict(req.sampling).items() if v is not None})
+    if req.ignore_eos:
+        body["ignore_eos"] = True
     if req.prompt_tokens is not None:
         body.update(prompt=[int(t) for t in req.prompt_tokens], n_predict=req.max_tokens, return_tokens=True)
         return "/completion", body
