@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh", type=float, default=None, metavar="HZ",
                    help=f"observation refresh rate, {MIN_REFRESH_HZ:g} to {MAX_REFRESH_HZ:g} Hz "
                         f"(default: the layout's, 2 Hz)")
-    p.add_argument("--listen", default=None, metavar="HOST:PORT",
+    p.add_argument("--listen", default=None, metavar="HOST:PORT", type=_listen_spec,
                    help="also serve this device's HTTP API (as 'calconsole serve') from the console process, so "
                         "real clients drive the device you watch (keys: --api-key-file, --admin-key-file; "
                         "any host but loopback needs an API key)")
@@ -128,6 +128,9 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
         return fail("--connect attaches to a served device; --listen serves this console's own: give one")
     if args.fleet or len(getattr(args, "connect_urls", None) or ()) > 1:
         return run_fleet(args, settings, layout)
+    err = _console_args_error(args)
+    if err:  # a bad bundle, key file or address is named before the terminal check and any heavy start
+        return fail(err)
     if not sys.stdout.isatty() or not sys.stdin.isatty():
         return fail("the console needs a terminal; for scripts use 'calconsole snapshot --json' "
                     "or 'calconsole chat PROMPT --json'")
@@ -200,6 +203,52 @@ def run_fleet(args: argparse.Namespace, settings, layout) -> int:
         return fail("the fleet view needs a terminal; for scripts use 'calconsole fleet --json [--watch]'")
     app.run()
     return 0
+
+
+def _console_args_error(args: argparse.Namespace) -> str | None:
+    """The one-line reason the console's own options cannot work, or None; cheap (no device is built).
+
+    Checked before the terminal check, so a script sees what is wrong with its options rather than
+    "needs a terminal", and before the simulator is built (compiling the kernels on a first start):
+    the bundle's manifest, the key files, the ``--connect`` URL's scheme, and ``--listen``'s keys
+    (a non-loopback bind needs an API key)."""
+    from sim_backend.planes import CalError
+
+    from .server.keys import KeySourceError, load_keys, parse_key_file
+
+    try:
+        if args.connect:
+            if not args.connect.startswith(("http://", "https://")):
+                return f"--connect must be an http:// or https:// URL, got {args.connect!r}"
+            for kind, path in (("api", args.api_key_file), ("admin", args.admin_key_file)):
+                if path is not None:
+                    parse_key_file(path, kind)
+            return None
+        from sim_backend.bundle.manifest import load_bundle
+
+        load_bundle(getattr(args, "bundle", None))  # the manifest alone, strict: 0.1 s (no weights, no device)
+        if args.listen is not None:
+            from .commands.serve import load_serving_keys
+
+            host, _ = parse_listen(args.listen)
+            load_serving_keys(argparse.Namespace(host=host, api_key=None, api_key_file=args.api_key_file,
+                                                 admin_key_file=args.admin_key_file))
+        else:
+            for kind, path in (("api", args.api_key_file), ("admin", args.admin_key_file)):
+                if path is not None:
+                    load_keys(kind, key_file=path)
+    except (CalError, KeySourceError, ValueError) as e:
+        return f"--listen {args.listen}: {e}" if args.listen is not None and not args.connect else str(e)
+    return None
+
+
+def _listen_spec(spec: str) -> str:
+    """argparse type of ``--listen``: the spec unchanged once ``parse_listen`` takes it."""
+    try:
+        parse_listen(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
 
 
 def _say_progress(line: str) -> None:

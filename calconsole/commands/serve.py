@@ -113,9 +113,10 @@ def _list(spec: str | None) -> tuple[str, ...]:
     return tuple(x.strip() for x in (spec or "").split(",") if x.strip())
 
 
-def build_face(args: argparse.Namespace, system) -> tuple[ServeConfig, ServingFace]:
-    """(ServeConfig, ServingFace) from the options; ValueError / KeySourceError with a one-line reason."""
-    from ..server.face import ServeConfig, ServingFace
+def serve_config(args: argparse.Namespace, model_alias: str) -> ServeConfig:
+    """The checked ``ServeConfig`` of the options (no device needed: ``model_alias`` is the bundle's name
+    when ``--alias`` is not given); ValueError / KeySourceError with a one-line reason."""
+    from ..server.face import ServeConfig
 
     api, admin = load_serving_keys(args)
     cfg = ServeConfig(host=args.host, port=args.port, api_keys=api, admin_keys=admin,
@@ -126,72 +127,94 @@ def build_face(args: argparse.Namespace, system) -> tuple[ServeConfig, ServingFa
                       request_timeout_s=getattr(args, "request_timeout", 600.0),
                       send_timeout_s=getattr(args, "send_timeout", 30.0), lease_ttl_s=getattr(args, "lease_ttl", 30.0),
                       n_predict=getattr(args, "n_predict", -1),
-                      model_alias=getattr(args, "alias", None) or system.bundle.name,
+                      model_alias=getattr(args, "alias", None) or model_alias,
                       model_tags=_list(getattr(args, "tags", "")), n_ctx=getattr(args, "ctx_size", None),
                       seed=getattr(args, "seed", None),
                       cors_origins=_list(getattr(args, "cors_origins", None)) or None)
     cfg.check()
+    return cfg
+
+
+def build_face(args: argparse.Namespace, system) -> tuple[ServeConfig, ServingFace]:
+    """(ServeConfig, ServingFace) from the options; ValueError / KeySourceError with a one-line reason."""
+    from ..server.face import ServingFace
+
+    cfg = serve_config(args, system.bundle.name)
     audit = system.maintenance.audit if system.maintenance is not None else None
     face = ServingFace(system.inference, system.observation, system.maintenance, cfg, audit=audit)
     return cfg, face
+
+
+def bind_all(args: argparse.Namespace) -> list:
+    """A listening socket per ``--host`` address on ``--port``; OSError (the others closed) if one cannot bind."""
+    from ..server.run import bind_socket
+
+    socks = []
+    try:
+        for h in hosts_of(args.host):
+            socks.append(bind_socket(h, args.port))
+    except OSError:
+        for sk in socks:
+            sk.close()
+        raise
+    return socks
 
 
 def run(args: argparse.Namespace) -> int:
     from sim_backend.planes import CalError
 
     from ..server.keys import KeySourceError
-    from ..server.run import bind_socket, serve_foreground
+    from ..server.run import serve_foreground
 
     if getattr(args, "boards", None) is not None:
         from ..fleet.launcher import launch
 
         return launch(args)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    # key and bind checks before the simulator is built: a refused start costs nothing
+    # every option, the keys and the bind before the simulator is built (a first start compiles the
+    # kernels for minutes): a refused start costs nothing. Bound here, the sockets take connections
+    # into their backlog while the device starts; uvicorn answers them once it is up.
     try:
-        load_serving_keys(args)
         if not 1 <= args.queue_limit <= 1024:
             raise ValueError(f"--queue-limit must be in 1..1024, got {args.queue_limit}")
+        serve_config(args, "?")
+        socks = bind_all(args)
     except (KeySourceError, ValueError) as e:
         return fail(str(e))
-    try:
-        # numerics in a worker process, as in the console: the event loop and the model would share one GIL
-        system = build_from_args(args, maintenance=args.admin_key_file is not None or _env_admin(),
-                                 queue_limit=args.queue_limit, numerics_process=not args.timing_only,
-                                 numerics_progress=lambda line: print(f"calconsole serve: {line}", file=sys.stderr,
-                                                                      flush=True))
-    except (CalError, ValueError) as e:
-        return fail(str(e))
+    except OSError as e:
+        return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
     try:
         try:
-            cfg, face = build_face(args, system)
-            socks = []
-            try:
-                for h in hosts_of(args.host):
-                    socks.append(bind_socket(h, args.port))
-            except OSError:
-                for sk in socks:
-                    sk.close()
-                raise
-        except (KeySourceError, ValueError) as e:
+            # numerics in a worker process, as in the console: the event loop and the model would share one GIL
+            system = build_from_args(args, maintenance=args.admin_key_file is not None or _env_admin(),
+                                     queue_limit=args.queue_limit, numerics_process=not args.timing_only,
+                                     numerics_progress=lambda line: print(f"calconsole serve: {line}",
+                                                                          file=sys.stderr, flush=True))
+        except (CalError, ValueError) as e:
             return fail(str(e))
-        except OSError as e:
-            return fail(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}")
-        where = ", ".join("http://" + (f"[{h}]:{p}" if ":" in h else f"{h}:{p}")
-                          for h, p in (s.getsockname()[:2] for s in socks))
+        try:
+            try:
+                cfg, face = build_face(args, system)
+            except (KeySourceError, ValueError) as e:
+                return fail(str(e))
+            where = ", ".join("http://" + (f"[{h}]:{p}" if ":" in h else f"{h}:{p}")
+                              for h, p in (s.getsockname()[:2] for s in socks))
 
-        def announce() -> None:
-            # printed once uvicorn is up with its signal handlers: a stop after this line is a clean stop
-            mode = "timing-only" if args.timing_only else "numerics"
-            print(f"calconsole serve: listening on {where} ({args.pacing} pacing, "
-                  f"{mode}; API key {'required' if cfg.api_keys else 'off'}; "
-                  f"maintenance routes {'on' if face.maintenance is not None else 'off'}); Ctrl-C stops",
-                  file=sys.stderr, flush=True)
+            def announce() -> None:
+                # printed once uvicorn is up with its signal handlers: a stop after this line is a clean stop
+                mode = "timing-only" if args.timing_only else "numerics"
+                print(f"calconsole serve: listening on {where} ({args.pacing} pacing, "
+                      f"{mode}; API key {'required' if cfg.api_keys else 'off'}; "
+                      f"maintenance routes {'on' if face.maintenance is not None else 'off'}); Ctrl-C stops",
+                      file=sys.stderr, flush=True)
 
-        serve_foreground(face, socks, on_started=announce)
-        print("calconsole serve: stopped", file=sys.stderr, flush=True)
+            serve_foreground(face, socks, on_started=announce)
+            print("calconsole serve: stopped", file=sys.stderr, flush=True)
+        finally:
+            system.close()
     finally:
-        system.close()
+        for sk in socks:  # uvicorn closes what it served; closing again is harmless
+            sk.close()
     return 0
 
 

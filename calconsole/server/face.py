@@ -163,6 +163,10 @@ class ServeConfig:
                 raise ValueError(f"{fname} must be in [{flo:g}, {fhi:g}], got {fv}")
         if self.conn_limits is not None:
             self.conn_limits.check()
+        from .leases import MAX_TTL_S, MIN_TTL_S
+
+        if not (isinstance(self.lease_ttl_s, (int, float)) and MIN_TTL_S <= self.lease_ttl_s <= MAX_TTL_S):
+            raise ValueError(f"--lease-ttl must be in [{MIN_TTL_S:g}, {MAX_TTL_S:g}] s, got {self.lease_ttl_s}")
         if self.n_ctx is not None and not 1 <= self.n_ctx <= 40960:
             raise ValueError(f"--ctx-size must be in 1..40960 (the calbin's context, facts.md F2), got {self.n_ctx}")
         if self.seed is not None and not 0 <= self.seed <= 0xFFFFFFFF:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -101,3 +102,34 @@ def test_broken_layout_is_a_clear_error(tmp_path, capsys):
 def test_console_refuses_without_a_terminal(capsys):
     code, _, err = run(capsys)  # pytest's stdout is not a TTY
     assert code == 2 and "snapshot --json" in err
+
+
+def test_console_options_are_checked_before_the_terminal(capsys, monkeypatch, tmp_path):
+    # without a terminal a fresh user saw "the console needs a terminal" for a bad --listen, --connect,
+    # key file or bundle; with one, those were found only after the simulator was built
+    def boom(*a, **k):
+        raise AssertionError("the device was built before the options were checked")
+
+    monkeypatch.setattr("calconsole.commands.common.build_from_args", boom)
+    for argv, says in ((["--listen", "127.0.0.1:99999"], "argument --listen: expected HOST:PORT"),
+                       (["--listen", "0.0.0.0:0"], "refusing to listen on 0.0.0.0 without an API key"),
+                       (["--listen", ":0", "--api-key-file", str(tmp_path / "none")], "api key file"),
+                       (["--connect", "localhost:8080"], "--connect must be an http:// or https:// URL"),
+                       (["--connect", "http://127.0.0.1:1", "--admin-key-file", str(tmp_path / "none")],
+                        "admin key file"),
+                       (["--bundle", str(tmp_path / "none")], "bundle directory not found")):
+        with pytest.raises(SystemExit) if says.startswith("argument") else contextlib.nullcontext() as ex:
+            code = main(argv)
+        if ex is not None:
+            code = ex.value.code
+        err = capsys.readouterr().err
+        assert code == 2 and says in err and "terminal" not in err, (argv, err)
+
+
+def test_help_and_a_bad_option_without_a_terminal(capsys):
+    # pytest's stdin and stdout are not terminals: argparse answers first, as it does for a person
+    for argv, code, says in ((["--help"], 0, "usage: calconsole"), (["--bogus"], 2, "unrecognized arguments: --bogus")):
+        with pytest.raises(SystemExit) as ex:
+            main(argv)
+        out, err = capsys.readouterr()
+        assert ex.value.code == code and says in out + err and "terminal" not in err, (argv, err)

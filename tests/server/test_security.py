@@ -134,11 +134,27 @@ def test_key_files(tmp_path):
     (["serve", "--port", "70000"], "--port"),
     (["serve", "--max-streams", "0"], "max_streams"),
     (["serve", "--queue-limit", "0"], "--queue-limit"),
+    (["serve", "--lease-ttl", "1"], "--lease-ttl must be in [2, 3600]"),
+    (["serve", "--ctx-size", "0"], "--ctx-size"),
+    (["serve", "--request-timeout", "0"], "request_timeout_s"),
+    (["serve", "--port", "BUSY"], "Address already in use"),
 ])
 def test_serve_refuses_bad_start_up(argv, msg, capsys, monkeypatch, tmp_path):
+    import socket
+
+    import calconsole.commands.serve as serve_cmd
+
+    def boom(*a, **k):  # a first start compiles the kernels for minutes: every check comes before it
+        raise AssertionError("the simulator was built before the options and the port were checked")
+
+    monkeypatch.setattr(serve_cmd, "build_from_args", boom)
     monkeypatch.delenv("CALCONSOLE_API_KEY", raising=False)
     monkeypatch.delenv("CALCONSOLE_ADMIN_KEY", raising=False)
-    rc = main(argv + ["--timing-only", "--audit-log", str(tmp_path / "a.jsonl")])
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        argv = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in argv]
+        rc = main(argv + ["--timing-only", "--audit-log", str(tmp_path / "a.jsonl")])
     err = capsys.readouterr().err
     assert rc == 2 and msg in err and "Traceback" not in err, err
 
