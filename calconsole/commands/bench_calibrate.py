@@ -5,7 +5,9 @@ Cost-model cases come from :func:`sim_backend.tools.calibration.run_calibration`
 engine cases from :func:`sim_backend.tools.calibration.run_engine_cases` (the real
 serving engine in both modes; host work on the simulated clock is the fitted
 allowance per token by default, ``--host-time measured`` books this machine's
-measured host work instead).  Exit code 0 if every case is ok, 1 otherwise.
+measured host work instead).  Exit code 0 when every protocol check holds
+(:func:`sim_backend.tools.calibration.protocol_checks`: each case ok or its miss explained, the
+held-out RMS, the convergence), 1 when one fails.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ def register(bsub) -> None:
                     "fitted host allowance). Engine rows book host work on the simulated clock: the fitted "
                     "allowance per token (--host-time modeled, the console's default) or this machine's "
                     "measured host work (--host-time measured; depends on this host's speed). "
-                    "Exit code 1 if any case is not ok (and its miss is not one this host's measured work "
-                    "explains).")
+                    "A band miss is EXPLAINED (miss*) when it is the mechanisms' documented limit: no decode time "
+                    "linear in the context through the F7 run meets the fitted bands (the data-only bound printed "
+                    "below), the miss is at the edge that line leans to and within the documented figure. "
+                    "Exit code 0 when every check holds (each case ok or explained, held-out decode RMS <= 8%, "
+                    "the fit converging with no parameter at a range edge); 1 when one fails.")
     p.add_argument("--json", action="store_true",
                    help="print JSON: {cases: [name, mode, role, measured, simulated, unit, error_pct, band, ok, "
                         "explained, ...], summary: {mode: RMS by role}, convergence: {...}}")
@@ -99,8 +104,10 @@ def run(args: argparse.Namespace) -> int:
     from sim_backend.planes import CalError
     from sim_backend.tools.calibration import (
         CONVERGENCE_PCT,
-        case_passes,
+        format_bound,
+        linear_bound,
         price_step_cost_us,
+        protocol_checks,
         summarise,
     )
 
@@ -109,12 +116,15 @@ def run(args: argparse.Namespace) -> int:
     except (CalError, ValueError, RuntimeError) as e:
         return fail(str(e))
     timing = price_step_cost_us(cm) if args.timing else None
-    ok = all(case_passes(c) for c in cases)
+    checks = protocol_checks(cases, conv)
+    ok = all(chk["ok"] for chk in checks)
     summary = summarise(cases)
+    bound = linear_bound()
     if args.json:
         doc: dict = {"time_unit": "simulated time (engine rows add the host work booked on the simulated "
                                   f"clock: {args.host_time if not args.no_engine else 'none'})",
-                     "cases": cases, "summary": summary, "convergence": conv}
+                     "cases": cases, "summary": summary, "convergence": conv, "linear_bound": bound,
+                     "checks": checks, "ok": ok}
         if timing is not None:
             doc["price_step_host_us_per_call"] = timing
         print_json(doc)
@@ -139,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
         mark = ("[green]ok[/green]" if c["ok"] else
                 "[yellow]miss*[/yellow]" if c.get("explained") else "[red]FAIL[/red]")
         if c.get("explained"):
-            notes.append(f"* {c['name']} ({c['mode']}): {c['explained']}")
+            beyond = f"{c['band_miss_pct']:+.1f}% beyond the band: " if "band" in c else ""
+            notes.append(f"* {c['role']} {c['name']} ({c['mode']}): {beyond}{c['explained']}")
         path = "engine" if c.get("engine") else "cost model"
         if c["name"] == "prefill_40960_data_moving":
             moving.append((c, mark))
@@ -152,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
             ctx = "/".join(str(x) for x in c["contexts"])
             t.add_row(f"{c['name']} @{ctx}", c["mode"], path, c["role"], escape(ref), ends, c["unit"],
                       f"{c['error_pct']:+.1f}%", mark)
-            if not c["ok"]:
+            if not c["ok"] and not c.get("explained"):
                 why = f"; {c['note']}" if c.get("note") else ""
                 notes.append(f"{c['role']} band miss {c['name']} ({c['mode']}): {c['band_miss_pct']:+.1f}% beyond "
                              f"the band{why}")
@@ -200,7 +211,12 @@ def run(args: argparse.Namespace) -> int:
     if timing is not None:
         con.print(f"price_step host cost: decode {timing['decode']:.0f} us/call, "
                   f"27-token prefill {timing['prefill']:.0f} us/call (host wall time)")
-    con.print("all cases ok (or an explained miss)" if ok else "[red]some cases are not ok[/red]")
+    con.print(escape(format_bound(bound)))
+    for chk in checks:
+        mark = "[green]ok[/green]  " if chk["ok"] else "[red]FAIL[/red]"
+        con.print(f"{mark} " + escape(f"{chk['what']}: {chk['detail']}"))
+    con.print("protocol ran; every check holds (misses marked * are the mechanisms' documented limit)" if ok
+              else "[red]a check that should hold failed[/red]")
     return 0 if ok else 1
 
 

@@ -148,12 +148,15 @@ def test_bench_calibrate_json(capsys):
     cases = doc["cases"]
     assert all({"name", "mode", "role", "measured", "simulated", "unit", "ok", "explained"} <= c.keys() for c in cases)
     assert all(("error_pct" in c) or isinstance(c["simulated"], list) for c in cases)
-    # exit 1: the fitted ~2K and ~40K bands are missed (the best the mechanisms reach), and only band cases miss
-    assert code == 1 and not all(c["ok"] for c in cases)
-    assert all(c["ok"] or "band" in c for c in cases)
+    # exit 0: the protocol ran and every check holds; the band misses (the best the mechanisms reach) are
+    # explained, labelled, and only band cases miss
+    assert code == 0 and doc["ok"] and all(chk["ok"] for chk in doc["checks"]) and not all(c["ok"] for c in cases)
+    assert all(c["ok"] or ("band" in c and c["explained"]) for c in cases)
+    assert not doc["linear_bound"]["reachable"] and doc["linear_bound"]["knee_ms"] > 0
     assert {c["mode"] for c in cases} == {"timing-only"} and set(doc["summary"]) == {"timing-only"}
     assert {c["role"] for c in cases} == {"fitted", "held-out"} and doc["convergence"] == {}
     assert doc["summary"]["timing-only"]["held_out_decode_rms_pct"] <= 8.0
     code, out, _ = run(capsys, "bench", "calibrate", "--no-engine", "--no-loo", "--timing-only")
-    assert code == 1 and "decode_246_tok_s" in out and "+-" not in out
-    assert "held-out decode RMS" in out and "prefill_40960_data_moving" in out and "fitted band miss" in out
+    assert code == 0 and "decode_246_tok_s" in out and "+-" not in out
+    assert "held-out decode RMS" in out and "prefill_40960_data_moving" in out and "miss*" in out
+    assert "data-only bound" in out and "documented limit" in out and "FAIL" not in out

@@ -28,14 +28,16 @@ def test_roles_are_honest(cases):
     # the report's single ~8K-16K row is ONE case, checked at both ends
     assert cases["decode_ctx_8k_16k"]["contexts"] == [8192, 16384] and len(cases["decode_ctx_8k_16k"][
         "simulated_ends"]) == 2
-    assert all(c["mode"] == "timing-only" and c["explained"] is None for c in cases.values())
+    assert all(c["mode"] == "timing-only" for c in cases.values())
+    # only a band that misses can be explained (the mechanisms' documented limit); nothing else passes by text
+    assert all(c["explained"] is None for c in cases.values() if c["ok"] or "band" not in c)
 
 
 def test_f7_points_and_where_the_mechanisms_cannot_reach_the_bands(cases):
     """The three F7 points within +-3 %; the fitted bands as close as the stated mechanisms get (the
-    best achievable, shown, not tuned to): ~4K inside or within 1 % of its edge, ~2K and ~40K within
-    8 % of theirs (they need more concavity than a tree merge gives: a linear KV cost through ~2K
-    and ~40K is 2.4 vs 2.0 us per context token)."""
+    best achievable, shown, not tuned to): every band miss is explained (the data need concavity,
+    linear_bound), within its documented ceiling and no more than 1 point under it (the README's
+    figures are the shipped ones, not stale)."""
     for name in ("prefill_27_tok_s", "decode_246_tok_s", "e2e_27_prompt_246_decode"):
         c = cases[name]
         assert c["measured"] is not None and abs(c["error_pct"]) <= 3.0 and c["ok"], c
@@ -48,6 +50,11 @@ def test_f7_points_and_where_the_mechanisms_cannot_reach_the_bands(cases):
     for c in cases.values():
         if "band" in c:
             assert c["ok"] == (c["band_miss_pct"] == 0.0)
+            if not c["ok"]:
+                ceiling = cal.DOCUMENTED_BAND_MISSES[c["name"]]
+                assert c["explained"] and ceiling - 1.0 <= abs(c["band_miss_pct"]) <= ceiling, c
+                assert cal.case_passes(c)
+    assert set(cal.DOCUMENTED_BAND_MISSES) == {n for n, c in cases.items() if "band" in c and not c["ok"]}
     assert cases["decode_ctx_33k"]["band"] == [10.5, 13.5] and cases["decode_ctx_33k"]["measured"] == 12.0
     assert cases["prefill_rises_with_prompt_length"]["ok"]
     assert cases["decode_falls_with_context"]["ok"]
@@ -64,6 +71,64 @@ def test_held_out_decode_error(cases):
     lo8, lo16 = cases["decode_ctx_8k_16k"]["simulated_ends"]
     assert 20.0 <= lo8 <= 30.0 and lo16 >= 20.0 * 0.97
     assert s["data_moving_ok"]
+
+
+def test_linear_bound_is_what_the_report_supports():
+    """Data only: no line through the F7 decode run meets the fitted bands; the best misses ~2K and
+    ~40K by ~2.75 % each, predicts ~16K just under 20 tok/s, and a 0.75 ms knee would be needed."""
+    b = cal.linear_bound()
+    assert b["bands"] == ["decode_ctx_2k", "decode_ctx_4k", "decode_ctx_40k"] and not b["reachable"]
+    assert b["t0_ms"] == pytest.approx(1e3 / 58.25) and b["c0"] == 149.5
+    assert b["slope_us_per_token"] == pytest.approx(2.10, abs=0.01)
+    assert b["worst_miss_pct"] == pytest.approx(2.75, abs=0.05)
+    assert b["miss_pct"]["decode_ctx_2k"] == pytest.approx(2.75, abs=0.05)
+    assert b["miss_pct"]["decode_ctx_40k"] == pytest.approx(-2.75, abs=0.05)
+    assert b["miss_pct"]["decode_ctx_4k"] == 0.0 and b["miss_pct"]["decode_ctx_short"] == 0.0
+    assert b["miss_pct"]["decode_ctx_8k_16k"] == pytest.approx(-2.5, abs=0.1)
+    assert b["knee_ms"] == pytest.approx(0.75, abs=0.01)
+    # the knee is enough: that offset from ~2K on puts every fitted band inside (at the LP's slope)
+    s, k = b["knee_slope_us_per_token"], b["knee_ms"] + 1e-6
+    for name in b["bands"]:
+        (ctx,), (lo, hi) = cal.band_contexts(name), cal._BANDS[name]
+        assert lo - 1e-6 <= 1e3 / (b["t0_ms"] + s * (ctx - b["c0"]) / 1e3 + k) <= hi + 1e-6, name
+    # bands a line can meet: reachable, no knee, no miss
+    easy = {"a": ((2048,), (40.0, 60.0)), "b": ((40900,), (5.0, 14.0))}
+    e = cal.linear_bound(band_table=easy)
+    assert e["reachable"] and e["knee_ms"] == 0.0 and e["miss_pct"] == {"a": 0.0, "b": 0.0}
+
+
+def test_explained_band_misses_are_only_the_documented_limit(cases):
+    bound = cal.linear_bound()
+    c2k = dict(cases["decode_ctx_2k"])
+    assert cal.explain_band_miss(c2k, bound) == c2k["explained"] and "48.94" not in c2k["explained"]
+    # beyond the documented ceiling: a failure
+    def at(v):
+        return {**c2k, "simulated": v, "simulated_ends": [v], "band_miss_pct": cal.band_miss_pct("decode_ctx_2k", v)}
+
+    assert cal.explain_band_miss(at(50.0), bound) is None
+    # at the other edge than the line leans to (2K too slow): a failure
+    assert cal.explain_band_miss(at(37.0), bound) is None
+    # a band with no documented limit (the short row) and a bound a line meets explain nothing
+    short = {**cases["decode_ctx_short"], "simulated_ends": [57.5], "band_miss_pct": -0.9}
+    assert cal.explain_band_miss(short, bound) is None
+    assert cal.explain_band_miss(c2k, {**bound, "reachable": True}) is None
+    # a shipped model with the vector throughput moved: ~40K then misses on the fast side -> fails
+    fast = {c["name"]: c for c in run_calibration(CostModel.load().with_fitted(attn_vector_tflops=0.6))}
+    assert not fast["decode_ctx_40k"]["ok"] or not fast["decode_ctx_2k"]["ok"]
+    assert not all(cal.case_passes(c) for c in fast.values())
+
+
+def test_protocol_checks(cases):
+    checks = cal.protocol_checks(list(cases.values()))
+    assert [c["ok"] for c in checks] == [True, True] and "RMS" in checks[1]["what"]
+    conv = {"timing-only": {"starts": [{}] * 5, "converged": False, "at_edge": [], "spread_pct": {"x": 7.0}}}
+    bad = cal.protocol_checks(list(cases.values()), conv)
+    assert not bad[-1]["ok"] and "5 starts" in bad[-1]["detail"]
+    edge = {"timing-only": {"starts": [{}] * 2, "converged": True, "at_edge": ["x"], "spread_pct": {"x": 0.1}}}
+    e = cal.protocol_checks(list(cases.values()), edge)[-1]
+    assert not e["ok"] and "too few to count" in e["detail"] and "at an edge: x" in e["detail"]
+    failing = [{**cases["decode_ctx_33k"], "ok": False, "explained": None}]
+    assert not cal.protocol_checks(failing)[0]["ok"]
 
 
 def test_data_moving_case(cases):
