@@ -224,9 +224,9 @@ def _console_args_error(args: argparse.Namespace) -> str | None:
                 if path is not None:
                     parse_key_file(path, kind)
             return None
-        from sim_backend.bundle.manifest import load_bundle
+        from .commands.common import check_bundle_option
 
-        load_bundle(getattr(args, "bundle", None))  # the manifest alone, strict: 0.1 s (no weights, no device)
+        check_bundle_option(args)  # the manifest alone, strict: 0.1 s (no weights, no device)
         if args.listen is not None:
             from .commands.serve import load_serving_keys
 

@@ -67,6 +67,12 @@ class System:
         self.close()
 
 
+def check_bundle(bundle_dir: str | Path | None = None) -> Bundle:
+    """The bundle's manifest, loaded strictly as ``build_system`` loads it (raises ManifestError), without
+    weights, device or threads (~0.1 s): a command checks its ``--bundle`` before any heavy start."""
+    return load_bundle(bundle_dir)
+
+
 def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None = None, numerics: bool = True,
                  n_slots: int = 4, queue_limit: int = 16, max_inflight: int = 1, maintenance: bool = True,
                  audit_path: str | Path | None = None, host_timer: HostTimer | None = None,

@@ -203,6 +203,13 @@ def check_common(args: argparse.Namespace, *, maintenance: bool, audit_log: bool
         AuditLog(args.audit_log).check_writable()
 
 
+def check_bundle_option(args: argparse.Namespace) -> None:
+    """Load ``--bundle``'s manifest (strict, ~0.1 s, nothing built); raises ManifestError (a CalError)."""
+    from sim_backend.compose import check_bundle
+
+    check_bundle(getattr(args, "bundle", None))
+
+
 def build_from_args(args: argparse.Namespace, *, maintenance: bool = True, **kw: Any):
     """Build the System from common options (after ``check_common``).
     Raises ManifestError / ValueError / AuditLogError on bad input."""
