@@ -24,20 +24,20 @@ from typing import Any
 
 from sim_backend.planes import CalError, UnavailableError
 
+from .attached import AttachedSystem
 from .connection import Connection, RemoteAuthError, RemoteError, ServerUnreachable, error_body, raise_for
 from .inference import RemoteInferencePlane, RemoteRequestStream
 from .maintenance import RemoteAudit, RemoteMaintenancePlane
 from .observation import RemoteObservationPlane, SnapshotFeed
 
 
-class RemoteSystem:
+class RemoteSystem(AttachedSystem):
     """The planes of one server, sharing one ``Connection``. ``maintenance`` is None without an admin key."""
 
     kind = "calconsole"
 
     def __init__(self, conn: Connection, props: dict[str, Any], maintenance_status: dict[str, Any] | None) -> None:
-        self.connection = conn
-        self.url = conn.url
+        super().__init__(conn)
         self.props = props
         self.inference = RemoteInferencePlane(conn, props)
         self.observation = RemoteObservationPlane(conn)
@@ -47,28 +47,8 @@ class RemoteSystem:
         if maintenance_status is not None:
             self.maintenance = RemoteMaintenancePlane(conn, self.device_name, maintenance_status)
 
-    @property
-    def connected(self) -> bool:
-        return self.connection.connected
-
-    @property
-    def disconnected_since(self) -> float | None:
-        return self.connection.disconnected_since
-
     def describe(self) -> str:
         return f"attached to {self.url}"
-
-    def close(self) -> None:
-        """Release a held lease (bounded), stop renewing, close the connection."""
-        if self.maintenance is not None:
-            self.maintenance.close()
-        self.connection.close()
-
-    def __enter__(self) -> RemoteSystem:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class NotAServer(CalError):

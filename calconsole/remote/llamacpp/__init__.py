@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..attached import AttachedSystem
 from ..connection import Connection
 from .inference import CLIENT_CLOCK, ClientMetrics, LlamaInferencePlane, LlamaRequestStream
 from .maintenance import KIND, MISSING, OFFERED, LlamaMaintenancePlane
@@ -31,7 +32,7 @@ def is_llama_server(props: Any) -> bool:
             and "n_ctx" in props["default_generation_settings"])
 
 
-class LlamaServerSystem:
+class LlamaServerSystem(AttachedSystem):
     """The planes of one llama-server, sharing one ``Connection`` and one ``ClientMetrics``.
 
     ``props``: its ``/props``; ``n_vocab``: from ``/v1/models`` (``meta.n_vocab``), for checking token
@@ -42,8 +43,7 @@ class LlamaServerSystem:
 
     def __init__(self, conn: Connection, props: Mapping[str, Any], n_vocab: int,
                  audit_path: str | Path | None = None) -> None:
-        self.connection = conn
-        self.url = conn.url
+        super().__init__(conn)
         self.props = dict(props)
         self.client_metrics = ClientMetrics()
         self.inference = LlamaInferencePlane(conn, props, n_vocab, self.client_metrics)
@@ -63,27 +63,9 @@ class LlamaServerSystem:
         path = str(self.props.get("model_path") or self.props.get("model_alias") or "")
         return os.path.basename(path) or "?"
 
-    @property
-    def connected(self) -> bool:
-        return self.connection.connected
-
-    @property
-    def disconnected_since(self) -> float | None:
-        return self.connection.disconnected_since
-
     def describe(self) -> str:
         """The header's words: ``llama-server b… · model … · attached to URL``."""
         return f"llama-server {self.build} · model {self.model} · attached to {self.url}"
-
-    def close(self) -> None:
-        self.maintenance.close()
-        self.connection.close()
-
-    def __enter__(self) -> LlamaServerSystem:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 __all__ = ["CLIENT_CLOCK", "KIND", "LOAD_CLOCK", "MISSING", "OFFERED", "ClientMetrics", "LlamaInferencePlane",
