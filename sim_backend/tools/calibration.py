@@ -688,6 +688,40 @@ def fit_parameters(cost_model: CostModel | None = None, *, free: tuple[str, ...]
             "residuals": {c: _residual(c, sims[c]) for c in cases}}
 
 
+#: attn_cores values :func:`mechanism_reach` refits at by default (partitions per KV head: cores // 2)
+REACH_CORES: tuple[int, ...] = (4, 6, 8, 12, 16, 24, 32)
+
+
+def mechanism_reach(cost_model: CostModel | None = None, cores: tuple[int, ...] = REACH_CORES) -> list[dict]:
+    """How close the stated mechanisms get to the bands as the ASSUMED ``attn_cores`` moves (its range).
+
+    ``attn_cores // kv_heads_per_chip`` is the most partitions split-KV uses; a block-granular split
+    ramps up to it (one block per partition, facts.md F3's 32 KiB KV blocks), so it sets how convex
+    the decode time is over the first ``partitions x block`` positions.  For each value the fitted
+    parameters are refitted (from the shipped ones) on the FITTED cases only.  Returns one row per
+    value: ``{"attn_cores", "partitions", "cost"`` (the fit's), ``"at_edge", "params",
+    "f7_worst_pct", "band_miss_pct": {band: %}, "tok_s_16k", "held_out_rms_pct"}``.  A diagnostic,
+    printed by ``--reach``; about a second of host time per value.
+    """
+    from sim_backend.bundle.shapes import ModelShape as _Shape
+
+    cm = cost_model or CostModel.load()
+    start = {k: float(cm.hw.fitted[k]) for k in FIT_FREE}
+    heads = max(1, _Shape().kv_heads_per_chip)
+    out = []
+    for n in cores:
+        m0 = cm.with_fitted(attn_cores=int(n))
+        r = fit_parameters(m0, full=True, start=start, globalise=False)
+        cases = {c["name"]: c for c in run_calibration(m0.with_fitted(**r["params"]))}
+        out.append({"attn_cores": int(n), "partitions": max(1, int(n) // heads), "cost": r["cost"],
+                    "at_edge": r["at_edge"], "params": r["params"],
+                    "f7_worst_pct": max(abs(cases[c]["error_pct"]) for c in POINT_CASES),
+                    "band_miss_pct": {c: cases[c]["band_miss_pct"] for c in _BANDS},
+                    "tok_s_16k": cases["decode_ctx_8k_16k"]["simulated_ends"][-1],
+                    "held_out_rms_pct": summarise(list(cases.values()))["timing-only"]["held_out_decode_rms_pct"]})
+    return out
+
+
 def convergence(cost_model: CostModel | None = None, *, starts: int = CONVERGENCE_STARTS,
                 touched_27: list[float] | None = None, **fit_kw) -> dict:
     """Run :func:`fit_parameters` from ``starts`` spread starting points (a scrambled Halton sequence
@@ -812,10 +846,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--convergence", action="store_true",
                     help=f"also fit from {CONVERGENCE_STARTS} spread starts and print whether they agree "
                          f"within {CONVERGENCE_PCT:g} %% (about a minute)")
+    ap.add_argument("--reach", action="store_true",
+                    help="also refit at several assumed attn_cores (split-KV partitions) and print how close each "
+                         "gets to the bands (about 10 s)")
     ap.add_argument("--json", action="store_true", help="print the cases (and the fit) as JSON instead")
     args = ap.parse_args(argv)
     fit = fit_parameters(full=True) if args.fit else None
     conv = convergence() if args.convergence else None
+    reach = mechanism_reach() if args.reach else None
     cases = run_calibration()
     checks = protocol_checks(cases, {"timing-only": conv} if conv is not None else None)
     bound = linear_bound()
@@ -825,6 +863,8 @@ def main(argv: list[str] | None = None) -> int:
             doc["fit"] = fit
         if conv is not None:
             doc["convergence"] = conv
+        if reach is not None:
+            doc["reach"] = reach
         print(json.dumps(doc, indent=2))
     else:
         if fit is not None:
@@ -833,6 +873,12 @@ def main(argv: list[str] | None = None) -> int:
             print({k: conv[k] for k in ("median", "spread_pct", "converged", "at_edge")})
         print(format_table(cases))
         print(format_bound(bound))
+        for row in reach or ():
+            misses = ", ".join(f"{k.removeprefix('decode_ctx_')} {v:+.2f}%" for k, v in row["band_miss_pct"].items())
+            print(f"attn_cores {row['attn_cores']:>2} ({row['partitions']:>2} partitions per head): fit cost "
+                  f"{row['cost']:.3f}, F7 worst {row['f7_worst_pct']:.2f}%, band misses {misses}; 16K "
+                  f"{row['tok_s_16k']:.2f} tok/s; held-out RMS {row['held_out_rms_pct']:.2f}%"
+                  + (f"; at an edge: {', '.join(row['at_edge'])}" if row["at_edge"] else ""))
         for chk in checks:
             print(f"{'ok  ' if chk['ok'] else 'FAIL'} {chk['what']}: {chk['detail']}")
     return 0 if all(chk["ok"] for chk in checks) else 1

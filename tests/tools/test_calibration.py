@@ -118,6 +118,21 @@ def test_explained_band_misses_are_only_the_documented_limit(cases):
     assert not all(cal.case_passes(c) for c in fast.values())
 
 
+def test_mechanism_reach_fewer_partitions_is_nearer_the_line_never_inside():
+    """The assumed attn_cores sets how convex split-KV makes short contexts: the fitted bands prefer the
+    fewest partitions (the range's low end), which comes near the data-only line bound, never inside."""
+    rows = {r["attn_cores"]: r for r in cal.mechanism_reach(cores=(4, 16))}
+    few, shipped = rows[4], rows[16]
+    assert few["partitions"] == 2 and shipped["partitions"] == 8
+    assert few["cost"] < shipped["cost"] and few["f7_worst_pct"] <= 3.0 and shipped["f7_worst_pct"] <= 3.0
+    assert shipped["band_miss_pct"]["decode_ctx_2k"] == pytest.approx(6.4, abs=0.1)
+    line = cal.linear_bound()["worst_miss_pct"]
+    for r in (few, shipped):
+        assert max(abs(v) for v in r["band_miss_pct"].values()) >= line - 1e-6   # never better than the line
+        assert r["band_miss_pct"]["decode_ctx_2k"] > 0 and r["band_miss_pct"]["decode_ctx_40k"] < 0
+        assert r["tok_s_16k"] < 20.0
+
+
 def test_protocol_checks(cases):
     checks = cal.protocol_checks(list(cases.values()))
     assert [c["ok"] for c in checks] == [True, True] and "RMS" in checks[1]["what"]
