@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from sim_backend.planes import ChatRequest, RequestResult, TokenEvent
 
 from ..codec import result_extension
+from . import logprobs as lp
 from . import wire
 from .face import remote_of
 
@@ -38,6 +39,21 @@ def model_of(face: ServingFace, body: dict[str, Any]) -> str:
 def client_of(request: Request) -> str:
     return f"http {remote_of(request)}"
 
+def _label(chunk: dict[str, Any], probs: Any) -> None:
+    """Say in the chunk's ``calconsole`` key what its probabilities were computed from (timing-only requests
+    have no logits: the seeded generator's distribution)."""
+    chunk.setdefault("calconsole", {})["logprobs_source"] = lp.source_of(probs)
+
+
+async def whole_probs(face: ServingFace, results: list[RequestResult]) -> list[list[dict[str, Any]]]:
+    """Each whole reply's probabilities in llama-server's entries (a stop word's tokens dropped), built in a
+    worker thread (a reply of many tokens with many alternatives each is a lot of JSON)."""
+    def build() -> list[list[dict[str, Any]]]:
+        return [lp.probs_json(lp.final_probs(r, lambda w: face.inference.tokenize(w))) for r in results]
+
+    return await face.call(build)
+
+
 async def chat_completions(face: ServingFace, request: Request) -> Response:
     body = face.with_defaults(await face.read_json(request))
     req = wire.chat_request(body, n_ctx=face.n_ctx, n_predict=face.config.n_predict,
@@ -49,8 +65,12 @@ async def chat_completions(face: ServingFace, request: Request) -> Response:
     reqs = [req] * wire.choices_of(body)  # n choices: n requests of the same prompt, each its own seed
     if not stream:
         results = await face.generate_all(reqs, request)
-        return JSONResponse(wire.chat_completion(results, cid, int(time.time()), model, face.fingerprint,
-                                                 wire.prefill_of(req)))
+        out = wire.chat_completion(results, cid, int(time.time()), model, face.fingerprint, wire.prefill_of(req))
+        if req.n_probs:
+            for choice, entries in zip(out["choices"], await whole_probs(face, results), strict=True):
+                choice["logprobs"] = {"content": entries}
+            _label(out, [p for r in results for p in r.probs])
+        return JSONResponse(out)
     created = int(time.time())
     fp = face.fingerprint
 
@@ -58,7 +78,11 @@ async def chat_completions(face: ServingFace, request: Request) -> Response:
              for i in range(len(reqs))]
 
     def piece(i: int, ev: TokenEvent) -> list[dict[str, Any]]:
-        return [wire.chat_chunk(cid, created, model, fp, {"content": ev.text}, index=i)]
+        c = wire.chat_chunk(cid, created, model, fp, {"content": ev.text}, index=i)
+        if ev.probs:
+            c["choices"][0]["logprobs"] = {"content": lp.probs_json(ev.probs)}
+            _label(c, ev.probs)
+        return [c]
 
     def last(i: int, res: RequestResult) -> list[dict[str, Any]]:
         out = [wire.chat_chunk(cid, created, model, fp, {}, wire.finish_reason(res), index=i)]
@@ -83,7 +107,12 @@ async def completions_oai(face: ServingFace, request: Request) -> Response:
     fp = face.fingerprint
     if not wire.flag(body, "stream", False):
         results = await face.generate_all(reqs, request)
-        return JSONResponse(wire.text_completion(results, cid, created, model, fp))
+        out = wire.text_completion(results, cid, created, model, fp)
+        if reqs[0].n_probs:
+            for choice, entries in zip(out["choices"], await whole_probs(face, results), strict=True):
+                choice["logprobs"] = {"content": entries}
+            _label(out, [p for r in results for p in r.probs])
+        return JSONResponse(out)
     if len(prompts) > 1:
         raise wire.bad_request("'prompt': several prompts stream on /completion only; ask /v1/completions "
                                "without 'stream' for several")
@@ -96,8 +125,14 @@ async def completions_oai(face: ServingFace, request: Request) -> Response:
         c["calconsole"] = result_extension(res)
         return [c]
 
-    return await face.stream(reqs, [], lambda i, ev: [wire.text_chunk(cid, created, model, fp, ev.text, index=i)],
-                              last, True)
+    def piece(i: int, ev: TokenEvent) -> list[dict[str, Any]]:
+        c = wire.text_chunk(cid, created, model, fp, ev.text, index=i)
+        if ev.probs:
+            c["choices"][0]["logprobs"] = {"content": lp.probs_json(ev.probs)}
+            _label(c, ev.probs)
+        return [c]
+
+    return await face.stream(reqs, [], piece, last, True)
 
 async def completion_req(face: ServingFace, body: dict[str, Any], request: Request, *, openai: bool) -> ChatRequest:
     return await face.call(lambda: wire.completion_request(
@@ -126,6 +161,10 @@ async def completion(face: ServingFace, request: Request) -> Response:
     if not stream:
         results = await face.generate_all(reqs, request)
         out = [final(r, i) for i, r in enumerate(results)]
+        if reqs[0].n_probs:
+            for o, r, entries in zip(out, results, await whole_probs(face, results), strict=True):
+                o["completion_probabilities"] = entries
+                _label(o, r.probs)
         return JSONResponse(out if len(prompts) > 1 else out[0])
 
     n_prompt = [len(r.prompt_tokens or ()) for r in reqs]
@@ -136,6 +175,9 @@ async def completion(face: ServingFace, request: Request) -> Response:
         c["index"] = i
         if per_token:  # llama-server's per-chunk timings need counts the face does not see: ours instead
             c["calconsole"] = {"sim_ms": ev.sim_ms, "clock": "simulated ms: device time + booked host work"}
+        if ev.probs:
+            c["completion_probabilities"] = lp.probs_json(ev.probs)
+            _label(c, ev.probs)
         return [c]
 
     return await face.stream(reqs, [], piece, lambda i, res: [final(res, i)], False)

@@ -242,10 +242,11 @@ def thinking(body: Mapping[str, Any]) -> bool:
 
 def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client: str) -> ChatRequest:
     """``/v1/chat/completions`` body -> ChatRequest (400 naming the field for anything wrong)."""
+    from .logprobs import probs_request
+
     choices_of(body)
     refuse_unsupported(body)
-    if body.get("logprobs") not in (None, False):
-        raise HTTPError(400, "invalid_request_error", "'logprobs' is not supported by this server")
+    n_probs, post = probs_request(body, chat=True)
     if body.get("tools"):
         raise HTTPError(400, "invalid_request_error", "'tools' is not supported by this server")
     slot = integer(body, "id_slot", -1, lo=-1)
@@ -254,7 +255,8 @@ def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client:
                                                   n_ctx, n_predict),
                        sampling=sampling_from(body), stop=stop_from(body), enable_thinking=thinking(body),
                        client=client, id_slot=-1 if slot is None else slot,
-                       cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False))
+                       cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
+                       n_probs=n_probs, post_sampling_probs=post)
 
 
 #: prompts one /completion body may ask for (llama-server has no limit; each takes a generation slot)
@@ -262,8 +264,8 @@ MAX_PROMPTS = 16
 
 
 def refuse_unsupported(body: Mapping[str, Any]) -> None:
-    """400 for a field llama-server honours that the simulator cannot (constrained decoding, token
-    probabilities, logit biases): ignoring it would hand back output the client did not ask for."""
+    """400 for a field llama-server honours that the simulator cannot (constrained decoding, logit biases):
+    ignoring it would hand back output the client did not ask for."""
     rf = body.get("response_format")
     if isinstance(rf, Mapping) and rf.get("type") not in (None, "text"):
         raise bad_request(f"'response_format' {rf.get('type')!r} (constrained decoding) is not supported by this "
@@ -271,10 +273,6 @@ def refuse_unsupported(body: Mapping[str, Any]) -> None:
     for name in ("grammar", "json_schema"):
         if body.get(name):
             raise bad_request(f"'{name}' (constrained decoding) is not supported by this server")
-    if body.get("n_probs") not in (None, 0) or body.get("post_sampling_probs") not in (None, False) or body.get(
-            "top_logprobs") not in (None, 0):
-        raise bad_request("token probabilities ('n_probs', 'top_logprobs', 'post_sampling_probs') are not "
-                          "supported by this server")
     if body.get("logit_bias") not in (None, [], {}):
         raise bad_request("'logit_bias' is not supported by this server")
 
@@ -348,15 +346,19 @@ def completion_request(body: Mapping[str, Any], tokenize: Any, *, n_ctx: int, n_
                        openai: bool) -> ChatRequest:
     """``/completion`` (llama.cpp) or ``/v1/completions`` (OpenAI) body with one prompt (``body["prompt"]``,
     as ``prompts_from`` split it) -> a raw-prompt ChatRequest."""
+    from .logprobs import probs_request
+
     if openai:
         choices_of(body)
     refuse_unsupported(body)
+    n_probs, post = probs_request(body, chat=False)
     names = ("max_tokens", "n_predict") if openai else ("n_predict", "max_tokens")
     slot = integer(body, "id_slot", -1, lo=-1)
     return ChatRequest(messages=(), prompt_tokens=prompt_tokens_from(body, tokenize),
                        max_tokens=max_tokens_from(body, names, n_ctx, n_predict), sampling=sampling_from(body),
                        stop=stop_from(body), client=client, id_slot=-1 if slot is None else slot,
-                       cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False))
+                       cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
+                       n_probs=n_probs, post_sampling_probs=post)
 
 
 # --- response shapes ------------------------------------------------------------------------------
@@ -379,7 +381,8 @@ def usage(res: RequestResult) -> dict[str, Any]:
 
 
 def sampling_settings(sp: SamplingParams, *, n_predict: int, stream: bool = False,
-                      per_token: bool = False, ignore_eos: bool = False) -> dict[str, Any]:
+                      per_token: bool = False, ignore_eos: bool = False, n_probs: int = 0,
+                      post_sampling_probs: bool = False) -> dict[str, Any]:
     """llama-server's sampling ``params`` (as ``/props`` and ``/slots`` give them): ours where the simulator
     samples with them, llama.cpp's neutral values for the samplers it does not run (they are off);
     ``seed`` is the one asked for, ``DEFAULT_SEED`` for none (the drawn one is ``calconsole.seed``)."""
@@ -395,9 +398,10 @@ def sampling_settings(sp: SamplingParams, *, n_predict: int, stream: bool = Fals
                                              "mirostat", "mirostat_tau", "mirostat_eta", "adaptive_target",
                                              "adaptive_decay")},
             "max_tokens": n_predict, "n_predict": n_predict, "n_keep": 0, "n_discard": 0, "ignore_eos": ignore_eos,
-            "stream": stream, "n_probs": 0, "min_keep": 0, "chat_format": "Content-only", "reasoning_format": "none",
-            "reasoning_in_content": False, "generation_prompt": "", "samplers": list(SAMPLERS),
-            "speculative.types": "none", "timings_per_token": per_token, "post_sampling_probs": False,
+            "stream": stream, "n_probs": n_probs, "min_keep": 0, "chat_format": "Content-only",
+            "reasoning_format": "none", "reasoning_in_content": False, "generation_prompt": "",
+            "samplers": list(SAMPLERS),
+            "speculative.types": "none", "timings_per_token": per_token, "post_sampling_probs": post_sampling_probs,
             "backend_sampling": False, "lora": []}
 
 
@@ -408,7 +412,8 @@ def generation_settings(req: ChatRequest, n_ctx: int, *, stream: bool = False,
     (no grammar) and ``dry_sequence_breakers``, in llama-server's key order."""
     n_predict = req.max_tokens if req.max_tokens is not None and req.max_tokens != n_ctx else -1
     base = sampling_settings(req.sampling, n_predict=n_predict, stream=stream, per_token=per_token,
-                             ignore_eos=req.ignore_eos)
+                             ignore_eos=req.ignore_eos, n_probs=req.n_probs,
+                             post_sampling_probs=req.post_sampling_probs)
     out: dict[str, Any] = {}
     for k, v in base.items():
         if k == "mirostat":

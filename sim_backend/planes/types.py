@@ -385,6 +385,8 @@ class TokenProbs(msgspec.Struct, frozen=True):
     post_sampling: bool = False
     #: the sampled token's bytes (as ``TokenLogprob.piece``)
     piece: bytes = b""
+    #: False for a timing-only step: the seeded generator's distribution, not the model's logits
+    from_logits: bool = True
 
 
 class RequestResult(msgspec.Struct, frozen=True):

@@ -496,7 +496,7 @@ def uniform_probs(tok: int, n: int, lo: int, hi: int, *, post_sampling: bool = F
             ids.append(i)
         i += 1
     return TokenProbs(int(tok), lp if lo <= tok < hi else -math.inf, tuple(TokenLogprob(j, lp) for j in ids),
-                      post_sampling=post_sampling)
+                      post_sampling=post_sampling, from_logits=False)
 
 
 # --- benchmark -----------------------------------------------------------------------

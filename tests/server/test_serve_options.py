@@ -78,7 +78,6 @@ def test_host_lists() -> None:
 @pytest.mark.parametrize("extra,word", [({"grammar": "root ::= \"a\""}, "grammar"),
                                         ({"json_schema": {"type": "object"}}, "json_schema"),
                                         ({"response_format": {"type": "json_object"}}, "response_format"),
-                                        ({"n_probs": 3}, "probabilities"), ({"top_logprobs": 2}, "probabilities"),
                                         ({"logit_bias": [[15, -1.0]]}, "logit_bias")])
 def test_what_cannot_be_honoured_is_refused_not_ignored(srv: Any, extra: dict[str, Any], word: str) -> None:
     for path, body in (("/completion", {"prompt": "hi", "n_predict": 1}),

@@ -1,0 +1,225 @@
+"""Token probabilities over HTTP: ``n_probs`` / ``post_sampling_probs`` on /completion, ``logprobs`` /
+``top_logprobs`` on chat, ``logprobs`` on /v1/completions.
+
+Differential against the real llama-server (the session's ``llama_server`` fixture; the same status,
+error type and words, key sets and JSON types, list lengths, stream event sequence) with a timing-only
+simulator behind ours; the math on ours with the numerics on (the probabilities of the logits the
+simulated device returned); the OpenAI SDK reads them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from calconsole.server.logprobs import LOWEST_LOGPROB, MAX_N_PROBS, SOURCE_GENERATOR, SOURCE_LOGITS, token_text
+from sim_backend.model.vocab import N_BPE
+from tests.server.parity.shapes import unexplained
+from tests.server.test_parity_llama_server import ALLOW, _body, _kind, _sequence
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "Say hi."}]
+#: deterministic on both: greedy, and the real model cannot end early
+SAME = {"temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def pair(make_module_server: Any, llama_server: Any) -> tuple[str, str]:
+    ours = make_module_server(system_kw={"n_slots": 2})
+    return ours.url, llama_server.url
+
+
+@pytest.fixture(scope="module")
+def numeric(make_module_server: Any) -> str:
+    """Ours with the numerics on: the probabilities come from the logits the simulated device returned."""
+    return make_module_server(system_kw={"n_slots": 1, "numerics": True}).url
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=120)
+
+
+def entries_of(doc: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    """The probability entries of a response or chunk, per choice (native: one list)."""
+    if "choices" in doc:
+        return [(c.get("logprobs") or {}).get("content") or [] for c in doc["choices"]]
+    return [doc.get("completion_probabilities") or []]
+
+
+def top_lens(doc: dict[str, Any]) -> list[list[int]]:
+    return [[len(e.get("top_logprobs", e.get("top_probs", []))) for e in es] for es in entries_of(doc)]
+
+
+# --- the same answer as llama-server -------------------------------------------------------------------
+
+CASES = [
+    ("/completion", {"prompt": "Hello", "n_predict": 2, "n_probs": 3}),
+    ("/completion", {"prompt": "Hello", "n_predict": 2, "n_probs": 3, "post_sampling_probs": True}),
+    ("/completion", {"prompt": "Hello", "n_predict": 2, "n_probs": True}),
+    ("/completion", {"prompt": "Hello", "n_predict": 2, "n_probs": -1}),
+    ("/completion", {"prompt": [[1, 2], "Hello"], "n_predict": 1, "n_probs": 2}),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": True, "top_logprobs": 2}),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": True}),  # 20 each
+    (CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": True, "top_logprobs": 0}),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": 1}),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "n_probs": 2}),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": True, "top_logprobs": 2, "n": 2}),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": True, "top_logprobs": 2, "post_sampling_probs": True}),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "logprobs": 2}),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "logprobs": True}),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "logprobs": 1, "post_sampling_probs": True}),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "logprobs": -1}),
+    # refusals, in llama-server's words
+    (CHAT, {"messages": MSG, "max_tokens": 2, "top_logprobs": 2}),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": False, "top_logprobs": 2}),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": "yes", "top_logprobs": 2}),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": "yes"}),
+    ("/completion", {"prompt": "Hello", "n_predict": 1, "n_probs": "a"}),
+    ("/completion", {"prompt": "Hello", "n_predict": 1, "n_probs": 1, "post_sampling_probs": "yes"}),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 1, "logprobs": "a"}),
+]
+
+
+@pytest.mark.parametrize("path,body", CASES, ids=[f"{p} {str(b)[:60]}" for p, b in CASES])
+def test_same_answer_as_llama_server(pair: tuple[str, str], path: str, body: dict[str, Any]) -> None:
+    body = {**body, **SAME}
+    ours, theirs = (post(u, path, body) for u in pair)
+    assert ours.status_code == theirs.status_code, (ours.text[:300], theirs.text[:300])
+    a, b = ours.json(), theirs.json()
+    if theirs.status_code >= 400:
+        assert a["error"] == b["error"]  # code, type and llama-server's message
+        return
+    assert unexplained(a, b, ALLOW) == []
+    docs = (a, b) if isinstance(a, dict) else (a[0], b[0])
+    if body.get("post_sampling_probs"):  # as many tokens (the candidates left depend on the model)
+        assert [len(x) for x in top_lens(docs[0])] == [len(x) for x in top_lens(docs[1])]
+    else:  # as many tokens, as many alternatives each
+        assert top_lens(docs[0]) == top_lens(docs[1])
+
+
+STREAMS = [
+    ("native", "/completion", {"prompt": "Hello", "n_predict": 3, "n_probs": 2}),
+    ("native", "/completion", {"prompt": "Hello", "n_predict": 3, "n_probs": 2, "post_sampling_probs": True}),
+    ("chat", CHAT, {"messages": MSG, "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+                    "stream_options": {"include_usage": True}}),
+    ("chat", CHAT, {"messages": MSG, "max_tokens": 3, "logprobs": True, "top_logprobs": 1,
+                    "post_sampling_probs": True}),
+    ("text", "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "logprobs": 2}),
+]
+
+
+@pytest.mark.parametrize("route,path,body", STREAMS, ids=[f"{p} {str(b)[:60]}" for _, p, b in STREAMS])
+def test_same_stream_as_llama_server(pair: tuple[str, str], route: str, path: str, body: dict[str, Any]) -> None:
+    body = {**body, **SAME, "stream": True}
+    ours, theirs = (post(u, path, body) for u in pair)
+    assert ours.status_code == theirs.status_code == 200
+    a, b = _body(ours), _body(theirs)
+    assert _sequence(a, route) == _sequence(b, route), (a, b)
+    for kind in dict.fromkeys(_sequence(b, route)):
+        if kind == "done":
+            continue
+        ea = next(e for e in a if _kind(e, route) == kind)
+        eb = next(e for e in b if _kind(e, route) == kind)
+        assert unexplained(ea, eb, ALLOW) == [], kind
+    pieces = [e for e in a if _kind(e, route) == "piece"]
+    assert pieces and all(entries_of(e)[0] for e in pieces)  # every piece carries its tokens' probabilities
+    assert sum(len(entries_of(e)[0]) for e in pieces) == 3  # one entry per token (no EOS: ignore_eos)
+
+
+# --- the math, from the logits the simulated device returned -------------------------------------------
+
+def test_greedy_top_one_is_the_chosen_token_and_probabilities_sum_below_one(numeric: str) -> None:
+    r = post(numeric, "/completion", {"prompt": "The lighthouse", "n_predict": 4, "temperature": 0, "n_probs": 5,
+                                      "return_tokens": True}).json()
+    cp = r["completion_probabilities"]
+    assert [e["id"] for e in cp] == r["tokens"][: len(cp)] and len(cp) == r["tokens_predicted"]
+    for e in cp:
+        top = e["top_logprobs"]
+        assert len(top) == 5 and top[0]["id"] == e["id"] and top[0]["logprob"] == e["logprob"]  # greedy = top-1
+        lps = [t["logprob"] for t in top]
+        assert lps == sorted(lps, reverse=True) and all(v <= 0 for v in lps)
+        assert math.fsum(math.exp(v) for v in lps) <= 1.0 + 1e-9
+        assert e["bytes"] == top[0]["bytes"] and e["token"] == token_text(bytes(e["bytes"]))
+    assert r["calconsole"]["logprobs_source"] == SOURCE_LOGITS
+
+
+def test_post_sampling_probabilities(numeric: str) -> None:
+    greedy = post(numeric, "/completion", {"prompt": "The lighthouse", "n_predict": 2, "temperature": 0,
+                                           "n_probs": 3, "post_sampling_probs": True}).json()
+    for e in greedy["completion_probabilities"]:  # greedy: the arg-max alone, as llama-server lists it
+        assert e["prob"] == 1.0 and [(t["id"], t["prob"]) for t in e["top_probs"]] == [(e["id"], 1.0)]
+    sampled = post(numeric, "/completion", {"prompt": "The lighthouse", "n_predict": 3, "temperature": 1.0,
+                                            "seed": 5, "top_k": 20, "n_probs": 30,
+                                            "post_sampling_probs": True}).json()
+    for e in sampled["completion_probabilities"]:
+        probs = [t["prob"] for t in e["top_probs"]]
+        assert 0 < len(probs) <= 20 and math.fsum(probs) == pytest.approx(1.0, abs=1e-6)  # all top-k candidates
+        assert probs == sorted(probs, reverse=True) and 0 < e["prob"] <= probs[0]
+        assert e["id"] in [t["id"] for t in e["top_probs"]]  # the drawn token was a candidate
+
+
+def test_chat_streamed_entries_equal_the_whole_reply(numeric: str) -> None:
+    body = {"messages": MSG, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    whole = post(numeric, CHAT, body).json()["choices"][0]["logprobs"]["content"]
+    events = _body(post(numeric, CHAT, {**body, "stream": True}))
+    streamed = [x for e in events if e != "[DONE]" for x in entries_of(e)[0]]
+    assert [e["id"] for e in streamed] == [e["id"] for e in whole][: len(streamed)]
+    for s, w in zip(streamed, whole, strict=False):
+        assert s["logprob"] == pytest.approx(w["logprob"], abs=1e-6)  # same prompt, same logits (cached prefix)
+
+
+def test_stop_word_tokens_are_dropped_from_a_whole_reply(numeric: str) -> None:
+    r = post(numeric, "/completion", {"prompt": "The lighthouse", "n_predict": 6, "temperature": 0,
+                                      "n_probs": 1, "return_tokens": True}).json()
+    word = token_text(bytes(r["completion_probabilities"][2]["bytes"]))
+    if not word.strip():
+        pytest.skip("the third greedy token is blank: no stop word to test with")
+    stopped = post(numeric, "/completion", {"prompt": "The lighthouse", "n_predict": 6, "temperature": 0,
+                                            "n_probs": 1, "stop": [word.strip()]}).json()
+    assert stopped["stop_type"] == "word"
+    assert len(stopped["completion_probabilities"]) < stopped["tokens_predicted"]
+
+
+# --- timing-only: the seeded generator's distribution, labelled ------------------------------------------
+
+def test_timing_only_probabilities_are_the_generators_and_say_so(pair: tuple[str, str]) -> None:
+    r = post(pair[0], "/completion", {"prompt": "Hello", "n_predict": 2, "n_probs": 3}).json()
+    assert r["calconsole"]["logprobs_source"] == SOURCE_GENERATOR
+    for e in r["completion_probabilities"]:
+        assert e["logprob"] == pytest.approx(-math.log(N_BPE))  # uniform over the ordinary text ids
+        assert e["top_logprobs"][0]["id"] == e["id"] and {t["logprob"] for t in e["top_logprobs"]} == {e["logprob"]}
+    chat = post(pair[0], CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": True, "top_logprobs": 1}).json()
+    assert "logprobs_source" not in chat["choices"][0]["logprobs"]  # never inside OpenAI's shape
+    assert chat["calconsole"]["logprobs_source"] == SOURCE_GENERATOR
+
+
+def test_refusals_beyond_llama_server(pair: tuple[str, str]) -> None:
+    r = post(pair[0], "/completion", {"prompt": "Hello", "n_predict": 1, "n_probs": MAX_N_PROBS + 1})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    assert str(MAX_N_PROBS) in r.json()["error"]["message"]
+
+
+def test_token_text_cuts_an_incomplete_character() -> None:
+    assert token_text("é".encode()[:1]) == "" and token_text(b"a\xe6\xbe") == "a" and token_text(b"ab") == "ab"
+    assert token_text("é".encode()) == "é" and token_text(b"\xff") == "\ufffd"
+    assert LOWEST_LOGPROB < -1e38
+
+
+# --- the OpenAI SDK reads them ---------------------------------------------------------------------------
+
+def test_openai_sdk_reads_logprobs(pair: tuple[str, str]) -> None:
+    client = openai.OpenAI(base_url=pair[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model="m", messages=MSG, max_tokens=3, logprobs=True, top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
+    assert all(c.logprob <= 0 and isinstance(c.token, str) and isinstance(c.bytes, list) for c in content)
+    chunks = list(client.chat.completions.create(model="m", messages=MSG, max_tokens=3, logprobs=True,
+                                                 top_logprobs=1, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert streamed and all(len(c.top_logprobs) == 1 for c in streamed)
+    with pytest.raises(openai.BadRequestError, match="top_logprobs requires logprobs"):
+        client.chat.completions.create(model="m", messages=MSG, max_tokens=1, top_logprobs=2)
