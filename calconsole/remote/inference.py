@@ -28,6 +28,7 @@ result's tokens and timings are exact.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -72,6 +73,11 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
     body.update({k: v for k, v in msgspec.structs.asdict(req.sampling).items() if v is not None})
     if req.ignore_eos:
         body["ignore_eos"] = True
+    if req.grammar is not None:  # llama-server's fields: GBNF text, or the schema itself
+        if req.grammar.kind == "gbnf":
+            body["grammar"] = req.grammar.text
+        else:
+            body["json_schema"] = json.loads(req.grammar.text)
     if req.prompt_tokens is not None:
         body["prompt"] = [int(t) for t in req.prompt_tokens]
         return "/v1/completions", body

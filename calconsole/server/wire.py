@@ -30,6 +30,7 @@ from sim_backend.planes import (
     CalError,
     ChatRequest,
     ExceedContextSizeError,
+    Grammar,
     InvalidRequestError,
     RequestError,
     RequestResult,
@@ -256,7 +257,7 @@ def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client:
                        sampling=sampling_from(body), stop=stop_from(body), enable_thinking=thinking(body),
                        client=client, id_slot=-1 if slot is None else slot,
                        cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
-                       n_probs=n_probs, post_sampling_probs=post)
+                       n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body))
 
 
 #: prompts one /completion body may ask for (llama-server has no limit; each takes a generation slot)
@@ -264,17 +265,62 @@ MAX_PROMPTS = 16
 
 
 def refuse_unsupported(body: Mapping[str, Any]) -> None:
-    """400 for a field llama-server honours that the simulator cannot (constrained decoding, logit biases):
-    ignoring it would hand back output the client did not ask for."""
-    rf = body.get("response_format")
-    if isinstance(rf, Mapping) and rf.get("type") not in (None, "text"):
-        raise bad_request(f"'response_format' {rf.get('type')!r} (constrained decoding) is not supported by this "
-                          "server")
-    for name in ("grammar", "json_schema"):
-        if body.get(name):
-            raise bad_request(f"'{name}' (constrained decoding) is not supported by this server")
+    """400 for a field llama-server honours that the simulator cannot (logit biases): ignoring it would
+    hand back output the client did not ask for."""
     if body.get("logit_bias") not in (None, [], {}):
         raise bad_request("'logit_bias' is not supported by this server")
+
+
+def _schema_text(schema: Any, name: str) -> str:
+    if not isinstance(schema, (Mapping, bool)):
+        raise bad_request(f"'{name}' must be a JSON schema (an object), got {type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def grammar_from(body: Mapping[str, Any]) -> Grammar | None:
+    """The constraint of a body (llama-server's fields), or None. ``grammar`` (GBNF text; llama-server's
+    ``%llguidance`` Lark too) wins over a schema; then ``response_format`` (``json_object``: its ``schema``,
+    else any JSON object; ``json_schema``: ``json_schema.schema``, else any JSON value; ``text``: none),
+    then ``json_schema``. llama-server honours ``response_format`` on chat only; here on every generation
+    route. 400 for a field of the wrong type or another ``response_format.type`` (llama-server's words).
+    Whether the grammar compiles is the engine's check (also 400)."""
+    g = body.get("grammar")
+    if g is not None and not isinstance(g, str):
+        raise bad_request(f"'grammar' must be a string (GBNF), got {type(g).__name__}")
+    if g:
+        return Grammar("gbnf", g)
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, Mapping):
+            raise bad_request(f"'response_format' must be an object, got {type(rf).__name__}")
+        kind = rf.get("type")
+        if kind == "json_object":
+            schema = rf.get("schema")
+            return Grammar("json_schema", _schema_text({"type": "object"} if schema is None else schema,
+                                                       "response_format.schema"))
+        if kind == "json_schema":
+            wrap = rf.get("json_schema")
+            if wrap is None:
+                wrap = {}
+            if not isinstance(wrap, Mapping):
+                raise bad_request("'response_format.json_schema' must be an object ({\"name\": ..., \"schema\": ...})")
+            schema = wrap.get("schema")
+            return Grammar("json_schema", _schema_text({} if schema is None else schema,
+                                                       "response_format.json_schema.schema"))
+        if kind not in (None, "", "text"):
+            raise bad_request(f'response_format type must be one of "text" or "json_object", but got: {kind}')
+    js = body.get("json_schema")
+    if js is not None:
+        return Grammar("json_schema", _schema_text(js, "json_schema"))
+    return None
+
+
+def grammar_setting(g: Grammar | None) -> str:
+    """``generation_settings.grammar`` as llama-server reports it: the GBNF given, or for a schema the
+    llguidance grammar it compiles (``%llguidance {}\nstart: %json <schema>``); "" for none."""
+    if g is None:
+        return ""
+    return g.text if g.kind == "gbnf" else "%llguidance {}\nstart: %json " + g.text
 
 
 #: choices one request may ask for (``n``); each takes a generation place
@@ -358,7 +404,7 @@ def completion_request(body: Mapping[str, Any], tokenize: Any, *, n_ctx: int, n_
                        max_tokens=max_tokens_from(body, names, n_ctx, n_predict), sampling=sampling_from(body),
                        stop=stop_from(body), client=client, id_slot=-1 if slot is None else slot,
                        cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
-                       n_probs=n_probs, post_sampling_probs=post)
+                       n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body))
 
 
 # --- response shapes ------------------------------------------------------------------------------
@@ -408,8 +454,8 @@ def sampling_settings(sp: SamplingParams, *, n_predict: int, stream: bool = Fals
 def generation_settings(req: ChatRequest, n_ctx: int, *, stream: bool = False,
                         per_token: bool = False) -> dict[str, Any]:
     """llama-server's ``generation_settings`` of a ``/completion`` result: the sampling params plus the
-    stop words, ``logit_bias`` (always present; the simulator applies none, so ``[]``), grammar fields
-    (no grammar) and ``dry_sequence_breakers``, in llama-server's key order."""
+    stop words, ``logit_bias`` (always present; the simulator applies none, so ``[]``), the grammar
+    (``grammar_setting``; never lazy) and ``dry_sequence_breakers``, in llama-server's key order."""
     n_predict = req.max_tokens if req.max_tokens is not None and req.max_tokens != n_ctx else -1
     base = sampling_settings(req.sampling, n_predict=n_predict, stream=stream, per_token=per_token,
                              ignore_eos=req.ignore_eos, n_probs=req.n_probs,
@@ -423,7 +469,8 @@ def generation_settings(req: ChatRequest, n_ctx: int, *, stream: bool = False,
         if k == "n_probs":
             out["logit_bias"] = []
         if k == "chat_format":
-            out.update(grammar="", grammar_lazy=False, grammar_triggers=[], preserved_tokens=[])
+            out.update(grammar=grammar_setting(req.grammar), grammar_lazy=False, grammar_triggers=[],
+                       preserved_tokens=[])
         out[k] = v
     return out
 

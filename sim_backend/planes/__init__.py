@@ -3,7 +3,7 @@ HTTP serving face, the remote planes) import for their types.
 
 - contracts: ``InferencePlane``, ``ObservationPlane``, ``MaintenancePlane``, ``RequestStream``,
   ``Lease``, ``AuditReader``, ``Report`` (``sim_backend.planes.contracts``);
-- value types: ``ChatRequest``, ``SamplingParams``, ``TokenEvent``, ``DoneEvent``, ``RequestResult``
+- value types: ``ChatRequest`` (its ``Grammar``), ``SamplingParams``, ``TokenEvent``, ``DoneEvent``, ``RequestResult``
   and its ``Timings`` and ``TokenProbs``, ``StageTimes``, ``SLO``, ``validate_request`` (``sim_backend.planes.types``);
   ``EventStream``, the consuming side of a request stream (``sim_backend.planes.eventstream``);
 - snapshot types: ``Snapshot`` and its sections (``sim_backend.planes.snapshot``);
@@ -51,6 +51,7 @@ from sim_backend.planes.types import (
     SLO,
     ChatRequest,
     DoneEvent,
+    Grammar,
     RequestResult,
     SamplingParams,
     StageTimes,
@@ -62,7 +63,8 @@ from sim_backend.planes.types import (
 )
 
 __all__ = ["SLO", "AuditLog", "AuditLogError", "AuditReader", "CalError", "ChatRequest", "DeviceError", "DoneEvent",
-           "EventStream", "ExceedContextSizeError", "Health", "InferencePlane", "InvalidRequestError", "KVExhausted",
+           "EventStream", "ExceedContextSizeError", "Grammar", "Health", "InferencePlane", "InvalidRequestError",
+           "KVExhausted",
            "Lease",
            "MaintenanceArgumentError", "MaintenancePlane", "MaintenanceRefused", "ManifestError", "MetricsRegistry",
            "NotOffered", "ObservationPlane",

@@ -121,6 +121,24 @@ class SamplingParams(msgspec.Struct, frozen=True):
             raise bad("seed", "in [0, 2**64) or null for a random seed")
 
 
+#: grammar kinds a request may carry (``Grammar.kind``)
+GRAMMAR_KINDS = ("gbnf", "json_schema")
+#: characters a grammar or schema text may hold (a GBNF of a few hundred rules is ~20 k)
+MAX_GRAMMAR_CHARS = 1 << 20
+
+
+class Grammar(msgspec.Struct, frozen=True):
+    """A constraint on the generated text (llama.cpp's constrained decoding).
+
+    kind: ``"gbnf"`` (llama.cpp GBNF; a text starting ``%llguidance`` is llguidance's Lark) or
+    ``"json_schema"`` (``text`` is the schema as JSON). The engine compiles it when the request is
+    submitted and refuses one that does not compile (``InvalidRequestError``, 400).
+    """
+
+    kind: str
+    text: str
+
+
 class ChatRequest(msgspec.Struct, frozen=True):
     """One chat completion request.
 
@@ -130,7 +148,8 @@ class ChatRequest(msgspec.Struct, frozen=True):
     sampling: :class:`SamplingParams`. enable_thinking: Qwen3 thinking mode.
     prompt_tokens: a raw prompt (token ids, no chat template; llama.cpp ``/completion``).
     id_slot / cache_prompt: llama.cpp's slot choice and prefix reuse. ignore_eos: llama.cpp's (EOS never
-    sampled).
+    sampled). grammar: a :class:`Grammar` the generated text must match (``grammar`` / ``json_schema`` /
+    ``response_format`` of a llama-server body), or None.
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -154,6 +173,8 @@ class ChatRequest(msgspec.Struct, frozen=True):
     #: the probabilities after the sampler chain (penalties, top-k, top-p, min-p, temperature) instead of
     #: the softmax of the raw logits (llama.cpp ``post_sampling_probs``)
     post_sampling_probs: bool = False
+    #: the text must match this grammar (constrained decoding), or None
+    grammar: Grammar | None = None
 
     @staticmethod
     def from_prompt(prompt: str, **kw: Any) -> ChatRequest:
@@ -247,6 +268,14 @@ def validate_request(req: ChatRequest, vocab: int = VOCAB_SIZE) -> None:
     if not isinstance(req.sampling, SamplingParams):
         raise InvalidRequestError("sampling must be SamplingParams", param="sampling")
     req.sampling.validate(vocab)
+    g = req.grammar
+    if g is not None:
+        if not isinstance(g, Grammar) or g.kind not in GRAMMAR_KINDS or not isinstance(g.text, str) or not g.text:
+            raise InvalidRequestError(f"grammar must be a Grammar of kind {' or '.join(GRAMMAR_KINDS)} with a "
+                                      "non-empty text", param="grammar")
+        if len(g.text) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(f"the grammar holds {len(g.text)} characters; at most {MAX_GRAMMAR_CHARS}",
+                                      param="grammar")
 
 
 class StageTimes(msgspec.Struct, frozen=True):

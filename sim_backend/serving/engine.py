@@ -37,6 +37,7 @@ from sim_backend.model.vocab import N_BPE
 from sim_backend.planes.metrics import MetricsRegistry
 from sim_backend.planes.types import SLO, ChatRequest, RequestResult, StageTimes, validate_request
 from sim_backend.runtime import RuntimeSession
+from sim_backend.serving import grammar as _grammar
 from sim_backend.serving.admission import Admission, check_prompt
 from sim_backend.serving.api import RequestHandle, SlotInfo
 from sim_backend.serving.hosttime import HostBooking, HostTimer
@@ -193,8 +194,11 @@ class Engine:
         """Validate, tokenise and enqueue. Returns a handle at once.
 
         Raises (nothing allocated, no counter but ``rejected`` moves):
-        InvalidRequestError, ExceedContextSizeError (prompt >= n_ctx = 40960
-        tokens), UnavailableError (queue full, or device in maintenance).
+        InvalidRequestError (also a grammar that does not compile), ExceedContextSizeError
+        (prompt >= n_ctx = 40960 tokens), UnavailableError (queue full, or device in maintenance).
+
+        A request's grammar is compiled here, in its tokenising host span (booked as ``tokenize``);
+        the process's one-off llguidance tokenizer build (``serving.grammar.lltokenizer``) is not.
         """
         with self._lock:
             why = self._admission.refusal(self._stop)
@@ -205,9 +209,14 @@ class Engine:
         except InvalidRequestError as e:
             self._refuse(e)
         arrival = self.rt.clock.now_us
+        matcher: _grammar.GrammarMatcher | None = None
+        if req.grammar is not None:  # once per process: llama.cpp's model-load work, not this request's
+            _grammar.lltokenizer(self.tokenizer, int(self.rt.vocab), self._eos_ids)
         try:
             t0 = self.host_timer.now()
             prompt = self.tokenize_prompt(req)
+            if req.grammar is not None:
+                matcher = _grammar.compile_grammar(req.grammar, self.tokenizer, int(self.rt.vocab), self._eos_ids)
             tok_us = self.host_timer.now() - t0
             check_prompt(len(prompt), req.id_slot, n_ctx=self.n_ctx, n_slots=self.n_slots,
                          kv_cells=self.rt.kv.occupancy().capacity_cells)
@@ -225,7 +234,7 @@ class Engine:
             handle = RequestHandle(rid, len(prompt))
             tokens = TokenPipeline(req, prompt, n_ctx=self.n_ctx, max_tokens=int(req.max_tokens or 0),
                                    tokenizer=self.tokenizer, vocab=int(self.rt.vocab), eos_ids=self._eos_ids,
-                                   text_ids=self._text_ids)
+                                   text_ids=self._text_ids, grammar=matcher)
             r = RequestRecord(rid, req, prompt, handle, arrival / 1e3, tok_us / 1e3, tokens)
             handle._engine_wake = functools.partial(self._on_cancel, rid)
             booked_us = self.host_booking.before(tok_us)

@@ -13,8 +13,9 @@ llama.cpp, because temperature is applied last.
 Exact draw convention (shared by :class:`Sampler` and :func:`naive_sample`, so
 the two pick identical tokens):
 
-* ``x``: FP32 logits after penalties; ids ``>= n_valid`` (tokenizer padding)
-  and NaN are ``-inf``; if any ``+inf`` exists, those ids get 0 and all others
+* ``x``: FP32 logits after penalties; ids ``>= n_valid`` (tokenizer padding),
+  ids a grammar does not allow (``allowed`` False: constrained decoding) and
+  NaN are ``-inf``; if any ``+inf`` exists, those ids get 0 and all others
   ``-inf``. ``m = max(x)``. Candidate order: descending logit, ties by lower id.
 * Greedy (``temperature == 0`` or ``top_p < 1e-6``): ``argmax(x)`` (lowest id
   on ties), no random draw.
@@ -133,6 +134,7 @@ def naive_sample(
     recent: Sequence[int] = (),
     *,
     n_valid: int | None = None,
+    allowed: np.ndarray | None = None,
 ) -> int:
     """Straightforward reference sampler: full FP32 copy, full softmax, full
     ``argsort`` of the vocabulary and ``cumsum`` (the production shape, F6).
@@ -144,6 +146,7 @@ def naive_sample(
         recent: previously generated/prompt ids for the penalties.
         n_valid: ids ``>= n_valid`` are never chosen (default 151669 for a
             151936 vocabulary, i.e. tokenizer padding).
+        allowed: ``bool`` (vocab,) or None: ids where it is False are never chosen (a grammar's mask).
 
     Returns:
         The chosen token id (int). Same convention as :class:`Sampler`
@@ -154,6 +157,8 @@ def naive_sample(
     nv = _default_n_valid(n) if n_valid is None else n_valid
     _apply_penalties(x, recent, params)
     x[nv:] = -np.inf
+    if allowed is not None:
+        x[~allowed] = -np.inf
     m = float(x.max())
     if not math.isfinite(m):
         _sanitize(x)
@@ -231,7 +236,7 @@ class Sampler:
         #: | ("full", q over the vocabulary, total)
         self._last: tuple[Any, ...] | None = None
 
-    def sample(self, logits: np.ndarray, recent: Sequence[int] = ()) -> int:
+    def sample(self, logits: np.ndarray, recent: Sequence[int] = (), allowed: np.ndarray | None = None) -> int:
         """Choose the next token id.
 
         Args:
@@ -239,39 +244,46 @@ class Sampler:
                 (not modified; copied into an internal scratch buffer).
             recent: previous token ids (prompt + generated), newest last, for
                 the repeat/presence/frequency penalties.
+            allowed: ``bool`` shape (vocab_size,) or None: the ids a grammar allows (constrained
+                decoding); the others get ``-inf`` after the penalties. At least one valid id must be allowed.
 
         Returns:
-            Token id in ``[0, n_valid)`` (int).
+            Token id in ``[0, n_valid)`` (int), one ``allowed`` permits.
         """
         n = self.vocab_size
         if logits.shape != (n,):
             raise ValueError(f"logits must have shape ({n},), got {logits.shape}")
         np.copyto(self._x[:n], logits)
-        return self._sample_scratch(recent)
+        return self._sample_scratch(recent, allowed)
 
-    def sample_bf16(self, logits_bf16: np.ndarray, recent: Sequence[int] = ()) -> int:
+    def sample_bf16(self, logits_bf16: np.ndarray, recent: Sequence[int] = (),
+                    allowed: np.ndarray | None = None) -> int:
         """:meth:`sample` from BF16 bits, widened straight into the scratch buffer (no FP32 temp copy).
 
         Args:
             logits_bf16: ``uint16`` shape (vocab_size,), the BF16 bits of one step's logits (the D2H).
-            recent: as for :meth:`sample`.
+            recent, allowed: as for :meth:`sample`.
 
         Returns the same token :meth:`sample` returns for ``bf16_to_f32(logits_bf16)``.
-        Raises ValueError (wrong shape), TypeError (not uint16).
+        Raises ValueError (wrong shape; no finite logit left), TypeError (not uint16).
         """
         n = self.vocab_size
         if logits_bf16.shape != (n,):
             raise ValueError(f"logits must have shape ({n},), got {logits_bf16.shape}")
         _bf16.bf16_to_f32(logits_bf16, out=self._x[:n])
-        return self._sample_scratch(recent)
+        return self._sample_scratch(recent, allowed)
 
-    def _sample_scratch(self, recent: Sequence[int]) -> int:
+    def _sample_scratch(self, recent: Sequence[int], allowed: np.ndarray | None = None) -> int:
         """The sampler chain over the logits already in ``self._x[:vocab_size]`` (modified in place)."""
         p = self.params
         n, nv = self.vocab_size, self.n_valid
         x = self._x[:n]
         _apply_penalties(x, recent, p)
         x[nv:] = -np.inf
+        if allowed is not None:
+            if allowed.shape != (n,) or allowed.dtype != np.bool_:
+                raise ValueError(f"allowed must be a bool array of shape ({n},)")
+            np.copyto(x, np.float32(-np.inf), where=~allowed)
         np.max(self._grid, axis=0, out=self._colmax)
         m = float(self._colmax.max())
         if not math.isfinite(m):

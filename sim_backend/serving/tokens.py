@@ -22,6 +22,7 @@ import numpy as np
 from sim_backend.model.tokenizer import get_tokenizer
 from sim_backend.model.vocab import EOS_IDS, N_BPE
 from sim_backend.planes.types import ChatRequest, TokenProbs
+from sim_backend.serving.grammar import GrammarMatcher
 from sim_backend.serving.sampling import Sampler, bf16_to_f32, logit_probs, uniform_probs
 from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder, Tokenizer
 
@@ -44,16 +45,22 @@ class TokenPipeline:
         vocab: the model's logits rows (default Qwen3's); eos_ids: the ids that end generation
         (default Qwen3's); text_ids: the [lo, hi) range of ordinary text ids the timing-only stand-in
         draws from (default Qwen3's BPE tokens).
+        grammar: the request's compiled grammar (constrained decoding), or None. Its mask is applied to
+        the logits before sampling and to the timing-only draw (``GrammarMatcher.stand_in``), so the text
+        matches the grammar whatever the weights; each sampled token advances it. With ``ignore_eos`` the
+        EOS ids leave the mask unless the grammar allows nothing else (a complete sentence then ends).
 
     With ``req.n_probs`` > 0 each sampled token's ``TokenProbs`` is appended to ``probs`` (aligned with
     ``generated``): from the step's raw logits (``sampling.logit_probs``), or after the sampler chain
     with ``req.post_sampling_probs`` (``Sampler.post_sampling_probs``); a timing-only step from the
-    seeded generator's uniform distribution over ``text_ids`` (``sampling.uniform_probs``).
+    seeded generator's uniform distribution over ``text_ids`` (``sampling.uniform_probs``; with a
+    grammar the stand-in's draw is over the allowed ids instead, which these probabilities do not show).
     """
 
     def __init__(self, req: ChatRequest, prompt: Sequence[int], *, n_ctx: int, max_tokens: int,
                  tokenizer: Tokenizer | None = None, vocab: int | None = None,
-                 eos_ids: frozenset[int] = EOS_IDS, text_ids: tuple[int, int] = (0, N_BPE)) -> None:
+                 eos_ids: frozenset[int] = EOS_IDS, text_ids: tuple[int, int] = (0, N_BPE),
+                 grammar: GrammarMatcher | None = None) -> None:
         self.sampler = Sampler(req.sampling) if vocab is None else Sampler(req.sampling, vocab)
         # timing-only steps have no logits: a generator seeded like the sampler stands in, so a run replays
         self.fallback_rng = np.random.default_rng(self.sampler.seed)
@@ -69,6 +76,7 @@ class TokenPipeline:
         self._ban_eos = req.ignore_eos and bool(eos_ids)
         self._eos_index = np.fromiter(sorted(eos_ids), dtype=np.intp, count=len(eos_ids))
         self._text_ids = text_ids
+        self.grammar = grammar
         self.generated: list[int] = []
         self.n_probs = int(req.n_probs)
         self.post_sampling = bool(req.post_sampling_probs)
@@ -84,20 +92,25 @@ class TokenPipeline:
 
     def sample(self, logits_bf16: np.ndarray | None, numeric: bool) -> int:
         """The next token id from one step's BF16 logits (``uint16`` (vocab,)); timing-only
-        (``numeric`` False or no logits): an ordinary text id (``text_ids``) from the seeded generator."""
+        (``numeric`` False or no logits): an ordinary text id (``text_ids``) from the seeded generator.
+        With a grammar, only a token it allows (its mask on the logits, or its stand-in draw)."""
+        allowed = self._allowed()
         if logits_bf16 is None or not numeric:
-            tok = int(self.fallback_rng.integers(*self._text_ids))
+            if self.grammar is not None and allowed is not None:
+                tok = self.grammar.stand_in(self.fallback_rng, len(self.generated), self._max_tokens, allowed)
+            else:
+                tok = int(self.fallback_rng.integers(*self._text_ids))
             if self.n_probs:
                 self.probs.append(self._with_pieces(uniform_probs(tok, self.n_probs, *self._text_ids,
                                                                   post_sampling=self.post_sampling)))
             return tok
         raw = logits_bf16  # the probabilities' softmax is of the model's logits, before any bias (llama.cpp)
-        if self._ban_eos:  # llama.cpp's ignore_eos: -inf logits for the end-of-generation ids
+        if self._ban_eos and allowed is None:  # llama.cpp's ignore_eos: -inf logits for the end-of-generation ids
             logits_bf16 = logits_bf16.copy()
             logits_bf16[self._eos_index] = _BF16_NEG_INF
         # BF16 bits widen straight into the sampler's scratch buffer: no FP32 copy per step
         recent = list(self._prompt) + self.generated if self._penalties else ()
-        tok = self.sampler.sample_bf16(logits_bf16, recent)
+        tok = self.sampler.sample_bf16(logits_bf16, recent, allowed)
         if self.n_probs:
             if self.post_sampling:
                 tp = self.sampler.post_sampling_probs(tok, self.n_probs)
@@ -105,6 +118,19 @@ class TokenPipeline:
                 tp = logit_probs(bf16_to_f32(raw), tok, self.n_probs, n_valid=self.sampler.n_valid)
             self.probs.append(self._with_pieces(tp))
         return tok
+
+    def _allowed(self) -> np.ndarray | None:
+        """The grammar's mask of the next token (None without a grammar); with ``ignore_eos`` the EOS ids
+        are taken out of it unless nothing else is allowed."""
+        if self.grammar is None:
+            return None
+        allowed = self.grammar.allowed()
+        if self._ban_eos and allowed[self._eos_index].any():
+            rest = allowed.copy()
+            rest[self._eos_index] = False
+            if rest.any():
+                return rest
+        return allowed
 
     def _piece(self, tok: int) -> bytes:
         return b"" if self._tok.is_special(tok) else bytes(self._tok.token_bytes(tok))
@@ -125,6 +151,8 @@ class TokenPipeline:
 
     def _consume(self, tok: int) -> tuple[str, Stop | None]:
         self.generated.append(tok)
+        if self.grammar is not None:
+            self.grammar.consume(tok)
         if tok in self._eos_ids:
             return "", ("eos", "")
         self.pending_token = tok
