@@ -32,6 +32,7 @@ from .gcpolicy import GCPolicy
 from .layout import Layout
 from .messages import SnapshotReady
 from .panes.chat import ChatPane
+from .panes.focus import FOCUS_TARGET, PANE_BINDINGS, focus_pane
 from .panes.observation import ObservationPane
 from .settings import COMPACT_BELOW, HISTORY_WINDOWS_S, Settings, save_settings
 from .widgets import server as server_render
@@ -69,9 +70,7 @@ class CalConsoleApp(App):
         # (action_help steps aside)
         Binding("question_mark", "help", "help", priority=True),
         Binding("ctrl+q", "quit", "quit", priority=True),
-        Binding("f1", "focus_pane('observation')", "observation"),
-        Binding("f2", "focus_pane('chat')", "chat"),
-        Binding("f3", "focus_pane('maintenance')", "maintenance"),
+        *PANE_BINDINGS,
     ]
     #: refresh rates the palette offers (Hz)
     REFRESH_CHOICES = (0.5, 1.0, 2.0, 4.0)
@@ -299,18 +298,11 @@ class CalConsoleApp(App):
 
 
     # the widget each pane's focus key lands on
-    FOCUS_TARGET = {"observation": "#observation", "chat": "#chat-input", "maintenance": "#maintenance"}
+    FOCUS_TARGET = FOCUS_TARGET
 
     def action_focus_pane(self, name: str) -> None:
         """Focus a pane: its main input, or its first enabled focusable widget."""
-        targets = self.screen_stack[0].query(self.FOCUS_TARGET[name])
-        if not targets:
-            return
-        target = targets.first()
-        if not target.focusable:
-            inner = [w for w in target.query("*") if w.focusable]  # skips disabled buttons
-            target = inner[0] if inner else target
-        target.focus()
+        focus_pane(self.screen_stack[0], name)
 
     # --- help, palette --------------------------------------------------------------------------
 

@@ -33,6 +33,7 @@ from sim_backend.planes.snapshot import Snapshot
 from ..feed import SnapshotFeed
 from ..layout import Layout, load_layout
 from ..messages import SnapshotReady
+from ..panes.focus import PANE_BINDINGS, focus_pane
 from ..settings import LEVEL_STYLE, Settings
 from .config import BoardSpec, FleetConfig
 from .poller import FleetMonitor, read_key
@@ -385,11 +386,8 @@ class BoardScreen(Screen):
         # priority, so it comes before the panes' own Esc; it steps aside (SkipAction) while a reply streams
         # or an observation section is shown alone, where Esc has its pane meaning first
         Binding("escape", "back", "back to fleet", priority=True),
-        Binding("f1", "focus_pane('observation')", "observation"),
-        Binding("f2", "focus_pane('chat')", "chat"),
-        Binding("f3", "focus_pane('maintenance')", "maintenance"),
+        *PANE_BINDINGS,
     ]
-    FOCUS_TARGET = {"observation": "#observation", "chat": "#chat-input", "maintenance": "#maintenance"}
 
     def __init__(self, spec: BoardSpec, system: Any, layout: Layout, settings: Settings) -> None:
         super().__init__()
@@ -447,13 +445,7 @@ class BoardScreen(Screen):
                 continue
 
     def action_focus_pane(self, name: str) -> None:
-        targets = self.query(self.FOCUS_TARGET[name])
-        if targets:
-            target = targets.first()
-            if not target.focusable:
-                inner = [w for w in target.query("*") if w.focusable]
-                target = inner[0] if inner else target
-            target.focus()
+        focus_pane(self, name)
 
     def action_back(self) -> None:
         from textual.actions import SkipAction
