@@ -91,6 +91,11 @@ def test_linear_bound_is_what_the_report_supports():
     for name in b["bands"]:
         (ctx,), (lo, hi) = cal.band_contexts(name), cal._BANDS[name]
         assert lo - 1e-6 <= 1e3 / (b["t0_ms"] + s * (ctx - b["c0"]) / 1e3 + k) <= hi + 1e-6, name
+    # the F7 decode point anywhere within its +-3 % does not rescue a line (slow end: short row and 16K miss)
+    slow = cal.linear_bound(decode_tok_s=58.25 * 0.97)
+    assert not slow["reachable"] and slow["knee_ms"] > 0.1
+    assert slow["miss_pct"]["decode_ctx_8k_16k"] < 0 and slow["miss_pct"]["decode_ctx_short"] < 0
+    assert cal.linear_bound(decode_tok_s=58.25 * 1.03)["worst_miss_pct"] > b["worst_miss_pct"]
     # bands a line can meet: reachable, no knee, no miss
     easy = {"a": ((2048,), (40.0, 60.0)), "b": ((40900,), (5.0, 14.0))}
     e = cal.linear_bound(band_table=easy)
