@@ -823,7 +823,7 @@ def format_table(cases: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m sim_backend.tools.calibration [--fit] [--convergence] [--json]``: print the calibration table.
+    """``python -m sim_backend.tools.calibration [--fit] [--convergence] [--reach] [--json]``: the calibration table.
 
     Returns the exit code: 0 when every :func:`protocol_checks` check holds (every case ok or an
     explained miss, held-out RMS, convergence when asked), 1 when one does not; argparse exits with 2

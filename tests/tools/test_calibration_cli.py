@@ -67,3 +67,14 @@ def test_module_entry_point_uses_the_cli():
     r = subprocess.run([sys.executable, "-m", "sim_backend.tools.calibration", "--bogus"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr and "ok=" not in r.stdout
+
+
+def test_reach_is_printed(capsys, monkeypatch):
+    row = {"attn_cores": 4, "partitions": 2, "cost": 1.85, "at_edge": [], "params": {}, "f7_worst_pct": 0.1,
+           "band_miss_pct": {"decode_ctx_2k": 2.5}, "tok_s_16k": 19.4, "held_out_rms_pct": 3.4}
+    monkeypatch.setattr(calibration, "mechanism_reach", lambda: [row])
+    monkeypatch.setattr(calibration, "run_calibration", lambda **kw: [])
+    assert calibration.main(["--reach", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["reach"] == [row]
+    assert calibration.main(["--reach"]) == 0
+    assert "attn_cores  4 ( 2 partitions per head)" in capsys.readouterr().out
