@@ -11,7 +11,7 @@ import json
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
 from textual import events
@@ -41,6 +41,9 @@ from .widgets.render import mode_text, status_text
 
 MIN_WIDTH, MIN_HEIGHT = 80, 24
 
+
+if TYPE_CHECKING:  # imported where used: an --observe-only console never loads the maintenance pane
+    from .panes.maintenance import MaintenancePane
 
 class LeaseLost(Message):
     """Remote planes: the maintenance lease this console held lapsed (``reason`` says why)."""
@@ -156,6 +159,11 @@ class CalConsoleApp(App):
         if watch_lease is not None:
             watch_lease(lambda lease, reason: self.post_message(LeaseLost(lease, reason)))
         self._check_size()
+
+    def on_maintenance_pane_state_changed(self, message: MaintenancePane.StateChanged) -> None:
+        feed = getattr(self, "feed", None)
+        if feed is not None:
+            feed.poke()  # the header and panes from a sample taken now, not at the next refresh
 
     def on_lease_lost(self, message: LeaseLost) -> None:
         self.notify(f"maintenance lease of {message.lease.holder} lost: {message.reason}", severity="error",

@@ -23,7 +23,8 @@ class SnapshotFeed:
     """Sample ``system.observation`` on a thread; callbacks run on that thread (post to the UI from them).
 
     ``rate_hz``: read before each wait, so a changed refresh rate applies at the next sample.
-    ``start()`` once; ``stop()`` ends the thread within one period (it is a daemon either way).
+    ``start()`` once; ``stop()`` ends the thread at once, or after the sample in flight (a daemon either
+    way). ``poke()`` takes the next sample now (a state change the caller made), not a period later.
     """
 
     def __init__(self, system: Any, rate_hz: Callable[[], float], on_snapshot: Callable[[Snapshot], object],
@@ -33,6 +34,7 @@ class SnapshotFeed:
         self.on_snapshot = on_snapshot
         self.on_link = on_link
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by poke() and stop(): the wait between samples ends early
         self._thread: threading.Thread | None = None
         self._down = False  # the link was reported lost and not yet back
 
@@ -46,9 +48,15 @@ class SnapshotFeed:
     def stop(self, timeout_s: float = 2.0) -> None:
         """Stop sampling; waits at most ``timeout_s`` for the thread (a sample in flight finishes first)."""
         self._stop.set()
+        self._wake.set()
         t = self._thread
         if t is not None and t is not threading.current_thread():
             t.join(timeout_s)
+
+    def poke(self) -> None:
+        """Sample now (from any thread): the wait for the next period ends; a poke during a sample takes
+        another one after it, so the state the caller changed is always in a sample taken after the poke."""
+        self._wake.set()
 
     def sample_once(self) -> Snapshot | None:
         """Take one sample and hand it on; None when it failed (the link is down, or logged)."""
@@ -73,5 +81,6 @@ class SnapshotFeed:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()  # before the sample: a poke from here on is answered by this one or the next
             self.sample_once()
-            self._stop.wait(1.0 / max(0.01, self.rate_hz()))
+            self._wake.wait(1.0 / max(0.01, self.rate_hz()))

@@ -31,6 +31,7 @@ from textual import events, on, work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.message import Message
 from textual.widgets import Button, Input, RichLog, Static
 
 from sim_backend.planes import CalError, Snapshot
@@ -108,6 +109,11 @@ class MaintenancePane(Vertical):
     ]
     HELP_EXTRA = ("Every key but x (enter exclusive), a (acknowledge) and i needs exclusive mode: outside it a "
                   "key says 'enter exclusive mode first (x)'. Reset and clear memory ask for the device name.")
+
+    class StateChanged(Message):
+        """An action of this pane started or ended (the device's mode, faults or memory may have changed): the
+        app samples a snapshot at once, so the header says "exclusive" when the lease is granted, not at
+        the next refresh."""
 
     def __init__(self, maintenance, device_name: str, **kw) -> None:
         super().__init__(**kw)
@@ -425,6 +431,7 @@ class MaintenancePane(Vertical):
 
     def _run(self, action: str, fn) -> None:
         self._worker(action, fn)
+        self.post_message(self.StateChanged())  # entering: the snapshots show "draining" from now on
 
     @work(thread=True, group="maintenance", exclusive=False, exit_on_error=False)
     def _worker(self, action: str, fn) -> None:
@@ -466,6 +473,7 @@ class MaintenancePane(Vertical):
             if action == "clear_device_memory" and good:
                 self._log("inference is refused until the model is reloaded: press Reload (key o)", "yellow")
         self._sync_buttons()
+        self.post_message(self.StateChanged())
         if action == "clear_device_memory" and ok:
             self.query_one("#m-reload", Button).focus()
 

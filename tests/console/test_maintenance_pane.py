@@ -142,6 +142,22 @@ async def test_full_maintenance_window(system):
                        ("leave_exclusive", "granted")]
 
 
+async def test_the_header_follows_a_maintenance_action_at_once(make_system):
+    # the header said "serving" for seconds after the lease was granted: it waited for the next refresh
+    app = CalConsoleApp(make_system(numerics=False, drain_timeout_s=0.5), load_layout("operator"))
+    async with app.run_test(size=(160, 50)) as pilot:
+        pane = app.query_one(MaintenancePane)
+        assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+        app.refresh_hz = 0.001  # the feed's slowest period (100 s): only a sample the action asks for comes in time
+        assert " serving " in app._topbar_text
+        await click_button(pilot, "#m-enter")
+        assert await wait_for(pilot, lambda: pane.lease is not None)
+        assert await wait_for(pilot, lambda: " exclusive (lease: " in app._topbar_text), app._topbar_text
+        await click_button(pilot, "#m-leave")
+        assert await wait_for(pilot, lambda: pane.lease is None)
+        assert await wait_for(pilot, lambda: " serving " in app._topbar_text), app._topbar_text
+
+
 async def test_clear_memory_offers_reload_and_leaving_needs_it(system):
     app = CalConsoleApp(system, load_layout("operator"))
     async with app.run_test(size=(160, 50)) as pilot:
