@@ -49,6 +49,10 @@ def register(sub, common) -> None:
     add_key_options(p)
     p.add_argument("--no-slots-endpoint", action="store_true", help="disable /slots (501, as llama-server)")
     p.add_argument("--no-metrics", action="store_true", help="disable /metrics (501)")
+    p.add_argument("--slot-save-path", default=None, metavar="DIR",
+                   help="directory of slot state files: POST /slots/{id}?action=save|restore|erase with "
+                        "{\"filename\": NAME} (a plain file name in DIR); without it the slot actions answer 501 "
+                        "(llama-server's --slot-save-path). With an admin key they need it, else the API key")
     p.add_argument("--max-streams", type=int, default=16, metavar="N",
                    help="generation requests in flight at once, streaming or not (default 16; more: 503)")
     p.add_argument("--queue-limit", type=int, default=16, metavar="N",
@@ -130,7 +134,8 @@ def serve_config(args: argparse.Namespace, model_alias: str) -> ServeConfig:
                       model_alias=getattr(args, "alias", None) or model_alias,
                       model_tags=_list(getattr(args, "tags", "")), n_ctx=getattr(args, "ctx_size", None),
                       seed=getattr(args, "seed", None),
-                      cors_origins=_list(getattr(args, "cors_origins", None)) or None)
+                      cors_origins=_list(getattr(args, "cors_origins", None)) or None,
+                      slot_save_path=getattr(args, "slot_save_path", None))
     cfg.check()
     return cfg
 

@@ -35,6 +35,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable
@@ -146,6 +147,9 @@ class ServeConfig:
     #: browser origins allowed to call the server (CORS); None: localhost and 127.0.0.1 / [::1] on any
     #: port; ("*",): any origin (llama-server's ``--cors-origins``)
     cors_origins: tuple[str, ...] | None = None
+    #: directory of slot state files (llama-server's ``--slot-save-path``): POST /slots/{id}?action=save|
+    #: restore|erase exist only with it (501 otherwise, as llama-server); created (mode 700) if missing
+    slot_save_path: str | None = None
 
     def check(self) -> None:
         """ValueError (one line, naming the setting) for a value no server should run with."""
@@ -175,6 +179,9 @@ class ServeConfig:
             raise ValueError("--alias must name the model")
         if self.n_predict == 0 or self.n_predict < -1:
             raise ValueError(f"n_predict must be -1 (until the context is full) or positive, got {self.n_predict}")
+        if self.slot_save_path is not None and (not self.slot_save_path or (
+                os.path.lexists(self.slot_save_path) and not os.path.isdir(self.slot_save_path))):
+            raise ValueError(f"--slot-save-path must be a directory, got {self.slot_save_path!r}")
         if self.api_keys is not None and self.admin_keys is not None and self.api_keys.shares_a_key_with(
                 self.admin_keys):
             raise ValueError("the admin key must differ from every API key")
@@ -242,6 +249,11 @@ class ServingFace:
         self.created = int(time.time())
         self.fingerprint = wire.BUILD_INFO  # llama-server's b<build>-<commit> form
         self.leases: LeaseTable | None = None
+        #: the slot save directory, resolved once (symlinks in its own path followed here, never in a file name)
+        self.slot_dir: str | None = None
+        if config.slot_save_path is not None:
+            os.makedirs(config.slot_save_path, mode=0o700, exist_ok=True)
+            self.slot_dir = os.path.realpath(config.slot_save_path)
         # set by run._config when served: the connection guard and the bound on requests in progress (conns)
         self.conn_guard: Any = None
         self.request_bound: Any = None
@@ -625,16 +637,15 @@ def _wrap(face: ServingFace, handler: Handler) -> Handler:
 def build_app(face: ServingFace) -> Starlette:
     """The Starlette app: one routes module per family, llama-server error bodies for 404, and the
     middleware stack (``middleware``: access log, CORS, body limit, key check; outermost first)."""
-    from . import routes_generate, routes_monitor, routes_snapshot, routes_text
+    from . import routes_generate, routes_monitor, routes_slots, routes_snapshot, routes_text
 
     specs: list[RouteSpec] = []
-    for family in (routes_monitor, routes_text, routes_generate, routes_snapshot):
+    for family in (routes_monitor, routes_slots, routes_text, routes_generate, routes_snapshot):
         specs += family.routes(face)
     if face.maintenance is not None:
         from .maintenance_routes import maintenance_routes
 
         specs += [(p, h, m, "admin") for p, h, m in maintenance_routes(face)]
-    auth = {p: a for p, _, _, a in specs}
     table = [Route(p, _wrap(face, h), methods=m) for p, h, m, _ in specs]
 
     async def not_found(request: Request, exc: Exception) -> Response:
@@ -646,7 +657,7 @@ def build_app(face: ServingFace) -> Starlette:
     # key check (an open redirect); llama-server has no such routes: a trailing slash is a 404 here
     app.router.redirect_slashes = False
     # added innermost first: the key check runs last, right before the route
-    app.add_middleware(KeyCheck, face=face, auth_of=auth.get)
+    app.add_middleware(KeyCheck, face=face, auth_of=auth_of(specs))
     app.add_middleware(BodyLimit, max_bytes=face.config.max_body_bytes)
     origins = face.config.cors_origins
     # llama-server's CORS: the origin echoed, credentials allowed, its four methods, any header
@@ -655,6 +666,24 @@ def build_app(face: ServingFace) -> Starlette:
                        allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"])
     app.add_middleware(AccessLog, face=face)
     return app
+
+
+def auth_of(specs: list[RouteSpec]) -> Callable[[str], str | None]:
+    """path -> the key its route needs ("none" | "api" | "admin"), or None for a path no route has. Routes
+    with parameters (``/slots/{id_slot}``) match by their pattern: an exact-path table alone let
+    ``/slots/0`` pass without any key."""
+    from starlette.routing import compile_path
+
+    exact = {p: a for p, _, _, a in specs if "{" not in p}
+    patterns = [(compile_path(p)[0], a) for p, _, _, a in specs if "{" in p]
+
+    def lookup(path: str) -> str | None:
+        kind = exact.get(path)
+        if kind is None:
+            kind = next((a for rx, a in patterns if rx.match(path)), None)
+        return kind
+
+    return lookup
 
 
 #: the browser origins allowed without ``--cors-origins``: pages served from this machine

@@ -194,6 +194,14 @@ class SimulatedBoard:
     def memory_cleared(self) -> bool:
         return self._memory_cleared
 
+    def kv_values(self) -> Any:
+        """The model's KV cache by cell (``kv_state.KVValueStore``: in this process or the numerics
+        worker), or None when no values exist (timing-only board, memory cleared, model not loaded)."""
+        model = self.model
+        if not self.numerics or self._memory_cleared or model is None or not hasattr(model, "kv_take"):
+            return None
+        return model
+
     # --- jobs -------------------------------------------------------------------
 
     def submit(self, kind: str, seq_id: int, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray,

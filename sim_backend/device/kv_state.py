@@ -14,7 +14,7 @@ import threading
 import zipfile
 import zlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -30,6 +30,27 @@ from sim_backend.device.kv_common import (
     _show,
 )
 from sim_backend.errors import KVArgumentError, KVStateFileError
+
+#: one array of a state file: (shape, dtype, cell axis)
+Spec = tuple[tuple[int, ...], np.dtype, int]
+
+
+@runtime_checkable
+class KVValueStore(Protocol):
+    """Arrays with an ``n_cells`` axis held by someone else (the device's K/V, in this process or in the
+    numerics worker): described by ``kv_layout`` and read or written by cell, never handed out whole."""
+
+    def kv_layout(self) -> list[tuple[tuple[int, ...], str, int]]:
+        """(shape, numpy dtype string, cell axis) of each array."""
+        ...
+
+    def kv_take(self, cells: np.ndarray) -> list[np.ndarray]:
+        """Each array's rows at ``cells`` (int64, in that order) along its cell axis."""
+        ...
+
+    def kv_put(self, cells: np.ndarray, rows: Sequence[np.ndarray]) -> None:
+        """Write ``rows`` (as ``kv_take`` returns them) into each array at ``cells``."""
+        ...
 
 
 class KVStateFiles:
@@ -53,7 +74,8 @@ class KVStateFiles:
         def _allocate(self, s: int, n: int, pos_req: np.ndarray | None) -> np.ndarray: ...
         def _seq_cells_locked(self, s: int) -> tuple[np.ndarray, np.ndarray]: ...
 
-    def save_seq_state(self, seq_id: int, path, arrays: Sequence[tuple[np.ndarray, int]] = ()) -> int:
+    def save_seq_state(self, seq_id: int, path, arrays: Sequence[tuple[np.ndarray, int]] = (), *,
+                       values: KVValueStore | None = None) -> int:
         """Save one sequence's state to ``path`` (``np.savez``; llama_state_seq_save_file).
 
         Saved: format id and version, ``n_cells`` and
@@ -63,18 +85,27 @@ class KVStateFiles:
         ``(layers, kv_heads, n_cells, head_dim)`` with axis 2). Written to a
         temp file then renamed, so a crash never leaves a half file.
 
+        ``values``: arrays held elsewhere (the device's K/V, possibly in the
+        numerics worker process; ``KVValueStore``), saved after ``arrays``
+        the same way, their rows taken by cell.
+
         Returns the number of tokens saved.
 
         Raises:
             KVArgumentError: bad seq_id, ``path`` not a path, ``arrays`` not a
                 list of ``(numpy array with an n_cells axis, int axis)``.
-            KVStateFileError: the file cannot be written (no temp file is left).
+            KVStateFileError: the file cannot be written (no temp file is left;
+                an existing symlink at the temp name is not followed).
         """
         s = self._check_seq(seq_id)
         path = self._check_path(path)
         targets = self._check_arrays(arrays, for_load=False)
+        specs = self._specs(targets, values)
         with self._cond:
             cells, pos = self._seq_cells_locked(s)
+        rows = [np.take(arr, cells, axis=axis) for arr, axis in targets]
+        if values is not None:
+            rows += list(values.kv_take(cells))
         payload: dict[str, np.ndarray] = {
             "format": np.array(KV_STATE_FORMAT),
             "version": np.array(KV_STATE_VERSION, dtype=np.int64),
@@ -82,14 +113,17 @@ class KVStateFiles:
             "bytes_per_token_per_chip": np.array(self.bytes_per_token_per_chip, dtype=np.int64),
             "seq_id": np.array(s, dtype=np.int64),
             "positions": pos,
-            "n_arrays": np.array(len(targets), dtype=np.int64),
         }
-        for i, (arr, axis) in enumerate(targets):
+        payload["n_arrays"] = np.array(len(specs), dtype=np.int64)
+        for i, ((_, _, axis), r) in enumerate(zip(specs, rows, strict=True)):
             payload[f"axis_{i}"] = np.array(axis, dtype=np.int64)
-            payload[f"rows_{i}"] = np.take(arr, cells, axis=axis)
+            payload[f"rows_{i}"] = r
         tmp = path + ".tmp"
         try:
-            with open(tmp, "wb") as f:  # explicit file: np.savez would append ".npz" to a str
+            # explicit file (np.savez would append ".npz" to a str); O_NOFOLLOW: a symlink planted at the
+            # temp name is refused, never written through
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            with os.fdopen(fd, "wb") as f:
                 np.savez(f, **payload)  # type: ignore[arg-type]  # numpy's stub types **kwds as allow_pickle
             os.replace(tmp, path)
         except (OSError, ValueError) as e:
@@ -108,6 +142,7 @@ class KVStateFiles:
         *,
         timeout: float,
         cancel: threading.Event | None = None,
+        values: KVValueStore | None = None,
     ) -> int:
         """Load a sequence state saved by ``save_seq_state`` into ``seq_id``.
 
@@ -120,6 +155,9 @@ class KVStateFiles:
         the saved rows are written into ``arrays`` at those cells. The swap
         happens only once enough cells are free counting those ``seq_id``
         holds alone (bounded wait: ``timeout`` host wall seconds, ``cancel``).
+
+        ``values``: as for ``save_seq_state`` (their rows follow ``arrays``'
+        in the file and are put by cell after the swap).
 
         Returns the number of tokens loaded.
 
@@ -137,7 +175,8 @@ class KVStateFiles:
         timeout = _check_timeout(timeout)
         cancel = _check_cancel(cancel)
         targets = self._check_arrays(arrays, for_load=True)
-        pos, rows = self._read_state_file(path, targets)
+        specs = self._specs(targets, values)
+        pos, rows = self._read_state_file(path, specs)
         n = int(pos.size)
         bit = _bit(s)
         with self._cond:
@@ -148,11 +187,21 @@ class KVStateFiles:
             self._freed(self._drop_seq(self._has(s), s))
             cells = self._allocate(s, n, pos)
         # The device owns the arrays; rows are written outside our lock.
-        for (arr, axis), r in zip(targets, rows, strict=True):
+        for (arr, axis), r in zip(targets, rows, strict=False):
             idx: list[Any] = [slice(None)] * arr.ndim
             idx[axis] = cells
             arr[tuple(idx)] = r
+        if values is not None:
+            values.kv_put(cells, rows[len(targets):])
         return n
+
+    @staticmethod
+    def _specs(targets: list[tuple[np.ndarray, int]], values: KVValueStore | None) -> list[Spec]:
+        """(shape, dtype, cell axis) of every array a state file holds: ``arrays`` then ``values``'."""
+        specs: list[Spec] = [(tuple(a.shape), a.dtype, axis) for a, axis in targets]
+        if values is not None:
+            specs += [(tuple(shape), np.dtype(dt), int(axis)) for shape, dt, axis in values.kv_layout()]
+        return specs
 
     # Failures numpy / zipfile may raise while parsing a damaged file.
     _READ_ERRORS = (OSError, ValueError, KeyError, EOFError, TypeError, OverflowError, RuntimeError,
@@ -161,14 +210,13 @@ class KVStateFiles:
     # Slack for the .npy headers and zip directory of a state file (bytes).
     _FILE_SLACK = 64 * 1024
 
-    def _read_state_file(self, path: str, targets: list[tuple[np.ndarray, int]]
-                         ) -> tuple[np.ndarray, list[np.ndarray]]:
+    def _read_state_file(self, path: str, targets: list[Spec]) -> tuple[np.ndarray, list[np.ndarray]]:
         """Read and validate a state file. Returns ``(positions int64[n], rows per array)``."""
         def bad(reason: str) -> KVStateFileError:
             return KVStateFileError(path, reason)
 
         # A state file holds at most n_cells positions and n_cells rows of each array.
-        max_bytes = self.n_cells * 8 + sum(a.nbytes for a, _ in targets) + self._FILE_SLACK
+        max_bytes = self.n_cells * 8 + sum(int(np.prod(sh)) * dt.itemsize for sh, dt, _ in targets) + self._FILE_SLACK
         try:
             # O_NONBLOCK: opening a FIFO must not wait for a writer
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -203,7 +251,7 @@ class KVStateFiles:
                 raise bad(f"unreadable or truncated ({type(e).__name__}: {_show(str(e))})") from None
         return data
 
-    def _state_fields(self, npz: Any, targets: list[tuple[np.ndarray, int]], bad: Callable[[str], Exception]
+    def _state_fields(self, npz: Any, targets: list[Spec], bad: Callable[[str], Exception]
                       ) -> tuple[np.ndarray, list[np.ndarray]]:
         def field(key: str) -> np.ndarray:
             if key not in npz.files:
@@ -239,15 +287,15 @@ class KVStateFiles:
         if n_arrays != len(targets):
             raise bad(f"file has {n_arrays} arrays, {len(targets)} given")
         rows = []
-        for i, (arr, axis) in enumerate(targets):
+        for i, (shape, dtype, axis) in enumerate(targets):
             f_axis = scalar(f"axis_{i}")
             if f_axis != axis:
                 raise bad(f"array {i} saved with cell axis {f_axis}, given axis {axis}")
             r = field(f"rows_{i}")
-            want = list(arr.shape)
+            want = list(shape)
             want[axis] = n
-            if list(r.shape) != want or r.dtype != arr.dtype:
-                raise bad(f"array {i} rows are {r.shape} {r.dtype}, expected {tuple(want)} {arr.dtype}")
+            if list(r.shape) != want or r.dtype != dtype:
+                raise bad(f"array {i} rows are {r.shape} {r.dtype}, expected {tuple(want)} {dtype}")
             rows.append(r)
         return pos.astype(np.int64), rows
 

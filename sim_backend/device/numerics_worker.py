@@ -131,6 +131,13 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_m
             elif op == "clear_kv":
                 model.clear_kv()
                 conn.send((True, None))
+            elif op == "kv_layout":
+                conn.send((True, model.kv_layout()))
+            elif op == "kv_take":
+                conn.send((True, model.kv_take(*args)))
+            elif op == "kv_put":
+                model.kv_put(*args)
+                conn.send((True, None))
             elif op == "close":
                 conn.send((True, None))
                 return
@@ -279,6 +286,19 @@ class NumericsProcess:
 
     def clear_kv(self) -> None:
         self._call("clear_kv", (), CONTROL_TIMEOUT_S)
+
+    # the KV cache by cell (``device.kv_state.KVValueStore``): a slot's saved state, through the pipe
+    def kv_layout(self) -> list[tuple[tuple[int, ...], str, int]]:
+        """(shape, dtype string, cell axis) of the worker model's KV arrays. DeviceError."""
+        return list(self._call("kv_layout", (), CONTROL_TIMEOUT_S))
+
+    def kv_take(self, cells: np.ndarray) -> list[np.ndarray]:
+        """The worker's KV rows at ``cells`` (~24 KiB a cell for Qwen3 at the shipped width). DeviceError."""
+        return list(self._call("kv_take", (np.asarray(cells, dtype=np.int64),), self.step_timeout_s))
+
+    def kv_put(self, cells: np.ndarray, rows: Sequence[np.ndarray]) -> None:
+        """Write KV rows at ``cells`` in the worker. DeviceError."""
+        self._call("kv_put", (np.asarray(cells, dtype=np.int64), list(rows)), self.step_timeout_s)
 
     def close(self) -> None:
         """Stop the worker (bounded): ask, then terminate."""

@@ -21,7 +21,7 @@ the sharded result equals it within float tolerance.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -588,7 +588,34 @@ def _cells(cache: np.ndarray, index: slice | np.ndarray) -> np.ndarray:
     return cache[:, :, index] if isinstance(index, slice) else np.take(cache, index, axis=2)
 
 
-class ShardedModel:
+class CellKV:
+    """Read and write a model's KV cache by cell (``device.kv_state.KVValueStore``): what a slot's saved
+    state holds besides its positions. Subclasses list their arrays in ``_kv_arrays`` (array, cell axis)."""
+
+    def _kv_arrays(self) -> list[tuple[np.ndarray, int]]:
+        raise NotImplementedError
+
+    def kv_layout(self) -> list[tuple[tuple[int, ...], str, int]]:
+        """(shape, dtype string, cell axis) of each KV array (float32; the cell axis spans every KV cell)."""
+        return [(tuple(a.shape), a.dtype.str, axis) for a, axis in self._kv_arrays()]
+
+    def kv_take(self, cells: np.ndarray) -> list[np.ndarray]:
+        """Each KV array's rows at ``cells`` (copies, in ``cells`` order)."""
+        return [np.take(a, np.asarray(cells, dtype=np.int64), axis=axis) for a, axis in self._kv_arrays()]
+
+    def kv_put(self, cells: np.ndarray, rows: Sequence[np.ndarray]) -> None:
+        """Write ``rows`` (as ``kv_take`` gives them) at ``cells``; ValueError for rows of another shape."""
+        arrays = self._kv_arrays()
+        if len(rows) != len(arrays):
+            raise ValueError(f"{len(rows)} row arrays for {len(arrays)} KV arrays")
+        idx_cells = np.asarray(cells, dtype=np.int64)
+        for (a, axis), r in zip(arrays, rows, strict=True):
+            idx: list[Any] = [slice(None)] * a.ndim
+            idx[axis] = idx_cells
+            a[tuple(idx)] = r
+
+
+class ShardedModel(CellKV):
     """The model as the device runs it: two ``ChipShard`` s with reduce/gather between them.
 
     ``forward`` is one prefill or decode step for one sequence (batch 1,
@@ -700,6 +727,9 @@ class ShardedModel:
             from sim_backend.model.kernels import bf16_blocks
 
             self._compiled.w.lm_bits = bf16_blocks(f32_to_bf16(self.lm_head))
+
+    def _kv_arrays(self) -> list[tuple[np.ndarray, int]]:
+        return [(self.k_cache_t, 4), (self.v_cache_t, 4)]  # (C, L, kv_heads, D, cells)
 
     def clear_kv(self) -> None:
         """Zero every chip's KV cache by mapping fresh zero pages (no page is written).

@@ -43,6 +43,7 @@ from sim_backend.planes.contracts import (
     ObservationPlane,
     Report,
     RequestStream,
+    SlotActions,
 )
 from sim_backend.planes.eventstream import EventStream
 from sim_backend.planes.metrics import MetricsRegistry
@@ -69,6 +70,7 @@ __all__ = ["SLO", "AuditLog", "AuditLogError", "AuditReader", "CalError", "ChatR
            "MaintenanceArgumentError", "MaintenancePlane", "MaintenanceRefused", "ManifestError", "MetricsRegistry",
            "NotOffered", "ObservationPlane",
            "Report", "RequestCancelled", "RequestError", "RequestResult", "RequestStream", "SamplingParams",
-           "Snapshot", "StageTimes", "Timings", "TokenEvent", "TokenLogprob", "TokenProbs", "UnavailableError",
+           "SlotActions", "Snapshot", "StageTimes", "Timings", "TokenEvent", "TokenLogprob", "TokenProbs",
+           "UnavailableError",
            "audit_origin", "pseudo_filesystem",
            "summarize", "validate_request"]

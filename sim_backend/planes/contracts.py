@@ -130,6 +130,24 @@ class InferencePlane(Protocol):
 
 
 @runtime_checkable
+class SlotActions(Protocol):
+    """llama-server's slot actions on an inference plane that has them (``POST /slots/{id}?action=``):
+    save an idle slot's cached prompt KV to a file, restore it (the next request sharing the prefix reuses
+    it), erase it. ``path`` is a full file path the caller has already confined to its save directory.
+
+    Results (host wall ms): save {"n_saved": tokens, "n_written": bytes, "save_ms"}; restore
+    {"n_restored", "n_read", "restore_ms"}; erase {"n_erased"}. Errors: InvalidRequestError (no such
+    slot, a file that cannot be written or restored), UnavailableError (the slot is busy).
+    """
+
+    def save_slot(self, slot: int, path: str) -> dict[str, Any]: ...
+
+    def restore_slot(self, slot: int, path: str) -> dict[str, Any]: ...
+
+    def erase_slot(self, slot: int) -> dict[str, Any]: ...
+
+
+@runtime_checkable
 class ObservationPlane(Protocol):
     """Read-only view of device, jobs, KV, steps, requests and host. Nothing here changes the device."""
 

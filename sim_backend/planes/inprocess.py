@@ -63,6 +63,19 @@ class InProcessInference:
         """Prompt tokens with the chat template, as the context limit counts them."""
         return len(self._engine.tokenize_prompt(req))
 
+    # llama-server's slot actions (``SlotActions``): see ``Engine.save_slot`` / ``restore_slot`` / ``erase_slot``
+    def save_slot(self, slot: int, path: str) -> dict[str, Any]:
+        """Save idle slot ``slot``'s cached prompt KV (cells, tokens, K/V values) to ``path``."""
+        return self._engine.save_slot(slot, path)
+
+    def restore_slot(self, slot: int, path: str) -> dict[str, Any]:
+        """Restore a saved slot state into idle slot ``slot`` (its prefix is then reused)."""
+        return self._engine.restore_slot(slot, path)
+
+    def erase_slot(self, slot: int) -> dict[str, Any]:
+        """Free idle slot ``slot``'s cached prompt KV."""
+        return self._engine.erase_slot(slot)
+
     def tokenize(self, text: str, *, parse_special: bool = False) -> list[int]:
         """Token ids of ``text``; InvalidRequestError if it is not a string."""
         if not isinstance(text, str):

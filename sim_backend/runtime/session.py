@@ -69,6 +69,11 @@ class RuntimeSession:
         """True when the device computes logits (False: timing-only, no logits come back)."""
         return bool(self._board.numerics)
 
+    def kv_values(self) -> Any:
+        """The device's K/V values by cell for a sequence-state file (``KVView.save_seq_state`` /
+        ``load_seq_state`` ``values=``), or None when the device holds none (timing-only, memory cleared)."""
+        return self._board.kv_values()
+
     def step(self, kind: str, seq_id: int, tokens: Any, positions: Any, cells: Any, *,
              task_type: str = "auto", acquire_timeout: float = 0.0, numeric: bool = True) -> OutputBuf:
         """Submit one prefill/decode step of ``seq_id`` whose new ``cells`` were applied in the KV.

@@ -116,7 +116,7 @@ class Admission:
         """
         waiting: deque[RequestRecord] = deque()  # asked for a busy slot (id_slot): keep their place in the queue
         while self.queue:
-            free = [s for s in slots if s.req is None]
+            free = [s for s in slots if s.free]
             if not free:
                 break
             r = self.queue.popleft()

@@ -193,7 +193,7 @@ class KVPressure:
                     r.kv_retry_at = 0.0
                     changed = True
             return changed
-        idle = [s for s in slots if s.req is None and s.cache_tokens]
+        idle = [s for s in slots if s.free and s.cache_tokens]
         if idle:  # cached prefixes of finished requests go first; then retry at once
             for s in idle:
                 self._kv.free(s.seq_id)
@@ -286,7 +286,7 @@ class KVPressure:
     def evict_idle(self, slots: Sequence[Slot], need: int) -> None:
         """Free KV of idle slots' cached prefixes, least recently used first, until ``need`` cells fit.
         Called with the engine lock held."""
-        idle = sorted((s for s in slots if s.req is None and s.cache_tokens), key=lambda s: s.last_used)
+        idle = sorted((s for s in slots if s.free and s.cache_tokens), key=lambda s: s.last_used)
         for s in idle:
             if self._kv.can_allocate(need):
                 return

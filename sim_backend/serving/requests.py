@@ -98,7 +98,9 @@ class Slot:
 
     ``cache_tokens``: tokens whose KV the sequence holds (prefix reuse); ``cache_numeric``: those
     cells were computed by the numerics (a timing-only request's cells hold no values);
-    ``cache_epoch``: the KV epoch they were written in; ``last_used``: simulated ms.
+    ``cache_epoch``: the KV epoch they were written in; ``last_used``: simulated ms; ``action``: a
+    slot action in progress (save / restore / erase, ``Engine.save_slot`` ...): while set, nothing
+    assigns the slot or evicts its cells.
     """
 
     def __init__(self, idx: int, seq_id: int | None = None) -> None:
@@ -109,6 +111,12 @@ class Slot:
         self.cache_epoch = 0
         self.cache_numeric = False
         self.last_used = 0.0
+        self.action: str | None = None
+
+    @property
+    def free(self) -> bool:
+        """No request in it and no slot action on it: a request may take it, its cached cells may be evicted."""
+        return self.req is None and self.action is None
 
 
 def slot_info(s: Slot) -> SlotInfo:

@@ -62,6 +62,12 @@ def test_worker_matches_in_process_model_and_dies_typed():
         with pytest.raises(DeviceError, match="chip_scale"):  # a pricing error comes back typed
             proc.forward_priced(np.array([13]), np.array([7]), np.array([7]), np.arange(8), np.arange(8),
                                 kind="decode", past_len=7, chip_scale=[0.5, 1.0])
+        # the KV cache by cell through the pipe (a slot's saved state): the worker's rows are the local model's
+        assert proc.kv_layout() == local.kv_layout()
+        rows = proc.kv_take(ctx)
+        assert all(np.array_equal(a, b) for a, b in zip(rows, local.kv_take(ctx), strict=True))
+        proc.kv_put(ctx + 20, rows)
+        assert all(np.array_equal(a, b) for a, b in zip(proc.kv_take(ctx + 20), rows, strict=True))
         proc.clear_kv()
         proc._proc.kill()
         proc._proc.join(5)

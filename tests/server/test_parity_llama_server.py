@@ -35,6 +35,8 @@ ALLOW: dict[str, str] = {
                                            "llama-server writes '*' (both allow any header)",
     "status:empty-messages": "an empty 'messages' list: 400 (OpenAI refuses it) where llama-server renders an "
                              "empty chat and generates",
+    "status:slot-out-of-range": "POST /slots/{id} for a slot that does not exist: 400 'Invalid slot ID' where "
+                                "llama-server answers 200 and saves / erases nothing",
 }
 assert len(ALLOW) <= 12
 
@@ -101,6 +103,9 @@ CASES = [
     ("POST", "/embedding", {"content": "hi"}),
     ("POST", "/rerank", {"query": "a", "documents": ["b"]}),
     ("POST", "/infill", {"input_prefix": "def f(", "input_suffix": "):"}),
+    # slot actions without --slot-save-path: 501 on both, erase included
+    ("POST", "/slots/0?action=erase", None),
+    ("POST", "/slots/0?action=save", {"filename": "a.bin"}),
 ]
 
 
@@ -252,6 +257,43 @@ def test_busy_slot_shape(make_server: Any, llama_server: Any) -> None:
         shapes.append(busy[0])
     assert isinstance(shapes[0]["next_token"], list) and "n_prompt_tokens_cache" in shapes[0]
     assert _unexplained(shapes[0], shapes[1]) == []
+
+
+SLOT_STEPS = [  # (slot, action, body): in this order on both servers, each slot's cache from the prompt below
+    (0, "save", {"filename": "p0.bin"}),
+    (0, "erase", None),
+    (0, "restore", {"filename": "p0.bin"}),
+    (1, "restore", {"filename": "p0.bin"}),
+    (0, "restore", {"filename": "missing.bin"}),
+    (0, "save", {"filename": "../escape.bin"}),
+    (0, "save", {"filename": "/tmp/abs.bin"}),
+    (0, "save", {}),
+    (0, "save", {"filename": 5}),
+    (0, "save", None),
+    ("x", "erase", None),
+    (0, "bogus", None),
+    (0, None, None),
+]
+
+
+def test_slot_actions(make_server: Any, llama_server_slot_save: Any, tmp_path: Any) -> None:
+    ours = make_server(system_kw={"n_slots": 2}, slot_save_path=str(tmp_path))
+    for url in (ours.url, llama_server_slot_save.url):
+        r = _call(url, "POST", "/completion", {"prompt": "Hello there, my friend", "n_predict": 3, "id_slot": 0})
+        assert r.status_code == 200
+    for slot, action, body in SLOT_STEPS:
+        path = f"/slots/{slot}" + (f"?action={action}" if action else "")
+        a, b = _call(ours.url, "POST", path, body), _call(llama_server_slot_save.url, "POST", path, body)
+        assert a.status_code == b.status_code, (path, body, a.text, b.text)
+        ja, jb = a.json(), b.json()
+        if b.status_code >= 400:
+            assert (ja["error"]["type"], ja["error"]["code"]) == (jb["error"]["type"], jb["error"]["code"])
+        else:
+            assert ja["id_slot"] == jb["id_slot"] == slot and ja.get("filename") == jb.get("filename")
+        assert _unexplained(ja, jb) == [], (path, body)
+    # allow-listed as status:slot-out-of-range
+    a, b = (_call(u, "POST", "/slots/7?action=erase") for u in (ours.url, llama_server_slot_save.url))
+    assert (a.status_code, b.status_code) == (400, 200) and a.json()["error"]["message"].startswith("Invalid slot ID")
 
 
 # --- /metrics and headers ---------------------------------------------------------------------------------

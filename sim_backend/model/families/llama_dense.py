@@ -30,7 +30,7 @@ import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape, NumericShape, split_over_chips
 from sim_backend.model.families.gguf_file import GGUFFile, open_gguf
-from sim_backend.model.numerics import StepNumerics, lazy_zeros
+from sim_backend.model.numerics import CellKV, StepNumerics, lazy_zeros
 
 F32 = np.float32
 _ONE = F32(1.0)
@@ -161,7 +161,7 @@ class DenseChip:
         self.v_cache = lazy_zeros((shape.n_layers, self.hkv, n_cells, D))
 
 
-class DenseShardedModel:
+class DenseShardedModel(CellKV):
     """A dense model as the device runs it: :class:`DenseChip` s with reduce/gather between them.
 
     ``forward`` is one prefill or decode step of one sequence (batch 1): K/V written at ``new_cells``,
@@ -176,6 +176,9 @@ class DenseShardedModel:
         self.shape, self.num, self.n_cells = shape, num, n_cells
         w = weights if weights is not None else load_dense_weights(shape, num)
         self.chips = [DenseChip(c, shape, w, n_cells) for c in range(shape.n_chips)]
+
+    def _kv_arrays(self) -> list[tuple[np.ndarray, int]]:
+        return [(a, 2) for c in self.chips for a in (c.k_cache, c.v_cache)]  # (L, hkv, cells, D) per chip
 
     def clear_kv(self) -> None:
         """Zero every chip's KV cache (fresh zero pages; nothing is written)."""
