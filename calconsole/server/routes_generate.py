@@ -168,8 +168,10 @@ async def completion(face: ServingFace, request: Request) -> Response:
         return JSONResponse(out if len(prompts) > 1 else out[0])
 
     n_prompt = [len(r.prompt_tokens or ()) for r in reqs]
+    streamed = [0] * len(reqs)  # tokens each request's pieces carried (each index is one pump thread's)
 
     def piece(i: int, ev: TokenEvent) -> list[dict[str, Any]]:
+        streamed[i] = ev.n_tokens
         c = wire.native_chunk(ev.text, list(ev.tokens), id_slot=reqs[i].id_slot, n_predicted=ev.n_tokens,
                               n_evaluated=n_prompt[i])
         c["index"] = i
@@ -180,4 +182,14 @@ async def completion(face: ServingFace, request: Request) -> Response:
             _label(c, ev.probs)
         return [c]
 
-    return await face.stream(reqs, [], piece, lambda i, res: [final(res, i)], False)
+    def last(i: int, res: RequestResult) -> list[dict[str, Any]]:
+        # llama-server streams a piece for every token: the ones that showed no text (an EOS, a stop word's)
+        # come in one piece with empty content before the final chunk, with their ids and probabilities
+        rest = res.tokens[streamed[i]:]
+        if not rest:
+            return [final(res, i)]
+        ev = TokenEvent(res.request_id, "", len(res.tokens), res.timings.done_ms, tuple(rest),
+                        res.probs[streamed[i]:])
+        return piece(i, ev) + [final(res, i)]
+
+    return await face.stream(reqs, [], piece, last, False)

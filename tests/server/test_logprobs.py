@@ -182,6 +182,13 @@ def test_stop_word_tokens_are_dropped_from_a_whole_reply(numeric: str) -> None:
                                             "n_probs": 1, "stop": [word.strip()]}).json()
     assert stopped["stop_type"] == "word"
     assert len(stopped["completion_probabilities"]) < stopped["tokens_predicted"]
+    # streamed, as llama-server: a piece for every token, the stop word's too (with the text before the word)
+    events = _body(post(numeric, "/completion", {"prompt": "The lighthouse", "n_predict": 6, "temperature": 0,
+                                                 "n_probs": 1, "stop": [word.strip()], "stream": True}))
+    pieces = [e for e in events if not e["stop"]]
+    assert sum(len(e["tokens"]) for e in pieces) == events[-1]["tokens_predicted"]
+    assert sum(len(entries_of(e)[0]) for e in pieces) == events[-1]["tokens_predicted"]
+    assert word.strip() not in "".join(e["content"] for e in pieces) and events[-1]["stop_type"] == "word"
 
 
 # --- timing-only: the seeded generator's distribution, labelled ------------------------------------------
