@@ -372,9 +372,16 @@ class Sampler:
         return np.exp(buf, out=buf)
 
     def _sorted(self, ids: np.ndarray) -> np.ndarray:
-        """``ids`` (ascending) ordered by descending logit, ties by lower id."""
-        o = np.argsort(-self._x[ids], kind="stable")
-        return ids[o]
+        """``ids`` (ascending) ordered by descending logit, ties by lower id (``-inf`` ones last, by id).
+
+        The ``-inf`` ids (a grammar's mask leaves most of the vocabulary there) are not sorted: in
+        ascending id order after the finite ones they are where a stable sort of all puts them."""
+        v = self._x[ids]
+        fin = np.isfinite(v)
+        if fin.all():
+            return ids[np.argsort(-v, kind="stable")]
+        f = ids[fin]
+        return np.concatenate((f[np.argsort(-self._x[f], kind="stable")], ids[~fin]))
 
     def _threshold(self, k: int) -> float:
         """A value that at least ``k`` logits reach (the k-th largest column max)."""
@@ -385,9 +392,17 @@ class Sampler:
         return float(np.partition(cm, cm.shape[0] - k)[cm.shape[0] - k])
 
     def _top(self, k: int) -> np.ndarray:
-        """Sorted candidate prefix containing at least the top ``k`` ids."""
+        """Sorted candidate prefix containing at least the top ``k`` ids (all of them ``-inf`` but fewer
+        than ``k`` finite: a grammar's mask; then the finite ones and the first ``-inf`` ids to ``k``)."""
         x = self._x[: self.vocab_size]
-        return self._sorted(np.flatnonzero(x >= self._threshold(k)))
+        t = self._threshold(k)
+        if t == -math.inf:  # fewer than k columns hold a finite logit: no need to touch the -inf ones
+            fin = np.isfinite(x)
+            f = np.flatnonzero(fin)
+            if f.size >= k:
+                return self._sorted(f)
+            return np.concatenate((self._sorted(f), np.flatnonzero(~fin)[: k - f.size]))
+        return self._sorted(np.flatnonzero(x >= t))
 
     def _grow(self, w: np.ndarray, need: float, enough: Callable[[np.ndarray], bool]) -> np.ndarray:
         """A sorted candidate prefix whose exact mass satisfies ``enough``.
@@ -417,7 +432,12 @@ class Sampler:
                 yield m - d
 
         hi = math.inf  # a threshold known to hold too little mass
+        min_finite: float | None = None
         for t in schedule():
+            if t == -math.inf:  # (a grammar's mask) the same candidates by mass: the finite ones
+                if min_finite is None:
+                    min_finite = float(np.min(x, where=np.isfinite(x), initial=math.inf))
+                t = min_finite
             if t >= hi:
                 continue
             mask = x >= t

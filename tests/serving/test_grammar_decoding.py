@@ -122,3 +122,16 @@ def test_ignore_eos_ends_only_where_the_grammar_allows_nothing_else(timing) -> N
                                                               grammar=Grammar("gbnf", 'root ::= "yes, " [0-9]{1,3}'),
                                                               sampling=SamplingParams(seed=seed)), timeout=60)
         assert r.stop_type == "eos" and len(r.text) == len("yes, 777") and r.text.startswith("yes, "), r.text
+
+
+def test_bench_grammar_prints_per_token_figures(capsys) -> None:
+    import argparse
+
+    from calconsole.commands.bench_grammar import run
+
+    assert run(argparse.Namespace(tokens=20, requests=0, bundle=None, json=False)) == 0
+    out = capsys.readouterr().out
+    for g in ("none", "json_schema", "gbnf"):
+        assert f"numerics    {g:11}: median" in out and f"timing-only {g:11}: median" in out
+    assert "mask alone  json_schema" in out
+    assert run(argparse.Namespace(tokens=5, requests=0, bundle=None, json=False)) == 2  # --tokens refused
