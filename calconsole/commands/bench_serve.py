@@ -22,6 +22,13 @@ keepalive: GET /health median and P95 (host wall ms) on one kept-alive connectio
   OpenAI SDK and httpx do) beside a new connection per request; a kept-alive request should cost
   well under 1 ms on loopback.
 
+paired: with --url, the same request mix (--mix x --clients, --requests each) and the keep-alive /health
+  probe against that server and then against an in-process calconsole server (--pacing, --slots,
+  --numerics), one after the other: a side-by-side table of client TTFT / TPOT / E2E P50 and P95
+  (host wall ms), completed / failed requests and the /health median. It runs by itself when the
+  server is a stock llama-server (its /props has build_info and no calconsole device), or when named
+  in --phases.
+
 With --url the keep-alive and sweep phases run against that server; the overhead needs the in-process plane and is
 skipped; the sustained search runs if the server's /props says it paces in real time.
 Host wall ms and simulated device ms are labelled everywhere; a benchmark, not a test.
@@ -56,8 +63,9 @@ from ..bench.serve_load import (
 from .common import fail, print_json
 
 PHASES = ("keepalive", "sweep", "overhead", "sustained")
-#: phases run only when named in --phases (the soak takes half an hour by default)
-EXTRA_PHASES = ("soak",)
+#: phases run only when named in --phases (the soak takes half an hour by default; paired also runs by itself
+#: against a llama-server)
+EXTRA_PHASES = ("soak", "paired")
 #: GET /health requests per leg of the keep-alive phase (the first 10 are warm-up)
 KEEPALIVE_REQUESTS = 200
 # Defaults from the operators' experiment matrix (facts.md F8): clients 1..16, the three mixes, prompt
@@ -86,8 +94,9 @@ def register(bsub) -> None:
                    help="requests per sweep configuration and per overhead leg (default 20)")
     p.add_argument("--duration", type=float, default=6.0, metavar="S",
                    help="host wall seconds per sustained-streams configuration (default 6; running requests finish)")
-    p.add_argument("--phases", default=",".join(PHASES),
-                   help=f"which phases (default {','.join(PHASES)}; also: soak, only when named)")
+    p.add_argument("--phases", default=None,
+                   help=f"which phases (default {','.join(PHASES)}, and paired when --url is a llama-server; "
+                        "also: soak and paired, when named)")
     p.add_argument("--soak-s", type=float, default=1800.0, metavar="S",
                    help="soak phase: host seconds of mixed traffic (streams, dropped streams, chat, tokenize, "
                         "health, metrics, snapshot); the server's RSS is printed every 1,000 requests (1800)")
@@ -99,6 +108,9 @@ def register(bsub) -> None:
     p.add_argument("--slo", default=None, metavar="SPEC",
                    help="goodput SLOs, vLLM style: ttft:MS,tpot:MS,e2el:MS (client: wall ms; server: simulated ms)")
     p.add_argument("--warmup", type=int, default=3, help="untimed short requests before each phase (default 3)")
+    p.add_argument("--health-requests", type=int, default=KEEPALIVE_REQUESTS, metavar="N",
+                   help=f"GET /health requests per leg of the keep-alive probe (default {KEEPALIVE_REQUESTS}; "
+                        "10 more are warm-up)")
     p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="per-request timeout, host s (300)")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and mix order (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -145,11 +157,13 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
         "clients": _int_list("clients", args.clients, 1, MAX_CLIENTS),
         "overhead_clients": _int_list("overhead-clients", args.overhead_clients, 1, MAX_CLIENTS),
         "mixes": _names("mix", args.mix, tuple(MIXES)),
-        "phases": _names("phases", args.phases, PHASES + EXTRA_PHASES),
+        "phases": _names("phases", args.phases or ",".join(PHASES), PHASES + EXTRA_PHASES),
+        "phases_named": args.phases is not None,
         "shapes": {"short": Shape.parse("short", args.short), "long": Shape.parse("long", args.long)},
         "slo": parse_slo(args.slo) if args.slo is not None else None,
     }
     for name, v, lo, hi in (("requests", args.requests, 1, 100_000), ("warmup", args.warmup, 0, 1000),
+                            ("health-requests", args.health_requests, 1, 100_000),
                             ("slots", args.slots, 1, 32), ("soak-clients", args.soak_clients, 1, MAX_CLIENTS)):
         if not lo <= v <= hi:
             raise ValueError(f"--{name} must be in {lo}..{hi}, got {v}")
@@ -409,7 +423,45 @@ async def sustained(b: Bench, url: str, speed: float) -> dict[str, Any]:
 
 # --- the command ---------------------------------------------------------------------------------
 
-async def keepalive(b: Bench, url: str, n: int = KEEPALIVE_REQUESTS) -> dict[str, Any]:
+def _is_llama_server(props: dict[str, Any]) -> bool:
+    """A stock llama-server's /props: build_info and no calconsole ``device`` block."""
+    return "build_info" in props and "device" not in props
+
+
+async def paired_target(b: Bench, url: str) -> dict[str, Any]:
+    """One side of the paired phase: the keep-alive probe and every (mix, clients) of the run at ``url``."""
+    out: dict[str, Any] = {"url": url, "health": await keepalive(b, url), "configurations": []}
+    async with b.client(url, max(b.opts["clients"])) as client:
+        await b.prepare(client)
+        for mix in b.opts["mixes"]:
+            plan = mix_plan(mix, b.args.requests, b.args.seed)
+            for c in b.opts["clients"]:
+                res, _ = await b.config(client, plan, c, n_requests=b.args.requests)
+                cl = res["client"]
+                out["configurations"].append({
+                    "mix": mix, "clients": c, "requests": res["requests"],
+                    **{k: {q: (cl[k] or {}).get(q) for q in ("p50", "p95")} for k in ("ttft_ms", "tpot_ms", "e2e_ms")},
+                    "prompt_tokens_per_request": (res["prompt_tokens_per_request"] or {}).get("p50")})
+    return out
+
+
+def paired(args: argparse.Namespace, opts: dict[str, Any], url: str, kind: str) -> dict[str, Any]:
+    """The paired phase: the server at ``url`` first, then an in-process calconsole server, one at a time (so they
+    never compete for the host's CPU), each with its own prompt sizing (its own tokenizer counts the tokens) and
+    the same request sequence (prompt i of the run is the same text on both)."""
+    theirs = asyncio.run(paired_target(Bench(args, opts), url))
+    with in_process_server(args, pacing=args.pacing, slots=args.slots, queue=max(16, max(opts["clients"])),
+                           slo=opts["slo"]) as (ours_url, _):
+        ours = asyncio.run(paired_target(Bench(args, opts), ours_url))
+    return {"clock": "host wall ms (client side), both targets",
+            "targets": [{"name": kind, "url": url},
+                        {"name": "calconsole", "url": ours_url,
+                         "server": {"pacing": args.pacing, "speed": args.speed, "slots": args.slots,
+                                    "numerics": args.numerics, "in_process": True}}],
+            "results": [theirs, ours]}
+
+
+async def keepalive(b: Bench, url: str, n: int | None = None) -> dict[str, Any]:
     """GET /health latency (host wall ms) on one kept-alive connection and on a new connection each time,
     and this process's CPU ms per request (the client's, plus the server's when it runs in this process):
     on a loaded host the wall figure waits for time slices, the CPU figure does not."""
@@ -417,6 +469,7 @@ async def keepalive(b: Bench, url: str, n: int = KEEPALIVE_REQUESTS) -> dict[str
 
     import httpx
 
+    n = b.args.health_requests if n is None else n
     out: dict[str, Any] = {"requests": n, "clock": "host wall ms", "path": "/health",
                            "load_average": os.getloadavg()[0]}
     for name, keep in (("kept_alive", 1), ("new_connection", 0)):
@@ -467,7 +520,7 @@ def run(args: argparse.Namespace) -> int:
                                       for k, s in b.shapes.items()},
                            "slo": opts["slo"].to_dict() if opts["slo"] is not None else None,
                            "configurations": [], "overhead": None, "sustained": None, "soak": None,
-                           "keepalive": None}
+                           "keepalive": None, "paired": None}
     t0 = time.perf_counter()
     try:
         if args.url is not None:
@@ -512,6 +565,9 @@ def _run_in_process(b: Bench, rep: dict[str, Any]) -> None:
         rep["server"]["sustained_slots"] = slots
         with in_process_server(args, pacing="realtime", slots=slots, queue=queue, slo=opts["slo"]) as (url, _):
             rep["sustained"] = asyncio.run(sustained(b, url, args.speed))
+    if "paired" in opts["phases"]:
+        rep["paired"] = {"skipped": "the paired phase compares the server at --url with an in-process one; "
+                                    "give --url"}
     if "soak" in opts["phases"]:
         rep["server"]["soak_note"] = ("in-process: the RSS is of this process, client and server together; "
                                       "serve in another process and pass --url for the server's alone")
@@ -524,8 +580,13 @@ def _run_remote(b: Bench, rep: dict[str, Any]) -> None:
     props = asyncio.run(_props(b, url)) or {}
     dev = props.get("device") or {}
     pacing, speed = dev.get("pacing"), dev.get("pacing_speed")
+    llama = _is_llama_server(props)
     rep["server"] = {"numerics": dev.get("numerics"), "pacing": pacing, "speed": speed,
-                     "slots": props.get("total_slots")}
+                     "slots": props.get("total_slots"), "kind": "llama-server" if llama else "calconsole"}
+    if llama and not opts["phases_named"]:
+        # a stock llama-server: the paired phase runs its sweep and health probe beside calconsole's; the
+        # other phases would repeat it (sweep, keepalive) or cannot run there (overhead, sustained)
+        opts = {**opts, "phases": ["paired"]}
     if "keepalive" in opts["phases"]:
         rep["keepalive"] = asyncio.run(keepalive(b, url))
     if "sweep" in opts["phases"]:
@@ -541,6 +602,8 @@ def _run_remote(b: Bench, rep: dict[str, Any]) -> None:
                                            "needs real-time pacing (calconsole serve --pacing realtime)"}
     if "soak" in opts["phases"]:
         rep["soak"] = _soak(b, url)
+    if "paired" in opts["phases"]:
+        rep["paired"] = paired(b.args, opts, url, "llama-server" if llama else "server at --url")
 
 
 def _soak(b: Bench, url: str) -> dict[str, Any]:
@@ -636,6 +699,9 @@ def print_report(rep: dict[str, Any]) -> None:
                   f"(host wall ms, {ka['requests']} requests each, load average {_f(ka.get('load_average'), 2)}); "
                   f"CPU of this process {_f(k.get('cpu_ms_per_request'), 3)} / {_f(nc.get('cpu_ms_per_request'), 3)} "
                   "ms a request (kept-alive / new; the in-process server's included)")
+    pa = rep.get("paired")
+    if pa is not None:
+        _print_paired(con, pa)
     so = rep.get("soak")
     if so is not None:
         v = so["verdict"]
@@ -663,3 +729,37 @@ def print_report(rep: dict[str, Any]) -> None:
                           f"{_f(row['lag_ms_per_token'], 2)} ms/token; ITL P50 {_f(row['client_itl_p50_ms'])} wall "
                           f"vs {_f(row['sim_itl_p50_ms'])} sim; TTFT P50 {_f(row['client_ttft_p50_ms'])} wall vs "
                           f"{_f(row['sim_ttft_p50_ms'])} sim; failed {row['requests']['failed']}")
+
+
+def _print_paired(con: Any, pa: dict[str, Any]) -> None:
+    """The paired phase's side-by-side table: each cell is "<--url server> | calconsole" (host wall ms)."""
+    from rich.table import Table
+
+    if "skipped" in pa:
+        con.print(f"paired: skipped ({pa['skipped']})")
+        return
+    a, b = pa["targets"]
+    ra, rb = pa["results"]
+    srv = b["server"]
+    t = Table(title=f"paired, client side (host wall ms): {a['name']} {a['url']} | calconsole in-process "
+                    f"({srv['pacing']} pacing{'' if srv['numerics'] else ', timing-only'}, {srv['slots']} slots)")
+    for col in ("mix", "clients", "ok/sent", "failed", "TTFT P50", "TTFT P95", "TPOT P50", "TPOT P95", "E2E P50",
+                "E2E P95"):
+        t.add_column(col, justify="left" if col == "mix" else "right")
+
+    def two(x: Any, y: Any, nd: int = 1) -> str:
+        return f"{_f(x, nd)} | {_f(y, nd)}"
+
+    for x, y in zip(ra["configurations"], rb["configurations"], strict=True):
+        qa, qb = x["requests"], y["requests"]
+        t.add_row(x["mix"], str(x["clients"]), f"{qa['completed']}/{qa['sent']} | {qb['completed']}/{qb['sent']}",
+                  f"{qa['failed']} | {qb['failed']}",
+                  *(two(x[k][q], y[k][q]) for k in ("ttft_ms", "tpot_ms", "e2e_ms") for q in ("p50", "p95")))
+    con.print(t)
+    ha, hb = ra["health"]["kept_alive"], rb["health"]["kept_alive"]
+    con.print(f"[bold]paired GET /health, kept-alive: median {_f(ha['median_ms'], 3)} | {_f(hb['median_ms'], 3)} ms[/] "
+              f"(P95 {_f(ha['p95_ms'], 3)} | {_f(hb['p95_ms'], 3)}; {a['name']} | calconsole)")
+    for name, r in ((a["name"], ra), ("calconsole", rb)):
+        for c in r["configurations"]:
+            if c["requests"]["errors"]:
+                con.print(f"[red]{name} {c['mix']} x{c['clients']} errors:[/] {c['requests']['errors']}")

@@ -235,3 +235,19 @@ def test_a_reply_past_the_timeout_is_a_failed_request(make_system: Any, capsys):
                      "--warmup", "1"]) == 2
     err = capsys.readouterr().err
     assert "warm-up request failed: no complete reply within 1 s" in err and err.count("\n") == 1
+
+
+def test_paired_against_the_real_llama_server_prints_both_columns(llama_server: Any, capsys):
+    """--url a llama-server: the paired phase alone, the same mix against it and an in-process calconsole."""
+    rc = main(["bench", "serve", "--url", llama_server.url, "--clients", "1", "--requests", "2", "--mix", "short",
+               "--health-requests", "5", *TINY])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert f"llama-server {llama_server.url} | calconsole in-process" in out and "sweep (closed loop)" not in out
+    row = next(line for line in out.splitlines() if line.startswith("│ short"))
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    assert cells[:4] == ["short", "1", "2/2 | 2/2", "0 | 0"]
+    for cell in cells[4:]:  # TTFT / TPOT / E2E P50 and P95: a figure on each side
+        left, right = (float(x) for x in cell.split(" | "))
+        assert left >= 0 and right >= 0
+    assert "paired GET /health, kept-alive: median" in out
