@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+import msgspec
+
 from sim_backend.planes import CalError, RequestError, SamplingParams
 
 from .common import add_common_options, add_connect_options, build_or_connect, fail, print_json, read_prompt
@@ -26,9 +28,10 @@ def _number(text: str) -> int | float | str:
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling (same parameters as the chat pane; invalid values exit with code 2)")
     g.add_argument("--max-tokens", type=_number, default=128,
-                   help="tokens to generate at most, > 0 (default 128). A reply also stops at the context end "
-                        "(40960 tokens, prompt and chat template included; stop=limit): a larger value is "
-                        "accepted and a note on stderr says how many tokens the reply can have at most")
+                   help="tokens to generate at most, > 0, or -1: until the context is full or a stop (llama-server's "
+                        "-1; default 128). A reply also stops at the context end (40960 tokens, prompt and chat "
+                        "template included; stop=limit): a larger value is accepted and a note on stderr says how "
+                        "many tokens the reply can have at most")
     d = SamplingParams()  # one home for the defaults (llama-server's)
     g.add_argument("--temperature", type=_number, default=d.temperature,
                    help=f">= 0; 0 = greedy (default {d.temperature:g})")
@@ -98,9 +101,16 @@ def run(args: argparse.Namespace) -> int:
         prompt = read_prompt(args.prompt)
     except ValueError as e:
         return fail(str(e))
+    # -1: until the context is full or a stop, as llama-server's n_predict -1 (the context is the device's:
+    # known once it is built or attached); checked as 1 until then
+    unbounded = args.max_tokens == -1 and isinstance(args.max_tokens, int)
+    if isinstance(args.max_tokens, int) and args.max_tokens < 1 and not unbounded:
+        return fail(f"invalid_request_error: max_tokens (--max-tokens) must be a positive integer or -1 (until the "
+                    f"context is full or a stop), got {args.max_tokens}")
     req = request_from_args(args, prompt)
     try:
-        validate_request(req)  # before building anything: bad input costs nothing
+        # before building anything: bad input costs nothing
+        validate_request(msgspec.structs.replace(req, max_tokens=1) if unbounded else req)
     except RequestError as e:
         return fail(f"{e.error_type}: {e}")
     try:
@@ -108,13 +118,15 @@ def run(args: argparse.Namespace) -> int:
     except (CalError, ValueError) as e:
         return fail(str(e))
     with system:
+        n_ctx = system.inference.n_ctx
+        if unbounded:
+            req = msgspec.structs.replace(req, max_tokens=n_ctx)
         try:
             handle = system.inference.submit(req)
         except RequestError as e:
             return fail(f"{e.error_type}: {e}")
-        n_ctx = system.inference.n_ctx
         room = n_ctx - handle.prompt_n  # the engine stops once prompt + generated reach n_ctx (llama.cpp)
-        if req.max_tokens > room:
+        if req.max_tokens > room and not unbounded:
             print(f"calconsole: note: --max-tokens {req.max_tokens} is more than the context leaves: the "
                   f"reply stops at the context end ({n_ctx} tokens, {handle.prompt_n} of them prompt) after "
                   f"at most {room} tokens", file=sys.stderr)

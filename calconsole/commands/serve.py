@@ -59,7 +59,8 @@ def register(sub, common) -> None:
                    help="requests that may wait for a slot beyond the free ones (default 16; more: 503)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N", help="request body limit (1 MiB)")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
-                   help="per-request deadline in host seconds (default 600), then the request is cancelled")
+                   help="per-request deadline in host seconds (default 600): then a request is cancelled (503), "
+                        "or one without a limit (max_tokens -1) ends as at its limit (finish_reason length)")
     p.add_argument("--send-timeout", type=float, default=30.0, metavar="S",
                    help="a stream whose reader takes no chunk for S seconds is closed and cancelled (default 30)")
     p.add_argument("--lease-ttl", type=float, default=30.0, metavar="S",

@@ -79,6 +79,12 @@ class EventBridge:
             if not h.done:
                 h.cancel(reason)
 
+    def stop_generation(self, reason: str) -> None:
+        """End every request not yet ended at its next token as its limit would (``stop_generation``)."""
+        for h in self.streams:
+            if not h.done:
+                h.stop_generation(reason)
+
     def _hand(self, send: MemoryObjectSendStream[Any], items: list[Any]) -> bool:
         try:
             for it in items:

@@ -65,6 +65,11 @@ class RequestStream(Protocol):
         """Cancel in any state; idempotent; returns at once. The request ends within one device step."""
         ...
 
+    def stop_generation(self, reason: str) -> None:
+        """End the request at its next sampled token as if its limit were reached (finished, stop_type
+        ``limit``, its text kept); returns at once. Where that is not possible it is cancelled."""
+        ...
+
     def next_event(self, timeout: float) -> TokenEvent | DoneEvent | None:
         """The next event within ``timeout`` host seconds, or None."""
         ...

@@ -30,6 +30,12 @@ class EventStream:
     def cancel(self, reason: str = "cancelled by client") -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
+    def stop_generation(self, reason: str) -> None:
+        """End the request as its token limit would (finished, ``stop_type`` limit) at its next token.
+        A stream that cannot do that (an HTTP client's) cancels it with ``reason``; the in-process
+        handle overrides this."""
+        self.cancel(reason)
+
     def next_event(self, timeout: float) -> TokenEvent | DoneEvent | None:
         """Next event within ``timeout`` host seconds, or None."""
         try:

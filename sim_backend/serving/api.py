@@ -44,6 +44,8 @@ class RequestHandle(EventStream):
         self._result: RequestResult | None = None
         self._done = threading.Event()
         self._engine_wake: Callable[[], None] = lambda: None
+        self._limit_now: Callable[[], None] = lambda: None  # the engine's: its pipeline's limit_now
+        self.stop_reason = ""
         self.state = RequestState.QUEUED
 
     def cancel(self, reason: str = "cancelled by client") -> None:
@@ -56,6 +58,15 @@ class RequestHandle(EventStream):
             self.cancel_reason = reason
             self._cancel.set()
             self._engine_wake()
+
+    def stop_generation(self, reason: str) -> None:
+        """End the request at its next sampled token with ``stop_type`` limit, as its max_tokens would:
+        finished, its text and KV kept (the serving face's deadline for a request without a limit of its
+        own, llama-server's -1). Returns at once; a request still queued or prefilling ends after its
+        first token. Idempotent; a request that already ended is not changed."""
+        if not self.stop_reason:
+            self.stop_reason = reason
+            self._limit_now()
 
     @property
     def cancelled(self) -> bool:

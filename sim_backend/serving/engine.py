@@ -247,6 +247,7 @@ class Engine:
                                    text_ids=self._text_ids, grammar=matcher)
             r = RequestRecord(rid, req, prompt, handle, arrival / 1e3, tok_us / 1e3, tokens)
             handle._engine_wake = functools.partial(self._on_cancel, rid)
+            handle._limit_now = tokens.limit_now
             booked_us = self.host_booking.before(tok_us)
             self.rt.clock.host_span(arrival, booked_us)  # tokenising is host work on the request's clock
             r.host_booked_ms += booked_us / 1e3

@@ -85,6 +85,12 @@ class TokenPipeline:
         #: the last sampled token, fed to the model by the next decode step
         self.pending_token: int | None = None
 
+    def limit_now(self) -> None:
+        """The next sampled token is the last (``limit``): the generation limit becomes what is generated
+        plus one. Called from another thread (``RequestHandle.stop_generation``): one int store, read by
+        the engine thread at the next token."""
+        self._max_tokens = min(self._max_tokens, len(self.generated) + 1)
+
     @property
     def seed(self) -> int:
         """The sampler's seed (drawn when the request gave none), for replay."""

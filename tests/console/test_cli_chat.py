@@ -79,6 +79,28 @@ def test_chat_passes_every_sampling_option(capsys, monkeypatch):
     assert d["seed"] == 42 and d["timings"]["predicted_n"] == 3 and d["status"] == "finished"
 
 
+def test_max_tokens_minus_one_runs_until_a_stop_as_llama_server(capsys, monkeypatch):
+    # the CLI refused -1 while the HTTP face took it (llama-server's n_predict -1: until the context is full
+    # or a stop); the timing-only stand-in writes ordinary text, so a one-letter stop string ends it soon
+    from sim_backend.serving.engine import Engine
+
+    seen = {}
+    orig = Engine.submit
+
+    def spy(self, req):
+        seen["req"] = req
+        return orig(self, req)
+
+    monkeypatch.setattr(Engine, "submit", spy)
+    code, out, err = run(capsys, "chat", "hello", "--timing-only", "--json", "--max-tokens", "-1", "--stop", "e",
+                         "--seed", "3")
+    assert code == 0, err
+    assert seen["req"].max_tokens == 40960  # the context: the limit is the context end
+    d = json.loads(out)
+    assert d["status"] == "finished" and d["stop_type"] == "word" and d["stopping_word"] == "e"
+    assert "note" not in err  # -1 is not "more than the context leaves"
+
+
 def _families(text: str) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 

@@ -356,6 +356,27 @@ def test_deadline_cancels_with_an_error_event(make_server):
     assert "deadline" in error_of(non_stream, 503, "unavailable_error")
 
 
+def test_no_limit_ends_at_the_deadline_with_what_it_generated(make_server):
+    # max_tokens -1 (llama-server: until the context is full or a stop) ran a non-streaming request into the
+    # 600 s deadline and answered 503 with nothing; the deadline is its limit: 200, finish_reason length
+    s = make_server(request_timeout_s=1.0, system_kw={"pacing": Pacing(PacingMode.REALTIME, 0.2)})
+    body = {"messages": [{"role": "user", "content": "go on forever"}], "max_tokens": -1}
+    r = post(s, CHAT, body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["finish_reason"] == "length" and out["choices"][0]["message"]["content"]
+    n = out["usage"]["completion_tokens"]
+    assert 0 < n < 40960 - out["usage"]["prompt_tokens"]  # the deadline ended it, not the context
+    native = post(s, "/completion", {"prompt": "and on", "n_predict": -1}).json()
+    assert native["stop_type"] == "limit" and native["stop"] is True and native["tokens_predicted"] > 0
+    with httpx.stream("POST", s.url + CHAT, json={**body, "stream": True}, timeout=60) as st:
+        events = sse_events(b"".join(st.iter_bytes()))
+    assert events[-1] == "[DONE]" and not any("error" in json.loads(e) for e in events[:-1])
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    counters = s.system.observation.snapshot().requests.counters
+    assert counters.finished == 3 and counters.cancelled == 0
+
+
 def test_a_reader_that_stops_reading_loses_its_slot(make_server):
     """Slow client: once a chunk cannot be sent within send_timeout_s the stream is closed and cancelled."""
     import socket
