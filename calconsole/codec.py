@@ -13,14 +13,19 @@ A streamed or whole result carries two parts:
 
 ``result_extension`` writes the ``calconsole`` key, ``result_from_extension`` reads it back into
 the same ``RequestResult``; ``tests/remote/test_codec.py`` round-trips random results through JSON.
+
+Token probabilities travel in llama-server's entries (``probs_json``: ``completion_probabilities`` or
+``choices[].logprobs.content``), read back by ``probs_from_wire`` (from ``calconsole serve`` or a
+real llama-server alike).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sim_backend.planes import RequestResult, Timings
+from sim_backend.planes import RequestResult, Timings, TokenLogprob, TokenProbs
 
 #: llama-server's ``timings`` keys, in its order
 LLAMA_TIMINGS = ("cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second",
@@ -72,5 +77,67 @@ def result_from_extension(ext: Mapping[str, Any], text: str, *, request_id: int 
                          seed=None if seed is None else int(seed))
 
 
-__all__ = ["LLAMA_TIMINGS", "llama_timings", "result_extension", "result_from_extension", "timings_from_wire",
-           "timings_to_wire"]
+#: llama-server's log of a zero probability (``std::numeric_limits<float>::lowest()``: JSON has no -inf)
+LOWEST_LOGPROB = -3.4028234663852886e38
+
+
+def token_text(piece: bytes) -> str:
+    """A token's text as llama-server writes it: an incomplete UTF-8 character at the end is cut (its
+    ``validate_utf8``), anything else invalid becomes U+FFFD."""
+    cut = len(piece)
+    for back in range(1, min(4, len(piece)) + 1):  # a lead byte whose sequence runs past the end
+        b = piece[-back]
+        if b & 0xC0 == 0x80:
+            continue
+        need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+        if need > back:
+            cut = len(piece) - back
+        break
+    return piece[:cut].decode("utf-8", errors="replace")
+
+
+def _value(logprob: float, post: bool) -> tuple[str, float]:
+    if post:
+        return "prob", math.exp(logprob)
+    return "logprob", logprob if logprob > LOWEST_LOGPROB else LOWEST_LOGPROB
+
+
+def _top(t: TokenLogprob, post: bool) -> dict[str, Any]:
+    k, v = _value(t.logprob, post)
+    return {"id": t.id, "token": token_text(t.piece), "bytes": list(t.piece), k: v}
+
+
+def probs_json(probs: Sequence[TokenProbs]) -> list[dict[str, Any]]:
+    """llama-server's entries for ``probs``: ``id``, ``token``, ``bytes``, ``logprob`` and ``top_logprobs``
+    (``prob`` and ``top_probs``, probabilities in [0, 1], for ``post_sampling`` ones)."""
+    out = []
+    for p in probs:
+        k, v = _value(p.logprob, p.post_sampling)
+        out.append({"id": p.id, "token": token_text(p.piece), "bytes": list(p.piece), k: v,
+                    "top_probs" if p.post_sampling else "top_logprobs": [_top(t, p.post_sampling) for t in p.top]})
+    return out
+
+
+def _logprob_of(e: Mapping[str, Any]) -> float:
+    if "prob" in e:
+        p = float(e["prob"])
+        return math.log(p) if p > 0 else -math.inf
+    v = float(e["logprob"])
+    return -math.inf if v <= LOWEST_LOGPROB else v
+
+
+def probs_from_wire(entries: Sequence[Mapping[str, Any]], *, from_logits: bool = True) -> tuple[TokenProbs, ...]:
+    """``TokenProbs`` from llama-server's entries (``probs_json``'s form); ``from_logits``: False when the
+    server said they are a timing-only generator's. KeyError/TypeError/ValueError for a malformed entry."""
+    out = []
+    for e in entries:
+        post = "prob" in e
+        top = tuple(TokenLogprob(int(t["id"]), _logprob_of(t), bytes(t["bytes"]))
+                    for t in e["top_probs" if post else "top_logprobs"])
+        out.append(TokenProbs(int(e["id"]), _logprob_of(e), top, post_sampling=post, piece=bytes(e["bytes"]),
+                              from_logits=from_logits))
+    return tuple(out)
+
+
+__all__ = ["LLAMA_TIMINGS", "LOWEST_LOGPROB", "llama_timings", "probs_from_wire", "probs_json", "result_extension",
+           "result_from_extension", "timings_from_wire", "timings_to_wire", "token_text"]

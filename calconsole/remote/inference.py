@@ -42,10 +42,11 @@ from sim_backend.planes import (
     RequestResult,
     Timings,
     TokenEvent,
+    TokenProbs,
     validate_request,
 )
 
-from ..codec import result_from_extension, timings_from_wire
+from ..codec import probs_from_wire, result_from_extension, timings_from_wire
 from .connection import Connection, ServerUnreachable
 from .sse_stream import SseRequestStream
 
@@ -73,6 +74,8 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
     body.update({k: v for k, v in msgspec.structs.asdict(req.sampling).items() if v is not None})
     if req.ignore_eos:
         body["ignore_eos"] = True
+    if req.n_probs:  # llama-server's names, read on every generation route
+        body.update(n_probs=req.n_probs, post_sampling_probs=req.post_sampling_probs)
     if req.grammar is not None:  # llama-server's fields: GBNF text, or the schema itself
         if req.grammar.kind == "gbnf":
             body["grammar"] = req.grammar.text
@@ -97,6 +100,7 @@ class RemoteRequestStream(SseRequestStream):
             rid, prompt_n = -1, 0
         super().__init__(conn, resp, rid, prompt_n)
         self._raw = raw
+        self._probs: list[TokenProbs] = []  # the pieces' token probabilities (when asked for), in order
         self._start(f"calconsole-remote-req{rid}")
 
     def _end_client(self, status: str, error: dict[str, Any]) -> None:
@@ -105,7 +109,8 @@ class RemoteRequestStream(SseRequestStream):
                                    timings=client_timings(self._prompt_n, len(self._pieces)), seed=None))
 
     def _server_result(self, ext: Mapping[str, Any], error: Mapping[str, Any] | None = None) -> RequestResult:
-        return result_from_extension(ext, "".join(self._pieces), request_id=self.id, error=error)
+        res = result_from_extension(ext, "".join(self._pieces), request_id=self.id, error=error)
+        return msgspec.structs.replace(res, probs=tuple(self._probs)) if self._probs else res
 
     def _consume(self) -> None:
         for obj in self._chunks():
@@ -118,13 +123,17 @@ class RemoteRequestStream(SseRequestStream):
                     self._end_client("failed", {"type": str(err.get("type", "server_error")),
                                                 "message": f"the server ended the stream: {err.get('message')}"})
                 return
+            ext = obj.get("calconsole")
+            source = str(ext.get("logprobs_source", "")) if isinstance(ext, dict) else ""
             for choice in obj.get("choices") or ():
                 text = (choice.get("text") if self._raw else (choice.get("delta") or {}).get("content"))
+                entries = (choice.get("logprobs") or {}).get("content") or ()
+                probs = probs_from_wire(entries, from_logits=not source.startswith("generator"))
+                self._probs.extend(probs)
                 if text:
                     self._pieces.append(text)
-                    self._events.put(TokenEvent(self.id, text, len(self._pieces), math.nan))
-            ext = obj.get("calconsole")
-            if isinstance(ext, dict):
+                    self._events.put(TokenEvent(self.id, text, len(self._pieces), math.nan, probs=probs))
+            if isinstance(ext, dict) and "status" in ext:  # the final chunk's extension (pieces carry labels only)
                 self._finish(self._server_result(ext))
         if not self._done.is_set():
             raise httpx.RemoteProtocolError("the stream ended without a final chunk")

@@ -15,14 +15,14 @@ Requests (llama-server's rules, as its server reads them; checked against the re
   ``MAX_N_PROBS`` per token is 400 (each list is held for the whole reply and sent; llama-server sends
   up to its whole vocabulary, 5 MB a token for SmolLM2's 49152).
 
-Responses: ``completion_probabilities`` (``/completion``) or ``logprobs: {"content": [...]}`` (OpenAI
-routes), one entry per token: ``id``, ``token`` (its text, an incomplete UTF-8 tail cut), ``bytes``,
-``logprob`` and ``top_logprobs`` (entries of ``id``, ``token``, ``bytes``, ``logprob``); with
-``post_sampling_probs``: ``prob`` and ``top_probs`` (probabilities in [0, 1]). A probability of 0 is
-``logprob`` -3.4028234663852886e38 (llama-server's ``logarithm(0)``: the lowest float, JSON has no
--inf). The probabilities are the plane's (``sim_backend.planes.TokenProbs``): from the logits the
-device returned, or, timing-only, from the seeded generator's distribution, which the ``calconsole``
-key says (``logprobs_source``), never the OpenAI shape.
+Responses (written by ``calconsole.codec.probs_json``, read back by its ``probs_from_wire``):
+``completion_probabilities`` (``/completion``) or ``logprobs: {"content": [...]}`` (OpenAI routes), one entry
+per token: ``id``, ``token`` (its text, an incomplete UTF-8 tail cut), ``bytes``, ``logprob`` and
+``top_logprobs`` (entries of ``id``, ``token``, ``bytes``, ``logprob``); with ``post_sampling_probs``:
+``prob`` and ``top_probs`` (probabilities in [0, 1]). A probability of 0 is ``logprob`` -3.4028234663852886e38
+(llama-server's ``logarithm(0)``: the lowest float, JSON has no -inf). The probabilities are the plane's
+(``sim_backend.planes.TokenProbs``): from the logits the device returned, or, timing-only, from the seeded
+generator's distribution, which the ``calconsole`` key says (``logprobs_source``), never the OpenAI shape.
 """
 
 from __future__ import annotations
@@ -31,14 +31,13 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sim_backend.planes import RequestResult, TokenLogprob, TokenProbs
+from sim_backend.planes import RequestResult, TokenProbs
 
+from ..codec import LOWEST_LOGPROB, probs_json, token_text
 from .wire import bad_request
 
 #: the most tokens one step may list (``n_probs`` / ``top_logprobs`` / ``logprobs``)
 MAX_N_PROBS = 1000
-#: llama-server's log of a zero probability (``std::numeric_limits<float>::lowest()``)
-LOWEST_LOGPROB = -3.4028234663852886e38
 #: OpenAI's default count when ``logprobs: true`` gives no ``top_logprobs`` (llama-server's 20)
 DEFAULT_TOP_LOGPROBS = 20
 SOURCE_LOGITS = "logits: the softmax of the logits the simulated device returned (post_sampling_probs: after the " \
@@ -107,42 +106,6 @@ def probs_request(body: Mapping[str, Any], *, chat: bool) -> tuple[int, bool]:
         raise bad_request(f"token probabilities: at most {MAX_N_PROBS} per token ('n_probs' / 'top_logprobs' / "
                           f"'logprobs'), got {n}")
     return n, post
-
-
-def token_text(piece: bytes) -> str:
-    """A token's text as llama-server writes it: an incomplete UTF-8 character at the end is cut (its
-    ``validate_utf8``), anything else invalid becomes U+FFFD."""
-    cut = len(piece)
-    for back in range(1, min(4, len(piece)) + 1):  # a lead byte whose sequence runs past the end
-        b = piece[-back]
-        if b & 0xC0 == 0x80:
-            continue
-        need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
-        if need > back:
-            cut = len(piece) - back
-        break
-    return piece[:cut].decode("utf-8", errors="replace")
-
-
-def _value(logprob: float, post: bool) -> tuple[str, float]:
-    if post:
-        return "prob", math.exp(logprob)
-    return "logprob", logprob if logprob > LOWEST_LOGPROB else LOWEST_LOGPROB
-
-
-def _top(t: TokenLogprob, post: bool) -> dict[str, Any]:
-    k, v = _value(t.logprob, post)
-    return {"id": t.id, "token": token_text(t.piece), "bytes": list(t.piece), k: v}
-
-
-def probs_json(probs: Sequence[TokenProbs]) -> list[dict[str, Any]]:
-    """llama-server's entries for ``probs`` (``completion_probabilities`` / ``logprobs.content``)."""
-    out = []
-    for p in probs:
-        k, v = _value(p.logprob, p.post_sampling)
-        out.append({"id": p.id, "token": token_text(p.piece), "bytes": list(p.piece), k: v,
-                    "top_probs" if p.post_sampling else "top_logprobs": [_top(t, p.post_sampling) for t in p.top]})
-    return out
 
 
 def source_of(probs: Sequence[TokenProbs]) -> str:

@@ -230,3 +230,37 @@ def test_openai_sdk_reads_logprobs(pair: tuple[str, str]) -> None:
     assert streamed and all(len(c.top_logprobs) == 1 for c in streamed)
     with pytest.raises(openai.BadRequestError, match="top_logprobs requires logprobs"):
         client.chat.completions.create(model="m", messages=MSG, max_tokens=1, top_logprobs=2)
+
+
+# --- the remote planes carry them (calconsole serve and a real llama-server) -----------------------------
+
+def test_remote_planes_carry_the_probabilities(pair: tuple[str, str], tmp_path: Any) -> None:
+    from calconsole.remote import connect
+    from sim_backend.planes import ChatRequest, DoneEvent, SamplingParams, TokenEvent
+
+    req = ChatRequest.from_prompt("Say hi.", max_tokens=3, sampling=SamplingParams.greedy(), ignore_eos=True,
+                                  n_probs=2)
+    for url, from_logits in ((pair[0], False), (pair[1], True)):
+        with connect(url, audit_path=tmp_path / f"audit-{from_logits}.jsonl") as system:
+            events = list(system.inference.submit(req).stream(timeout=60))
+            res = events[-1].result
+            assert isinstance(events[-1], DoneEvent) and res.status == "finished", res
+            streamed = [p for e in events if isinstance(e, TokenEvent) for p in e.probs]
+            assert len(streamed) == 3 and res.probs == tuple(streamed)
+            assert all(len(p.top) == 2 and p.from_logits == from_logits for p in streamed)
+            if from_logits:  # llama-server, greedy: its top-1 is the token it chose
+                assert all(p.top[0].id == p.id and p.logprob == pytest.approx(p.top[0].logprob) for p in streamed)
+
+
+def test_codec_reads_back_what_the_face_writes() -> None:
+    import json
+
+    from calconsole.codec import probs_from_wire, probs_json
+    from sim_backend.planes import TokenLogprob, TokenProbs
+
+    probs = (TokenProbs(5, -0.25, (TokenLogprob(5, -0.25, b"a"), TokenLogprob(7, -math.inf, b"\xe6"))),
+             TokenProbs(9, -1.5, (TokenLogprob(9, -1.5, b""),), post_sampling=True, piece=b"xy"))
+    back = probs_from_wire(json.loads(json.dumps(probs_json(probs))))
+    assert [(p.id, p.post_sampling, [t.id for t in p.top]) for p in back] == [(5, False, [5, 7]), (9, True, [9])]
+    assert back[0].top[1].logprob == -math.inf and back[0].top[1].piece == b"\xe6"  # a zero probability
+    assert back[1].logprob == pytest.approx(-1.5) and back[1].piece == b"xy"

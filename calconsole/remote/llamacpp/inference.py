@@ -40,9 +40,11 @@ from sim_backend.planes import (
     RequestResult,
     Timings,
     TokenEvent,
+    TokenProbs,
     validate_request,
 )
 
+from ...codec import probs_from_wire
 from ..connection import Connection
 from ..sse_stream import SseRequestStream
 
@@ -122,6 +124,7 @@ class LlamaRequestStream(SseRequestStream):
         self._sent_s = sent_s
         self._metrics = metrics
         self._piece_s: list[float] = []
+        self._probs: list[TokenProbs] = []  # every streamed token's probabilities (when asked for), in order
         self._start(f"calconsole-llama-req{self.id}")
 
     # --- results ----------------------------------------------------------------------------
@@ -152,7 +155,7 @@ class LlamaRequestStream(SseRequestStream):
             host_ms={}, device_ms={}, numerics=True, time_base="wall")
         res = RequestResult(request_id=self.id, status=status, text="".join(self._pieces), tokens=tokens,
                             stop_type=stop_type, stopping_word=stopping_word, error=error, timings=timings,
-                            seed=seed)
+                            seed=seed, probs=tuple(self._probs))
         self._metrics.done(status, prompt_n=timings.prompt_n + cache_n, cache_n=cache_n, predicted_n=n,
                               prompt_ms=timings.prompt_ms, predicted_ms=timings.predicted_ms, ttft=ttft, tpot=tpot,
                               itl=itl, e2e=e2e, queue_ms=None, done_ms=end_s * 1e3, arrival_ms=self._sent_s * 1e3)
@@ -163,7 +166,13 @@ class LlamaRequestStream(SseRequestStream):
         if not self._done.is_set():
             self._finish(self._result_of(status, **kw))
 
-    def _piece(self, text: str) -> None:
+    def _probs_of(self, entries: Any) -> tuple[TokenProbs, ...]:
+        """The token probabilities a chunk carries (llama-server's entries), kept for the result."""
+        probs = probs_from_wire(entries or ())
+        self._probs.extend(probs)
+        return probs
+
+    def _piece(self, text: str, probs: tuple[TokenProbs, ...] = ()) -> None:
         now = time.monotonic()
         if not self._piece_s:
             self._metrics.first_token((now - self._sent_s) * 1e3)
@@ -171,7 +180,7 @@ class LlamaRequestStream(SseRequestStream):
             self._metrics.token_gap((now - self._piece_s[-1]) * 1e3)
         self._pieces.append(text)
         self._piece_s.append(now)
-        self._events.put(TokenEvent(self.id, text, len(self._pieces), math.nan))
+        self._events.put(TokenEvent(self.id, text, len(self._pieces), math.nan, probs=probs))
 
     # --- the reader thread -------------------------------------------------------------------
 
@@ -196,16 +205,18 @@ class LlamaRequestStream(SseRequestStream):
             if isinstance(obj.get("__verbose"), dict):
                 verbose = obj["__verbose"]
             if self._raw:  # /completion chunks: {"content", "stop", ...}
+                probs = self._probs_of(obj.get("completion_probabilities"))
                 if obj.get("content"):
-                    self._piece(str(obj["content"]))
+                    self._piece(str(obj["content"]), probs)
                 if obj.get("stop"):
                     final = obj
                     break
                 continue
             for choice in obj.get("choices") or ():
                 text = (choice.get("delta") or {}).get("content")
+                probs = self._probs_of((choice.get("logprobs") or {}).get("content"))
                 if text:
-                    self._piece(str(text))
+                    self._piece(str(text), probs)
                 if choice.get("finish_reason"):
                     finish_reason = str(choice["finish_reason"])
         if self._raw:
@@ -235,6 +246,8 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
     body.update({k: v for k, v in msgspec.structs.asdict(req.sampling).items() if v is not None})
     if req.ignore_eos:
         body["ignore_eos"] = True
+    if req.n_probs:
+        body.update(n_probs=req.n_probs, post_sampling_probs=req.post_sampling_probs)
     if req.prompt_tokens is not None:
         body.update(prompt=[int(t) for t in req.prompt_tokens], n_predict=req.max_tokens, return_tokens=True)
         return "/completion", body
