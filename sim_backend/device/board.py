@@ -157,7 +157,7 @@ class SimulatedBoard:
                 say = self._numerics_progress
                 if hasattr(model, "warm_up"):
                     model.warm_up(None if say is None else
-                                  lambda i, n, stage: say(f"loading or compiling numerics kernels, {i}/{n}: {stage}"))
+                                  lambda i, n, stage: say(f"compiling numerics kernels, {i}/{n}: {stage}"))
                 self.model = model
         self._memory_cleared = False
         self.registers.set_bits("BOARD_STATUS", 0x2, True)

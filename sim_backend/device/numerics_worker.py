@@ -38,27 +38,42 @@ from sim_backend.model.numerics import StepNumerics
 #: wall measured with 18 runnable jobs beside it).
 START_TIMEOUT_S = 300.0
 CONTROL_TIMEOUT_S = 30.0
-#: How much lower than its parent the worker runs (``nice`` steps, Linux/Unix): on a busy host the
-#: simulation falls behind real time (the pacing flag says so) before the UI's keys do.
-WORKER_NICE = 5
-#: A start stage that takes longer than this (host wall s) is being compiled, not loaded: report it.
-PROGRESS_AFTER_S = 0.5
+#: How much lower than its parent the worker runs (``nice`` steps, Linux/Unix). The CPU-bound worker also
+#: runs as ``SCHED_BATCH`` where the OS has it (Linux): it never preempts the UI when it wakes, while a key
+#: that wakes the UI still preempts it. +5 gave the worker 1/4 of the CPU beside one busy process of the
+#: same session (weights 335 vs 1024: Linux groups a session's processes, so nice counts within the
+#: session) and it fell ever further behind; +2 (weight 655) keeps it at about 2/5 there, and the UI, at
+#: 1.6x the worker's weight and never preempted by it, still gets the CPU first.
+WORKER_NICE = 2
 
 
 def lower_priority(steps: int = WORKER_NICE) -> int | None:
-    """Lower this process's scheduling priority by ``steps`` nice levels (at most to 19).
-
-    Called in the worker after its start, while it runs no other thread (Linux keeps nice per thread;
-    threads started later inherit it). Returns the new nice value, or None where the OS has no nice.
+    """Lower this process's scheduling priority by ``steps`` nice levels (at most to 19), for every thread
+    it runs now (Linux keeps nice and policy per thread: ``/proc/self/task``; threads started later
+    inherit the caller's), and make it ``SCHED_BATCH`` where the OS has it (see ``WORKER_NICE``).
+    Returns the new nice value, or None where the OS has no nice. Never raises: a priority it may not
+    set stays as it was.
     """
     import os
 
     if not hasattr(os, "nice"):
         return None
     try:
-        return os.nice(max(0, min(steps, 19 - os.nice(0))))
+        target = min(19, os.nice(0) + max(0, steps))
     except OSError:
         return None
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            if hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_BATCH"):
+                os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, target)  # PRIO_PROCESS with a thread id: that thread
+        except OSError:
+            pass
+    return os.nice(0)
 
 
 def price_numeric_step(cost_model: Any, shape: ModelShape, kind: str, n_tokens: int, past_len: int,
@@ -88,17 +103,23 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_m
 
     model = build_numerics(shape, num, n_cells)
     shared = np.frombuffer(shared_logits, dtype=np.uint16)
-    # compile the kernels (or load them from the disk cache) before answering; each stage is announced
-    # so that the parent can show a first start's compilation
+    # compile the kernels (or load them from the disk cache) before answering; a stage that compiles is
+    # announced (from whichever thread compiles it, hence the lock) so that the parent can show it
     try:
         if hasattr(model, "warm_up"):  # a family with compiled kernels
-            model.warm_up(lambda i, n, stage: conn.send((None, ("stage", i, n, stage))))
+            send_lock = threading.Lock()
+
+            def compiling(i: int, n: int, stage: str) -> None:
+                with send_lock:
+                    conn.send((None, ("stage", i, n, stage)))
+
+            model.warm_up(compiling)
     except Exception as e:  # noqa: BLE001 - a kernel that does not compile: a typed start failure
         conn.send((False, f"compiling the numerics kernels failed: {type(e).__name__}: {e}"))
         return
     # steps run below the UI's priority; the start (weights, compiling) does not, nothing else runs yet.
-    # Linux keeps nice per thread: the warm-up's chip thread is stopped first, and the next prefill starts
-    # a new one that inherits the lowered value
+    # Linux keeps nice per thread: every thread there is now is lowered, and the warm-up's chip thread is
+    # stopped anyway (the next prefill starts one that inherits the lowered value)
     if hasattr(model, "close"):
         model.close()
     lower_priority()
@@ -214,9 +235,9 @@ class NumericsProcess:
             ok, payload = self._recv_one(op, max(0.0, deadline - time.monotonic()), timeout)
             if ok is not None:
                 break
-            # a start stage (i, n, name): report it if it is still running after PROGRESS_AFTER_S (compiling)
+            # a start stage (i, n, name) that is compiling (the worker says so only then: ``warm_up``)
             _, i, n, stage = payload
-            if self._progress is not None and not self._conn.poll(PROGRESS_AFTER_S):
+            if self._progress is not None:
                 self._progress(f"compiling numerics kernels, {i}/{n}: {stage} (first start after install; "
                                "later starts load them from the disk cache)")
         if not ok:

@@ -749,24 +749,48 @@ class ShardedModel(CellKV):
     def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
         """Compile (or load from numba's on-disk cache) the kernels of both step kinds, then zero the KV.
 
-        Runs a 2-token prefill and one decode on cells 0..2 of this model; ``progress(i, n, stage)`` is
-        called before each of the n stages. A first start after install compiles (about 15 s of CPU on the
-        reference 2-core host); later starts load the cache (well under 1 s). Returns host wall seconds.
-        Nothing to do for the numpy kernels.
+        Runs a 2-token prefill and one decode on cells 0..2 of this model. ``progress(i, n, stage)`` is
+        called when stage i of n starts compiling, once per stage and only then: numba announces each
+        compilation (its ``numba:compile`` event), and a kernel loaded from the disk cache is not one, so
+        a start that loads the cache says nothing however long the load takes on a busy host (a wall-time
+        guess said "compiling" on every start there). The call may come from the chip thread. A first
+        start after install compiles (about 30 s of CPU on the reference 2-core host); later starts load
+        the cache (about 1 s of CPU, numba's import included). Returns host wall seconds. Nothing to do
+        for the numpy kernels.
         """
+        import threading
         import time
+
+        from numba.core import event
 
         t0 = time.perf_counter()
         if self._compiled is None:
             return 0.0
         stages = ("decode step", "prefill (attention, experts, router, LM head)")
         say = progress or (lambda _i, _n, _s: None)
-        say(1, len(stages), stages[0])
+        lock = threading.Lock()
+        current = [0]
+        told: set[int] = set()
+
+        class Compiling(event.Listener):
+            def on_start(self, ev: Any) -> None:
+                with lock:
+                    i = current[0]
+                    if i in told:
+                        return
+                    told.add(i)
+                say(i, len(stages), stages[i - 1])
+
+            def on_end(self, ev: Any) -> None:
+                pass
+
         one, ctx = np.array([1], dtype=np.int64), np.arange(2, dtype=np.int64)
-        self.forward(one, one, one, ctx, ctx.copy())
-        say(2, len(stages), stages[1])
         two = np.arange(2, dtype=np.int64)
-        self.forward(two, two, two.copy(), two.copy(), two.copy())
+        with event.install_listener("numba:compile", Compiling()):
+            current[0] = 1
+            self.forward(one, one, one, ctx, ctx.copy())
+            current[0] = 2
+            self.forward(two, two, two.copy(), two.copy(), two.copy())
         self.clear_kv()
         return time.perf_counter() - t0
 

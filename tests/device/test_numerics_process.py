@@ -42,6 +42,8 @@ def test_worker_matches_in_process_model_and_dies_typed():
         # the worker runs below this process's priority (a busy host slows the simulation, not the keys)
         if hasattr(os, "nice"):
             assert proc.nice == min(19, os.nice(0) + WORKER_NICE)
+        if hasattr(os, "sched_getscheduler") and hasattr(os, "SCHED_BATCH"):  # never preempts the UI on waking
+            assert os.sched_getscheduler(proc._proc.pid) == os.SCHED_BATCH
         assert proc.cpu_seconds() > 0
         # only BF16 crosses the pipe: the worker's bits are the local model's logits converted once
         assert a.logits is None and a.logits_bf16.dtype == np.uint16

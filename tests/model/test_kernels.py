@@ -7,6 +7,8 @@ the reference's two best logits tie within the drift bound.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -199,11 +201,13 @@ def test_compiled_model_sees_kv_changes(pair):
 
 def test_cache_dir_falls_back_to_the_user_cache_when_the_package_is_read_only(monkeypatch, tmp_path):
     """A wheel in a read-only site-packages: the kernels are cached under the user cache directory (numba's
-    own fallback needs a usable HOME cache); NUMBA_CACHE_DIR, when set, wins."""
+    own fallback needs a usable HOME cache); NUMBA_CACHE_DIR, when set, wins. Either way under the kernels'
+    source digest, which numba is told."""
     import numba.core.config as cfg
     import platformdirs
 
-    monkeypatch.setattr(cfg, "CACHE_DIR", "")
+    monkeypatch.setattr(cfg, "CACHE_DIR", cfg.CACHE_DIR)  # restored after the test
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
     real_touch = K.Path.touch
 
     def read_only(self, *a, **kw):
@@ -213,7 +217,48 @@ def test_cache_dir_falls_back_to_the_user_cache_when_the_package_is_read_only(mo
 
     monkeypatch.setattr(K.Path, "touch", read_only)
     monkeypatch.setattr(platformdirs, "user_cache_dir", lambda app: str(tmp_path / app))
+    sub = f"kernels-{K.kernels_digest()}"
     d = K.cache_dir()
-    assert d == tmp_path / "calconsole" / "numba" and d.is_dir() and cfg.CACHE_DIR == str(d)
-    monkeypatch.setattr(cfg, "CACHE_DIR", str(tmp_path / "given"))
-    assert K.cache_dir() == tmp_path / "given"
+    assert d == tmp_path / "calconsole" / "numba" / sub and d.is_dir() and cfg.CACHE_DIR == str(d)
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "given"))
+    assert K.cache_dir() == tmp_path / "given" / sub and cfg.CACHE_DIR == str(tmp_path / "given" / sub)
+
+
+def test_kernel_cache_is_named_by_both_kernel_sources(monkeypatch, tmp_path):
+    """numba checks a cached function against its own file only: an edit of kernels.py alone must still
+    give compiled.py's step (which inlines the kernels) a fresh cache, so the digest reads both files."""
+    import shutil
+
+    for name in K.KERNEL_SOURCES:
+        shutil.copy(Path(K.__file__).with_name(name), tmp_path / name)
+    monkeypatch.setattr(K, "__file__", str(tmp_path / "kernels.py"))
+    before = K.kernels_digest()
+    assert before == K.kernels_digest()
+    (tmp_path / "kernels.py").write_text((tmp_path / "kernels.py").read_text() + "\n# edited\n")
+    edited = K.kernels_digest()
+    (tmp_path / "compiled.py").write_text((tmp_path / "compiled.py").read_text() + "\n# edited\n")
+    assert len({before, edited, K.kernels_digest()}) == 3
+
+
+def test_warm_up_announces_a_stage_only_when_numba_compiles(monkeypatch):
+    """The start-up line says "compiling" only while numba compiles (its numba:compile event), never for
+    kernels loaded from the disk cache, whatever the wall time of the load."""
+    from numba import njit
+
+    from sim_backend.model.numerics import ShardedModel
+
+    m = ShardedModel(SHAPE, NUM, n_cells=8, kernels="compiled")
+    m.warm_up()  # everything compiled or loaded now
+    said: list[tuple[int, int, str]] = []
+    assert m.warm_up(lambda i, n, s: said.append((i, n, s))) >= 0 and said == []
+    fresh = njit(lambda a: a + 1)  # not cached: compiles at its first call
+    real = m._compiled.decode
+
+    def decode_compiling_once(*a, **kw):
+        fresh(np.float32(1.0))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(m._compiled, "decode", decode_compiling_once)
+    m.warm_up(lambda i, n, s: said.append((i, n, s)))
+    assert said == [(1, 2, "decode step")]
+    m.close()
