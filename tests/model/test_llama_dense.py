@@ -29,9 +29,10 @@ def weights(bundle):
     return load_dense_weights(bundle.shape, bundle.numeric)
 
 
-def test_sharded_equals_reference_and_decode_equals_prefill(bundle, weights):
-    """The sharded numerics equal the one-device reference to float32 rounding, and a prefill then a decode
-    step in scattered cells equals one prefill."""
+def test_quantised_sharded_follows_the_exact_model_and_decode_equals_prefill(bundle, weights):
+    """The sharded quantised numerics (llama.cpp's arithmetic: 8-bit activation blocks, F16 K/V) stay near
+    the unquantised float32 model and agree on its top-1; a prefill then a decode step in scattered cells
+    gives the same logits as one prefill (same arithmetic in the same order)."""
     tok = tokenizer_for(bundle)
     ids = np.array(tok.encode_chat([{"role": "user", "content": "Name a colour."}]))
     n = ids.size
@@ -40,14 +41,17 @@ def test_sharded_equals_reference_and_decode_equals_prefill(bundle, weights):
     assert [c.hkv for c in m.chips] == [2, 1] and [c.fc for c in m.chips] == [768, 768]
     sharded = m.forward(ids, pos, pos, pos, pos).logits
     ref = DenseReference(bundle.shape, weights).forward(ids, pos)
-    assert sharded.shape == (49152,)
-    assert np.abs(sharded - ref).max() < 1e-3  # measured 2.4e-5 at |logit| ~ 30 (partials summed over chips)
+    assert sharded.shape == (49152,) and np.isfinite(sharded).all()
+    lp = lambda z: z - z.max() - np.log(np.exp((z - z.max()).astype(np.float64)).sum())  # noqa: E731
+    top = np.argsort(ref)[-5:]
+    # measured 0.09 nats on these top-5 (the quantised model's own noise is ~0.1-0.2 nats, dense_kernels)
+    assert np.abs(lp(sharded)[top] - lp(ref)[top]).max() < 0.5
+    assert int(sharded.argmax()) == int(ref.argmax())
     m.clear_kv()
     cells = np.arange(n) * 3 + 1
     m.forward(ids[:-1], pos[:-1], cells[:-1], cells[:-1], pos[:-1])
     dec = m.forward(ids[-1:], pos[-1:], cells[-1:], cells, pos).logits
-    assert np.abs(dec - sharded).max() < 1e-3
-    assert int(dec.argmax()) == int(ref.argmax())
+    assert np.abs(dec - sharded).max() < 1e-4  # measured 0 (same operations in the same order)
 
 
 def test_build_numerics_picks_the_family(bundle):

@@ -5,16 +5,24 @@ reads. Checked here: tokenisation of 200 varied strings equals ``/tokenize`` exa
 without control-token parsing), and greedy replies to 8 fixed prompts, free-running through our
 whole serving path (engine, device, BF16 logits) and teacher-forced on llama.cpp's own tokens.
 
-Why replies are not required to be equal token for token. llama.cpp computes the quantised model
-with integer dot products on 8-bit activation blocks, F16 K/V and F16 accumulation in its flash
-attention; our device computes on the float32-dequantised weights with float32 activations and
-returns BF16 logits. Teacher-forced on llama.cpp's tokens (so no earlier divergence compounds), our
-log-probabilities of llama.cpp's top-2 tokens differ from its own by 0.100 nats on average, 0.231
-at the 95th percentile and 0.966 at most over the 121 positions of these prompts; top-1 is equal at
-114 of 121 (measured on the 2-core test host). SmolLM2 with its default system prompt is often
-nearly undecided, and greedy replies part exactly there: at the five points where they parted,
-llama.cpp's own top-2 margin was 0.005 to 0.237 nats. Measured free-running: the first 16 tokens
-equal llama.cpp's for 3 of the 8 prompts and the first token for 5 (not the 6 and 8 hoped for).
+Why replies are not required to be equal token for token. Our device computes the quantised model
+with llama.cpp's CPU arithmetic (``sim_backend/model/families/dense_kernels.py``: activations quantised
+to 8-bit blocks of 32 before every product, integer block dot products on the Q4_1 / Q8_0 codes, F16
+K/V) but not its float32 rounding order, SIMD exp or F16 flash-attention accumulation; and the device
+returns BF16 logits. A quantised model is chaotic at that scale: scaling the embeddings by 1 + 3e-7
+moved the top-5 log-probabilities of the first reply token by 0.10-0.20 nats (0.001-0.003 without the
+activation quantisation), because one activation code that rounds the other way is a step of
+amax/127 in its block. So llama.cpp's own log-probabilities carry ~0.1-0.2 nats of rounding noise that
+no implementation short of its exact instruction sequence reproduces; that, not a modelling error, is
+the real bound. Measured on the 2-core test host, teacher-forced on llama.cpp's tokens (no earlier
+divergence compounds): our log-probabilities of llama.cpp's top-2 tokens differ from its own by 0.120
+nats on average, 0.262 at the 95th percentile and 0.909 at most over the 121 positions; top-1 equal at
+117 of 121 (float32 on dequantised weights, before: 114, mean 0.100). Free-running through the engine:
+the first 16 tokens equal llama.cpp's for 4 of the 8 prompts and the first token for 6 (before: 3 and
+5); the issue's targets (6 and 8) are not met, and cannot be guaranteed: the replies part where
+llama.cpp's own top-2 margin was 0.005, 0.013, 0.050 and 0.237 nats, inside twice the noise above (one
+of them, 0.005 nats, is also below a BF16 step of the logits, so the device's BF16 logits alone can
+swap it).
 
 The bounds asserted: (teacher-forced, sound) each log-probability within DELTA_MAX, so top-1 must be
 equal wherever llama.cpp's margin exceeds 2 * DELTA_MAX, the mean error within MEAN_MAX and top-1
@@ -44,17 +52,17 @@ PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "Li
            "Give me a short tip for learning to code.", "Who wrote Romeo and Juliet?")
 N_TOKENS = 16
 #: Largest |our log-probability - llama.cpp's| of llama.cpp's top-2 tokens, teacher-forced (nats):
-#: measured 0.966; another CPU's BLAS moves the pilot's float32 logits by <= 5e-5 (six OpenBLAS kernels).
+#: measured 0.909 (the pilot's compiled kernels use no BLAS: the same bits on any x86-64 host).
 DELTA_MAX = 1.0
-#: Mean of that error over the positions: measured 0.100.
+#: Mean of that error over the positions: measured 0.120.
 MEAN_MAX = 0.15
 #: One BF16 step of the pilot's logits (|logit| < 32: 0.125) on the free-running path, which
 #: samples the device's BF16 logits (facts.md F1) where llama.cpp samples float32.
 BF16_STEP = 0.125
 #: Free-running: the largest llama.cpp top-2 margin at which a reply may part from llama.cpp's:
-#: 2 x the measured 95th-percentile error (0.231) + one BF16 step.
-FLIP_MARGIN = 2 * 0.231 + BF16_STEP
-#: Teacher-forced top-1 agreement measured 114/121 (94 %); below 90 % the numerics are wrong, not noisy.
+#: 2 x the measured 95th-percentile error (0.262) + one BF16 step.
+FLIP_MARGIN = 2 * 0.262 + BF16_STEP
+#: Teacher-forced top-1 agreement measured 117/121 (97 %); below 90 % the numerics are wrong, not noisy.
 MIN_TF_AGREEMENT = 0.90
 
 

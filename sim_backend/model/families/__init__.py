@@ -24,7 +24,8 @@ def build_numerics(shape: ModelShape, num: NumericShape, n_cells: int, kernels: 
     ``qwen3_moe``: ``numerics.ShardedModel`` (synthetic weights from ``num.seed``; ``kernels``:
     ``compiled`` or ``numpy``, default ``numerics.kernels_choice()``);
     ``llama_dense``: ``llama_dense.DenseShardedModel`` (weights read from ``num.weights_file``,
-    dequantised at load: host wall seconds; numpy only, ``kernels`` not used).
+    kept in the GGUF's quantised formats and computed by compiled kernels as llama.cpp does,
+    ``dense_kernels``; ``kernels`` not used).
     Raises ManifestError (weights file) or ValueError.
     """
     if shape.is_moe:

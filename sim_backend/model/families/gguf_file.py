@@ -115,6 +115,16 @@ class GGUFFile:
         a = self._gguf.quants.dequantize(t.data, t.tensor_type)
         return np.ascontiguousarray(a, dtype=np.float32)
 
+    def raw(self, name: str) -> tuple[np.ndarray, int, int]:
+        """Tensor ``name`` as stored: (its bytes as a uint8 array, rows, cols), rows = GGUF ne1 (a matrix's
+        outputs), cols = ne0. Raises ManifestError for a missing tensor."""
+        t = self._tensors.get(name)
+        if t is None:
+            raise ManifestError(self._reader_path(), name, "missing tensor in the GGUF")
+        cols = int(t.shape[0])
+        rows = int(np.prod([int(v) for v in t.shape[1:]])) if len(t.shape) > 1 else 1
+        return np.asarray(t.data).view(np.uint8), rows, cols
+
     def check_shape(self, shape: ModelShape) -> None:
         """Raise ManifestError unless the GGUF's hyper-parameters are the bundle's ``shape``."""
         a = self.meta.arch

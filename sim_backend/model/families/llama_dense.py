@@ -2,85 +2,141 @@
 
 Per layer: RMSNorm, Q/K/V projections, RoPE on Q and K, grouped-query causal attention, output
 projection, RMSNorm, SwiGLU MLP (``down(silu(gate x) * up x)``); then the final RMSNorm and a tied
-LM head (the embedding table). Weights come from a GGUF (``gguf_file``), dequantised to float32
-at load; all arithmetic is float32 numpy (single-threaded BLAS, as the board sets it).
-
-Activations, K/V and logits are float32 (the device returns them as BF16, facts.md F1). Quantising the
-activations entering each matmul to 8-bit blocks of 32, as llama.cpp's kernels for Q4_1 / Q8_0 do,
-was tried and rejected: it brought teacher-forced agreement with llama.cpp from 114 to 117 of 121
-tokens, but made the logits chaotic in the last bit of a sum (a code flips by one step, and in the
-blocks of the residual stream's outlier channels one step is large): the golden output moved by
-0.53-0.64 logits between OpenBLAS kernels, against 5e-5 in float32, so no self-test bound could hold
-across machines. tests/real/test_pilot_vs_llamacpp.py states the agreement that is asserted.
+LM head (the embedding table). Weights come from a GGUF (``gguf_file``) and stay in its quantised
+formats (Q4_1 projections, Q8_0 embedding / LM head): :class:`DenseShardedModel` computes on them as
+llama.cpp's CPU backend does (activations quantised to 8-bit blocks per product, integer block dot
+products, F16 K/V), in one compiled call a step (``dense_kernels.dense_forward``: the arithmetic, what
+is emulated and why the agreement with llama.cpp is bounded by the quantised model's own chaos).
+Activations and logits are float32 (the device returns the logits as BF16, facts.md F1).
 
 RoPE: the GGUF converter permutes the Q and K rows of a Llama checkpoint so that llama.cpp's
 "normal" RoPE (rotating adjacent pairs ``(x[2i], x[2i+1])`` by ``pos * theta^(-2i/D)``) gives the
 model's rotation; these weights are read as stored, so the same adjacent-pair rotation is applied.
 
 Sharding (tensor parallel, as the Qwen3 family's): chip c holds its KV heads (``ModelShape.kv_heads_split``:
-3 over 2 chips -> 2 and 1) with their Q heads, the matching rows of the output projection, half of
-the MLP's gate/up columns and down rows, and half of the LM head's vocabulary. The attention
-output and MLP down partial sums are reduced (summed) over the chips; LM-head halves are gathered;
-the embedding runs on chip0. :class:`DenseReference` is the same math on one device, for tests.
+3 over 2 chips -> 2 and 1) with their Q heads, the matching input columns of the output projection, half
+of the MLP's gate/up rows and down input columns, and half of the LM head's vocabulary (every split on a
+32-weight block boundary, so each chip's activation blocks are the whole vector's). The attention output
+and MLP down partial sums are reduced (summed) over the chips; LM-head halves are gathered; the
+embedding runs on chip0. :class:`DenseReference` is the unquantised float32 model (weights dequantised,
+float32 activations and K/V) on one device, for tests: the exact model the quantised one approximates.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape, NumericShape, split_over_chips
+from sim_backend.model.families.dense_kernels import QK, dense_forward, rope_tables, split_q4_1, split_q8_0
 from sim_backend.model.families.gguf_file import GGUFFile, open_gguf
 from sim_backend.model.numerics import CellKV, StepNumerics, lazy_zeros
 
 F32 = np.float32
 _ONE = F32(1.0)
+#: The projections of a layer, by GGUF tensor name (``blk.<i>.<name>.weight``).
+_PROJ = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class QuantMatrix:
+    """One GGUF matrix in llama.cpp's layout (rows = outputs, columns = inputs), kept quantised.
+
+    ``kind`` "Q4_1" or "Q8_0"; ``codes`` (rows, cols) uint8 0..15 (Q4_1) or int8 (Q8_0); ``d`` and, for
+    Q4_1, ``m`` (rows, cols/32) float32 block scales and minimums (exact F16 values)."""
+
+    def __init__(self, kind: str, codes: np.ndarray, d: np.ndarray, m: np.ndarray | None) -> None:
+        self.kind, self.codes, self.d, self.m = kind, codes, d, m
+
+    @classmethod
+    def read(cls, f: GGUFFile, name: str) -> QuantMatrix:
+        """Tensor ``name`` of ``f`` (Q4_1 or Q8_0; ValueError for another format)."""
+        kind = f.tensor_type(name)
+        raw, rows, cols = f.raw(name)
+        if cols % QK:
+            raise ValueError(f"{name}: {cols} columns are not whole blocks of {QK}")
+        if kind == "Q4_1":
+            return cls(kind, *split_q4_1(raw, rows, cols))
+        if kind == "Q8_0":
+            codes, d = split_q8_0(raw, rows, cols)
+            return cls(kind, codes, d, None)
+        raise ValueError(f"{name} is {kind}; the dense kernels take Q4_1 projections and a Q8_0 embedding")
+
+    def dequantised(self) -> np.ndarray:
+        """The float32 matrix (rows, cols): ``d q + m`` per block, as llama.cpp's dequantisation gives it."""
+        r, c = self.codes.shape
+        w = self.codes.reshape(r, c // QK, QK).astype(F32) * self.d[..., None]
+        if self.m is not None:
+            w += self.m[..., None]
+        return w.reshape(r, c)
+
+    def rows(self, sl: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(codes, d, m) of rows ``sl`` (m zeros for Q8_0), contiguous copies."""
+        m = self.m if self.m is not None else np.zeros_like(self.d)
+        return tuple(np.ascontiguousarray(a[sl]) for a in (self.codes, self.d, m))  # type: ignore[return-value]
+
+    def cols(self, sl: slice) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(codes, d, m) of input columns ``sl`` (block-aligned), contiguous copies."""
+        if sl.start % QK or sl.stop % QK:
+            raise ValueError(f"column split {sl} is not on a {QK}-weight block boundary")
+        b = slice(sl.start // QK, sl.stop // QK)
+        m = self.m if self.m is not None else np.zeros_like(self.d)
+        return (np.ascontiguousarray(self.codes[:, sl]), np.ascontiguousarray(self.d[:, b]),
+                np.ascontiguousarray(m[:, b]))
 
 
 class DenseWeights:
-    """Full (unsharded) float32 weights of a dense model, as ``x @ W`` matrices (in, out).
+    """Full (unsharded) weights of a dense model as the GGUF stores them.
 
-    ``embed`` (V, H); per layer dicts ``attn_norm`` (H,), ``wq`` (H, Hq*D), ``wk``/``wv`` (H, Hkv*D),
-    ``wo`` (Hq*D, H), ``ffn_norm`` (H,), ``gate``/``up`` (H, F), ``down`` (F, H); ``final_norm`` (H,);
-    ``lm_head`` (H, V) (the embedding transposed when tied).
+    ``embed`` the (V, H) Q8_0 token embedding (also the LM head when tied, else ``output``); per layer
+    ``layers[i]`` a dict of :class:`QuantMatrix` by GGUF name (``attn_q`` (Hq D, H), ``attn_k``/``attn_v``
+    (Hkv D, H), ``attn_output`` (H, Hq D), ``ffn_gate``/``ffn_up`` (F, H), ``ffn_down`` (H, F)) plus
+    ``attn_norm``/``ffn_norm`` (H,) float32; ``final_norm`` (H,). Raises ManifestError / ValueError.
     """
 
     def __init__(self, f: GGUFFile, shape: ModelShape) -> None:
         f.check_shape(shape)
-        self.embed = f.tensor("token_embd.weight")
-        if self.embed.shape != (shape.vocab, shape.hidden):
-            raise ValueError(f"token_embd.weight is {self.embed.shape}, expected {(shape.vocab, shape.hidden)}")
-        self.layers: list[dict[str, np.ndarray]] = []
+        self.embed = QuantMatrix.read(f, "token_embd.weight")
+        if self.embed.codes.shape != (shape.vocab, shape.hidden):
+            raise ValueError(f"token_embd.weight is {self.embed.codes.shape}, expected {(shape.vocab, shape.hidden)}")
+        self.output = self.embed if shape.tied_embeddings else QuantMatrix.read(f, "output.weight")
+        if self.output.kind != "Q8_0":
+            raise ValueError(f"the LM head is {self.output.kind}; the dense kernels take Q8_0")
+        self.layers: list[dict[str, QuantMatrix | np.ndarray]] = []
         for i in range(shape.n_layers):
             p = f"blk.{i}."
-            self.layers.append({
-                "attn_norm": f.tensor(p + "attn_norm.weight"),
-                "wq": f.tensor(p + "attn_q.weight").T,
-                "wk": f.tensor(p + "attn_k.weight").T,
-                "wv": f.tensor(p + "attn_v.weight").T,
-                "wo": f.tensor(p + "attn_output.weight").T,
-                "ffn_norm": f.tensor(p + "ffn_norm.weight"),
-                "gate": f.tensor(p + "ffn_gate.weight").T,
-                "up": f.tensor(p + "ffn_up.weight").T,
-                "down": f.tensor(p + "ffn_down.weight").T,
-            })
+            lw: dict[str, QuantMatrix | np.ndarray] = {k: QuantMatrix.read(f, p + k + ".weight") for k in _PROJ}
+            for k in _PROJ:
+                kind = lw[k].kind  # type: ignore[union-attr]
+                if kind != "Q4_1":
+                    raise ValueError(f"{p}{k}.weight is {kind}; the dense kernels take Q4_1 projections")
+            lw["attn_norm"] = f.tensor(p + "attn_norm.weight")
+            lw["ffn_norm"] = f.tensor(p + "ffn_norm.weight")
+            self.layers.append(lw)
         self.final_norm = f.tensor("output_norm.weight")
-        self.lm_head = (self.embed if shape.tied_embeddings else f.tensor("output.weight")).T
+
+    def matrix(self, li: int, name: str) -> QuantMatrix:
+        m = self.layers[li][name]
+        assert isinstance(m, QuantMatrix)
+        return m
+
+    def norm(self, li: int, name: str) -> np.ndarray:
+        v = self.layers[li][name]
+        assert isinstance(v, np.ndarray)
+        return v
 
 
 def load_dense_weights(shape: ModelShape, num: NumericShape) -> DenseWeights:
-    """Read and dequantise ``num.weights_file`` for ``shape``. Raises ManifestError / ValueError."""
+    """Read ``num.weights_file`` for ``shape`` (quantised blocks split into codes and scales: host wall
+    seconds). Raises ManifestError / ValueError."""
     return DenseWeights(open_gguf(num.weights_file), shape)
 
 
 def rope_pairs(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
-    """Adjacent-pair RoPE (llama.cpp's "normal" mode) on x (n, heads, D) at positions (n,); float32.
-
-    Pair i = (x[..., 2i], x[..., 2i+1]) rotated by ``positions * theta^(-2i/D)`` (angles in float64,
-    then float32 cos/sin)."""
-    D = x.shape[-1]
-    inv = theta ** (-np.arange(0, D, 2, dtype=np.float64) / D)
-    ang = positions.astype(np.float64)[:, None] * inv[None, :]
-    c, s = np.cos(ang).astype(F32)[:, None, :], np.sin(ang).astype(F32)[:, None, :]
+    """Adjacent-pair RoPE (llama.cpp's "normal" mode) on x (n, heads, D) at positions (n,); float32,
+    angles as ``dense_kernels.rope_tables`` builds them."""
+    c, s = rope_tables(positions, x.shape[-1], theta)
+    c, s = c[:, None, :], s[:, None, :]
     x0, x1 = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
     out[..., 0::2] = x0 * c - x1 * s
@@ -124,12 +180,22 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
     return out
 
 
-class DenseChip:
-    """One chiplet's shard of a dense model and its KV cache.
+def _stack(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-layer (codes, d, m) in llama layout (outputs x inputs) -> stacked over layers and transposed to the
+    kernels' layout (L, inputs, outputs) / (L, input blocks, outputs), C-contiguous."""
+    return tuple(np.ascontiguousarray(np.stack([p[i].T for p in parts])) for i in range(3))  # type: ignore[return-value]
 
-    ``layers``: dicts ``wqkv`` (H, (hq + 2 hkv) D), ``wo`` (hq D, H), ``gu`` (H, 2 Fc) (gate then up
-    columns), ``down`` (Fc, H), ``norms`` (2, H); ``lm_head`` (H, Vc), ``lm_bias`` (Vc,) zeros,
-    ``embed`` (V, H) on chip0 only. KV: ``k_cache``/``v_cache`` float32 (L, hkv, cells, D).
+
+class DenseChip:
+    """One chiplet's shard of a dense model and its KV cache, in the kernels' layout.
+
+    Stacked over layers (L), transposed (inputs x outputs; scales and minimums input blocks x outputs):
+    ``qkv`` (codes, d, m) of its Q then K then V outputs (H, (hq + 2 hkv) D); ``wo`` its input rows of the
+    output projection (hq D, H); ``gu`` its gate then up outputs (H, 2 fc); ``down`` its input rows of the
+    down projection (fc, H); ``norms`` (L, 2, H) float32 (replicated). ``lm_head`` (H, Vc) int8 Q8_0 codes
+    of its vocabulary, ``lm_d`` / ``lm_m`` (H/32, Vc) their scales / zeros, ``lm_bias`` (Vc,) zeros;
+    chip0 also the embedding ``embed`` (V, H) int8 codes and ``embed_d``. KV: ``k_cache`` / ``v_cache``
+    float32 (L, hkv, cells, D) holding F16 values. ``layers`` is empty (no per-layer dicts).
     """
 
     def __init__(self, chip: int, shape: ModelShape, w: DenseWeights, n_cells: int) -> None:
@@ -143,22 +209,29 @@ class DenseChip:
         qs, ks = slice(q0 * D, (q0 + self.hq) * D), slice(k0 * D, (k0 + self.hkv) * D)
         fs = slice(f0, f0 + self.fc)
         self.vocab_range = (v0, v0 + v_split[chip])
-        self.layers = []
-        for lw in w.layers:
-            self.layers.append({
-                "wqkv": np.ascontiguousarray(np.concatenate([lw["wq"][:, qs], lw["wk"][:, ks], lw["wv"][:, ks]], 1)),
-                "wo": np.ascontiguousarray(lw["wo"][qs]),
-                "gu": np.ascontiguousarray(np.concatenate([lw["gate"][:, fs], lw["up"][:, fs]], 1)),
-                "down": np.ascontiguousarray(lw["down"][fs]),
-                "norms": np.stack([lw["attn_norm"], lw["ffn_norm"]]),
-            })
+        L = shape.n_layers
+
+        def cat(*parts: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            return tuple(np.concatenate([p[i] for p in parts]) for i in range(3))  # type: ignore[return-value]
+
+        self.qkv = _stack([cat(w.matrix(li, "attn_q").rows(qs), w.matrix(li, "attn_k").rows(ks),
+                               w.matrix(li, "attn_v").rows(ks)) for li in range(L)])
+        self.wo = _stack([w.matrix(li, "attn_output").cols(qs) for li in range(L)])
+        self.gu = _stack([cat(w.matrix(li, "ffn_gate").rows(fs), w.matrix(li, "ffn_up").rows(fs)) for li in range(L)])
+        self.down = _stack([w.matrix(li, "ffn_down").cols(fs) for li in range(L)])
+        self.norms = np.stack([np.stack([w.norm(li, "attn_norm"), w.norm(li, "ffn_norm")])
+                               for li in range(L)]).astype(F32)
+        self.layers: list[dict[str, np.ndarray]] = []
         a, b = self.vocab_range
-        self.lm_head = np.ascontiguousarray(w.lm_head[:, a:b])
+        lm_codes, lm_d, lm_m = w.output.rows(slice(a, b))
+        self.lm_head = np.ascontiguousarray(lm_codes.T)
+        self.lm_d, self.lm_m = np.ascontiguousarray(lm_d.T), np.ascontiguousarray(lm_m.T)
         self.lm_bias = np.zeros(b - a, dtype=F32)
-        self.final_norm = w.final_norm.copy()
-        self.embed = w.embed.copy() if chip == 0 else None
-        self.k_cache = lazy_zeros((shape.n_layers, self.hkv, n_cells, D))
-        self.v_cache = lazy_zeros((shape.n_layers, self.hkv, n_cells, D))
+        self.final_norm = w.final_norm.astype(F32)
+        self.embed = np.ascontiguousarray(w.embed.codes) if chip == 0 else None
+        self.embed_d = np.ascontiguousarray(w.embed.d) if chip == 0 else None
+        self.k_cache = lazy_zeros((L, self.hkv, n_cells, D))
+        self.v_cache = lazy_zeros((L, self.hkv, n_cells, D))
 
 
 class DenseShardedModel(CellKV):
@@ -166,7 +239,8 @@ class DenseShardedModel(CellKV):
 
     ``forward`` is one prefill or decode step of one sequence (batch 1): K/V written at ``new_cells``,
     attention over ``ctx_cells`` (the sequence's cells, sorted by position, including the new ones).
-    Same interface as ``numerics.ShardedModel``; ``experts_touched`` is empty (no experts).
+    Same interface as ``numerics.ShardedModel``; ``experts_touched`` is empty (no experts). One compiled
+    call a step (``dense_kernels.dense_forward``, numba; compiled on the first start after install).
     """
 
     def __init__(self, shape: ModelShape, num: NumericShape, n_cells: int,
@@ -186,65 +260,78 @@ class DenseShardedModel(CellKV):
             c.k_cache = lazy_zeros(c.k_cache.shape)
             c.v_cache = lazy_zeros(c.v_cache.shape)
 
+    def lm_head_changed(self) -> None:
+        """Nothing to re-derive: the kernels read the chips' ``lm_head`` codes in place."""
+
+    def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
+        """Compile (or load from numba's disk cache) the step kernel: a 2-token prefill and one decode on
+        cells 0..2, then zero the KV. Returns host wall seconds."""
+        import time
+
+        t0 = time.perf_counter()
+        (progress or (lambda _i, _n, _s: None))(1, 1, "dense step (quantised projections, attention, LM head)")
+        two = np.arange(2, dtype=np.int64)
+        self.forward(two, two, two.copy(), two.copy(), two.copy())
+        three = np.arange(3, dtype=np.int64)
+        self.forward(three[2:], three[2:], three[2:], three, three.copy())
+        self.clear_kv()
+        return time.perf_counter() - t0
+
     def forward(self, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray,
                 ctx_cells: np.ndarray, ctx_positions: np.ndarray) -> StepNumerics:
-        """Run one step. tokens/positions/new_cells (n,) int; ctx_cells/ctx_positions (T,) int.
-        Returns the last token's logits (vocab,) float32."""
-        shape = self.shape
-        D, eps, n = shape.head_dim, shape.rms_eps, int(tokens.shape[0])
-        embed = self.chips[0].embed
-        if embed is None:
+        """Run one step. tokens/positions/new_cells (n,) int; ctx_cells/ctx_positions (T,) int, sorted by
+        position. Returns the last token's logits (vocab,) float32. Raises ValueError for ids outside the
+        vocabulary or a chip without its embedding."""
+        shape, chips = self.shape, self.chips
+        c0 = chips[0]
+        if c0.embed is None or c0.embed_d is None:
             raise ValueError("chip0 holds no embedding table")
-        x = embed[tokens].astype(F32)                             # chip0, broadcast (embed_sync)
-        contiguous = ctx_cells.size > 0 and int(ctx_cells[-1]) - int(ctx_cells[0]) == ctx_cells.size - 1 \
-            and bool(np.all(np.diff(ctx_cells) == 1))
-        idx = slice(int(ctx_cells[0]), int(ctx_cells[-1]) + 1) if contiguous else ctx_cells
-        for li in range(shape.n_layers):
-            h = None
-            partial = None
-            for c in self.chips:
-                lw = c.layers[li]
-                if h is None:
-                    h = rms_norm(x, lw["norms"][0], eps)           # replicated on every chip
-                qkv = h @ lw["wqkv"]                             # (n, (hq + 2 hkv) D)
-                q = qkv[:, : c.hq * D].reshape(n, c.hq, D)
-                k = qkv[:, c.hq * D:(c.hq + c.hkv) * D].reshape(n, c.hkv, D)
-                v = qkv[:, (c.hq + c.hkv) * D:].reshape(n, c.hkv, D)
-                q = rope_pairs(q, positions, shape.rope_theta)
-                k = rope_pairs(k, positions, shape.rope_theta)
-                c.k_cache[li][:, new_cells] = k.transpose(1, 0, 2)  # KV scatter
-                c.v_cache[li][:, new_cells] = v.transpose(1, 0, 2)
-                K = c.k_cache[li][:, idx].transpose(1, 0, 2)        # (T, hkv, D)
-                V = c.v_cache[li][:, idx].transpose(1, 0, 2)
-                o = attention(q, K, V, positions, ctx_positions).reshape(n, c.hq * D)
-                y = o @ lw["wo"]
-                partial = y if partial is None else partial + y    # all-reduce over chips
-            assert partial is not None
-            x = x + partial
-            h = None
-            partial = None
-            for c in self.chips:
-                lw = c.layers[li]
-                if h is None:
-                    h = rms_norm(x, lw["norms"][1], eps)
-                gu = h @ lw["gu"]                                  # (n, 2 Fc)
-                g, u = gu[:, : c.fc], gu[:, c.fc:]
-                a = g / (_ONE + np.exp(-g))
-                a *= u
-                y = a @ lw["down"]
-                partial = y if partial is None else partial + y    # reduce the partial sums
-            assert partial is not None
-            x = x + partial
-        last = rms_norm(x[-1], self.chips[0].final_norm, eps)
-        logits = np.concatenate([last @ c.lm_head + c.lm_bias for c in self.chips])  # gather the halves
-        return StepNumerics(logits=logits.astype(F32, copy=False), experts_touched=[])
+        tok = np.asarray(tokens, dtype=np.int64)
+        if tok.size == 0 or int(tok.min()) < 0 or int(tok.max()) >= shape.vocab:
+            raise ValueError(f"token ids must be in [0, {shape.vocab})")
+        H, D = shape.hidden, shape.head_dim
+        # embedding on chip0: the Q8_0 rows dequantised (d q), broadcast to the chips (embed_sync)
+        x = (c0.embed[tok].reshape(-1, H // QK, QK).astype(F32) * c0.embed_d[tok][..., None]).reshape(-1, H)
+        pos = np.asarray(positions, dtype=np.int64)
+        cos, sin = rope_tables(pos, D, shape.rope_theta)
+        kpos = np.asarray(ctx_positions, dtype=np.int64)
+        if kpos.size > 1 and bool(np.any(kpos[1:] < kpos[:-1])):
+            order = np.argsort(kpos, kind="stable")
+            kpos, cells = kpos[order], np.asarray(ctx_cells, dtype=np.int64)[order]
+        else:
+            cells = np.asarray(ctx_cells, dtype=np.int64)
+        ends = np.searchsorted(kpos, pos, side="right").astype(np.int64)
+        logits = np.empty(shape.vocab, dtype=F32)
+        dense_forward(
+            np.ascontiguousarray(x, dtype=F32), cos, sin, np.asarray(new_cells, dtype=np.int64),
+            np.ascontiguousarray(cells), ends, F32(shape.rms_eps), D,
+            np.array([c.hq for c in chips], dtype=np.int64), np.array([c.hkv for c in chips], dtype=np.int64),
+            np.array([c.fc for c in chips], dtype=np.int64),
+            np.array([c.vocab_range[0] for c in chips], dtype=np.int64),
+            c0.norms, c0.final_norm,
+            tuple(c.qkv[0] for c in chips), tuple(c.qkv[1] for c in chips), tuple(c.qkv[2] for c in chips),
+            tuple(c.wo[0] for c in chips), tuple(c.wo[1] for c in chips), tuple(c.wo[2] for c in chips),
+            tuple(c.gu[0] for c in chips), tuple(c.gu[1] for c in chips), tuple(c.gu[2] for c in chips),
+            tuple(c.down[0] for c in chips), tuple(c.down[1] for c in chips), tuple(c.down[2] for c in chips),
+            tuple(c.lm_head for c in chips), tuple(c.lm_d for c in chips), tuple(c.lm_m for c in chips),
+            tuple(c.k_cache for c in chips), tuple(c.v_cache for c in chips), logits)
+        for c in chips:
+            a, b = c.vocab_range
+            logits[a:b] += c.lm_bias
+        return StepNumerics(logits=logits, experts_touched=[])
 
 
 class DenseReference:
-    """The same dense model on one device (no sharding) with its own contiguous KV, for tests."""
+    """The unquantised model on one device: weights dequantised to float32, float32 activations and K/V
+    (no block quantisation of the activations, no F16 K/V), its own contiguous KV; for tests."""
 
     def __init__(self, shape: ModelShape, weights: DenseWeights) -> None:
-        self.shape, self.w = shape, weights
+        self.shape = shape
+        self.embed = weights.embed.dequantised()
+        self.lm_head = weights.output.dequantised().T
+        self.layers = [{k: (weights.matrix(li, k).dequantised().T if k in _PROJ else weights.norm(li, k))
+                        for k in (*_PROJ, "attn_norm", "ffn_norm")} for li in range(shape.n_layers)]
+        self.final_norm = weights.final_norm
         D, Hkv = shape.head_dim, shape.n_kv_heads
         self.k = [np.zeros((0, Hkv, D), F32) for _ in range(shape.n_layers)]
         self.v = [np.zeros((0, Hkv, D), F32) for _ in range(shape.n_layers)]
@@ -252,20 +339,20 @@ class DenseReference:
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Append ``tokens`` at ``positions``; return the last token's logits (vocab,) float32."""
-        s, w = self.shape, self.w
+        s = self.shape
         D, n = s.head_dim, tokens.shape[0]
-        x = w.embed[tokens].astype(F32)
+        x = self.embed[tokens].astype(F32)
         self.pos = np.concatenate([self.pos, positions.astype(np.int64)])
-        for li, lw in enumerate(w.layers):
+        for li, lw in enumerate(self.layers):
             h = rms_norm(x, lw["attn_norm"], s.rms_eps)
-            q = rope_pairs((h @ lw["wq"]).reshape(n, s.n_q_heads, D), positions, s.rope_theta)
-            k = rope_pairs((h @ lw["wk"]).reshape(n, s.n_kv_heads, D), positions, s.rope_theta)
+            q = rope_pairs((h @ lw["attn_q"]).reshape(n, s.n_q_heads, D), positions, s.rope_theta)
+            k = rope_pairs((h @ lw["attn_k"]).reshape(n, s.n_kv_heads, D), positions, s.rope_theta)
             self.k[li] = np.concatenate([self.k[li], k])
-            self.v[li] = np.concatenate([self.v[li], (h @ lw["wv"]).reshape(n, s.n_kv_heads, D)])
+            self.v[li] = np.concatenate([self.v[li], (h @ lw["attn_v"]).reshape(n, s.n_kv_heads, D)])
             o = attention(q, self.k[li], self.v[li], positions, self.pos).reshape(n, -1)
-            x = x + o @ lw["wo"]
+            x = x + o @ lw["attn_output"]
             h = rms_norm(x, lw["ffn_norm"], s.rms_eps)
-            g = h @ lw["gate"]
-            x = x + ((g / (_ONE + np.exp(-g))) * (h @ lw["up"])) @ lw["down"]
-        last = rms_norm(x[-1], w.final_norm, s.rms_eps)
-        return (last @ w.lm_head).astype(F32)
+            g = h @ lw["ffn_gate"]
+            x = x + ((g / (_ONE + np.exp(-g))) * (h @ lw["ffn_up"])) @ lw["ffn_down"]
+        last = rms_norm(x[-1], self.final_norm, s.rms_eps)
+        return (last @ self.lm_head).astype(F32)
