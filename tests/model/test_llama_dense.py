@@ -84,3 +84,29 @@ def test_tokenizer_specials_and_injection(bundle):
         tok.encode_chat([])
     # streaming bytes of every token join to the text
     assert tok.decode_bytes(tok.encode("日本語 😀 text")) == "日本語 😀 text".encode()
+
+
+def test_grammar_mask_over_the_pilot_tokenizer(bundle):
+    """Constrained decoding over the pilot's own vocabulary (49,152 GGUF tokens, EOS <|im_end|>): the
+    stand-in's output and picks from random logits under the mask both write the schema's JSON."""
+    import json
+
+    from sim_backend.planes import ChatRequest, Grammar, SamplingParams
+    from sim_backend.serving.grammar import compile_grammar
+    from sim_backend.serving.tokens import TokenPipeline
+    from tests.grammar_check import PERSON, violations
+
+    tok = tokenizer_for(bundle)
+    g = Grammar("json_schema", json.dumps(PERSON))
+    rng = np.random.default_rng(0)
+    for seed, numeric in ((0, False), (1, False), (2, True)):
+        req = ChatRequest.from_prompt("x", sampling=SamplingParams(seed=seed, temperature=1.0, top_k=0, min_p=0.0),
+                                      grammar=g)
+        p = TokenPipeline(req, [1], n_ctx=2048, max_tokens=200, tokenizer=tok, vocab=49152, eos_ids=tok.eos_ids,
+                          text_ids=(0, 49152), grammar=compile_grammar(g, tok, 49152, tok.eos_ids))
+        text, stop = "", None
+        while stop is None:
+            bits = (rng.standard_normal(49152).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+            visible, stop = p.push(p.sample(bits, numeric))
+            text += visible
+        assert stop == ("eos", "") and violations(json.loads(text), PERSON) == [], text
