@@ -18,8 +18,9 @@ The face in layers (as llama.cpp's server: http / task results that own their JS
   such a model), ``routes_generate`` (/completion /v1/completions /v1/chat/completions),
   ``routes_snapshot`` (/snapshot /snapshot/stream), ``maintenance_routes`` (/maintenance/..., only
   when an admin key is configured);
-- ``wire``: request parsing and response shapes (public helpers), ``calconsole.codec`` the
-  ``calconsole`` extension both the face and the remote plane read;
+- ``wire``: request parsing and response shapes (public helpers), ``logprobs`` those of token
+  probabilities, ``calconsole.codec`` the ``calconsole`` extension (and the probabilities' entries)
+  both the face and the remote plane read;
 - this module: the planes, the bounds, generation places, the push bridge (``bridge``) from the
   engine's threads to the event loop, SSE responses, the app assembly.
 

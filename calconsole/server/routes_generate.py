@@ -1,5 +1,6 @@
 """Generation routes: ``POST /completion`` (llama.cpp native), ``/v1/completions`` and
-``/v1/chat/completions`` (OpenAI), streamed (SSE through the face's bridge) and not."""
+``/v1/chat/completions`` (OpenAI), streamed (SSE through the face's bridge) and not; token probabilities
+(``logprobs``) per streamed piece or for the whole reply."""
 
 from __future__ import annotations
 

@@ -230,6 +230,10 @@ def test_openai_sdk_reads_logprobs(pair: tuple[str, str]) -> None:
     assert streamed and all(len(c.top_logprobs) == 1 for c in streamed)
     with pytest.raises(openai.BadRequestError, match="top_logprobs requires logprobs"):
         client.chat.completions.create(model="m", messages=MSG, max_tokens=1, top_logprobs=2)
+    # /v1/completions: llama-server's entries under the SDK's legacy Logprobs model (kept as its extra field)
+    text = client.completions.create(model="m", prompt="Hello", max_tokens=2, logprobs=2)
+    entries = text.choices[0].logprobs.model_extra["content"]
+    assert len(entries) == 2 and all(len(e["top_logprobs"]) == 2 for e in entries)
 
 
 # --- the remote planes carry them (calconsole serve and a real llama-server) -----------------------------
