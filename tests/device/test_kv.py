@@ -493,6 +493,47 @@ def test_save_load_round_trip(tmp_path):
     del cells
 
 
+class _Store:
+    """A ``KVValueStore`` over arrays this test holds (as the device's model or its worker holds K/V)."""
+
+    def __init__(self, arrays: list[tuple[np.ndarray, int]]) -> None:
+        self.arrays = arrays
+
+    def kv_layout(self):
+        return [(a.shape, a.dtype.str, ax) for a, ax in self.arrays]
+
+    def kv_take(self, cells):
+        return [np.take(a, cells, axis=ax) for a, ax in self.arrays]
+
+    def kv_put(self, cells, rows):
+        for (a, ax), r in zip(self.arrays, rows, strict=True):
+            idx = [slice(None)] * a.ndim
+            idx[ax] = cells
+            a[tuple(idx)] = r
+
+
+def test_values_held_elsewhere_round_trip_after_the_arrays(tmp_path):
+    rng = np.random.default_rng(2)
+    kv = small(64)
+    kv.apply(1, 3, timeout=0)
+    kv.apply(0, 6, timeout=0)
+    meta = np.arange(64, dtype=np.int64)[None, :].repeat(2, axis=0)  # a (2, n_cells) array, cell axis 1
+    store = _Store(_kv_arrays(64, rng))
+    c0, _ = kv.seq_cells(0)
+    want = store.kv_take(c0)
+    path = tmp_path / "v.kvstate"
+    assert kv.save_seq_state(0, path, [(meta, 1)], values=store) == 6
+    target, meta2, store2 = small(64), np.zeros_like(meta), _Store([(np.zeros_like(a), ax) for a, ax in store.arrays])
+    assert target.load_seq_state(2, path, [(meta2, 1)], timeout=1.0, values=store2) == 6
+    c2, p2 = target.seq_cells(2)
+    assert p2.tolist() == list(range(6)) and meta2[0, c2].tolist() == c0.tolist()
+    assert all(np.array_equal(a, b) for a, b in zip(store2.kv_take(c2), want, strict=True))
+    # the values are part of the file: loading it without them (or with other ones) changes nothing
+    with pytest.raises(ValueError, match="3 arrays, 1 given"):
+        target.load_seq_state(3, path, [(meta2, 1)], timeout=0)
+    assert target.seq_cells(3)[0].size == 0
+
+
 def test_load_rejects_mismatched_files(tmp_path):
     rng = np.random.default_rng(1)
     kv = small(64)

@@ -58,10 +58,19 @@ def test_seed_alias_and_tags(srv: Any) -> None:
 
 
 @pytest.mark.parametrize("kw,msg", [({"n_ctx": 0}, "--ctx-size"), ({"n_ctx": 40961}, "--ctx-size"),
-                                    ({"seed": -1}, "--seed"), ({"model_alias": " , "}, "--alias")])
+                                    ({"seed": -1}, "--seed"), ({"model_alias": " , "}, "--alias"),
+                                    ({"slot_save_path": ""}, "--slot-save-path"),
+                                    ({"slot_save_path": __file__}, "--slot-save-path")])
 def test_bad_options_are_refused(kw: dict[str, Any], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         ServeConfig(**kw).check()
+
+
+def test_slot_save_path_option_reaches_the_config() -> None:
+    from calconsole.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--slot-save-path", "/srv/slots"])
+    assert args.slot_save_path == "/srv/slots"
 
 
 def test_host_lists() -> None:
