@@ -101,6 +101,20 @@ def _apply_penalties(x: np.ndarray, recent: Sequence[int], p: SamplingParams) ->
     x[uniq] = v.astype(np.float32)
 
 
+def _apply_mask(x: np.ndarray, allowed: np.ndarray) -> None:
+    """In place: ``x[~allowed] = -inf`` (``allowed``: bool, x's shape). Few allowed (a grammar's usual
+    mask): the allowed values are put back over an all ``-inf`` fill; most allowed (inside a string):
+    the few banned ids are set. Either is ~2x cheaper than a masked store over the whole vector."""
+    n_allowed = int(np.count_nonzero(allowed))
+    if n_allowed <= x.shape[0] // 2:
+        ids = np.flatnonzero(allowed)
+        keep = x[ids]
+        x.fill(np.float32(-np.inf))
+        x[ids] = keep
+    else:
+        x[np.flatnonzero(~allowed)] = np.float32(-np.inf)
+
+
 def _sanitize(x: np.ndarray) -> None:
     """In place: NaN -> -inf; if any +inf, those -> 0 and everything else -> -inf."""
     np.nan_to_num(x, copy=False, nan=-np.inf, posinf=np.inf, neginf=-np.inf)
@@ -283,7 +297,7 @@ class Sampler:
         if allowed is not None:
             if allowed.shape != (n,) or allowed.dtype != np.bool_:
                 raise ValueError(f"allowed must be a bool array of shape ({n},)")
-            np.copyto(x, np.float32(-np.inf), where=~allowed)
+            _apply_mask(x, allowed)
         np.max(self._grid, axis=0, out=self._colmax)
         m = float(self._colmax.max())
         if not math.isfinite(m):

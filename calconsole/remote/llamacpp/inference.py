@@ -22,6 +22,7 @@ plane reports (its clock says so).
 
 from __future__ import annotations
 
+import json
 import math
 import threading
 import time
@@ -248,6 +249,11 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
         body["ignore_eos"] = True
     if req.n_probs:
         body.update(n_probs=req.n_probs, post_sampling_probs=req.post_sampling_probs)
+    if req.grammar is not None:  # llama-server reads both on every generation route
+        if req.grammar.kind == "gbnf":
+            body["grammar"] = req.grammar.text
+        else:
+            body["json_schema"] = json.loads(req.grammar.text)
     if req.prompt_tokens is not None:
         body.update(prompt=[int(t) for t in req.prompt_tokens], n_predict=req.max_tokens, return_tokens=True)
         return "/completion", body
