@@ -25,6 +25,7 @@ from sim_backend.device.board import SimulatedBoard
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.device.memory import MemoryPlan
 from sim_backend.model.batching import BatchedCostModel, Variant, kv_capacity_tokens
+from sim_backend.model.chat_template import builtin_template as builtin_chat_template
 from sim_backend.model.costmodel import CostModel
 from sim_backend.planes.audit import AuditLog
 from sim_backend.planes.inprocess import InProcessInference, InProcessObservation
@@ -82,8 +83,13 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                  numerics_process: bool = False,
                  reset_timeout_s: float = 10.0, slo: Any | None = None, variant: Variant | None = None,
                  host_time: str = "modeled", numerics_progress: Callable[[str], None] | None = None,
-                 prefill_chunk: int = 2048) -> System:
+                 prefill_chunk: int = 2048, chat_template: str | None = None,
+                 chat_template_name: str = "chat template") -> System:
     """Load the bundle (strict; raises ManifestError) and start device + engine threads.
+
+    ``chat_template``: a Hugging Face chat template's Jinja source that replaces the bundle's
+    (``serve --chat-template-file``; ``model.chat_template.JinjaChatTemplate``), compiled before any thread
+    starts: ValueError (one line naming ``chat_template_name`` and the line) for one that does not compile.
 
     ``drain_timeout_s`` / ``reset_timeout_s``: the maintenance plane's bounded drain and reset
     (host wall seconds); unused with ``maintenance=False``. ``variant``: cost-model switches of a
@@ -109,6 +115,14 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
         raise ValueError(f"numerics_max_prompt must be >= 1 token, got {numerics_max_prompt}")
     HostBooking(host_time)  # ValueError for an unknown mode, before any thread starts
     bundle = load_bundle(bundle_dir)
+    template = None
+    if chat_template is not None:
+        from sim_backend.model.chat_template import JinjaChatTemplate
+        from sim_backend.model.families import tokenizer_for
+
+        tok = tokenizer_for(bundle)
+        template = JinjaChatTemplate(chat_template, name=chat_template_name, bos_token=getattr(tok, "bos_text", ""),
+                                     eos_token=getattr(tok, "eos_text", ""))
     if not limit_given and bundle.numeric.weights == "gguf":
         # real weights (the dense pilot): a timing-only reply would be seeded tokens, not the model's, and
         # its host cannot keep real time at any prompt length anyway (the pacing figure says so)
@@ -126,7 +140,8 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                     max_inflight=max_inflight, prefill_chunk=prefill_chunk,
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt,
                     host_time=host_time, host_token_us=cost.host_overhead_ms_per_token * 1e3,
-                    slo=slo)  # slo: planes.types.SLO for goodput (simulated ms); None = no objectives
+                    slo=slo,  # slo: planes.types.SLO for goodput (simulated ms); None = no objectives
+                    chat_template=template)
     memory_plan = MemoryPlan.for_bundle(bundle.shape, cost.hw)
     observation = InProcessObservation(DeviceMonitor(board), engine, bundle, memory_plan,
                                    numerics_limit_reason=numerics_limit_reason or default_reason)
@@ -144,4 +159,5 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     return System(bundle, board, engine, InProcessInference(engine), observation, mplane)
 
 
-__all__ = ["NUMERIC_LIMIT_REASON", "NUMERIC_PROMPT_LIMIT", "Pacing", "PacingMode", "System", "build_system"]
+__all__ = ["NUMERIC_LIMIT_REASON", "NUMERIC_PROMPT_LIMIT", "Pacing", "PacingMode", "System", "build_system",
+           "builtin_chat_template"]

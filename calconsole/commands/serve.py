@@ -78,6 +78,19 @@ def register(sub, common) -> None:
                    help="seed of requests that give none (default: a fresh random seed each, reported per result)")
     p.add_argument("--cors-origins", default=None, metavar="LIST",
                    help="browser origins allowed (CORS), a comma list or '*' (default: pages on localhost)")
+    g = p.add_argument_group("chat template (llama-server's options)")
+    g.add_argument("--chat-template-file", metavar="FILE", default=None,
+                   help="a Hugging Face chat template (Jinja) that replaces the model's: rendered with jinja2 in a "
+                        "sandbox, as transformers renders it (raise_exception, strftime_now, tojson); /props reports "
+                        "it, /apply-template renders it")
+    g.add_argument("--chat-template", metavar="NAME|JINJA", default=None,
+                   help="llama-server's built-in template NAME (only 'chatml' is offered) or a template's Jinja text")
+    g.add_argument("--jinja", action="store_true",
+                   help="accepted as llama-server takes it; chat templates are always rendered as Jinja here (the "
+                        "built-in Qwen3 template is the real one's equivalent, checked against it)")
+    g.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
+                   help="template variables every request gets under its own chat_template_kwargs, a JSON object "
+                        "(e.g. '{\"enable_thinking\": false}': thinking off unless a request turns it on)")
     g = p.add_argument_group("many boards (trials of the fleet view)")
     g.add_argument("--boards", type=int, default=None, metavar="N",
                    help="start N isolated simulator processes (1..64), one per board, on consecutive ports from "
@@ -118,6 +131,67 @@ def _list(spec: str | None) -> tuple[str, ...]:
     return tuple(x.strip() for x in (spec or "").split(",") if x.strip())
 
 
+#: longest --chat-template-file read (bytes; real templates are 1-20 KB)
+MAX_TEMPLATE_FILE_BYTES = 1 << 20
+
+
+def chat_template_of(args: argparse.Namespace) -> tuple[str | None, str]:
+    """(Jinja source or None, its name for messages) from ``--chat-template-file`` / ``--chat-template``.
+    ValueError (one line) for an unreadable, non-UTF-8 or oversized file, both options, or a built-in name
+    that is not offered."""
+    path, spec = getattr(args, "chat_template_file", None), getattr(args, "chat_template", None)
+    if path and spec:
+        raise ValueError("give --chat-template-file or --chat-template, not both")
+    if spec:
+        from sim_backend.compose import builtin_chat_template
+
+        return builtin_chat_template(spec), f"--chat-template {spec[:40]}"
+    if not path:
+        return None, ""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TEMPLATE_FILE_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"--chat-template-file {path}: {e.strerror or e}") from None
+    if len(data) > MAX_TEMPLATE_FILE_BYTES:
+        raise ValueError(f"--chat-template-file {path}: longer than {MAX_TEMPLATE_FILE_BYTES >> 20} MiB")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--chat-template-file {path}: not UTF-8 text (byte {e.start})") from None
+    if path.endswith(".json"):  # a tokenizer_config.json: its chat_template, as transformers reads it
+        import json
+
+        try:
+            obj = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"--chat-template-file {path}: not valid JSON: {e}") from None
+        tmpl = obj.get("chat_template") if isinstance(obj, dict) else None
+        if isinstance(tmpl, list):  # named templates: the default one
+            tmpl = next((t.get("template") for t in tmpl if isinstance(t, dict) and t.get("name") == "default"), None)
+        if not isinstance(tmpl, str):
+            raise ValueError(f"--chat-template-file {path}: no 'chat_template' string in this JSON file")
+        text = tmpl
+    return text, path
+
+
+def template_kwargs_of(spec: str | None) -> dict | None:
+    """``--chat-template-kwargs`` JSON -> dict (ValueError, one line, for anything but a JSON object)."""
+    if spec is None:
+        return None
+    import json
+
+    try:
+        obj = json.loads(spec)
+    except ValueError as e:
+        raise ValueError(f"--chat-template-kwargs must be a JSON object: {e}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"--chat-template-kwargs must be a JSON object, got {type(obj).__name__}")
+    if "enable_thinking" in obj and not isinstance(obj["enable_thinking"], bool):
+        raise ValueError("--chat-template-kwargs: enable_thinking must be true or false")
+    return obj
+
+
 def serve_config(args: argparse.Namespace, model_alias: str) -> ServeConfig:
     """The checked ``ServeConfig`` of the options (no device needed: ``model_alias`` is the bundle's name
     when ``--alias`` is not given); ValueError / KeySourceError with a one-line reason."""
@@ -136,7 +210,8 @@ def serve_config(args: argparse.Namespace, model_alias: str) -> ServeConfig:
                       model_tags=_list(getattr(args, "tags", "")), n_ctx=getattr(args, "ctx_size", None),
                       seed=getattr(args, "seed", None),
                       cors_origins=_list(getattr(args, "cors_origins", None)) or None,
-                      slot_save_path=getattr(args, "slot_save_path", None))
+                      slot_save_path=getattr(args, "slot_save_path", None),
+                      chat_template_kwargs=template_kwargs_of(getattr(args, "chat_template_kwargs", None)))
     cfg.check()
     return cfg
 
@@ -184,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         if not 1 <= args.queue_limit <= 1024:
             raise ValueError(f"--queue-limit must be in 1..1024, got {args.queue_limit}")
         serve_config(args, "?")
+        template, template_name = chat_template_of(args)
         socks = bind_all(args)
     except (KeySourceError, ValueError) as e:
         return fail(str(e))
@@ -194,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
             # numerics in a worker process, as in the console: the event loop and the model would share one GIL
             system = build_from_args(args, maintenance=args.admin_key_file is not None or _env_admin(),
                                      queue_limit=args.queue_limit, numerics_process=not args.timing_only,
+                                     chat_template=template, chat_template_name=template_name,
                                      numerics_progress=lambda line: print(f"calconsole serve: {line}",
                                                                           file=sys.stderr, flush=True))
         except (CalError, ValueError) as e:

@@ -49,7 +49,8 @@ def board_command(args, port: int, audit_log: Path) -> list[str]:
            "-n", str(args.n_predict)]
     # the launcher's optional serve options, passed on only where given (None: the board's own default)
     for opt, key in (("--alias", "alias"), ("--tags", "tags"), ("--ctx-size", "ctx_size"), ("--seed", "seed"),
-                     ("--cors-origins", "cors_origins")):
+                     ("--cors-origins", "cors_origins"), ("--chat-template-file", "chat_template_file"),
+                     ("--chat-template", "chat_template"), ("--chat-template-kwargs", "chat_template_kwargs")):
         v = getattr(args, key, None)
         if v not in (None, ""):
             cmd += [opt, str(v)]
@@ -63,6 +64,8 @@ def board_command(args, port: int, audit_log: Path) -> list[str]:
         cmd += ["--api-key-file", args.api_key_file]
     if args.admin_key_file:
         cmd += ["--admin-key-file", args.admin_key_file]
+    if getattr(args, "jinja", False):
+        cmd.append("--jinja")
     if getattr(args, "no_metrics", False):
         cmd.append("--no-metrics")
     if getattr(args, "no_slots_endpoint", False):

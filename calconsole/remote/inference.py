@@ -85,8 +85,22 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
         body["prompt"] = [int(t) for t in req.prompt_tokens]
         return "/v1/completions", body
     body["messages"] = [{"role": m["role"], "content": m["content"]} for m in req.messages]
-    body["chat_template_kwargs"] = {"enable_thinking": bool(req.enable_thinking)}
+    body.update(template_fields(req.enable_thinking, req.add_generation_prompt, req.continue_final_message,
+                                req.template_kwargs))
     return "/v1/chat/completions", body
+
+
+def template_fields(enable_thinking: bool, add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The chat template's body fields as llama-server reads them (``chat_template_kwargs`` with
+    ``enable_thinking`` always given, so the server's default does not decide)."""
+    kwargs = {**(template_kwargs or {}), "enable_thinking": bool(enable_thinking)}
+    out: dict[str, Any] = {"chat_template_kwargs": kwargs}
+    if not add_generation_prompt:
+        out["add_generation_prompt"] = False
+    if continue_final_message:
+        out["continue_final_message"] = True
+    return out
 
 
 class RemoteRequestStream(SseRequestStream):
@@ -194,7 +208,8 @@ class RemoteInferencePlane:
         if req.prompt_tokens is not None:
             return len(req.prompt_tokens)
         body = {"messages": [dict(m) for m in req.messages],
-                "chat_template_kwargs": {"enable_thinking": bool(req.enable_thinking)}}
+                **template_fields(req.enable_thinking, req.add_generation_prompt, req.continue_final_message,
+                                  req.template_kwargs)}
         return int(self._conn.json("POST", "/chat/completions/input_tokens", json_body=body)["input_tokens"])
 
     def tokenize(self, text: str, *, parse_special: bool = False) -> list[int]:
@@ -213,11 +228,13 @@ class RemoteInferencePlane:
         piece = out["pieces"][0]["piece"]
         return piece.encode("utf-8") if isinstance(piece, str) else bytes(piece)
 
-    def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False) -> str:
+    def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False,
+                       add_generation_prompt: bool = True, continue_final_message: bool = False,
+                       template_kwargs: Mapping[str, Any] | None = None) -> str:
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise InvalidRequestError("messages must be a list", param="messages")
         body = {"messages": [dict(m) if isinstance(m, Mapping) else m for m in messages],
-                "chat_template_kwargs": {"enable_thinking": bool(enable_thinking)}}
+                **template_fields(enable_thinking, add_generation_prompt, continue_final_message, template_kwargs)}
         return str(self._conn.json("POST", "/apply-template", json_body=body)["prompt"])
 
 

@@ -157,6 +157,9 @@ class ServeConfig:
     #: directory of slot state files (llama-server's ``--slot-save-path``): POST /slots/{id}?action=save|
     #: restore|erase exist only with it (501 otherwise, as llama-server); created (mode 700) if missing
     slot_save_path: str | None = None
+    #: chat template variables every request gets, under its own ``chat_template_kwargs`` (llama-server's
+    #: ``--chat-template-kwargs``; ``enable_thinking`` there sets the server's default thinking mode)
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         """ValueError (one line, naming the setting) for a value no server should run with."""
@@ -261,6 +264,7 @@ class ServingFace:
         if config.slot_save_path is not None:
             os.makedirs(config.slot_save_path, mode=0o700, exist_ok=True)
             self.slot_dir = os.path.realpath(config.slot_save_path)
+        self._thinking: bool | None = None  # thinking_default, once probed
         # set by run._config when served: the connection guard and the bound on requests in progress (conns)
         self.conn_guard: Any = None
         self.request_bound: Any = None
@@ -403,6 +407,30 @@ class ServingFace:
     def aliases(self) -> list[str]:
         """The model's names, the reported one first."""
         return [a.strip() for a in self.config.model_alias.split(",") if a.strip()]
+
+    async def template_options(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The body's chat template fields (``wire.template_options``) with this server's defaults: its
+        ``--chat-template-kwargs``, and thinking on when the model's template has a thinking mode
+        (llama-server's default; Qwen3's has)."""
+        return wire.template_options(body, thinking_default=await self.thinking_default(),
+                                     server_kwargs=self.config.chat_template_kwargs)
+
+    async def thinking_default(self) -> bool:
+        """Whether a request that does not say gets thinking on: the template has a thinking mode when a
+        one-message chat renders differently with ``enable_thinking`` true and false and one rendering has
+        a ``</think>`` tag (llama-server tells it from the template's thinking tags: a template that merely
+        prints the variable has none). Probed once through the plane."""
+        if self._thinking is None:
+            self._thinking = await self.call(self._probe_thinking)
+        return self._thinking
+
+    def _probe_thinking(self) -> bool:
+        probe = [{"role": "user", "content": "test"}]
+        try:
+            on, off = (self.inference.apply_template(probe, enable_thinking=t) for t in (True, False))
+        except CalError:  # a template that refuses the probe has no thinking mode to turn on
+            return False
+        return on != off and ("</think>" in on or "</think>" in off)
 
     def with_defaults(self, body: dict[str, Any]) -> dict[str, Any]:
         """``body`` with the server's default seed when it gives none (llama-server's --seed)."""

@@ -58,7 +58,7 @@ async def whole_probs(face: ServingFace, results: list[RequestResult]) -> list[l
 async def chat_completions(face: ServingFace, request: Request) -> Response:
     body = face.with_defaults(await face.read_json(request))
     req = wire.chat_request(body, n_ctx=face.n_ctx, n_predict=face.config.n_predict,
-                            client=client_of(request))
+                            client=client_of(request), template=await face.template_options(body))
     stream = wire.flag(body, "stream", False)
     include_usage = wire.stream_options(body)
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"

@@ -96,11 +96,13 @@ async def detokenize(face: ServingFace, request: Request) -> Response:
 
 
 async def apply_template(face: ServingFace, request: Request) -> Response:
+    """The prompt a chat request with this body would be given (messages, ``chat_template_kwargs``,
+    ``add_generation_prompt``, ``continue_final_message``, as ``/v1/chat/completions`` reads them)."""
     body = await face.read_json(request)
     msgs = wire.messages_from(body)
+    opts = await face.template_options(body)
     try:
-        think = wire.thinking(body)
-        prompt = await face.call(face.inference.apply_template, msgs, enable_thinking=think)
+        prompt = await face.call(face.inference.apply_template, msgs, **opts)
     except CalError as e:
         raise wire.bad_request(str(e)) from None
     return JSONResponse({"prompt": prompt})
@@ -109,9 +111,9 @@ async def input_tokens(face: ServingFace, request: Request) -> Response:
     """``/chat/completions/input_tokens``: the templated prompt's tokens, as the context limit counts them."""
     body = await face.read_json(request)
     msgs = wire.messages_from(body)
+    opts = await face.template_options(body)
     try:
-        n = await face.call(face.inference.count_prompt_tokens,
-                            ChatRequest(messages=msgs, max_tokens=1, enable_thinking=wire.thinking(body)))
+        n = await face.call(face.inference.count_prompt_tokens, ChatRequest(messages=msgs, max_tokens=1, **opts))
     except CalError as e:
         raise wire.bad_request(str(e)) from None
     return JSONResponse({"input_tokens": n, "object": "response.input_tokens"})

@@ -14,7 +14,8 @@ nine numbers (simulated device milliseconds, host work booked on that clock); th
 fields ride in the ``calconsole`` key (``calconsole.codec``).
 
 Public helpers for the routes: ``flag`` / ``integer`` (typed body fields, 400 naming the field),
-``thinking`` (``chat_template_kwargs.enable_thinking``), ``stream_options``.
+``template_options`` (``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``),
+``stream_options``.
 """
 
 from __future__ import annotations
@@ -217,9 +218,8 @@ def messages_from(body: Mapping[str, Any]) -> tuple[dict[str, str], ...]:
             raise bad_request(f"'messages[{i}].role' must be one of system, developer, user, assistant; "
                               f"got {role!r}")
         out.append({"role": ROLES[role], "content": _content_text(m.get("content"), i)})
-    if len(out) > 1 and out[-1]["role"] == out[-2]["role"] == "assistant":
-        # llama-server's rule and words: one trailing assistant message is a prefill, two are an error
-        raise bad_request("Cannot have 2 or more assistant messages at the end of the list.")
+    # the last message's rules (a trailing assistant message is a prefill, two are refused unless
+    # continue_final_message) are the chat template's: ChatRequest.continue_final_message
     return tuple(out)
 
 
@@ -231,18 +231,67 @@ def stream_options(body: Mapping[str, Any]) -> bool:
     return flag(opts, "include_usage", False)
 
 
-def thinking(body: Mapping[str, Any]) -> bool:
-    """Qwen3 thinking mode: ``chat_template_kwargs.enable_thinking`` (or a top-level ``enable_thinking``)."""
-    kw = body.get("chat_template_kwargs")
-    if kw is None:
-        return flag(body, "enable_thinking", False)
-    if not isinstance(kw, Mapping):
+def template_options(body: Mapping[str, Any], *, thinking_default: bool = False,
+                     server_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The chat template's request fields as llama-server reads them, as ``ChatRequest`` /
+    ``apply_template`` keywords: ``enable_thinking``, ``add_generation_prompt``, ``continue_final_message``,
+    ``template_kwargs``. 400 naming the field for a wrong type.
+
+    - ``chat_template_kwargs``: template variables (any JSON values) over the server's
+      (``--chat-template-kwargs``); its ``enable_thinking`` (a boolean; a string is llama-server's 400)
+      sets the thinking mode, else a top-level ``enable_thinking`` (calconsole's), else
+      ``reasoning_effort: "none"`` turns it off, else ``thinking_default`` (llama-server's: on when the
+      template has a thinking mode). Another ``reasoning_effort`` is a template variable, as llama-server
+      gives it.
+    - ``add_generation_prompt`` (default true) and ``continue_final_message`` (true or ``"content"``; false):
+      see ``ChatRequest``. ``"reasoning_content"`` is refused: messages carry no reasoning content here.
+    """
+    kw_body = body.get("chat_template_kwargs")
+    if kw_body is not None and not isinstance(kw_body, Mapping):
         raise bad_request("'chat_template_kwargs' must be an object")
-    return flag(kw, "enable_thinking", False)
+    kwargs: dict[str, Any] = {**(server_kwargs or {}), **(kw_body or {})}
+    think: bool | None = None
+    if "enable_thinking" in kwargs and kwargs["enable_thinking"] is not None:
+        v = kwargs.pop("enable_thinking")
+        if isinstance(v, str):  # llama-server's words
+            raise bad_request('invalid type for "enable_thinking" (expected boolean, got string)')
+        if not isinstance(v, bool):
+            raise bad_request(f"'chat_template_kwargs.enable_thinking' must be true or false, got {type(v).__name__}")
+        think = v
+    kwargs.pop("enable_thinking", None)
+    effort = body.get("reasoning_effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request(f"'reasoning_effort' must be a string, got {type(effort).__name__}")
+    if think is None and body.get("enable_thinking") is not None:
+        think = flag(body, "enable_thinking", False)
+    if think is None and effort == "none":
+        think = False
+    if effort is not None and effort != "none":
+        kwargs.setdefault("reasoning_effort", effort)
+    cfm = body.get("continue_final_message")
+    if cfm is None or cfm is False:
+        cont = False
+    elif cfm is True or cfm == "content":
+        cont = True
+    elif cfm == "reasoning_content":
+        raise bad_request("'continue_final_message': \"reasoning_content\" is not supported by this server "
+                          "(messages carry no reasoning content); continue the content instead")
+    else:  # llama-server's words
+        raise bad_request('Invalid continue_final_message: expected a boolean, "content" or "reasoning_content"')
+    return {"enable_thinking": thinking_default if think is None else think,
+            "add_generation_prompt": flag(body, "add_generation_prompt", True), "continue_final_message": cont,
+            "template_kwargs": kwargs or None}
 
 
-def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client: str) -> ChatRequest:
-    """``/v1/chat/completions`` body -> ChatRequest (400 naming the field for anything wrong)."""
+def thinking(body: Mapping[str, Any], default: bool = False) -> bool:
+    """The thinking mode a body asks for (``template_options``' ``enable_thinking``)."""
+    return bool(template_options(body, thinking_default=default)["enable_thinking"])
+
+
+def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client: str,
+                 template: Mapping[str, Any] | None = None) -> ChatRequest:
+    """``/v1/chat/completions`` body -> ChatRequest (400 naming the field for anything wrong).
+    ``template``: the body's ``template_options`` (default: read here with thinking off by default)."""
     from .logprobs import probs_request
 
     choices_of(body)
@@ -254,10 +303,11 @@ def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client:
     return ChatRequest(messages=messages_from(body),
                        max_tokens=max_tokens_from(body, ("max_completion_tokens", "max_tokens", "n_predict"),
                                                   n_ctx, n_predict),
-                       sampling=sampling_from(body), stop=stop_from(body), enable_thinking=thinking(body),
+                       sampling=sampling_from(body), stop=stop_from(body),
                        client=client, id_slot=-1 if slot is None else slot,
                        cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
-                       n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body))
+                       n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body),
+                       **(template_options(body) if template is None else template))
 
 
 #: prompts one /completion body may ask for (llama-server has no limit; each takes a generation slot)
@@ -486,9 +536,12 @@ def native_chunk(text: str, tokens: list[int], *, id_slot: int, n_predicted: int
 
 
 def prefill_of(req: ChatRequest) -> str:
-    """The assistant prefill of a chat request (its one trailing assistant message), else ""."""
+    """The text a chat request's reply continues (its trailing assistant message, or its last message with
+    ``continue_final_message``), else "": llama-server returns it with the continuation."""
     m = req.messages
-    return str(m[-1]["content"]) if len(m) > 1 and m[-1]["role"] == "assistant" else ""
+    if m and (req.continue_final_message or m[-1]["role"] == "assistant"):
+        return str(m[-1]["content"])
+    return ""
 
 
 def usage_of(results: list[RequestResult]) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import cast
 import tiktoken
 
 from sim_backend.errors import InvalidRequestError
+from sim_backend.model.chat_template import continuation_of
 from sim_backend.model.vocab import END_THINK, ENDOFTEXT, EOS_IDS, IM_END, IM_START, N_BPE, N_TOKENS, THINK, VOCAB_SIZE  # noqa: F401
 
 __all__ = [
@@ -117,6 +118,10 @@ class Qwen3Tokenizer:
 
     vocab_size = VOCAB_SIZE
     eos_ids = EOS_IDS
+    #: the text a Jinja chat template gets as ``bos_token`` / ``eos_token`` (``serve --chat-template-file``):
+    #: Qwen3 has no BOS (its tokenizer adds none; ``/props`` reports ""), its EOS is ``<|im_end|>``
+    bos_text = ""
+    eos_text = "<|im_end|>"
 
     def __init__(self, ranks_path: str | None = None) -> None:
         ranks = _load_ranks(ranks_path or _ranks_path())
@@ -199,15 +204,23 @@ class Qwen3Tokenizer:
         messages: Sequence[Mapping[str, object]],
         add_generation_prompt: bool = True,
         enable_thinking: bool = False,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, object] | None = None,
     ) -> str:
         """Render Qwen3 ChatML as text (for display / logs).
+
+        The last message follows llama-server's rules (``chat_template.continuation_of``: one trailing
+        assistant message, or any last message with ``continue_final_message``, is continued unclosed
+        after the generation prompt, thinking closed). ``template_kwargs`` are accepted and, as Qwen3's
+        own template does with variables it does not name, not used.
 
         Do not feed the result to ``encode(..., allow_special=True)``: message
         content would then be able to inject control tokens. Use
         :meth:`encode_chat` to get ids.
         """
         parts = []
-        for seg in _chat_segments(messages, add_generation_prompt, enable_thinking):
+        for seg in _chat_segments(messages, add_generation_prompt, enable_thinking, continue_final_message):
             parts.append(self._table[seg].decode("utf-8") if isinstance(seg, int) else seg)
         return "".join(parts)
 
@@ -216,6 +229,9 @@ class Qwen3Tokenizer:
         messages: Sequence[Mapping[str, object]],
         add_generation_prompt: bool = True,
         enable_thinking: bool = False,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, object] | None = None,
     ) -> list[int]:
         """Token ids of the Qwen3 chat prompt for ``messages``.
 
@@ -226,7 +242,7 @@ class Qwen3Tokenizer:
         """
         ids: list[int] = []
         run: list[str] = []
-        for seg in _chat_segments(messages, add_generation_prompt, enable_thinking):
+        for seg in _chat_segments(messages, add_generation_prompt, enable_thinking, continue_final_message):
             if isinstance(seg, int):
                 if run:
                     ids.extend(self.encode("".join(run)))
@@ -247,7 +263,8 @@ def _split_think(content: str) -> tuple[str, str]:
 
 
 def _chat_segments(
-    messages: Sequence[Mapping[str, object]], add_generation_prompt: bool, enable_thinking: bool
+    messages: Sequence[Mapping[str, object]], add_generation_prompt: bool, enable_thinking: bool,
+    continue_final_message: bool = False,
 ) -> list[int | str]:
     """Qwen3 chat template (no tools) as a list of special ids (int) and text (str)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
@@ -269,6 +286,14 @@ def _chat_segments(
                 param=f"messages[{i}].content",
             )
 
+    # llama-server's last-message rules: a trailing assistant message (or, with continue_final_message, any
+    # last message) is the start of the reply, continued by generation: rendered after the generation prompt,
+    # unclosed, with thinking closed before it (as the real server renders Qwen3's template)
+    messages, add_generation_prompt, prefill = continuation_of(
+        messages, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)
+    if prefill is not None:
+        enable_thinking = False
+
     # Index of the last real user query (as Qwen3's template computes it):
     # assistant turns before it are history and lose their reasoning.
     last_query = len(messages) - 1
@@ -279,17 +304,6 @@ def _chat_segments(
         ):
             last_query = i
             break
-
-    # llama-server's assistant prefill: one trailing assistant message (after a non-assistant one) is
-    # the start of the reply, continued by generation: rendered after the generation prompt, unclosed
-    prefill: str | None = None
-    if add_generation_prompt and len(messages) > 1 and messages[-1]["role"] == "assistant":
-        if messages[-2]["role"] == "assistant":
-            raise InvalidRequestError("Cannot have 2 or more assistant messages at the end of the list.",
-                                      param="messages")
-        prefill = cast(str, messages[-1]["content"])
-        messages = messages[:-1]
-        last_query = min(last_query, len(messages) - 1)
 
     segs: list[int | str] = []
     for i, m in enumerate(messages):

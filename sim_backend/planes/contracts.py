@@ -123,9 +123,12 @@ class InferencePlane(Protocol):
         """The raw bytes of one token's piece (may be part of a UTF-8 character)."""
         ...
 
-    def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False) -> str:
-        """The chat prompt ``messages`` renders to (generation prompt included), as text.
-        InvalidRequestError for a bad message list."""
+    def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False,
+                       add_generation_prompt: bool = True, continue_final_message: bool = False,
+                       template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The chat prompt ``messages`` renders to, as text: as ``ChatRequest`` renders with the same fields
+        (llama-server's ``/apply-template``). InvalidRequestError for a bad message list or a template that
+        refuses it."""
         ...
 
     @property

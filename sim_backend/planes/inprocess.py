@@ -90,10 +90,15 @@ class InProcessInference:
         """Raw bytes of one token's piece; InvalidRequestError for an id outside the vocabulary."""
         return self._engine.tokenizer.token_bytes(_check_ids([token], self._engine.rt.vocab)[0])
 
-    def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False) -> str:
-        """The rendered chat prompt (generation prompt included)."""
+    def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False,
+                       add_generation_prompt: bool = True, continue_final_message: bool = False,
+                       template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The rendered chat prompt, as a ``ChatRequest`` with these fields is rendered."""
         return self._engine.tokenizer.render_chat(list(messages) if isinstance(messages, (list, tuple)) else messages,
-                                                  add_generation_prompt=True, enable_thinking=bool(enable_thinking))
+                                                  add_generation_prompt=bool(add_generation_prompt),
+                                                  enable_thinking=bool(enable_thinking),
+                                                  continue_final_message=bool(continue_final_message),
+                                                  template_kwargs=template_kwargs)
 
     @property
     def n_vocab(self) -> int:

@@ -145,11 +145,17 @@ class ChatRequest(msgspec.Struct, frozen=True):
     messages: sequence of {"role": system|user|assistant, "content": str};
     the last one's content must not be blank. max_tokens: generated tokens at
     most, an int > 0 (required). stop: stop strings (each non-empty).
-    sampling: :class:`SamplingParams`. enable_thinking: Qwen3 thinking mode.
+    sampling: :class:`SamplingParams`. enable_thinking: Qwen3 thinking mode (the chat template's
+    ``enable_thinking`` variable).
     prompt_tokens: a raw prompt (token ids, no chat template; llama.cpp ``/completion``).
     id_slot / cache_prompt: llama.cpp's slot choice and prefix reuse. ignore_eos: llama.cpp's (EOS never
     sampled). grammar: a :class:`Grammar` the generated text must match (``grammar`` / ``json_schema`` /
     ``response_format`` of a llama-server body), or None.
+    add_generation_prompt / continue_final_message: the chat template's last-message rules
+    (llama-server's; ``sim_backend.model.chat_template.continuation_of``): a trailing assistant message
+    is always continued; ``continue_final_message`` continues any last message (then
+    ``add_generation_prompt`` must be false). template_kwargs: more chat template variables
+    (llama-server's ``chat_template_kwargs``, JSON values; a template that does not name one ignores it).
     """
 
     messages: tuple[dict[str, Any], ...]
@@ -175,6 +181,12 @@ class ChatRequest(msgspec.Struct, frozen=True):
     post_sampling_probs: bool = False
     #: the text must match this grammar (constrained decoding), or None
     grammar: Grammar | None = None
+    #: render the generation prompt after the messages (llama-server's ``add_generation_prompt``)
+    add_generation_prompt: bool = True
+    #: continue the last message, whatever its role (llama-server's ``continue_final_message``)
+    continue_final_message: bool = False
+    #: more chat template variables (llama-server's ``chat_template_kwargs`` but ``enable_thinking``)
+    template_kwargs: dict[str, Any] | None = None
 
     @staticmethod
     def from_prompt(prompt: str, **kw: Any) -> ChatRequest:
@@ -265,6 +277,12 @@ def validate_request(req: ChatRequest, vocab: int = VOCAB_SIZE) -> None:
             raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
     if not isinstance(req.enable_thinking, bool):
         raise InvalidRequestError("enable_thinking must be true or false", param="enable_thinking")
+    for flag in ("add_generation_prompt", "continue_final_message"):
+        if not isinstance(getattr(req, flag), bool):
+            raise InvalidRequestError(f"{flag} must be true or false", param=flag)
+    if req.template_kwargs is not None and (not isinstance(req.template_kwargs, Mapping) or not all(
+            isinstance(k, str) for k in req.template_kwargs)):
+        raise InvalidRequestError("template_kwargs must be an object with string keys", param="chat_template_kwargs")
     if not isinstance(req.sampling, SamplingParams):
         raise InvalidRequestError("sampling must be SamplingParams", param="sampling")
     req.sampling.validate(vocab)

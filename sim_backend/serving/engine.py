@@ -88,6 +88,8 @@ class Engine:
         slo: service-level objectives for goodput (``SLO(ttft_ms, tpot_ms, e2el_ms)``,
             simulated ms); default none (every finished request is good).
         n_ctx: context in tokens per sequence, at most the calbin's (default: the calbin's).
+        chat_template: a ``model.chat_template.JinjaChatTemplate`` that replaces the bundle's chat template
+            (``serve --chat-template-file``); None keeps the bundle's.
     Raises ValueError for a bad size or a parallel mode that does not match ``max_inflight``.
     """
 
@@ -95,7 +97,8 @@ class Engine:
                  max_inflight: int = 1, kv_timeout_s: float = 2.0, step_timeout_s: float = 120.0,
                  numerics_max_prompt: int = 1024, host_timer: HostTimer | None = None,
                  host_time: str = "modeled", host_token_us: float | None = None,
-                 metrics: MetricsRegistry | None = None, slo: SLO | None = None, n_ctx: int | None = None) -> None:
+                 metrics: MetricsRegistry | None = None, slo: SLO | None = None, n_ctx: int | None = None,
+                 chat_template: Any = None) -> None:
         if not 1 <= n_slots <= rt.serving_sequences:
             raise ValueError(f"n_slots must be in 1..{rt.serving_sequences} (the runtime's serving sequences)")
         if max_inflight not in (1, 2):
@@ -110,6 +113,9 @@ class Engine:
         # the bundle's tokenizer (Qwen3's BPE, or a GGUF's own for the dense pilot); a stand-in runtime
         # without a bundle gets Qwen3's
         self.tokenizer: Tokenizer = tokenizer_for(getattr(rt, "bundle", None))
+        if chat_template is not None:
+            from sim_backend.model.chat_template import TemplatedTokenizer
+            self.tokenizer = TemplatedTokenizer(self.tokenizer, chat_template)
         self._eos_ids = frozenset(self.tokenizer.eos_ids)
         #: token ids the timing-only stand-in draws from: the tokenizer's ordinary text tokens
         lo, hi = getattr(self.tokenizer, "text_id_range", (0, N_BPE))
@@ -186,8 +192,10 @@ class Engine:
         a raw ``prompt_tokens`` request's own ids."""
         if req.prompt_tokens is not None:
             return [int(t) for t in req.prompt_tokens]
-        return self.tokenizer.encode_chat(list(req.messages), add_generation_prompt=True,
-                                          enable_thinking=req.enable_thinking)
+        return self.tokenizer.encode_chat(list(req.messages), add_generation_prompt=req.add_generation_prompt,
+                                          enable_thinking=req.enable_thinking,
+                                          continue_final_message=req.continue_final_message,
+                                          template_kwargs=req.template_kwargs)
 
     def _running_locked(self) -> list[RequestRecord]:
         return [s.req for s in self.slots if s.req is not None]

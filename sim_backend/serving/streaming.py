@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from sim_backend.errors import InvalidRequestError
 from sim_backend.model.tokenizer import get_tokenizer
@@ -27,10 +27,12 @@ class Tokenizer(Protocol):
     def is_special(self, token_id: int) -> bool: ...
 
     def render_chat(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
-                    enable_thinking: bool = False) -> str: ...
+                    enable_thinking: bool = False, *, continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str: ...
 
     def encode_chat(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
-                    enable_thinking: bool = False) -> list[int]: ...
+                    enable_thinking: bool = False, *, continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]: ...
 
 
 class StreamDecoder:

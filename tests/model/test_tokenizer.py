@@ -163,12 +163,39 @@ def test_history_assistant_think_stripped(tok):
     assert ids.count(THINK) == 1  # only the generation prompt's empty block
 
 
-def test_last_assistant_after_query_keeps_reasoning(tok):
-    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r</think>a"}]
+def test_assistant_after_query_keeps_reasoning(tok):
+    # a tool response is not a query: the assistant turn before it is after the last query and keeps its reasoning
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r</think>a"},
+            {"role": "user", "content": "<tool_response>x</tool_response>"}]
     text = tok.render_chat(msgs, add_generation_prompt=False)
-    assert text.endswith("<|im_start|>assistant\n<think>\nr\n</think>\n\na<|im_end|>\n")
+    assert "<|im_start|>assistant\n<think>\nr\n</think>\n\na<|im_end|>\n" in text
+    assert text.endswith("<tool_response>x</tool_response><|im_end|>\n")
     ids = tok.encode_chat(msgs, add_generation_prompt=False)
     assert ids.count(THINK) == 1 and ids.count(END_THINK) == 1
+
+
+def test_last_assistant_is_a_prefill_whatever_add_generation_prompt(tok):
+    # llama-server's rule (checked against the real server): the trailing assistant message is the reply so far,
+    # after the generation prompt with thinking closed, unclosed; its own text is not re-formatted
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "<think>r</think>a"}]
+    for agp in (True, False):
+        for think in (True, False):
+            text = tok.render_chat(msgs, add_generation_prompt=agp, enable_thinking=think)
+            assert text == ("<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+                            "<think>r</think>a")
+    ids = tok.encode_chat(msgs)
+    assert ids.count(THINK) == 1 and ids.count(END_THINK) == 1  # the prefill's tag text is content, not a token
+    assert tok.render_chat(msgs, add_generation_prompt=False, continue_final_message=True) == text
+    with pytest.raises(InvalidRequestError, match="Cannot set both"):
+        tok.render_chat(msgs, continue_final_message=True)
+    with pytest.raises(InvalidRequestError, match="2 or more assistant"):
+        tok.render_chat(msgs + [{"role": "assistant", "content": "b"}])
+    # continue_final_message continues any last message, and allows two assistants
+    two = msgs + [{"role": "assistant", "content": "b"}]
+    assert tok.render_chat(two, add_generation_prompt=False, continue_final_message=True).endswith(
+        "<think>\nr\n</think>\n\na<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nb")
+    assert tok.render_chat([{"role": "user", "content": "q"}], add_generation_prompt=False,
+                           continue_final_message=True) == "<|im_start|>assistant\n<think>\n\n</think>\n\nq"
 
 
 @pytest.mark.parametrize(

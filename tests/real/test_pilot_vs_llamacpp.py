@@ -138,6 +138,12 @@ def test_chat_template_renders_as_llama_server(client, pilot):
     r.raise_for_status()
     assert pilot.inference.apply_template(msgs) == r.json()["prompt"]
     assert pilot.inference.chat_template == client.get("/props").json()["chat_template"]
+    # llama-server's last-message rules on the GGUF's own template: a prefill, no generation prompt
+    for body, kw in (({"messages": msgs + [{"role": "assistant", "content": "Blue"}]}, {}),
+                     ({"messages": msgs, "add_generation_prompt": False}, {"add_generation_prompt": False})):
+        r = client.post("/apply-template", json=body)
+        r.raise_for_status()
+        assert pilot.inference.apply_template(body["messages"], **kw) == r.json()["prompt"], body
 
 
 def _lp(logits: np.ndarray) -> np.ndarray:

@@ -48,6 +48,7 @@ from sim_backend.planes import (
 from ...codec import probs_from_wire
 from ..connection import Connection
 from ..sse_stream import SseRequestStream
+from ..inference import template_fields
 
 #: host s without a byte on a running stream before it counts as lost (llama-server sends no keep-alive)
 STREAM_READ_S = 120.0
@@ -260,6 +261,8 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
     # verbose: the final chunk also carries llama.cpp's own result ("__verbose": stop_type, stopping_word)
     body.update(messages=[{"role": m["role"], "content": m["content"]} for m in req.messages],
                 max_tokens=req.max_tokens, stream_options={"include_usage": True}, verbose=True)
+    body.update(template_fields(req.enable_thinking, req.add_generation_prompt, req.continue_final_message,
+                                req.template_kwargs))
     return "/v1/chat/completions", body
 
 
@@ -321,7 +324,10 @@ class LlamaInferencePlane:
         """Prompt tokens as the server counts them (template applied, special tokens parsed)."""
         if req.prompt_tokens is not None:
             return len(req.prompt_tokens)
-        prompt = self.apply_template(req.messages)
+        prompt = self.apply_template(req.messages, enable_thinking=req.enable_thinking,
+                                     add_generation_prompt=req.add_generation_prompt,
+                                     continue_final_message=req.continue_final_message,
+                                     template_kwargs=req.template_kwargs)
         return len(self.tokenize(prompt, parse_special=True))
 
     def tokenize(self, text: str, *, parse_special: bool = False) -> list[int]:
@@ -348,14 +354,17 @@ class LlamaInferencePlane:
                                                             "/detokenize returns U+FFFD, not its bytes")
         return text.encode("utf-8")
 
-    def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False) -> str:
+    def apply_template(self, messages: Sequence[Mapping[str, Any]], *, enable_thinking: bool = False,
+                       add_generation_prompt: bool = True, continue_final_message: bool = False,
+                       template_kwargs: Mapping[str, Any] | None = None) -> str:
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise InvalidRequestError("messages must be a non-empty list", param="messages")
         for i, m in enumerate(messages):
             if not (isinstance(m, Mapping) and isinstance(m.get("content"), str) and isinstance(m.get("role"), str)):
                 raise InvalidRequestError(f"messages[{i}] must be {{'role': string, 'content': string}}",
                                           param="messages")
-        body = {"messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+        body = {"messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+                **template_fields(enable_thinking, add_generation_prompt, continue_final_message, template_kwargs)}
         return str(self._conn.json("POST", "/apply-template", json_body=body)["prompt"])
 
 

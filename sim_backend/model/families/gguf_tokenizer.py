@@ -15,23 +15,18 @@ message's content.
 from __future__ import annotations
 
 import operator
-import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sim_backend.errors import InvalidRequestError, ManifestError
+from sim_backend.model.chat_template import JinjaChatTemplate, check_messages, encode_chat, render_chat
 from sim_backend.model.families.gguf_file import TOKEN_TYPE_CONTROL, GGUFMeta
 
 #: Pre-tokenisers this module reproduces (``tokenizer.ggml.pre``): the GPT-2 pattern, with digits
 #: split singly first for these names (llama.cpp ``LLAMA_VOCAB_PRE_TYPE_SMOLLM`` and kin).
 _DIGITS_FIRST = ("smollm", "starcoder", "refact", "codeshell")
 _KNOWN_PRE = (*_DIGITS_FIRST, "gpt-2", "default")
-#: Roles a chat message may have.
-ROLES = ("system", "user", "assistant")
-#: Placeholders for message contents while the template renders (Unicode private use: never in a template).
-_OPEN, _CLOSE = "\ue000", "\ue001"
-_SENTINEL = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -60,7 +55,7 @@ class GGUFTokenizer:
 
     def __init__(self, meta: GGUFMeta) -> None:
         try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+            import jinja2  # noqa: F401 - the chat template (model.chat_template) renders with it
             from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
         except ImportError as e:
             raise ManifestError(meta.path, "tokenizer", f"{e.name} is not installed: pip install "
@@ -113,17 +108,16 @@ class GGUFTokenizer:
 
         self._tk_special = build(True)
         self._tk_plain = build(False)
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, autoescape=False)
-
-        def raise_exception(msg: str) -> None:
-            raise InvalidRequestError(f"chat template: {msg}", param="messages")
-
-        env.globals["raise_exception"] = raise_exception
-        self._template = env.from_string(meta.chat_template) if meta.chat_template else None
-        self._special_re = re.compile("|".join(re.escape(t) for t in sorted(self._specials, key=len, reverse=True))) \
-            if self._specials else None
         self._bos_text = table[meta.bos_id].decode("utf-8", "replace") if 0 <= meta.bos_id < len(table) else ""
         self._eos_text = table[meta.eos_id].decode("utf-8", "replace") if 0 <= meta.eos_id < len(table) else ""
+        #: the BOS / EOS tokens' text, as llama-server gives them to a chat template (``bos_token`` / ``eos_token``)
+        self.bos_text, self.eos_text = self._bos_text, self._eos_text
+        try:
+            self._template = JinjaChatTemplate(meta.chat_template, name=f"{meta.path}: tokenizer.chat_template",
+                                               bos_token=self._bos_text, eos_token=self._eos_text) \
+                if meta.chat_template else None
+        except ValueError as e:
+            raise ManifestError(meta.path, "tokenizer.chat_template", str(e)) from None
 
     # --- basic -------------------------------------------------------------------
 
@@ -168,81 +162,34 @@ class GGUFTokenizer:
     # --- chat template -----------------------------------------------------------
 
     def _check(self, messages: Any) -> list[Mapping[str, Any]]:
-        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
-            raise InvalidRequestError("'messages' must be a list of {role, content} objects", param="messages")
-        if not messages:
-            raise InvalidRequestError("'messages' must not be empty", param="messages")
-        for i, m in enumerate(messages):
-            if not isinstance(m, Mapping):
-                raise InvalidRequestError(f"messages[{i}] must be an object", param=f"messages[{i}]")
-            if m.get("role") not in ROLES:
-                raise InvalidRequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got "
-                                          f"{m.get('role')!r}", param=f"messages[{i}].role")
-            if not isinstance(m.get("content"), str):
-                raise InvalidRequestError(f"messages[{i}].content must be a string; got "
-                                          f"{type(m.get('content')).__name__}", param=f"messages[{i}].content")
+        msgs = check_messages(messages)
         if self._template is None:
             raise InvalidRequestError("this model's GGUF has no chat template", param="messages")
-        return list(messages)
-
-    def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
-        from jinja2 import TemplateError
-
-        try:
-            assert self._template is not None
-            return str(self._template.render(messages=[{"role": m["role"], "content": m["content"]} for m in messages],
-                                             add_generation_prompt=add_generation_prompt,
-                                             bos_token=self._bos_text, eos_token=self._eos_text))
-        except InvalidRequestError:
-            raise
-        except (TemplateError, TypeError, ValueError) as e:  # a sandbox refusal included
-            raise InvalidRequestError(f"chat template failed: {str(e)[:200]}", param="messages") from None
+        return msgs
 
     def render_chat(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
-                    enable_thinking: bool = False) -> str:
-        """The chat prompt as text (the GGUF's template; ``enable_thinking`` does not apply to it).
+                    enable_thinking: bool = False, *, continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The chat prompt as text: the GGUF's template (``model.chat_template``: HF semantics, llama-server's
+        last-message rules; ``enable_thinking`` and ``template_kwargs`` are template variables).
         For ids use :meth:`encode_chat` (content then cannot inject control tokens)."""
-        return self._render(self._check(messages), add_generation_prompt)
+        msgs = self._check(messages)
+        assert self._template is not None
+        return render_chat(self._template, msgs, add_generation_prompt, enable_thinking,
+                           continue_final_message=continue_final_message, template_kwargs=template_kwargs)
 
     def encode_chat(self, messages: Sequence[Mapping[str, object]], add_generation_prompt: bool = True,
-                    enable_thinking: bool = False) -> list[int]:
+                    enable_thinking: bool = False, *, continue_final_message: bool = False,
+                    template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Token ids of the chat prompt: the template's control tokens as control ids, everything between
         two of them (template text and message content together) as one ordinary-text run, so the ids
-        equal llama-server's for content without control-token text, and content can never inject one.
-
-        The template is rendered with each content replaced by a placeholder; if the template changed
-        a content (its rendering then differs), the real rendering is tokenised with control tokens
-        parsed only where the placeholder rendering has them.
-        """
+        equal llama-server's for content without control-token text, and content can never inject one
+        (``model.chat_template.encode_rendered``)."""
         msgs = self._check(messages)
-        real = self._render(msgs, add_generation_prompt)
-        marked = self._render([{"role": m["role"], "content": f"{_OPEN}{i}{_CLOSE}"} for i, m in enumerate(msgs)],
-                              add_generation_prompt)
-        pieces: list[tuple[str, bool]] = []  # (text, from the template)
-        pos = 0
-        for mt in _SENTINEL.finditer(marked):
-            pieces.append((marked[pos:mt.start()], True))
-            pieces.append((str(msgs[int(mt.group(1))]["content"]), False))
-            pos = mt.end()
-        pieces.append((marked[pos:], True))
-        if "".join(p for p, _ in pieces) != real:
-            pieces = [(real, True)]
-        ids: list[int] = []
-        run: list[str] = []
-        for text, tmpl in pieces:
-            if not tmpl or self._special_re is None:
-                run.append(text)
-                continue
-            last = 0
-            for sm in self._special_re.finditer(text):
-                run.append(text[last:sm.start()])
-                ids.extend(self.encode("".join(run)))
-                run.clear()
-                ids.append(self._specials[sm.group(0)])
-                last = sm.end()
-            run.append(text[last:])
-        ids.extend(self.encode("".join(run)))
-        return ids
+        assert self._template is not None
+        return encode_chat(self._template, msgs, add_generation_prompt, enable_thinking, encode=self.encode,
+                           specials=self._specials, continue_final_message=continue_final_message,
+                           template_kwargs=template_kwargs)
 
 
 _CACHE: dict[str, GGUFTokenizer] = {}
