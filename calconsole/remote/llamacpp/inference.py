@@ -47,8 +47,8 @@ from sim_backend.planes import (
 
 from ...codec import probs_from_wire
 from ..connection import Connection
-from ..sse_stream import SseRequestStream
 from ..inference import template_fields
+from ..sse_stream import SseRequestStream
 
 #: host s without a byte on a running stream before it counts as lost (llama-server sends no keep-alive)
 STREAM_READ_S = 120.0
