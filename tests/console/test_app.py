@@ -66,7 +66,7 @@ async def test_escape_cancels_and_marks_reply(system):
         await pilot.press(*"go on")
         await pilot.press("enter")
         assert await wait_for(pilot, lambda: app.query_one("#chat").handle is not None)
-        await pilot.pause(0.3)  # a few tokens stream (not an assertion's gate: Esc may come at any time)
+        assert await wait_for(pilot, lambda: app.query_one("#chat")._stream_text)  # a reply is streaming
         await pilot.press("escape")
         assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None)
         lines = log_lines(app, "#chat-log")
@@ -123,8 +123,10 @@ async def test_a_second_send_while_submitting_is_refused(system):
         # two Enters handled back to back, before the worker has submitted the first request
         inp.post_message(Input.Submitted(inp, "first"))
         inp.post_message(Input.Submitted(inp, "second"))
+        # the second was handled (and refused) before anything else: its notice is out, no worker started
+        assert await wait_for(pilot, lambda: any("a reply is still streaming" in n.message
+                                                 for n in app._notifications))
         assert await wait_for(pilot, lambda: chat.handle is None and not chat._submitting and chat.history)
-        await pilot.pause(0.3)
         assert system.engine.metrics.summary()["counters"]["submitted"] == 1
         assert [m["content"] for m in chat.history if m["role"] == "user"] == ["first"]
 
@@ -151,8 +153,10 @@ async def test_hidden_panes_take_no_keys_when_the_terminal_is_too_small(system):
         await pilot.pause()
         assert app.query_one("#too-small").display
         await pilot.press("f2", *"hidden", "enter")
-        await pilot.pause(0.3)
-        assert system.engine.metrics.summary()["counters"]["submitted"] == 0
+        await pilot.pause()  # the keys' effects, had they any (a submit marks the pane at once), are in
+        chat = app.query_one("#chat")
+        assert app.query_one("#chat-input").value == "" and not chat._submitting and chat.handle is None
+        assert chat.history == [] and system.engine.metrics.summary()["counters"]["submitted"] == 0
         await pilot.resize_terminal(170, 50)
         await pilot.pause()
         assert not app.query_one("#too-small").display and app.query_one("#columns").display

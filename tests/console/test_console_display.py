@@ -70,7 +70,9 @@ async def test_header_shows_armed_then_fired_until_acknowledged(system):
             render.device_panel(app.last_snapshot)))  # on chip0's own row, not on both
         await click_button(pilot, "#m-probe")  # the device serves again: the fault is still shown
         assert await wait_for(pilot, lambda: has(app, "#m-log", "probe_request: ok"))
-        await pilot.pause(0.3)
+        done = system.observation.snapshot().jobs.finished  # the device steps, the probe's included
+        # the header from a snapshot taken after the probe (it and the header are set together)
+        assert await wait_for(pilot, lambda: app.last_snapshot.jobs.finished >= done)
         assert "fired" in topbar(app)
         await click_button(pilot, "#m-leave")
         assert await wait_for(pilot, lambda: pane.lease is None)

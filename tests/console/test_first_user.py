@@ -7,11 +7,12 @@ from __future__ import annotations
 import re
 
 import pytest
+from textual.widgets import Button
 
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
 from calconsole.panes.chat import PARAMS, SYNTHETIC_BANNER, metrics_line, param_defaults
-from calconsole.panes.maintenance import MaintenancePane
+from calconsole.panes.maintenance import LABELS, MaintenancePane
 from calconsole.widgets import render
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.planes import SamplingParams
@@ -234,12 +235,26 @@ async def test_guarded_key_outside_exclusive_mode_says_enter_exclusive_first(fas
 async def test_maintenance_buttons_tell_memory_and_kv_apart(fast_system, size):
     app = CalConsoleApp(fast_system, load_layout("operator"))
     async with app.run_test(size=size) as pilot:
-        await pilot.pause(0.3)
 
         def shown(sel: str) -> str:
             b = app.query_one(sel)
             return "".join(s.text for s in b.render_lines(b.region.reset_offset)).strip()
 
+        keys = {"m-clear": "c ", "m-clearkv": "k ", "m-enter": "x ", "m-f-ccu": "1 ", "m-f-clear": "0 ", "m-ack": "a "}
+
+        def settled() -> bool:
+            """The labels are fitted to the laid-out widths (the pane does it after each layout): a row's
+            long labels where they all fit, else its short ones. Wait for that, not for a time."""
+            for row in app.query("#maintenance .m-row"):
+                buttons = [b for b in row.query(Button) if b.id in LABELS]
+                if not all(b.size.width for b in buttons):
+                    return False
+                which = 0 if all(len(LABELS[b.id][0]) <= b.size.width for b in buttons) else 1
+                if any(str(b.label) != LABELS[b.id][which] for b in buttons):
+                    return False
+            return True
+
+        assert await wait_for(pilot, settled), {bid: shown(f"#{bid}") for bid in keys}
         mem, kv = shown("#m-clear"), shown("#m-clearkv")
         assert mem != kv and "mem" in mem.lower() or mem.startswith("Clr m"), (mem, kv)
         assert "KV" in kv, kv
@@ -248,7 +263,6 @@ async def test_maintenance_buttons_tell_memory_and_kv_apart(fast_system, size):
         # every label is distinct and leads with its key ("c Mem…", "k KV"): readable at any width
         labels = {b.id: shown(f"#{b.id}") for b in app.query("#maintenance Button")}
         assert len(set(labels.values())) == len(labels), labels
-        keys = {"m-clear": "c ", "m-clearkv": "k ", "m-enter": "x ", "m-f-ccu": "1 ", "m-f-clear": "0 ", "m-ack": "a "}
         for bid, key in keys.items():
             assert labels[bid].startswith(key), labels
 

@@ -128,20 +128,16 @@ def test_enter_cancels_streaming_request_after_bounded_drain_and_refuses_new_one
     h = inf.submit(req("tell me a long story", 4000))
     assert first_token(h)
     modes: list = []
-    stop = threading.Event()
+    drain = system.engine.drain
 
-    def sample():
-        while not stop.is_set():
-            modes.append(system.observation.snapshot().device)
-            time.sleep(0.01)
+    def drain_and_look(*a, **k):  # what a snapshot says while the drain runs (a sampling thread can be starved)
+        modes.append(system.observation.snapshot().device)
+        return drain(*a, **k)
 
-    t = threading.Thread(target=sample, daemon=True)
-    t.start()
+    system.engine.drain = drain_and_look
     t0 = time.perf_counter()
     lease = m.enter_exclusive("alice", drain_timeout_s=0.3)
     wall = time.perf_counter() - t0
-    stop.set()
-    t.join(2)
     assert 0.3 <= wall < 3.0  # bounded: the drain time plus at most one device step
     res = h.result(5)
     assert res.status == "cancelled" and res.stop_type == "none"
@@ -191,7 +187,10 @@ def test_reset_fails_in_flight_jobs_promptly_and_restores_power_on_state(tmp_pat
             cells = b.kv.apply(seq, 1, timeout=1.0, positions=[0])
             ctx, pos = b.kv.seq_cells(seq)
             jobs.append(b.submit("decode", seq, np.array([151644]), np.array([0]), np.asarray(cells), ctx, pos))
-        time.sleep(0.2)
+        end = time.monotonic() + 10  # the device thread has taken the first (bounded wait for that state)
+        while b.counters().running != 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert b.counters().running == 1 and b.counters().pending == 2
         results: dict = {}
 
         def waiter(j):
@@ -245,9 +244,11 @@ def test_reset_that_cannot_stop_the_device_times_out_with_a_typed_error(system, 
     m, b = system.maintenance, system.board
     lease = m.enter_exclusive("alice")
     release = threading.Event()
+    running = threading.Event()
     orig = b._execute
 
     def stuck(job, gen):  # a device thread that ignores the reset interrupt
+        running.set()
         release.wait(10)
         return orig(job, gen)
 
@@ -255,7 +256,7 @@ def test_reset_that_cannot_stop_the_device_times_out_with_a_typed_error(system, 
     cells = b.kv.apply(10, 1, timeout=1.0, positions=[0])
     ctx, pos = b.kv.seq_cells(10)
     job = b.submit("decode", 10, np.array([1]), np.array([0]), np.asarray(cells), ctx, pos)
-    time.sleep(0.1)
+    assert running.wait(10)  # the device thread is in the job
     m.reset_timeout_s = 0.3
     t0 = time.perf_counter()
     with pytest.raises(DeviceError, match="still busy"):
@@ -543,16 +544,18 @@ def test_one_action_at_a_time(system, monkeypatch):
     m, b = system.maintenance, system.board
     lease = m.enter_exclusive("alice")
     gate = threading.Event()
+    clearing = threading.Event()
     orig = b.clear_memory
 
     def slow_clear():
+        clearing.set()
         gate.wait(5)
         orig()
 
     monkeypatch.setattr(b, "clear_memory", slow_clear)
     t = threading.Thread(target=lambda: m.clear_device_memory(lease))
     t.start()
-    time.sleep(0.1)
+    assert clearing.wait(10)  # the clear is under way
     with pytest.raises(MaintenanceRefused, match=r"another maintenance action \(clear_device_memory\)"):
         m.reset(lease)
     gate.set()

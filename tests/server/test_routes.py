@@ -323,8 +323,9 @@ def test_queue_full_is_503(make_server):
             "temperature": 0, "seed": 1}
     with httpx.stream("POST", s.url + CHAT, json=body, timeout=60) as r:
         lines = r.iter_lines()  # kept: a dropped iterator closes the stream when collected
-        next(lines)
-        assert httpx.get(s.url + "/slots?fail_on_no_slot=1").status_code == 503
+        next(lines)  # the role chunk: sent before the request has its slot
+        # the one slot taken (under load that came after the first line: /slots still had it free)
+        assert wait_until(lambda: httpx.get(s.url + "/slots?fail_on_no_slot=1").status_code == 503)
         second = post(s, CHAT, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
         assert "busy" in error_of(second, 503, "unavailable_error")
 
