@@ -39,7 +39,7 @@ __all__ = ["CLOSE_AFTER", "CLOSERS", "GrammarMatcher", "compile_grammar", "lltok
 
 #: timing-only stand-in: after this many generated tokens (or half of max_tokens, if less) it always
 #: prefers to end the structure it is in (see :meth:`GrammarMatcher.stand_in`)
-CLOSE_AFTER = 32
+CLOSE_AFTER = 16
 #: bytes a "closing" token is made of (ends a JSON string, object or array, or a GBNF group)
 CLOSERS = frozenset(b'"}])')
 #: the JSON compiler's defaults (a schema's ``x-guidance`` overrides them): compact JSON, module docstring

@@ -101,14 +101,14 @@ def test_the_mask_overrules_the_logits_in_the_pipeline() -> None:
 ], ids=["person", "open-object", "gbnf"])
 def test_timing_only_output_matches_the_grammar_for_many_seeds(timing, g: Grammar, check) -> None:
     texts = []
-    for seed in range(12):
+    for seed in range(8):
         r = timing.inference.generate(ChatRequest.from_prompt("json please", max_tokens=256, grammar=g,
                                                               sampling=SamplingParams(seed=seed)), timeout=60)
         assert r.status == "finished" and not r.timings.numerics
         assert r.stop_type == "eos", (r.stop_type, r.text)  # the stand-in completes the structure
         assert check(r.text) == [], r.text
         texts.append(r.text)
-    assert len(set(texts)) > 6  # the seeds draw different sentences
+    assert len(set(texts)) > 4  # the seeds draw different sentences
     again = timing.inference.generate(ChatRequest.from_prompt("json please", max_tokens=256, grammar=g,
                                                               sampling=SamplingParams(seed=3)), timeout=60)
     assert again.text == texts[3]  # a seed replays
