@@ -19,9 +19,9 @@ stricter than llama-server, which answers 200 with nothing saved for a slot it d
 ``fs_validate_filename`` rules: empty, over 255 bytes, a control, path-separator or reserved character,
 ``..``, a leading or trailing space, a trailing dot; and here also a name that is a symbolic link, so no
 file outside DIR is ever read or written), "Unable to restore slot: ..." (missing, damaged or foreign
-file; not enough free KV cells); 503 ``unavailable_error`` while the slot serves a request (llama-server
-defers the action until the slot is idle; here the caller retries); 501 for a backend without slot
-actions.
+file; not enough free KV cells); 503 ``unavailable_error`` while the slot serves a request or maintenance
+stops admission (llama-server defers the action until the slot is idle; here the caller retries); 501 for
+a backend without slot actions.
 
 Keys, as the face's other mutating routes: with an admin key configured the actions need it (they change
 KV that other clients' requests reuse); otherwise the API key, as llama-server. Every action, done or

@@ -340,10 +340,14 @@ class Engine:
 
     def _take_slot(self, idx: Any, action: str) -> Slot:
         """Reserve slot ``idx`` for ``action`` (nothing assigns it or evicts its cells until ``_give_back``).
-        InvalidRequestError for no such slot; UnavailableError while it serves a request or another action."""
+        InvalidRequestError for no such slot; UnavailableError while it serves a request or another action, or
+        while admission is stopped (maintenance: a reset or KV clear must not meet a restore half way)."""
         if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < self.n_slots:
             raise InvalidRequestError(f"Invalid slot ID: {idx!r} (slots 0..{self.n_slots - 1})", param="id_slot")
         with self._lock:
+            why = self._admission.refusal(self._stop)
+            if why is not None:
+                raise UnavailableError(why)
             Admission.drop_stale_caches(self.slots, self.rt.kv.epoch)
             s = self.slots[idx]
             if s.req is not None or s.action is not None:

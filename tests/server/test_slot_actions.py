@@ -146,6 +146,16 @@ def test_a_busy_slot_is_refused_and_keeps_its_request(make_server, tmp_path: Pat
         h.cancel("test over")
 
 
+def test_no_slot_action_while_admission_is_stopped(srv):
+    """Maintenance stops admission (drain, exclusive mode): a slot action then is refused like a request."""
+    srv.system.engine.pause_admission("device in maintenance (test)")
+    try:
+        assert "maintenance" in error_of(act(srv, 0, "erase"), 503, "unavailable_error")
+    finally:
+        srv.system.engine.resume_admission()
+    assert act(srv, 0, "erase").status_code == 200
+
+
 def test_keys_follow_the_mutating_routes_admin_key_else_api_key(make_server, tmp_path: Path):
     api = {"Authorization": f"Bearer {API_KEY}"}
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
