@@ -42,8 +42,8 @@ MAX_N_PROBS = 1000
 DEFAULT_TOP_LOGPROBS = 20
 SOURCE_LOGITS = "logits: the softmax of the logits the simulated device returned (post_sampling_probs: after the " \
                 "sampler chain)"
-SOURCE_GENERATOR = "generator: timing-only request (no logits); the seeded generator draws uniformly from the " \
-                   "ordinary text ids, so every listed token has that probability"
+SOURCE_GENERATOR = "generator: timing-only request (no logits); the distribution the seeded generator drew from " \
+                   "(uniform over the ordinary text ids, or a grammar's stand-in over the ids it allows)"
 
 
 def _json_type(v: Any) -> str:

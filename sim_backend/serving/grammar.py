@@ -210,3 +210,25 @@ class GrammarMatcher:
             if close.size:
                 return int(close[rng.integers(close.size)])
         return int(ids[rng.integers(ids.size)])
+
+    def stand_in_distribution(self, n_generated: int, max_tokens: int,
+                              allowed: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """The distribution :meth:`stand_in` draws from with the same arguments: ``(ids, p)``, the ids it
+        can return (ascending, ``int64``) and each one's probability (``float64``, summing to 1)."""
+        mask = self._mask if allowed is None else allowed
+        ids = np.flatnonzero(mask)
+        if ids.size == 0:
+            return np.flatnonzero(self._b.eos)[:1], np.ones(1)
+        s = max(1, min(CLOSE_AFTER, max_tokens // 2))
+        p_end = min(1.0, n_generated / s)
+        p = np.full(ids.size, (1.0 - p_end) / ids.size)
+        eos = np.flatnonzero(self._b.eos[ids])
+        close = np.flatnonzero(self._b.closer[ids])
+        if eos.size:
+            p[eos[0]] += p_end
+        elif close.size:
+            p[close] += p_end / close.size
+        else:
+            p += p_end / ids.size  # the ending draw found nothing to prefer: the uniform pick
+        keep = p > 0
+        return ids[keep], p[keep]

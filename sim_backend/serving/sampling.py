@@ -50,6 +50,7 @@ __all__ = [
     "naive_sample",
     "bf16_to_f32",
     "f32_to_bf16",
+    "distribution_probs",
     "logit_probs",
     "uniform_probs",
 ]
@@ -525,6 +526,17 @@ def logit_probs(logits: np.ndarray, tok: int, n: int, *, n_valid: int | None = N
     top = tuple(TokenLogprob(int(i), float(x[i]) - lse) for i in ids)
     mine = float(x[tok]) - lse if 0 <= tok < nv else -math.inf
     return TokenProbs(int(tok), mine, top, post_sampling=False)
+
+
+def distribution_probs(tok: int, n: int, ids: np.ndarray, p: np.ndarray, *, post_sampling: bool = False) -> TokenProbs:
+    """Probabilities of a timing-only step drawn from a known distribution (``ids`` with probabilities
+    ``p``: a grammar's stand-in, ``GrammarMatcher.stand_in_distribution``): ``tok``'s and the ``n`` most
+    probable ids (descending, ties by lower id); ``from_logits`` False."""
+    order = np.lexsort((ids, -p))[: max(n, 0)]
+    hit = np.flatnonzero(ids == tok)
+    mine = math.log(float(p[hit[0]])) if hit.size and p[hit[0]] > 0 else -math.inf
+    top = tuple(TokenLogprob(int(ids[i]), math.log(float(p[i]))) for i in order if p[i] > 0)
+    return TokenProbs(int(tok), mine, top, post_sampling=post_sampling, from_logits=False)
 
 
 def uniform_probs(tok: int, n: int, lo: int, hi: int, *, post_sampling: bool = False) -> TokenProbs:

@@ -23,7 +23,7 @@ from sim_backend.model.tokenizer import get_tokenizer
 from sim_backend.model.vocab import EOS_IDS, N_BPE
 from sim_backend.planes.types import ChatRequest, TokenProbs
 from sim_backend.serving.grammar import GrammarMatcher
-from sim_backend.serving.sampling import Sampler, bf16_to_f32, logit_probs, uniform_probs
+from sim_backend.serving.sampling import Sampler, bf16_to_f32, distribution_probs, logit_probs, uniform_probs
 from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder, Tokenizer
 
 #: BF16 bits of -inf (sign 1, exponent all ones, mantissa 0)
@@ -103,9 +103,14 @@ class TokenPipeline:
         allowed = self._allowed()
         if logits_bf16 is None or not numeric:
             if self.grammar is not None and allowed is not None:
-                tok = self.grammar.stand_in(self.fallback_rng, len(self.generated), self._max_tokens, allowed)
-            else:
-                tok = int(self.fallback_rng.integers(*self._text_ids))
+                n_gen = len(self.generated)
+                tok = self.grammar.stand_in(self.fallback_rng, n_gen, self._max_tokens, allowed)
+                if self.n_probs:
+                    ids, p = self.grammar.stand_in_distribution(n_gen, self._max_tokens, allowed)
+                    self.probs.append(self._with_pieces(distribution_probs(tok, self.n_probs, ids, p,
+                                                                           post_sampling=self.post_sampling)))
+                return tok
+            tok = int(self.fallback_rng.integers(*self._text_ids))
             if self.n_probs:
                 self.probs.append(self._with_pieces(uniform_probs(tok, self.n_probs, *self._text_ids,
                                                                   post_sampling=self.post_sampling)))

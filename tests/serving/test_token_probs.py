@@ -137,3 +137,55 @@ def test_pipeline_records_one_entry_per_token_with_pieces():
     plain = TokenPipeline(ChatRequest.from_prompt("hi", max_tokens=2), [1], n_ctx=100, max_tokens=2)
     plain.sample(f32_to_bf16(x), True)
     assert plain.probs == []
+
+
+def test_grammar_stand_in_probabilities_are_its_draws():
+    # timing-only with a grammar: the stand-in's own distribution (a uniform pick of the allowed ids, leaning to
+    # an ending as the reply grows), checked against its seeded draws; a small made-up vocabulary (8 ids: EOS 7,
+    # closers 5 and 6) instead of compiling a grammar over Qwen3's (7 s the first time)
+    from types import SimpleNamespace
+
+    from sim_backend.serving import grammar as G
+    from sim_backend.serving.sampling import distribution_probs
+
+    eos, closer = np.zeros(8, bool), np.zeros(8, bool)
+    eos[7], closer[5:7] = True, True
+    g = G.GrammarMatcher(None, SimpleNamespace(vocab=8, eos=eos, closer=closer))
+    for allowed in (np.array([1, 1, 0, 1, 0, 1, 1, 1], bool), np.array([1, 1, 0, 1, 0, 1, 1, 0], bool),
+                    np.array([1, 1, 0, 1, 0, 0, 0, 0], bool)):
+        for n_gen in (0, 3, 40):
+            ids, p = g.stand_in_distribution(n_gen, 40, allowed)
+            assert math.fsum(p) == pytest.approx(1.0) and all(allowed[ids])
+            rng = np.random.default_rng(n_gen)
+            draws = np.array([g.stand_in(rng, n_gen, 40, allowed) for _ in range(3000)])
+            freq = [float(np.mean(draws == i)) for i in ids]
+            assert freq == pytest.approx(p.tolist(), abs=0.03)
+            tp = distribution_probs(int(draws[0]), 2, ids, p)
+            assert not tp.from_logits and tp.logprob == pytest.approx(math.log(p[list(ids).index(draws[0])]))
+            assert [t.logprob for t in tp.top] == sorted((t.logprob for t in tp.top), reverse=True)
+
+
+def test_pipeline_with_a_grammar_timing_only_reports_the_stand_in():
+    from types import SimpleNamespace
+
+    from sim_backend.model.vocab import EOS_IDS, VOCAB_SIZE
+    from sim_backend.serving import grammar as G
+
+    eos, closer, allowed = (np.zeros(VOCAB_SIZE, bool) for _ in range(3))
+    eos[list(EOS_IDS)] = True
+    allowed[[9707, 11, 1879]] = True  # three text ids allowed ("Hello", ",", " world")
+
+    class Fixed(G.GrammarMatcher):  # the mask a compiled grammar would give, without compiling one
+        def allowed(self) -> np.ndarray:
+            return allowed
+
+        def consume(self, tok: int) -> bool:
+            return True
+
+    g = Fixed(None, SimpleNamespace(vocab=VOCAB_SIZE, eos=eos, closer=closer))
+    req = ChatRequest.from_prompt("hi", max_tokens=8, n_probs=5)
+    pl = TokenPipeline(req, [1, 2], n_ctx=4096, max_tokens=8, grammar=g)
+    tok = pl.sample(None, False)
+    tp = pl.probs[-1]
+    assert tok in (9707, 11, 1879) and tp.id == tok and not tp.from_logits
+    assert sorted(t.id for t in tp.top) == [11, 1879, 9707] and tp.logprob == pytest.approx(math.log(1 / 3))
