@@ -2,8 +2,9 @@
 
 A decode step is ONE compiled call (all 48 layers, both chiplets, the LM head): the numpy path
 spends about two thirds of its 15 ms in ~4,900 calls' dispatch. A prefill is a short Python loop
-over layers whose attention and experts run per chip on two threads (the kernels release the
-GIL); the projections stay BLAS matmuls (large, already at speed).
+over layers whose work runs per chip on two threads (the kernels release the GIL): each chip's
+projections (BLAS products inside the kernel), attention and output-projection share, its half of
+the router's rows, and its expert partial sums; only the norms and the all-reduces stay in numpy.
 
 The math is ``ShardedModel``'s numpy path, chip for chip (facts.md F3: tensor parallel, attention
 output and expert partial sums reduced over the chips, LM-head halves gathered); only summation
@@ -127,15 +128,19 @@ def _decode_step(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, 
 
 
 @kernel()
-def _prefill_attention_chip(qkv, qk_norm, cos, sin, eps, scale, qh, kvh, new_cells, ctx_cells, ends, k_pos, q_pos,
-                            masked, no_max, k_t, v_t, out):
-    """One chip's attention of a prefill for one layer: per-head RMSNorm + RoPE of q and k, the K/V
-    writes at ``new_cells``, then causal attention of every KV head over the sequence's cells.
+def _prefill_attention_chip(h, wqkv, wo, qk_norm, cos, sin, eps, scale, qh, kvh, new_cells, ctx_cells, ends, k_pos,
+                            q_pos, masked, no_max, k_t, v_t, out):
+    """One chip's attention of a prefill for one layer: its q|k|v projection (one BLAS product), per-head
+    RMSNorm + RoPE of q and k, the K/V writes at ``new_cells``, causal attention of every KV head over the
+    sequence's cells, and its share of the output projection (one BLAS product): the chip's partial sum
+    before the all-reduce.
 
-    qkv (n, (qh + 2 kvh) D) this chip's projections; qk_norm (qh + kvh, D); cos/sin (n, D/2);
-    ctx_cells (T,) the sequence's cells in position order (new ones included), ends (n,) keys each
-    query sees; k_t, v_t (kvh, D, cells) this chip's layer of the transposed caches; out (n, qh D).
+    h (n, H) the normed rows (replicated on both chips); wqkv (H, (qh + 2 kvh) D) and wo (qh D, H) this
+    chip's shards; qk_norm (qh + kvh, D); cos/sin (n, D/2); ctx_cells (T,) the sequence's cells in position
+    order (new ones included), ends (n,) keys each query sees; k_t, v_t (kvh, D, cells) this chip's layer
+    of the transposed caches; out (n, H) written.
     """
+    qkv = np.dot(h, wqkv)
     n = qkv.shape[0]
     D = qk_norm.shape[1]
     G = qh // kvh
@@ -145,6 +150,7 @@ def _prefill_attention_chip(qkv, qk_norm, cos, sin, eps, scale, qh, kvh, new_cel
     k_s = np.empty((T, D), dtype=np.float32)  # gathered in position order, a row per key (BLAS operands)
     v_s = np.empty((T, D), dtype=np.float32)
     o = np.empty((n, G, D), dtype=np.float32)
+    att = np.empty((n, qh * D), dtype=np.float32)
     for i in range(n):
         qk = qkv[i, :qkc].reshape((qh + kvh, D))
         head_norm_rope(qk, qk_norm, cos[i], sin[i], eps)
@@ -168,7 +174,8 @@ def _prefill_attention_chip(qkv, qk_norm, cos, sin, eps, scale, qh, kvh, new_cel
         for i in range(n):
             for g in range(G):
                 for d in range(D):
-                    out[i, (hk * G + g) * D + d] = o[i, g, d]
+                    att[i, (hk * G + g) * D + d] = o[i, g, d]
+    out[:, :] = np.dot(att, wo)
 
 
 @kernel()
@@ -271,8 +278,9 @@ class CompiledMoe:
         (n, D/2) float32, ctx_cells/ctx_positions (T,) int64 the sequence's cells sorted by position
         (the new ones included). Returns (last token's logits (V,) float32, distinct experts per layer).
 
-        Per layer: the projections are BLAS matmuls of both chips at once; each chip's attention and
-        its expert partial sums run on their own thread (chip 1 on the pool's, chip 0 on the caller's).
+        Per layer, on each chip's own thread (chip 1 on the pool's, chip 0 on the caller's): its q|k|v
+        projection, attention and share of the output projection; its half of the router's rows; its
+        expert partial sums. The norms and the reductions over chips run here, between them.
         """
         w = self.w
         L, C = w.wqkv.shape[:2]
@@ -286,7 +294,6 @@ class CompiledMoe:
         ends = np.full(n, T, dtype=np.int64) if masked else np.searchsorted(kpos, qpos, side="right").astype(np.int64)
         cells_new = new_cells.astype(np.int64, copy=False)
         cells_ctx = ctx_cells.astype(np.int64, copy=False)
-        o = np.empty((C, n, self.qh * w.qk_norm.shape[3]), dtype=F32)
         y = np.empty((C, n, H), dtype=F32)
         inv_h = F32(1.0 / H)
         pool = self._threads() if C > 1 else None
@@ -306,18 +313,20 @@ class CompiledMoe:
             if fut is not None:
                 fut.result()
 
+        # the router is replicated on every chip; the host splits its rows over the chip threads
+        bounds = [n * c // C for c in range(C + 1)]
         for li in range(L):
             h = norm(x, w.in_norm[li])
-            qkv = np.matmul(np.stack((h,) * C), w.wqkv[li])  # (C, n, cols); h copied: a broadcast is not BLAS
             on_chips(_prefill_attention_chip, *[
-                (qkv[c], w.qk_norm[li, c], cos, sin, eps, self.scale, self.qh, self.kvh, cells_new, cells_ctx,
-                 ends, kpos, qpos, masked, bool(no_max[li]), k_t[c, li], v_t[c, li], o[c]) for c in range(C)])
-            x = x + np.matmul(o, w.wo[li]).sum(axis=0)  # all-reduce (sum) over chips
+                (h, w.wqkv[li, c], w.wo[li, c], w.qk_norm[li, c], cos, sin, eps, self.scale, self.qh, self.kvh,
+                 cells_new, cells_ctx, ends, kpos, qpos, masked, bool(no_max[li]), k_t[c, li], v_t[c, li], y[c])
+                for c in range(C)])
+            x = x + y.sum(axis=0)  # all-reduce (sum) over chips
             h = norm(x, w.post_norm[li])
-            probs = h @ w.router[li]
             ids = np.empty((n, k_act), dtype=np.int64)
             wt = np.empty((n, k_act), dtype=F32)
-            _route_rows(probs, k_act, ids, wt)
+            on_chips(_route_rows, *[(h[bounds[c]:bounds[c + 1]], w.router[li], k_act, ids[bounds[c]:bounds[c + 1]],
+                                     wt[bounds[c]:bounds[c + 1]]) for c in range(C)])
             touched.append(int(np.unique(ids).size))
             on_chips(_prefill_experts_chip, *[(h, ids, wt, w.gue[li], w.down[li, c], c, y[c]) for c in range(C)])
             x = x + y.sum(axis=0)  # reduce the chips' partial sums
@@ -328,7 +337,11 @@ class CompiledMoe:
 
 
 @kernel()
-def _route_rows(logits, k, ids, w):
-    """``softmax_top_k`` for every row: logits (n, E) float32 (overwritten), ids (n, k) int64, w (n, k)."""
+def _route_rows(h, router, k, ids, w):
+    """The router of every row: logits = h @ router (one BLAS product), then ``softmax_top_k`` per row.
+    h (n, H), router (H, E) float32; ids (n, k) int64 and w (n, k) float32 written. n may be 0."""
+    if h.shape[0] == 0:
+        return
+    logits = np.dot(h, router)
     for i in range(logits.shape[0]):
         softmax_top_k(logits[i], k, ids[i], w[i])
