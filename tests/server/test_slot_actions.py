@@ -2,7 +2,8 @@
 
 One timing-only server per module with a slot save path (2 slots); the numerics test, the key rules and the
 busy slot build their own. Shapes are checked against the real llama-server in
-``test_parity_llama_server.py``; here: what each action does to the slot's KV, and every refusal.
+``test_parity_llama_server.py`` (also the 501 of a server without a slot save path); here: what each action
+does to the slot's KV, and every refusal.
 """
 
 from __future__ import annotations
@@ -124,12 +125,6 @@ def test_a_damaged_or_foreign_file_restores_nothing(srv, slot_dir: Path):
     (slot_dir / "junk.bin").write_bytes(b"PK\x03\x04 truncated")
     assert error_of(act(srv, 0, "restore", {"filename": "junk.bin"}), 400).startswith("Unable to restore slot")
     assert cached(srv, 0) == n  # all or nothing: the slot keeps its cells
-
-
-def test_without_a_slot_save_path_every_action_is_not_supported(make_server):
-    s = make_server()
-    for action, body in (("erase", None), ("save", {"filename": "a.bin"}), ("restore", {"filename": "a.bin"})):
-        assert "--slot-save-path" in error_of(act(s, 0, action, body), 501, "not_supported_error")
 
 
 def test_a_busy_slot_is_refused_and_keeps_its_request(make_server, tmp_path: Path):
