@@ -54,13 +54,13 @@ def run(args: argparse.Namespace) -> int:
         base = pl[f"none {path}"]["median_ms"]
         for g in GRAMMARS:
             r = pl[f"{g} {path}"]
-            extra = "" if g == "none" else f"   (+{r['median_ms'] - base:.3f} ms)"
+            extra = "" if g == "none" else f"   ({r['median_ms'] - base:+.3f} ms)"
             print(f"  {path:11} {g:11}: median {r['median_ms']:.3f} ms   p95 {r['p95_ms']:.3f} ms{extra}")
     for g, ms in pl["mask_median_ms"].items():
         print(f"  mask alone  {g:11}: median {ms:.3f} ms")
     serve = rep.get("serve", {})
     for g, r in serve.items():
-        extra = "" if g == "none" else f"   (+{r['median_ms'] - serve['none']['median_ms']:.3f} ms)"
+        extra = "" if g == "none" else f"   ({r['median_ms'] - serve['none']['median_ms']:+.3f} ms)"
         tpot = "n/a" if r["sim_tpot_ms"] is None else f"{r['sim_tpot_ms']:.3f} ms"
         print(f"  serve (timing-only, fast pacing) {g:11}: wall median {r['median_ms']:.3f} ms{extra}   "
               f"host sampling {r['sampling_cpu_ms']:.3f} ms CPU   | sim TPOT {tpot}   "
