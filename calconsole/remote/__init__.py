@@ -39,7 +39,7 @@ class RemoteSystem(AttachedSystem):
     def __init__(self, conn: Connection, props: dict[str, Any], maintenance_status: dict[str, Any] | None) -> None:
         super().__init__(conn)
         self.props = props
-        self.inference = RemoteInferencePlane(conn, props)
+        self.inference = RemoteInferencePlane(conn, props, _n_vocab(conn))  # the served model's vocabulary
         self.observation = RemoteObservationPlane(conn)
         dev = props.get("device") or {}
         self.device_name = str(dev.get("name", "?"))

@@ -47,7 +47,7 @@ from sim_backend.planes import (
 )
 
 from ..codec import probs_from_wire, result_from_extension, timings_from_wire
-from .connection import Connection, ServerUnreachable
+from .connection import Connection, RemoteError, ServerUnreachable
 from .sse_stream import SseRequestStream
 
 #: added to the server's step timeout for a stream's read timeout (its SSE keep-alive is every 15 s)
@@ -157,13 +157,23 @@ class RemoteInferencePlane:
     """``InferencePlane`` of a running server (``calconsole serve``).
 
     ``n_ctx``, ``step_timeout_s`` and ``chat_template`` are read from ``GET /props`` once, at
-    construction (ServerUnreachable / RemoteError if that fails). Requests are checked with
-    ``validate_request`` before anything is sent (the same InvalidRequestError as in-process);
-    the server's refusals come back as the same typed errors.
+    construction, and the model's vocabulary size from ``GET /v1/models`` (``meta.n_vocab``, as
+    llama-server gives it; ServerUnreachable / RemoteError if either fails). Requests are checked with
+    ``validate_request`` against that vocabulary (the pilot's 49152 ids, Qwen3's 151936) before anything
+    is sent (the same InvalidRequestError as in-process); the server's refusals come back as the same
+    typed errors.
     """
 
-    def __init__(self, conn: Connection, props: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, conn: Connection, props: Mapping[str, Any] | None = None, n_vocab: int | None = None) -> None:
         self._conn = conn
+        if n_vocab is None:
+            models = conn.json("GET", "/v1/models")
+            try:
+                n_vocab = int(models["data"][0]["meta"]["n_vocab"])
+            except (KeyError, IndexError, TypeError, ValueError):
+                raise RemoteError(200, "server_error",
+                                  f"{conn.url}/v1/models does not give the model's n_vocab") from None
+        self._n_vocab = n_vocab
         p = props if props is not None else conn.json("GET", "/props")
         self._n_ctx = int(p["default_generation_settings"]["n_ctx"])
         self._step_timeout_s = float(p.get("device", {}).get("step_timeout_s", 120.0))
@@ -179,6 +189,11 @@ class RemoteInferencePlane:
         return self._step_timeout_s
 
     @property
+    def n_vocab(self) -> int:
+        """The server's model vocabulary (``/v1/models`` meta.n_vocab)."""
+        return self._n_vocab
+
+    @property
     def chat_template(self) -> str:
         return self._template
 
@@ -190,7 +205,7 @@ class RemoteInferencePlane:
     def submit(self, req: ChatRequest) -> RemoteRequestStream:
         """Send the request; returns once the server admitted it (headers received). Raises
         InvalidRequestError / ExceedContextSizeError / UnavailableError (ServerUnreachable if no answer)."""
-        validate_request(req)
+        validate_request(req, vocab=self._n_vocab)
         path, body = request_body(req)
         resp = self._conn.open_stream(path, body, read_timeout_s=self._step_timeout_s + STREAM_MARGIN_S)
         return RemoteRequestStream(self._conn, resp, raw=req.prompt_tokens is not None)

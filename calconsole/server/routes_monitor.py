@@ -72,7 +72,9 @@ async def props(face: ServingFace, request: Request) -> Response:
                                "supports_string_content": True, "supports_system_role": True,
                                "supports_tool_calls": False, "supports_tools": False,
                                "supports_typed_content": False},
-        "bos_token": "", "eos_token": "<|im_end|>",
+        # the model's own (the pilot: its GGUF's bos/eos ids), as llama-server reports them
+        "bos_token": str(getattr(face.inference, "bos_token", "")),
+        "eos_token": str(getattr(face.inference, "eos_token", "<|im_end|>")),
         "build_info": wire.BUILD_INFO,
         "is_sleeping": False, "cors_proxy_enabled": False,
         "device": {"name": dev.name, "status": dev.status, "mode": dev.mode, "calrt_version": dev.calrt_version,

@@ -91,7 +91,7 @@ def price_numeric_step(cost_model: Any, shape: ModelShape, kind: str, n_tokens: 
 
 
 def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_model: CostModel | None,
-           shared_logits: Any) -> None:
+           shared_logits: Any, source: Any = None) -> None:
     """Worker main loop: build the model, then answer (op, args) requests until "close".
 
     A step's BF16 logits go into ``shared_logits`` (uint16 (vocab,), shared with the parent) and
@@ -101,7 +101,11 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_m
     # sim_backend/__init__ pins BLAS to one thread before numpy loads
     from sim_backend.model.families import build_numerics
 
-    model = build_numerics(shape, num, n_cells)
+    try:
+        model = build_numerics(shape, num, n_cells, source=source)
+    except Exception as e:  # noqa: BLE001 - weights that do not load: a typed start failure
+        conn.send((False, f"loading the weights failed: {type(e).__name__}: {e}"))
+        return
     shared = np.frombuffer(shared_logits, dtype=np.uint16)
     # compile the kernels (or load them from the disk cache) before answering; a stage that compiles is
     # announced (from whichever thread compiles it, hence the lock) so that the parent can show it
@@ -191,7 +195,11 @@ class NumericsProcess:
         # the logits buffer both processes map (lock-free: the call protocol keeps them apart)
         shared = ctx.RawArray(ctypes.c_uint16, shape.vocab)
         self._shared_logits = np.frombuffer(memoryview(shared).cast("B"), dtype=np.uint16)
-        self._proc = ctx.Process(target=_serve, args=(child, shape, num, n_cells, cost_model, shared),
+        # the weights' file table from this process's parse (the pilot's GGUF): the worker maps it, no second parse
+        from sim_backend.model.families import weights_source
+
+        source = weights_source(shape, num)
+        self._proc = ctx.Process(target=_serve, args=(child, shape, num, n_cells, cost_model, shared, source),
                                  name="calconsole-numerics", daemon=True)
         self._proc.start()
         child.close()

@@ -115,6 +115,16 @@ class InProcessInference:
         """The model's chat template as Jinja text: Qwen3's (no tools), or the GGUF's for the pilot."""
         return str(getattr(self._engine.tokenizer, "chat_template", CHAT_TEMPLATE))
 
+    @property
+    def bos_token(self) -> str:
+        """The model's BOS token text ("" for Qwen3, which has none; the GGUF's for the pilot)."""
+        return str(getattr(self._engine.tokenizer, "bos_text", ""))
+
+    @property
+    def eos_token(self) -> str:
+        """The model's EOS token text (Qwen3 "<|im_end|>"; the GGUF's eos_token_id for the pilot)."""
+        return str(getattr(self._engine.tokenizer, "eos_text", "<|im_end|>"))
+
 
 def _check_ids(tokens: Any, vocab: int = VOCAB_SIZE) -> list[int]:
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):

@@ -110,3 +110,22 @@ def test_grammar_mask_over_the_pilot_tokenizer(bundle):
             visible, stop = p.push(p.sample(bits, numeric))
             text += visible
         assert stop == ("eos", "") and violations(json.loads(text), PERSON) == [], text
+
+
+def test_mapped_tensors_read_what_the_parse_read(bundle):
+    """The numerics worker reads the GGUF through the parent's tensor table (no second parse): the same bytes
+    and the same F32 tensors as the parsed file; a table that does not fit the file is refused."""
+    from sim_backend.model.families import weights_source
+    from sim_backend.model.families.gguf_file import MappedTensors
+
+    f = open_gguf(bundle.numeric.weights_file)
+    table = weights_source(bundle.shape, bundle.numeric)
+    mapped = MappedTensors(bundle.numeric.weights_file, table)
+    for name in ("token_embd.weight", "blk.7.attn_v.weight", "blk.29.ffn_down.weight"):
+        assert mapped.tensor_type(name) == f.tensor_type(name)
+        (a, ra, ca), (b, rb, cb) = mapped.raw(name), f.raw(name)
+        assert (ra, ca) == (rb, cb) and np.array_equal(a.ravel(), b.ravel())
+    assert np.array_equal(mapped.tensor("blk.3.ffn_norm.weight"), f.tensor("blk.3.ffn_norm.weight"))
+    bad = tuple((n, k, r, c, off + 10**9, nb) for n, k, r, c, off, nb in table)
+    with pytest.raises(ManifestError, match="outside"):
+        MappedTensors(bundle.numeric.weights_file, bad)

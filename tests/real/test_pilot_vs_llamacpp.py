@@ -146,6 +146,13 @@ def test_chat_template_renders_as_llama_server(client, pilot):
         assert pilot.inference.apply_template(body["messages"], **kw) == r.json()["prompt"], body
 
 
+def test_bos_eos_and_vocabulary_are_the_gguf_s(client, pilot):
+    """/props' bos/eos texts come from the GGUF as llama-server reports them; the vocabulary is the bundle's."""
+    theirs = client.get("/props").json()
+    assert (pilot.inference.bos_token, pilot.inference.eos_token) == (theirs["bos_token"], theirs["eos_token"])
+    assert pilot.inference.n_vocab == client.get("/v1/models").json()["data"][0]["meta"]["n_vocab"] == 49152
+
+
 def _lp(logits: np.ndarray) -> np.ndarray:
     x = logits.astype(np.float64)
     return x - x.max() - np.log(np.exp(x - x.max()).sum())

@@ -151,7 +151,7 @@ def test_a_dropped_connection_ends_the_stream_failed_never_hung(make_server: Any
                                 b'data: {"choices":[{"index":0,"delta":{"content":"lo"}}]}\n\n'])
     conn = Connection(f"http://127.0.0.1:{port}")
     props = {"default_generation_settings": {"n_ctx": 40960}, "device": {"step_timeout_s": 5.0}}
-    inf = RemoteInferencePlane(conn, props)
+    inf = RemoteInferencePlane(conn, props, n_vocab=151936)
     try:
         h = inf.submit(ChatRequest.from_prompt("hi", max_tokens=8))
         assert h.id == 7 and h.prompt_n == 11
@@ -289,3 +289,19 @@ def test_remote_maintenance_types_a_bad_argument_as_the_in_process_plane_does(ma
             m.read_register(lease, "NOPE")
         assert s.system.maintenance.status()["faults"] == []  # nothing armed by the refusal
         m.leave_exclusive(lease)
+
+
+def test_remote_requests_are_checked_against_the_served_models_vocabulary() -> None:
+    """A token id valid for Qwen3 but outside the pilot's 49152 is refused before anything is sent."""
+    from calconsole.remote import Connection, RemoteInferencePlane
+    from sim_backend.errors import InvalidRequestError
+
+    conn = Connection("http://127.0.0.1:9")  # nothing is sent: validation comes first
+    props = {"default_generation_settings": {"n_ctx": 8192}, "device": {"step_timeout_s": 5.0}}
+    inf = RemoteInferencePlane(conn, props, n_vocab=49152)
+    try:
+        assert inf.n_vocab == 49152
+        with pytest.raises(InvalidRequestError, match="49152"):
+            inf.submit(ChatRequest(messages=(), prompt_tokens=(1, 49152), max_tokens=4))
+    finally:
+        conn.close()

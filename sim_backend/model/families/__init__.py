@@ -18,21 +18,37 @@ if TYPE_CHECKING:
     from sim_backend.bundle.manifest import Bundle
 
 
-def build_numerics(shape: ModelShape, num: NumericShape, n_cells: int, kernels: str | None = None) -> Any:
+def weights_source(shape: ModelShape, num: NumericShape) -> Any:
+    """What a numerics process needs to read ``num``'s weights without parsing their file again: for a GGUF
+    (the pilot) its tensor table from this process's parse (``GGUFFile.tensor_table``; the tokenizer's
+    parse, kept per process by ``open_gguf``, shape checked); None for synthetic weights. Picklable.
+    Raises ManifestError."""
+    if shape.is_moe or num.weights != "gguf":
+        return None
+    from sim_backend.model.families.gguf_file import open_gguf
+
+    f = open_gguf(num.weights_file)
+    f.check_shape(shape)
+    return f.tensor_table()
+
+
+def build_numerics(shape: ModelShape, num: NumericShape, n_cells: int, kernels: str | None = None,
+                   source: Any = None) -> Any:
     """The sharded numerics of ``shape``'s family with ``n_cells`` KV cells per chip.
 
     ``qwen3_moe``: ``numerics.ShardedModel`` (synthetic weights from ``num.seed``; ``kernels``:
     ``compiled`` or ``numpy``, default ``numerics.kernels_choice()``);
     ``llama_dense``: ``llama_dense.DenseShardedModel`` (weights read from ``num.weights_file``,
     kept in the GGUF's quantised formats and computed by compiled kernels as llama.cpp does,
-    ``dense_kernels``; ``kernels`` not used).
+    ``dense_kernels``; ``kernels`` not used; ``source``: ``weights_source``'s table from the process
+    that parsed the GGUF, or None to parse it here).
     Raises ManifestError (weights file) or ValueError.
     """
     if shape.is_moe:
         from sim_backend.model.numerics import ShardedModel
         return ShardedModel(shape, num, n_cells=n_cells, kernels=kernels)
     from sim_backend.model.families.llama_dense import DenseShardedModel
-    return DenseShardedModel(shape, num, n_cells=n_cells)
+    return DenseShardedModel(shape, num, n_cells=n_cells, table=source)
 
 
 def tokenizer_for(bundle: Bundle | None) -> Any:

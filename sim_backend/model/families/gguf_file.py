@@ -125,6 +125,16 @@ class GGUFFile:
         rows = int(np.prod([int(v) for v in t.shape[1:]])) if len(t.shape) > 1 else 1
         return np.asarray(t.data).view(np.uint8), rows, cols
 
+    def tensor_table(self) -> tuple[tuple[str, str, int, int, int, int], ...]:
+        """Where each tensor is in the file: (name, format, rows, cols, file offset, bytes), picklable. A
+        process given it reads the tensors with :class:`MappedTensors` without parsing the GGUF again."""
+        out = []
+        for name, t in self._tensors.items():
+            cols = int(t.shape[0])
+            rows = int(np.prod([int(v) for v in t.shape[1:]])) if len(t.shape) > 1 else 1
+            out.append((name, str(t.tensor_type.name), rows, cols, int(t.data_offset), int(t.n_bytes)))
+        return tuple(out)
+
     def check_shape(self, shape: ModelShape) -> None:
         """Raise ManifestError unless the GGUF's hyper-parameters are the bundle's ``shape``."""
         a = self.meta.arch
@@ -148,6 +158,51 @@ class GGUFFile:
             raise ManifestError(self.meta.path, "output.weight",
                                 "tied_embeddings disagrees with the GGUF (an output.weight tensor "
                                 + ("exists)" if shape.tied_embeddings else "is missing)"))
+
+
+class MappedTensors:
+    """The tensors of a GGUF already parsed elsewhere (:meth:`GGUFFile.tensor_table`), read from a memory
+    map of the file: what the numerics worker process uses, so the pilot's GGUF is parsed once at start
+    (by the console's process, for the tokenizer) instead of once per process (2-9 s of host wall each).
+    Same ``has_tensor`` / ``tensor_type`` / ``raw`` / ``tensor`` (F32 tensors only) as :class:`GGUFFile`.
+    Raises ManifestError for an unreadable file or a table that does not fit it."""
+
+    def __init__(self, path: str, table: tuple[tuple[str, str, int, int, int, int], ...]) -> None:
+        try:
+            self._map = np.memmap(path, dtype=np.uint8, mode="r")
+        except (OSError, ValueError) as e:
+            raise ManifestError(path, "<gguf>", f"cannot map GGUF: {str(e)[:200]}") from None
+        self.path = path
+        self._table = {row[0]: row for row in table}
+        size = int(self._map.shape[0])
+        for name, _, _, _, off, nbytes in table:
+            if off < 0 or off + nbytes > size:
+                raise ManifestError(path, name, f"tensor bytes {off}+{nbytes} lie outside the {size}-byte file")
+
+    def has_tensor(self, name: str) -> bool:
+        return name in self._table
+
+    def tensor_type(self, name: str) -> str:
+        return self._row(name)[1]
+
+    def _row(self, name: str) -> tuple[str, str, int, int, int, int]:
+        row = self._table.get(name)
+        if row is None:
+            raise ManifestError(self.path, name, "missing tensor in the GGUF")
+        return row
+
+    def raw(self, name: str) -> tuple[np.ndarray, int, int]:
+        _, _, rows, cols, off, nbytes = self._row(name)
+        return np.asarray(self._map[off:off + nbytes]).view(np.ndarray), rows, cols
+
+    def tensor(self, name: str) -> np.ndarray:
+        """An F32 tensor as float32 (rows, cols), or (cols,) for a vector. ManifestError for another format."""
+        kind = self.tensor_type(name)
+        if kind != "F32":
+            raise ManifestError(self.path, name, f"{kind} tensor read as F32")
+        raw, rows, cols = self.raw(name)
+        a = np.ascontiguousarray(raw).view("<f4").astype(np.float32)
+        return a if rows == 1 else a.reshape(rows, cols)
 
 
 def _reader_class(gguf: Any) -> Any:

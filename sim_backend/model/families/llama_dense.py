@@ -30,7 +30,7 @@ import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape, NumericShape, split_over_chips
 from sim_backend.model.families.dense_kernels import QK, dense_forward, rope_tables, split_q4_1, split_q8_0
-from sim_backend.model.families.gguf_file import GGUFFile, open_gguf
+from sim_backend.model.families.gguf_file import GGUFFile, MappedTensors, open_gguf
 from sim_backend.model.numerics import CellKV, StepNumerics, lazy_zeros
 
 F32 = np.float32
@@ -49,7 +49,7 @@ class QuantMatrix:
         self.kind, self.codes, self.d, self.m = kind, codes, d, m
 
     @classmethod
-    def read(cls, f: GGUFFile, name: str) -> QuantMatrix:
+    def read(cls, f: GGUFFile | MappedTensors, name: str) -> QuantMatrix:
         """Tensor ``name`` of ``f`` (Q4_1 or Q8_0; ValueError for another format)."""
         kind = f.tensor_type(name)
         raw, rows, cols = f.raw(name)
@@ -91,11 +91,13 @@ class DenseWeights:
     ``embed`` the (V, H) Q8_0 token embedding (also the LM head when tied, else ``output``); per layer
     ``layers[i]`` a dict of :class:`QuantMatrix` by GGUF name (``attn_q`` (Hq D, H), ``attn_k``/``attn_v``
     (Hkv D, H), ``attn_output`` (H, Hq D), ``ffn_gate``/``ffn_up`` (F, H), ``ffn_down`` (H, F)) plus
-    ``attn_norm``/``ffn_norm`` (H,) float32; ``final_norm`` (H,). Raises ManifestError / ValueError.
+    ``attn_norm``/``ffn_norm`` (H,) float32; ``final_norm`` (H,). ``f`` a parsed GGUF (its shape checked
+    here) or the mapped tensors of one parsed and checked elsewhere. Raises ManifestError / ValueError.
     """
 
-    def __init__(self, f: GGUFFile, shape: ModelShape) -> None:
-        f.check_shape(shape)
+    def __init__(self, f: GGUFFile | MappedTensors, shape: ModelShape) -> None:
+        if isinstance(f, GGUFFile):
+            f.check_shape(shape)
         self.embed = QuantMatrix.read(f, "token_embd.weight")
         if self.embed.codes.shape != (shape.vocab, shape.hidden):
             raise ValueError(f"token_embd.weight is {self.embed.codes.shape}, expected {(shape.vocab, shape.hidden)}")
@@ -126,10 +128,13 @@ class DenseWeights:
         return v
 
 
-def load_dense_weights(shape: ModelShape, num: NumericShape) -> DenseWeights:
+def load_dense_weights(shape: ModelShape, num: NumericShape,
+                       table: tuple[tuple[str, str, int, int, int, int], ...] | None = None) -> DenseWeights:
     """Read ``num.weights_file`` for ``shape`` (quantised blocks split into codes and scales: host wall
-    seconds). Raises ManifestError / ValueError."""
-    return DenseWeights(open_gguf(num.weights_file), shape)
+    seconds). ``table``: its tensor table from a process that parsed and checked it
+    (``GGUFFile.tensor_table``): the file is then mapped, not parsed again. Raises ManifestError / ValueError."""
+    src = MappedTensors(num.weights_file, table) if table is not None else open_gguf(num.weights_file)
+    return DenseWeights(src, shape)
 
 
 def rope_pairs(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
@@ -244,11 +249,12 @@ class DenseShardedModel(CellKV):
     """
 
     def __init__(self, shape: ModelShape, num: NumericShape, n_cells: int,
-                 weights: DenseWeights | None = None) -> None:
+                 weights: DenseWeights | None = None,
+                 table: tuple[tuple[str, str, int, int, int, int], ...] | None = None) -> None:
         if shape.is_moe:
             raise ValueError(f"DenseShardedModel runs a dense family, got {shape.family}")
         self.shape, self.num, self.n_cells = shape, num, n_cells
-        w = weights if weights is not None else load_dense_weights(shape, num)
+        w = weights if weights is not None else load_dense_weights(shape, num, table)
         self.chips = [DenseChip(c, shape, w, n_cells) for c in range(shape.n_chips)]
 
     def _kv_arrays(self) -> list[tuple[np.ndarray, int]]:
