@@ -155,7 +155,9 @@ async def completion(face: ServingFace, request: Request) -> Response:
     texts = [await face.call(face.inference.detokenize, list(r.prompt_tokens or ())) for r in reqs]
 
     def final(res: RequestResult, i: int) -> dict[str, Any]:
-        return wire.native_completion(res, reqs[i], n_ctx, model, id_slot=reqs[i].id_slot,
+        # the slot it ran in, as llama-server reports it (the request's own id_slot when the plane does not say)
+        slot = res.id_slot if res.id_slot >= 0 else reqs[i].id_slot
+        return wire.native_completion(res, reqs[i], n_ctx, model, id_slot=slot,
                                       return_tokens=return_tokens, stream=stream, prompt=texts[i], index=i,
                                       per_token=per_token)
 

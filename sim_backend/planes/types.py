@@ -440,7 +440,8 @@ class RequestResult(msgspec.Struct, frozen=True):
     """Final outcome of a request. status: finished | failed | cancelled; ``stop_type`` one of
     ``STOP_TYPES``; ``error``: llama.cpp's error object (code, message, type) when not finished;
     ``probs``: one ``TokenProbs`` per generated token (aligned with ``tokens``) when the request asked
-    for ``n_probs``, else empty."""
+    for ``n_probs``, else empty; ``id_slot``: the slot it ran in (llama-server reports it; a client may
+    send it back as ``id_slot`` or save that slot), -1 when it never took one or the plane does not say."""
 
     request_id: int
     status: str
@@ -452,6 +453,7 @@ class RequestResult(msgspec.Struct, frozen=True):
     timings: Timings
     seed: int | None
     probs: tuple[TokenProbs, ...] = ()
+    id_slot: int = -1
 
 
 class TokenEvent(msgspec.Struct, frozen=True):

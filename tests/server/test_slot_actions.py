@@ -56,6 +56,7 @@ def cached(srv, slot: int) -> int:
 
 def test_save_erase_restore_and_the_next_request_reuses_the_restored_prefix(srv, slot_dir: Path):
     first = complete(srv, PROMPT, id_slot=0)
+    assert first["id_slot"] == 0
     n = cached(srv, 0)
     assert n == first["timings"]["prompt_n"] + first["tokens_predicted"] - 1  # the last token is not fed
     saved = act(srv, 0, "save", {"filename": "s0.bin"}).json()
@@ -71,6 +72,7 @@ def test_save_erase_restore_and_the_next_request_reuses_the_restored_prefix(srv,
     assert set(restored["timings"]) == {"restore_ms"} and cached(srv, 0) == n
     # the restored cells serve the shared prefix (the prompt; the reply's tokens differ from the new prompt's)
     again = complete(srv, PROMPT + " away")
+    assert again["id_slot"] == 0  # the slot the prefix chose, reported as llama-server reports it (not -1)
     assert again["tokens_cached"] == again["timings"]["cache_n"] == first["timings"]["prompt_n"]
     # a state restores into another slot too (llama.cpp's seq_id of the file is not kept)
     assert act(srv, 1, "restore", {"filename": "s0.bin"}).json()["n_restored"] == n and cached(srv, 1) == n
