@@ -762,7 +762,7 @@ def rms(values: list[float]) -> float:
     return math.sqrt(sum(v * v for v in values) / len(values)) if values else 0.0
 
 
-#: issue 27's criteria the protocol must meet: held-out decode RMS (%), starts for a convergence check to count
+#: the protocol's acceptance criteria: held-out decode RMS (%), starts for a convergence check to count
 HELD_OUT_RMS_MAX_PCT = 8.0
 CONVERGENCE_MIN_STARTS = 5
 

@@ -224,7 +224,8 @@ def test_same_stream(pair: tuple[str, str], route: str, path: str, body: Any) ->
 
 
 def test_n_choices_stream(pair: tuple[str, str]) -> None:
-    body = {"messages": MSG, "max_tokens": 2, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"messages": MSG, "max_tokens": 2, "n": 2, "stream": True, "stream_options": {"include_usage": True},
+            **_FULL}
     ours, theirs = both(pair, "POST", CHAT, body)
     a, b = _body(ours), _body(theirs)
     for events in (a, b):  # per choice: a role chunk, a finish chunk and a usage chunk; one [DONE], last
