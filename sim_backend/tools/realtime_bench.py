@@ -159,7 +159,8 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
     "decode_sim_ms", "decode_cpu_ms", "decode_cpu_rtf", "prefill_rtf": {n: median RTF}, "prefill_wall_ms",
     "prefill_sim_ms", "prefill_cpu_ms", "prefill_cpu_rtf", "numpy_calls_per_decode_step", "kernels",
     "worker_nice"}`` (keys of the by-size dicts are str for JSON; ``*_wall_ms`` host wall ms medians,
-    ``*_cpu_ms`` CPU ms of the process running the numerics, medians; ``*_sim_ms`` simulated device ms;
+    ``*_cpu_ms`` CPU ms of the process running the numerics, medians (decode: of each run's mean
+    per step); ``*_sim_ms`` simulated device ms;
     a CPU RTF is simulated / CPU time: what the step costs the host whatever else runs beside it).
     Raises CalError on a failed step, ValueError for unknown kernels.
     """
@@ -210,14 +211,16 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
             say(f"decode at {c}")
             meds, cmeds = [], []
             for _ in range(runs):
-                walls, cpus = [], []
+                walls = []
+                c0 = _cpu_s(board)
                 for _ in range(decode_steps):
                     # overwrites cell c: same context every step
-                    w, s, cpu = _run(board, "decode", _tokens(1, c, b.shape.vocab), c)
+                    w, s, _cpu = _run(board, "decode", _tokens(1, c, b.shape.vocab), c)
                     walls.append(w)
-                    cpus.append(cpu)
                 meds.append(statistics.median(walls))
-                cmeds.append(statistics.median(cpus))
+                # CPU per step over the whole run: the worker's CPU time is read in clock ticks (10 ms
+                # on Linux), so one step's own difference reads 0, 10 or 20 ms
+                cmeds.append((_cpu_s(board) - c0) * 1e3 / decode_steps)
             dec_wall[str(c)], dec_sim[str(c)] = statistics.median(meds), s
             dec_cpu[str(c)] = statistics.median(cmeds)
         calls = _decode_work_calls(board, min(contexts) if contexts else 128)
