@@ -27,6 +27,7 @@ from sim_backend.bundle.manifest import load_bundle
 from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.errors import CalError
+from sim_backend.model.bf16 import f32_to_bf16
 from sim_backend.model.families import tokenizer_for
 from sim_backend.planes.types import ChatRequest, Grammar, SamplingParams, TokenEvent
 from sim_backend.serving import grammar as G
@@ -66,8 +67,7 @@ def measure_pipeline(tokens: int = 400, bundle: str | None = None, seed: int = 0
     build_s = time.perf_counter() - t0
     rng = np.random.default_rng(seed)
     # a few fixed logits vectors (BF16 bits), cycled: numerics-like spread over the whole vocabulary
-    logits = [(np.asarray(rng.standard_normal(vocab) * 2.0, dtype=np.float32).view(np.uint32) >> 16)
-              .astype(np.uint16) for _ in range(8)]
+    logits = [f32_to_bf16(np.asarray(rng.standard_normal(vocab) * 2.0, dtype=np.float32)) for _ in range(8)]
     prompt = tok.encode("Describe a user as JSON.")
     out: dict[str, Any] = {"vocab": vocab, "tokenizer_build_s": build_s, "mask_median_ms": {}}
     sp = SamplingParams(seed=seed)  # llama.cpp's default chain (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05)
