@@ -12,6 +12,7 @@ import pytest
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.device.kv import KV_STATE_VERSION, MAX_TIMEOUT_S, KVCacheManager, KVOccupancy
 from sim_backend.errors import KVArgumentError, KVExhausted, KVStateFileError, RequestCancelled
+from tests.waits import wait_until
 
 
 def small(n_cells: int = 64, block_size: int = 8) -> KVCacheManager:
@@ -172,10 +173,7 @@ def test_apply_timeout_zero_does_not_wait():
 
 def _wait_parked(kv, n: int = 1) -> None:
     """Until ``n`` applies have started waiting (``apply_waits`` counts a wait when it begins); bounded."""
-    end = time.monotonic() + 10
-    while kv.apply_waits < n and time.monotonic() < end:
-        time.sleep(0.005)
-    assert kv.apply_waits == n
+    assert wait_until(lambda: kv.apply_waits >= n, step=0.005) and kv.apply_waits == n
 
 
 def test_apply_waits_and_succeeds_when_another_thread_frees(monkeypatch):

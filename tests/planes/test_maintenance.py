@@ -17,6 +17,7 @@ from sim_backend.planes import ChatRequest, TokenEvent
 from sim_backend.planes.contracts import Lease
 from sim_backend.runtime.session import scratch_sequence
 from sim_backend.serving.engine import Engine
+from tests.waits import wait_until
 
 
 @pytest.fixture
@@ -187,9 +188,7 @@ def test_reset_fails_in_flight_jobs_promptly_and_restores_power_on_state(tmp_pat
             cells = b.kv.apply(seq, 1, timeout=1.0, positions=[0])
             ctx, pos = b.kv.seq_cells(seq)
             jobs.append(b.submit("decode", seq, np.array([151644]), np.array([0]), np.asarray(cells), ctx, pos))
-        end = time.monotonic() + 10  # the device thread has taken the first (bounded wait for that state)
-        while b.counters().running != 1 and time.monotonic() < end:
-            time.sleep(0.01)
+        assert wait_until(lambda: b.counters().running == 1)  # the device thread has taken the first
         assert b.counters().running == 1 and b.counters().pending == 2
         results: dict = {}
 

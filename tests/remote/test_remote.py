@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -16,21 +15,13 @@ from calconsole.remote import RemoteAuthError, ServerUnreachable, connect
 from calconsole.server.face import ServingFace
 from calconsole.server.run import ServerThread
 from sim_backend.planes import ChatRequest, MaintenanceRefused, SamplingParams, TokenEvent
+from tests.waits import wait_until
 
 from .conftest import ADMIN_KEY, API_KEY
 
 
 def long_req(n: int = 4000) -> ChatRequest:
     return ChatRequest.from_prompt("tell me a long story", max_tokens=n, sampling=SamplingParams(seed=3))
-
-
-def wait_until(pred: Any, timeout: float = 10.0, step: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(step)
-    return bool(pred())
 
 
 # --- attaching ------------------------------------------------------------------------------

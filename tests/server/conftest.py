@@ -7,8 +7,7 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,19 +16,10 @@ import pytest
 from calconsole.server.face import ServeConfig, ServingFace
 from calconsole.server.keys import KeyRing
 from calconsole.server.run import ServerThread
+from tests.waits import wait_until  # noqa: F401 - the server tests import it from here
 
 API_KEY = "test-api-key-0123456789"
 ADMIN_KEY = "test-admin-key-9876543210"
-
-
-def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    """Poll ``cond`` every 20 ms for up to ``timeout`` host seconds; True once it holds."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 @dataclass
