@@ -41,7 +41,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from ..bench.serve_load import (
@@ -291,16 +291,20 @@ class Bench:
         return res, records
 
 
-async def sweep(b: Bench, url: str, pacing: str) -> list[dict[str, Any]]:
-    out = []
+async def each_config(b: Bench, url: str) -> AsyncIterator[tuple[str, int, dict[str, Any]]]:
+    """(mix, clients, result) of every (mix, clients) of the run against ``url``, one after another, over one
+    prepared client (``Bench.config``'s result; its records are dropped)."""
     async with b.client(url, max(b.opts["clients"])) as client:
         await b.prepare(client)
         for mix in b.opts["mixes"]:
             plan = mix_plan(mix, b.args.requests, b.args.seed)
             for c in b.opts["clients"]:
                 res, _ = await b.config(client, plan, c, n_requests=b.args.requests)
-                out.append({"phase": "sweep", "mix": mix, "pacing": pacing, **res})
-    return out
+                yield mix, c, res
+
+
+async def sweep(b: Bench, url: str, pacing: str) -> list[dict[str, Any]]:
+    return [{"phase": "sweep", "mix": mix, "pacing": pacing, **res} async for mix, _, res in each_config(b, url)]
 
 
 def _pooled_itl(records: list[Record]) -> tuple[float | None, float | None]:
@@ -431,17 +435,12 @@ def _is_llama_server(props: dict[str, Any]) -> bool:
 async def paired_target(b: Bench, url: str) -> dict[str, Any]:
     """One side of the paired phase: the keep-alive probe and every (mix, clients) of the run at ``url``."""
     out: dict[str, Any] = {"url": url, "health": await keepalive(b, url), "configurations": []}
-    async with b.client(url, max(b.opts["clients"])) as client:
-        await b.prepare(client)
-        for mix in b.opts["mixes"]:
-            plan = mix_plan(mix, b.args.requests, b.args.seed)
-            for c in b.opts["clients"]:
-                res, _ = await b.config(client, plan, c, n_requests=b.args.requests)
-                cl = res["client"]
-                out["configurations"].append({
-                    "mix": mix, "clients": c, "requests": res["requests"],
-                    **{k: {q: (cl[k] or {}).get(q) for q in ("p50", "p95")} for k in ("ttft_ms", "tpot_ms", "e2e_ms")},
-                    "prompt_tokens_per_request": (res["prompt_tokens_per_request"] or {}).get("p50")})
+    async for mix, c, res in each_config(b, url):
+        cl = res["client"]
+        out["configurations"].append({
+            "mix": mix, "clients": c, "requests": res["requests"],
+            **{k: {q: (cl[k] or {}).get(q) for q in ("p50", "p95")} for k in ("ttft_ms", "tpot_ms", "e2e_ms")},
+            "prompt_tokens_per_request": (res["prompt_tokens_per_request"] or {}).get("p50")})
     return out
 
 
