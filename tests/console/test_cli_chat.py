@@ -53,11 +53,11 @@ def test_empty_prompt_exits_2(capsys):
     assert code == 2 and "invalid_request_error" in err and "prompt is empty" in err
 
 
-def test_chat_passes_every_sampling_option(capsys, monkeypatch):
-    """The request built from the options carries them all (checked on the request the engine receives)."""
+def spy_submit(monkeypatch) -> dict:
+    """Record the request the engine receives (``seen["req"]``); the engine still runs it."""
     from sim_backend.serving.engine import Engine
 
-    seen = {}
+    seen: dict = {}
     orig = Engine.submit
 
     def spy(self, req):
@@ -65,6 +65,12 @@ def test_chat_passes_every_sampling_option(capsys, monkeypatch):
         return orig(self, req)
 
     monkeypatch.setattr(Engine, "submit", spy)
+    return seen
+
+
+def test_chat_passes_every_sampling_option(capsys, monkeypatch):
+    """The request built from the options carries them all (checked on the request the engine receives)."""
+    seen = spy_submit(monkeypatch)
     code, out, _ = run(capsys, "chat", "hello", "--timing-only", "--json", "--max-tokens", "3",
                        "--temperature", "0.7", "--top-k", "7", "--top-p", "0.9", "--min-p", "0.1",
                        "--repeat-penalty", "1.1", "--repeat-last-n", "32", "--presence-penalty", "0.5",
@@ -82,16 +88,7 @@ def test_chat_passes_every_sampling_option(capsys, monkeypatch):
 def test_max_tokens_minus_one_runs_until_a_stop_as_llama_server(capsys, monkeypatch):
     # the CLI refused -1 while the HTTP face took it (llama-server's n_predict -1: until the context is full
     # or a stop); the timing-only stand-in writes ordinary text, so a one-letter stop string ends it soon
-    from sim_backend.serving.engine import Engine
-
-    seen = {}
-    orig = Engine.submit
-
-    def spy(self, req):
-        seen["req"] = req
-        return orig(self, req)
-
-    monkeypatch.setattr(Engine, "submit", spy)
+    seen = spy_submit(monkeypatch)
     code, out, err = run(capsys, "chat", "hello", "--timing-only", "--json", "--max-tokens", "-1", "--stop", "e",
                          "--seed", "3")
     assert code == 0, err
