@@ -176,6 +176,19 @@ def _rope_pairs(v, nh, D, cos, sin):
 
 
 @kernel()
+def _add_chip_sum(part, n, H, x):
+    """x[:n, :H] += the chips' partial products summed in chip order (part: float32 (C, >=n, >=H)): the
+    cross-chip reduce after the output projection and after the MLP's down projection."""
+    C = part.shape[0]
+    for i in range(n):
+        for j in range(H):
+            y = part[0, i, j]
+            for c in range(1, C):
+                y += part[c, i, j]
+            x[i, j] += y
+
+
+@kernel()
 def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
                   hq, hkv, fc, vocab0,
                   norms, final_norm,
@@ -279,12 +292,7 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
             quantise_rows(o[:, :w], oq[:, :w], od[:, :w // QK], osum[:, :w // QK])
             quant_matmul(wo_c[c][li], wo_d[c][li], wo_m[c][li], oq[:, :w], od[:, :w // QK], osum[:, :w // QK],
                          tot, part[c])
-        for i in range(n):
-            for j in range(H):
-                y = part[0, i, j]
-                for c in range(1, C):
-                    y += part[c, i, j]
-                x[i, j] += y
+        _add_chip_sum(part, n, H, x)
         for i in range(n):
             _rms_norm64(x[i], norms[li, 1], eps, h[i])
         quantise_rows(h, hq8, hd, hs)
@@ -298,12 +306,7 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
             quantise_rows(act[:, :f], aq[:, :f], ad[:, :f // QK], asum[:, :f // QK])
             quant_matmul(dn_c[c][li], dn_d[c][li], dn_m[c][li], aq[:, :f], ad[:, :f // QK], asum[:, :f // QK],
                          tot, part[c])
-        for i in range(n):
-            for j in range(H):
-                y = part[0, i, j]
-                for c in range(1, C):
-                    y += part[c, i, j]
-                x[i, j] += y
+        _add_chip_sum(part, n, H, x)
     _rms_norm64(x[n - 1], final_norm, eps, h[0])
     quantise_rows(h[:1], hq8[:1], hd[:1], hs[:1])
     for c in range(C):
