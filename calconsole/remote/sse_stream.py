@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from httpx_sse import EventSource
 
-from sim_backend.planes import DoneEvent, EventStream, RequestResult, TokenEvent
+from sim_backend.planes import DoneEvent, EventStream, RequestResult, StreamEvent
 
 from .connection import Connection, describe
 
@@ -38,7 +38,7 @@ class SseRequestStream(EventStream):
         self._resp = resp
         self.id = request_id
         self._prompt_n = prompt_n
-        self._events: queue.Queue[TokenEvent | DoneEvent] = queue.Queue()
+        self._events: queue.Queue[StreamEvent] = queue.Queue()
         self._cancel = threading.Event()
         self._cancel_reason = ""
         self._done = threading.Event()

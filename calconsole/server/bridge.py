@@ -3,8 +3,8 @@
 The plane's ``RequestStream`` is pull-only (``next_event(timeout)``), so each request gets one pump
 thread that blocks on it and hands every event, already formatted (``fmt``), to the event loop
 with ``loop.call_soon_threadsafe`` into a memory object stream. The loop side awaits that stream;
-nothing polls. A request's events are at most its tokens plus its end, so the buffer is bounded by
-the context (``buffer``) and a push never blocks the engine side.
+nothing polls. A request's events are at most its tokens, its prompt progress (when asked for) and its end,
+so the buffer is bounded by the context (``buffer``) and a push never blocks the engine side.
 
 A streamed HTTP token crosses 7 hand-offs: engine thread -> the request's event queue -> its pump
 thread -> ``call_soon_threadsafe`` into the memory stream -> sse-starlette's send loop -> uvicorn's
@@ -28,9 +28,9 @@ from typing import Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from sim_backend.planes import DoneEvent, RequestStream, TokenEvent
+from sim_backend.planes import DoneEvent, RequestStream, StreamEvent
 
-Formatter = Callable[[int, TokenEvent | DoneEvent], list[Any]]
+Formatter = Callable[[int, StreamEvent], list[Any]]
 
 
 class EventBridge:

@@ -61,8 +61,10 @@ from sim_backend.planes import (
     InferencePlane,
     MaintenancePlane,
     ObservationPlane,
+    ProgressEvent,
     RequestResult,
     RequestStream,
+    StreamEvent,
     TokenEvent,
 )
 from sim_backend.planes.snapshot import DeviceInfo, Snapshot
@@ -498,8 +500,10 @@ class ServingFace:
                 handles.append(await self.submit(r))
             if self.closing.is_set():
                 raise HTTPError(503, "unavailable_error", "server is shutting down")
-            # every item a request can give: a piece per token, its end (final + usage + [DONE]), margin
-            buffer = sum(3 * ((r.max_tokens or self.n_ctx) + 2) for r in reqs)
+            # every item a request can give: a piece per token, its end (final + usage + [DONE]), margin; with
+            # return_progress one more per prefill step (at most one a prompt token) and the first one
+            buffer = sum(3 * ((r.max_tokens or self.n_ctx) + 2) + ((h.prompt_n + 1) if r.return_progress else 0)
+                         for r, h in zip(reqs, handles, strict=True))
             bridge = EventBridge(handles, fmt, silent_s=self.inference.step_timeout_s + 30, on_silent=on_silent,
                                  on_error=on_error, buffer=buffer, first=first or ())
         except BaseException:
@@ -544,7 +548,7 @@ class ServingFace:
         """Several requests at once (a prompt list), each in its own generation place; their results in
         order. The first that did not finish is the error; a client that goes away cancels them all."""
 
-        def fmt(i: int, ev: TokenEvent | DoneEvent) -> list[Any]:
+        def fmt(i: int, ev: StreamEvent) -> list[Any]:
             return [(i, ev.result)] if isinstance(ev, DoneEvent) else []
 
         def silent(i: int) -> list[Any]:
@@ -586,9 +590,11 @@ class ServingFace:
 
     async def stream(self, reqs: list[ChatRequest], first: list[dict[str, Any]],
                       piece: Callable[[int, TokenEvent], list[dict[str, Any]]],
-                      last: Callable[[int, RequestResult], list[dict[str, Any]]], send_done: bool) -> Response:
-        """Submit, then stream ``data:`` events: ``first``, ``piece(i, ev)`` per visible piece, ``last(i,
-        result)`` per request, then ``[DONE]`` if ``send_done`` (OpenAI routes: one request).
+                      last: Callable[[int, RequestResult], list[dict[str, Any]]], send_done: bool,
+                      progress: Callable[[int, ProgressEvent], list[dict[str, Any]]] | None = None) -> Response:
+        """Submit, then stream ``data:`` events: ``first``, ``piece(i, ev)`` per visible piece, ``progress(i,
+        ev)`` per prompt-progress event (requests with ``return_progress``), ``last(i, result)`` per request,
+        then ``[DONE]`` if ``send_done`` (OpenAI routes: one request).
 
         Errors before the first byte are ordinary HTTP errors; after it, one ``data: {"error": ...}``
         event (llama-server's streaming error) ends that request's part of the stream.
@@ -606,9 +612,11 @@ class ServingFace:
                 ended["failed"] = ended["failed"] or failed
                 return ended["n"] == len(reqs) and not ended["failed"]
 
-        def fmt(i: int, ev: TokenEvent | DoneEvent) -> list[Any]:
+        def fmt(i: int, ev: StreamEvent) -> list[Any]:
             if isinstance(ev, TokenEvent):
                 return data(piece(i, ev))
+            if isinstance(ev, ProgressEvent):
+                return data(progress(i, ev)) if progress is not None else []
             res = ev.result
             if res.status != "finished":
                 all_ended(True)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from sim_backend.planes import ChatRequest, RequestResult, TokenEvent
+from sim_backend.planes import ChatRequest, ProgressEvent, RequestResult, TokenEvent
 
 from ..codec import result_extension
 from . import logprobs as lp
@@ -75,18 +75,34 @@ async def chat_completions(face: ServingFace, request: Request) -> Response:
     created = int(time.time())
     fp = face.fingerprint
 
-    first = [wire.chat_chunk(cid, created, model, fp, {"role": "assistant", "content": None}, index=i)
-             for i in range(len(reqs))]
+    def role(i: int) -> dict[str, Any]:
+        return wire.chat_chunk(cid, created, model, fp, {"role": "assistant", "content": None}, index=i)
+
+    # the role chunk opens each choice; with return_progress the progress chunks come first (each one a role
+    # chunk with prompt_progress, as llama-server sends them) and the role chunk comes with the first piece
+    deferred = req.return_progress
+    role_due = [deferred] * len(reqs)  # per choice: its role chunk is still to be sent (one pump thread each)
+
+    def opening(i: int) -> list[dict[str, Any]]:
+        if not role_due[i]:
+            return []
+        role_due[i] = False
+        return [role(i)]
 
     def piece(i: int, ev: TokenEvent) -> list[dict[str, Any]]:
         c = wire.chat_chunk(cid, created, model, fp, {"content": ev.text}, index=i)
         if ev.probs:
             c["choices"][0]["logprobs"] = {"content": lp.probs_json(ev.probs)}
             _label(c, ev.probs)
+        return opening(i) + [c]
+
+    def progress(i: int, ev: ProgressEvent) -> list[dict[str, Any]]:
+        c = role(i)
+        c["prompt_progress"] = ev.to_json()
         return [c]
 
     def last(i: int, res: RequestResult) -> list[dict[str, Any]]:
-        out = [wire.chat_chunk(cid, created, model, fp, {}, wire.finish_reason(res), index=i)]
+        out = opening(i) + [wire.chat_chunk(cid, created, model, fp, {}, wire.finish_reason(res), index=i)]
         if include_usage:
             out.append({"choices": [], "created": created, "id": cid, "model": model, "system_fingerprint": fp,
                         "object": "chat.completion.chunk", "usage": wire.usage(res)})
@@ -94,7 +110,8 @@ async def chat_completions(face: ServingFace, request: Request) -> Response:
         out[-1]["calconsole"] = result_extension(res)
         return out
 
-    return await face.stream(reqs, first, piece, last, True)
+    first = [] if deferred else [role(i) for i in range(len(reqs))]
+    return await face.stream(reqs, first, piece, last, True, progress)
 
 async def completions_oai(face: ServingFace, request: Request) -> Response:
     body = face.with_defaults(await face.read_json(request))
@@ -133,7 +150,12 @@ async def completions_oai(face: ServingFace, request: Request) -> Response:
             _label(c, ev.probs)
         return [c]
 
-    return await face.stream(reqs, [], piece, last, True)
+    def progress(i: int, ev: ProgressEvent) -> list[dict[str, Any]]:  # an empty piece with prompt_progress
+        c = wire.text_chunk(cid, created, model, fp, "", index=i)
+        c["prompt_progress"] = ev.to_json()
+        return [c]
+
+    return await face.stream(reqs, [], piece, last, True, progress)
 
 async def completion_req(face: ServingFace, body: dict[str, Any], request: Request, *, openai: bool) -> ChatRequest:
     return await face.call(lambda: wire.completion_request(
@@ -151,6 +173,8 @@ async def completion(face: ServingFace, request: Request) -> Response:
     stream = wire.flag(body, "stream", False)
     n_ctx = face.n_ctx
     model = face.aliases[0]
+    # the ids ignore_eos sets to -inf, listed in generation_settings.logit_bias (a plane that does not say: none)
+    eog_ids = tuple(getattr(face.inference, "eog_ids", ()))
     # echoed in the final result: the prompt as the model saw it (its ids detokenized)
     texts = [await face.call(face.inference.detokenize, list(r.prompt_tokens or ())) for r in reqs]
 
@@ -159,7 +183,7 @@ async def completion(face: ServingFace, request: Request) -> Response:
         slot = res.id_slot if res.id_slot >= 0 else reqs[i].id_slot
         return wire.native_completion(res, reqs[i], n_ctx, model, id_slot=slot,
                                       return_tokens=return_tokens, stream=stream, prompt=texts[i], index=i,
-                                      per_token=per_token)
+                                      per_token=per_token, eog_ids=eog_ids)
 
     if not stream:
         results = await face.generate_all(reqs, request)
@@ -175,7 +199,9 @@ async def completion(face: ServingFace, request: Request) -> Response:
 
     def piece(i: int, ev: TokenEvent) -> list[dict[str, Any]]:
         streamed[i] = ev.n_tokens
-        c = wire.native_chunk(ev.text, list(ev.tokens), id_slot=reqs[i].id_slot, n_predicted=ev.n_tokens,
+        # the slot the request runs in (the request's own id_slot when the plane does not say)
+        slot = ev.id_slot if ev.id_slot >= 0 else reqs[i].id_slot
+        c = wire.native_chunk(ev.text, list(ev.tokens), id_slot=slot, n_predicted=ev.n_tokens,
                               n_evaluated=n_prompt[i])
         c["index"] = i
         if per_token:  # llama-server's per-chunk timings need counts the face does not see: ours instead
@@ -192,7 +218,10 @@ async def completion(face: ServingFace, request: Request) -> Response:
         if not rest:
             return [final(res, i)]
         ev = TokenEvent(res.request_id, "", len(res.tokens), res.timings.done_ms, tuple(rest),
-                        res.probs[streamed[i]:])
+                        res.probs[streamed[i]:], res.id_slot)
         return piece(i, ev) + [final(res, i)]
 
-    return await face.stream(reqs, [], piece, last, False)
+    def progress(i: int, ev: ProgressEvent) -> list[dict[str, Any]]:
+        return [wire.native_progress_chunk(ev, index=i, id_slot=ev.id_slot if ev.id_slot >= 0 else reqs[i].id_slot)]
+
+    return await face.stream(reqs, [], piece, last, False, progress)

@@ -92,8 +92,12 @@ async def props(face: ServingFace, request: Request) -> Response:
     })
 
 async def slots(face: ServingFace, request: Request) -> Response:
-    """llama-server's ``/slots``: an idle slot is its id, n_ctx, speculative and is_processing; a busy one
-    adds the task, prompt counts, its sampling params and ``next_token`` (an array of one object)."""
+    """llama-server's ``/slots``: a slot that never served a request is its id, n_ctx, speculative and
+    is_processing; a busy one adds the task, prompt counts, its sampling params and ``next_token`` (an array of
+    one object); an idle one that served a request keeps its last task's id and params, ``n_prompt_tokens`` the
+    tokens its KV holds (llama-server's slot prompt: the last prompt and the reply but its last token, which
+    was never fed back), and the counters llama-server resets when it releases a slot (processed and cached
+    prompt tokens 0, ``next_token`` ``has_next_token`` false, ``n_remain`` -1, ``n_decoded`` 0)."""
     if not face.config.slots_endpoint:
         raise HTTPError(501, "not_supported_error", "This server does not support slots endpoint.")
     snap = await face.call(face.observation.snapshot)
@@ -102,17 +106,20 @@ async def slots(face: ServingFace, request: Request) -> Response:
     for s in snap.slots:
         busy = s.state != "idle"
         slot: dict[str, Any] = {"id": s.index, "n_ctx": n_ctx, "speculative": False, "is_processing": busy}
-        if busy:
+        task = s.request_id if busy else s.last_request_id
+        if busy or task is not None:
             known = {k: v for k, v in s.params.items() if k in wire.SAMPLING_FIELDS}
             n_predict = -1 if s.max_tokens == n_ctx else s.max_tokens
             slot.update({
-                "id_task": s.request_id if s.request_id is not None else -1,
-                "n_prompt_tokens": s.prompt_n, "n_prompt_tokens_processed": s.n_prefilled,
-                "n_prompt_tokens_cache": s.cached_tokens,
+                "id_task": task if task is not None else -1,
+                # idle: the tokens its KV holds (llama-server's slot prompt: the last prompt and the reply fed back)
+                "n_prompt_tokens": s.prompt_n if busy else s.cached_tokens,
+                "n_prompt_tokens_processed": s.n_prefilled if busy else 0,
+                "n_prompt_tokens_cache": s.cached_tokens if busy else 0,
                 "params": wire.sampling_settings(SamplingParams(**known), n_predict=n_predict),
-                "next_token": [{"has_next_token": True, "has_new_line": False,
-                                "n_remain": max(0, s.max_tokens - (s.predicted_n or 0)),
-                                "n_decoded": s.predicted_n or 0}]})
+                "next_token": [{"has_next_token": busy, "has_new_line": False,
+                                "n_remain": max(0, s.max_tokens - (s.predicted_n or 0)) if busy else -1,
+                                "n_decoded": (s.predicted_n or 0) if busy else 0}]})
         out.append(slot)
     if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(o["is_processing"] for o in out):
         raise HTTPError(503, "unavailable_error", "no slot available")

@@ -20,6 +20,11 @@ if TYPE_CHECKING:
     from .face import Handler, RouteSpec, ServingFace
 
 
+#: the rest of the 501 for embeddings / reranking: llama-server names its start option, calconsole serve has none
+NO_OPTION = ("The served model is a text-generation calbin with no {what} output, and `calconsole serve` has no "
+             "option that adds one.")
+
+
 def routes(face: ServingFace) -> list[RouteSpec]:
     """(path, handler, methods, auth) of this family."""
     out: list[RouteSpec] = [("/tokenize", partial(tokenize, face), ["POST"], "api"),
@@ -27,9 +32,11 @@ def routes(face: ServingFace) -> list[RouteSpec]:
                             ("/apply-template", partial(apply_template, face), ["POST"], "api"),
                             ("/chat/completions/input_tokens", partial(input_tokens, face), ["POST"], "api"),
                             ("/v1/chat/completions/input_tokens", partial(input_tokens, face), ["POST"], "api")]
-    # llama-server's answers for a model without embeddings / reranking / fill-in-the-middle tokens
-    embeddings = not_offered("This server does not support embeddings. Start it with `--embeddings`")
-    rerank = not_offered("This server does not support reranking. Start it with `--reranking`")
+    # llama-server's answers for a model without embeddings / reranking / fill-in-the-middle tokens: its first
+    # sentence (clients match it), then what is true here instead of its "Start it with `--embeddings`" (serve
+    # has no such option: the calbin has no pooled-embedding or reranking output to turn on)
+    embeddings = not_offered(f"This server does not support embeddings. {NO_OPTION.format(what='embedding')}")
+    rerank = not_offered(f"This server does not support reranking. {NO_OPTION.format(what='reranking')}")
     infill = not_offered("Infill is not supported by this model: prefix token is missing. "
                          "suffix token is missing. middle token is missing. ")
     out += [(p, embeddings, ["POST"], "api") for p in ("/embedding", "/embeddings", "/v1/embeddings")]

@@ -33,6 +33,7 @@ from sim_backend.planes import (
     ExceedContextSizeError,
     Grammar,
     InvalidRequestError,
+    ProgressEvent,
     RequestError,
     RequestResult,
     SamplingParams,
@@ -307,6 +308,7 @@ def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client:
                        client=client, id_slot=-1 if slot is None else slot,
                        cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
                        n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body),
+                       return_progress=return_progress(body),
                        **(template_options(body) if template is None else template))
 
 
@@ -454,7 +456,16 @@ def completion_request(body: Mapping[str, Any], tokenize: Any, *, n_ctx: int, n_
                        max_tokens=max_tokens_from(body, names, n_ctx, n_predict), sampling=sampling_from(body),
                        stop=stop_from(body), client=client, id_slot=-1 if slot is None else slot,
                        cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
-                       n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body))
+                       n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body),
+                       return_progress=return_progress(body))
+
+
+def return_progress(body: Mapping[str, Any]) -> bool:
+    """llama-server's ``return_progress``: prompt-progress chunks, in stream mode only (a request that does not
+    stream gets none, as there). 400 naming the field for a value that is not a boolean (llama-server ignores
+    such a value with a warning in its log; the client would not learn why no progress came)."""
+    asked = flag(body, "return_progress", False)
+    return asked and flag(body, "stream", False)
 
 
 # --- response shapes ------------------------------------------------------------------------------
@@ -502,10 +513,12 @@ def sampling_settings(sp: SamplingParams, *, n_predict: int, stream: bool = Fals
 
 
 def generation_settings(req: ChatRequest, n_ctx: int, *, stream: bool = False,
-                        per_token: bool = False) -> dict[str, Any]:
+                        per_token: bool = False, eog_ids: tuple[int, ...] = ()) -> dict[str, Any]:
     """llama-server's ``generation_settings`` of a ``/completion`` result: the sampling params plus the
-    stop words, ``logit_bias`` (always present; the simulator applies none, so ``[]``), the grammar
-    (``grammar_setting``; never lazy) and ``dry_sequence_breakers``, in llama-server's key order."""
+    stop words, ``logit_bias`` (always present: ``[]``, or with ``ignore_eos`` each of the model's
+    end-of-generation ids ``eog_ids`` with bias null, as llama-server lists the -inf it sets them to; a client
+    bias is refused, ``refuse_unsupported``), the grammar (``grammar_setting``; never lazy) and
+    ``dry_sequence_breakers``, in llama-server's key order."""
     n_predict = req.max_tokens if req.max_tokens is not None and req.max_tokens != n_ctx else -1
     base = sampling_settings(req.sampling, n_predict=n_predict, stream=stream, per_token=per_token,
                              ignore_eos=req.ignore_eos, n_probs=req.n_probs,
@@ -516,8 +529,8 @@ def generation_settings(req: ChatRequest, n_ctx: int, *, stream: bool = False,
             out["dry_sequence_breakers"] = ["\n", ":", "\"", "*"]
         if k == "max_tokens":
             out["stop"] = list(req.stop)
-        if k == "n_probs":
-            out["logit_bias"] = []
+        if k == "n_probs":  # -inf is null in llama-server's JSON (nlohmann writes non-finite numbers as null)
+            out["logit_bias"] = [{"bias": None, "token": t} for t in eog_ids] if req.ignore_eos else []
         if k == "chat_format":
             out.update(grammar=grammar_setting(req.grammar), grammar_lazy=False, grammar_triggers=[],
                        preserved_tokens=[])
@@ -532,6 +545,16 @@ def native_chunk(text: str, tokens: list[int], *, id_slot: int, n_predicted: int
                          "tokens_predicted": n_predicted, "tokens_evaluated": n_evaluated}
     if timings is not None:
         c["timings"] = timings
+    return c
+
+
+def native_progress_chunk(ev: ProgressEvent, *, index: int, id_slot: int) -> dict[str, Any]:
+    """A streamed ``/completion`` prompt-progress chunk, as llama-server sends it (``return_progress``): an empty
+    piece (its ``tokens`` the placeholder id 0 llama-server's partial result carries: no token was generated,
+    ``tokens_predicted`` says 0) with ``prompt_progress`` {total, cache, processed, time_ms}."""
+    c = native_chunk("", [0], id_slot=id_slot, n_predicted=0, n_evaluated=ev.total)
+    c["index"] = index
+    c["prompt_progress"] = ev.to_json()
     return c
 
 
@@ -598,14 +621,16 @@ def text_chunk(cid: str, created: int, model: str, fingerprint: str, text: str,
 
 def native_completion(res: RequestResult, req: ChatRequest, n_ctx: int, model: str, *, id_slot: int,
                       return_tokens: bool, stream: bool, prompt: str = "", index: int = 0,
-                      per_token: bool = False) -> dict[str, Any]:
+                      per_token: bool = False, eog_ids: tuple[int, ...] = ()) -> dict[str, Any]:
     """llama.cpp ``/completion`` final result (in a stream: its last chunk, ``content`` then empty).
-    ``prompt``: the prompt as the model saw it (its token ids detokenized, as llama-server echoes it)."""
+    ``prompt``: the prompt as the model saw it (its token ids detokenized, as llama-server echoes it);
+    ``eog_ids``: the model's end-of-generation ids (``generation_settings``)."""
     t = res.timings
     return {"index": index, "content": "" if stream else res.text,
             "tokens": list(res.tokens) if return_tokens and not stream else [], "id_slot": id_slot, "stop": True,
             "model": model, "tokens_predicted": t.predicted_n, "tokens_evaluated": t.prompt_n + t.cache_n,
-            "generation_settings": generation_settings(req, n_ctx, stream=stream, per_token=per_token),
+            "generation_settings": generation_settings(req, n_ctx, stream=stream, per_token=per_token,
+                                                       eog_ids=eog_ids),
             "prompt": prompt,
             "has_new_line": "\n" in res.text, "truncated": False, "stop_type": res.stop_type,
             "stopping_word": res.stopping_word, "tokens_cached": t.cache_n, "timings": timings(res),

@@ -3,7 +3,8 @@ HTTP serving face, the remote planes) import for their types.
 
 - contracts: ``InferencePlane``, ``ObservationPlane``, ``MaintenancePlane``, ``RequestStream``,
   ``Lease``, ``AuditReader``, ``Report`` (``sim_backend.planes.contracts``);
-- value types: ``ChatRequest`` (its ``Grammar``), ``SamplingParams``, ``TokenEvent``, ``DoneEvent``, ``RequestResult``
+- value types: ``ChatRequest`` (its ``Grammar``), ``SamplingParams``, ``TokenEvent``, ``ProgressEvent``, ``DoneEvent``
+  (one of them a ``StreamEvent``), ``RequestResult``
   and its ``Timings`` and ``TokenProbs``, ``StageTimes``, ``SLO``, ``validate_request`` (``sim_backend.planes.types``);
   ``EventStream``, the consuming side of a request stream (``sim_backend.planes.eventstream``);
 - snapshot types: ``Snapshot`` and its sections (``sim_backend.planes.snapshot``);
@@ -53,9 +54,11 @@ from sim_backend.planes.types import (
     ChatRequest,
     DoneEvent,
     Grammar,
+    ProgressEvent,
     RequestResult,
     SamplingParams,
     StageTimes,
+    StreamEvent,
     Timings,
     TokenEvent,
     TokenLogprob,
@@ -68,9 +71,9 @@ __all__ = ["SLO", "AuditLog", "AuditLogError", "AuditReader", "CalError", "ChatR
            "KVExhausted",
            "Lease",
            "MaintenanceArgumentError", "MaintenancePlane", "MaintenanceRefused", "ManifestError", "MetricsRegistry",
-           "NotOffered", "ObservationPlane",
+           "NotOffered", "ObservationPlane", "ProgressEvent",
            "Report", "RequestCancelled", "RequestError", "RequestResult", "RequestStream", "SamplingParams",
-           "SlotActions", "Snapshot", "StageTimes", "Timings", "TokenEvent", "TokenLogprob", "TokenProbs",
-           "UnavailableError",
+           "SlotActions", "Snapshot", "StageTimes", "StreamEvent", "Timings", "TokenEvent", "TokenLogprob",
+           "TokenProbs", "UnavailableError",
            "audit_origin", "pseudo_filesystem",
            "summarize", "validate_request"]

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from sim_backend.planes.snapshot import Health, Snapshot
-from sim_backend.planes.types import ChatRequest, DoneEvent, RequestResult, TokenEvent
+from sim_backend.planes.types import ChatRequest, RequestResult, StreamEvent
 
 #: Maintenance results are JSON-shaped maps: {"ok": bool, "detail": str, ...action fields}.
 Report = dict[str, Any]
@@ -70,11 +70,12 @@ class RequestStream(Protocol):
         ``limit``, its text kept); returns at once. Where that is not possible it is cancelled."""
         ...
 
-    def next_event(self, timeout: float) -> TokenEvent | DoneEvent | None:
-        """The next event within ``timeout`` host seconds, or None."""
+    def next_event(self, timeout: float) -> StreamEvent | None:
+        """The next event within ``timeout`` host seconds, or None (a ``ProgressEvent`` only for a request
+        that asked for ``return_progress``)."""
         ...
 
-    def stream(self, timeout: float = 60.0) -> Iterator[TokenEvent | DoneEvent]:
+    def stream(self, timeout: float = 60.0) -> Iterator[StreamEvent]:
         """Events until the DoneEvent; TimeoutError if none arrives for ``timeout`` s. Closing it cancels."""
         ...
 

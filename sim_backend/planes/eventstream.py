@@ -1,5 +1,5 @@
 """The consuming side every request stream shares (the in-process handle, the HTTP client stream):
-``next_event`` / ``stream`` / ``result`` over a queue of ``TokenEvent | DoneEvent``.
+``next_event`` / ``stream`` / ``result`` over a queue of ``StreamEvent`` (token, progress, done).
 
 At the seam with the value types: it imports nothing of serving, runtime, device or model.
 """
@@ -10,15 +10,15 @@ import queue
 import threading
 from collections.abc import Iterator
 
-from sim_backend.planes.types import DoneEvent, RequestResult, TokenEvent
+from sim_backend.planes.types import DoneEvent, RequestResult, StreamEvent
 
 
 class EventStream:
     """Base of a ``RequestStream`` implementation: ``next_event`` / ``stream`` / ``result`` over
-    ``_events`` (a queue of TokenEvent | DoneEvent) and ``_done`` (set with ``_result``).
+    ``_events`` (a queue of StreamEvent) and ``_done`` (set with ``_result``).
     Subclasses set those three and ``id``, and provide ``cancel``."""
 
-    _events: queue.Queue[TokenEvent | DoneEvent]
+    _events: queue.Queue[StreamEvent]
     _done: threading.Event
     _result: RequestResult | None
     id: int
@@ -36,14 +36,14 @@ class EventStream:
         handle overrides this."""
         self.cancel(reason)
 
-    def next_event(self, timeout: float) -> TokenEvent | DoneEvent | None:
+    def next_event(self, timeout: float) -> StreamEvent | None:
         """Next event within ``timeout`` host seconds, or None."""
         try:
             return self._events.get(timeout=timeout)
         except queue.Empty:
             return None
 
-    def stream(self, timeout: float = 60.0) -> Iterator[TokenEvent | DoneEvent]:
+    def stream(self, timeout: float = 60.0) -> Iterator[StreamEvent]:
         """Yield events until the DoneEvent. Raises TimeoutError if nothing arrives for ``timeout`` host s
         (the request keeps running; the caller decides whether to cancel).
 

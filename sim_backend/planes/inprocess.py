@@ -125,6 +125,12 @@ class InProcessInference:
         """The model's EOS token text (Qwen3 "<|im_end|>"; the GGUF's eos_token_id for the pilot)."""
         return str(getattr(self._engine.tokenizer, "eos_text", "<|im_end|>"))
 
+    @property
+    def eog_ids(self) -> tuple[int, ...]:
+        """The end-of-generation token ids, ascending: those that end a reply, and those ``ignore_eos`` sets to
+        -inf (Qwen3's <|endoftext|> and <|im_end|>; the GGUF's eos id for the pilot)."""
+        return tuple(sorted(int(t) for t in self._engine.tokenizer.eos_ids))
+
 
 def _check_ids(tokens: Any, vocab: int = VOCAB_SIZE) -> list[int]:
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):

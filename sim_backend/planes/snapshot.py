@@ -268,7 +268,9 @@ class SlotView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     ``request_id`` ``id_task`` (None when idle), ``prompt_n`` ``n_prompt_tokens``, ``n_prefilled``
     ``n_prompt_tokens_processed``, ``cached_tokens`` ``n_prompt_tokens_cache``, ``predicted_n``
     ``next_token[0].n_decoded``, ``n_ctx`` the slot's context; a count the server did not report
-    (a slot that never ran) is None.
+    (a slot that never ran) is None. An idle slot keeps its last request's counts, ``max_tokens`` and
+    ``params`` (llama-server's ``/slots`` keeps an idle slot's last task) and names it in
+    ``last_request_id`` (None before its first request, or where the source does not say).
     """
 
     index: int
@@ -279,11 +281,13 @@ class SlotView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     predicted_n: int | None
     cached_tokens: int | None
     numeric: bool | None = None
-    #: the request's n_predict (0 when idle) and sampling parameters (llama.cpp names; {} when idle)
+    #: the request's n_predict and sampling parameters (llama.cpp names); idle: the last request's (0 / {} if none)
     max_tokens: int = 0
     params: dict[str, Any] = {}
     #: context tokens of this slot (llama-server reports it per slot; None from the simulator)
     n_ctx: int | None = None
+    #: the request it serves or last served (``id_task``; kept while idle), None if none yet or not reported
+    last_request_id: int | None = None
 
 
 class HostInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):

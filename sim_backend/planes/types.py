@@ -187,6 +187,9 @@ class ChatRequest(msgspec.Struct, frozen=True):
     continue_final_message: bool = False
     #: more chat template variables (llama-server's ``chat_template_kwargs`` but ``enable_thinking``)
     template_kwargs: dict[str, Any] | None = None
+    #: stream a ``ProgressEvent`` when the request takes its slot and after each prefill step (llama-server's
+    #: ``return_progress``, which it honours in stream mode only)
+    return_progress: bool = False
 
     @staticmethod
     def from_prompt(prompt: str, **kw: Any) -> ChatRequest:
@@ -275,6 +278,8 @@ def validate_request(req: ChatRequest, vocab: int = VOCAB_SIZE) -> None:
     for s in req.stop:
         if not isinstance(s, str) or s == "":
             raise InvalidRequestError(f"stop strings must be non-empty strings, got {s!r}", param="stop")
+    if not isinstance(req.return_progress, bool):
+        raise InvalidRequestError("return_progress must be true or false", param="return_progress")
     if not isinstance(req.enable_thinking, bool):
         raise InvalidRequestError("enable_thinking must be true or false", param="enable_thinking")
     for flag in ("add_generation_prompt", "continue_final_message"):
@@ -470,6 +475,34 @@ class TokenEvent(msgspec.Struct, frozen=True):
     sim_ms: float
     tokens: tuple[int, ...] = ()
     probs: tuple[TokenProbs, ...] = ()
+    #: the slot the request runs in (llama-server's per-chunk ``id_slot``); -1 when the plane does not say
+    id_slot: int = -1
+
+
+class ProgressEvent(msgspec.Struct, frozen=True):
+    """How far the prompt's processing has come (llama-server's ``prompt_progress``, sent to a request that
+    asked for it: ``ChatRequest.return_progress``): once when the request takes its slot (``processed`` =
+    ``cache``, ``time_ms`` 0), then after each prefill step.
+
+    total: the prompt's tokens (chat template applied); cache: those reused from the slot's cached prefix;
+    processed: prompt tokens whose KV the slot holds so far, the cached ones included (llama-server's
+    ``slot.prompt.tokens.size()``), so ``processed == total`` after the last step; time_ms: SIMULATED ms
+    since the request took its slot (llama-server: wall ms since its prompt processing began);
+    id_slot: the slot, -1 when the plane does not say.
+    """
+
+    request_id: int
+    total: int
+    cache: int
+    processed: int
+    time_ms: float
+    id_slot: int = -1
+
+    def to_json(self) -> dict[str, int]:
+        """llama-server's ``prompt_progress`` object: ``{total, cache, processed, time_ms}``, integers
+        (its ``time_ms`` is a whole number of ms)."""
+        return {"total": self.total, "cache": self.cache, "processed": self.processed,
+                "time_ms": int(self.time_ms)}
 
 
 class DoneEvent(msgspec.Struct, frozen=True):
@@ -477,6 +510,10 @@ class DoneEvent(msgspec.Struct, frozen=True):
 
     request_id: int
     result: RequestResult
+
+
+#: what a request's stream yields: visible pieces, prompt progress (only when asked for), then its end
+StreamEvent = TokenEvent | ProgressEvent | DoneEvent
 
 
 class SLO(msgspec.Struct, frozen=True):

@@ -18,7 +18,7 @@ from typing import Any
 
 from sim_backend.errors import CalError
 from sim_backend.planes.eventstream import EventStream
-from sim_backend.planes.types import DoneEvent, RequestResult, TokenEvent
+from sim_backend.planes.types import DoneEvent, ProgressEvent, RequestResult, StreamEvent, TokenEvent
 
 
 class RequestState(str, Enum):
@@ -38,7 +38,7 @@ class RequestHandle(EventStream):
     def __init__(self, req_id: int, prompt_n: int) -> None:
         self.id = req_id
         self.prompt_n = prompt_n
-        self._events: queue.Queue[TokenEvent | DoneEvent] = queue.Queue()
+        self._events: queue.Queue[StreamEvent] = queue.Queue()
         self._cancel = threading.Event()
         self.cancel_reason = ""
         self._result: RequestResult | None = None
@@ -77,8 +77,8 @@ class RequestHandle(EventStream):
         """Set when the request is cancelled (a KV wait watches it)."""
         return self._cancel
 
-    def emit(self, event: TokenEvent) -> None:
-        """Stream one visible piece to the client (engine thread)."""
+    def emit(self, event: TokenEvent | ProgressEvent) -> None:
+        """Stream one visible piece, or the prompt's progress, to the client (engine thread)."""
         self._events.put(event)
 
     def _finish(self, result: RequestResult) -> None:
@@ -89,7 +89,12 @@ class RequestHandle(EventStream):
 
 @dataclass(frozen=True)
 class SlotInfo:
-    """Observation view of one slot."""
+    """Observation view of one slot: its request's counts, or, idle, those of the last request it served (as
+    llama-server's ``/slots`` keeps the last task of an idle slot); a slot that never served one has 0 / {}.
+
+    ``request_id``: the request in it (None when idle); ``last_request_id``: the request it serves or last
+    served (None if none yet). ``cached_tokens``: the prefix its KV holds now.
+    """
 
     index: int
     state: str  # idle | prefilling | decoding
@@ -98,9 +103,10 @@ class SlotInfo:
     n_prefilled: int
     predicted_n: int
     cached_tokens: int
-    numeric: bool | None = None  # the request's tokens come from the model (False: timing-only); None when idle
-    max_tokens: int = 0  # the request's n_predict (0 when idle)
-    params: dict[str, Any] = field(default_factory=dict)  # sampling parameters, llama.cpp names (idle: {})
+    numeric: bool | None = None  # the request's tokens come from the model (False: timing-only); None if none yet
+    max_tokens: int = 0  # the request's n_predict (0 if none yet)
+    params: dict[str, Any] = field(default_factory=dict)  # sampling parameters, llama.cpp names ({} if none yet)
+    last_request_id: int | None = None
 
 
 def error_dict(e: CalError) -> dict[str, Any]:

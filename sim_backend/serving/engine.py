@@ -55,7 +55,7 @@ from sim_backend.serving.kv_pressure import KVPressure
 from sim_backend.serving.ledger import RequestLedger
 from sim_backend.serving.requests import RequestRecord, Slot, slot_info, slot_states
 from sim_backend.serving.scheduler import RoundScheduler, Work
-from sim_backend.serving.steps import InFlight, StepRunner
+from sim_backend.serving.steps import InFlight, StepRunner, progress_event
 from sim_backend.serving.streaming import Tokenizer
 from sim_backend.serving.tokens import TokenPipeline
 
@@ -502,6 +502,9 @@ class Engine:
         def assigned(s: Slot) -> None:
             self._scheduler.slot_changed(s.idx)
             self.metrics.set_live(*self._live_locked())
+            r = s.req
+            if r is not None and r.req.return_progress:  # llama-server's 0 % event: the request has started
+                r.handle.emit(progress_event(r, 0.0))
 
         self._admission.assign(self.slots, self.rt.kv, lambda: self.rt.clock.now_us / 1e3,
                                numerics=self.rt.numerics, numerics_max_prompt=self.numerics_max_prompt,
@@ -570,6 +573,7 @@ class Engine:
         self._admission.forget(r)
         s = r.slot
         if s is not None:
+            s.last = slot_info(s)  # an idle slot shows its last request (llama-server's /slots)
             s.req = None
             s.last_used = now_ms
             self._scheduler.slot_changed(s.idx)

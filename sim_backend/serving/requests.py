@@ -7,6 +7,7 @@ Times are simulated ms unless named host or wall.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import msgspec
@@ -112,6 +113,8 @@ class Slot:
         self.cache_numeric = False
         self.last_used = 0.0
         self.action: str | None = None
+        #: the view of the last request it served, as it ended (llama-server keeps an idle slot's last task)
+        self.last: SlotInfo | None = None
 
     @property
     def free(self) -> bool:
@@ -121,12 +124,15 @@ class Slot:
 
 def slot_info(s: Slot) -> SlotInfo:
     """The observation view of slot ``s``: its request's counts and sampling parameters (llama.cpp
-    names), or idle with the size of its cached prefix."""
+    names); idle, the last request's (``Slot.last``; none yet: zeros) with the size of its cached prefix now."""
     r = s.req
     if r is None:
-        return SlotInfo(s.idx, "idle", None, 0, 0, 0, len(s.cache_tokens), None, 0, {})
+        last = s.last
+        if last is None:
+            return SlotInfo(s.idx, "idle", None, 0, 0, 0, len(s.cache_tokens), None, 0, {})
+        return dataclasses.replace(last, state="idle", request_id=None, cached_tokens=len(s.cache_tokens))
     return SlotInfo(s.idx, r.state.value, r.id, len(r.prompt), r.n_prefilled, len(r.generated), len(s.cache_tokens),
-                    r.numeric, r.max_tokens, msgspec.structs.asdict(r.req.sampling))
+                    r.numeric, r.max_tokens, msgspec.structs.asdict(r.req.sampling), r.id)
 
 
 def slot_states(slots: Sequence[Slot], busy: set[int], now: float) -> list[SlotState]:

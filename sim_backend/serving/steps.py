@@ -27,7 +27,7 @@ import numpy as np
 
 from sim_backend.errors import DeviceError, DeviceReset, KVExhausted, RequestCancelled
 from sim_backend.planes.metrics import MetricsRegistry, percentiles
-from sim_backend.planes.types import STAGES, StageTimes, TokenEvent
+from sim_backend.planes.types import STAGES, ProgressEvent, StageTimes, TokenEvent
 from sim_backend.runtime import OutputBuf, RuntimeSession
 from sim_backend.serving.api import RequestState, error_dict
 from sim_backend.serving.hosttime import HostBooking, HostTimer
@@ -59,6 +59,14 @@ class InFlight:
     kv_wait_us: list[float]
     submit_host_us: float
     batched: bool
+
+
+def progress_event(r: RequestRecord, time_ms: float) -> ProgressEvent:
+    """``r``'s prompt progress now (llama-server's ``prompt_progress``): its prompt tokens, those reused from
+    the slot's cache, those whose KV is written (the cached included); ``time_ms``: simulated ms since it took
+    its slot."""
+    return ProgressEvent(r.id, len(r.prompt), r.cache_n, r.n_prefilled, time_ms,
+                         r.slot.idx if r.slot is not None else -1)
 
 
 def _reset_error() -> dict[str, Any]:
@@ -267,6 +275,8 @@ class StepRunner:
                         detok_us / 1e3, framework_us / 1e3, tok_ms, n, r.id)
         self.last_stage[kind] = st
         self.stage_history.append(st)
+        if kind == "prefill" and r.req.return_progress:  # after each prefill step, before its first token
+            r.handle.emit(progress_event(r, res.sim_end_us / 1e3 - (r.assigned_ms or 0.0)))
         if need_token:
             if r.first_token_ms is None:
                 r.first_token_ms = t_end / 1e3
@@ -283,7 +293,7 @@ class StepRunner:
             r.pieces_ms.append(t_end / 1e3)
             r.text_parts.append(visible)
             r.handle.emit(TokenEvent(r.id, visible, len(r.generated), t_end / 1e3, tuple(r.generated[r.n_streamed:]),
-                                     tuple(r.tokens.probs[r.n_streamed:])))
+                                     tuple(r.tokens.probs[r.n_streamed:]), r.slot.idx))
             r.n_streamed = len(r.generated)
         with self._lock:
             if stop is not None:

@@ -29,7 +29,7 @@ from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.errors import CalError
 from sim_backend.model.bf16 import f32_to_bf16
 from sim_backend.model.families import tokenizer_for
-from sim_backend.planes.types import ChatRequest, Grammar, SamplingParams, TokenEvent
+from sim_backend.planes.types import ChatRequest, DoneEvent, Grammar, SamplingParams, TokenEvent
 from sim_backend.serving import grammar as G
 from sim_backend.serving.tokens import TokenPipeline
 
@@ -131,9 +131,10 @@ def measure_serve(requests: int = 12, bundle: str | None = None) -> dict[str, An
                             per = (now - last[0]) * 1e3 / (ev.n_tokens - last[1])
                             gaps.extend([per] * (ev.n_tokens - last[1]))
                         last = (now, ev.n_tokens)
-                    elif ev.result.status != "finished":
-                        raise CalError(f"request {ev.result.request_id} ended {ev.result.status}: {ev.result.error}")
-                    else:
+                    elif isinstance(ev, DoneEvent):
+                        if ev.result.status != "finished":
+                            raise CalError(f"request {ev.result.request_id} ended {ev.result.status}: "
+                                           f"{ev.result.error}")
                         n += len(ev.result.tokens)
                         sampling_ms += ev.result.timings.host_ms.get("sampling", 0.0)
                         if ev.result.timings.tpot_ms is not None:

@@ -75,3 +75,11 @@ def make_module_server(make_module_system: Any) -> Iterator[ServerFactory]:
     f = ServerFactory(make_module_system)
     yield f
     f.stop_all()
+
+
+@pytest.fixture(scope="module")
+def pair(make_module_server: ServerFactory, llama_server: Any) -> tuple[str, str]:
+    """(our url, a real llama-server's url) for the differential tests (tests/server/parity/streams.py): ours a
+    timing-only simulator with 2 slots, theirs the session's ``llama_server`` (SmolLM2, 2 slots)."""
+    ours = make_module_server(system_kw={"n_slots": 2})
+    return ours.url, llama_server.url

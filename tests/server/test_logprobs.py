@@ -18,19 +18,8 @@ import pytest
 
 from calconsole.server.logprobs import LOWEST_LOGPROB, MAX_N_PROBS, SOURCE_GENERATOR, SOURCE_LOGITS, token_text
 from sim_backend.model.vocab import N_BPE
-from tests.server.parity.shapes import unexplained
-from tests.server.test_parity_llama_server import ALLOW, _body, _kind, _sequence
-
-CHAT = "/v1/chat/completions"
-MSG = [{"role": "user", "content": "Say hi."}]
-#: deterministic on both: greedy, and the real model cannot end early
-SAME = {"temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def pair(make_module_server: Any, llama_server: Any) -> tuple[str, str]:
-    ours = make_module_server(system_kw={"n_slots": 2})
-    return ours.url, llama_server.url
+from tests.server.parity.streams import CHAT, MSG, assert_same_stream, body_of, kind_of, unexplained
+from tests.server.parity.streams import FULL as SAME  # deterministic on both: greedy, the real model cannot end early
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +82,7 @@ def test_same_answer_as_llama_server(pair: tuple[str, str], path: str, body: dic
     if theirs.status_code >= 400:
         assert a["error"] == b["error"]  # code, type and llama-server's message
         return
-    assert unexplained(a, b, ALLOW) == []
+    assert unexplained(a, b) == []
     docs = (a, b) if isinstance(a, dict) else (a[0], b[0])
     if body.get("post_sampling_probs"):  # as many tokens (the candidates left depend on the model)
         assert [len(x) for x in top_lens(docs[0])] == [len(x) for x in top_lens(docs[1])]
@@ -117,15 +106,9 @@ def test_same_stream_as_llama_server(pair: tuple[str, str], route: str, path: st
     body = {**body, **SAME, "stream": True}
     ours, theirs = (post(u, path, body) for u in pair)
     assert ours.status_code == theirs.status_code == 200
-    a, b = _body(ours), _body(theirs)
-    assert _sequence(a, route) == _sequence(b, route), (a, b)
-    for kind in dict.fromkeys(_sequence(b, route)):
-        if kind == "done":
-            continue
-        ea = next(e for e in a if _kind(e, route) == kind)
-        eb = next(e for e in b if _kind(e, route) == kind)
-        assert unexplained(ea, eb, ALLOW) == [], kind
-    pieces = [e for e in a if _kind(e, route) == "piece"]
+    a, b = body_of(ours), body_of(theirs)
+    assert_same_stream(a, b, route)
+    pieces = [e for e in a if kind_of(e, route) == "piece"]
     assert pieces and all(entries_of(e)[0] for e in pieces)  # every piece carries its tokens' probabilities
     assert sum(len(entries_of(e)[0]) for e in pieces) == 3  # one entry per token (no EOS: ignore_eos)
 
@@ -165,7 +148,7 @@ def test_post_sampling_probabilities(numeric: str) -> None:
 def test_chat_streamed_entries_equal_the_whole_reply(numeric: str) -> None:
     body = {"messages": MSG, "max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2}
     whole = post(numeric, CHAT, body).json()["choices"][0]["logprobs"]["content"]
-    events = _body(post(numeric, CHAT, {**body, "stream": True}))
+    events = body_of(post(numeric, CHAT, {**body, "stream": True}))
     streamed = [x for e in events if e != "[DONE]" for x in entries_of(e)[0]]
     assert [e["id"] for e in streamed] == [e["id"] for e in whole][: len(streamed)]
     for s, w in zip(streamed, whole, strict=False):
@@ -183,7 +166,7 @@ def test_stop_word_tokens_are_dropped_from_a_whole_reply(numeric: str) -> None:
     assert stopped["stop_type"] == "word"
     assert len(stopped["completion_probabilities"]) < stopped["tokens_predicted"]
     # streamed, as llama-server: a piece for every token, the stop word's too (with the text before the word)
-    events = _body(post(numeric, "/completion", {"prompt": "The lighthouse", "n_predict": 6, "temperature": 0,
+    events = body_of(post(numeric, "/completion", {"prompt": "The lighthouse", "n_predict": 6, "temperature": 0,
                                                  "n_probs": 1, "stop": [word.strip()], "stream": True}))
     pieces = [e for e in events if not e["stop"]]
     assert sum(len(e["tokens"]) for e in pieces) == events[-1]["tokens_predicted"]

@@ -1,7 +1,7 @@
 """Differential tests of constrained decoding: the same ``grammar`` / ``json_schema`` / ``response_format``
 request to the real llama-server (SmolLM2, llguidance for schemas) and to ``calconsole serve``: the same
 status, error type/code and key set, the same JSON key sets and value types of results and stream events
-(``ALLOW`` of tests/server/test_parity_llama_server.py is the only allowed difference).
+(``ALLOW`` of tests/server/parity/streams.py is the only allowed difference).
 
 Not compared, because llama-server does not refuse them: a ``json_schema`` that does not compile on
 /completion (it answers 200 and generates unconstrained; ours is a 400) and a non-string ``grammar``
@@ -16,9 +16,7 @@ from typing import Any
 import pytest
 
 from tests.grammar_check import PERSON
-from tests.server.test_parity_llama_server import CHAT, MSG, _body, _kind, _sequence, _unexplained, both, pair
-
-__all__ = ["pair"]  # the module fixture: our server beside the session's llama-server
+from tests.server.parity.streams import CHAT, MSG, assert_same_error, assert_same_stream, body_of, both, unexplained
 
 RF = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
 #: greedy (both sides deterministic); max_tokens bounds the real model's (whitespace-flexible) JSON
@@ -47,11 +45,10 @@ SAME = [
 def test_same_answer(pair: tuple[str, str], path: str, body: dict[str, Any]) -> None:
     ours, theirs = both(pair, "POST", path, body)
     assert ours.status_code == theirs.status_code, (ours.text[:300], theirs.text[:300])
-    a, b = _body(ours), _body(theirs)
+    a, b = body_of(ours), body_of(theirs)
     if theirs.status_code >= 400:
+        assert_same_error(a, b)
         ea, eb = a["error"], b["error"]
-        assert (ea["type"], ea["code"]) == (eb["type"], eb["code"]), (ea, eb)
-        assert set(ea) == set(eb), (ea, eb)
         if body.get("grammar"):  # llama-server's words lead ours (llguidance's reason follows)
             assert ea["message"].startswith(eb["message"]), (ea, eb)
         if "response_format" in body and body["response_format"]["type"] == "xml":
@@ -60,7 +57,7 @@ def test_same_answer(pair: tuple[str, str], path: str, body: dict[str, Any]) -> 
         ga, gb = a["generation_settings"]["grammar"], b["generation_settings"]["grammar"]
         assert ga == gb if "grammar" in body else ga.startswith("%llguidance {}\nstart: %json ") and gb.startswith(
             "%llguidance {}\nstart: %json "), (ga, gb)
-    assert _unexplained(a, b) == []
+    assert unexplained(a, b) == []
 
 
 STREAMS = [
@@ -75,10 +72,4 @@ STREAMS = [
 def test_same_stream(pair: tuple[str, str], route: str, path: str, body: dict[str, Any]) -> None:
     ours, theirs = both(pair, "POST", path, body)
     assert ours.status_code == theirs.status_code == 200
-    a, b = _body(ours), _body(theirs)
-    assert _sequence(a, route) == _sequence(b, route), (a, b)
-    for kind in dict.fromkeys(_sequence(b, route)):
-        if kind != "done":
-            ea = next(e for e in a if _kind(e, route) == kind)
-            eb = next(e for e in b if _kind(e, route) == kind)
-            assert _unexplained(ea, eb) == [], kind
+    assert_same_stream(body_of(ours), body_of(theirs), route)

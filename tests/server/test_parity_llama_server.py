@@ -6,68 +6,32 @@ For each request: the same status, the same error ``type``/``code``, the same JS
 (recursively) and JSON value types, the same SSE event sequence (role chunk, deltas, finish,
 usage, ``[DONE]``). The models differ, so words, token ids and counts are not compared.
 
-What differs on purpose is in ``ALLOW`` (a path pattern and its reason); nothing else may differ.
+What differs on purpose is in ``ALLOW`` (tests/server/parity/streams.py: a path pattern and its reason); nothing
+else may differ.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.server.conftest import wait_until
-from tests.server.parity.shapes import allowed, diff, jtype
-
-#: path patterns (fnmatch; see tests/server/parity/shapes.py) where calconsole differs on purpose
-ALLOW: dict[str, str] = {
-    "calconsole": "calconsole's extension of a result/chunk: request id, status, stop type, token ids, seed, "
-                  "the whole Timings (TTFT/TPOT/ITL/E2E, host/device split); clients ignore unknown keys",
-    "[].calconsole": "the same extension on each result of a prompt list",
-    "device": "/props: the simulated device (chiplets, firmware, pacing, findings, clock label)",
-    "data[].meta.*": "/v1/models: GGUF facts (n_embd, n_params, size, ftype, vocab_type) that the simulated "
-                     "calbin does not expose through the planes; n_vocab, n_ctx, n_ctx_train are given",
-    "metrics:extra-families": "/metrics: calconsole's request counters, latency histograms (vLLM definitions) "
-                              "and kv_cache_usage_ratio beside every llamacpp: family llama-server has",
-    "header:access-control-allow-headers": "CORS preflight: Starlette echoes the requested headers where "
-                                           "llama-server writes '*' (both allow any header)",
-    "status:empty-messages": "an empty 'messages' list: 400 (OpenAI refuses it) where llama-server renders an "
-                             "empty chat and generates",
-    "status:slot-out-of-range": "POST /slots/{id} for a slot that does not exist: 400 'Invalid slot ID' where "
-                                "llama-server answers 200 and saves / erases nothing",
-}
-assert len(ALLOW) <= 12
-
-CHAT = "/v1/chat/completions"
-MSG = [{"role": "user", "content": "Say hi."}]
-
-
-@pytest.fixture(scope="module")
-def pair(make_module_server: Any, llama_server: Any) -> tuple[str, str]:
-    ours = make_module_server(system_kw={"n_slots": 2})
-    return ours.url, llama_server.url
-
-
-def _call(url: str, method: str, path: str, body: Any = None, **kw: Any) -> httpx.Response:
-    return httpx.request(method, url + path, json=body, timeout=120, **kw)
-
-
-def _body(r: httpx.Response) -> Any:
-    ct = r.headers.get("content-type", "")
-    if "event-stream" in ct:
-        return [e if e == "[DONE]" else json.loads(e) for e in re.findall(r"^data: (.*)$", r.text, re.M)]
-    return r.json() if "json" in ct else r.text
-
-
-def _unexplained(ours: Any, theirs: Any) -> list[str]:
-    return [d for d in diff(ours, theirs) if not allowed(d, ALLOW)]
-
-
-def both(pair: tuple[str, str], method: str, path: str, body: Any = None) -> tuple[httpx.Response, httpx.Response]:
-    return _call(pair[0], method, path, body), _call(pair[1], method, path, body)
-
+from tests.server.parity.shapes import jtype
+from tests.server.parity.streams import (
+    CHAT,
+    FULL,
+    MSG,
+    assert_same_error,
+    assert_same_stream,
+    body_of,
+    both,
+    call,
+    kind_of,
+    unexplained,
+)
 
 # --- plain JSON routes: status, error type/code, key sets and value types ----------------------------------
 
@@ -111,17 +75,21 @@ CASES = [
 
 @pytest.mark.parametrize("method,path,body", CASES, ids=[f"{m} {p} {json.dumps(b)[:40]}" for m, p, b in CASES])
 def test_same_answer(pair: tuple[str, str], method: str, path: str, body: Any) -> None:
-    if path == "/slots":  # idle slots on both (a stream of an earlier test may still be ending)
-        assert all(wait_until(lambda u=u: not any(s["is_processing"] for s in _call(u, "GET", "/slots").json()))
+    if path == "/slots":
+        # every slot of both has served a request, whatever ran before (llama-server's shared session fixture may
+        # have served other modules' requests): an idle slot then shows its last task on both sides
+        for u in pair:
+            for i in (0, 1):
+                assert call(u, "POST", "/completion", {"prompt": "Hi", "n_predict": 1, "id_slot": i}).status_code == 200
+        # idle slots on both (a stream of an earlier test may still be ending)
+        assert all(wait_until(lambda u=u: not any(s["is_processing"] for s in call(u, "GET", "/slots").json()))
                    for u in pair)
     ours, theirs = both(pair, method, path, body)
     assert ours.status_code == theirs.status_code, (ours.text[:300], theirs.text[:300])
-    a, b = _body(ours), _body(theirs)
+    a, b = body_of(ours), body_of(theirs)
     if theirs.status_code >= 400:
-        ea, eb = a["error"], b["error"]
-        assert (ea["type"], ea["code"]) == (eb["type"], eb["code"]), (ea, eb)
-        assert set(ea) == set(eb), (ea, eb)
-    assert _unexplained(a, b) == []
+        assert_same_error(a, b)
+    assert unexplained(a, b) == []
 
 
 def test_completion_prompt_lists_give_one_result_each(pair: tuple[str, str]) -> None:
@@ -129,7 +97,7 @@ def test_completion_prompt_lists_give_one_result_each(pair: tuple[str, str]) -> 
     a, b = ours.json(), theirs.json()
     assert isinstance(a, list) and isinstance(b, list) and len(a) == len(b) == 2
     assert [x["index"] for x in a] == [x["index"] for x in b] == [0, 1]
-    assert _unexplained(a, b) == []
+    assert unexplained(a, b) == []
 
 
 def test_empty_messages_is_the_one_status_difference(pair: tuple[str, str]) -> None:
@@ -142,7 +110,7 @@ def test_empty_messages_is_the_one_status_difference(pair: tuple[str, str]) -> N
 def test_timings_are_numbers_and_rates_follow_llama_server(pair: tuple[str, str]) -> None:
     for url in pair:
         for n in (1, 3):
-            t = _call(url, "POST", "/completion", {"prompt": "Hi", "n_predict": n}).json()["timings"]
+            t = call(url, "POST", "/completion", {"prompt": "Hi", "n_predict": n}).json()["timings"]
             assert all(jtype(v) == "number" for v in t.values()), t
             if t["predicted_n"] == 1:
                 assert t["predicted_per_second"] == 0.0
@@ -160,49 +128,40 @@ def test_fingerprint_and_settings(pair: tuple[str, str]) -> None:
     for r in both(pair, "POST", "/completion", {"prompt": "Hi", "n_predict": 4, "ignore_eos": True, "temperature": 0}):
         body = r.json()  # no EOS: the reply runs to n_predict
         assert body["generation_settings"]["ignore_eos"] is True and body["tokens_predicted"] == 4, body
+        # the end-of-generation ids it set to -inf, bias null (each model its own ids)
+        bias = body["generation_settings"]["logit_bias"]
+        assert bias and all(set(b) == {"bias", "token"} and b["bias"] is None and isinstance(b["token"], int)
+                            for b in bias), bias
     for r in both(pair, "GET", "/props"):
         assert r.json()["default_generation_settings"]["params"]["seed"] == 4294967295
 
 
+def test_an_idle_slot_keeps_its_last_task(pair: tuple[str, str]) -> None:
+    """llama-server keeps an idle slot's last task (id, prompt size, params) and resets its counters."""
+    for url in pair:
+        r = call(url, "POST", "/completion", {"prompt": "Hello there", "n_predict": 2, "id_slot": 1, "temperature": 0.5,
+                                              "ignore_eos": True})
+        assert r.status_code == 200
+        assert wait_until(lambda u=url: not call(u, "GET", "/slots").json()[1]["is_processing"])
+        s1 = call(url, "GET", "/slots").json()[1]
+        # the tokens the slot holds: the prompt and the reply but its last token (never fed back)
+        held = r.json()["tokens_evaluated"] + r.json()["tokens_predicted"] - 1
+        assert s1["n_prompt_tokens"] == held and s1["params"]["temperature"] == 0.5, s1
+        assert isinstance(s1["id_task"], int) and s1["id_task"] >= 0
+        assert s1["next_token"] == [{"has_next_token": False, "has_new_line": False, "n_remain": -1, "n_decoded": 0}]
+        assert (s1["n_prompt_tokens_processed"], s1["n_prompt_tokens_cache"]) == (0, 0)
+
+
 # --- streams: the event sequence, and each kind of event's shape --------------------------------------------
 
-def _kind(ev: Any, route: str) -> str:
-    if ev == "[DONE]":
-        return "done"
-    if "error" in ev:
-        return "error"
-    if route == "native":
-        return "final" if ev.get("stop") else "piece"
-    if not ev.get("choices"):
-        return "usage"
-    ch = ev["choices"][0]
-    if ch.get("finish_reason"):
-        return "finish"
-    if "delta" in ch and "role" in ch["delta"]:
-        return "role"
-    return "piece"
-
-
-def _sequence(events: list[Any], route: str) -> list[str]:
-    out: list[str] = []
-    for ev in events:
-        k = _kind(ev, route)
-        if not (out and out[-1] == k == "piece"):
-            out.append(k)
-    return out
-
-
-#: greedy and ``ignore_eos``: every stream has its pieces on both sides (a sampled reply of the real model could
-#: end at EOS at once, or stop on a partial UTF-8 character, and stream no piece: the sequences then differ)
-_FULL = {"temperature": 0, "ignore_eos": True}
 STREAMS = [
-    ("chat", CHAT, {"messages": MSG, "max_tokens": 3, "stream": True, **_FULL}),
+    ("chat", CHAT, {"messages": MSG, "max_tokens": 3, "stream": True, **FULL}),
     ("chat", CHAT, {"messages": MSG, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True},
-                    **_FULL}),
-    ("text", "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True, **_FULL}),
-    ("native", "/completion", {"prompt": "Hello", "n_predict": 3, "stream": True, **_FULL}),
+                    **FULL}),
+    ("text", "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "stream": True, **FULL}),
+    ("native", "/completion", {"prompt": "Hello", "n_predict": 3, "stream": True, **FULL}),
     ("native", "/completion", {"prompt": [1, 2, 3], "n_predict": 2, "stream": True, "return_tokens": True,
-                               **_FULL}),
+                               **FULL}),
 ]
 
 
@@ -210,34 +169,28 @@ STREAMS = [
 def test_same_stream(pair: tuple[str, str], route: str, path: str, body: Any) -> None:
     ours, theirs = both(pair, "POST", path, body)
     assert ours.status_code == theirs.status_code == 200
-    a, b = _body(ours), _body(theirs)
-    assert _sequence(a, route) == _sequence(b, route), (a, b)
-    for kind in dict.fromkeys(_sequence(b, route)):
-        if kind == "done":
-            continue
-        ea = next(e for e in a if _kind(e, route) == kind)
-        eb = next(e for e in b if _kind(e, route) == kind)
-        assert _unexplained(ea, eb) == [], kind
+    a, b = body_of(ours), body_of(theirs)
+    assert_same_stream(a, b, route)
     if route == "native":  # each piece carries its own token ids, and the prompt's count
-        for e in (e for e in a if _kind(e, route) == "piece"):
+        for e in (e for e in a if kind_of(e, route) == "piece"):
             assert e["tokens"] and e["tokens_evaluated"] > 0, e
 
 
 def test_n_choices_stream(pair: tuple[str, str]) -> None:
     body = {"messages": MSG, "max_tokens": 2, "n": 2, "stream": True, "stream_options": {"include_usage": True},
-            **_FULL}
+            **FULL}
     ours, theirs = both(pair, "POST", CHAT, body)
-    a, b = _body(ours), _body(theirs)
+    a, b = body_of(ours), body_of(theirs)
     for events in (a, b):  # per choice: a role chunk, a finish chunk and a usage chunk; one [DONE], last
-        kinds = [(_kind(e, "chat"), e["choices"][0]["index"] if e != "[DONE]" and e["choices"] else None)
+        kinds = [(kind_of(e, "chat"), e["choices"][0]["index"] if e != "[DONE]" and e["choices"] else None)
                  for e in events]
         for i in (0, 1):
             assert ("role", i) in kinds and ("finish", i) in kinds, kinds
         assert [k for k, _ in kinds].count("usage") == 2 and events.count("[DONE]") == 1 and events[-1] == "[DONE]"
     for kind in ("role", "piece", "finish", "usage"):
-        ea = next(e for e in a if e != "[DONE]" and _kind(e, "chat") == kind)
-        eb = next(e for e in b if e != "[DONE]" and _kind(e, "chat") == kind)
-        assert _unexplained(ea, eb) == [], kind
+        ea = next(e for e in a if e != "[DONE]" and kind_of(e, "chat") == kind)
+        eb = next(e for e in b if e != "[DONE]" and kind_of(e, "chat") == kind)
+        assert unexplained(ea, eb) == [], kind
 
 
 def test_busy_slot_shape(make_server: Any, llama_server: Any) -> None:
@@ -257,7 +210,7 @@ def test_busy_slot_shape(make_server: Any, llama_server: Any) -> None:
         assert busy, slots
         shapes.append(busy[0])
     assert isinstance(shapes[0]["next_token"], list) and "n_prompt_tokens_cache" in shapes[0]
-    assert _unexplained(shapes[0], shapes[1]) == []
+    assert unexplained(shapes[0], shapes[1]) == []
 
 
 SLOT_STEPS = [  # (slot, action, body): in this order on both servers, each slot's cache from the prompt below
@@ -280,20 +233,20 @@ SLOT_STEPS = [  # (slot, action, body): in this order on both servers, each slot
 def test_slot_actions(make_server: Any, llama_server_slot_save: Any, tmp_path: Any) -> None:
     ours = make_server(system_kw={"n_slots": 2}, slot_save_path=str(tmp_path))
     for url in (ours.url, llama_server_slot_save.url):
-        r = _call(url, "POST", "/completion", {"prompt": "Hello there, my friend", "n_predict": 3, "id_slot": 0})
+        r = call(url, "POST", "/completion", {"prompt": "Hello there, my friend", "n_predict": 3, "id_slot": 0})
         assert r.status_code == 200
     for slot, action, body in SLOT_STEPS:
         path = f"/slots/{slot}" + (f"?action={action}" if action else "")
-        a, b = _call(ours.url, "POST", path, body), _call(llama_server_slot_save.url, "POST", path, body)
+        a, b = call(ours.url, "POST", path, body), call(llama_server_slot_save.url, "POST", path, body)
         assert a.status_code == b.status_code, (path, body, a.text, b.text)
         ja, jb = a.json(), b.json()
         if b.status_code >= 400:
             assert (ja["error"]["type"], ja["error"]["code"]) == (jb["error"]["type"], jb["error"]["code"])
         else:
             assert ja["id_slot"] == jb["id_slot"] == slot and ja.get("filename") == jb.get("filename")
-        assert _unexplained(ja, jb) == [], (path, body)
+        assert unexplained(ja, jb) == [], (path, body)
     # allow-listed as status:slot-out-of-range
-    a, b = (_call(u, "POST", "/slots/7?action=erase") for u in (ours.url, llama_server_slot_save.url))
+    a, b = (call(u, "POST", "/slots/7?action=erase") for u in (ours.url, llama_server_slot_save.url))
     assert (a.status_code, b.status_code) == (400, 200) and a.json()["error"]["message"].startswith("Invalid slot ID")
 
 

@@ -97,6 +97,26 @@ def test_disabled_endpoints_are_501(make_server):
         error_of(httpx.get(s.url + path), 501, "not_supported_error")
 
 
+def test_models_the_calbin_is_not_say_what_serve_offers(srv):
+    """llama-server's 501 for embeddings / reranking names its start option; calconsole serve has none, so ours keeps
+    llama-server's first sentence (what clients match) and does not send the user after a flag that does not exist."""
+    import argparse
+
+    from calconsole.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    options = {o for a in sub.choices["serve"]._actions for o in a.option_strings}  # noqa: SLF001
+    assert "--slot-save-path" in options  # the one "Start it with" that stays (routes_slots) is true
+    emb, rer = "This server does not support embeddings.", "This server does not support reranking."
+    for path, body, first in (("/v1/embeddings", {"input": "hi"}, emb), ("/embedding", {"content": "hi"}, emb),
+                              ("/rerank", {"query": "a", "documents": ["b"]}, rer)):
+        msg = error_of(httpx.post(srv.url + path, json=body), 501, "not_supported_error")
+        assert msg.startswith(first) and "calconsole serve" in msg, msg
+        named = {w.strip("`.,") for w in msg.split() if w.strip("`").startswith("--")}
+        assert named <= options, (named, msg)  # every option it names is one serve has
+        assert "--embeddings" not in msg and "--reranking" not in msg
+
+
 def test_tokenize_detokenize_template(srv):
     r = post(srv, "/tokenize", {"content": "Hello, world!"}).json()
     assert r == {"tokens": [9707, 11, 1879, 0]}  # facts.md "Tokenizer" reference ids
