@@ -4,9 +4,11 @@ Starts ``calconsole serve --boards N`` (N timing-only simulator processes, fast 
 subprocess, then for ``--seconds`` host seconds runs the fleet view headless (Textual ``run_test``) over
 them, or with ``--headless`` only the pollers (what ``calconsole fleet --watch`` does). Prints this
 process's CPU (user + system time over wall time, %), the inter-sample interval of every board (host wall
-s: mean, p95, max; the poll loop stays inside its interval when each board's interval is about 1/hz) and
-the redraws of the table. The boards' own CPU is not counted (separate processes). A benchmark figure,
-never a test assertion.
+s: mean, p95, max; the poll loop stays inside its interval when each board's interval is about 1/hz), how
+many samples were pushed on a board's ``/snapshot/stream`` (no request) or polled (with the polls' round
+trip, host wall ms), the redraws of the table, and how long one board entering exclusive mode takes to
+reach its sample and its row. The boards' own CPU is not counted (separate processes). A benchmark
+figure, never a test assertion.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -46,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--hz must be in 0.1..10, got {args.hz:g}")
     with tempfile.TemporaryDirectory(prefix="calconsole-bench-fleet-") as tmp:
         fleet_file = Path(tmp) / "fleet.yaml"
+        admin_key = Path(tmp) / "admin.key"  # one board enters exclusive mode for the state-change figure
+        admin_key.write_text(secrets.token_urlsafe(24) + "\n", encoding="utf-8")
+        admin_key.chmod(0o600)
         cmd = [sys.executable, "-m", "calconsole", "serve", "--boards", str(args.boards), "--port", "0",
-               "--timing-only", "--pacing", "fast", "--boards-dir", tmp]
+               "--timing-only", "--pacing", "fast", "--boards-dir", tmp, "--admin-key-file", str(admin_key)]
         t0 = time.monotonic()
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True)
@@ -79,12 +85,21 @@ def run(args: argparse.Namespace) -> int:
     print(f"fleet of {args.boards} idle timing-only boards, {args.hz:g} Hz each, {args.seconds:g} s "
           f"({r['view']}); boards started in {r['boards_start_s']} s")
     print(f"  this process CPU: {r['cpu_percent']:.1f} % of one core (user+sys over wall, host)")
-    print(f"  poll interval per board, host wall s: mean {r['interval_mean_s']:.3f}, p95 {r['interval_p95_s']:.3f}, "
+    print(f"  sample interval per board, host wall s: mean {r['interval_mean_s']:.3f}, p95 {r['interval_p95_s']:.3f}, "
           f"max {r['interval_max_s']:.3f} (target {1 / args.hz:.3f}); samples {r['samples']}, "
           f"failed polls {r['failed']}")
-    print(f"  poll round trip, host wall ms: p50 {r['poll_ms_p50']:.1f}, p95 {r['poll_ms_p95']:.1f}")
+    rtt = (f", round trip host wall ms p50 {r['poll_ms_p50']:.1f}, p95 {r['poll_ms_p95']:.1f}" if r["polled"]
+           else "")
+    print(f"  samples pushed on /snapshot/stream: {r['streamed']} (no request, no round trip); polled: "
+          f"{r['polled']}{rtt}")
     if not args.headless:
         print(f"  table redraws: {r['redraws']}")
+    for key, what in (("change_sample_s", "its sample"), ("change_shown_s", "the view's row")):
+        if key in r and (key == "change_sample_s" or not args.headless):
+            v = r[key]
+            print(f"  a board entering exclusive mode reached {what} after "
+                  f"{'(not within the wait)' if v is None else f'{v:.3f} s'} host wall "
+                  f"(refresh interval {1 / args.hz:.3f} s; from just before the enter request)")
     return 0
 
 
@@ -95,14 +110,15 @@ async def _watch(fleet_file: Path, hz: float, seconds: float, headless: bool) ->
     cfg = load_fleet(fleet_file)
     cfg = type(cfg)(cfg.boards, refresh_hz=hz, timeout_s=cfg.timeout_s, source=cfg.source)
     stamps: dict[str, list[float]] = {b.name: [] for b in cfg.boards}
-    polls: list[float] = []
-    failed = 0
+    polls: list[float] = []  # round trips of polled samples (a streamed sample has none)
+    failed = streamed = 0
 
     def note(s) -> None:
-        nonlocal failed
+        nonlocal failed, streamed
         stamps[s.name].append(time.monotonic())
         if s.poll_ms is not None:
             polls.append(s.poll_ms)
+        streamed += s.via == "stream"
         failed += s.state != "up"
 
     redraws = 0
@@ -112,6 +128,7 @@ async def _watch(fleet_file: Path, hz: float, seconds: float, headless: bool) ->
         c0, w0 = os.times(), time.monotonic()
         await asyncio.sleep(seconds)
         c1, w1 = os.times(), time.monotonic()
+        change = await state_change(mon, cfg.boards[0], 10.0 / hz)
         await mon.stop()
     else:
         from ..fleet.view import FleetApp
@@ -130,10 +147,14 @@ async def _watch(fleet_file: Path, hz: float, seconds: float, headless: bool) ->
             for v in stamps.values():
                 v.clear()
             polls.clear()
+            streamed = failed = 0
             c0, w0 = os.times(), time.monotonic()
             await asyncio.sleep(seconds)
             c1, w1 = os.times(), time.monotonic()
             redraws = app.redraws
+            name = cfg.boards[0].name
+            change = await state_change(app.monitor, cfg.boards[0], 10.0 / hz,
+                                        shown=lambda: "exclusive" in app.row_text(name))
     intervals = [b - a for v in stamps.values() for a, b in zip(v, v[1:], strict=False)]
     intervals.sort()
     polls.sort()
@@ -145,4 +166,32 @@ async def _watch(fleet_file: Path, hz: float, seconds: float, headless: bool) ->
     return {"cpu_percent": cpu, "interval_mean_s": statistics.fmean(intervals) if intervals else float("nan"),
             "interval_p95_s": pct(intervals, 0.95), "interval_max_s": intervals[-1] if intervals else float("nan"),
             "samples": sum(len(v) for v in stamps.values()), "failed": failed,
-            "poll_ms_p50": pct(polls, 0.5), "poll_ms_p95": pct(polls, 0.95), "redraws": redraws}
+            "streamed": streamed, "polled": len(polls),
+            "poll_ms_p50": pct(polls, 0.5), "poll_ms_p95": pct(polls, 0.95), "redraws": redraws, **change}
+
+
+async def state_change(monitor, spec, timeout_s: float, shown=None) -> dict:
+    """Put board ``spec`` in exclusive mode (its admin key) and time, in host wall s from just before the
+    request, until its sample says so (``change_sample_s``) and, with ``shown()``, until the view's row shows
+    it (``change_shown_s``); then leave exclusive mode. None for a figure not reached within ``timeout_s``.
+    The times include the enter request's own round trip (an upper bound on the view's delay)."""
+    from ..fleet.poller import read_key
+    from ..remote import connect
+
+    system = await asyncio.to_thread(connect, spec.url, admin_key=read_key(spec.admin_key_file, "admin"))
+    sample_s = shown_s = None
+    try:
+        t0 = time.monotonic()
+        lease = await asyncio.to_thread(system.maintenance.enter_exclusive, "bench-fleet")
+        deadline = t0 + timeout_s
+        while time.monotonic() < deadline and (sample_s is None or (shown is not None and shown_s is None)):
+            now = time.monotonic()
+            if sample_s is None and monitor.samples[spec.name].mode == "exclusive":
+                sample_s = now - t0
+            if shown is not None and shown_s is None and shown():
+                shown_s = now - t0
+            await asyncio.sleep(0.005)
+        await asyncio.to_thread(system.maintenance.leave_exclusive, lease)
+    finally:
+        await asyncio.to_thread(system.close)
+    return {"change_sample_s": sample_s, "change_shown_s": shown_s}

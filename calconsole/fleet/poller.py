@@ -85,6 +85,7 @@ class BoardPoller:
         self._props_at = 0.0
         self._last_seen: float | None = None
         self._tokens: tuple[float, float] | None = None  # (host wall s, tokens_predicted_total)
+        self._prev_sample_s: float | None = None  # host monotonic s of this board's previous sample
         self.polls = 0
         self.failures = 0
         self.last = BoardSample(name=spec.name, url=spec.url)
@@ -184,18 +185,26 @@ class BoardPoller:
             prev = self.last  # keep what is known of the board (kind, model) beside the failure
             fig = {"kind": prev.kind, "model": prev.model, "build": prev.build}
         sample = BoardSample(name=self.spec.name, url=self.spec.url, state=state, error=error,
-                             taken_unix_s=now, last_seen_unix_s=self._last_seen, poll_ms=poll_ms,
-                             level=level, reasons=reasons, **fig)
+                             taken_unix_s=now, last_seen_unix_s=self._last_seen, via="poll", poll_ms=poll_ms,
+                             sample_gap_s=self._gap(), level=level, reasons=reasons, **fig)
         self.last = sample
         return sample
 
-    def _sample(self, fig: dict[str, Any], poll_ms: float | None) -> BoardSample:
+    def _gap(self) -> float | None:
+        """Host wall s since this board's previous sample (None for the first); notes this one's time."""
+        now = time.monotonic()
+        prev, self._prev_sample_s = self._prev_sample_s, now
+        return None if prev is None else now - prev
+
+    def _streamed(self, fig: dict[str, Any]) -> BoardSample:
+        """A sample the board pushed on its stream: no request, so no round trip (``poll_ms`` None)."""
         now = time.time()
         self._last_seen = now
         slo = fig.pop("slo", None)
         level, reasons = assess({**fig, "slo": slo}, self.settings)
         sample = BoardSample(name=self.spec.name, url=self.spec.url, state="up", taken_unix_s=now,
-                             last_seen_unix_s=now, poll_ms=poll_ms, level=level, reasons=reasons, **fig)
+                             last_seen_unix_s=now, via="stream", poll_ms=None, sample_gap_s=self._gap(),
+                             level=level, reasons=reasons, **fig)
         self.last = sample
         return sample
 
@@ -210,19 +219,15 @@ class BoardPoller:
             if src.response.status_code != 200:
                 await src.response.aread()
                 return False
-            prev = time.monotonic()
             async for ev in src.aiter_sse():
                 if ev.data.startswith('{"error"'):
                     raise httpx.RemoteProtocolError(f"stream ended by the server: {ev.data[:200]}")
-                now = time.monotonic()
                 self.polls += 1
                 try:
                     fig = from_calconsole(self.spec.name, self.spec.url, ev.data.encode())
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     raise NotABoardServer(str(e)[:200]) from None
-                # for a streamed board, "poll ms" is the gap since its previous event (host wall ms)
-                self.on_sample(self._sample(fig, (now - prev) * 1e3))
-                prev = now
+                self.on_sample(self._streamed(fig))
         raise httpx.RemoteProtocolError("snapshot stream ended")
 
     async def run(self) -> None:

@@ -40,8 +40,12 @@ class BoardSample(msgspec.Struct, frozen=True, kw_only=True):
     the board's last ~1 s; ``"wall"``: server wall s between two polls); ``ttft_p95_ms`` / ``tpot_p95_ms``:
     P95 in ms of ``latency_clock`` (``"sim"``); ``faults_armed``: fault kinds armed; ``faults_fired``: faults
     fired and not yet acknowledged; ``failed``: failed requests + failed device jobs since start.
-    ``taken_unix_s``: host wall time this poll ended; ``last_seen_unix_s``: of the last answered poll;
-    ``poll_ms``: wall ms of this poll's round trips. ``level`` is ok / warn / crit, ``reasons`` say why.
+    ``taken_unix_s``: host wall time this poll ended; ``last_seen_unix_s``: of the last answered poll.
+    ``via``: how the sample came, ``"poll"`` (this console asked: GET requests) or ``"stream"`` (the board
+    pushed it on its ``/snapshot/stream``: no request). ``poll_ms``: host wall ms of this poll's round trips
+    (None for a streamed sample: nothing was asked, so there is no round trip). ``sample_gap_s``: host wall
+    s since this board's previous sample (None for its first): about ``1 / refresh_hz`` while the board keeps
+    up. ``level`` is ok / warn / crit, ``reasons`` say why.
     """
 
     name: str
@@ -68,7 +72,9 @@ class BoardSample(msgspec.Struct, frozen=True, kw_only=True):
     build: str | None = None
     taken_unix_s: float = 0.0
     last_seen_unix_s: float | None = None
+    via: str | None = None
     poll_ms: float | None = None
+    sample_gap_s: float | None = None
     level: str = "warn"
     reasons: tuple[str, ...] = ()
 

@@ -86,14 +86,15 @@ COLUMNS: tuple[tuple[str, str, int, int], ...] = (
     ("faults", "faults", 10, 70),
     ("seen", "seen", 6, 88),
     ("kind", "kind", 12, 40),
-    ("poll", "poll ms", 7, 30),
+    ("gap", "every s", 7, 32),
+    ("poll", "poll rtt ms", 11, 30),
     ("history", "tok/s history", 14, 20),
 )
 
 
 def columns_for(width: int) -> list[tuple[str, str, int, int]]:
     """The columns that fit ``width`` cells (each takes its minimum plus 2 cells of padding), in table order,
-    dropping the lowest-priority ones first: history, poll ms, kind, faults, TPOT, TTFT ..."""
+    dropping the lowest-priority ones first: history, poll rtt ms, every s, kind, faults, TPOT, TTFT ..."""
     keep = list(COLUMNS)
     while len(keep) > 3 and sum(c[2] + 2 for c in keep) > width:
         keep.remove(min(keep, key=lambda c: c[3]))
@@ -106,8 +107,14 @@ def _ms(v: float | None, clock: str | None) -> str:
     return f"{v:,.0f} ms {clock}" if v >= 100 else f"{v:.1f} ms {clock}"
 
 
-def cells(s: BoardSample, history: list[float | None], settings: Settings, now: float) -> dict[str, Text]:
-    """The row of one board as styled cells, by column key."""
+def cells(s: BoardSample, history: list[float | None], settings: Settings, now: float,
+          interval_s: float | None = None) -> dict[str, Text]:
+    """The row of one board as styled cells, by column key.
+
+    ``every s`` is the host wall s between the board's last two samples (yellow past 1.5 x ``interval_s``,
+    the fleet's refresh interval, when given); ``poll rtt ms`` the host wall ms one poll's requests took,
+    or ``stream`` for a board that pushes its samples (``/snapshot/stream``: no request, no round trip).
+    """
     level_style = LEVEL_STYLE.get(s.level, "white")
     up = s.state == "up"
     out: dict[str, Text] = {"board": Text(s.name, style="bold")}
@@ -140,13 +147,25 @@ def cells(s: BoardSample, history: list[float | None], settings: Settings, now: 
     seen = ago(s.last_seen_unix_s, now)
     out["seen"] = Text(seen, style="" if up else "bold red")
     out["kind"] = Text(s.kind or "?", style="cyan" if s.kind else "dim")
-    out["poll"] = Text("–" if s.poll_ms is None else f"{s.poll_ms:.0f}",
-                       style="yellow" if (s.poll_ms or 0) > 1000 else "")
+    gap = s.sample_gap_s
+    out["gap"] = Text("–" if gap is None else f"{gap:.2f}",
+                      style="yellow" if gap is not None and interval_s and gap > 1.5 * interval_s else "")
+    if s.via == "stream":
+        out["poll"] = Text("stream", style="dim")
+    else:
+        out["poll"] = Text("–" if s.poll_ms is None else f"{s.poll_ms:.0f}" if s.poll_ms >= 10 else f"{s.poll_ms:.1f}",
+                           style="yellow" if (s.poll_ms or 0) > 1000 else "")
     out["history"] = Text(sparkline(history), style="cyan")
     if not up:  # nothing is known of a board that does not answer: blank, not "not reported"
         for k in ("kv", "queue", "running", "rate", "ttft", "tpot", "faults", "mode"):
             out[k] = Text("–", style="dim")
     return out
+
+
+def state_of(s: BoardSample) -> tuple[Any, ...]:
+    """What makes a board's row a different state, not just newer figures: link state, level, health, mode,
+    lease holder, faults fired (a change of any of these is redrawn at once)."""
+    return s.state, s.level, s.health, s.mode, s.lease_holder, s.faults_fired
 
 
 class FleetTable(Widget, can_focus=True):
@@ -241,7 +260,7 @@ class FleetApp(App):
 
     CSS_PATH = str(Path(__file__).resolve().parent.parent / "styles.tcss")  # the panes' styles (BoardScreen)
     CSS = """
-    #fleet-head { height: 1; background: $boost; padding: 0 1; }
+    #fleet-head { height: 2; background: $boost; padding: 0 1; }
     #fleet-table { height: 1fr; }
     #fleet-detail { height: 3; padding: 0 1; color: $text-muted; }
     """
@@ -261,6 +280,7 @@ class FleetApp(App):
         self.monitor = FleetMonitor(config, self.settings, on_change=self._changed, transports=transports)
         self._dirty = True
         self._order: list[str] = []
+        self._states: dict[str, tuple[Any, ...]] = {}
         self.redraws = 0
 
     def compose(self) -> ComposeResult:
@@ -283,7 +303,14 @@ class FleetApp(App):
         await self.monitor.stop()
 
     def _changed(self, sample: BoardSample) -> None:
+        """A board's new sample (on this app's loop). The table is redrawn at the next refresh tick, or at once
+        when the board's state changed (``state_of``): a state change shows as soon as its sample arrives,
+        within one refresh interval of the change, not up to a tick later."""
         self._dirty = True
+        state = state_of(sample)
+        if self._states.get(sample.name) != state:
+            self._states[sample.name] = state
+            self._redraw()
 
     def on_resize(self) -> None:
         self._dirty = True
@@ -303,7 +330,9 @@ class FleetApp(App):
         samples = self.ranked()
         cols = columns_for(self.size.width - 2)
         selected = self.selected()
-        rows = {s.name: cells(s, [h[1] for h in self.monitor.history[s.name]], self.settings, now) for s in samples}
+        interval = 1.0 / self.config.refresh_hz
+        rows = {s.name: cells(s, [h[1] for h in self.monitor.history[s.name]], self.settings, now, interval)
+                for s in samples}
         self._order = [s.name for s in samples]
         table.set_rows([(k, h) for k, h, _, _ in cols], self._order, rows, selected)
         up = sum(1 for s in samples if s.state == "up")
@@ -313,8 +342,10 @@ class FleetApp(App):
                              (f"{up} answering", "green" if up == len(samples) else "bold red"), " · ",
                              (f"{crit} crit", "bold red" if crit else "green"), " · ",
                              (f"{warn} warn", "bold yellow" if warn else "green"),
-                             f" · {self.config.refresh_hz:g} Hz each · worst first · sim: simulated device time, "
-                             "wall: server wall time, n/r: not reported")
+                             f" · {self.config.refresh_hz:g} Hz each · worst first\n",
+                             ("sim: simulated device time · wall: server wall time · n/r: not reported · every s: "
+                              "host s between a board's samples · poll rtt: one poll's round trip (stream: pushed, "
+                              "no request)", "dim"))
         self._head.update(head)
         self._show_detail()
 
@@ -336,6 +367,11 @@ class FleetApp(App):
             Text.assemble((s.name, "bold"), f": {what}\n", (why, LEVEL_STYLE.get(s.level, "white")),
                           "\nEnter opens this board's console (observation, chat; maintenance with its admin key); "
                           "Esc there returns here"))
+
+    def row_text(self, name: str) -> str:
+        """The plain text of board ``name``'s row as last set in the table ("" when it has none yet)."""
+        row = self._table.rows.get(name)
+        return "  ".join(c.plain for c in row.values()) if row else ""
 
     def selected(self) -> str | None:
         table = self._table

@@ -90,8 +90,12 @@ def test_a_board_that_does_not_answer_never_delays_the_others(make_server: Any, 
     after = asyncio.run(go())
     assert polls["fast"] >= 5
     assert after["slow"].state == "up" and after["slow"].kind == "calconsole"
-    assert after["slow"].poll_ms is not None and after["fast"].poll_ms is not None
-    assert after["slow"].poll_ms > after["fast"].poll_ms  # the held answer shows in its poll time
+    # the held answer shows in that poll's round trip; the fast board's samples come on its stream: they
+    # have a gap between samples (about the interval) and no round trip, never shown as one
+    assert after["slow"].via == "poll" and after["slow"].poll_ms is not None
+    assert after["fast"].via == "stream" and after["fast"].poll_ms is None
+    assert after["fast"].sample_gap_s is not None and 0 < after["fast"].sample_gap_s
+    assert after["slow"].poll_ms > 1e3 * after["fast"].sample_gap_s  # held for at least 5 fast samples
 
 
 def test_a_board_that_wants_a_key_is_refused_until_given_one(make_server: Any, tmp_path: Path) -> None:

@@ -296,3 +296,32 @@ def test_bench_poll_prints_the_cost_of_observing_a_llama_server(llama_server: An
     assert 0 < out["wall_ms_p50"] <= out["wall_ms_max"] and out["cpu_ms_per_snapshot"] > 0
     assert main(["bench", "poll"]) == 2 and "give --connect URL" in capsys.readouterr().err
     assert main(["bench", "poll", "--connect", llama_server.url, "--count", "0"]) == 2
+
+
+def test_a_json_schema_constrained_chat_on_the_real_server_parses(llama_server: Any, tmp_path: Path) -> None:
+    """The llama-server planes send a request's grammar in llama-server's own fields (``json_schema`` on a
+    chat, ``grammar`` GBNF on a raw /completion prompt) and the real server constrains its reply by them:
+    greedy SmolLM2 on its own would answer in prose."""
+    from sim_backend.planes import ChatRequest, Grammar, SamplingParams
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
+    greedy = SamplingParams(temperature=0.0)
+    with connect(llama_server.url, audit_path=tmp_path / "audit.jsonl") as system:
+        req = ChatRequest.from_prompt("Describe a sailor in one sentence.", max_tokens=48, sampling=greedy,
+                                      grammar=Grammar("json_schema", json.dumps(schema)))
+        res = system.inference.generate(req, timeout=120)
+        assert res.status == "finished" and res.stop_type == "eos", (res.stop_type, res.text)
+        obj = json.loads(res.text)
+        assert set(obj) == {"name", "age"} and isinstance(obj["name"], str) and len(obj["name"]) <= 12
+        assert isinstance(obj["age"], int) and 0 <= obj["age"] <= 120, obj
+        plain = system.inference.generate(ChatRequest.from_prompt("Describe a sailor in one sentence.",
+                                                                  max_tokens=16, sampling=greedy), timeout=120)
+        with pytest.raises(ValueError):
+            json.loads(plain.text)  # without the schema the same prompt is prose: the field did the work
+        ids = tuple(system.inference.tokenize("Is the sea salty? Answer:"))
+        raw = system.inference.generate(ChatRequest(messages=(), prompt_tokens=ids, max_tokens=8, sampling=greedy,
+                                                    grammar=Grammar("gbnf", 'root ::= " yes" | " no"')),
+                                        timeout=120)
+        assert raw.status == "finished" and raw.text in (" yes", " no"), raw.text
