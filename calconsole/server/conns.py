@@ -9,7 +9,9 @@ shut everyone out, the admin included. Here connections are told apart by what t
   (``max_idle_per_peer``) and in total (``max_idle``). A new connection past either budget makes
   room by closing the connection that has been idle the longest (with a 503 JSON answer), but
   only among those idle for at least ``min_idle_s``: a client that sends its head at once (all
-  real ones) is never closed for being new, however fast an attacker reconnects.
+  real ones) is never closed for being new, however fast an attacker reconnects. Nor is one whose
+  peer's bytes wait unread in the kernel (``FIONREAD``): when the loop is late, a head can sit there
+  past ``min_idle_s`` after the accept, and that client asked in time.
 - **open**: a hard bound on all connections of one peer (``max_conns_per_peer``) and in total
   (``max_conns``, below the process's file limit). A connection past it, when no idle one can make
   room, is answered 503 in llama-server's JSON shape and closed at once (its descriptor freed).
@@ -31,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import struct
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -41,6 +44,14 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .wire import HTTPError
 
 log = logging.getLogger("calconsole.serve")
+
+try:  # unread bytes of a socket (GuardedH11Protocol.unread_bytes); POSIX only
+    import fcntl
+    import termios
+
+    _FIONREAD: int | None = termios.FIONREAD
+except ImportError:  # pragma: no cover - not POSIX
+    _FIONREAD = None
 
 
 def error_bytes(status: int, type_: str, message: str, reason: str) -> bytes:
@@ -92,6 +103,8 @@ class ConnStats:
     open: int = 0
     evicted_idle: int = 0
     refused: int = 0
+    #: times an idle-looking connection was not closed because its peer's bytes waited unread (loop late)
+    spared_unread: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -150,23 +163,43 @@ class ConnectionGuard:
               ) -> list[GuardedH11Protocol]:
         return [c for c in conns if c is not exclude and c.idle_since is not None and not c.closing]
 
+    def _ready(self, idle: list[GuardedH11Protocol], now: float) -> list[GuardedH11Protocol]:
+        """Those of ``idle`` idle for at least ``min_idle_s``, oldest first (candidates; see ``_evictable``)."""
+        return sorted((c for c in idle if now - c.idle_since >= self.limits.min_idle_s),  # type: ignore[operator]
+                      key=lambda c: c.idle_since)  # type: ignore[arg-type,return-value]
+
+    def _evictable(self, c: GuardedH11Protocol) -> bool:
+        """Not when bytes the peer sent wait unread in the socket: the loop is late, not the peer.
+
+        Under load (a starved event loop, an iteration that accepts a hundred reconnects) a client's
+        head can wait in the kernel for more than ``min_idle_s`` after its accept; it is not idle,
+        and closing it answered a real client 503 while it had asked in time. Checked only for the
+        connections about to be closed (one ioctl each), not for every idle one at every admit.
+        """
+        if c.unread_bytes() > 0:
+            self.stats.spared_unread += 1
+            return False
+        return True
+
     def _trim(self, conns: Iterable[GuardedH11Protocol], budget: int, now: float, what: str,
               exclude: GuardedH11Protocol) -> None:
         idle = self._idle(conns, exclude)
         over = len(idle) + 1 - budget  # + the newcomer, idle until its head arrives
         if over <= 0:
             return
-        ready = sorted((c for c in idle if now - c.idle_since >= self.limits.min_idle_s),  # type: ignore[operator]
-                       key=lambda c: c.idle_since)  # type: ignore[arg-type,return-value]
-        for c in ready[:over]:
-            self._evict(c, what, budget)
+        for c in self._ready(idle, now):
+            if over <= 0:
+                break
+            if self._evictable(c):
+                self._evict(c, what, budget)
+                over -= 1
 
     def _evict_one(self, conns: Iterable[GuardedH11Protocol], now: float, what: str) -> bool:
-        ready = [c for c in self._idle(conns) if now - c.idle_since >= self.limits.min_idle_s]  # type: ignore[operator]
-        if not ready:
-            return False
-        self._evict(min(ready, key=lambda c: c.idle_since), what, None)  # type: ignore[arg-type,return-value]
-        return True
+        for c in self._ready(self._idle(conns), now):
+            if self._evictable(c):
+                self._evict(c, what, None)
+                return True
+        return False
 
     def _evict(self, c: GuardedH11Protocol, what: str, budget: int | None) -> None:
         self.stats.evicted_idle += 1
@@ -202,6 +235,24 @@ class GuardedH11Protocol(H11Protocol):
         self.peer = self.client[0] if self.client else "?"
         if self.guard is not None:
             self.guard.admit(self)  # refused: answered and closing already
+
+    def unread_bytes(self) -> int:
+        """Bytes the peer sent that wait in the kernel's receive buffer, not yet read by the loop (0 if unknown).
+
+        ``FIONREAD`` (``SIOCINQ`` on Linux) on the connection's socket; 0 where the platform or the
+        transport does not say (then the connection is judged by ``idle_since`` alone, as before).
+        """
+        if _FIONREAD is None:
+            return 0
+        t = getattr(self, "transport", None)
+        sock = t.get_extra_info("socket") if t is not None else None
+        if sock is None:
+            return 0
+        try:
+            buf = fcntl.ioctl(sock.fileno(), _FIONREAD, b"\0\0\0\0")
+        except (OSError, ValueError):
+            return 0
+        return int(struct.unpack("i", buf)[0])
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.guard is not None:

@@ -101,6 +101,38 @@ def test_idle_connections_past_their_budget_make_room_oldest_first(make_server: 
             assert guard.count("127.0.0.1") <= 3
 
 
+def test_a_head_the_late_loop_has_not_read_yet_is_not_closed_as_idle(make_server: Any) -> None:
+    # bench slowloris at load ~20 on 2 CPUs: the admin got 7 of 100 /health probes as 503 "sent no request":
+    # its head waited unread in the kernel while a starved loop accepted reconnects, each of which closed the
+    # connections idle >= min_idle_s, the probe among them. Here the loop is held while a client connects and
+    # sends its whole head and an attacker connects behind it: the attacker's admit sees the client idle.
+    import threading
+
+    s = make_server(conn_limits=ConnLimits(max_idle_per_peer=1, min_idle_s=0.0))
+    guard = s.face.conn_guard
+    with half_open(s.url, 1):
+        assert wait_until(lambda: guard.count("127.0.0.1") == 1)
+        loop = next(iter(guard._all())).loop  # the server's event loop
+    assert wait_until(lambda: guard.count("127.0.0.1") == 0)
+    held, release = threading.Event(), threading.Event()
+    loop.call_soon_threadsafe(lambda: (held.set(), release.wait(60)))
+    assert held.wait(30)
+    host, port = s.thread.host, s.thread.port
+    client = socket.create_connection((host, port), timeout=10)
+    attacker = socket.create_connection((host, port), timeout=10)
+    try:
+        client.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        attacker.sendall(HALF_HEAD)
+        release.set()  # both accepted in one go: the client's connection_made, then the attacker's admit
+        status, _, body = read_answer(client)
+        assert status == 200 and body == {"status": "ok"}, body
+        assert guard.stats.spared_unread >= 1 and guard.stats.evicted_idle == 0
+    finally:
+        release.set()
+        client.close()
+        attacker.close()
+
+
 def test_requests_in_progress_are_bounded_with_room_for_health() -> None:
     release = anyio.Event()
 
