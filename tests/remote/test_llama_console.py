@@ -325,3 +325,46 @@ def test_a_json_schema_constrained_chat_on_the_real_server_parses(llama_server: 
                                                     grammar=Grammar("gbnf", 'root ::= " yes" | " no"')),
                                         timeout=120)
         assert raw.status == "finished" and raw.text in (" yes", " no"), raw.text
+
+
+#: a llama-server's /metrics after one 32-token prompt and 8 generated tokens (llama.cpp 2026.10, as served)
+LLAMACPP_METRICS = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 32
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 8
+# HELP llamacpp:n_tokens_max Largest observed sequence length (prompt + generation)
+# TYPE llamacpp:n_tokens_max counter
+llamacpp:n_tokens_max 39
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 0
+"""
+
+
+def test_every_llamacpp_family_the_server_sends_is_read() -> None:
+    """``n_tokens_max`` is a counter without the ``_total`` suffix: prometheus_client's parser renames its
+    sample ``..._total``; it is read all the same (it was None in every llama-server snapshot)."""
+    from calconsole.remote.llamacpp import parse_metrics
+
+    got = parse_metrics(LLAMACPP_METRICS)
+    assert got == {"prompt_tokens_total": 32, "tokens_predicted_total": 8, "n_tokens_max": 39,
+                   "requests_processing": 0}
+
+
+def test_an_idle_slot_keeps_its_last_task_as_llama_server_reports_it() -> None:
+    from calconsole.remote.llamacpp import slot_view
+
+    never = slot_view({"id": 0, "n_ctx": 8192, "is_processing": False})
+    assert (never.state, never.request_id, never.last_request_id, never.prompt_n, never.params) == \
+        ("idle", None, None, None, {})
+    ran = slot_view({"id": 1, "n_ctx": 8192, "is_processing": False, "id_task": 7, "n_prompt_tokens": 39,
+                     "n_prompt_tokens_processed": 0, "n_prompt_tokens_cache": 0,
+                     "params": {"temperature": 0.0, "n_predict": 8, "stream": True},
+                     "next_token": [{"has_next_token": False, "n_decoded": 0}]})
+    assert (ran.state, ran.request_id, ran.last_request_id) == ("idle", None, 7)
+    assert (ran.prompt_n, ran.max_tokens, ran.params) == (39, 8, {"temperature": 0.0, "n_predict": 8})
+    busy = slot_view({"id": 1, "is_processing": True, "id_task": 9, "params": {"n_predict": 4}})
+    assert (busy.state, busy.request_id, busy.last_request_id, busy.max_tokens) == ("processing", 9, 9, 4)

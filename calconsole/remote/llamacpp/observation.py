@@ -46,6 +46,9 @@ COUNTERS = {
     "llamacpp:tokens_predicted_seconds_total": "tokens_predicted_seconds_total",
     "llamacpp:n_decode_total": "n_decode_total",
     "llamacpp:n_tokens_max": "n_tokens_max",
+    # llama-server types n_tokens_max as a counter without the _total suffix; prometheus_client's parser
+    # names such a counter's sample <name>_total, so the sample arrives under this name
+    "llamacpp:n_tokens_max_total": "n_tokens_max",
     "llamacpp:prompt_tokens_seconds": "prompt_tokens_seconds",
     "llamacpp:predicted_tokens_seconds": "predicted_tokens_seconds",
     "llamacpp:requests_processing": "requests_processing",
@@ -74,7 +77,11 @@ def parse_metrics(text: str) -> dict[str, float | int]:
 
 
 def slot_view(s: Mapping[str, Any]) -> SlotView:
-    """One ``/slots`` entry as a ``SlotView`` (counts None where the server did not report them)."""
+    """One ``/slots`` entry as a ``SlotView`` (counts None where the server did not report them).
+
+    An idle slot that has run keeps, in llama-server's ``/slots``, its last task's ``id_task``, prompt counts
+    and ``params``: they stay in the view (``last_request_id``, ``max_tokens``, ``params``), while
+    ``request_id`` is None (no request running)."""
     busy = bool(s.get("is_processing"))
     nxt = s.get("next_token")
     decoded = None
@@ -86,13 +93,14 @@ def slot_view(s: Mapping[str, Any]) -> SlotView:
     params: dict[str, Any] = raw if isinstance(raw, dict) else {}
     keep = ("temperature", "top_k", "top_p", "min_p", "seed", "repeat_penalty", "presence_penalty",
             "frequency_penalty", "n_predict")
+    task = _int(s.get("id_task"))
     return SlotView(index=int(s["id"]), state="processing" if busy else "idle",
-                    request_id=int(s["id_task"]) if busy and s.get("id_task") is not None else None,
+                    request_id=task if busy else None,
                     prompt_n=_int(s.get("n_prompt_tokens")), n_prefilled=_int(s.get("n_prompt_tokens_processed")),
                     predicted_n=_int(decoded), cached_tokens=_int(s.get("n_prompt_tokens_cache")),
-                    max_tokens=int(params.get("n_predict", 0) or 0) if busy else 0,
-                    params={k: params[k] for k in keep if k in params} if busy else {},
-                    n_ctx=_int(s.get("n_ctx")))
+                    max_tokens=int(params.get("n_predict", 0) or 0),
+                    params={k: params[k] for k in keep if k in params},
+                    n_ctx=_int(s.get("n_ctx")), last_request_id=task)
 
 
 def _int(v: Any) -> int | None:
