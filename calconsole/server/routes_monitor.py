@@ -94,10 +94,12 @@ async def props(face: ServingFace, request: Request) -> Response:
 async def slots(face: ServingFace, request: Request) -> Response:
     """llama-server's ``/slots``: a slot that never served a request is its id, n_ctx, speculative and
     is_processing; a busy one adds the task, prompt counts, its sampling params and ``next_token`` (an array of
-    one object); an idle one that served a request keeps its last task's id and params, ``n_prompt_tokens`` the
-    tokens its KV holds (llama-server's slot prompt: the last prompt and the reply but its last token, which
-    was never fed back), and the counters llama-server resets when it releases a slot (processed and cached
-    prompt tokens 0, ``next_token`` ``has_next_token`` false, ``n_remain`` -1, ``n_decoded`` 0)."""
+    one object); an idle one that served a request keeps its last task's id and params, and the counters
+    llama-server resets when it releases a slot (processed and cached prompt tokens 0, ``next_token``
+    ``has_next_token`` false, ``n_remain`` -1, ``n_decoded`` 0). ``n_prompt_tokens`` is what llama-server reports
+    there, the slot's prompt: the tokens its KV holds (the prompt so far and the reply but its last token, never
+    fed back); ``n_prompt_tokens_processed`` the prompt tokens computed, ``n_prompt_tokens_cache`` those reused
+    (as the real llama-server reports them: tests/server/test_parity_llama_server.py ``test_busy_slot_shape``)."""
     if not face.config.slots_endpoint:
         raise HTTPError(501, "not_supported_error", "This server does not support slots endpoint.")
     snap = await face.call(face.observation.snapshot)
@@ -112,10 +114,11 @@ async def slots(face: ServingFace, request: Request) -> Response:
             n_predict = -1 if s.max_tokens == n_ctx else s.max_tokens
             slot.update({
                 "id_task": task if task is not None else -1,
-                # idle: the tokens its KV holds (llama-server's slot prompt: the last prompt and the reply fed back)
-                "n_prompt_tokens": s.prompt_n if busy else s.cached_tokens,
-                "n_prompt_tokens_processed": s.n_prefilled if busy else 0,
-                "n_prompt_tokens_cache": s.cached_tokens if busy else 0,
+                # llama-server's slot prompt: the tokens its KV holds (the prompt so far and the reply fed back);
+                # processed = the prompt tokens computed, cache = those reused (reset to 0 on an idle slot)
+                "n_prompt_tokens": s.cached_tokens,
+                "n_prompt_tokens_processed": (s.n_prefilled or 0) - (s.reused_tokens or 0) if busy else 0,
+                "n_prompt_tokens_cache": (s.reused_tokens or 0) if busy else 0,
                 "params": wire.sampling_settings(SamplingParams(**known), n_predict=n_predict),
                 "next_token": [{"has_next_token": busy, "has_new_line": False,
                                 "n_remain": max(0, s.max_tokens - (s.predicted_n or 0)) if busy else -1,

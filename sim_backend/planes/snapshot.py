@@ -288,6 +288,9 @@ class SlotView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     n_ctx: int | None = None
     #: the request it serves or last served (``id_task``; kept while idle), None if none yet or not reported
     last_request_id: int | None = None
+    #: the request's prompt tokens reused from the slot's cached prefix (llama-server's ``n_prompt_tokens_cache``
+    #: of a busy slot), None where the source does not say (in-process ``cached_tokens`` is what the KV holds)
+    reused_tokens: int | None = None
 
 
 class HostInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):

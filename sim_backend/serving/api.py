@@ -93,7 +93,9 @@ class SlotInfo:
     llama-server's ``/slots`` keeps the last task of an idle slot); a slot that never served one has 0 / {}.
 
     ``request_id``: the request in it (None when idle); ``last_request_id``: the request it serves or last
-    served (None if none yet). ``cached_tokens``: the prefix its KV holds now.
+    served (None if none yet). ``cached_tokens``: the tokens its KV holds now (the prompt prefilled so far and
+    the generated tokens fed back); ``reused_tokens``: the request's prompt tokens reused from the slot's cached
+    prefix (llama-server's ``n_prompt_tokens_cache``), of which ``n_prefilled`` counts the reused ones too.
     """
 
     index: int
@@ -107,6 +109,7 @@ class SlotInfo:
     max_tokens: int = 0  # the request's n_predict (0 if none yet)
     params: dict[str, Any] = field(default_factory=dict)  # sampling parameters, llama.cpp names ({} if none yet)
     last_request_id: int | None = None
+    reused_tokens: int = 0
 
 
 def error_dict(e: CalError) -> dict[str, Any]:

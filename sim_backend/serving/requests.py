@@ -132,7 +132,7 @@ def slot_info(s: Slot) -> SlotInfo:
             return SlotInfo(s.idx, "idle", None, 0, 0, 0, len(s.cache_tokens), None, 0, {})
         return dataclasses.replace(last, state="idle", request_id=None, cached_tokens=len(s.cache_tokens))
     return SlotInfo(s.idx, r.state.value, r.id, len(r.prompt), r.n_prefilled, len(r.generated), len(s.cache_tokens),
-                    r.numeric, r.max_tokens, msgspec.structs.asdict(r.req.sampling), r.id)
+                    r.numeric, r.max_tokens, msgspec.structs.asdict(r.req.sampling), r.id, r.cache_n)
 
 
 def slot_states(slots: Sequence[Slot], busy: set[int], now: float) -> list[SlotState]:

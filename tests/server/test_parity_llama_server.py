@@ -198,17 +198,28 @@ def test_busy_slot_shape(make_server: Any, llama_server: Any) -> None:
 
     # real-time pacing: a fast-paced simulator could finish before /slots is read
     ours = make_server(system_kw={"n_slots": 2, "pacing": Pacing(PacingMode.REALTIME, 1.0)})
-    body = {"prompt": "Once upon a time", "n_predict": 200, "stream": True}
+    prime = {"prompt": "Once upon a time there was", "n_predict": 1, "id_slot": 0}
+    body = {"prompt": "Once upon a time there was a king", "n_predict": 200, "stream": True, "id_slot": 0,
+            "ignore_eos": True}
     shapes = []
     for url in (ours.url, llama_server.url):
+        assert call(url, "POST", "/completion", prime).status_code == 200  # the slot then holds a reusable prefix
         with httpx.stream("POST", url + "/completion", json=body, timeout=120) as r:
             lines = r.iter_lines()
-            while not next(lines).startswith("data: "):
+            while not (line := next(lines)).startswith("data: "):
                 pass
+            n_eval = json.loads(line[6:])["tokens_evaluated"]
             slots = httpx.get(url + "/slots", timeout=30).json()
-        busy = [s for s in slots if s["is_processing"]]
-        assert busy, slots
-        shapes.append(busy[0])
+        busy = slots[0]
+        assert busy["is_processing"], slots
+        shapes.append(busy)
+        # the counts as llama-server means them: the slot's prompt is what its KV holds (the prompt and the tokens
+        # fed back: one fewer than decoded, or as many while a step is between feeding and sampling), processed
+        # the prompt tokens computed, cache those reused from the primed prefix
+        n_dec = busy["next_token"][0]["n_decoded"]
+        assert n_dec >= 1 and busy["n_prompt_tokens"] in (n_eval + n_dec - 1, n_eval + n_dec), (n_eval, busy)
+        assert busy["n_prompt_tokens_processed"] + busy["n_prompt_tokens_cache"] == n_eval, (n_eval, busy)
+        assert 0 < busy["n_prompt_tokens_cache"] < n_eval, (n_eval, busy)
     assert isinstance(shapes[0]["next_token"], list) and "n_prompt_tokens_cache" in shapes[0]
     assert unexplained(shapes[0], shapes[1]) == []
 
