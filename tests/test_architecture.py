@@ -65,3 +65,12 @@ def test_import_contracts_hold():
                        timeout=120)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
     assert "0 broken" in p.stdout
+
+
+def test_no_serving_module_far_over_400_lines():
+    """The serving layer stays in parts a reader can hold (the engine is the thread and the lock; admission,
+    scheduler, steps, tokens, ledger, intake, gate and slot actions are modules of their own): no module
+    over ~400 lines, with a margin of 50 so a small feature does not have to split a module first."""
+    long = {str(py.relative_to(ROOT)): n for py in (ROOT / "sim_backend" / "serving").rglob("*.py")
+            if (n := len(py.read_text(encoding="utf-8").splitlines())) > 450}
+    assert long == {}

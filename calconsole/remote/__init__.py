@@ -28,7 +28,7 @@ from .attached import AttachedSystem
 from .connection import Connection, RemoteAuthError, RemoteError, ServerUnreachable, error_body, raise_for
 from .inference import RemoteInferencePlane, RemoteRequestStream
 from .maintenance import RemoteAudit, RemoteMaintenancePlane
-from .observation import RemoteObservationPlane, SnapshotFeed
+from .observation import RemoteObservationPlane, SnapshotStreamReader
 
 
 class RemoteSystem(AttachedSystem):
@@ -118,4 +118,4 @@ def _n_vocab(conn: Connection) -> int:
 
 __all__ = ["Connection", "NotAServer", "RemoteAudit", "RemoteAuthError", "RemoteError", "RemoteInferencePlane",
            "RemoteMaintenancePlane", "RemoteObservationPlane", "RemoteRequestStream", "RemoteSystem",
-           "ServerUnreachable", "SnapshotFeed", "connect"]
+           "ServerUnreachable", "SnapshotStreamReader", "connect"]

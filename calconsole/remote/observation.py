@@ -5,8 +5,10 @@ as ``Snapshot.from_dict``). Both reads are polled, so they go through the connec
 while the server is unreachable they raise ``ServerUnreachable`` at once until the next attempt
 is due (0.25 s doubling to 5 s).
 
-``SnapshotFeed`` reads ``/snapshot/stream?hz=N`` in a background thread and hands each snapshot to
-a callback, reconnecting with the same back-off: one long-lived request instead of one per sample.
+``SnapshotStreamReader`` reads ``/snapshot/stream?hz=N`` in a background thread and hands each
+snapshot to a callback, reconnecting with the same back-off: one long-lived request instead of one
+per sample. (The console's sampler, in-process or attached, is ``calconsole.feed.SnapshotFeed``: it
+polls ``observation.snapshot()``.)
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class RemoteObservationPlane:
         return resp.text
 
 
-class SnapshotFeed:
+class SnapshotStreamReader:
     """Background reader of ``/snapshot/stream``: ``on_snapshot(Snapshot)`` per event, ``on_error(str)``
     when the stream breaks (then it reconnects after a back-off). ``stop()`` ends it (bounded join)."""
 
@@ -72,11 +74,17 @@ class SnapshotFeed:
         self._resp: httpx.Response | None = None
         self._thread = threading.Thread(target=self._run, name="calconsole-snapshot-feed", daemon=True)
 
-    def start(self) -> SnapshotFeed:
+    def start(self) -> SnapshotStreamReader:
         self._thread.start()
         return self
 
+    @property
+    def alive(self) -> bool:
+        """The reader thread is running (started and not yet ended)."""
+        return self._thread.is_alive()
+
     def stop(self, timeout_s: float = 2.0) -> None:
+        """End the reader: its stream's socket is shut down, the thread joined for at most ``timeout_s``."""
         self._stop.set()
         resp = self._resp
         if resp is not None:

@@ -63,18 +63,18 @@ class InProcessInference:
         """Prompt tokens with the chat template, as the context limit counts them."""
         return len(self._engine.tokenize_prompt(req))
 
-    # llama-server's slot actions (``SlotActions``): see ``Engine.save_slot`` / ``restore_slot`` / ``erase_slot``
+    # llama-server's slot actions (``SlotActions``): see ``serving.slot_actions.SlotActionRunner``
     def save_slot(self, slot: int, path: str) -> dict[str, Any]:
         """Save idle slot ``slot``'s cached prompt KV (cells, tokens, K/V values) to ``path``."""
-        return self._engine.save_slot(slot, path)
+        return self._engine.slot_actions.save(slot, path)
 
     def restore_slot(self, slot: int, path: str) -> dict[str, Any]:
         """Restore a saved slot state into idle slot ``slot`` (its prefix is then reused)."""
-        return self._engine.restore_slot(slot, path)
+        return self._engine.slot_actions.restore(slot, path)
 
     def erase_slot(self, slot: int) -> dict[str, Any]:
         """Free idle slot ``slot``'s cached prompt KV."""
-        return self._engine.erase_slot(slot)
+        return self._engine.slot_actions.erase(slot)
 
     def tokenize(self, text: str, *, parse_special: bool = False) -> list[int]:
         """Token ids of ``text``; InvalidRequestError if it is not a string."""
@@ -342,7 +342,7 @@ class InProcessObservation:
                 "numerics_limit_reason": self._numerics_limit_reason if b.numerics else "",
                 "timing_only_running": [s.request_id for s in e.slot_info()
                                         if s.request_id is not None and s.numeric is False],
-                "n_slots": e.n_slots, "admitting": e.admitting,
+                "n_slots": e.n_slots, "admitting": e.gate.admitting,
                 "bundle_status": self._bundle.status, "bundle_label": self._bundle.variant_label,
                 "decode_batch": self._bundle.decode_batch,
                 "weights": "real" if self._bundle.numeric.weights == "gguf" else "synthetic",

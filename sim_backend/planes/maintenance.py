@@ -185,7 +185,7 @@ class InProcessMaintenance:
                 with self._lock:
                     self._lease = None
                     self._mode, self._since = "serving", time.time()
-                self._engine.resume_admission()
+                self._engine.gate.resume()
             raise AuditLogError(self.audit.path, f"{action} done but its outcome could not be audited: "
                                                  f"{type(e).__name__}: {e}") from None
         return result
@@ -213,13 +213,13 @@ class InProcessMaintenance:
                     raise MaintenanceRefused("enter_exclusive", f"device already {self._mode} (lease: {who})")
                 self._mode, self._pending_holder, self._since = "draining", holder, time.time()
             try:
-                self._engine.pause_admission(MAINTENANCE_REASON)
-                report = self._engine.drain(
+                self._engine.gate.pause(MAINTENANCE_REASON)
+                report = self._engine.gate.drain(
                     timeout, f"device entering maintenance: not finished within the {timeout:g} s drain")
             except BaseException:
                 with self._lock:
                     self._mode, self._pending_holder, self._since = "serving", None, time.time()
-                self._engine.resume_admission()
+                self._engine.gate.resume()
                 raise
             with self._lock:
                 self._lease = Lease(uuid.uuid4().hex, holder, time.time())
@@ -243,7 +243,7 @@ class InProcessMaintenance:
             with self._lock:
                 self._lease = None
                 self._mode, self._since = "serving", time.time()
-            self._engine.resume_admission()
+            self._engine.gate.resume()
             return {"ok": True, "admitting": True, "faults_armed": self._mon.faults()["active"]}
 
         return self._run("leave_exclusive", {"force": force}, lease, go)

@@ -4,12 +4,15 @@ Slots over the device, a bounded admission queue, chunked prefill and decode sch
 CPU sampling, stop rules, streaming with UTF-8-safe detokenisation and stop-string holdback,
 per-request metrics. The engine is the thread and the lock; its parts are modules of their own:
 
+- ``intake``: validation, the tokenised prompt, the grammar, the request's token pipeline;
 - ``admission``: the queue and the slot choice (longest cached prefix, then LRU);
 - ``scheduler``: the round rule, pure (slot states in, the next step out);
 - ``steps``: the step runner (KV cells, one job, each rider's part; batch 1 is the N = 1 case);
 - ``tokens``: each request's token pipeline (sampler, stop rules, visible text);
 - ``ledger``: each request's end (timings, result, metrics);
 - ``kv_pressure``: the KV parking and request-ending policy;
+- ``slot_actions``: llama-server's slot save / restore / erase;
+- ``gate``: the maintenance plane's pause, drain and resume of admission;
 - ``requests``: the request and slot records.
 
 Context boundary, as llama.cpp counts it: a prompt of ``n_ctx`` = 40960 tokens or more (chat
@@ -26,38 +29,27 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import threading
 import time
 from collections import deque
 from typing import Any, NoReturn
 
-import numpy as np
-
-from sim_backend.errors import (
-    ExceedContextSizeError,
-    InvalidRequestError,
-    KVArgumentError,
-    KVExhausted,
-    KVStateFileError,
-    UnavailableError,
-)
-from sim_backend.model.families import tokenizer_for
-from sim_backend.model.vocab import N_BPE
+from sim_backend.errors import ExceedContextSizeError, InvalidRequestError, UnavailableError
 from sim_backend.planes.metrics import MetricsRegistry
-from sim_backend.planes.types import SLO, ChatRequest, RequestResult, StageTimes, validate_request
+from sim_backend.planes.types import SLO, ChatRequest, RequestResult, StageTimes
 from sim_backend.runtime import RuntimeSession
-from sim_backend.serving import grammar as _grammar
-from sim_backend.serving.admission import Admission, check_prompt
+from sim_backend.serving.admission import Admission
 from sim_backend.serving.api import RequestHandle, SlotInfo
+from sim_backend.serving.gate import AdmissionGate
 from sim_backend.serving.hosttime import HostBooking, HostTimer
+from sim_backend.serving.intake import RequestIntake
 from sim_backend.serving.kv_pressure import KVPressure
 from sim_backend.serving.ledger import RequestLedger
 from sim_backend.serving.requests import RequestRecord, Slot, slot_info, slot_states
 from sim_backend.serving.scheduler import RoundScheduler, Work
+from sim_backend.serving.slot_actions import SlotActionRunner
 from sim_backend.serving.steps import InFlight, StepRunner, progress_event
 from sim_backend.serving.streaming import Tokenizer
-from sim_backend.serving.tokens import TokenPipeline
 
 
 class Engine:
@@ -110,16 +102,6 @@ class Engine:
         if queue_limit < 0:
             raise ValueError("queue_limit must be >= 0")
         self.rt = rt
-        # the bundle's tokenizer (Qwen3's BPE, or a GGUF's own for the dense pilot); a stand-in runtime
-        # without a bundle gets Qwen3's
-        self.tokenizer: Tokenizer = tokenizer_for(getattr(rt, "bundle", None))
-        if chat_template is not None:
-            from sim_backend.model.chat_template import TemplatedTokenizer
-            self.tokenizer = TemplatedTokenizer(self.tokenizer, chat_template)
-        self._eos_ids = frozenset(self.tokenizer.eos_ids)
-        #: token ids the timing-only stand-in draws from: the tokenizer's ordinary text tokens
-        lo, hi = getattr(self.tokenizer, "text_id_range", (0, N_BPE))
-        self._text_ids = (int(lo), int(hi))
         #: context in tokens per sequence: the calbin's (facts.md F2) or a shorter one given (llama-server -c)
         self.n_ctx = rt.context if n_ctx is None else int(n_ctx)
         if not 1 <= self.n_ctx <= rt.context:
@@ -129,6 +111,10 @@ class Engine:
         self.step_timeout_s = step_timeout_s
         self.numerics_max_prompt = numerics_max_prompt
         self.host_timer = host_timer or HostTimer()
+        self.intake = RequestIntake(rt, n_ctx=self.n_ctx, n_slots=n_slots, host_timer=self.host_timer,
+                                    chat_template=chat_template)
+        #: the bundle's tokenizer (Qwen3's BPE, a GGUF's own for the dense pilot), with ``chat_template`` if given
+        self.tokenizer: Tokenizer = self.intake.tokenizer
         if host_token_us is None:
             from sim_backend.model.costmodel import default_cost_model
             host_token_us = default_cost_model().host_overhead_ms_per_token * 1e3
@@ -161,6 +147,12 @@ class Engine:
         self.last_stage = self._steps.last_stage
         self.stage_history = self._steps.stage_history
         self.batch_log = self._steps.batch_log
+        #: the maintenance plane's pause / drain / resume of admission (``AdmissionGate``)
+        self.gate = AdmissionGate(self._admission, self._running_locked, lock=self._lock, wake=self._wake,
+                                  clock=rt.clock, step_timeout_s=step_timeout_s)
+        #: llama-server's slot save / restore / erase on idle slots (``SlotActionRunner``)
+        self.slot_actions = SlotActionRunner(rt, self.slots, self._admission, lock=self._lock, wake=self._wake,
+                                             stopped=lambda: self._stop, kv_timeout_s=kv_timeout_s)
         self._thread = threading.Thread(target=self._loop, name="calconsole-engine", daemon=True)
         self._thread.start()
 
@@ -189,13 +181,8 @@ class Engine:
 
     def tokenize_prompt(self, req: ChatRequest) -> list[int]:
         """Prompt token ids with the chat template applied (what counts against the context);
-        a raw ``prompt_tokens`` request's own ids."""
-        if req.prompt_tokens is not None:
-            return [int(t) for t in req.prompt_tokens]
-        return self.tokenizer.encode_chat(list(req.messages), add_generation_prompt=req.add_generation_prompt,
-                                          enable_thinking=req.enable_thinking,
-                                          continue_final_message=req.continue_final_message,
-                                          template_kwargs=req.template_kwargs)
+        a raw ``prompt_tokens`` request's own ids (``RequestIntake.tokenize_prompt``)."""
+        return self.intake.tokenize_prompt(req)
 
     def _running_locked(self) -> list[RequestRecord]:
         return [s.req for s in self.slots if s.req is not None]
@@ -215,29 +202,19 @@ class Engine:
         InvalidRequestError (also a grammar that does not compile), ExceedContextSizeError
         (prompt >= n_ctx = 40960 tokens), UnavailableError (queue full, or device in maintenance).
 
-        A request's grammar is compiled here, in its tokenising host span (booked as ``tokenize``);
-        the process's one-off llguidance tokenizer build (``serving.grammar.lltokenizer``) is not.
+        A request's grammar is compiled in its tokenising host span (``RequestIntake.prepare``).
         """
         with self._lock:
             why = self._admission.refusal(self._stop)
         if why is not None:
             self._refuse(UnavailableError(why))
         try:
-            validate_request(req, self.rt.vocab)
+            self.intake.validate(req)
         except InvalidRequestError as e:
             self._refuse(e)
         arrival = self.rt.clock.now_us
-        matcher: _grammar.GrammarMatcher | None = None
-        if req.grammar is not None:  # once per process: llama.cpp's model-load work, not this request's
-            _grammar.lltokenizer(self.tokenizer, int(self.rt.vocab), self._eos_ids)
         try:
-            t0 = self.host_timer.now()
-            prompt = self.tokenize_prompt(req)
-            if req.grammar is not None:
-                matcher = _grammar.compile_grammar(req.grammar, self.tokenizer, int(self.rt.vocab), self._eos_ids)
-            tok_us = self.host_timer.now() - t0
-            check_prompt(len(prompt), req.id_slot, n_ctx=self.n_ctx, n_slots=self.n_slots,
-                         kv_cells=self.rt.kv.occupancy().capacity_cells)
+            prompt, matcher, tok_us = self.intake.prepare(req)
         except (ExceedContextSizeError, InvalidRequestError) as e:
             self._refuse(e)
         with self._lock:
@@ -250,9 +227,7 @@ class Engine:
                 self._refuse(e)
             rid = next(self._ids)
             handle = RequestHandle(rid, len(prompt))
-            tokens = TokenPipeline(req, prompt, n_ctx=self.n_ctx, max_tokens=int(req.max_tokens or 0),
-                                   tokenizer=self.tokenizer, vocab=int(self.rt.vocab), eos_ids=self._eos_ids,
-                                   text_ids=self._text_ids, grammar=matcher)
+            tokens = self.intake.pipeline(req, prompt, matcher)
             r = RequestRecord(rid, req, prompt, handle, arrival / 1e3, tok_us / 1e3, tokens)
             handle._engine_wake = functools.partial(self._on_cancel, rid)
             handle._limit_now = tokens.limit_now
@@ -280,23 +255,7 @@ class Engine:
             h.cancel("caller interrupted")  # a vanished client counts as a cancel
             raise
 
-    # --- admission control (maintenance plane) ------------------------------------------
-
-    def pause_admission(self, reason: str) -> None:
-        """Refuse new requests with UnavailableError(reason) until ``resume_admission``."""
-        with self._lock:
-            self._admission.admitting = False
-            self._admission.refuse_reason = reason
-
-    def resume_admission(self) -> None:
-        with self._lock:
-            self._admission.admitting = True
-            self._admission.refuse_reason = ""
-
-    @property
-    def admitting(self) -> bool:
-        with self._lock:
-            return self._admission.admitting
+    # --- what the maintenance plane reads (its hold on admission is ``gate``) ---------------
 
     def active_count(self) -> int:
         with self._lock:
@@ -307,136 +266,11 @@ class Engine:
         with self._lock:
             return len(self._admission.queue)
 
-    def drain(self, timeout_s: float, reason: str) -> dict[str, float]:
-        """Wait up to ``timeout_s`` host seconds for in-flight requests to end, then cancel the rest with ``reason``.
-
-        Returns {"drained": n ended on their own, "cancelled": n cancelled, "wall_ms", "sim_ms"}.
-        Admission should be paused first. Bounded: never waits past timeout + one device step.
-        """
-        t0 = time.perf_counter()
-        sim0 = self.rt.clock.now_us
-        with self._lock:
-            initial = {r.id: r for r in self._admission.queue} | {r.id: r for r in self._running_locked()}
-            deadline = t0 + timeout_s
-            while (self._admission.queue or self._running_locked()) and time.perf_counter() < deadline:
-                self._wake.wait(min(0.05, max(0.0, deadline - time.perf_counter())))
-            remaining = [r for r in initial.values() if not r.ended]
-        for r in remaining:
-            r.handle.cancel(reason)
-        # cancels take effect within one device step; wait for them (bounded)
-        end = time.perf_counter() + self.step_timeout_s
-        for r in remaining:
-            r.handle._done.wait(max(0.0, end - time.perf_counter()))
-        return {"drained": len(initial) - len(remaining), "cancelled": len(remaining),
-                "wall_ms": (time.perf_counter() - t0) * 1e3, "sim_ms": (self.rt.clock.now_us - sim0) / 1e3}
-
     def slot_info(self) -> list[SlotInfo]:
         """One ``SlotInfo`` per slot (its request's counts and sampling parameters; idle slots their cache)."""
         with self._lock:
             Admission.drop_stale_caches(self.slots, self.rt.kv.epoch)
             return [slot_info(s) for s in self.slots]
-
-    # --- slot actions (llama-server's POST /slots/{id}?action=save|restore|erase) ----------------
-
-    def _take_slot(self, idx: Any, action: str) -> Slot:
-        """Reserve slot ``idx`` for ``action`` (nothing assigns it or evicts its cells until ``_give_back``).
-        InvalidRequestError for no such slot; UnavailableError while it serves a request or another action, or
-        while admission is stopped (maintenance: a reset or KV clear must not meet a restore half way)."""
-        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < self.n_slots:
-            raise InvalidRequestError(f"Invalid slot ID: {idx!r} (slots 0..{self.n_slots - 1})", param="id_slot")
-        with self._lock:
-            why = self._admission.refusal(self._stop)
-            if why is not None:
-                raise UnavailableError(why)
-            Admission.drop_stale_caches(self.slots, self.rt.kv.epoch)
-            s = self.slots[idx]
-            if s.req is not None or s.action is not None:
-                what = f"request {s.req.id}" if s.req is not None else f"a slot {s.action}"
-                raise UnavailableError(f"slot {idx} is busy ({what}); try again once it is idle")
-            s.action = action
-            return s
-
-    def _give_back(self, s: Slot) -> None:
-        with self._lock:
-            s.action = None
-            self._wake.notify_all()  # a request waiting for this slot (id_slot) may take it now
-
-    def save_slot(self, idx: int, path: str) -> dict[str, Any]:
-        """Save idle slot ``idx``'s cached prefix to ``path`` (``KVView.save_seq_state``: its cells' positions,
-        the prompt tokens they hold and whether they hold values, and the device's K/V rows when it computes
-        them). Returns {"n_saved": tokens, "n_written": file bytes, "save_ms": host wall ms}.
-
-        Raises InvalidRequestError (no such slot, the file cannot be written), UnavailableError (slot busy).
-        """
-        s = self._take_slot(idx, "save")
-        t0 = time.perf_counter()
-        try:
-            tokens = list(s.cache_tokens)
-            cells, pos = self.rt.kv.seq_cells(s.seq_id)
-            meta = np.full((2, int(self.rt.kv.n_cells)), -1, dtype=np.int64)  # token, holds values (1/0)
-            held = pos < len(tokens)
-            meta[0, cells[held]] = np.asarray(tokens, dtype=np.int64)[pos[held]]
-            meta[1, cells] = 1 if s.cache_numeric else 0
-            try:
-                n = self.rt.kv.save_seq_state(s.seq_id, path, [(meta, 1)], values=self.rt.kv_values())
-            except KVStateFileError as e:
-                raise InvalidRequestError(f"Unable to save slot {idx}: {e.reason}") from None
-            return {"n_saved": int(n), "n_written": os.path.getsize(path),
-                    "save_ms": (time.perf_counter() - t0) * 1e3}
-        finally:
-            self._give_back(s)
-
-    def restore_slot(self, idx: int, path: str) -> dict[str, Any]:
-        """Replace idle slot ``idx``'s KV with a state ``save_slot`` wrote (all or nothing): its cells, the
-        prompt tokens they hold (the slot's cached prefix: the next request sharing it reuses them, as
-        ``tokens_cached`` shows) and the K/V values. Returns {"n_restored", "n_read": file bytes,
-        "restore_ms": host wall ms}.
-
-        Raises InvalidRequestError ("Unable to restore slot": missing, damaged or foreign file, not
-        enough free KV cells within the KV timeout), UnavailableError (slot busy).
-        """
-        s = self._take_slot(idx, "restore")
-        t0 = time.perf_counter()
-        try:
-            meta = np.full((2, int(self.rt.kv.n_cells)), -1, dtype=np.int64)
-            try:
-                n = self.rt.kv.load_seq_state(s.seq_id, path, [(meta, 1)], timeout=self.kv.timeout_s,
-                                              values=self.rt.kv_values())
-            except (KVArgumentError, KVExhausted) as e:
-                reason = getattr(e, "reason", None) or str(e)
-                raise InvalidRequestError("Unable to restore slot: No available space in KV cache or invalid "
-                                          f"slot save file ({reason})") from None
-            cells, pos = self.rt.kv.seq_cells(s.seq_id)
-            toks, flags = meta[0, cells], meta[1, cells]
-            vocab = int(self.rt.vocab)
-            if not (np.array_equal(pos, np.arange(n)) and bool(np.all((toks >= 0) & (toks < vocab)))):
-                self.rt.kv.free(s.seq_id)
-                with self._lock:
-                    s.cache_tokens = []
-                raise InvalidRequestError(f"Unable to restore slot: the file holds no prompt prefix (positions "
-                                          f"0..n-1 with token ids below {vocab}); slot {idx} was erased")
-            with self._lock:
-                s.cache_tokens = [int(t) for t in toks]
-                s.cache_numeric = bool(n) and bool(np.all(flags == 1)) and self.rt.kv_values() is not None
-                s.cache_epoch = self.rt.kv.epoch
-                s.last_used = self.rt.clock.now_us / 1e3
-            return {"n_restored": int(n), "n_read": os.path.getsize(path),
-                    "restore_ms": (time.perf_counter() - t0) * 1e3}
-        finally:
-            self._give_back(s)
-
-    def erase_slot(self, idx: int) -> dict[str, Any]:
-        """Free idle slot ``idx``'s cached cells. Returns {"n_erased": tokens it held}.
-        Raises InvalidRequestError (no such slot), UnavailableError (slot busy)."""
-        s = self._take_slot(idx, "erase")
-        try:
-            with self._lock:
-                n = len(s.cache_tokens)
-                self.rt.kv.free(s.seq_id)
-                s.cache_tokens = []
-            return {"n_erased": n}
-        finally:
-            self._give_back(s)
 
     def tokens_generated(self) -> int:
         """Tokens generated since start: ended requests' (the metrics' predicted) plus those of the requests in

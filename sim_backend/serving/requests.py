@@ -100,7 +100,7 @@ class Slot:
     ``cache_tokens``: tokens whose KV the sequence holds (prefix reuse); ``cache_numeric``: those
     cells were computed by the numerics (a timing-only request's cells hold no values);
     ``cache_epoch``: the KV epoch they were written in; ``last_used``: simulated ms; ``action``: a
-    slot action in progress (save / restore / erase, ``Engine.save_slot`` ...): while set, nothing
+    slot action in progress (save / restore / erase, ``SlotActionRunner``): while set, nothing
     assigns the slot or evicts its cells.
     """
 

@@ -10,25 +10,9 @@ Sampler chain (llama.cpp order): penalties -> top-k -> top-p -> min-p ->
 temperature -> draw. Top-p and min-p see temperature-1 probabilities, as in
 llama.cpp, because temperature is applied last.
 
-Exact draw convention (shared by :class:`Sampler` and :func:`naive_sample`, so
-the two pick identical tokens):
-
-* ``x``: FP32 logits after penalties; ids ``>= n_valid`` (tokenizer padding),
-  ids a grammar does not allow (``allowed`` False: constrained decoding) and
-  NaN are ``-inf``; if any ``+inf`` exists, those ids get 0 and all others
-  ``-inf``. ``m = max(x)``. Candidate order: descending logit, ties by lower id.
-* Greedy (``temperature == 0`` or ``top_p < 1e-6``): ``argmax(x)`` (lowest id
-  on ties), no random draw.
-* Otherwise one ``u = rng.random()`` (float64 in [0, 1)) is drawn first.
-* top-k (``0 < top_k < n_valid``): keep the first ``top_k`` candidates.
-* top-p (``top_p < 1``): ``e = exp(float64(x) - m)``; ``Z = np.sum(e)`` over the
-  full vector in id order if nothing was cut yet, else over the kept
-  candidates in candidate order; keep up to and including the first index
-  where ``cumsum(e / Z) >= top_p``.
-* min-p (``min_p > 0``): keep candidates with ``float64(x) >= m + log(min_p)``.
-* temperature: ``q = exp((float64(x) - m) / T)``; ``total = np.sum(q)`` with the
-  same id-order/candidate-order rule; pick the first candidate whose
-  ``cumsum(q) > u * total`` (clipped to the last candidate).
+The exact draw convention (the chain's arithmetic, which :class:`Sampler` and the reference
+:func:`~sim_backend.serving.sampling_reference.naive_sample` share) is in
+:mod:`sim_backend.serving.sampling_reference`; token probabilities in :mod:`sim_backend.serving.token_probs`.
 """
 
 from __future__ import annotations
@@ -40,23 +24,26 @@ from typing import Any
 import numpy as np
 
 from sim_backend.model import bf16 as _bf16
-from sim_backend.model.vocab import N_TOKENS, VOCAB_SIZE
+from sim_backend.model.vocab import VOCAB_SIZE
 from sim_backend.planes.types import SamplingParams, TokenLogprob, TokenProbs
+from sim_backend.serving.sampling_reference import (
+    N_VALID,
+    apply_mask,
+    apply_penalties,
+    default_n_valid,
+    pick,
+    sanitize,
+    top_ids,
+    top_p_cut,
+)
 
 __all__ = [
     "VOCAB_SIZE",
     "N_VALID",
     "Sampler",
-    "naive_sample",
     "bf16_to_f32",
     "f32_to_bf16",
-    "distribution_probs",
-    "logit_probs",
-    "uniform_probs",
 ]
-
-#: Real tokenizer ids (151643 BPE + 26 specials); 151669..151935 are padding rows (model.vocab).
-N_VALID = N_TOKENS
 
 # Logits are grouped as a (64, n/64) matrix; the k-th largest of the column
 # maxima is a lower bound that at least k logits reach (one per column).
@@ -70,147 +57,6 @@ _BISECT_ABOVE = 2048
 
 bf16_to_f32 = _bf16.bf16_to_f32
 f32_to_bf16 = _bf16.f32_to_bf16
-
-
-# --- shared steps (identical arithmetic in Sampler and naive_sample) ---------------
-
-
-def _default_n_valid(vocab: int) -> int:
-    return N_VALID if vocab == VOCAB_SIZE else vocab
-
-
-def _apply_penalties(x: np.ndarray, recent: Sequence[int], p: SamplingParams) -> None:
-    """In place on FP32 ``x``: llama.cpp repeat penalty then OpenAI presence/frequency,
-    over the last ``repeat_last_n`` ids of ``recent``; touches only those ids."""
-    if not p.has_penalties or len(recent) == 0:
-        return
-    if not isinstance(recent, (list, tuple, np.ndarray)):
-        recent = list(recent)  # e.g. a deque: no slicing
-    window = recent if p.repeat_last_n == -1 else recent[-p.repeat_last_n :]
-    ids = np.asarray(window, dtype=np.int64)
-    if ids.size == 0:
-        return
-    if ids.min() < 0 or ids.max() >= x.shape[0]:
-        raise ValueError(f"recent token ids must be in [0, {x.shape[0]})")
-    uniq, counts = np.unique(ids, return_counts=True)
-    v = x[uniq].astype(np.float64)
-    rp = float(p.repeat_penalty)
-    if rp != 1.0:
-        # llama.cpp: shrink positive logits, push negative ones further down.
-        v = np.where(v <= 0, v * rp, v / rp)
-    v -= counts * float(p.frequency_penalty) + float(p.presence_penalty)
-    x[uniq] = v.astype(np.float32)
-
-
-def _apply_mask(x: np.ndarray, allowed: np.ndarray) -> None:
-    """In place: ``x[~allowed] = -inf`` (``allowed``: bool, x's shape). Few allowed (a grammar's usual
-    mask): the allowed values are put back over an all ``-inf`` fill; most allowed (inside a string):
-    the few banned ids are set. Either is ~2x cheaper than a masked store over the whole vector."""
-    n_allowed = int(np.count_nonzero(allowed))
-    if n_allowed <= x.shape[0] // 2:
-        ids = np.flatnonzero(allowed)
-        keep = x[ids]
-        x.fill(np.float32(-np.inf))
-        x[ids] = keep
-    else:
-        x[np.flatnonzero(~allowed)] = np.float32(-np.inf)
-
-
-def _sanitize(x: np.ndarray) -> None:
-    """In place: NaN -> -inf; if any +inf, those -> 0 and everything else -> -inf."""
-    np.nan_to_num(x, copy=False, nan=-np.inf, posinf=np.inf, neginf=-np.inf)
-    pos = np.isposinf(x)
-    if pos.any():
-        x[...] = np.where(pos, np.float32(0), np.float32(-np.inf))
-
-
-def _pick(q: np.ndarray, total: float, u: float) -> int:
-    """Index of the first ``cumsum(q) > u * total`` (clipped)."""
-    cs = np.cumsum(q)
-    i = int(np.searchsorted(cs, u * total, side="right"))
-    # u * total can round up to total: clip to the last candidate with q > 0
-    # (q is non-increasing, so those form a prefix) so a zero-probability id
-    # (padding, -inf) is never returned.
-    return min(i, int(np.count_nonzero(q)) - 1)
-
-
-def _top_p_cut(cs: np.ndarray, top_p: float) -> int:
-    """Number kept: up to and including the first index with cumsum >= top_p."""
-    return min(int(np.searchsorted(cs, top_p, side="left")) + 1, int(cs.shape[0]))
-
-
-# --- reference implementation -------------------------------------------------------
-
-
-def naive_sample(
-    logits: np.ndarray,
-    params: SamplingParams,
-    rng: np.random.Generator,
-    recent: Sequence[int] = (),
-    *,
-    n_valid: int | None = None,
-    allowed: np.ndarray | None = None,
-) -> int:
-    """Straightforward reference sampler: full FP32 copy, full softmax, full
-    ``argsort`` of the vocabulary and ``cumsum`` (the production shape, F6).
-
-    Args:
-        logits: ``float32`` (vocab,) — not modified.
-        params: validated :class:`SamplingParams` (``seed`` is ignored; ``rng`` is used).
-        rng: generator; one ``rng.random()`` per non-greedy call.
-        recent: previously generated/prompt ids for the penalties.
-        n_valid: ids ``>= n_valid`` are never chosen (default 151669 for a
-            151936 vocabulary, i.e. tokenizer padding).
-        allowed: ``bool`` (vocab,) or None: ids where it is False are never chosen (a grammar's mask).
-
-    Returns:
-        The chosen token id (int). Same convention as :class:`Sampler`
-        (module docstring), so the two agree token for token.
-    """
-    x = np.array(logits, dtype=np.float32)  # the "full FP32 temp copy"
-    n = x.shape[0]
-    nv = _default_n_valid(n) if n_valid is None else n_valid
-    _apply_penalties(x, recent, params)
-    x[nv:] = -np.inf
-    if allowed is not None:
-        x[~allowed] = -np.inf
-    m = float(x.max())
-    if not math.isfinite(m):
-        _sanitize(x)
-        m = float(x.max())
-        if m == -math.inf:
-            raise ValueError("no finite logits to sample from")
-    if params.is_greedy:
-        return int(np.argmax(x))
-    u = rng.random()
-    x64 = x.astype(np.float64)
-    order = np.argsort(-x, kind="stable")  # descending, ties by lower id
-    cut = False
-    if 0 < params.top_k < nv:
-        order = order[: params.top_k]
-        cut = True
-    if params.top_p < 1.0:
-        if cut:
-            e = np.exp(x64[order] - m)
-            p = e / np.sum(e)
-        else:
-            e = np.exp(x64 - m)
-            p = e[order] / np.sum(e)
-        order = order[: _top_p_cut(np.cumsum(p), params.top_p)]
-        cut = True
-    if params.min_p > 0.0:
-        keep = x64[order] >= m + math.log(params.min_p)
-        order = order[: int(np.count_nonzero(keep))]
-        cut = True
-    T = float(params.temperature)
-    if cut:
-        q = np.exp((x64[order] - m) / T)
-        total = np.sum(q)
-    else:
-        qf = np.exp((x64 - m) / T)
-        total = np.sum(qf)
-        q = qf[order]
-    return int(order[_pick(q, total, u)])
 
 
 # --- fast sampler --------------------------------------------------------------------
@@ -233,7 +79,7 @@ class Sampler:
         params.validate(vocab_size)
         self.params = params
         self.vocab_size = vocab_size
-        self.n_valid = _default_n_valid(vocab_size) if n_valid is None else int(n_valid)
+        self.n_valid = default_n_valid(vocab_size) if n_valid is None else int(n_valid)
         if not 0 < self.n_valid <= vocab_size:
             raise ValueError(f"n_valid must be in (0, {vocab_size}]")
         if params.seed is None:
@@ -293,16 +139,16 @@ class Sampler:
         p = self.params
         n, nv = self.vocab_size, self.n_valid
         x = self._x[:n]
-        _apply_penalties(x, recent, p)
+        apply_penalties(x, recent, p)
         x[nv:] = -np.inf
         if allowed is not None:
             if allowed.shape != (n,) or allowed.dtype != np.bool_:
                 raise ValueError(f"allowed must be a bool array of shape ({n},)")
-            _apply_mask(x, allowed)
+            apply_mask(x, allowed)
         np.max(self._grid, axis=0, out=self._colmax)
         m = float(self._colmax.max())
         if not math.isfinite(m):
-            _sanitize(x)
+            sanitize(x)
             np.max(self._grid, axis=0, out=self._colmax)
             m = float(self._colmax.max())
             if m == -math.inf:
@@ -318,12 +164,12 @@ class Sampler:
         if p.top_p < 1.0:
             if cand is not None:
                 e = np.exp(x[cand].astype(np.float64) - m)
-                cand = cand[: _top_p_cut(np.cumsum(e / np.sum(e)), p.top_p)]
+                cand = cand[: top_p_cut(np.cumsum(e / np.sum(e)), p.top_p)]
             else:
                 e_full = self._exp_full(m, 1.0)
                 z = np.sum(e_full)
                 cand = self._grow(e_full, p.top_p * z, lambda c: np.cumsum(e_full[c] / z)[-1] >= p.top_p)
-                cand = cand[: _top_p_cut(np.cumsum(e_full[cand] / z), p.top_p)]
+                cand = cand[: top_p_cut(np.cumsum(e_full[cand] / z), p.top_p)]
         if p.min_p > 0.0:
             thr = m + math.log(p.min_p)
             if cand is not None:
@@ -337,14 +183,14 @@ class Sampler:
             q = np.exp((x[cand].astype(np.float64) - m) / T)
             total = float(np.sum(q))
             self._last = ("cand", cand, q, total)
-            return int(cand[_pick(q, total, u)])
+            return int(cand[pick(q, total, u)])
         # Pure temperature sampling over the whole vocabulary.
         q_full = self._exp_full(m, T)
         total = float(np.sum(q_full))
         target = u * total
         cand = self._grow(q_full, target, lambda c: np.cumsum(q_full[c])[-1] > target)
         self._last = ("full", q_full, total)
-        return int(cand[_pick(q_full[cand], total, u)])
+        return int(cand[pick(q_full[cand], total, u)])
 
     def post_sampling_probs(self, tok: int, n: int) -> TokenProbs:
         """The distribution the last :meth:`sample` / :meth:`sample_bf16` drew ``tok`` from, after the
@@ -370,7 +216,7 @@ class Sampler:
             mine = float(math.log(q[hit[0]]) - math.log(total)) if hit.size and q[hit[0]] > 0 else -math.inf
             return TokenProbs(int(tok), mine, top, post_sampling=True)
         _, q_full, total = last
-        ids = [i for i in _top_ids(self._x[: self.vocab_size], n) if q_full[i] > 0]
+        ids = [i for i in top_ids(self._x[: self.vocab_size], n) if q_full[i] > 0]
         top = tuple(TokenLogprob(int(i), float(math.log(q_full[i]) - math.log(total))) for i in ids)
         mine = float(math.log(q_full[tok]) - math.log(total)) if q_full[tok] > 0 else -math.inf
         return TokenProbs(int(tok), mine, top, post_sampling=True)
@@ -477,84 +323,3 @@ class Sampler:
                 return c
             hi = lo
         return self._sorted(np.arange(self.vocab_size))
-
-
-# --- token probabilities ---------------------------------------------------------------
-
-
-def _top_ids(x: np.ndarray, n: int) -> np.ndarray:
-    """The ``n`` ids of largest ``x`` above ``-inf``, descending, ties by lower id (fewer if fewer are finite).
-
-    Never sorts the whole vector: a partition finds the n-th value, everything reaching it (ties
-    included) is sorted, the first ``n`` are kept."""
-    k = min(max(n, 0), x.shape[0])
-    if k == 0:
-        return np.zeros(0, dtype=np.int64)
-    thr = np.partition(x, x.shape[0] - k)[x.shape[0] - k]
-    sel = np.flatnonzero(x >= thr) if thr > -np.inf else np.flatnonzero(x > -np.inf)
-    sel = sel[np.lexsort((sel, -x[sel]))]  # descending value, then ascending id
-    return sel[:k]
-
-
-def logit_probs(logits: np.ndarray, tok: int, n: int, *, n_valid: int | None = None) -> TokenProbs:
-    """Probabilities from one step's raw logits, as llama-server gives them by default: the softmax of
-    the logits (no penalty, no temperature, no top-k/top-p/min-p), ``tok``'s natural-log probability and
-    the ``n`` most probable ids (descending, ties by lower id).
-
-    Args:
-        logits: ``float32`` (vocab,), the step's logits (not modified).
-        tok: the token sampled at this step.
-        n: how many top ids to list (``n_probs``).
-        n_valid: ids ``>= n_valid`` (tokenizer padding, never sampled) are left out of the softmax
-            (default as :class:`Sampler`). NaN counts as ``-inf``; if any logit is ``+inf``, those share
-            the probability equally (the sampler's convention).
-
-    The log-sum-exp sums FP32 ``exp`` terms in float64 (FP32 ``exp`` is vectorised; float64's ran ~15x
-    slower here), so a logprob is good to ~1e-6. Returns a ``TokenProbs`` (``post_sampling`` False);
-    ``tok``'s logprob is ``-inf`` if it has no probability. ValueError if no logit is finite.
-    """
-    nv = _default_n_valid(logits.shape[0]) if n_valid is None else int(n_valid)
-    x = np.array(logits[:nv], dtype=np.float32)
-    m = float(x.max())
-    if not math.isfinite(m):  # NaN or +inf somewhere (rare): the sampler's convention
-        _sanitize(x)
-        m = float(x.max())
-        if m == -math.inf:
-            raise ValueError("no finite logits to take probabilities of")
-    lse = m + math.log(float(np.sum(np.exp(x - np.float32(m)), dtype=np.float64)))
-    ids = _top_ids(x, n)
-    top = tuple(TokenLogprob(int(i), float(x[i]) - lse) for i in ids)
-    mine = float(x[tok]) - lse if 0 <= tok < nv else -math.inf
-    return TokenProbs(int(tok), mine, top, post_sampling=False)
-
-
-def distribution_probs(tok: int, n: int, ids: np.ndarray, p: np.ndarray, *, post_sampling: bool = False) -> TokenProbs:
-    """Probabilities of a timing-only step drawn from a known distribution (``ids`` with probabilities
-    ``p``: a grammar's stand-in, ``GrammarMatcher.stand_in_distribution``): ``tok``'s and the ``n`` most
-    probable ids (descending, ties by lower id); ``from_logits`` False."""
-    order = np.lexsort((ids, -p))[: max(n, 0)]
-    hit = np.flatnonzero(ids == tok)
-    mine = math.log(float(p[hit[0]])) if hit.size and p[hit[0]] > 0 else -math.inf
-    top = tuple(TokenLogprob(int(ids[i]), math.log(float(p[i]))) for i in order if p[i] > 0)
-    return TokenProbs(int(tok), mine, top, post_sampling=post_sampling, from_logits=False)
-
-
-def uniform_probs(tok: int, n: int, lo: int, hi: int, *, post_sampling: bool = False) -> TokenProbs:
-    """Probabilities of a timing-only step (no logits): the seeded generator draws uniformly from the
-    ids ``[lo, hi)``, so each has probability ``1 / (hi - lo)``. All tie: ``top`` lists ``tok`` first, then
-    the lowest other ids, ``n`` in all (at most ``hi - lo``). ValueError for an empty range."""
-    if hi <= lo:
-        raise ValueError(f"empty id range [{lo}, {hi})")
-    lp = -math.log(hi - lo)
-    k = min(max(n, 0), hi - lo)
-    ids = [tok] if k and lo <= tok < hi else []
-    i = lo
-    while len(ids) < k:
-        if i != tok:
-            ids.append(i)
-        i += 1
-    return TokenProbs(int(tok), lp if lo <= tok < hi else -math.inf, tuple(TokenLogprob(j, lp) for j in ids),
-                      post_sampling=post_sampling, from_logits=False)
-
-
-# --- benchmark -----------------------------------------------------------------------

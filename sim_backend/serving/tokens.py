@@ -23,8 +23,9 @@ from sim_backend.model.tokenizer import get_tokenizer
 from sim_backend.model.vocab import EOS_IDS, N_BPE
 from sim_backend.planes.types import ChatRequest, TokenProbs
 from sim_backend.serving.grammar import GrammarMatcher
-from sim_backend.serving.sampling import Sampler, bf16_to_f32, distribution_probs, logit_probs, uniform_probs
+from sim_backend.serving.sampling import Sampler, bf16_to_f32
 from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder, Tokenizer
+from sim_backend.serving.token_probs import distribution_probs, logit_probs, uniform_probs
 
 #: BF16 bits of -inf (sign 1, exponent all ones, mantissa 0)
 _BF16_NEG_INF = np.uint16(0xFF80)
@@ -51,9 +52,9 @@ class TokenPipeline:
         EOS ids leave the mask unless the grammar allows nothing else (a complete sentence then ends).
 
     With ``req.n_probs`` > 0 each sampled token's ``TokenProbs`` is appended to ``probs`` (aligned with
-    ``generated``): from the step's raw logits (``sampling.logit_probs``), or after the sampler chain
+    ``generated``): from the step's raw logits (``token_probs.logit_probs``), or after the sampler chain
     with ``req.post_sampling_probs`` (``Sampler.post_sampling_probs``); a timing-only step from the
-    seeded generator's uniform distribution over ``text_ids`` (``sampling.uniform_probs``; with a
+    seeded generator's uniform distribution over ``text_ids`` (``token_probs.uniform_probs``; with a
     grammar the stand-in's draw is over the allowed ids instead, which these probabilities do not show).
     """
 

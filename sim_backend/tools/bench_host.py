@@ -8,7 +8,8 @@ import time
 import numpy as np
 
 from sim_backend.planes.types import SamplingParams
-from sim_backend.serving.sampling import N_VALID, VOCAB_SIZE, Sampler, bf16_to_f32, f32_to_bf16, naive_sample
+from sim_backend.serving.sampling import N_VALID, VOCAB_SIZE, Sampler, bf16_to_f32, f32_to_bf16
+from sim_backend.serving.sampling_reference import naive_sample
 
 
 def _bench_logits(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -61,13 +61,13 @@ async def test_full_maintenance_window(system):
         # ... when the operator enters exclusive mode; the mode a snapshot reports while the drain runs
         # (read inside the engine's drain itself: a sampling thread could be starved past a 0.5 s drain)
         seen: list[str] = []
-        drain = system.engine.drain
+        drain = system.engine.gate.drain
 
         def drain_and_look(*a, **k):
             seen.append(m.mode()["mode"])
             return drain(*a, **k)
 
-        system.engine.drain = drain_and_look
+        system.engine.gate.drain = drain_and_look
         await click_button(pilot, "#m-enter")
         assert await wait_for(pilot, lambda: pane.lease is not None)
         seen.append(m.mode()["mode"])

@@ -205,7 +205,7 @@ async def test_b8_bundle_shows_batch_occupancy_and_slots_of_two_chats_decoding_t
         assert await wait_for(pilot, lambda: app.last_snapshot is not None)
         await pilot.pause()
         assert "batches" in pane.listed() and "batches" in displayed(pane)
-        hs = [system.engine.submit(ChatRequest(messages=({"role": "user", "content": f"chat {i}"},), max_tokens=12,
+        hs = [system.inference.submit(ChatRequest(messages=({"role": "user", "content": f"chat {i}"},), max_tokens=12,
                                                sampling=SamplingParams.greedy(seed=1))) for i in range(2)]
         for h in hs:
             h.result(60)

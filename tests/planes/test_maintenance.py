@@ -118,7 +118,7 @@ def test_bad_enter_arguments_refused(system):
             m.enter_exclusive("alice", **kw)
     with pytest.raises(MaintenanceRefused):
         m.enter_exclusive("")
-    assert m.mode()["mode"] == "serving" and system.engine.admitting
+    assert m.mode()["mode"] == "serving" and system.engine.gate.admitting
 
 
 # --- exclusive mode ---------------------------------------------------------------------------
@@ -129,13 +129,13 @@ def test_enter_cancels_streaming_request_after_bounded_drain_and_refuses_new_one
     h = inf.submit(req("tell me a long story", 4000))
     assert first_token(h)
     modes: list = []
-    drain = system.engine.drain
+    drain = system.engine.gate.drain
 
     def drain_and_look(*a, **k):  # what a snapshot says while the drain runs (a sampling thread can be starved)
         modes.append(system.observation.snapshot().device)
         return drain(*a, **k)
 
-    system.engine.drain = drain_and_look
+    system.engine.gate.drain = drain_and_look
     t0 = time.perf_counter()
     lease = m.enter_exclusive("alice", drain_timeout_s=0.3)
     wall = time.perf_counter() - t0

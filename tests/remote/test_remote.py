@@ -246,18 +246,18 @@ def test_a_lease_is_lost_when_the_server_cannot_be_reached_for_a_ttl(make_server
         client.close()
 
 
-def test_the_snapshot_feed_reads_the_stream_and_stops(make_server: Any) -> None:
-    from calconsole.remote import SnapshotFeed
+def test_the_snapshot_stream_reader_reads_the_stream_and_stops(make_server: Any) -> None:
+    from calconsole.remote import SnapshotStreamReader
 
     s = make_server()
     got: list[Any] = []
     with connect(s.url) as client:
-        feed = SnapshotFeed(client.connection, 5.0, got.append).start()
+        feed = SnapshotStreamReader(client.connection, 5.0, got.append).start()
         try:
             assert wait_until(lambda: len(got) >= 2, timeout=10.0)
         finally:
             feed.stop()
-        assert not feed._thread.is_alive()
+        assert not feed.alive
     assert got[0].device.name == s.system.observation.snapshot().device.name
     assert got[1].taken_unix_s > got[0].taken_unix_s
 

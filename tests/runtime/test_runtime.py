@@ -447,7 +447,7 @@ def test_a_leftover_one_token_prefill_chunk_runs_the_decode_submodel():
                       host_time="measured", prefill_chunk=26) as system:
         rec = StepRecorder()
         system.board.add_listener(rec)
-        res = system.engine.generate(ChatRequest.from_prompt(ENGINE_PROMPT, max_tokens=2), timeout=30)
+        res = system.inference.generate(ChatRequest.from_prompt(ENGINE_PROMPT, max_tokens=2), timeout=30)
         steps = rec.wait_for(3)
     assert res.status == "finished" and res.timings.prompt_n == 27 and res.timings.predicted_n == 2
     assert [(s.kind, s.n_tokens, s.past_len) for s in steps] == [("prefill", 26, 0), ("decode", 1, 26),

@@ -145,11 +145,11 @@ def test_a_busy_slot_is_refused_and_keeps_its_request(make_server, tmp_path: Pat
 
 def test_no_slot_action_while_admission_is_stopped(srv):
     """Maintenance stops admission (drain, exclusive mode): a slot action then is refused like a request."""
-    srv.system.engine.pause_admission("device in maintenance (test)")
+    srv.system.engine.gate.pause("device in maintenance (test)")
     try:
         assert "maintenance" in error_of(act(srv, 0, "erase"), 503, "unavailable_error")
     finally:
-        srv.system.engine.resume_admission()
+        srv.system.engine.gate.resume()
     assert act(srv, 0, "erase").status_code == 200
 
 

@@ -121,13 +121,13 @@ def test_from_dict_requires_max_tokens_and_checks_values(system):
 
 def test_paused_admission_is_unavailable(system):
     before = state(system)
-    system.engine.pause_admission("maintenance window")
+    system.engine.gate.pause("maintenance window")
     try:
         with pytest.raises(UnavailableError, match="maintenance window") as ei:
             system.inference.submit(req())
         assert ei.value.error_type == "unavailable_error"
     finally:
-        system.engine.resume_admission()
+        system.engine.gate.resume()
     assert state(system) == before
 
 
@@ -136,9 +136,9 @@ def test_paused_admission_is_unavailable(system):
 
 def exact_prompt(system, n_tokens: int, word: str = "hello") -> ChatRequest:
     """A request whose templated prompt is exactly ``n_tokens`` tokens."""
-    overhead = len(system.engine.tokenize_prompt(ChatRequest.from_prompt(word))) - 1
+    overhead = system.inference.count_prompt_tokens(ChatRequest.from_prompt(word)) - 1
     r = ChatRequest.from_prompt(word + f" {word}" * (n_tokens - overhead - 1), max_tokens=64)
-    n = len(system.engine.tokenize_prompt(r))
+    n = system.inference.count_prompt_tokens(r)
     assert n == n_tokens, (n, n_tokens)
     assert system.inference.count_prompt_tokens(r) == n_tokens
     return r

@@ -14,7 +14,8 @@ from sim_backend.model.tokenizer import get_tokenizer
 from sim_backend.model.vocab import EOS_IDS, VOCAB_SIZE
 from sim_backend.planes import ChatRequest, Grammar, SamplingParams, validate_request
 from sim_backend.serving import grammar as G
-from sim_backend.serving.sampling import Sampler, naive_sample
+from sim_backend.serving.sampling import Sampler
+from sim_backend.serving.sampling_reference import naive_sample
 from sim_backend.serving.tokens import TokenPipeline
 from tests.grammar_check import GBNF, GBNF_RE, OPEN, PERSON, violations
 

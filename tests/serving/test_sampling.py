@@ -14,7 +14,8 @@ from sim_backend.errors import InvalidRequestError
 from sim_backend.model.bf16 import bf16_to_f32, f32_to_bf16
 from sim_backend.model.vocab import VOCAB_SIZE
 from sim_backend.planes import SamplingParams
-from sim_backend.serving.sampling import N_VALID, Sampler, _apply_penalties, naive_sample
+from sim_backend.serving.sampling import N_VALID, Sampler
+from sim_backend.serving.sampling_reference import apply_penalties, naive_sample
 from sim_backend.tools.bench_host import bench_host
 
 
@@ -242,7 +243,7 @@ def test_penalties_touch_only_window_ids():
     p = SamplingParams(repeat_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25, repeat_last_n=4)
     y = x.copy()
     recent = [900, 5, 6, 6, 5, 5]  # window (last 4): 6, 6, 5, 5 ; 900 is outside
-    _apply_penalties(y, recent, p)
+    apply_penalties(y, recent, p)
     changed = set(np.flatnonzero(y != x).tolist())
     assert changed == {5, 6}
     assert y[5] == np.float32(2.0 / 2.0 - 2 * 0.25 - 0.5)
@@ -254,13 +255,13 @@ def test_penalty_window_modes():
     base = SamplingParams(repeat_penalty=2.0)
     for last_n, expect in ((0, set()), (-1, {1, 2, 3}), (2, {2, 3})):
         y = x.copy()
-        _apply_penalties(y, [1, 2, 3], SamplingParams(repeat_penalty=2.0, repeat_last_n=last_n))
+        apply_penalties(y, [1, 2, 3], SamplingParams(repeat_penalty=2.0, repeat_last_n=last_n))
         assert set(np.flatnonzero(y != x).tolist()) == expect
     y = x.copy()
-    _apply_penalties(y, [1, 1], SamplingParams())  # all neutral: no-op
+    apply_penalties(y, [1, 1], SamplingParams())  # all neutral: no-op
     assert np.array_equal(x, y)
     with pytest.raises(ValueError):
-        _apply_penalties(x.copy(), [10], base)
+        apply_penalties(x.copy(), [10], base)
 
 
 def test_repeat_penalty_changes_greedy_choice():

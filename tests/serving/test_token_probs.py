@@ -10,7 +10,8 @@ import pytest
 
 from sim_backend.model.bf16 import f32_to_bf16
 from sim_backend.planes import ChatRequest, SamplingParams
-from sim_backend.serving.sampling import N_VALID, Sampler, logit_probs, uniform_probs
+from sim_backend.serving.sampling import N_VALID, Sampler
+from sim_backend.serving.token_probs import logit_probs, uniform_probs
 from sim_backend.serving.tokens import TokenPipeline
 
 
@@ -146,7 +147,7 @@ def test_grammar_stand_in_probabilities_are_its_draws():
     from types import SimpleNamespace
 
     from sim_backend.serving import grammar as G
-    from sim_backend.serving.sampling import distribution_probs
+    from sim_backend.serving.token_probs import distribution_probs
 
     eos, closer = np.zeros(8, bool), np.zeros(8, bool)
     eos[7], closer[5:7] = True, True

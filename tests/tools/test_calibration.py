@@ -228,7 +228,7 @@ def test_engine_path_measured_books_only_measured_host_work():
     with _timing_only_system(host_time="measured") as system:
         rec = StepRecorder()
         system.board.add_listener(rec)
-        res = system.engine.generate(ChatRequest.from_prompt(ENGINE_PROMPT, max_tokens=8), timeout=30)
+        res = system.inference.generate(ChatRequest.from_prompt(ENGINE_PROMPT, max_tokens=8), timeout=30)
         steps = rec.wait_for(8)
     assert [s.kind for s in steps] == ["prefill"] + ["decode"] * 7   # 8 tokens: the 8th is never fed back
     assert steps[0].n_tokens == 27 and [s.past_len for s in steps[1:]] == list(range(27, 34))
@@ -253,7 +253,7 @@ def test_engine_path_modeled_books_the_allowance_per_sampled_token_whatever_this
                       host_timer=ScriptedHostTimer(host_step_us)) as system:
         rec = StepRecorder()
         system.board.add_listener(rec)
-        res = system.engine.generate(ChatRequest.from_prompt(ENGINE_PROMPT, max_tokens=8), timeout=30)
+        res = system.inference.generate(ChatRequest.from_prompt(ENGINE_PROMPT, max_tokens=8), timeout=30)
         steps = rec.wait_for(8)
     t = res.timings
     assert t.host_time == "modeled"
@@ -309,7 +309,7 @@ def test_timing_only_and_numeric_price_the_same_routing_statistics_identically()
         with build_system(numerics=numerics, maintenance=False, n_slots=1) as system:
             rec = StepRecorder()
             system.board.add_listener(rec)
-            system.engine.generate(req, timeout=60)
+            system.inference.generate(req, timeout=60)
             results[numerics] = rec.wait_for(2)
     cm = CostModel.load()
     t_pre, t_dec = results[False]
@@ -425,5 +425,5 @@ def test_queue_time_is_waiting_for_a_slot_not_tokenising():
 
     with build_system(numerics=False, maintenance=False, n_slots=1, host_time="measured",
                       host_timer=ScriptedHostTimer(700.0)) as system:
-        res = system.engine.generate(ChatRequest.from_prompt("hi", max_tokens=2), timeout=30)
+        res = system.inference.generate(ChatRequest.from_prompt("hi", max_tokens=2), timeout=30)
     assert res.timings.host_ms["tokenize"] > 0 and res.timings.queue_ms == 0.0
