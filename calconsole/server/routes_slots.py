@@ -8,7 +8,7 @@ llama-server's 501 ``not_supported_error`` "This server does not support slots a
   tokens they hold and, when the device computes them, the K/V values) to ``DIR/NAME``;
   ``{"id_slot", "filename", "n_saved", "n_written", "timings": {"save_ms"}}``.
 - ``restore`` ``{"filename": NAME}``: replaces the slot's KV with the file's (all or nothing); the next
-  request sharing that prefix reuses it (``tokens_cached`` / ``timings.cache_n``);
+  request sharing that prefix reuses it (``timings.cache_n``);
   ``{"id_slot", "filename", "n_restored", "n_read", "timings": {"restore_ms"}}``.
 - ``erase``: frees the slot's cached KV; ``{"id_slot", "n_erased"}``.
 

@@ -619,6 +619,15 @@ def text_chunk(cid: str, created: int, model: str, fingerprint: str, text: str,
             "id": cid, "model": model, "system_fingerprint": fingerprint, "object": "text_completion"}
 
 
+def tokens_cached(res: RequestResult) -> int:
+    """llama-server's ``tokens_cached`` of a ``/completion`` result: the tokens the slot's KV holds once the
+    request is done (its ``slot.prompt``: the whole prompt, reused part included, and the reply but its last
+    token, which is never fed back), not the reused prefix (that is ``timings.cache_n``), as the real
+    llama-server reports it (tests/server/test_parity_llama_server.py ``test_tokens_cached_is_what_the_slot_holds``)."""
+    t = res.timings
+    return t.prompt_n + t.cache_n + max(0, t.predicted_n - 1)
+
+
 def native_completion(res: RequestResult, req: ChatRequest, n_ctx: int, model: str, *, id_slot: int,
                       return_tokens: bool, stream: bool, prompt: str = "", index: int = 0,
                       per_token: bool = False, eog_ids: tuple[int, ...] = ()) -> dict[str, Any]:
@@ -633,5 +642,5 @@ def native_completion(res: RequestResult, req: ChatRequest, n_ctx: int, model: s
                                                        eog_ids=eog_ids),
             "prompt": prompt,
             "has_new_line": "\n" in res.text, "truncated": False, "stop_type": res.stop_type,
-            "stopping_word": res.stopping_word, "tokens_cached": t.cache_n, "timings": timings(res),
+            "stopping_word": res.stopping_word, "tokens_cached": tokens_cached(res), "timings": timings(res),
             "calconsole": result_extension(res)}

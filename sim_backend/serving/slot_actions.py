@@ -98,8 +98,8 @@ class SlotActionRunner:
 
     def restore(self, idx: int, path: str) -> dict[str, Any]:
         """Replace idle slot ``idx``'s KV with a state ``save`` wrote (all or nothing): its cells, the
-        prompt tokens they hold (the slot's cached prefix: the next request sharing it reuses them, as
-        ``tokens_cached`` shows) and the K/V values. Returns {"n_restored", "n_read": file bytes,
+        prompt tokens they hold (the slot's cached prefix: the next request sharing it reuses them, as its
+        ``Timings.cache_n`` shows) and the K/V values. Returns {"n_restored", "n_read": file bytes,
         "restore_ms": host wall ms}.
 
         Raises InvalidRequestError ("Unable to restore slot": missing, damaged or foreign file, not

@@ -136,6 +136,17 @@ def test_fingerprint_and_settings(pair: tuple[str, str]) -> None:
         assert r.json()["default_generation_settings"]["params"]["seed"] == 4294967295
 
 
+def test_tokens_cached_is_what_the_slot_holds(pair: tuple[str, str]) -> None:
+    """``tokens_cached``: llama-server reports the tokens the slot holds after the request (its prompt and the reply
+    but the last token), whatever was reused; the reused prefix is ``timings.cache_n``."""
+    body = {"prompt": "The quick brown fox jumps", "n_predict": 3, "id_slot": 0, "ignore_eos": True, "temperature": 0}
+    for url in pair:
+        for _ in range(2):  # fresh, then with the prompt reused but its last token
+            r = call(url, "POST", "/completion", body).json()
+            assert r["tokens_cached"] == r["tokens_evaluated"] + r["tokens_predicted"] - 1, r
+        assert r["timings"]["cache_n"] > 0, r["timings"]
+
+
 def test_an_idle_slot_keeps_its_last_task(pair: tuple[str, str]) -> None:
     """llama-server keeps an idle slot's last task (id, prompt size, params) and resets its counters."""
     for url in pair:
