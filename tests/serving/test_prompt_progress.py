@@ -76,6 +76,6 @@ def test_an_idle_slot_keeps_its_last_request(make) -> None:  # noqa: F811
     assert (idle.prompt_n, idle.n_prefilled, idle.predicted_n, idle.max_tokens) == (len(PROMPT), len(PROMPT), 3, 3)
     assert idle.params["temperature"] == GREEDY.temperature
     assert idle.cached_tokens == len(PROMPT) + 2  # the KV it keeps now: the prompt and the tokens fed back
-    h.engine.erase_slot(0)
+    h.engine.slot_actions.erase(0)
     (erased,) = h.engine.slot_info()
     assert erased.last_request_id == res.request_id and erased.cached_tokens == 0
