@@ -41,6 +41,44 @@ class SystemFactory:
             self.systems.pop().close()
 
 
+_SAVED_CA_ENV: dict[str, str | None] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """No CA bundle for the tests' HTTP clients: every test talks plain http to 127.0.0.1 only.
+
+    Each ``httpx.Client`` (so each ``httpx.get`` / ``httpx.post``, each OpenAI SDK client, each attached
+    console's connection) builds an SSL context, and with ``SSL_CERT_FILE`` (or certifi's bundle) that
+    parses ~150 CA certificates: 62-68 ms CPU a client on the 2-core test host, ~1 ms with an empty
+    ``SSL_CERT_DIR`` (httpx reads it when ``trust_env`` is on, its default). The tests create thousands.
+    Set for this process and the CLI subprocesses it starts; restored at the end of the run.
+    """
+    import os
+    import tempfile
+
+    empty = tempfile.mkdtemp(prefix="calconsole-tests-no-ca-")
+    for var, value in (("SSL_CERT_FILE", None), ("SSL_CERT_DIR", empty)):
+        _SAVED_CA_ENV[var] = os.environ.get(var)
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import os
+    import shutil
+
+    empty = os.environ.get("SSL_CERT_DIR")
+    for var, value in _SAVED_CA_ENV.items():
+        if value is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = value
+    if empty and os.path.basename(empty).startswith("calconsole-tests-no-ca-"):
+        shutil.rmtree(empty, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def _settings_file_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """The console's settings file: never the user's own (CALCONSOLE_CONFIG), and no CALCONSOLE_* from outside."""
