@@ -88,12 +88,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"  sample interval per board, host wall s: mean {r['interval_mean_s']:.3f}, p95 {r['interval_p95_s']:.3f}, "
           f"max {r['interval_max_s']:.3f} (target {1 / args.hz:.3f}); samples {r['samples']}, "
           f"failed polls {r['failed']}")
+    print(f"  this process's event loop woke a 50 ms sleep late by p95 {r['loop_lag_ms_p95']:.1f} ms, max "
+          f"{r['loop_lag_ms_max']:.1f} ms (host wall; small: a late sample was late at its board)")
     rtt = (f", round trip host wall ms p50 {r['poll_ms_p50']:.1f}, p95 {r['poll_ms_p95']:.1f}" if r["polled"]
            else "")
     print(f"  samples pushed on /snapshot/stream: {r['streamed']} (no request, no round trip); polled: "
           f"{r['polled']}{rtt}")
     if not args.headless:
-        print(f"  table redraws: {r['redraws']}")
+        print(f"  table redraws in the {args.seconds:g} s: {r['redraws']}")
     for key, what in (("change_sample_s", "its sample"), ("change_shown_s", "the view's row")):
         if key in r and (key == "change_sample_s" or not args.headless):
             v = r[key]
@@ -122,12 +124,23 @@ async def _watch(fleet_file: Path, hz: float, seconds: float, headless: bool) ->
         failed += s.state != "up"
 
     redraws = 0
+    lag = LoopLag()
     if headless:
         mon = FleetMonitor(cfg, on_change=note)
         mon.start()
+        deadline = time.monotonic() + 60.0  # every board's first poll and stream start are not counted
+        while time.monotonic() < deadline and any(len(v) < 2 for v in stamps.values()):
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(2.0)
+        for v in stamps.values():
+            v.clear()
+        polls.clear()
+        streamed = failed = 0
+        lag.start()
         c0, w0 = os.times(), time.monotonic()
         await asyncio.sleep(seconds)
         c1, w1 = os.times(), time.monotonic()
+        await lag.stop()
         change = await state_change(mon, cfg.boards[0], 10.0 / hz)
         await mon.stop()
     else:
@@ -143,15 +156,23 @@ async def _watch(fleet_file: Path, hz: float, seconds: float, headless: bool) ->
         for p in app.monitor.pollers:
             p.on_sample = record
         async with app.run_test(size=(160, 48)):
-            await asyncio.sleep(min(3.0, seconds / 4))  # mount and the first polls: not counted
+            # mount, every board's first poll (kind detection) and its stream's start are not counted: wait
+            # until every board has sent a streamed or second sample (bounded), then 2 s more
+            deadline = time.monotonic() + 60.0
+            while time.monotonic() < deadline and any(len(v) < 2 for v in stamps.values()):
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(2.0)
             for v in stamps.values():
                 v.clear()
             polls.clear()
             streamed = failed = 0
+            redraws0 = app.redraws
+            lag.start()
             c0, w0 = os.times(), time.monotonic()
             await asyncio.sleep(seconds)
             c1, w1 = os.times(), time.monotonic()
-            redraws = app.redraws
+            await lag.stop()
+            redraws = app.redraws - redraws0  # in the measured window only
             name = cfg.boards[0].name
             change = await state_change(app.monitor, cfg.boards[0], 10.0 / hz,
                                         shown=lambda: "exclusive" in app.row_text(name))
@@ -166,8 +187,34 @@ async def _watch(fleet_file: Path, hz: float, seconds: float, headless: bool) ->
     return {"cpu_percent": cpu, "interval_mean_s": statistics.fmean(intervals) if intervals else float("nan"),
             "interval_p95_s": pct(intervals, 0.95), "interval_max_s": intervals[-1] if intervals else float("nan"),
             "samples": sum(len(v) for v in stamps.values()), "failed": failed,
-            "streamed": streamed, "polled": len(polls),
+            "streamed": streamed, "polled": len(polls), "loop_lag_ms_p95": pct(sorted(lag.lags_ms), 0.95),
+            "loop_lag_ms_max": max(lag.lags_ms, default=float("nan")),
             "poll_ms_p50": pct(polls, 0.5), "poll_ms_p95": pct(polls, 0.95), "redraws": redraws, **change}
+
+
+class LoopLag:
+    """How late this process's event loop wakes a task that sleeps ``tick_s`` (host wall ms over the sleep):
+    a loop that keeps up wakes it within a few ms; a late sample with a small lag was late at its board."""
+
+    def __init__(self, tick_s: float = 0.05) -> None:
+        self.tick_s = tick_s
+        self.lags_ms: list[float] = []
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(self.tick_s)
+            self.lags_ms.append(max(0.0, (time.monotonic() - t - self.tick_s) * 1e3))
+
+    def start(self) -> None:
+        self.lags_ms.clear()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
 async def state_change(monitor, spec, timeout_s: float, shown=None) -> dict:

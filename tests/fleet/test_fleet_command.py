@@ -108,3 +108,16 @@ def test_serve_boards_starts_isolated_boards_and_stops_them_all(tmp_path: Path) 
     for b in boards:
         with pytest.raises(httpx.TransportError):
             httpx.get(b["url"] + "/health", timeout=2)
+
+
+def test_bench_fleet_prints_its_figures(capsys: pytest.CaptureFixture[str]) -> None:
+    """``calconsole bench fleet`` over 2 served boards: CPU, sample intervals (every board streamed), the
+    event loop's lag and a board entering exclusive mode reaching its sample and its row. Figures only: no
+    timing is asserted, only that each was measured."""
+    assert main(["bench", "fleet", "--boards", "2", "--seconds", "5", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["boards"] == 2 and r["failed"] == 0 and r["samples"] >= 2
+    assert r["streamed"] == r["samples"] and r["polled"] == 0  # calconsole boards push their samples
+    assert r["cpu_percent"] > 0 and r["interval_mean_s"] > 0 and r["loop_lag_ms_max"] >= 0
+    assert r["change_sample_s"] is not None and r["change_shown_s"] is not None
+    assert r["change_shown_s"] >= r["change_sample_s"] > 0
