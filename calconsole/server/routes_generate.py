@@ -199,9 +199,9 @@ async def completion(face: ServingFace, request: Request) -> Response:
 
     def piece(i: int, ev: TokenEvent) -> list[dict[str, Any]]:
         streamed[i] = ev.n_tokens
-        # the slot the request runs in (the request's own id_slot when the plane does not say)
-        slot = ev.id_slot if ev.id_slot >= 0 else reqs[i].id_slot
-        c = wire.native_chunk(ev.text, list(ev.tokens), id_slot=slot, n_predicted=ev.n_tokens,
+        # llama-server names the slot only in the final chunk: its partial chunks carry id_slot -1
+        # (measured on the real server: -1 even for a request sent to id_slot 1)
+        c = wire.native_chunk(ev.text, list(ev.tokens), id_slot=-1, n_predicted=ev.n_tokens,
                               n_evaluated=n_prompt[i])
         c["index"] = i
         if per_token:  # llama-server's per-chunk timings need counts the face does not see: ours instead
@@ -222,6 +222,6 @@ async def completion(face: ServingFace, request: Request) -> Response:
         return piece(i, ev) + [final(res, i)]
 
     def progress(i: int, ev: ProgressEvent) -> list[dict[str, Any]]:
-        return [wire.native_progress_chunk(ev, index=i, id_slot=ev.id_slot if ev.id_slot >= 0 else reqs[i].id_slot)]
+        return [wire.native_progress_chunk(ev, index=i, id_slot=-1)]  # a partial chunk, as the pieces
 
     return await face.stream(reqs, [], piece, last, False, progress)

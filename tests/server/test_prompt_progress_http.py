@@ -114,7 +114,7 @@ def test_a_return_progress_that_is_not_a_boolean_is_refused(pair: tuple[str, str
 
 def test_one_chunk_per_prefill_step(make_server: Any) -> None:
     """A prompt over several prefill steps: one progress chunk each, ``processed`` growing by the step's tokens
-    (here 4), ``time_ms`` simulated and growing; the pieces come after the last, with the slot actually used."""
+    (here 4), ``time_ms`` simulated and growing; the pieces come after the last; only the final chunk names the slot actually used."""
     s = make_server(system_kw={"n_slots": 2, "prefill_chunk": 4})
     prompt = list(range(100, 114))  # 14 tokens: steps of 4, 4, 4, 2
     events = body_of(call(s.url, "POST", "/completion", {"prompt": prompt, "n_predict": 2, "id_slot": 1, **P}))
@@ -124,7 +124,8 @@ def test_one_chunk_per_prefill_step(make_server: Any) -> None:
     assert times[0] == 0 and times == sorted(times) and times[-1] > 0
     kinds = [kind_of(e, "native") for e in events]
     assert kinds == ["progress"] * 5 + ["piece"] * kinds.count("piece") + ["final"], kinds
-    assert {e["id_slot"] for e in events} == {1}  # every chunk names the slot it ran in
+    # as llama-server: the partial chunks say id_slot -1, the final one names the slot it ran in
+    assert {e["id_slot"] for e in events[:-1]} == {-1} and events[-1]["id_slot"] == 1
 
 
 def test_openai_sdk_streams_with_progress(pair: tuple[str, str]) -> None:
@@ -135,3 +136,14 @@ def test_openai_sdk_streams_with_progress(pair: tuple[str, str]) -> None:
     assert len(prog) >= 2 and prog[-1]["processed"] == prog[-1]["total"]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_only_the_final_chunk_names_the_slot(pair: tuple[str, str]) -> None:
+    """llama-server's partial chunks (progress and pieces) carry ``id_slot`` -1, even for a request sent to
+    slot 1; the final chunk names the slot it ran in. Ours the same, chunk for chunk."""
+    body = {"prompt": "Once upon a time", "n_predict": 3, "id_slot": 1, **P, **FULL}
+    ours, theirs = both(pair, "POST", "/completion", body)
+    assert ours.status_code == theirs.status_code == 200
+    for events in (body_of(ours), body_of(theirs)):
+        assert {e["id_slot"] for e in events[:-1]} == {-1}, events
+        assert events[-1]["stop"] is True and events[-1]["id_slot"] == 1, events[-1]
