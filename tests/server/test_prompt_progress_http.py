@@ -114,7 +114,8 @@ def test_a_return_progress_that_is_not_a_boolean_is_refused(pair: tuple[str, str
 
 def test_one_chunk_per_prefill_step(make_server: Any) -> None:
     """A prompt over several prefill steps: one progress chunk each, ``processed`` growing by the step's tokens
-    (here 4), ``time_ms`` simulated and growing; the pieces come after the last; only the final chunk names the slot actually used."""
+    (here 4), ``time_ms`` simulated and growing; the pieces come after the last; only the final chunk names
+    the slot actually used."""
     s = make_server(system_kw={"n_slots": 2, "prefill_chunk": 4})
     prompt = list(range(100, 114))  # 14 tokens: steps of 4, 4, 4, 2
     events = body_of(call(s.url, "POST", "/completion", {"prompt": prompt, "n_predict": 2, "id_slot": 1, **P}))
