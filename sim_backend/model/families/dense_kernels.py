@@ -5,43 +5,69 @@ scale ``d`` and an F16 minimum ``m``; weight = d q + m) and its tied embedding /
 codes, an F16 scale). llama.cpp's CPU backend never dequantises them for a matrix product: it quantises
 the activation row entering each product to 8-bit blocks of 32 (Q8_1 for Q4_1 weights: codes
 ``round(x * 127 / amax)``, scale ``amax / 127`` and the scaled code sum, both stored as F16; Q8_0 for
-Q8_0 weights) and sums integer dot products per block (``ggml_vec_dot_q4_1_q8_1``:
-``d_w d_x sum(q_w q_x) + m_w s_x``; ``ggml_vec_dot_q8_0_q8_0``: ``d_w d_x sum(q_w q_x)``). Its K/V cache
-is F16. This module does the same arithmetic, so that the pilot's replies follow llama.cpp's on the same
-file, and reads 1 byte a weight (the codes) instead of 4 (float32 dequantised): the decode step streams
-~134 MB instead of ~540 MB.
+Q8_0 weights) and sums integer dot products per block. This module does the same arithmetic in the same
+order, so that the pilot's logits are llama.cpp's (the x86-64 AVX2 + FMA + F16C build of ggml that the
+``xllamacpp`` wheel ships, whose ``llama-server`` the tests run), and reads 1 byte a weight (the codes):
+the decode step streams ~134 MB.
 
-What is emulated exactly: the activation quantisation (round half to even, as the AVX2 kernels' rounding
-mode; codes in -127..127), the F16 rounding of the activation block scales and sums, the integer block sums
-(exact in any order), F16 rounding of K and V as they are written to the cache, RMSNorm with its sum of
-squares in float64 (ggml's ``ggml_float``), the RoPE angles as ggml builds them (``pos * theta_scale^i`` by
-repeated float32 multiplication). What is not: the order of float32 additions over blocks and SIMD lanes,
-the exp implementation (``kernels.exp_f32``, within 2 ulp), and the F16 accumulation of llama.cpp's
-single-query flash-attention path (here attention is float32 on the F16 K/V, as its tiled path computes
-it). These differ from llama.cpp by float32 rounding only, but a quantised model is chaotic at that
-scale: a rounding difference that flips one activation code moves log-probabilities by ~0.1 nats
-(measured: scaling the embeddings by 1 + 3e-7 moved the top-5 log-probabilities of the first reply token
-by 0.10-0.20 nats with quantised activations, 0.001-0.003 without). That, not a modelling error, bounds the
-agreement with llama.cpp (tests/real/test_pilot_vs_llamacpp.py).
+What is emulated, operation by operation (ggml-cpu's ``arch/x86/quants.c``, ``vec.h`` / ``vec.cpp``,
+``ops.cpp``; checked bit for bit against the wheel's own functions, ``tests/real/test_pilot_ggml_ops.py``):
 
-Determinism: every float operation runs in the order written (no ``fastmath``: no reassociation, no
-fused multiply-add), integer sums are exact, so a step's logits are the same bits on any x86-64 host
-whatever its BLAS (no BLAS is used here). Shapes: H hidden, D head dim, F MLP width, K a product's input
-length, N its outputs, nb = K / 32 blocks.
+- activation quantisation (``quantize_row_q8_1`` / ``q8_0``): per block amax, codes ``rint(x * (127 /
+  amax))`` (round half to even), F16 scale and sum (``quantise_rows``);
+- the block dot products (``ggml_vec_dot_q4_1_q8_1`` / ``q8_0_q8_0``, AVX2): the integer products of a
+  block summed in 8 lanes of 4 weights each, each lane accumulated over the blocks by a fused multiply-add
+  with the float32 product of the two F16 scales, the 8 lanes added pairwise (``hsum_float_8``), then the
+  Q4_1 minimums' term, itself accumulated by fused multiply-adds (``quant_matmul``, ``_accumulate``);
+- a product whose input rows are split over the chips (the output and down projections) is one
+  accumulation over all of its input blocks in chip order, as llama.cpp's one product over the whole row
+  (the lanes are carried chip to chip before the pairwise sum: ``dense_forward``);
+- RMSNorm (``ggml_compute_forward_rms_norm_f32`` fused with the weight's product): the sum of float32
+  squares in float64, mean and scale in float32, ``(x * scale) * w``;
+- RoPE (``rotate_pairs``, normal mode): the angle ``float32(pos)`` times ``powf(theta, -2 / D)`` i times
+  over, cos / sin by libm's ``cosf`` / ``sinf``, the rotation as compiled (``fma(x0, cos, -(x1 sin))``,
+  ``fma(x0, sin, x1 cos)``);
+- K and V written to the cache as F16 (round half to even);
+- attention as llama.cpp's CPU flash attention (``ggml_compute_forward_flash_attn_ext_f16``), which the
+  server turns on (``flash_attn`` auto on CPU): fewer than 64 queries in a step (decode, short prompts),
+  the query rounded to F16, each score a ``ggml_vec_dot_f16`` (4 x 8 float32 lanes of fused multiply-adds,
+  then a fixed pairwise sum), scaled, an online softmax with libm's ``expf`` and the value accumulator
+  kept in F16 (rounded after every key's fused multiply-add) (``attend_one``); 64 queries or more, its
+  tiled path: float32 query, 64-query x 64-key tiles, scores and value sums as float32 chains of fused
+  multiply-adds, the tile's softmax by ggml's SIMD exp (``v_expf``) summed 8 at a time (``attend_tiled``);
+- SwiGLU (``ggml_vec_swiglu_f32``): ``x / (1 + v_expf(0 - x)) * up`` with ggml's AVX2 exp polynomial;
+- the embedding row dequantised (``d * q``), the residual adds, the LM head as a Q8_0 product.
+
+What is not: llama.cpp's key order is its KV cells'; a fresh server's cells follow positions, which is the
+order used here (the tiled path's 64-key tiles are counted from the sequence's first position). The
+device returns the logits as BF16 (facts.md F1), so two logits within one BF16 step can swap after this
+point; that is the device's, not a numerics difference.
+
+Determinism: every float operation runs in the order written (no ``fastmath``; fused multiply-adds only
+where ggml has them, through ``llvm.fma``), integer sums are exact, ``expf`` / ``cosf`` / ``sinf`` / ``powf``
+are the C library's, so a step's logits are the same bits on any x86-64 host with the same libm (no BLAS).
+The F16 rounding uses the CPU's conversion (F16C on x86-64). Shapes: H hidden, D head dim, F MLP width,
+K a product's input length, N its outputs, nb = K / 32 blocks.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import types
+from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
-from sim_backend.model.kernels import _bits_to_f32, exp_f32, kernel
+from sim_backend.model.kernels import _bits_to_f32, kernel
 
 F32 = np.float32
 #: Weights per quantisation block (GGUF QK4_1 = QK8_0 = QK8_1 = 32).
 QK = 32
+#: float32 lanes of ggml's AVX2 vectors (GGML_F32_EPR); a block's dot product is summed in 8 lanes of 4.
+LANES = 8
+#: Queries (and keys) per tile of llama.cpp's tiled CPU flash attention (ggml-cpu common.h GGML_FA_TILE_Q /
+#: GGML_FA_TILE_KV); steps with fewer queries take its one-query-at-a-time path.
+FA_TILE = 64
 
 
 @intrinsic
@@ -55,18 +81,58 @@ def _f32_bits(typingctx, x):
     return sig, codegen
 
 
-@kernel()
-def f16_round(x):
-    """float32 -> the nearest IEEE half value (round half to even), returned as float32. Magnitudes at or
-    above 65520 give +-inf (half's overflow), below 2**-14 round to half's subnormal grid of 2**-24."""
-    a = abs(x)
-    if a >= np.float32(65520.0):
-        return np.float32(np.inf) if x > 0 else np.float32(-np.inf)
-    if a < np.float32(6.103515625e-05):
-        return np.float32(np.rint(x * np.float32(16777216.0)) * np.float32(5.9604644775390625e-08))
-    u = _f32_bits(x)
-    u = (u + np.int32(0xFFF) + ((u >> 13) & np.int32(1))) & np.int32(-8192)
-    return _bits_to_f32(u)
+@intrinsic
+def fma32(typingctx, a, b, c):
+    """``a * b + c`` with one rounding (float32; ``llvm.fma``, one instruction on FMA hardware)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+def _libm(name: str, nargs: int):  # noqa: ANN202 (a numba intrinsic)
+    """A call of the C library's float32 function ``name`` (``expf``, ...), as ggml calls it."""
+
+    def typer(typingctx, *args):
+        sig = types.float32(*([types.float32] * nargs))
+
+        def codegen(context, builder, signature, cargs):
+            fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()] * nargs)
+            return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), cargs)
+
+        return sig, codegen
+
+    if nargs == 1:
+        def one(typingctx, x):
+            return typer(typingctx, x)
+        return intrinsic(one)
+
+    def two(typingctx, x, y):
+        return typer(typingctx, x, y)
+    return intrinsic(two)
+
+
+#: libm's float32 exp, cos, sin and pow (ggml's expf in its flash attention, cosf / sinf / powf in RoPE).
+expf = _libm("expf", 1)
+cosf = _libm("cosf", 1)
+sinf = _libm("sinf", 1)
+powf = _libm("powf", 2)
+
+
+@intrinsic
+def f16_round(typingctx, x):
+    """float32 -> the nearest IEEE half value (round half to even, +-inf past 65504), as float32: the CPU's
+    own conversion (``fptrunc`` to half and back; F16C on x86-64), as ggml's ``GGML_CPU_FP32_TO_FP16``."""
+    sig = types.float32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
 
 
 @kernel()
@@ -97,59 +163,172 @@ def quantise_rows(x, q, d, s):
 
 #: Tokens whose products share one pass over a weight block (the block's codes stay in L1 meanwhile).
 TOKEN_GROUP = 8
+#: Outputs per tile of a product (a tile's 8 lanes for TOKEN_GROUP tokens stay in cache over the blocks).
+OUT_TILE = 256
 
 
 @kernel()
-def quant_matmul(codes_t, dw_t, mw_t, xq, xd, xs, tot, out):
-    """out (n, N) = x @ W for a quantised W, as llama.cpp's vec_dot kernels sum it per output and token:
-    ``sum over blocks b of (dw[b] xd[b]) * sum_j(q_w q_x) + mw[b] xs[b]`` (the minimums' sum added last).
+def _accumulate(codes_t, dw_t, mw_t, has_min, xq, xd, xs, t0, g, r0, rw, lanes, summs):
+    """Add one quantised weight's blocks to the running sums of outputs r0..r0+rw of tokens t0..t0+g, in
+    ggml_vec_dot_q4_1_q8_1's (``has_min``) / q8_0_q8_0's order: per block b, ``dd = dw[b] * xd[b]``
+    (float32), lane l's integer sum over the block's weights 4l..4l+3 (exact in float32, so summed in any
+    order), ``lanes[l] = fma(dd, lane sum, lanes[l])``; Q4_1: ``summs = fma(mw[b], xs[b], summs)``.
 
     codes_t (K, N) the weight codes transposed (uint8 0..15 for Q4_1, int8 for Q8_0), dw_t / mw_t (K/32, N)
-    float32 block scales / minimums (mw_t zeros for Q8_0); xq (n, K) float32 activation codes and
-    xd / xs (n, K/32) their block scales / sums (``quantise_rows``); tot (TOKEN_GROUP, N) float32 scratch.
-    The integer block sums are exact (float32 holds them: |sum| <= 32 * 127 * 127 < 2**24); the block
-    terms are added in block order, so the result does not depend on n or on the grouping of tokens.
-    """
-    n = xq.shape[0]
-    K, N = codes_t.shape
+    float32; xq (n, >=K) float32 activation codes, xd / xs (n, >=K/32) their block scales / sums; lanes
+    (TOKEN_GROUP, 8, OUT_TILE), summs (TOKEN_GROUP, OUT_TILE) float32."""
+    K = codes_t.shape[0]
     nb = K // QK
-    mins = np.empty((TOKEN_GROUP, N), dtype=np.float32)
-    for t0 in range(0, n, TOKEN_GROUP):
-        g = min(TOKEN_GROUP, n - t0)
-        for t in range(g):
-            for r in range(N):
-                out[t0 + t, r] = 0.0
-                mins[t, r] = 0.0
-        for b in range(nb):
+    for b in range(nb):
+        dwr = dw_t[b, r0:r0 + rw]
+        if has_min:
+            mwr = mw_t[b, r0:r0 + rw]
             for t in range(g):
-                for r in range(N):
-                    tot[t, r] = 0.0
-            for j in range(QK):
-                k = b * QK + j
-                row = codes_t[k]
-                for t in range(g):
-                    xk = xq[t0 + t, k]
-                    tt = tot[t]
-                    for r in range(N):
-                        tt[r] += np.float32(row[r]) * xk
-            dr = dw_t[b]
-            mr = mw_t[b]
+                sb = xs[t0 + t, b]
+                st = summs[t]
+                for r in range(rw):
+                    st[r] = fma32(mwr[r], sb, st[r])
+        for lane in range(LANES):
+            k = b * QK + lane * (QK // LANES)
+            c0 = codes_t[k, r0:r0 + rw]
+            c1 = codes_t[k + 1, r0:r0 + rw]
+            c2 = codes_t[k + 2, r0:r0 + rw]
+            c3 = codes_t[k + 3, r0:r0 + rw]
             for t in range(g):
                 db = xd[t0 + t, b]
-                sb = xs[t0 + t, b]
-                ot = out[t0 + t]
-                mt = mins[t]
-                tt = tot[t]
-                for r in range(N):
-                    ot[r] += (dr[r] * db) * tt[r]
-                    mt[r] += mr[r] * sb
-        for t in range(g):
-            for r in range(N):
-                out[t0 + t, r] += mins[t, r]
+                x0 = xq[t0 + t, k]
+                x1 = xq[t0 + t, k + 1]
+                x2 = xq[t0 + t, k + 2]
+                x3 = xq[t0 + t, k + 3]
+                lt = lanes[t, lane]
+                for r in range(rw):
+                    p = (np.float32(c0[r]) * x0 + np.float32(c1[r]) * x1) + (np.float32(c2[r]) * x2
+                                                                            + np.float32(c3[r]) * x3)
+                    lt[r] = fma32(dwr[r] * db, p, lt[r])
 
 
 @kernel()
-def _rms_norm64(x, w, eps, out):
+def _finish(lanes, summs, has_min, t0, g, r0, rw, out, add):
+    """out[t0+t, r0+r] (``add``: +=) the 8 lanes summed as ggml's hsum_float_8 (lanes 4-7 + 0-3, then
+    (0 + 2) + (1 + 3)), plus the Q4_1 minimums' sum last (``has_min``)."""
+    for t in range(g):
+        lt = lanes[t]
+        for r in range(rw):
+            s0 = lt[4, r] + lt[0, r]
+            s1 = lt[5, r] + lt[1, r]
+            s2 = lt[6, r] + lt[2, r]
+            s3 = lt[7, r] + lt[3, r]
+            y = (s0 + s2) + (s1 + s3)
+            if has_min:
+                y = y + summs[t, r]
+            if add:
+                out[t0 + t, r0 + r] += y
+            else:
+                out[t0 + t, r0 + r] = y
+
+
+@kernel()
+def _zero(lanes, summs, g, rw):
+    for t in range(g):
+        for lane in range(LANES):
+            for r in range(rw):
+                lanes[t, lane, r] = 0.0
+        for r in range(rw):
+            summs[t, r] = 0.0
+
+
+@kernel()
+def quant_matmul(codes_t, dw_t, mw_t, has_min, xq, xd, xs, scratch, out):
+    """out (n, N) = x @ W for a quantised W as llama.cpp's vec_dot kernels compute each output
+    (``_accumulate`` then ``_finish``); codes_t / dw_t / mw_t as ``_accumulate`` (mw_t unused unless
+    ``has_min``: Q4_1), xq / xd / xs from ``quantise_rows``; scratch a tuple (lanes, summs) as
+    ``_accumulate`` takes. The result does not depend on n or on the grouping of tokens and outputs."""
+    lanes, summs = scratch
+    n = xq.shape[0]
+    N = codes_t.shape[1]
+    for t0 in range(0, n, TOKEN_GROUP):
+        g = min(TOKEN_GROUP, n - t0)
+        for r0 in range(0, N, OUT_TILE):
+            rw = min(OUT_TILE, N - r0)
+            _zero(lanes, summs, g, rw)
+            _accumulate(codes_t, dw_t, mw_t, has_min, xq, xd, xs, t0, g, r0, rw, lanes, summs)
+            _finish(lanes, summs, has_min, t0, g, r0, rw, out, False)
+
+
+@kernel()
+def chained_matmul(codes_t, dw_t, mw_t, li, xq, xd, xs, scratch, out, add):
+    """out (n, N) (``add``: +=) = x @ W for a Q4_1 W whose input rows are split over the chips (the output and
+    down projections), as ONE llama.cpp product over the whole row: the chips' blocks accumulated into the
+    same lanes in chip order (``_accumulate``), then summed (``_finish``) once.
+
+    codes_t / dw_t / mw_t tuples over chips of (L, K_c, N) / (L, K_c/32, N) (layer ``li`` used); xq (C, n,
+    >=K_c) float32 each chip's activation codes, xd / xs (C, n, >=K_c/32); scratch as ``quant_matmul``."""
+    lanes, summs = scratch
+    C = xq.shape[0]
+    n = xq.shape[1]
+    N = out.shape[1]
+    for t0 in range(0, n, TOKEN_GROUP):
+        g = min(TOKEN_GROUP, n - t0)
+        for r0 in range(0, N, OUT_TILE):
+            rw = min(OUT_TILE, N - r0)
+            _zero(lanes, summs, g, rw)
+            for c in range(C):
+                _accumulate(codes_t[c][li], dw_t[c][li], mw_t[c][li], True, xq[c], xd[c], xs[c], t0, g, r0, rw,
+                            lanes, summs)
+            _finish(lanes, summs, True, t0, g, r0, rw, out, add)
+
+
+def _hexf(s: str) -> np.float32:
+    return np.float32(float.fromhex(s))
+
+
+# ggml_v_expf's constants (ggml-cpu vec.h, AVX2 + FMA), exactly as its hexadecimal float literals.
+_VX_SHIFT = _hexf("0x1.8p23")
+_VX_LOG2E = _hexf("0x1.715476p+0")
+_VX_LN2_HI = _hexf("0x1.62e4p-1")
+_VX_LN2_LO = _hexf("0x1.7f7d1cp-20")
+_VX_C4 = _hexf("0x1.0e4020p-7")
+_VX_C3 = _hexf("0x1.573e2ep-5")
+_VX_C2 = _hexf("0x1.555e66p-3")
+_VX_C1 = _hexf("0x1.fffdb6p-2")
+_VX_C0 = _hexf("0x1.ffffecp-1")
+
+
+@kernel()
+def v_expf(x):
+    """exp of a float32 as ggml's AVX2 + FMA ``ggml_v_expf`` computes one lane (ARM's optimized-routines
+    polynomial: max error 1.45 + 0.5 ulp; beyond |n| > 126 its slow path, lane by lane as its blend does;
+    0 for -inf). Integer steps wrap at 32 bits as the vector instructions do."""
+    z = fma32(x, _VX_LOG2E, _VX_SHIFT)
+    n = z - _VX_SHIFT
+    b = fma32(-n, _VX_LN2_LO, fma32(-n, _VX_LN2_HI, x))
+    e = np.int64(_f32_bits(z)) << 23
+    k = _bits_to_f32(np.int32(e + np.int64(0x3F800000)))
+    u = b * b
+    j = fma32(fma32(fma32(_VX_C4, b, _VX_C3), u, fma32(_VX_C2, b, _VX_C1)), u, _VX_C0 * b)
+    an = abs(n)
+    if not an > np.float32(126.0):
+        return fma32(j, k, k)
+    g = np.int64(0x82000000) if n <= np.float32(0.0) else np.int64(0)
+    s1 = _bits_to_f32(np.int32(g + np.int64(0x7F000000)))
+    s2 = _bits_to_f32(np.int32(e - g))
+    if an > np.float32(192.0):
+        return s1 * s1
+    return fma32(s2, j, s2) * s1
+
+
+@kernel()
+def swiglu(gu, f, act):
+    """act[:, :f] = silu(gate) * up as ggml_vec_swiglu_f32 (AVX2): ``gate / (1 + v_expf(0 - gate)) * up``;
+    gu (n, >=2f) float32 its gate (columns :f) then up (f:2f) outputs."""
+    for i in range(gu.shape[0]):
+        for j in range(f):
+            gv = gu[i, j]
+            act[i, j] = gv / (np.float32(1.0) + v_expf(np.float32(0.0) - gv)) * gu[i, f + j]
+
+
+@kernel()
+def rms_norm_row(x, w, eps, out):
     """out = (x * (1 / sqrt(mean(x^2) + eps))) * w as ggml computes it: the sum of float32 squares in float64,
     the mean and the scale in float32. x, w, out (H,) float32."""
     n = x.shape[0]
@@ -163,29 +342,174 @@ def _rms_norm64(x, w, eps, out):
 
 
 @kernel()
-def _rope_pairs(v, nh, D, cos, sin):
+def rope_rotate(v, nh, D, cos, sin):
     """Adjacent-pair RoPE in place (llama.cpp's "normal" mode) on the first nh heads of v (>= nh D,) float32,
-    head-major: pair i of a head = (v[2i], v[2i+1]) rotated by the angle whose cos/sin (D/2,) are given."""
+    head-major: pair i of a head (a, b) = (v[2i], v[2i+1]) -> (fma(a, cos, -(b sin)), fma(a, sin, b cos)),
+    as ggml's rotate_pairs is compiled (FMA contraction); cos/sin (D/2,) of the pair's angle."""
     for h in range(nh):
         o = h * D
         for i in range(D // 2):
             a = v[o + 2 * i]
             b = v[o + 2 * i + 1]
-            v[o + 2 * i] = a * cos[i] - b * sin[i]
-            v[o + 2 * i + 1] = a * sin[i] + b * cos[i]
+            v[o + 2 * i] = fma32(a, cos[i], -(b * sin[i]))
+            v[o + 2 * i + 1] = fma32(a, sin[i], b * cos[i])
+
+
+@njit(cache=True, nogil=True, error_model="numpy", boundscheck=False, inline="always")
+def _lane64(kc, cell, q16, a):
+    """Lane a of ggml_vec_dot_f16's 4 x 8 accumulators over a 64-element row, the 4 vectors already added as
+    its reduce does: (v0 + v2) + (v1 + v3), v_j = fma(k[32 + 8j + a], q[32 + 8j + a], k[8j + a] q[8j + a])."""
+    v0 = fma32(kc[cell, 32 + a], q16[32 + a], kc[cell, a] * q16[a])
+    v1 = fma32(kc[cell, 40 + a], q16[40 + a], kc[cell, 8 + a] * q16[8 + a])
+    v2 = fma32(kc[cell, 48 + a], q16[48 + a], kc[cell, 16 + a] * q16[16 + a])
+    v3 = fma32(kc[cell, 56 + a], q16[56 + a], kc[cell, 24 + a] * q16[24 + a])
+    return (v0 + v2) + (v1 + v3)
 
 
 @kernel()
-def _add_chip_sum(part, n, H, x):
-    """x[:n, :H] += the chips' partial products summed in chip order (part: float32 (C, >=n, >=H)): the
-    cross-chip reduce after the output projection and after the MLP's down projection."""
-    C = part.shape[0]
-    for i in range(n):
-        for j in range(H):
-            y = part[0, i, j]
-            for c in range(1, C):
-                y += part[c, i, j]
-            x[i, j] += y
+def _scores_f16(kc, q16, ctx_cells, e, D, scale, sc):
+    """sc[t] = ggml_vec_dot_f16(K[ctx_cells[t]], q16) * scale for the first e keys (AVX2 + F16C + FMA): per
+    key 4 x 8 float32 lanes of fused multiply-adds over steps of 32 elements (lane a of vector j holds
+    elements 32 i + 8 j + a), reduced (v0 + v2) + (v1 + v3), then the 8 lanes' halves and two horizontal adds;
+    leftover elements (D % 32) added in float64. kc (cells, D) float32 holding F16 values, q16 (D,) the query
+    rounded to F16; sc (>= e,) float32."""
+    npd = D - D % 32
+    r = np.empty(8, dtype=np.float32)
+    for t in range(e):
+        cell = ctx_cells[t]
+        if npd == 64:  # the pilot's head dim: two steps, written out (no stores) so that the 8 lanes vectorise
+            r0 = _lane64(kc, cell, q16, 0)
+            r1 = _lane64(kc, cell, q16, 1)
+            r2 = _lane64(kc, cell, q16, 2)
+            r3 = _lane64(kc, cell, q16, 3)
+            r4 = _lane64(kc, cell, q16, 4)
+            r5 = _lane64(kc, cell, q16, 5)
+            r6 = _lane64(kc, cell, q16, 6)
+            r7 = _lane64(kc, cell, q16, 7)
+            sc[t] = np.float32(np.float64(((r0 + r4) + (r1 + r5)) + ((r2 + r6) + (r3 + r7)))) * scale
+            continue
+        else:
+            for a in range(8):
+                v0 = np.float32(0.0)
+                v1 = np.float32(0.0)
+                v2 = np.float32(0.0)
+                v3 = np.float32(0.0)
+                for i0 in range(0, npd, 32):
+                    v0 = fma32(kc[cell, i0 + a], q16[i0 + a], v0)
+                    v1 = fma32(kc[cell, i0 + 8 + a], q16[i0 + 8 + a], v1)
+                    v2 = fma32(kc[cell, i0 + 16 + a], q16[i0 + 16 + a], v2)
+                    v3 = fma32(kc[cell, i0 + 24 + a], q16[i0 + 24 + a], v3)
+                r[a] = (v0 + v2) + (v1 + v3)
+        sf = np.float64(((r[0] + r[4]) + (r[1] + r[5])) + ((r[2] + r[6]) + (r[3] + r[7])))
+        for d in range(npd, D):
+            sf += np.float64(kc[cell, d] * q16[d])
+        sc[t] = np.float32(sf) * scale
+
+
+@kernel()
+def attend_one(qrow, kc, vc, ctx_cells, e, D, scale, q16, acc, sc, out):
+    """One query of one head as ggml_compute_forward_flash_attn_ext_f16_one_chunk (F16 K/V): q rounded to F16,
+    for each of the first e keys in ctx order a ggml_vec_dot_f16 score times ``scale`` (``_scores_f16``), an
+    online softmax (on a new maximum M: ``ms = expf(Mold - M)``, the F16 accumulator scaled by ms and
+    rounded; else ``vs = expf(s - M)``), ``acc = f16(fma(v, vs, acc))``, ``S = S * ms + vs``; out = acc *
+    (1 / S).
+
+    qrow (D,) float32; kc / vc (cells, D) float32 holding F16 values; q16 / acc (D,), sc (>= e,) scratch."""
+    for d in range(D):
+        q16[d] = f16_round(qrow[d])
+        acc[d] = 0.0
+    _scores_f16(kc, q16, ctx_cells, e, D, scale, sc)
+    M = np.float32(-np.inf)
+    S = np.float32(0.0)
+    for t in range(e):
+        s = sc[t]
+        ms = np.float32(1.0)
+        vs = np.float32(1.0)
+        if s > M:
+            ms = expf(M - s)
+            M = s
+            for d in range(D):
+                acc[d] = f16_round(acc[d] * ms)
+        else:
+            vs = expf(s - M)
+        vr = vc[ctx_cells[t]]
+        for d in range(D):
+            acc[d] = f16_round(fma32(vr[d], vs, acc[d]))
+        S = S * ms + vs
+    inv = np.float32(1.0) / S if S != np.float32(0.0) else np.float32(0.0)
+    for d in range(D):
+        out[d] = acc[d] * inv
+
+
+@kernel()
+def attend_tiled(q, q0, R, kc, vc, ctx_cells, ends, D, scale, kq, Ms, Ss, vkq, out):
+    """R (<= 64) queries q[q0:q0+R] (rows (D,) float32) of one head as ggml's tiled CPU flash attention: for
+    each tile of 64 keys (sequence positions kt0..kt0+63; skipped when no query of the tile sees any), the
+    scores as float32 chains of fused multiply-adds over D (q float32, K F16) times ``scale``, masked keys
+    -inf; per query the tile's max, ``ms = expf(Mold - Mnew)`` scaling the float32 accumulator and S, the
+    probabilities ``v_expf(s - Mnew)`` summed 8 at a time (hsum_float_8) into a float64 that is added to S,
+    the accumulator += p v as chains of fused multiply-adds over the tile's keys; out = acc * (1 / S).
+
+    ends (n,) int64: query i sees the first ends[i] keys of ctx_cells; kq (64,), Ms / Ss (64,), vkq (64, D)
+    float32 scratch; out (>= q0+R, D) float32 the rows written."""
+    T = ctx_cells.shape[0]
+    for tq in range(R):
+        Ms[tq] = -np.inf
+        Ss[tq] = 0.0
+        for d in range(D):
+            vkq[tq, d] = 0.0
+    emax = 0
+    for tq in range(R):
+        emax = max(emax, ends[q0 + tq])
+    for kt0 in range(0, T, FA_TILE):
+        if emax <= kt0:
+            continue
+        for tq in range(R):
+            e = ends[q0 + tq]
+            qr = q[q0 + tq]
+            for tk in range(FA_TILE):
+                t = kt0 + tk
+                if t < e and t < T:
+                    kr = kc[ctx_cells[t]]
+                    a = np.float32(0.0)
+                    for d in range(D):
+                        a = fma32(qr[d], kr[d], a)
+                    kq[tk] = a * scale
+                else:
+                    kq[tk] = -np.inf
+            mx = np.float32(-np.inf)
+            for tk in range(FA_TILE):
+                if kq[tk] > mx:
+                    mx = kq[tk]
+            if mx == np.float32(-np.inf):
+                continue
+            mold = Ms[tq]
+            mnew = max(mold, mx)
+            if mnew > mold:
+                ms = expf(mold - mnew)
+                for d in range(D):
+                    vkq[tq, d] = vkq[tq, d] * ms
+                Ss[tq] = Ss[tq] * ms
+            Ms[tq] = mnew
+            tot = 0.0
+            for g0 in range(0, FA_TILE, 8):
+                for tk in range(g0, g0 + 8):
+                    kq[tk] = v_expf(kq[tk] - mnew)
+                h = ((kq[g0 + 4] + kq[g0]) + (kq[g0 + 6] + kq[g0 + 2])) + ((kq[g0 + 5] + kq[g0 + 1])
+                                                                          + (kq[g0 + 7] + kq[g0 + 3]))
+                tot += np.float64(h)
+            Ss[tq] = np.float32(np.float64(Ss[tq]) + tot)
+            for tk in range(FA_TILE):
+                t = kt0 + tk
+                if t < e and t < T:
+                    p = kq[tk]
+                    vr = vc[ctx_cells[t]]
+                    for d in range(D):
+                        vkq[tq, d] = fma32(p, vr[d], vkq[tq, d])
+    for tq in range(R):
+        inv = np.float32(1.0) / Ss[tq] if Ss[tq] != np.float32(0.0) else np.float32(0.0)
+        for d in range(D):
+            out[q0 + tq, d] = vkq[tq, d] * inv
 
 
 @kernel()
@@ -207,10 +531,11 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
     (L, hkv, cells, D) float32 holding F16 values. norms (L, 2, H) float32 (attention, MLP), final_norm (H,).
     Writes the last token's logits (V,) float32.
 
-    Tensor parallel as the device: every chip computes its heads' attention and partial output sums over
-    its own input rows, and the partials are reduced (chip 0 + chip 1 + ...) before the residual add; the
-    same for the MLP's down projection; the LM head's halves are gathered. Attention is float32 on the
-    F16 K/V (scores scaled by 1/sqrt(D) after the dot product, max-shifted exp, normalised at the end).
+    Tensor parallel as the device: every chip computes its heads' attention and its share of the output and
+    down projections' input rows; those two products are accumulated over the chips' blocks in chip order
+    (the lanes carried chip to chip, so the sum is llama.cpp's one product over the whole row) before the
+    residual add; the LM head's halves are gathered. Attention: ``attend_one`` below 64 queries a step,
+    ``attend_tiled`` from 64, as llama.cpp's CPU flash attention chooses.
     """
     n, H = x.shape
     L = norms.shape[0]
@@ -224,38 +549,44 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
         max_rows = max(max_rows, (hq[c] + 2 * hkv[c]) * D)
         max_o = max(max_o, hq[c] * D)
         max_f = max(max_f, fc[c])
-    widest = max(max(max_rows, 2 * max_f), H)
-    tot = np.empty((TOKEN_GROUP, max(widest, lm_c[0].shape[1])), dtype=np.float32)
+    scratch = (np.empty((TOKEN_GROUP, LANES, OUT_TILE), dtype=np.float32),
+               np.empty((TOKEN_GROUP, OUT_TILE), dtype=np.float32))
     h = np.empty((n, H), dtype=np.float32)
     hq8 = np.empty((n, H), dtype=np.float32)
     hd = np.empty((n, nbh), dtype=np.float32)
     hs = np.empty((n, nbh), dtype=np.float32)
     proj = np.empty((n, max_rows), dtype=np.float32)
     o = np.empty((n, max_o), dtype=np.float32)
-    oq = np.empty((n, max_o), dtype=np.float32)
-    od = np.empty((n, max_o // QK), dtype=np.float32)
-    osum = np.empty((n, max_o // QK), dtype=np.float32)
+    oq = np.empty((C, n, max_o), dtype=np.float32)
+    od = np.empty((C, n, max_o // QK), dtype=np.float32)
+    osum = np.empty((C, n, max_o // QK), dtype=np.float32)
     gu = np.empty((n, 2 * max_f), dtype=np.float32)
     act = np.empty((n, max_f), dtype=np.float32)
-    aq = np.empty((n, max_f), dtype=np.float32)
-    ad = np.empty((n, max_f // QK), dtype=np.float32)
-    asum = np.empty((n, max_f // QK), dtype=np.float32)
-    part = np.empty((C, n, H), dtype=np.float32)
-    T = ctx_cells.shape[0]
-    sc = np.empty(T, dtype=np.float32)
+    aq = np.empty((C, n, max_f), dtype=np.float32)
+    ad = np.empty((C, n, max_f // QK), dtype=np.float32)
+    asum = np.empty((C, n, max_f // QK), dtype=np.float32)
+    qh = np.empty((n, D), dtype=np.float32)
+    oh = np.empty((n, D), dtype=np.float32)
+    q16 = np.empty(D, dtype=np.float32)
     acc = np.empty(D, dtype=np.float32)
+    sc = np.empty(ctx_cells.shape[0], dtype=np.float32)
+    kq = np.empty(FA_TILE, dtype=np.float32)
+    Ms = np.empty(FA_TILE, dtype=np.float32)
+    Ss = np.empty(FA_TILE, dtype=np.float32)
+    vkq = np.empty((FA_TILE, D), dtype=np.float32)
+    tiled = n >= FA_TILE
     for li in range(L):
         for i in range(n):
-            _rms_norm64(x[i], norms[li, 0], eps, h[i])
+            rms_norm_row(x[i], norms[li, 0], eps, h[i])
         quantise_rows(h, hq8, hd, hs)
         for c in range(C):
             rows = (hq[c] + 2 * hkv[c]) * D
             pc = proj[:, :rows]
-            quant_matmul(qkv_c[c][li], qkv_d[c][li], qkv_m[c][li], hq8, hd, hs, tot, pc)
+            quant_matmul(qkv_c[c][li], qkv_d[c][li], qkv_m[c][li], True, hq8, hd, hs, scratch, pc)
             kc = k_cache[c]
             vc = v_cache[c]
             for i in range(n):
-                _rope_pairs(proj[i], hq[c] + hkv[c], D, cos[i], sin[i])
+                rope_rotate(proj[i], hq[c] + hkv[c], D, cos[i], sin[i])
                 cell = new_cells[i]
                 for hk in range(hkv[c]):
                     for d in range(D):
@@ -263,73 +594,72 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
                         vc[li, hk, cell, d] = f16_round(proj[i, (hq[c] + hkv[c] + hk) * D + d])
             G = hq[c] // hkv[c]
             w = hq[c] * D
-            for i in range(n):
-                e = ends[i]
-                for hk in range(hkv[c]):
-                    for g in range(G):
-                        qo = (hk * G + g) * D
-                        mx = np.float32(-np.inf)
-                        for t in range(e):
-                            cell = ctx_cells[t]
-                            s = np.float32(0.0)
+            for hk in range(hkv[c]):
+                kl = kc[li, hk]
+                vl = vc[li, hk]
+                for g in range(G):
+                    qo = (hk * G + g) * D
+                    if tiled:
+                        for i in range(n):
                             for d in range(D):
-                                s += proj[i, qo + d] * kc[li, hk, cell, d]
-                            s = s * scale
-                            sc[t] = s
-                            mx = max(mx, s)
-                        ssum = np.float32(0.0)
-                        for d in range(D):
-                            acc[d] = 0.0
-                        for t in range(e):
-                            p = exp_f32(sc[t] - mx)
-                            ssum += p
-                            cell = ctx_cells[t]
+                                qh[i, d] = proj[i, qo + d]
+                        for q0 in range(0, n, FA_TILE):
+                            attend_tiled(qh, q0, min(FA_TILE, n - q0), kl, vl, ctx_cells, ends, D, scale,
+                                          kq, Ms, Ss, vkq, oh)
+                        for i in range(n):
                             for d in range(D):
-                                acc[d] += p * vc[li, hk, cell, d]
-                        inv = np.float32(1.0) / ssum
-                        for d in range(D):
-                            o[i, qo + d] = acc[d] * inv
-            quantise_rows(o[:, :w], oq[:, :w], od[:, :w // QK], osum[:, :w // QK])
-            quant_matmul(wo_c[c][li], wo_d[c][li], wo_m[c][li], oq[:, :w], od[:, :w // QK], osum[:, :w // QK],
-                         tot, part[c])
-        _add_chip_sum(part, n, H, x)
+                                o[i, qo + d] = oh[i, d]
+                    else:
+                        for i in range(n):
+                            attend_one(proj[i, qo:qo + D], kl, vl, ctx_cells, ends[i], D, scale, q16, acc, sc,
+                                        o[i, qo:qo + D])
+            quantise_rows(o[:, :w], oq[c, :, :w], od[c, :, :w // QK], osum[c, :, :w // QK])
+        chained_matmul(wo_c, wo_d, wo_m, li, oq, od, osum, scratch, x, True)
         for i in range(n):
-            _rms_norm64(x[i], norms[li, 1], eps, h[i])
+            rms_norm_row(x[i], norms[li, 1], eps, h[i])
         quantise_rows(h, hq8, hd, hs)
         for c in range(C):
             f = fc[c]
-            quant_matmul(gu_c[c][li], gu_d[c][li], gu_m[c][li], hq8, hd, hs, tot, gu[:, :2 * f])
-            for i in range(n):
-                for j in range(f):
-                    gv = gu[i, j]
-                    act[i, j] = gv / (np.float32(1.0) + exp_f32(-gv)) * gu[i, f + j]
-            quantise_rows(act[:, :f], aq[:, :f], ad[:, :f // QK], asum[:, :f // QK])
-            quant_matmul(dn_c[c][li], dn_d[c][li], dn_m[c][li], aq[:, :f], ad[:, :f // QK], asum[:, :f // QK],
-                         tot, part[c])
-        _add_chip_sum(part, n, H, x)
-    _rms_norm64(x[n - 1], final_norm, eps, h[0])
+            quant_matmul(gu_c[c][li], gu_d[c][li], gu_m[c][li], True, hq8, hd, hs, scratch, gu[:, :2 * f])
+            swiglu(gu, f, act)
+            quantise_rows(act[:, :f], aq[c, :, :f], ad[c, :, :f // QK], asum[c, :, :f // QK])
+        chained_matmul(dn_c, dn_d, dn_m, li, aq, ad, asum, scratch, x, True)
+    rms_norm_row(x[n - 1], final_norm, eps, h[0])
     quantise_rows(h[:1], hq8[:1], hd[:1], hs[:1])
     for c in range(C):
         v = lm_c[c].shape[1]
         out = np.empty((1, v), dtype=np.float32)
-        quant_matmul(lm_c[c], lm_d[c], lm_m[c], hq8[:1], hd[:1], hs[:1], tot, out)
+        quant_matmul(lm_c[c], lm_d[c], lm_m[c], False, hq8[:1], hd[:1], hs[:1], scratch, out)
         for r in range(v):
             logits[vocab0[c] + r] = out[0, r]
 
 
+@kernel()
+def _rope_angles(positions, half, ts, cos, sin):
+    for i in range(positions.shape[0]):
+        a = np.float32(positions[i])
+        for k in range(half):
+            cos[i, k] = cosf(a)
+            sin[i, k] = sinf(a)
+            a = a * ts
+
+
+@kernel()
+def _powf(x, y):
+    return powf(x, y)
+
+
 def rope_tables(positions: np.ndarray, D: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin (n, D/2) float32 of adjacent-pair RoPE at ``positions`` (n,), as ggml builds them: the angle of
-    pair i is ``float32(pos)`` times ``theta_scale`` i times over (``theta_scale = theta ** (-2 / D)`` in
-    float32), then cos/sin of that float32 angle (evaluated in float64 and rounded)."""
-    ts = np.float32(np.float32(theta) ** np.float32(-2.0 / D))
+    """cos/sin (n, D/2) float32 of adjacent-pair RoPE at ``positions`` (n,), as ggml's rope cache builds them:
+    the angle of pair i is ``float32(pos)`` times ``theta_scale`` i times over (``theta_scale = powf(theta,
+    -2 / D)``), then libm's ``cosf`` / ``sinf`` of that float32 angle (``ggml_rope_cache_init``; attention
+    factor 1, no frequency factors or YaRN)."""
+    ts = _powf(np.float32(theta), np.float32(np.float32(-2.0) / np.float32(D)))
     n = positions.shape[0]
-    ang = np.empty((n, D // 2), dtype=np.float32)
-    cur = positions.astype(np.float32)
-    for i in range(D // 2):
-        ang[:, i] = cur
-        cur = (cur * ts).astype(np.float32)
-    a64 = ang.astype(np.float64)
-    return np.cos(a64).astype(np.float32), np.sin(a64).astype(np.float32)
+    cos = np.empty((n, D // 2), dtype=np.float32)
+    sin = np.empty((n, D // 2), dtype=np.float32)
+    _rope_angles(np.asarray(positions, dtype=np.int64), D // 2, np.float32(ts), cos, sin)
+    return cos, sin
 
 
 def split_q4_1(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
