@@ -127,7 +127,7 @@ async def test_a_second_send_while_submitting_is_refused(system):
         assert await wait_for(pilot, lambda: any("a reply is still streaming" in n.message
                                                  for n in app._notifications))
         assert await wait_for(pilot, lambda: chat.handle is None and not chat._submitting and chat.history)
-        assert system.engine.metrics.summary()["counters"]["submitted"] == 1
+        assert system.observation.snapshot().requests.counters.submitted == 1
         assert [m["content"] for m in chat.history if m["role"] == "user"] == ["first"]
 
 
@@ -156,7 +156,7 @@ async def test_hidden_panes_take_no_keys_when_the_terminal_is_too_small(system):
         await pilot.pause()  # the keys' effects, had they any (a submit marks the pane at once), are in
         chat = app.query_one("#chat")
         assert app.query_one("#chat-input").value == "" and not chat._submitting and chat.handle is None
-        assert chat.history == [] and system.engine.metrics.summary()["counters"]["submitted"] == 0
+        assert chat.history == [] and system.observation.snapshot().requests.counters.submitted == 0
         await pilot.resize_terminal(170, 50)
         await pilot.pause()
         assert not app.query_one("#too-small").display and app.query_one("#columns").display

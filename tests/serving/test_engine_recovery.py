@@ -58,6 +58,6 @@ def test_a_bug_fails_one_request_and_the_scheduler_survives(system, monkeypatch)
     assert "ValueError" in bad.error["message"]
     good = ask(system, "second")
     assert good.status == "finished" and good.timings.predicted_n == 8
-    summary = system.engine.metrics.summary()
-    assert summary["balanced"] and summary["counters"]["running"] == 0
+    summary = system.observation.snapshot().requests
+    assert summary.balanced and summary.counters.running == 0
     assert ask(system, "third").status == "finished"  # the scheduler thread still serves

@@ -23,6 +23,11 @@ def system(make_module_system):
     return make_module_system(numerics=False, maintenance=False, slo=SLO_)
 
 
+def requests_view(system):
+    """The serving metrics as the observation plane shows them (counters, balance, goodput SLOs)."""
+    return system.observation.snapshot().requests
+
+
 def state(system) -> dict:
     """Everything a refused request must leave unchanged."""
     e, b = system.engine, system.board
@@ -82,15 +87,15 @@ INVALID = [
 @pytest.mark.parametrize("name,request_,param", INVALID, ids=[c[0] for c in INVALID])
 def test_invalid_request_allocates_nothing(system, name, request_, param):
     before = state(system)
-    rejected = system.engine.metrics.summary()["counters"]["rejected"]
+    rejected = requests_view(system).counters.rejected
     with pytest.raises(InvalidRequestError) as ei:
         system.inference.submit(request_)
     err = ei.value
     assert err.error_type == "invalid_request_error" and err.param == param
     assert err.to_dict() == {"code": 400, "message": str(err), "type": "invalid_request_error"}
     assert state(system) == before
-    assert system.engine.metrics.summary()["counters"]["rejected"] == rejected + 1
-    assert system.engine.metrics.summary()["balanced"]
+    after = requests_view(system)
+    assert after.counters.rejected == rejected + 1 and after.balanced
 
 
 VALID_EDGES = [
@@ -171,10 +176,10 @@ def test_prompt_that_fits_stops_at_context_end(system, n_prompt, n_out):
     assert res.timings.prompt_n + res.timings.cache_n == n_prompt
     assert n_prompt + res.timings.predicted_n == N_CTX
     assert res.timings.numerics is False
-    assert system.engine.metrics.summary()["balanced"]
+    assert requests_view(system).balanced
 
 
 def test_slo_is_configured_through_build_system(system):
-    assert system.engine.slo == SLO_
-    assert system.engine.metrics.summary()["goodput"]["slo"] == {"ttft_ms": 1000.0, "tpot_ms": 50.0,
-                                                                 "e2el_ms": 20000.0}
+    slo = requests_view(system).goodput.slo
+    assert (slo.ttft_ms, slo.tpot_ms, slo.e2el_ms) == (SLO_.ttft_ms, SLO_.tpot_ms, SLO_.e2el_ms) == (1000.0, 50.0,
+                                                                                                    20000.0)

@@ -1,4 +1,5 @@
-"""Regressions found by a first-time user / breaker pass (session 4, trial 4)."""
+"""The device table keeps its columns in exclusive mode, a late fault gets its rows, the category heatmap
+and bench realtime say what they show, and the start notes reach the console."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""First-user trial fixes, checked on the screen a person sees (App.run_test + Pilot):
+"""The panes' text fits and reads right on the screen a person sees (App.run_test + Pilot):
 chat room and scrolling, readable sampling fields and their reset, wrapped user turns,
 honest metrics for a cancelled reply, the per-layer table, maintenance hints and labels."""
 
