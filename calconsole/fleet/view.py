@@ -148,7 +148,7 @@ def cells(s: BoardSample, history: list[float | None], settings: Settings, now: 
     out["seen"] = Text(seen, style="" if up else "bold red")
     out["kind"] = Text(s.kind or "?", style="cyan" if s.kind else "dim")
     gap = s.sample_gap_s
-    out["gap"] = Text("–" if gap is None else f"{gap:.2f}",
+    out["gap"] = Text("–" if gap is None else f"{gap:.1f}",
                       style="yellow" if gap is not None and interval_s and gap > 1.5 * interval_s else "")
     if s.via == "stream":
         out["poll"] = Text("stream", style="dim")
@@ -204,6 +204,7 @@ class FleetTable(Widget, can_focus=True):
         self.rows: dict[str, dict[str, Text]] = {}
         self.cursor_row = 0
         self._top = 0
+        self._drawn: tuple[Any, ...] = ()
 
     def set_rows(self, columns: list[tuple[str, str]], order: list[str], rows: dict[str, dict[str, Text]],
                  keep: str | None) -> None:
@@ -212,6 +213,18 @@ class FleetTable(Widget, can_focus=True):
         if keep in order:
             self.cursor_row = order.index(keep)
         self.cursor_row = max(0, min(self.cursor_row, len(order) - 1))
+        # repaint only when something on screen differs: idle boards give the same rows every second, and a
+        # repaint of 16 rows is most of the view's CPU
+        drawn = (tuple(columns), tuple(order), self.cursor_row,
+                 tuple((n, k, c.plain, str(c.style), tuple(c.spans)) for n in order for k, c in rows[n].items()))
+        if drawn != self._drawn:
+            self._drawn = drawn
+            self.refresh()
+
+    def on_focus(self) -> None:
+        self.refresh()  # the cursor row's style follows the focus (reverse / underline)
+
+    def on_blur(self) -> None:
         self.refresh()
 
     def action_move(self, delta: int) -> None:
@@ -281,6 +294,8 @@ class FleetApp(App):
         self._dirty = True
         self._order: list[str] = []
         self._states: dict[str, tuple[Any, ...]] = {}
+        self._head_text: Text | None = None
+        self._detail_text: Text | None = None
         self.redraws = 0
 
     def compose(self) -> ComposeResult:
@@ -346,7 +361,9 @@ class FleetApp(App):
                              ("sim: simulated device time · wall: server wall time · n/r: not reported · every s: "
                               "host s between a board's samples · poll rtt: one poll's round trip (stream: pushed, "
                               "no request)", "dim"))
-        self._head.update(head)
+        if head != self._head_text:  # rich Text compares its text and styles; an unchanged line is not repainted
+            self._head_text = head
+            self._head.update(head)
         self._show_detail()
 
     def on_fleet_table_highlighted(self, event: FleetTable.Highlighted) -> None:
@@ -363,10 +380,12 @@ class FleetApp(App):
         if s.build:
             what += f" · build {s.build}"
         why = "; ".join(s.reasons) if s.reasons else "within every threshold"
-        self._detail.update(
-            Text.assemble((s.name, "bold"), f": {what}\n", (why, LEVEL_STYLE.get(s.level, "white")),
-                          "\nEnter opens this board's console (observation, chat; maintenance with its admin key); "
-                          "Esc there returns here"))
+        detail = Text.assemble((s.name, "bold"), f": {what}\n", (why, LEVEL_STYLE.get(s.level, "white")),
+                               "\nEnter opens this board's console (observation, chat; maintenance with its admin "
+                               "key); Esc there returns here")
+        if detail != self._detail_text:
+            self._detail_text = detail
+            self._detail.update(detail)
 
     def row_text(self, name: str) -> str:
         """The plain text of board ``name``'s row as last set in the table ("" when it has none yet)."""
