@@ -77,7 +77,9 @@ def _decode_step(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, 
     qkc = (qh + kvh) * D
     h = np.empty(H, dtype=np.float32)
     qkv = np.empty((C, cols), dtype=np.float32)
+    qk = np.empty((qh + kvh, D), dtype=np.float32)  # one chip's q and k heads (copied: no reshapes, see ``kernels``)
     q = np.empty((G, D), dtype=np.float32)
+    og = np.empty((G, D), dtype=np.float32)
     o = np.empty((C, qh * D), dtype=np.float32)
     y = np.empty((C, H), dtype=np.float32)
     scores = np.empty((G, T), dtype=np.float32)
@@ -90,7 +92,9 @@ def _decode_step(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, 
         rms_norm(x, in_norm[li], eps, h)
         for c in range(C):
             matvec(h, wqkv[li, c], qkv[c])
-            qk = qkv[c, :qkc].reshape((qh + kvh, D))
+            for j in range(qh + kvh):
+                for d in range(D):
+                    qk[j, d] = qkv[c, j * D + d]
             head_norm_rope(qk, qk_norm[li, c], cos, sin, eps)
             for hk in range(kvh):
                 for d in range(D):
@@ -100,8 +104,10 @@ def _decode_step(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, 
                 for g in range(G):
                     for d in range(D):
                         q[g, d] = qk[hk * G + g, d] * scale
-                attend_decode(q, k_t[c, li, hk], v_t[c, li, hk], start, idx, T, no_max[li], scores,
-                              o[c, hk * G * D:(hk + 1) * G * D].reshape((G, D)))
+                attend_decode(q, k_t[c, li, hk], v_t[c, li, hk], start, idx, T, no_max[li], scores, og)
+                for g in range(G):
+                    for d in range(D):
+                        o[c, (hk * G + g) * D + d] = og[g, d]
             matvec(o[c], wo[li, c], y[c])
         for i in range(H):  # all-reduce: the chips' partial sums, then the residual
             acc = y[0, i]
@@ -151,9 +157,15 @@ def _prefill_attention_chip(h, wqkv, wo, qk_norm, cos, sin, eps, scale, qh, kvh,
     v_s = np.empty((T, D), dtype=np.float32)
     o = np.empty((n, G, D), dtype=np.float32)
     att = np.empty((n, qh * D), dtype=np.float32)
+    qk = np.empty((qh + kvh, D), dtype=np.float32)
     for i in range(n):
-        qk = qkv[i, :qkc].reshape((qh + kvh, D))
+        for j in range(qh + kvh):  # copied to (heads, D) and the q heads back (no reshapes, see ``kernels``)
+            for d in range(D):
+                qk[j, d] = qkv[i, j * D + d]
         head_norm_rope(qk, qk_norm, cos[i], sin[i], eps)
+        for j in range(qh):
+            for d in range(D):
+                qkv[i, j * D + d] = qk[j, d]
         c = new_cells[i]
         for hk in range(kvh):
             for d in range(D):
@@ -175,7 +187,10 @@ def _prefill_attention_chip(h, wqkv, wo, qk_norm, cos, sin, eps, scale, qh, kvh,
             for g in range(G):
                 for d in range(D):
                     att[i, (hk * G + g) * D + d] = o[i, g, d]
-    out[:, :] = np.dot(att, wo)
+    r = np.dot(att, wo)
+    for i in range(n):  # element loops, not ``out[:, :] = r`` (no reshapes, see ``kernels``)
+        for j in range(r.shape[1]):
+            out[i, j] = r[i, j]
 
 
 @kernel()
@@ -216,7 +231,9 @@ def _prefill_experts_chip(h, ids, w, gue, down, chip, out):
             continue
         x = np.empty((m, H), dtype=np.float32)
         for r in range(m):
-            x[r] = h[tok[a + r]]
+            src = h[tok[a + r]]
+            for c in range(H):  # not ``x[r] = src`` (no reshapes, see ``kernels``)
+                x[r, c] = src[c]
         gu = np.dot(x, gue[e])  # (m, 2 C F)
         act = np.empty((m, F), dtype=np.float32)
         for r in range(m):

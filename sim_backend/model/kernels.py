@@ -23,6 +23,12 @@ Layouts (C-contiguous float32 unless said):
 - BF16 weights are ``uint16`` bit patterns (the top half of a float32, ``bf16.py``), widened
   exactly by a 16-bit shift as they are read.
 
+No reshapes: no kernel (here or in ``compiled.py``) reshapes an array or assigns one array to a slice
+of another (``a[:, :] = b``). numba compiles the error path of each, and its message formatting (string
+joins, integer and repr formatting) took 6.4 s of the 44.5 s of CPU of a first start from an empty cache
+(numba's compile events, load ~7, the reference 2-core host); element loops and small copies do the
+same work without it.
+
 Shapes in the docstrings: H = hidden, D = head_dim, T = context keys, G = query heads per KV head.
 """
 
@@ -39,8 +45,9 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = [
-    "FMA", "SUM", "attend_decode", "attend_prefill", "bf16_blocks", "bf16_matvec", "exp_f32", "exp_shift",
-    "head_norm_rope", "kernel", "matvec", "matvec_add", "rms_norm", "row_sum", "silu_mul", "softmax_top_k",
+    "FMA", "SUM", "attend_decode", "attend_prefill", "bf16_blocks", "bf16_matvec", "bf16_value", "exp_f32", "exp_shift",
+    "head_norm_rope", "kernel", "matvec", "matvec_add", "prune_stale_caches", "rms_norm", "row_sum", "silu_mul",
+    "softmax_top_k",
 ]
 
 
@@ -86,6 +93,7 @@ def cache_dir() -> Path:
         d = Path(given) / sub
         d.mkdir(parents=True, exist_ok=True)
         cfg.CACHE_DIR = str(d)
+        prune_stale_caches(d)
         return d
     here = Path(__file__).resolve().parent
     pyc = here / "__pycache__"
@@ -100,7 +108,49 @@ def cache_dir() -> Path:
         d = Path(platformdirs.user_cache_dir("calconsole")) / "numba" / sub
         d.mkdir(parents=True, exist_ok=True)
     cfg.CACHE_DIR = str(d)
+    prune_stale_caches(d)
     return d
+
+
+#: A sibling cache folder is pruned only when nothing in it changed for this long (host wall seconds): a
+#: process of another version that shares the parent directory and is compiling into its folder right now
+#: (numba writes its index and machine code there) keeps it; one hour is far above a first start's compile.
+STALE_CACHE_AGE_S = 3600.0
+
+
+def prune_stale_caches(current: Path, *, min_age_s: float = STALE_CACHE_AGE_S, now: float | None = None) -> list[Path]:
+    """Delete the ``kernels-<digest>`` folders beside ``current`` (other digests: caches of kernel sources
+    that no longer exist here, e.g. after an upgrade or an edit) whose newest entry is older than
+    ``min_age_s``; ``current`` itself and anything not named ``kernels-`` + 16 hex digits are never
+    touched. Returns the folders removed. Never raises: a folder that cannot be read or removed is left
+    (numba ignores it; the next start tries again)."""
+    import re
+    import shutil
+    import time
+
+    now = time.time() if now is None else now
+    name = re.compile(r"kernels-[0-9a-f]{16}")
+    removed: list[Path] = []
+    try:
+        siblings = list(current.parent.iterdir())
+    except OSError:
+        return removed
+    for d in siblings:
+        if d.name == current.name or not name.fullmatch(d.name) or d.is_symlink() or not d.is_dir():
+            continue
+        try:
+            newest = max([d.stat().st_mtime] + [f.stat().st_mtime for f in d.iterdir()])
+        except OSError:
+            continue
+        if now - newest < min_age_s:
+            continue
+        shutil.rmtree(d, ignore_errors=True)
+        if not d.exists():
+            removed.append(d)
+    return removed
+
+
+CACHE_DIR = cache_dir()
 
 
 CACHE_DIR = cache_dir()
@@ -127,6 +177,20 @@ def _bits_to_f32(typingctx, bits):
 
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
+def bf16_value(typingctx, b):
+    """BF16 bit pattern (uint16 scalar) -> its float32 value, exactly (as ``bf16.bf16_to_f32``): zero-extend,
+    shift left 16, reinterpret; three LLVM instructions in 32-bit lanes, so a loop over it vectorises (a
+    numba-level ``np.int32(b) << 16`` widens to int64 first and halves the lanes)."""
+    sig = types.float32(types.uint16)
+
+    def codegen(context, builder, signature, args):
+        wide = builder.zext(args[0], ir.IntType(32))
+        return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
 
     return sig, codegen
 
@@ -234,7 +298,7 @@ def bf16_matvec(x, w_blocks, bias, out):
             xk = x[k]
             row = blk[k]
             for j in range(B):
-                acc[j] += xk * _bits_to_f32(np.int32(row[j]) << 16)
+                acc[j] += xk * bf16_value(row[j])
         o = out[j0:j0 + m]
         b = bias[j0:j0 + m]
         for j in range(m):
@@ -358,18 +422,21 @@ def attend_decode(q, k_t, v_t, start, idx, T, no_max, scores, out):
     vg = np.empty((D, ATT_CHUNK + ATT_CHUNK // 2 if not contiguous else 0), dtype=np.float32)
     acc = np.zeros((G, D), dtype=np.float32)
     den = np.zeros(G, dtype=np.float32)
+    # an int64, not the literal 0: a literal argument makes numba compile a second copy of each callee
+    # (measured on a first start: _scores, _weighted_values and _gather twice, ~5 s of CPU)
+    zero = np.int64(0)
     if no_max:
-        t0 = 0
+        t0 = zero
         while t0 < T:
             # a short tail joins the last chunk (<= 1.5 chunks): a chunk costs ~70 loop starts of its own
             m = T - t0 if T - t0 <= ATT_CHUNK + ATT_CHUNK // 2 else ATT_CHUNK
             if not contiguous:
                 _gather(k_t, idx, t0, m, kg)
                 _gather(v_t, idx, t0, m, vg)
-            _scores(q, k_t, start + t0, kg, contiguous, scores, 0, m)
+            _scores(q, k_t, start + t0, kg, contiguous, scores, zero, m)
             for g in range(G):
                 exp_shift(scores[g, :m], np.float32(0.0))
-            _weighted_values(scores, 0, m, v_t, start + t0, vg, contiguous, acc, den)
+            _weighted_values(scores, zero, m, v_t, start + t0, vg, contiguous, acc, den)
             t0 += m
     else:
         for t0 in range(0, T, ATT_CHUNK):
@@ -432,13 +499,20 @@ def attend_prefill(q, ks, vs, ends, k_pos, q_pos, masked, no_max, out):
     exp(-inf) gives), then one BLAS product with V and a normalisation by the row sums.
     """
     n, G, D = q.shape
+    qbuf = np.empty((PREFILL_QUERY_BLOCK * G, D), dtype=np.float32)
     for s0 in range(0, n, PREFILL_QUERY_BLOCK):
         s1 = min(n, s0 + PREFILL_QUERY_BLOCK)
         m = s1 - s0
         e_end = 0
         for i in range(s0, s1):
             e_end = max(e_end, ends[i])
-        qb = q[s0:s1].reshape((m * G, D))
+        # the block's rows copied to a (m G, D) operand: a reshape compiles numba's shape-error text
+        # formatting (no reshapes: see the module docstring), and the copy is 2 K floats a block
+        qb = qbuf[:m * G]
+        for i in range(m):
+            for g in range(G):
+                for d in range(D):
+                    qb[i * G + g, d] = q[s0 + i, g, d]
         S = np.dot(qb, ks[:e_end].T)
         for i in range(m):
             e = ends[s0 + i]

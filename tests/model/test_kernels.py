@@ -262,3 +262,25 @@ def test_warm_up_announces_a_stage_only_when_numba_compiles(monkeypatch):
     m.warm_up(lambda i, n, s: said.append((i, n, s)))
     assert said == [(1, 2, "decode step")]
     m.close()
+
+
+def test_stale_kernel_caches_are_pruned_and_the_current_one_kept(tmp_path):
+    """Folders of other kernel digests go once nothing in them changed for ``STALE_CACHE_AGE_S``; the current
+    folder, a recently written sibling (another version compiling now) and other names stay."""
+    import os
+
+    current = tmp_path / f"kernels-{'a' * 16}"
+    stale, fresh, other = tmp_path / f"kernels-{'b' * 16}", tmp_path / f"kernels-{'c' * 16}", tmp_path / "kernels-x"
+    for d in (current, stale, fresh, other):
+        d.mkdir()
+        (d / "f.nbi").write_bytes(b"x")
+    old = 1_000_000.0
+    for d in (current, stale, other):
+        os.utime(d / "f.nbi", (old, old))
+        os.utime(d, (old, old))
+    now = old + K.STALE_CACHE_AGE_S + 1
+    os.utime(fresh / "f.nbi", (now - 10, now - 10))
+    assert K.prune_stale_caches(current, now=now) == [stale]
+    assert current.is_dir() and fresh.is_dir() and other.is_dir() and not stale.exists()
+    assert K.prune_stale_caches(current, now=now) == []
+
