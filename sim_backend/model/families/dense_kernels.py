@@ -164,7 +164,7 @@ def quantise_rows(x, q, d, s):
 #: Tokens whose products share one pass over a weight block (the block's codes stay in L1 meanwhile).
 TOKEN_GROUP = 8
 #: Outputs per tile of a product (a tile's 8 lanes for TOKEN_GROUP tokens stay in cache over the blocks).
-OUT_TILE = 256
+OUT_TILE = 1024
 
 
 @kernel()
