@@ -40,6 +40,8 @@ async def test_typed_prompt_streams_reply_and_counters_rise(system, monkeypatch)
         await pilot.press(*"Hello there")
         await pilot.press("enter")
         assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None)
+        # the log renders what was written in slices (WrapLog.pending): read it once it has all been drawn
+        assert await wait_for(pilot, lambda: not app.query_one("#chat-log").pending)
         # streamed: many pieces arrived while the request was running, shown on the stream line
         assert len(shown) >= 10 and all(running for running, _ in shown)
         assert shown[0][1].startswith("model ") and len(shown[-1][1]) > len(shown[0][1])
@@ -120,12 +122,16 @@ async def test_a_second_send_while_submitting_is_refused(system):
 
         chat = app.query_one("#chat")
         inp = app.query_one("#chat-input", Input)
+        # every notice as it is raised (the app's own list drops a notice once its timeout has passed,
+        # which on a loaded host can happen before the first look)
+        notices: list[str] = []
+        notify = app.notify
+        app.notify = lambda message, *a, **kw: (notices.append(str(message)), notify(message, *a, **kw))[1]
         # two Enters handled back to back, before the worker has submitted the first request
         inp.post_message(Input.Submitted(inp, "first"))
         inp.post_message(Input.Submitted(inp, "second"))
         # the second was handled (and refused) before anything else: its notice is out, no worker started
-        assert await wait_for(pilot, lambda: any("a reply is still streaming" in n.message
-                                                 for n in app._notifications))
+        assert await wait_for(pilot, lambda: any("a reply is still streaming" in n for n in notices))
         assert await wait_for(pilot, lambda: chat.handle is None and not chat._submitting and chat.history)
         assert system.observation.snapshot().requests.counters.submitted == 1
         assert [m["content"] for m in chat.history if m["role"] == "user"] == ["first"]

@@ -11,6 +11,7 @@ from pathlib import Path
 from textual.app import App
 
 from calconsole.widgets.confirm import ConfirmModal
+from tests.console.pilot_helpers import wait_for
 
 CSS = Path(__file__).resolve().parents[2] / "calconsole" / "styles.tcss"
 
@@ -31,6 +32,8 @@ def test_confirm_modal_opens_with_name_field_and_disabled_confirm(snap_compare):
 def test_confirm_modal_enabled_after_typing_name(snap_compare):
     async def type_name(pilot):
         await pilot.press(*"calculet0")
+        # the picture once the typed name has enabled the button (its Changed handler may run after the keys)
+        assert await wait_for(pilot, lambda: not pilot.app.screen.query_one("#confirm-ok").disabled)
 
     assert snap_compare(ConfirmHost(), terminal_size=(80, 20), run_before=type_name)
 
