@@ -195,7 +195,8 @@ def test_flash_attention_is_ggml_flash_attn_ext(lib, nq, used, nkv):
             oh = np.empty((nq, D), F32)
             for q0 in range(0, nq, T):
                 dk.attend_tiled(np.ascontiguousarray(q[0, h]), q0, min(T, nq - q0), kc, vc, cells, ends, D, F32(0.125),
-                                np.empty(T, F32), np.empty(T, F32), np.empty(T, F32), np.empty((T, D), F32), oh)
+                                np.empty(T, F32), np.empty(T, F32), np.empty(T, F32), np.empty((T, D), F32),
+                                np.empty((D, T), F32), oh)
             out[:, h] = oh
         else:
             for i in range(nq):

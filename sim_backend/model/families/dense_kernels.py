@@ -442,7 +442,7 @@ def attend_one(qrow, kc, vc, ctx_cells, e, D, scale, q16, acc, sc, out):
 
 
 @kernel()
-def attend_tiled(q, q0, R, kc, vc, ctx_cells, ends, D, scale, kq, Ms, Ss, vkq, out):
+def attend_tiled(q, q0, R, kc, vc, ctx_cells, ends, D, scale, kq, Ms, Ss, vkq, ktile, out):
     """R (<= 64) queries q[q0:q0+R] (rows (D,) float32) of one head as ggml's tiled CPU flash attention: for
     each tile of 64 keys (sequence positions kt0..kt0+63; skipped when no query of the tile sees any), the
     scores as float32 chains of fused multiply-adds over D (q float32, K F16) times ``scale``, masked keys
@@ -450,8 +450,8 @@ def attend_tiled(q, q0, R, kc, vc, ctx_cells, ends, D, scale, kq, Ms, Ss, vkq, o
     probabilities ``v_expf(s - Mnew)`` summed 8 at a time (hsum_float_8) into a float64 that is added to S,
     the accumulator += p v as chains of fused multiply-adds over the tile's keys; out = acc * (1 / S).
 
-    ends (n,) int64: query i sees the first ends[i] keys of ctx_cells; kq (64,), Ms / Ss (64,), vkq (64, D)
-    float32 scratch; out (>= q0+R, D) float32 the rows written."""
+    ends (n,) int64: query i sees the first ends[i] keys of ctx_cells; kq (64,), Ms / Ss (64,), vkq (64, D),
+    ktile (D, 64) float32 scratch; out (>= q0+R, D) float32 the rows written."""
     T = ctx_cells.shape[0]
     for tq in range(R):
         Ms[tq] = -np.inf
@@ -464,17 +464,24 @@ def attend_tiled(q, q0, R, kc, vc, ctx_cells, ends, D, scale, kq, Ms, Ss, vkq, o
     for kt0 in range(0, T, FA_TILE):
         if emax <= kt0:
             continue
+        # the tile's keys transposed (D x 64, as ggml's K_f32), so each score's chain over d runs in vector lanes
+        nk = min(FA_TILE, T - kt0)
+        for tk in range(nk):
+            cell = ctx_cells[kt0 + tk]
+            for d in range(D):
+                ktile[d, tk] = kc[cell, d]
         for tq in range(R):
             e = ends[q0 + tq]
-            qr = q[q0 + tq]
+            for tk in range(FA_TILE):
+                kq[tk] = 0.0
+            for d in range(D):
+                qd = q[q0 + tq, d]
+                for tk in range(nk):
+                    kq[tk] = fma32(qd, ktile[d, tk], kq[tk])
             for tk in range(FA_TILE):
                 t = kt0 + tk
                 if t < e and t < T:
-                    kr = kc[ctx_cells[t]]
-                    a = np.float32(0.0)
-                    for d in range(D):
-                        a = fma32(qr[d], kr[d], a)
-                    kq[tk] = a * scale
+                    kq[tk] = kq[tk] * scale
                 else:
                     kq[tk] = -np.inf
             mx = np.float32(-np.inf)
@@ -574,6 +581,7 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
     Ms = np.empty(FA_TILE, dtype=np.float32)
     Ss = np.empty(FA_TILE, dtype=np.float32)
     vkq = np.empty((FA_TILE, D), dtype=np.float32)
+    ktile = np.empty((D, FA_TILE), dtype=np.float32)
     tiled = n >= FA_TILE
     for li in range(L):
         for i in range(n):
@@ -605,7 +613,7 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
                                 qh[i, d] = proj[i, qo + d]
                         for q0 in range(0, n, FA_TILE):
                             attend_tiled(qh, q0, min(FA_TILE, n - q0), kl, vl, ctx_cells, ends, D, scale,
-                                          kq, Ms, Ss, vkq, oh)
+                                         kq, Ms, Ss, vkq, ktile, oh)
                         for i in range(n):
                             for d in range(D):
                                 o[i, qo + d] = oh[i, d]
