@@ -32,7 +32,7 @@ from .gcpolicy import GCPolicy
 from .layout import Layout
 from .messages import SnapshotReady
 from .panes.chat import ChatPane
-from .panes.focus import FOCUS_TARGET, PANE_BINDINGS, focus_pane
+from .panes.focus import FOCUS_TARGET, HELP_BINDING, PANE_BINDINGS, focus_pane
 from .panes.observation import ObservationPane
 from .settings import COMPACT_BELOW, HISTORY_WINDOWS_S, Settings, save_settings
 from .widgets import server as server_render
@@ -68,10 +68,11 @@ class CalConsoleApp(App):
     CSS_PATH = "styles.tcss"
     TITLE = "calconsole"
     BINDINGS = [
-        # first, so a narrow footer still names it. Priority: the chat input has focus at start and took "?"
-        # as text; on an empty input (or any other widget) "?" opens the help, in an input with text it types
-        # (action_help steps aside)
-        Binding("question_mark", "help", "help", priority=True),
+        # first, so a narrow footer still names it. Not a priority binding: a priority binding decides before
+        # the focused input has handled the keys typed before "?" (typed fast, "two plus two?" opened the help
+        # and lost the message). The panes' inputs (HelpKeyInput) run it themselves when "?" meets an empty
+        # value; any other widget lets "?" reach this binding.
+        Binding("question_mark", "help", "help"),
         Binding("ctrl+q", "quit", "quit", priority=True),
         *PANE_BINDINGS,
     ]
@@ -336,7 +337,7 @@ class CalConsoleApp(App):
         def keys(bindings) -> list[tuple[str, str]]:
             out = []
             for b in bindings:
-                if isinstance(b, Binding) and b.description:
+                if isinstance(b, Binding) and b.description and b is not HELP_BINDING:  # listed as global
                     out.append((self.get_key_display(b), b.description))
             return out
 

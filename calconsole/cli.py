@@ -16,7 +16,8 @@ theme, compact (auto|on|off), audit_log, slo {{ttft_ms, tpot_ms}}, thresholds {{
 with NAME one of {names}. Environment overrides: CALCONSOLE_CONFIG (the file),
 CALCONSOLE_LAYOUT, CALCONSOLE_REFRESH, CALCONSOLE_HISTORY_WINDOW, CALCONSOLE_THEME, CALCONSOLE_COMPACT,
 CALCONSOLE_AUDIT_LOG, CALCONSOLE_SLO_TTFT_MS, CALCONSOLE_SLO_TPOT_MS, CALCONSOLE_THRESHOLD_<NAME>=WARN,CRIT.
-Options given here override both; the console saves its settings from the palette (Ctrl+P)."""
+Options given here override both; the console saves its settings from the palette (Ctrl+P). Every command
+reads the file: a bad one stops each with the same error (exit 2)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,18 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     rich.console.Console.on_broken_pipe = _raise_broken_pipe  # type: ignore[method-assign]
     parser = build_parser()
     args = finalize(parser.parse_args(argv))
-    settings = None
-    if getattr(args, "func", None) is None:  # the console reads the settings file; headless commands do not
-        from .settings import SettingsError, load_settings
+    from .settings import SettingsError, load_settings
 
-        try:
-            settings = load_settings()
-        except SettingsError as e:
-            return fail(str(e))
-        if args.audit_log is None and settings.audit_log is not None:
-            args.audit_log = settings.audit_log
+    # every command reads the settings file: a bad one stops the console and a headless command alike, with
+    # the same SettingsError (exit 2); headless commands ignored it (and its audit_log) while the console refused
+    try:
+        settings = load_settings()
+    except SettingsError as e:
+        return fail(str(e))
+    if args.audit_log is None and settings.audit_log is not None:
+        # the settings' log (its key or $CALCONSOLE_AUDIT_LOG) is a default, not an option given: it is checked
+        # only where a maintenance plane writes it (check_common), so `chat` is not refused over it
+        args.audit_log = settings.audit_log
+        args.audit_log_from_settings = True
     if args.layout is None:
-        args.layout = settings.layout if settings is not None else "operator"
+        args.layout = settings.layout
     err = _start_up_error(args)
     if err:
         return fail(err)
@@ -116,8 +120,6 @@ def _start_up_error(args: argparse.Namespace) -> str | None:
 
 
 def run_console(args: argparse.Namespace, settings=None) -> int:
-    from sim_backend.planes import CalError
-
     from .layout import LayoutError, load_layout
 
     try:
@@ -131,6 +133,27 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
     err = _console_args_error(args)
     if err:  # a bad bundle, key file or address is named before the terminal check and any heavy start
         return fail(err)
+    sock = None
+    if args.listen is not None:
+        # bound now, before the terminal check and the simulator (a first start compiles the kernels for
+        # minutes): a busy port was found only once the device had been built
+        from .server.run import bind_socket
+
+        try:
+            sock = bind_socket(*parse_listen(args.listen))
+        except OSError as e:
+            return fail(f"--listen {args.listen}: cannot listen: {e.strerror or e}")
+    try:
+        return _run_console(args, settings, layout, sock)
+    finally:
+        if sock is not None:
+            sock.close()  # the server's own socket: closing it again after the server stopped is harmless
+
+
+def _run_console(args: argparse.Namespace, settings, layout, sock) -> int:
+    """The console once its options are checked (``sock``: the ``--listen`` socket, bound already)."""
+    from sim_backend.planes import CalError
+
     if not sys.stdout.isatty() or not sys.stdin.isatty():
         return fail("the console needs a terminal; for scripts use 'calconsole snapshot --json' "
                     "or 'calconsole chat PROMPT --json'")
@@ -163,7 +186,7 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
     try:
         if args.listen is not None:
             try:
-                server = start_listening(args, system)
+                server = start_listening(args, system, sock)
             except (CalError, ValueError, OSError) as e:
                 return fail(f"--listen {args.listen}: {e}")
         notes: tuple[str, ...] = ()
@@ -227,6 +250,10 @@ def _console_args_error(args: argparse.Namespace) -> str | None:
         from .commands.common import check_bundle_option
 
         check_bundle_option(args)  # the manifest alone, strict: 0.1 s (no weights, no device)
+        if not args.observe_only:  # the log the maintenance pane will write (the settings' or the default)
+            from sim_backend.planes import AuditLog
+
+            AuditLog(args.audit_log).check_writable()
         if args.listen is not None:
             from .commands.serve import load_serving_keys
 
@@ -266,15 +293,16 @@ def parse_listen(spec: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def start_listening(args: argparse.Namespace, system):
-    """Serve ``system``'s planes over HTTP from a thread of this process (``--listen``)."""
+def start_listening(args: argparse.Namespace, system, sock=None):
+    """Serve ``system``'s planes over HTTP from a thread of this process (``--listen``); ``sock``: the
+    listening socket bound before the device was built (None: bind ``--listen``'s address now)."""
     from .commands.serve import build_face
     from .server.run import ServerThread
 
     host, port = parse_listen(args.listen)
     args.host, args.port = host, port
     _, face = build_face(args, system)
-    return ServerThread(face, host, port).start()
+    return ServerThread(face, host, port, sock=sock).start()
 
 
 if __name__ == "__main__":

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from .common import add_connect_options, connect_from_args, fail, print_json
 
 DEFAULT_TAIL = 1000
+#: the table's width limit when the output is not a terminal: wide enough that no cell is ever folded
+PIPED_WIDTH = 1 << 16
 
 
 def register(sub, common) -> None:
@@ -101,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     c = Console()
+    # piped (not a terminal) and no $COLUMNS: every entry on one line at its full length, as ls -l and ps do,
+    # not folded at rich's 80-column default (a pipe has no width); a terminal's width is used as it is
+    full = not c.is_terminal and not os.environ.get("COLUMNS")
+    if full:
+        c = Console(width=PIPED_WIDTH)
     if not records:
         c.print(Text(f"no audit records in {where}"))
         return 0
@@ -108,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     one_user = len(users) <= 1
     # Text, not markup: the path and the user names come from outside ("[/]" in a damaged log)
     title = Text(f"maintenance audit log · {where}" + (f" · by {users[0]}" if one_user and users else ""))
-    t = Table(title=title, title_justify="left", expand=True)
+    t = Table(title=title, title_justify="left", expand=not full)
     t.add_column("time", no_wrap=True)
     if not one_user:
         t.add_column("who")  # the OS user, or for a call over HTTP the admin key's label and the address
@@ -122,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     for ent in entries:
         action = Text(ent["action"], style="bold")
         if ent["args"]:
-            action.append("\n" + _kv(ent["args"]), style="dim")
+            action.append((" " if full else "\n") + _kv(ent["args"]), style="dim")
         row = [Text(ent["time"][11:19] or "?")] + ([] if one_user else [Text(_who(ent))]) + [
             action, Text(ent["status"], style=styles.get(ent["status"], "")), Text(brief(ent["result"])),
             Text("" if ent["duration_ms"] is None else f"{ent['duration_ms']:.1f}"),

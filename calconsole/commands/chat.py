@@ -51,18 +51,19 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop string, non-empty (repeatable)")
     g.add_argument("--seed", type=_number, default=None,
-                   help="sampling seed, integer in [0, 2**64); same seed, same tokens (default: drawn, reported)")
+                   help="sampling seed, integer in [0, 2**64); same seed, same tokens; -1 as llama-server: drawn "
+                        "(default: drawn, reported)")
     g.add_argument("--system", default=None, help="system message")
     g.add_argument("--think", action="store_true", help="leave thinking on (default: empty <think></think>)")
 
 
 def request_from_args(args: argparse.Namespace, prompt: str):
-    from sim_backend.planes import ChatRequest, SamplingParams
+    from sim_backend.planes import ChatRequest, SamplingParams, seed_or_random
 
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
                         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                        seed=args.seed)
+                        seed=seed_or_random(args.seed))
     msgs = []
     if args.system:
         msgs.append({"role": "system", "content": args.system})

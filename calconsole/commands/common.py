@@ -198,8 +198,10 @@ def check_common(args: argparse.Namespace, *, maintenance: bool, audit_log: bool
     if lim is not None and not NUMERIC_LIMIT_RANGE[0] <= lim <= NUMERIC_LIMIT_RANGE[1]:
         raise ValueError(f"--numeric-limit must be in {NUMERIC_LIMIT_RANGE[0]}..{NUMERIC_LIMIT_RANGE[1]} "
                          f"prompt tokens, got {lim}")
-    # with --connect the server keeps the audit log: a local path is named as not applied, not created
-    if audit_log and not getattr(args, "connect", None) and (maintenance or args.audit_log is not None):
+    # with --connect the server keeps the audit log: a local path is named as not applied, not created;
+    # the settings' audit_log (cli.main) is a default, checked where maintenance runs like the built-in one
+    given = args.audit_log is not None and not getattr(args, "audit_log_from_settings", False)
+    if audit_log and not getattr(args, "connect", None) and (maintenance or given):
         AuditLog(args.audit_log).check_writable()
 
 

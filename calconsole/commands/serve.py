@@ -75,7 +75,8 @@ def register(sub, common) -> None:
                    help="slot context in tokens, 1..40960: a longer prompt is refused (exceed_context_size_error), "
                         "generation stops at it (default: the calbin's 40960, which it stays)")
     p.add_argument("--seed", type=int, default=None, metavar="N",
-                   help="seed of requests that give none (default: a fresh random seed each, reported per result)")
+                   help="seed of requests that give none; -1 (as llama-server) or none: a fresh random seed each, "
+                        "reported per result")
     p.add_argument("--cors-origins", default=None, metavar="LIST",
                    help="browser origins allowed (CORS), a comma list or '*' (default: pages on localhost)")
     g = p.add_argument_group("chat template (llama-server's options)")
@@ -195,6 +196,8 @@ def template_kwargs_of(spec: str | None) -> dict | None:
 def serve_config(args: argparse.Namespace, model_alias: str) -> ServeConfig:
     """The checked ``ServeConfig`` of the options (no device needed: ``model_alias`` is the bundle's name
     when ``--alias`` is not given); ValueError / KeySourceError with a one-line reason."""
+    from sim_backend.planes import seed_or_random
+
     from ..server.face import ServeConfig
 
     api, admin = load_serving_keys(args)
@@ -208,7 +211,7 @@ def serve_config(args: argparse.Namespace, model_alias: str) -> ServeConfig:
                       n_predict=getattr(args, "n_predict", -1),
                       model_alias=getattr(args, "alias", None) or model_alias,
                       model_tags=_list(getattr(args, "tags", "")), n_ctx=getattr(args, "ctx_size", None),
-                      seed=getattr(args, "seed", None),
+                      seed=seed_or_random(getattr(args, "seed", None)),
                       cors_origins=_list(getattr(args, "cors_origins", None)) or None,
                       slot_save_path=getattr(args, "slot_save_path", None),
                       chat_template_kwargs=template_kwargs_of(getattr(args, "chat_template_kwargs", None)))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, cast
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual import on, work
 from textual.app import ComposeResult
@@ -26,21 +27,36 @@ from sim_backend.planes import (
     SamplingParams,
     Snapshot,
     TokenEvent,
+    seed_or_random,
 )
 
+from ..widgets.inputs import HelpKeyInput
 from ..widgets.render import set_subtitle
 from ..widgets.wraplog import WrapLog
+from .focus import HELP_BINDING
 
-#: the one-line banner (the transcript needs the rows); the whole notice is its tooltip
+#: the one-line banner (the transcript needs the rows), longest first: the longest that fits the pane is shown,
+#: never cut to "…" (at 80x24 it read "synthetic weights: the text is not…"); the whole notice is its tooltip
 SYNTHETIC_BANNER = "synthetic weights: the text is not meaningful"
+SYNTHETIC_BANNERS = (SYNTHETIC_BANNER, "synthetic weights: text not meaningful", "synthetic weights (no meaning)",
+                     "synthetic weights")
 SYNTHETIC_NOTICE = ("Weights are synthetic: the text is not meaningful. Tokens, timings and KV are real "
                     "products of the simulated run. Times are simulated ms: device time plus the host work "
                     "booked on the clock (modeled by default, --host-time).")
 #: the dense pilot bundle (real GGUF weights): replies are the small model's own
 REAL_BANNER = "real weights: the dense pilot (C3), not the product's model"
+REAL_BANNERS = (REAL_BANNER, "real weights: the dense pilot (C3)", "real weights: pilot (C3)", "real weights")
 REAL_NOTICE = ("Real weights (the pilot bundle's GGUF, a small dense model run by the simulator's numerics): replies "
                "are that model's own, not Qwen3-30B-A3B's. Times are simulated ms: device time plus the host work "
                "booked on the clock (modeled by default, --host-time).")
+#: a timing-only device (--timing-only): no model runs at all, whatever weights the bundle names
+TIMING_BANNER = "timing-only: tokens from a seeded generator, no model"
+TIMING_BANNERS = (TIMING_BANNER, "timing-only: seeded tokens, no model", "timing-only: no model", "timing-only")
+TIMING_NOTICE = ("The device runs timing-only (--timing-only): no numerics run and no logits come back; every "
+                 "token is drawn by a seeded generator, so the text comes from no model. Steps, KV and timings are "
+                 "priced as with numerics (prefill prices the expected experts, no router runs). Times are "
+                 "simulated ms: device time plus the host work booked on the clock (modeled by default, "
+                 "--host-time).")
 STREAM_UPDATE_S = 1 / 10
 STREAM_TAIL_CHARS = 600  # live stream box shows the last characters of the reply
 CANCEL_GRACE_S = 10.0  # after a no-progress cancel, how long to wait for the request to end
@@ -78,7 +94,7 @@ def param_defaults() -> dict[str, str]:
 
 
 PARAM_INPUT = {name: pid for pid, _, _, name in PARAMS}
-PARAM_HELP = {"seed": "seed (empty: a random one, shown under the reply)",
+PARAM_HELP = {"seed": "seed (empty or -1: a random one, shown under the reply)",
               "stop": "stop strings, separated by |", "max_tokens": "max_tokens (the reply stops at the context end)"}
 
 
@@ -86,8 +102,11 @@ class ChatPane(Vertical):
     """Chat with the simulated model through the inference plane only."""
 
     BINDINGS = [
+        HELP_BINDING,
         Binding("escape", "cancel", "cancel reply", priority=True),
         Binding("ctrl+l", "new_chat", "new chat"),
+        # the sampling panel had no key: it opens on its first field, and closes back to the message input
+        Binding("ctrl+s", "toggle_params", "sampling"),
         # the input keeps focus: the transcript scrolls from it (one footer entry for both keys);
         # priority, as Input binds PageUp/PageDown itself (to scroll its one line)
         Binding("pageup", "scroll_log(-1)", "scroll", key_display="pgup/pgdn", priority=True),
@@ -106,17 +125,15 @@ class ChatPane(Vertical):
     def compose(self) -> ComposeResult:
         kind = getattr(self.inference, "server_kind", None)  # a real server (llama-server): its own model
         if kind:
-            notice = Static(f"{kind}: the server's own model and weights · times are wall ms", id="chat-notice",
-                            classes="dim")
+            notice = Banner((f"{kind}: the server's own model and weights · times are wall ms",
+                             f"{kind}: its own model · wall ms", f"{kind}: its own model"),
+                            id="chat-notice", classes="dim")
             notice.tooltip = (f"Replies come from the {kind}'s model. Under each reply: the server's timings "
                               "(prompt / predicted ms, its wall clock) and TTFT / TPOT / E2E measured by this "
                               "console as client (wall ms).")
-        elif getattr(self.inference, "weights", "synthetic") == "real":
-            notice = Static(REAL_BANNER, id="chat-notice", classes="dim")
-            notice.tooltip = REAL_NOTICE
         else:
-            notice = Static(SYNTHETIC_BANNER, id="chat-notice", classes="dim")
-            notice.tooltip = SYNTHETIC_NOTICE
+            notice = Banner(*self._banner(getattr(self.inference, "numerics", True)), id="chat-notice",
+                            classes="dim")
         yield notice
         # WrapLog: re-wraps on resize, renders a long reply in slices (keys stay responsive at its end)
         yield WrapLog(id="chat-log", max_lines=LOG_MAX_LINES, auto_scroll=True, min_width=20)
@@ -130,12 +147,22 @@ class ChatPane(Vertical):
                     yield Label(label, classes="param-label")
                     # no select-all on focus: a refused field is focused, and its value under the selection
                     # on the red mark read as blank
-                    yield Input(default, id=pid, classes="param-input", compact=True, select_on_focus=False,
+                    yield HelpKeyInput(default, id=pid, classes="param-input", compact=True, select_on_focus=False,
                                 tooltip=PARAM_HELP.get(name, name), placeholder="none" if default == "" else "")
             yield Button("reset to defaults", id="p-reset", compact=True,
                          tooltip="every sampling parameter back to its default (Ctrl+L keeps them)")
-        yield ChatInput(placeholder="Type a message, Enter to send · Esc cancels · Ctrl+L new chat · PgUp/PgDn scroll",
+        yield ChatInput(placeholder="Type a message, Enter to send · Esc cancels · Ctrl+L new chat · Ctrl+S sampling "
+                                    "· PgUp/PgDn scroll",
                     id="chat-input", compact=True)
+
+    def _banner(self, numerics: bool) -> tuple[tuple[str, ...], str]:
+        """(banner variants, tooltip) for the device's mode: timing-only before the weights (a timing-only
+        device said "synthetic weights" though no model ran), then real (the pilot) or synthetic weights."""
+        if not numerics:
+            return TIMING_BANNERS, TIMING_NOTICE
+        if getattr(self.inference, "weights", "synthetic") == "real":
+            return REAL_BANNERS, REAL_NOTICE
+        return SYNTHETIC_BANNERS, SYNTHETIC_NOTICE
 
     # --- parameters ---------------------------------------------------------------
 
@@ -145,7 +172,7 @@ class ChatPane(Vertical):
         A number that does not parse is passed on as its text, so the engine refuses it
         (``InvalidRequestError`` naming the parameter) exactly as any other bad value: the
         pane's errors and the engine's read the same and count in the same ``rejected``.
-        An empty seed means a random one.
+        An empty seed, or llama-server's -1, means a random one.
         """
         vals: dict[str, Any] = {}
         for pid, _, parser, _ in PARAMS:
@@ -159,6 +186,7 @@ class ChatPane(Vertical):
                     vals[pid] = parser(raw)
                 except ValueError:
                     vals[pid] = raw
+        vals["p-seed"] = seed_or_random(vals["p-seed"])  # -1: a random one, as llama-server
         sp = SamplingParams(temperature=vals["p-temperature"], top_k=vals["p-top-k"], top_p=vals["p-top-p"],
                             min_p=vals["p-min-p"], repeat_penalty=vals["p-repeat-penalty"],
                             presence_penalty=vals["p-presence"], frequency_penalty=vals["p-frequency"],
@@ -183,8 +211,8 @@ class ChatPane(Vertical):
                           max_tokens=cast(Any, max_tokens), sampling=sp, stop=stops, client="chat-pane")
         event.input.value = ""
         self._submitting = True  # set now: the handle only exists once the worker has submitted
-        log = self.query_one("#chat-log", RichLog)
-        log.write(Text.assemble(("you ", "bold cyan"), text))  # a str/Text write wraps (WrapLog)
+        # the "you ..." line is written once the request is admitted (_on_started): a refused send leaves the
+        # prompt in the input to edit, and each resend had added another "you ..." line
         self._set_status("submitting…")
         self._generate(req, text)
 
@@ -198,7 +226,7 @@ class ChatPane(Vertical):
         except RequestError as e:
             app.call_from_thread(self._on_refused, e, prompt)
             return
-        app.call_from_thread(self._on_started, req, handle)
+        app.call_from_thread(self._on_started, req, handle, prompt)
         # Pieces are batched: at most ~15 UI updates a second however fast tokens come
         # (fast pacing streams thousands of tokens a second; one UI call each would flood the loop).
         pending: list[str] = []
@@ -260,7 +288,8 @@ class ChatPane(Vertical):
         self._set_stream(None)
         self._set_status("")
 
-    def _on_started(self, req: ChatRequest, handle: RequestStream) -> None:
+    def _on_started(self, req: ChatRequest, handle: RequestStream, prompt: str) -> None:
+        self.query_one("#chat-log", RichLog).write(Text.assemble(("you ", "bold cyan"), prompt))  # wraps (WrapLog)
         self.handle = handle
         self._submitting = False
         self._stream_text = ""
@@ -329,6 +358,19 @@ class ChatPane(Vertical):
         log = self.query_one("#chat-log", RichLog)
         (log.scroll_page_down if pages > 0 else log.scroll_page_up)(animate=False)
 
+    def action_toggle_params(self) -> None:
+        """Ctrl+S: open the sampling panel and focus its first field; from inside the open panel, close it
+        and focus the message input again (its fields keep their values)."""
+        panel = self.query_one("#chat-params", Collapsible)
+        focused = self.screen.focused
+        if not panel.collapsed and focused is not None and panel in focused.ancestors:
+            panel.collapsed = True
+            self.query_one("#chat-input", Input).focus()
+            return
+        panel.collapsed = False
+        first = self.query_one(f"#{PARAMS[0][0]}", Input)
+        self.call_after_refresh(first.focus)  # once the opened panel's fields can take focus
+
     @on(Button.Pressed, "#p-reset")
     def reset_params(self) -> None:
         """Every parameter input back to its default (param_defaults); marks cleared."""
@@ -354,17 +396,39 @@ class ChatPane(Vertical):
             set_subtitle(self, f"{snap.source} · model {snap.server.model if snap.server is not None else '?'}")
             return
         set_subtitle(self, d.mode + (f" (lease: {d.lease_holder})" if d.lease_holder else ""))
+        if getattr(self.inference, "server_kind", None) is None:  # the device's mode, as the snapshot says it
+            variants, tip = self._banner(d.numerics)
+            banner = self.query_one("#chat-notice", Banner)
+            banner.set_variants(variants)
+            banner.tooltip = tip
 
 
-class ChatInput(Input):
-    """The chat's message input. It lets "?" through to the app's help binding (so the footer names the help
-    key while the chat has focus, as it has at start); the app steps aside when the input holds text, and
-    the "?" is then typed as usual."""
+class Banner(Static):
+    """One line showing the longest of its ``variants`` (longest first) that fits its width, never cut to "…";
+    the last variant when none fits."""
 
-    def check_consume_key(self, key: str, character: str | None) -> bool:
-        if character == "?":
-            return False
-        return super().check_consume_key(key, character)
+    def __init__(self, variants: tuple[str, ...], tooltip: str | None = None, **kw) -> None:
+        super().__init__(variants[0], **kw)
+        self.variants = tuple(variants)
+        if tooltip is not None:
+            self.tooltip = tooltip
+
+    def set_variants(self, variants: tuple[str, ...]) -> None:
+        if tuple(variants) != self.variants:
+            self.variants = tuple(variants)
+            self._fit()
+
+    def on_resize(self) -> None:
+        self._fit()
+
+    def _fit(self) -> None:
+        w = self.size.width
+        fits = [v for v in self.variants if w <= 0 or cell_len(v) <= w]
+        self.update(fits[0] if fits else self.variants[-1])
+
+
+class ChatInput(HelpKeyInput):
+    """The chat's message input: "?" on an empty input opens the help (``HelpKeyInput``), otherwise it is typed."""
 
 
 def metrics_line(result, wall_s: float) -> str:

@@ -16,6 +16,12 @@ PANE_BINDINGS = [
 ]
 
 
+#: first in each pane's bindings: the footer lists the focused pane's keys before the app's, so at 80 columns the
+#: app's "? help" fell off the end once the chat pane had a fourth key; a pane's own entry keeps it in view
+#: (the app's binding stays for a focus outside the panes). Not a priority binding (see CalConsoleApp.BINDINGS).
+HELP_BINDING = Binding("question_mark", "app.help", "help")
+
+
 def focus_pane(root: DOMNode, name: str) -> None:
     """Focus pane ``name`` (a ``FOCUS_TARGET`` key) under ``root``: its main input, or its first enabled
     focusable widget (a disabled button is skipped); nothing when the layout has no such pane.

@@ -37,8 +37,10 @@ from textual.widgets import Button, Input, RichLog, Static
 from sim_backend.planes import CalError, Snapshot
 
 from ..widgets.confirm import ConfirmModal
+from ..widgets.inputs import HelpKeyInput
 from ..widgets.render import set_subtitle, status_text
 from ..widgets.wraplog import WrapLog
+from .focus import HELP_BINDING
 
 #: buttons enabled only while this pane holds the lease
 GUARDED = ("#m-leave", "#m-reset", "#m-clear", "#m-reload", "#m-selftest", "#m-health", "#m-probe", "#m-clearkv",
@@ -86,6 +88,7 @@ class MaintenancePane(Vertical):
     # styles: calconsole/styles.tcss (.m-row grids, #m-mode, #m-log): one home for them
 
     BINDINGS = [
+        HELP_BINDING,
         Binding("x", "enter", "exclusive"),
         Binding("l", "leave", "leave excl."),
         Binding("r", "reset", "reset"),
@@ -161,8 +164,8 @@ class MaintenancePane(Vertical):
             yield Button(LABELS["m-ack"][0], id="m-ack", disabled=True, compact=True,
                          tooltip="acknowledge the faults that fired (status back from 'fault'); no lease needed")
         with Horizontal(classes="m-row", id="m-row-reg"):
-            yield Input(placeholder="register / 0xADDR", id="m-reg", compact=True)
-            yield Input(placeholder="value", id="m-reg-value", compact=True)
+            yield HelpKeyInput(placeholder="register / 0xADDR", id="m-reg", compact=True)
+            yield HelpKeyInput(placeholder="value", id="m-reg-value", compact=True)
             yield Button(LABELS["m-reg-read"][0], id="m-reg-read", disabled=True, compact=True)
             yield Button(LABELS["m-reg-write"][0], id="m-reg-write", disabled=True, compact=True)
             yield Button(LABELS["m-reg-all"][0], id="m-reg-all", disabled=True, compact=True)

@@ -33,6 +33,7 @@ from ..widgets import render
 from ..widgets import server as server_render
 from ..widgets.history import GRAPHS, History, HistoryGraph
 from ..widgets.render import set_subtitle
+from .focus import HELP_BINDING
 
 #: section name (settings.SECTIONS) -> the widget that shows it
 SECTION_WIDGET = {"device": "#obs-device", "thresholds": "#obs-header", "graphs": "#obs-graphs-box",
@@ -54,6 +55,7 @@ class ObservationPane(VerticalScroll):
     """
 
     BINDINGS = [
+        HELP_BINDING,
         Binding("t", "toggle_step", "per-layer: step/decode/prefill"),
         Binding("h", "toggle_heat", "heatmap: chips/categories"),
         Binding("w", "cycle_window", "history 1/5/15 min"),

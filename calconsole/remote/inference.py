@@ -179,6 +179,7 @@ class RemoteInferencePlane:
         self._step_timeout_s = float(p.get("device", {}).get("step_timeout_s", 120.0))
         self._template = str(p.get("chat_template", ""))
         self._weights = str(p.get("device", {}).get("weights", "synthetic"))
+        self._numerics = p.get("device", {}).get("numerics") is not False
 
     @property
     def n_ctx(self) -> int:
@@ -201,6 +202,11 @@ class RemoteInferencePlane:
     def weights(self) -> str:
         """The server's model weights: "synthetic" or "real" (``/props`` device.weights)."""
         return self._weights
+
+    @property
+    def numerics(self) -> bool:
+        """False when the server's device runs timing-only (``/props`` device.numerics)."""
+        return self._numerics
 
     def submit(self, req: ChatRequest) -> RemoteRequestStream:
         """Send the request; returns once the server admitted it (headers received). Raises

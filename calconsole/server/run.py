@@ -161,9 +161,12 @@ class ServerThread:
     ``stop()`` ends streams with an error event and joins the thread (bounded).
     """
 
-    def __init__(self, face: ServingFace, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, face: ServingFace, host: str = "127.0.0.1", port: int = 0,
+                 sock: socket.socket | None = None) -> None:
+        """``sock``: a listening socket bound beforehand (``bind_socket``; then ``host``/``port`` are not
+        used), so a busy port is found before the device is built; None binds ``host:port`` here."""
         self.face = face
-        self.sock = bind_socket(host, port)
+        self.sock = sock if sock is not None else bind_socket(host, port)
         h, p = self.sock.getsockname()[:2]
         self.host, self.port = h, p
         self.url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"

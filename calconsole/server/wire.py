@@ -37,6 +37,7 @@ from sim_backend.planes import (
     RequestError,
     RequestResult,
     SamplingParams,
+    seed_or_random,
 )
 
 from .. import __version__
@@ -150,7 +151,7 @@ def sampling_from(body: Mapping[str, Any]) -> SamplingParams:
             raise bad_request(f"'{name}' must be a number, got {type(v).__name__}")
         if isinstance(v, float) and not math.isfinite(v):
             raise bad_request(f"'{name}' must be finite")
-        kw[name] = v
+        kw[name] = seed_or_random(v) if name == "seed" else v  # -1 / 4294967295: random, as llama-server
     sp = SamplingParams(**kw)
     try:
         sp.validate()

@@ -46,7 +46,7 @@ GLOSSARY = (
     ("S8 V-cache", "a KV-cache layout the SDK has but the product does not use (a C1 what-if): 4/3 the tokens"),
     ("job / device step", "one prefill chunk or one decode step run on the device; 'steps' counts those done "
                           "(not requests, and not processes as npu-smi's running jobs are)"),
-    ("fault xN", "slow_chipK xN: chip K runs N times slower; ccu_exception / d2d_link_error / kv_exhaustion xN: "
+    ("fault xN", "slow_chipK xN: chip K runs N times slower; ccu_exception / link_error / kv_exhaustion xN: "
                  "the next N jobs it hits"),
     ("pacing A/S", "the device runs paced at S simulated s per wall s; A is what this host achieved "
                    "(below S: the host is behind, replies stream slower than the sim figures)"),

@@ -28,12 +28,19 @@ class Series:
 
 @dataclass(frozen=True)
 class GraphSpec:
-    """One graph: its series, title (with units and the time base) and a fixed y range if any."""
+    """One graph: its series, title (with units and the time base), shorter forms of the title for a narrow
+    graph (longest first), and a fixed y range if any."""
 
     id: str
     title: str
     series: tuple[Series, ...]
     y_max: float | None = None  # fixed top of the scale (percentages); None: from the data
+    short_titles: tuple[str, ...] = ()
+
+    @property
+    def titles(self) -> tuple[str, ...]:
+        """The title, then its shorter forms (the graph shows the longest that fits)."""
+        return (self.title, *self.short_titles)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -42,10 +49,15 @@ class GraphSpec:
 
 GRAPHS: tuple[GraphSpec, ...] = (
     GraphSpec("kv-busy", "KV use and busy, % (sim)",
-              (Series("kv_percent", "KV %"), Series("busy_percent", "busy %")), 100.0),
-    GraphSpec("tok-s", "output tokens/s (sim)", (Series("tok_s", "tok/s"),)),
-    GraphSpec("latency", "TTFT / TPOT P95, ms (sim)", (Series("ttft_p95", "TTFT"), Series("tpot_p95", "TPOT"))),
-    GraphSpec("queue", "queue depth, requests", (Series("queued", "queued"), Series("running", "running"))),
+              (Series("kv_percent", "KV %"), Series("busy_percent", "busy %")), 100.0,
+              ("KV, busy % (sim)", "KV, busy %")),
+    GraphSpec("tok-s", "output tokens/s (sim)", (Series("tok_s", "tok/s"),), None,
+              ("output tok/s (sim)", "tok/s (sim)", "tok/s")),
+    # plotext drops a title wider than the plot: at 120x36 this graph had none (its y labels are the widest)
+    GraphSpec("latency", "TTFT / TPOT P95, ms (sim)", (Series("ttft_p95", "TTFT"), Series("tpot_p95", "TPOT")), None,
+              ("TTFT/TPOT P95 ms (sim)", "TTFT/TPOT P95 ms", "P95 ms")),
+    GraphSpec("queue", "queue depth, requests", (Series("queued", "queued"), Series("running", "running")), None,
+              ("queue, requests", "queue")),
 )
 
 
@@ -152,14 +164,28 @@ class HistoryGraph(PlotextPlot):
         self._built: tuple[tuple[int, int], object] | None = None  # (size, renderable) of the last build
         self._window_s: float | None = None  # the window of the last draw (host wall s)
 
+    def titles(self) -> tuple[str, ...]:
+        """The spec's titles, longest first, with the clock label in place of "(sim)" when one is set."""
+        if not self.clock_label:
+            return self.spec.titles
+        return tuple(t.replace("(sim)", self.clock_label) for t in self.spec.titles)
+
     def render(self):  # noqa: ANN201 - Textual's RenderResult
-        """The plot, built once per ``draw`` and size: a repaint (a relayout, a scroll) reuses it."""
+        """The plot, built once per ``draw`` and size: a repaint (a relayout, a scroll) reuses it. The title is
+        the longest of ``titles()`` that plotext draws at this size (it drops a title wider than the plot)."""
         size = (self.size.width, self.size.height)
         if self._built is None or self._built[0] != size:
             if self._window_s is not None:  # the time labels that fit the new width
                 ticks = x_ticks(self._window_s, self.size.width)
                 self.plt.xticks(ticks, [_tick_label(t) for t in ticks])
-            self._built = (size, super().render())
+            built = None
+            for title in self.titles():
+                self.plt.title(title)
+                built = super().render()
+                # a rich Text (textual-plotext: Text.from_ansi); the title is its top line
+                if title in getattr(built, "plain", title).split("\n", 1)[0]:
+                    break
+            self._built = (size, built)
         return self._built[1]
 
     def draw(self, history: History, window_s: float, now: float | None = None) -> None:
@@ -167,7 +193,7 @@ class HistoryGraph(PlotextPlot):
         self.drawn_at = now
         plt = self.plt
         plt.clear_figure()
-        plt.title(self.spec.title.replace("(sim)", self.clock_label) if self.clock_label else self.spec.title)
+        plt.title(self.titles()[0])  # render() picks the form that fits
         top = self.spec.y_max
         peak = 0.0
         for s in self.spec.series:

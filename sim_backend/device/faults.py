@@ -63,7 +63,7 @@ class Faults:
         if self.ccu_next:
             out.append(f"ccu_exception x{self.ccu_next}")
         if self.link_error_next:
-            out.append(f"d2d_link_error x{self.link_error_next}")
+            out.append(f"link_error x{self.link_error_next}")
         if self.kv_exhaust_next:
             out.append(f"kv_exhaustion x{self.kv_exhaust_next}")
         return out
@@ -88,8 +88,9 @@ class Faults:
             return out
 
 
-#: Faults.fired key -> the name the operator reads
-FIRED_NAMES = {"ccu": "ccu_exception", "link_error": "d2d_link_error", "kv_exhaust": "kv_exhaustion"}
+#: Faults.fired key -> the name the operator reads: the kind ``inject_fault`` takes (``FAULT_KINDS``), one name
+#: everywhere (the link error was "d2d_link_error" here and "link_error" to the API)
+FIRED_NAMES = {"ccu": "ccu_exception", "link_error": "link_error", "kv_exhaust": "kv_exhaustion"}
 
 
 class FaultInjectingKV(KVCacheManager):

@@ -63,6 +63,7 @@ from sim_backend.planes.types import (
     TokenEvent,
     TokenLogprob,
     TokenProbs,
+    seed_or_random,
     validate_request,
 )
 
@@ -76,4 +77,4 @@ __all__ = ["SLO", "AuditLog", "AuditLogError", "AuditReader", "CalError", "ChatR
            "SlotActions", "Snapshot", "StageTimes", "StreamEvent", "Timings", "TokenEvent", "TokenLogprob",
            "TokenProbs", "UnavailableError",
            "audit_origin", "pseudo_filesystem",
-           "summarize", "validate_request"]
+           "seed_or_random", "summarize", "validate_request"]

@@ -111,6 +111,12 @@ class InProcessInference:
         return "real" if self._engine.rt.bundle.numeric.weights == "gguf" else "synthetic"
 
     @property
+    def numerics(self) -> bool:
+        """False on a timing-only device (``--timing-only``): no numerics run, every token comes from the seeded
+        generator, whatever the weights."""
+        return bool(self._engine.rt.numerics)
+
+    @property
     def chat_template(self) -> str:
         """The model's chat template as Jinja text: Qwen3's (no tools), or the GGUF's for the pilot."""
         return str(getattr(self._engine.tokenizer, "chat_template", CHAT_TEMPLATE))

@@ -66,8 +66,8 @@ _T = TypeVar("_T")
 
 MAINTENANCE_REASON = "device in maintenance"
 FAULT_KINDS = ("ccu_exception", "kv_exhaustion", "link_error", "slow_chip")
-#: the names the snapshot shows for an armed / fired fault, accepted as the kind they name
-#: (``faults_armed`` lists "d2d_link_error x1", and inject_fault refused "d2d_link_error")
+#: other names accepted for a kind: "d2d_link_error", the name snapshots of earlier versions showed for an
+#: armed / fired link error (``faults_armed`` "d2d_link_error x1"); the snapshot now says "link_error"
 FAULT_ALIASES = {"d2d_link_error": "link_error"}
 
 
@@ -428,7 +428,7 @@ class InProcessMaintenance:
 
         kind: ``ccu_exception`` (the next ``count`` jobs raise CCUException),
         ``kv_exhaustion`` (the next ``count`` KV applies raise KVExhausted),
-        ``link_error`` (also ``d2d_link_error``, its name in the snapshot: the next ``count`` jobs
+        ``link_error`` (also ``d2d_link_error``, its earlier name in the snapshot: the next ``count`` jobs
         raise LinkError, D2D_LINK_ERR counts them; the job stops at its first chiplet transfer,
         the embedding broadcast, and costs the device time up to it: H2D, submit, chip0's
         embedding and the failed transfer, ~0.3 ms simulated, see ``SimulatedBoard._book_link_error``),

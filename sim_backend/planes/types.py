@@ -46,6 +46,17 @@ def _is_int(v: object) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+#: seeds that ask for a random one, as llama-server reads them: -1 and LLAMA_DEFAULT_SEED (0xFFFFFFFF, the same
+#: value as llama.cpp's uint32 seed; ``calconsole.server.wire.DEFAULT_SEED``)
+RANDOM_SEEDS = (-1, 0xFFFFFFFF)
+
+
+def seed_or_random(seed: Any) -> Any:
+    """``seed`` as ``SamplingParams.seed`` takes it: None (a random seed) for an integer in ``RANDOM_SEEDS``,
+    anything else unchanged (``SamplingParams.validate`` then refuses what is not a seed)."""
+    return None if _is_int(seed) and seed in RANDOM_SEEDS else seed
+
+
 class SamplingParams(msgspec.Struct, frozen=True):
     """Per-request sampling parameters (llama.cpp server names and defaults).
 
@@ -55,7 +66,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
     ``repeat_last_n`` tokens (0 disables, -1 = all given). presence /
     frequency penalties: [-2, 2] (OpenAI semantics, subtracted from logits).
     seed: non-negative int, or None for a random seed (the serving sampler
-    exposes the one it drew so the run can be replayed).
+    exposes the one it drew so the run can be replayed); the edges that read a
+    seed from a person or a client map llama-server's -1 to None (``seed_or_random``).
     """
 
     temperature: float = 0.8
@@ -560,5 +572,6 @@ class SLO(msgspec.Struct, frozen=True):
         return True
 
 
-__all__ = ["ROLES", "SLO", "STAGES", "STOP_TYPES", "VOCAB_SIZE", "ChatRequest", "DoneEvent", "RequestResult",
-           "SamplingParams", "StageTimes", "Timings", "TokenEvent", "TokenLogprob", "TokenProbs", "validate_request"]
+__all__ = ["RANDOM_SEEDS", "ROLES", "SLO", "STAGES", "STOP_TYPES", "VOCAB_SIZE", "ChatRequest", "DoneEvent",
+           "RequestResult", "SamplingParams", "StageTimes", "Timings", "TokenEvent", "TokenLogprob", "TokenProbs",
+           "seed_or_random", "validate_request"]

@@ -92,8 +92,8 @@ def _scripted():
 def test_status_text_and_header_counts_say_what_they_count():
     base = _scripted().device
     d = msgspec.structs.replace(base, status="degraded", faults_in_effect=("slow_chip1 x4",),
-                                faults_armed=("d2d_link_error x1",), faults_fired=())
-    assert render.status_text(d).plain == "degraded (slow_chip1 x4) · armed: d2d_link_error x1"
+                                faults_armed=("link_error x1",), faults_fired=())
+    assert render.status_text(d).plain == "degraded (slow_chip1 x4) · armed: link_error x1"
     d = msgspec.structs.replace(base, numerics=True, numerics_max_prompt=1024, timing_only_running=(7,))
     assert render.numerics_text(d) == "numerics on, but request 7 timing-only (> 1024 new prompt tok)"
     assert render.numerics_text(msgspec.structs.replace(d, timing_only_running=(),

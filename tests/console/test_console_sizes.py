@@ -111,6 +111,35 @@ async def test_no_device_figure_and_no_header_part_is_cut(frozen_clock, size, la
         assert len(top) <= size[0]
 
 
+@pytest.mark.parametrize("layout", ["operator", "chat"])
+@pytest.mark.parametrize("size", SIZES)
+async def test_every_graph_keeps_its_title_and_the_chat_banner_is_whole(frozen_clock, size, layout):
+    # at 120x36 the TTFT / TPOT graph had no title (plotext drops one wider than the plot) and at 80x24 the
+    # chat banner read "synthetic weights: the text is not…"
+    app = console(layout)
+    async with app.run_test(size=size) as pilot:
+        await _drawn(pilot)
+        shown = [g for g in app.query(HistoryGraph) if g.display and g.size.width]
+        assert shown
+        for g in shown:
+            top = g.render().plain.split("\n")[0]
+            assert any(t in top for t in g.titles()), (g.spec.id, g.size, top)
+        notice = app.query_one("#chat-notice")
+        text = str(notice.render())
+        assert text and "…" not in text and len(text) <= notice.size.width, (text, notice.size)
+
+
+async def test_at_120x36_the_device_table_keeps_its_memory_figures(frozen_clock):
+    # at 120x36 the table went from used/physical figures (58 columns) straight to the % rows in a 56-column
+    # pane, a third of it free: now the names get short first and both memories keep used/physical
+    app = console()
+    async with app.run_test(size=(120, 36)) as pilot:
+        await _drawn(pilot)
+        board = _device_lines(app)[1]
+        assert board.startswith("board") and "/32G" in board and "/36M" in board, _device_lines(app)
+        assert "%" in board.split("/32G")[0]  # the busy % stays
+
+
 @pytest.mark.parametrize("size", SIZES)
 def test_console_at_each_size(snap_compare, frozen_clock, size):
     assert snap_compare(console(), terminal_size=size, run_before=_drawn)

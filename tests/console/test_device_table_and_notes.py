@@ -62,7 +62,7 @@ async def test_a_fault_that_fires_later_gets_the_rows_its_line_needs():
     quiet = _quiet(SCRIPTED)
     fired = copy.deepcopy(quiet)
     fired["device"].update(status="fault", d2d_link_errors=1, faults_fired=[
-        {"fault": "d2d_link_error", "detail": "chip0->chip1 embedding broadcast, job 129 (prefill)"}])
+        {"fault": "link_error", "detail": "chip0->chip1 embedding broadcast, job 129 (prefill)"}])
     app = OnePane()
     async with app.run_test(size=(81, 48)) as pilot:
         pane = app.query_one(ObservationPane)

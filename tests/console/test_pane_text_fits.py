@@ -11,7 +11,7 @@ from textual.widgets import Button
 
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
-from calconsole.panes.chat import PARAMS, SYNTHETIC_BANNER, metrics_line, param_defaults
+from calconsole.panes.chat import PARAMS, SYNTHETIC_BANNERS, metrics_line, param_defaults
 from calconsole.panes.maintenance import LABELS, MaintenancePane
 from calconsole.widgets import render
 from sim_backend.device.clock import Pacing, PacingMode
@@ -59,7 +59,10 @@ async def test_operator_chat_transcript_has_room_and_a_one_line_banner(fast_syst
     async with app.run_test(size=size) as pilot:
         assert await wait_for(pilot, lambda: app.query_one("#chat-log").region.height >= min_lines)
         notice = app.query_one("#chat-notice")
-        assert notice.region.height == 1 and SYNTHETIC_BANNER[:20] in screen_text(app)
+        # one line, the longest form of the banner that fits, never cut to "…" (80x24 read "…is not…")
+        assert notice.region.height == 1 and "synthetic weights" in screen_text(app)
+        assert str(notice.render()) in SYNTHETIC_BANNERS and "…" not in str(notice.render())
+        assert len(str(notice.render())) <= notice.region.width
         log = app.query_one("#chat-log")
         assert log.region.height >= min_lines, log.region
         assert app.query_one("#chat-params").collapsed

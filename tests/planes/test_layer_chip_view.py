@@ -118,16 +118,20 @@ def _probe_tokens(system) -> int:
     return system.inference.count_prompt_tokens(ChatRequest.from_prompt("hi", max_tokens=2))
 
 
-def test_the_link_error_is_armed_by_the_name_the_snapshot_shows(make_system):
-    # faults_armed said "d2d_link_error x1", and inject_fault(kind="d2d_link_error") was refused as unknown
+def test_the_link_error_has_one_name_everywhere(make_system):
+    # the API armed "link_error" while the snapshot said "d2d_link_error x1" (armed) and "d2d_link_error"
+    # (fired); one name now, the API's, and the old one still accepted as an alias
     system = make_system(numerics=False)
     m = system.maintenance
     lease = m.enter_exclusive("alice")
-    rep = m.inject_fault(lease, "d2d_link_error")
-    assert rep["armed"] == ["d2d_link_error x1"]
-    assert system.observation.snapshot().device.faults_armed == ("d2d_link_error x1",)
-    assert m.probe_request(lease, "hi", 2)["error"]["type"] == "LinkError"
-    assert m.audit.entries()[-2]["args"]["kind"] == "link_error"  # audited as the kind it armed
+    for kind in ("link_error", "d2d_link_error"):
+        rep = m.inject_fault(lease, kind)
+        assert rep["armed"] == ["link_error x1"]
+        assert system.observation.snapshot().device.faults_armed == ("link_error x1",)
+        assert m.audit.entries()[-1]["args"]["kind"] == "link_error"  # audited as the kind it armed
+        assert m.probe_request(lease, "hi", 2)["error"]["type"] == "LinkError"
+        fired = system.observation.snapshot().device.faults_fired
+        assert fired and {f.fault for f in fired} == {"link_error"}
     m.leave_exclusive(lease)
 
 

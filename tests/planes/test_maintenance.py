@@ -446,7 +446,7 @@ def test_armed_fault_fails_one_live_request_while_others_are_served(system, kind
         ("acknowledge_faults", "refused"), ("acknowledge_faults", "granted"), ("acknowledge_faults", "granted")]
 
 
-FIRED = {"ccu_exception": "ccu_exception", "kv_exhaustion": "kv_exhaustion", "link_error": "d2d_link_error"}
+FIRED = {"ccu_exception": "ccu_exception", "kv_exhaustion": "kv_exhaustion", "link_error": "link_error"}
 
 
 def test_fired_fault_stays_until_reset(system):

@@ -163,6 +163,17 @@ def test_an_idle_slot_keeps_its_last_task(pair: tuple[str, str]) -> None:
         assert (s1["n_prompt_tokens_processed"], s1["n_prompt_tokens_cache"]) == (0, 0)
 
 
+def test_seed_minus_one_is_a_random_seed_on_both(pair: tuple[str, str]) -> None:
+    # llama-server reads seed -1 as LLAMA_DEFAULT_SEED (a random one); calconsole answered 400
+    for r in both(pair, "POST", "/completion", {"prompt": "Hi", "n_predict": 1, "seed": -1}):
+        assert r.status_code == 200, r.text
+        assert r.json()["generation_settings"]["seed"] == 4294967295
+    ours = [call(pair[0], "POST", "/completion", {"prompt": "Hi", "n_predict": 1, "seed": s}).json()
+            for s in (-1, -1, 4294967295, 4294967295)]
+    drawn = [r["calconsole"]["seed"] for r in ours]
+    assert len(set(drawn)) == len(drawn), drawn  # each a fresh random seed, as "no seed"
+
+
 # --- streams: the event sequence, and each kind of event's shape --------------------------------------------
 
 STREAMS = [

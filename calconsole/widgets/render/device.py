@@ -136,9 +136,9 @@ def mem_bar(used: int, reserved: int, physical: int, width: int, warn: float = 0
 
 def _mem_cell(m: tuple[int, int, int], level: int, sram: bool = False) -> Text:
     """A memory cell at a detail level (see ``device_table``): bar + used/reserved/physical (0, 1),
-    bar + used/physical (2), a short bar + the used share in % (3 and narrower)."""
+    bar + used/physical (2, 3), a short bar + the used share in % (4 and narrower)."""
     used, reserved, physical = m
-    if level >= 3:  # the used share, as the full table's first figure (the bar shows reserved as ▒)
+    if level >= PCT_LEVEL:  # the used share, as the full table's first figure (the bar shows reserved as ▒)
         t = mem_bar(used, reserved, physical, 3)
         t.append(f"{100 * used / physical:3.0f}%" if physical else "  -", style="grey70")
         return t
@@ -178,10 +178,15 @@ DEVICE_LEVELS = (
     "",
     "steps column dropped (the device steps section has it)",
     "steps dropped, reserved bytes shown as ▒ only",
+    # short names before the figures go: at 120x36 the table jumped from level 2 (58 columns with the scripted
+    # state) to the % rows (37) in a 56-column pane, its figures gone while a third of the width was free
+    "short names, steps dropped, reserved bytes shown as ▒ only",
     "compact rows: DRAM/SRAM % used",
     "compact rows, SRAM dropped (the memory section has it)",
     "compact rows, SRAM and state dropped (the mode is in the border)",
 )
+#: the first level with short names ("board", "serve"), the first with % cells, without SRAM, without state
+SHORT_LEVEL, PCT_LEVEL, NO_SRAM_LEVEL, NO_STATE_LEVEL = 3, 4, 5, 6
 
 
 def device_table(snap: Snapshot, compact: bool = False, settings: object = None, width: int | None = None) -> Any:
@@ -191,13 +196,13 @@ def device_table(snap: Snapshot, compact: bool = False, settings: object = None,
 
     ``width`` (columns the table may take; None: no limit): the widest level that fits is drawn, never a
     cell cut to "…". Narrower, in this order: the steps column goes, then the reserved figures (the ▒ part
-    of the bar still shows them), then the compact rows (bars with the used share in %), then SRAM, then the
-    state column (``DEVICE_LEVELS`` names each; the faults line says which one is drawn). ``compact`` (a pane
-    ~40 columns wide) starts at the compact rows."""
+    of the bar still shows them), then the names get short ("board", "serve"), then the compact rows (bars
+    with the used share in %), then SRAM, then the state column (``DEVICE_LEVELS`` names each; the faults
+    line says which one is drawn). ``compact`` (a pane ~40 columns wide) starts at the compact rows."""
     d = snap.device
     if d is None or snap.jobs is None:
         return not_reported("device", snap)
-    first = 3 if compact else 0
+    first = PCT_LEVEL if compact else 0
     for level in range(first, len(DEVICE_LEVELS)):
         table = _device_rows(snap, level)
         if width is None or _table_width(table) <= width:
@@ -214,19 +219,20 @@ def _table_width(table: Table) -> int:
 def _device_rows(snap: Snapshot, level: int) -> Table:
     d, jobs_counts = snap.device, snap.jobs
     assert d is not None and jobs_counts is not None
-    compact = level >= 3
+    compact = level >= PCT_LEVEL  # the % cells
+    names = level >= SHORT_LEVEL  # "board", the mode in 5 cells
     mems = chip_memory(snap.memory)
     t = Table(box=None, padding=(0, 1, 0, 0), show_edge=False, header_style="bold grey70", pad_edge=False)
     t.add_column("dev", no_wrap=True)
     short = level >= 2  # health in 4 cells ("slow", "ccu 1", "FLT")
     t.add_column("hlth" if short else "health", no_wrap=True)
-    if level < 5:
+    if level < NO_STATE_LEVEL:
         t.add_column("state", no_wrap=True)
     t.add_column("busy", justify="right", no_wrap=True)
     if level == 0:
         t.add_column("steps", justify="right", no_wrap=True)
     t.add_column("DRAM" if compact else "DRAM used/rsv/phys" if level < 2 else "DRAM used/phys", no_wrap=True)
-    if level < 4:
+    if level < NO_SRAM_LEVEL:
         t.add_column("SRAM" if compact else "SRAM used/rsv/phys" if level < 2 else "SRAM used/phys", no_wrap=True)
 
     def total(kind: str) -> tuple[int, int, int]:
@@ -235,29 +241,29 @@ def _device_rows(snap: Snapshot, level: int) -> Table:
 
     def row(name: Text, health: Text, state: Text, busy: Text, steps: str, m: ChipKinds) -> None:
         cells: list[Any] = [name, health]
-        if level < 5:
+        if level < NO_STATE_LEVEL:
             cells.append(state)
         cells.append(busy)
         if level == 0:
             cells.append(steps)
         cells.append(_mem_cell(m.get("dram", (0, 0, 0)), level))
-        if level < 4:
+        if level < NO_SRAM_LEVEL:
             cells.append(_mem_cell(m.get("sram", (0, 0, 0)), level, sram=True))
         t.add_row(*cells)
 
     # the mode word only: the lease holder is in the header line and the pane's border (in the cell
     # "exclusive (lease: root@host)" took the width of busy, jobs and health, shown as "…")
     mode = Text(d.mode, style=mode_text(d).style)
-    if compact:  # and the mode in 5 cells
+    if names:  # and the mode in 5 cells
         mode = Text({"serving": "serve", "draining": "drain", "exclusive": "excl"}.get(d.mode, "?"),
                     style=mode.style)
     busy = snap.load.busy_percent
-    row(Text("board" if compact else d.name, style="bold"), _health(d, short), mode,
+    row(Text("board" if names else d.name, style="bold"), _health(d, short), mode,
         Text(fmt_pct(busy), style="bold cyan" if busy else "grey50"), str(jobs_counts.finished),
         {"dram": total("dram"), "sram": total("sram")})
     for c in d.chiplets:
         st = {"ready": "green", "fault": "bold red", "cleared": "yellow"}.get(c.state, "white")
-        row(Text(f"{'' if compact else ' '}chip{c.index}", style="bold"), _chip_health(c, d, short),
+        row(Text(f"{'' if names else ' '}chip{c.index}", style="bold"), _chip_health(c, d, short),
             Text(c.state[:5], style=st),
             Text(fmt_pct(c.busy_percent), style="cyan" if c.busy_percent else "grey50"), str(c.jobs_done),
             mems[c.index] if c.index < len(mems) else {})
@@ -265,7 +271,7 @@ def _device_rows(snap: Snapshot, level: int) -> Table:
 
 
 def _faults_line(d: DeviceInfo, level: int) -> Text:
-    compact = level >= 3
+    compact = level >= PCT_LEVEL
     faults = Text("faults ", style="grey62")
     fired = d.faults_fired
     parts: list[tuple[str, str]] = []

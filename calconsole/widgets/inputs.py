@@ -1,0 +1,30 @@
+"""Inputs of the console's panes: "?" on an empty input opens the help, decided by the input itself."""
+
+from __future__ import annotations
+
+from textual import events
+from textual.widgets import Input
+
+
+class HelpKeyInput(Input):
+    """An ``Input`` where "?" typed into an empty value runs the app's ``help`` action instead of being typed;
+    with any text in it, "?" is typed as usual.
+
+    The input decides when it handles the key, in the order the keys came: every key typed before the "?"
+    has been inserted by then. (An app binding of priority decided on the value before the input had
+    processed the keys before it, so "what is two plus two?" typed fast opened the help and lost the
+    message.) ``check_consume_key`` says "?" is not consumed, so the footer keeps naming the app's help key
+    while the input has focus.
+    """
+
+    def check_consume_key(self, key: str, character: str | None) -> bool:
+        if character == "?":
+            return False
+        return super().check_consume_key(key, character)
+
+    async def _on_key(self, event: events.Key) -> None:
+        # runs before Input._on_key (Textual dispatches the handlers along the MRO); prevent_default stops it
+        if event.character == "?" and not self.value:
+            event.stop()
+            event.prevent_default()
+            await self.run_action("app.help")
