@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ..server.keys import KeyRing
 
 from .common import add_common_options, build_from_args, fail
+from .metrics import parse_slo
 
 
 def add_key_options(p: argparse.ArgumentParser) -> None:
@@ -77,6 +78,11 @@ def register(sub, common) -> None:
     p.add_argument("--seed", type=int, default=None, metavar="N",
                    help="seed of requests that give none; -1 (as llama-server) or none: a fresh random seed each, "
                         "reported per result")
+    p.add_argument("--slo", default=None, metavar="SPEC",
+                   help="goodput SLOs the engine checks, vLLM style: ttft:MS,tpot:MS,e2el:MS (simulated ms, each a "
+                        "positive finite number, each key at most once); /metrics and /snapshot report goodput "
+                        "against them and an attached console names them (default: none, every finished request "
+                        "counts)")
     p.add_argument("--cors-origins", default=None, metavar="LIST",
                    help="browser origins allowed (CORS), a comma list or '*' (default: pages on localhost)")
     g = p.add_argument_group("chat template (llama-server's options)")
@@ -262,6 +268,7 @@ def run(args: argparse.Namespace) -> int:
         if not 1 <= args.queue_limit <= 1024:
             raise ValueError(f"--queue-limit must be in 1..1024, got {args.queue_limit}")
         serve_config(args, "?")
+        slo = parse_slo(args.slo) if getattr(args, "slo", None) is not None else None
         template, template_name = chat_template_of(args)
         socks = bind_all(args)
     except (KeySourceError, ValueError) as e:
@@ -272,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             # numerics in a worker process, as in the console: the event loop and the model would share one GIL
             system = build_from_args(args, maintenance=args.admin_key_file is not None or _env_admin(),
-                                     queue_limit=args.queue_limit, numerics_process=not args.timing_only,
+                                     queue_limit=args.queue_limit, numerics_process=not args.timing_only, slo=slo,
                                      chat_template=template, chat_template_name=template_name,
                                      numerics_progress=lambda line: print(f"calconsole serve: {line}",
                                                                           file=sys.stderr, flush=True))

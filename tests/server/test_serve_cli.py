@@ -64,3 +64,25 @@ def test_sigterm_right_after_the_listening_line_is_a_clean_stop(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_slo_option_sets_the_engines_goodput_objectives(tmp_path):
+    """``serve --slo`` is the SLO the engine checks: /snapshot names it (an attached console shows it as the
+    engine's); without it the console's goodput line pointed at an option serve did not have."""
+    p, url = start(tmp_path, "--slo", "ttft:500,tpot:40")
+    try:
+        slo = httpx.get(url + "/snapshot").json()["requests"]["goodput"]["slo"]
+        assert slo["ttft_ms"] == 500 and slo["tpot_ms"] == 40 and slo.get("e2el_ms") is None
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+
+
+@pytest.mark.parametrize("spec,word", [("ttft:0", "'ttft'"), ("ttft:5,ttft:6", "twice"), ("speed:3", "speed")])
+def test_a_bad_slo_stops_serve_with_code_2_before_the_device_is_built(tmp_path, spec, word):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CALCONSOLE_")}
+    r = subprocess.run([sys.executable, "-m", "calconsole", "serve", "--port", "0", "--timing-only",
+                        "--audit-log", str(tmp_path / "audit.jsonl"), "--slo", spec],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and word in r.stderr and "Traceback" not in r.stderr
+    assert "listening" not in r.stderr
