@@ -292,6 +292,12 @@ def test_help_names_the_settings_file_and_variables(tmp_path, monkeypatch, capsy
         main(["--help"])
     out = capsys.readouterr().out
     assert str(tmp_path / "my.yaml") in out and "CALCONSOLE_THRESHOLD_<NAME>" in out
+    from calconsole.settings import Settings, to_data
+
+    flat = " ".join(out.split())
+    for key in to_data(Settings()):  # every key the file holds is named (sections was missing)
+        assert key in flat, key
+    assert "sections {order: [...], folded: [...], focus: NAME|null}" in flat
 
 
 # --- the device table, heatmap ----------------------------------------------------------------------
