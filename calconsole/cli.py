@@ -254,7 +254,7 @@ def _console_args_error(args: argparse.Namespace) -> str | None:
         if not args.observe_only:  # the log the maintenance pane will write (the settings' or the default)
             from sim_backend.planes import AuditLog
 
-            AuditLog(args.audit_log).check_writable()
+            AuditLog(getattr(args, "audit_log", None)).check_writable()
         if args.listen is not None:
             from .commands.serve import load_serving_keys
 
