@@ -4,7 +4,7 @@ The wheel's extension module exports ggml's C API (``ggml_init``, ``ggml_mul_mat
 ``quantize_row_q8_1``, ...). :class:`Ggml` builds one-operation graphs on caller data and computes them on
 one CPU thread, so a test can compare the pilot's emulation of an operation with the very code llama-server
 runs, bit for bit. Tensors are given numpy-style (outermost dimension first; ggml's ``ne`` is the reverse).
-Raises :class:`GgmlUnavailable` when the wheel or a symbol is missing (the test skips).
+Raises :class:`GgmlUnavailable` when the wheel or a symbol is missing (the tests then fail: the test extra has it).
 """
 
 from __future__ import annotations
