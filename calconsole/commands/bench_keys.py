@@ -7,7 +7,10 @@ every 5 ms (from a thread, as a terminal driver delivers keys), types a
 character into the chat input, timing how long it takes to appear in the
 input's value (host wall ms; polled at 1 ms, so figures are at least ~1 ms). Prints the latency during streaming and in
 the window around the end of the reply, when the reply is written to the
-chat log. A benchmark figure, never a test assertion.
+chat log. Beside it run ``--busy-loops`` CPU busy loops (child processes, default 1: the condition the
+key-latency target is stated for), and the console's idle CPU is measured over ``--idle-s`` before the
+request and again after the reply (this process's CPU time, all its threads: UI, engine, device, as % of
+one core). A benchmark figure, never a test assertion.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from calconsole.bench.busy import MAX_BUSY_LOOPS, BusyLoops, CpuMeter
 
 from .common import fail, print_json
 
@@ -35,6 +40,12 @@ def register(bsub) -> None:
     p.add_argument("--after-s", type=float, default=3.0,
                    help="keep typing this long after the reply ended (host wall s, default 3)")
     p.add_argument("--size", default="120x36", help="terminal size COLSxROWS (default 120x36)")
+    p.add_argument("--busy-loops", type=int, default=1,
+                   help=f"CPU busy loops (child processes) running beside the console for the whole bench, "
+                        f"0..{MAX_BUSY_LOOPS} (default 1)")
+    p.add_argument("--idle-s", type=float, default=5.0,
+                   help="window of the console's idle CPU, measured before the request and after the reply "
+                        "(host wall s, 0..120, default 5; 0: not measured)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)
 
@@ -44,22 +55,50 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--max-tokens must be in 1..40000, got {args.max_tokens}")
     if not 0 <= args.after_s <= 60:
         return fail(f"--after-s must be in 0..60, got {args.after_s}")
+    if not 0 <= args.busy_loops <= MAX_BUSY_LOOPS:
+        return fail(f"--busy-loops must be in 0..{MAX_BUSY_LOOPS}, got {args.busy_loops}")
+    if not 0 <= args.idle_s <= 120:
+        return fail(f"--idle-s must be in 0..120, got {args.idle_s}")
     try:
         cols, rows = (int(x) for x in args.size.lower().split("x"))
     except ValueError:
         return fail(f"--size must be COLSxROWS, got {args.size!r}")
     if not (80 <= cols <= 400 and 24 <= rows <= 200):
         return fail(f"--size must be within 80x24..400x200, got {args.size}")
-    r = asyncio.run(_measure(args.max_tokens, args.after_s, (cols, rows)))
+    try:
+        r = asyncio.run(_measure(args.max_tokens, args.after_s, (cols, rows), busy_loops=args.busy_loops,
+                                 idle_s=args.idle_s))
+    except OSError as e:
+        return fail(f"could not start a busy loop: {e}")
     r.pop("window_perf_s", None)  # perf_counter bounds, for bench realtime's GC split only
     if args.json:
         print_json(r)
         return 0
     print(f"key latency, host wall ms ({r['reply_chars']} characters, {r['reply_tokens']} tokens; "
-          f"terminal {cols}x{rows})")
-    for line in key_lines(r):
+          f"terminal {cols}x{rows}; {busy_text(r['busy_loops'])})")
+    for line in key_lines(r) + idle_lines(r):
         print("  " + line)
     return 0
+
+
+def busy_text(b: dict) -> str:
+    """``"1 busy loop beside the console (got 99 % of a core)"`` from :meth:`BusyLoops.summary`."""
+    if not b["n"]:
+        return "no busy loop beside the console"
+    got = ", ".join("?" if p is None else f"{p:.0f} %" for p in b["cpu_percent"])
+    return f"{b['n']} busy loop{'s' if b['n'] > 1 else ''} beside the console (got {got} of a core)"
+
+
+def idle_lines(r: dict, label: str = "") -> list[str]:
+    """The console's idle CPU windows of :func:`_measure` (before the request, after the reply)."""
+    out = []
+    for k, name in (("idle_before", "before the request"), ("idle_after", "after the reply")):
+        w = r.get(k)
+        if w is None:
+            continue
+        out.append(f"{label}idle CPU {name}: {w['percent_of_a_core']:.2f} % of a core "
+                   f"({w['cpu_s'] * 1e3:.0f} ms process CPU over {w['wall_s']:.1f} s wall)")
+    return out
 
 
 def key_lines(r: dict, label: str = "") -> list[str]:
@@ -81,7 +120,28 @@ def _stats(xs: list[float]) -> dict:
             "max_ms": s[-1]}
 
 
-async def _measure(max_tokens: int, after_s: float, size: tuple[int, int]) -> dict:
+async def _measure(max_tokens: int, after_s: float, size: tuple[int, int], *, busy_loops: int = 0,
+                   idle_s: float = 0.0) -> dict:
+    """Key latency while one reply streams and ends (module docstring), with ``busy_loops`` busy child
+    processes running throughout and, if ``idle_s`` > 0, the console's idle CPU over ``idle_s`` host s
+    before the request and after the reply. Returns ``{"streaming", "end_of_reply": {n, median_ms, p95_ms,
+    max_ms}, "idle_before", "idle_after": CpuWindow.to_dict() or None, "busy_loops": BusyLoops.summary(),
+    "reply_chars", "reply_tokens", "window_perf_s", "unit"}``. OSError if a busy loop cannot start."""
+    with BusyLoops(busy_loops) as loops:
+        r = await _measure_beside(max_tokens, after_s, size, idle_s)
+    r["busy_loops"] = loops.summary()
+    return r
+
+
+async def _idle(idle_s: float) -> dict | None:
+    if idle_s <= 0:
+        return None
+    m = CpuMeter()
+    await asyncio.sleep(idle_s)  # the app's loop (same event loop) runs its timers and repaints meanwhile
+    return m.window().to_dict()
+
+
+async def _measure_beside(max_tokens: int, after_s: float, size: tuple[int, int], idle_s: float) -> dict:
     from textual import events
     from textual.widgets import Input
 
@@ -101,6 +161,7 @@ async def _measure(max_tokens: int, after_s: float, size: tuple[int, int]) -> di
                 app.query_one("#p-max-tokens", Input).value = str(max_tokens)
                 inp.focus()
                 await pilot.pause()
+                idle_before = await _idle(idle_s)
                 inp.value = "hi"
                 await pilot.press("enter")
                 deadline = time.perf_counter() + 60.0
@@ -141,6 +202,9 @@ async def _measure(max_tokens: int, after_s: float, size: tuple[int, int]) -> di
                     thread.join(1.0)
                 await pilot.pause(0.2)
                 arrived.extend([time.perf_counter()] * len(inp.value))
+                inp.value = ""
+                await pilot.pause()
+                idle_after = await _idle(idle_s)
                 # keys typed after the end never arrive: fewer arrivals than posts
                 samples = [(a, (a - p) * 1e3) for p, a in zip(posted, arrived, strict=False)]
                 result = chat.history[-1]["content"] if chat.history else ""
@@ -153,4 +217,5 @@ async def _measure(max_tokens: int, after_s: float, size: tuple[int, int]) -> di
     streaming = [ms for t, ms in samples if done_at is None or t < done_at - 0.25]
     return {"unit": "host wall ms from key posted to the input showing it", "reply_chars": len(result),
             "window_perf_s": (posted[0] if posted else None, time.perf_counter()),
-            "reply_tokens": stats.predicted, "streaming": _stats(streaming), "end_of_reply": _stats(end)}
+            "reply_tokens": stats.predicted, "streaming": _stats(streaming), "end_of_reply": _stats(end),
+            "idle_before": idle_before, "idle_after": idle_after}

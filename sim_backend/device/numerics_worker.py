@@ -258,7 +258,7 @@ class NumericsProcess:
             self._broken = f"{'did not answer' if alive else 'died'} during {op}"
             if alive:
                 self._proc.terminate()  # a late reply must never be read as the answer to a later call
-            raise DeviceError(f"numerics process {self._broken} (waited {timeout:.0f} s)")
+            raise DeviceError(f"numerics process {self._broken} (waited {timeout:g} s)")
         try:
             return self._conn.recv()
         except (EOFError, OSError) as e:

@@ -36,6 +36,9 @@ PREFILL_LENGTHS = (128, 256, 512, 1024, 2048)
 #: KV fill chunk (tokens) used to build a decode context; the engine's default prefill chunk.
 FILL_CHUNK = 2048
 STEP_TIMEOUT_S = 600.0
+#: The worker's bound on one step (host wall s) unless the bench is given another: the console's own
+#: (``NumericsProcess``'s default step timeout).
+WORKER_STEP_TIMEOUT_S = 300.0
 #: A prefill run longer than this (host wall ms) is not repeated (its length reports 1 run).
 LONG_RUN_MS = 4000.0
 
@@ -57,9 +60,19 @@ def _cpu_s(board: SimulatedBoard) -> float:
     return time.process_time()
 
 
+class Unfinished(CalError):
+    """A measured step that did not finish (the worker's step timeout, or a device error): ``what`` names
+    it (e.g. ``"fill KV 2048..4096 (for decode at ctx 4096)"``), ``length`` its token count or context."""
+
+    def __init__(self, what: str, length: int, cause: Exception) -> None:
+        super().__init__(f"{what}: {cause}")
+        self.what, self.length, self.cause = what, length, cause
+
+
 def _run(board: SimulatedBoard, kind: str, tokens: np.ndarray, p0: int) -> tuple[float, float, float]:
     """One step on the board at positions/cells [p0, p0+n), context [0, p0+n).
-    Returns (host wall ms, simulated ms, CPU ms of the process that ran the numerics)."""
+    Returns (host wall ms, simulated ms, CPU ms of the process that ran the numerics).
+    Raises CalError (DeviceError: the worker's step timeout; WaitTimeout after ``STEP_TIMEOUT_S``)."""
     n = tokens.shape[0]
     pos = np.arange(p0, p0 + n, dtype=np.int64)
     ctx = np.arange(0, p0 + n, dtype=np.int64)
@@ -148,7 +161,7 @@ def _decode_work_calls(board: SimulatedBoard, context: int) -> int:
 def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
                     contexts: Sequence[int] = DECODE_CONTEXTS, prompt_lengths: Sequence[int] = PREFILL_LENGTHS,
                     bundle: Bundle | str | None = None, progress: Callable[[str], None] | None = None,
-                    kernels: str = "compiled") -> dict:
+                    kernels: str = "compiled", step_timeout_s: float | None = None) -> dict:
     """Measure one backend on a fresh board.
 
     Prefill: each length in ``prompt_lengths`` as one chunk from position 0, ``runs`` times
@@ -162,8 +175,16 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
     ``*_cpu_ms`` CPU ms of the process running the numerics, medians (decode: of each run's mean
     per step); ``*_sim_ms`` simulated device ms;
     a CPU RTF is simulated / CPU time: what the step costs the host whatever else runs beside it).
-    Raises CalError on a failed step, ValueError for unknown kernels.
+    ``step_timeout_s``: the worker's bound on one measured step (host wall s; None: the console's,
+    ``WORKER_STEP_TIMEOUT_S``; the warm-up step keeps the default); unused in-process.
+    A measured step that fails (a long KV fill or prefill over the worker's step timeout on a busy host:
+    the worker is then stopped) ends the measurement of this backend: what was measured before it is
+    returned, with ``"unfinished": {"what", "length", "error"}`` naming the step (None when all finished);
+    ``numpy_calls_per_decode_step`` is then None. Raises CalError if the board or the warm-up step fails,
+    ValueError for unknown kernels or a step timeout <= 0.
     """
+    if step_timeout_s is not None and not step_timeout_s > 0:
+        raise ValueError(f"step timeout must be > 0 s, got {step_timeout_s}")
     say = progress or (lambda _m: None)
     b = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     top = max([*contexts, *prompt_lengths]) + 1
@@ -180,51 +201,27 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
             os.environ.pop(KERNELS_ENV, None)
         else:
             os.environ[KERNELS_ENV] = saved
+    pre_wall: dict[str, float] = {}
+    pre_sim: dict[str, float] = {}
+    pre_cpu: dict[str, float] = {}
+    pre_runs: dict[str, int] = {}
+    dec_wall: dict[str, float] = {}
+    dec_sim: dict[str, float] = {}
+    dec_cpu: dict[str, float] = {}
+    unfinished: dict[str, Any] | None = None
+    calls: int | None = None
     try:
         _run(board, "prefill", _tokens(8, 0, b.shape.vocab), 0)  # warm up
-        pre_wall: dict[str, float] = {}
-        pre_sim: dict[str, float] = {}
-        pre_cpu: dict[str, float] = {}
-        pre_runs: dict[str, int] = {}
-        for n in sorted(prompt_lengths):
-            say(f"prefill {n}")
-            walls, cpus = [], []
-            for _ in range(runs):
-                w, s, c = _run(board, "prefill", _tokens(n, 0, b.shape.vocab), 0)
-                walls.append(w)
-                cpus.append(c)
-                if w > LONG_RUN_MS:  # one long run says enough; keeps the default sweep within minutes
-                    break
-            pre_wall[str(n)], pre_sim[str(n)] = statistics.median(walls), s
-            pre_cpu[str(n)] = statistics.median(cpus)
-            pre_runs[str(n)] = len(walls)
-        filled = max(prompt_lengths, default=0)  # the prefills wrote real K/V into cells [0, longest)
-        dec_wall: dict[str, float] = {}
-        dec_sim: dict[str, float] = {}
-        dec_cpu: dict[str, float] = {}
-        for c in sorted(contexts):
-            while filled < c:  # real K/V in every context cell (zero pages would read unrealistically fast)
-                m = min(FILL_CHUNK, c - filled)
-                say(f"fill KV {filled}..{filled + m}")
-                _run(board, "prefill", _tokens(m, filled, b.shape.vocab), filled)
-                filled += m
-            say(f"decode at {c}")
-            meds, cmeds = [], []
-            for _ in range(runs):
-                walls = []
-                c0 = _cpu_s(board)
-                for _ in range(decode_steps):
-                    # overwrites cell c: same context every step
-                    w, s, _cpu = _run(board, "decode", _tokens(1, c, b.shape.vocab), c)
-                    walls.append(w)
-                meds.append(statistics.median(walls))
-                # CPU per step over the whole run: the worker's CPU time is read in clock ticks (10 ms
-                # on Linux), so one step's own difference reads 0, 10 or 20 ms
-                cmeds.append((_cpu_s(board) - c0) * 1e3 / decode_steps)
-            dec_wall[str(c)], dec_sim[str(c)] = statistics.median(meds), s
-            dec_cpu[str(c)] = statistics.median(cmeds)
-        calls = _decode_work_calls(board, min(contexts) if contexts else 128)
         nice = getattr(board.model, "nice", None)
+        if isinstance(board.model, NumericsProcess):
+            board.model.step_timeout_s = WORKER_STEP_TIMEOUT_S if step_timeout_s is None else step_timeout_s
+        try:
+            _measure_steps(board, b.shape.vocab, runs, decode_steps, contexts, prompt_lengths, say,
+                           pre_wall, pre_sim, pre_cpu, pre_runs, dec_wall, dec_sim, dec_cpu)
+            calls = _decode_work_calls(board, min(contexts) if contexts else 128)
+        except Unfinished as e:
+            unfinished = {"what": e.what, "length": e.length, "error": str(e.cause)}
+            say(f"{e.what} did not finish: {e.cause}")
     finally:
         board.close()
 
@@ -235,7 +232,58 @@ def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
             "decode_cpu_ms": dec_cpu, "decode_cpu_rtf": rtf(dec_sim, dec_cpu),
             "prefill_rtf": rtf(pre_sim, pre_wall), "prefill_wall_ms": pre_wall, "prefill_sim_ms": pre_sim,
             "prefill_cpu_ms": pre_cpu, "prefill_cpu_rtf": rtf(pre_sim, pre_cpu), "prefill_runs": pre_runs,
-            "numpy_calls_per_decode_step": calls, "kernels": kernels, "worker_nice": nice}
+            "numpy_calls_per_decode_step": calls, "kernels": kernels, "worker_nice": nice,
+            "unfinished": unfinished}
+
+
+def _measure_steps(board: SimulatedBoard, vocab: int, runs: int, decode_steps: int, contexts: Sequence[int],
+                   prompt_lengths: Sequence[int], say: Callable[[str], None], pre_wall: dict[str, float],
+                   pre_sim: dict[str, float], pre_cpu: dict[str, float], pre_runs: dict[str, int],
+                   dec_wall: dict[str, float], dec_sim: dict[str, float], dec_cpu: dict[str, float]) -> None:
+    """The measured steps of :func:`measure_backend`, filling the dicts as each length or context completes
+    (a length is recorded only once all its runs finished). Raises Unfinished for the first step that fails."""
+
+    def step(what: str, length: int, kind: str, tokens: np.ndarray, p0: int) -> tuple[float, float, float]:
+        try:
+            return _run(board, kind, tokens, p0)
+        except CalError as e:
+            raise Unfinished(what, length, e) from None
+
+    for n in sorted(prompt_lengths):
+        say(f"prefill {n}")
+        walls, cpus = [], []
+        for _ in range(runs):
+            w, s, c = step(f"prefill {n} tokens", n, "prefill", _tokens(n, 0, vocab), 0)
+            walls.append(w)
+            cpus.append(c)
+            if w > LONG_RUN_MS:  # one long run says enough; keeps the default sweep within minutes
+                break
+        pre_wall[str(n)], pre_sim[str(n)] = statistics.median(walls), s
+        pre_cpu[str(n)] = statistics.median(cpus)
+        pre_runs[str(n)] = len(walls)
+    filled = max(prompt_lengths, default=0)  # the prefills wrote real K/V into cells [0, longest)
+    for c in sorted(contexts):
+        while filled < c:  # real K/V in every context cell (zero pages would read unrealistically fast)
+            m = min(FILL_CHUNK, c - filled)
+            say(f"fill KV {filled}..{filled + m}")
+            step(f"fill KV {filled}..{filled + m} (for decode at ctx {c})", c, "prefill",
+                 _tokens(m, filled, vocab), filled)
+            filled += m
+        say(f"decode at {c}")
+        meds, cmeds = [], []
+        for _ in range(runs):
+            walls = []
+            c0 = _cpu_s(board)
+            for _ in range(decode_steps):
+                # overwrites cell c: same context every step
+                w, s, _cpu = step(f"decode at ctx {c}", c, "decode", _tokens(1, c, vocab), c)
+                walls.append(w)
+            meds.append(statistics.median(walls))
+            # CPU per step over the whole run: the worker's CPU time is read in clock ticks (10 ms
+            # on Linux), so one step's own difference reads 0, 10 or 20 ms
+            cmeds.append((_cpu_s(board) - c0) * 1e3 / decode_steps)
+        dec_wall[str(c)], dec_sim[str(c)] = statistics.median(meds), s
+        dec_cpu[str(c)] = statistics.median(cmeds)
 
 
 def numeric_limit(prefill_rtf: dict[str, float]) -> int:
@@ -253,7 +301,7 @@ def numeric_limit(prefill_rtf: dict[str, float]) -> int:
 def measure(*, backends: Sequence[str] = tuple(BACKENDS), runs: int = 3, decode_steps: int = 16,
             contexts: Sequence[int] = DECODE_CONTEXTS, prompt_lengths: Sequence[int] = PREFILL_LENGTHS,
             bundle: Bundle | str | None = None, progress: Callable[[str], None] | None = None,
-            kernels: Sequence[str] = ("compiled",)) -> dict:
+            kernels: Sequence[str] = ("compiled",), step_timeout_s: float | None = None) -> dict:
     """Both backends side by side in one run, plus the numeric prefill limit they give.
 
     ``kernels``: which implementations to measure, each under every backend: ``compiled`` (what runs)
@@ -262,6 +310,9 @@ def measure(*, backends: Sequence[str] = tuple(BACKENDS), runs: int = 3, decode_
     ``numeric_limit_tokens`` comes from the worker backend with the compiled kernels (what the
     console runs) when measured, else from the first measured. Returns ``{"in_process": {...},
     "worker": {...}, "numeric_limit_tokens", "runs", "decode_steps", "load_average", "units"}``.
+    ``step_timeout_s``: the worker's bound on one step (``measure_backend``). A backend whose measurement
+    stopped at a step that did not finish keeps what it measured, with its ``unfinished`` step named;
+    raises CalError (naming each unfinished step) only if no backend measured anything.
     """
     out: dict[str, Any] = {}
 
@@ -282,8 +333,12 @@ def measure(*, backends: Sequence[str] = tuple(BACKENDS), runs: int = 3, decode_
             key = name if k == "compiled" else f"{name}:{k}"
             out[key] = measure_backend(BACKENDS[name], runs=runs, decode_steps=decode_steps, contexts=contexts,
                                        prompt_lengths=prompt_lengths, bundle=bundle, progress=tagged(key),
-                                       kernels=k)
+                                       kernels=k, step_timeout_s=step_timeout_s)
     measured = [key for key in out if isinstance(out[key], dict)]
+    if not any(out[key]["prefill_rtf"] or out[key]["decode_rtf"] for key in measured):
+        raise CalError("nothing was measured: " + "; ".join(
+            f"{key}: {out[key]['unfinished']['what']} did not finish ({out[key]['unfinished']['error']})"
+            for key in measured if out[key]["unfinished"]))
     src = out.get("worker") or out[measured[0]]
     out["numeric_limit_tokens"] = numeric_limit(src["prefill_rtf"])
     out["runs"], out["decode_steps"] = runs, decode_steps

@@ -70,3 +70,52 @@ def test_ui_gc_pauses_are_split_at_the_first_key():
         g = r[k]
         assert g["n"] >= g["gen2_n"] >= 0 and g["max_ms"] >= g["median_ms"] >= 0.0
     assert r["streaming"]["n"] + r["end_of_reply"]["n"] > 0
+
+
+def test_a_fill_that_does_not_finish_keeps_what_was_measured_and_names_the_context(monkeypatch):
+    """A long KV fill over the worker's step timeout (a busy host) ends the backend's measurement: the
+    contexts measured before it stay, the fill is named with the context it was for. The failing step is
+    made to fail here (the worker's DeviceError, as its timeout raises it) so the test does not depend on
+    how fast the host is; the next test lets a real worker time out."""
+    from sim_backend.errors import DeviceError
+    from sim_backend.tools import realtime_bench
+
+    real = realtime_bench._run
+
+    def run(board, kind, tokens, p0):
+        if kind == "prefill" and p0 >= 16:  # the fill 16..40 for ctx 40; the fill 8..16 for ctx 16 passes
+            raise DeviceError("numerics process did not answer during forward_priced (waited 0.5 s)")
+        return real(board, kind, tokens, p0)
+
+    monkeypatch.setattr(realtime_bench, "_run", run)
+    r = realtime_bench.measure_backend(False, runs=1, decode_steps=1, contexts=[16, 40], prompt_lengths=[8])
+    assert set(r["prefill_rtf"]) == {"8"} and set(r["decode_rtf"]) == {"16"}
+    assert r["unfinished"] == {"what": "fill KV 16..40 (for decode at ctx 40)", "length": 40,
+                               "error": "numerics process did not answer during forward_priced (waited 0.5 s)"}
+    assert r["numpy_calls_per_decode_step"] is None
+
+
+def test_worker_step_timeout_reports_what_was_measured_without_a_traceback(capsys):
+    # 1 ms: no 48-layer prefill answers within it, so the worker's first measured step times out
+    rc = main(["bench", "realtime", "--runs", "1", "--decode-steps", "1", "--contexts", "16", "--lengths", "8",
+               "--step-timeout", "0.001"])
+    out, err = capsys.readouterr()
+    assert rc == 0 and "Traceback" not in out + err
+    assert "in_process (compiled kernels" in out and "ctx 16:" in out  # the in-process figures are there
+    assert "NOT MEASURED from here: prefill 8 tokens did not finish (" in out
+    assert "numerics process did not answer during forward_priced (waited 0.001 s)" in out
+    assert "8 tokens did not finish (not measured)" in out  # the limit line names the length
+
+
+def test_nothing_measured_exits_2_naming_the_step(capsys):
+    rc = main(["bench", "realtime", "--backend", "worker", "--runs", "1", "--decode-steps", "1", "--contexts", "16",
+               "--lengths", "8", "--step-timeout", "0.001", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert "nothing was measured: worker: prefill 8 tokens did not finish" in err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "4000"])
+def test_bad_step_timeout_exits_2(capsys, value):
+    assert main(["bench", "realtime", "--step-timeout", value]) == 2
+    assert "--step-timeout must be in (0, 3600] s" in capsys.readouterr().err
