@@ -28,8 +28,7 @@ def lib():
 
 
 def _scratch():
-    tg, ot = dk.TOKEN_GROUP, dk.OUT_TILE
-    return np.empty((tg, dk.LANES, ot), F32), np.empty((tg, ot), F32)
+    return dk.product_scratch()
 
 
 def _q4_1_blocks(rng, N, K):
@@ -47,7 +46,7 @@ def _q4_1_blocks(rng, N, K):
 
 def _quantised(x):
     n, K = x.shape
-    xq, xd, xs = np.empty_like(x), np.empty((n, K // 32), F32), np.empty((n, K // 32), F32)
+    xq, xd, xs = np.empty((n, K), np.int16), np.empty((n, K // 32), F32), np.empty((n, K // 32), F32)
     dk.quantise_rows(x, xq, xd, xs)
     return xq, xd, xs
 
@@ -71,16 +70,14 @@ def test_activation_quantisation_is_quantize_row_q8_1(lib):
         assert np.array_equal(b[:, 4:].copy().view(np.int8).astype(F32).ravel(), xq[i])
 
 
-@pytest.mark.parametrize(("n", "K", "N"), [(1, 576, 960), (5, 1536, 576), (13, 576, 3072)])
+@pytest.mark.parametrize(("n", "K", "N"), [(1, 576, 960), (5, 1536, 576), (13, 576, 3072), (2, 64, 13)])
 def test_q4_1_product_is_ggml_mul_mat(lib, n, K, N):
     rng = np.random.default_rng(n * 7 + K)
     raw = _q4_1_blocks(rng, N, K)
     x = (rng.standard_normal((n, K)) * 2.5).astype(F32)
     ref = _ggml_matmul(lib, T_Q4_1, raw, N, K, x)
-    codes, d, m = dk.split_q4_1(raw, N, K)
     out = np.empty((n, N), F32)
-    dk.quant_matmul(np.ascontiguousarray(codes.T), np.ascontiguousarray(d.T), np.ascontiguousarray(m.T), True,
-                    *_quantised(x), _scratch(), out)
+    dk.quant_matmul(*dk.pack_q4_1(*dk.split_q4_1(raw, N, K)), True, *_quantised(x), _scratch(), out)
     assert np.array_equal(out, ref), np.abs(out - ref).max()
 
 
@@ -95,10 +92,8 @@ def test_q8_0_lm_head_product_is_ggml_mul_mat(lib):
     raw = raw.reshape(N, nb * 34)
     x = (rng.standard_normal((1, K)) * 3).astype(F32)
     ref = _ggml_matmul(lib, T_Q8_0, raw, N, K, x)
-    c, dd = dk.split_q8_0(raw, N, K)
     out = np.empty((1, N), F32)
-    dk.quant_matmul(np.ascontiguousarray(c.T), np.ascontiguousarray(dd.T), np.zeros_like(dd.T), False,
-                    *_quantised(x), _scratch(), out)
+    dk.quant_matmul(*dk.pack_q8_0(*dk.split_q8_0(raw, N, K)), False, *_quantised(x), _scratch(), out)
     assert np.array_equal(out, ref), np.abs(out - ref).max()
 
 
@@ -111,9 +106,9 @@ def test_a_product_split_over_two_chips_rows_is_one_ggml_product(lib):
     ref = _ggml_matmul(lib, T_Q4_1, raw, N, K, x)
     codes, d, m = dk.split_q4_1(raw, N, K)
     parts = [slice(0, split), slice(split, K)]
-    cw = tuple(np.ascontiguousarray(codes[:, s].T)[None] for s in parts)
-    dw = tuple(np.ascontiguousarray(d[:, s.start // 32:s.stop // 32].T)[None] for s in parts)
-    mw = tuple(np.ascontiguousarray(m[:, s.start // 32:s.stop // 32].T)[None] for s in parts)
+    packed = [dk.pack_q4_1(np.ascontiguousarray(codes[:, s]), np.ascontiguousarray(d[:, s.start // 32:s.stop // 32]),
+                           np.ascontiguousarray(m[:, s.start // 32:s.stop // 32])) for s in parts]
+    cw, dw, mw = (tuple(p[i][None] for p in packed) for i in range(3))
     q = [_quantised(np.ascontiguousarray(x[:, s])) for s in parts]
     xq, xd, xs = (np.stack([qi[j] for qi in q]) for j in range(3))
     out = np.zeros((n, N), F32)

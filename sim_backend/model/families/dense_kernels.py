@@ -139,8 +139,7 @@ def f16_round(typingctx, x):
 def quantise_rows(x, q, d, s):
     """Quantise every row of x (n, K) float32 to 8-bit blocks of 32 as llama.cpp's quantize_row_q8_1 / q8_0
     (AVX2) do: per block amax = max |x|, codes rint(x * (127 / amax)) (round half to even; 0 when amax is
-    0), written to q (n, K) as float32 (small integers, so the products and block sums below are exact in
-    float32 in any order); d (n, nb) float32 the F16-rounded ``amax / 127``; s (n, nb) float32 the
+    0), written to q (n, K) int16 (the products take them as 16-bit integers); d (n, nb) float32 the F16-rounded ``amax / 127``; s (n, nb) float32 the
     F16-rounded ``(amax / 127) * sum(codes)`` (Q8_1's sum; unused against Q8_0 weights)."""
     n, K = x.shape
     nb = K // QK
@@ -155,127 +154,262 @@ def quantise_rows(x, q, d, s):
             tot = np.float32(0.0)
             for j in range(QK):
                 v = np.float32(np.rint(x[i, o + j] * idb))
-                q[i, o + j] = v
+                q[i, o + j] = np.int16(v)
                 tot += v
             d[i, b] = f16_round(db)
             s[i, b] = f16_round(db * tot)
 
 
-#: Tokens whose products share one pass over a weight block (the block's codes stay in L1 meanwhile).
-TOKEN_GROUP = 8
-#: Outputs per tile of a product (a tile's 8 lanes for TOKEN_GROUP tokens stay in cache over the blocks).
-OUT_TILE = 1024
+#: Outputs of a product computed together: one 8-float32 vector, each element one output (``pack_q4_1``).
+GROUP = 8
+#: Bytes of one group's codes per block: Q4_1 16 per lane (two nibbles a byte), Q8_0 32 per lane.
+_Q4_BYTES, _Q8_BYTES = LANES * 16, LANES * 32
+
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_F16, _F32 = ir.HalfType(), ir.FloatType()
 
 
-@kernel()
-def _accumulate(codes_t, dw_t, mw_t, has_min, xq, xd, xs, t0, g, r0, rw, lanes, summs):
-    """Add one quantised weight's blocks to the running sums of outputs r0..r0+rw of tokens t0..t0+g, in
-    ggml_vec_dot_q4_1_q8_1's (``has_min``) / q8_0_q8_0's order: per block b, ``dd = dw[b] * xd[b]``
-    (float32), lane l's integer sum over the block's weights 4l..4l+3 (exact in float32, so summed in any
-    order), ``lanes[l] = fma(dd, lane sum, lanes[l])``; Q4_1: ``summs = fma(mw[b], xs[b], summs)``.
+def _vec(t: ir.Type, n: int) -> ir.VectorType:
+    return ir.VectorType(t, n)
 
-    codes_t (K, N) the weight codes transposed (uint8 0..15 for Q4_1, int8 for Q8_0), dw_t / mw_t (K/32, N)
-    float32; xq (n, >=K) float32 activation codes, xd / xs (n, >=K/32) their block scales / sums; lanes
-    (TOKEN_GROUP, 8, OUT_TILE), summs (TOKEN_GROUP, OUT_TILE) float32."""
-    K = codes_t.shape[0]
+
+def _splat(b: ir.IRBuilder, v: ir.Value, n: int) -> ir.Value:
+    u = b.insert_element(ir.Constant(_vec(v.type, n), ir.Undefined), v, ir.Constant(_I32, 0))
+    return b.shuffle_vector(u, ir.Constant(_vec(v.type, n), ir.Undefined), ir.Constant(_vec(_I32, n), [0] * n))
+
+
+def _pair_sums(b: ir.IRBuilder, m: ir.Value, n: int) -> ir.Value:
+    """<2n x i32> -> <n x i32>: element i = m[2i] + m[2i+1] (exact; x86 selects vpmaddwd for a product of
+    sign-extended i16 vectors so reduced)."""
+    und = ir.Constant(m.type, ir.Undefined)
+    ev = b.shuffle_vector(m, und, ir.Constant(_vec(_I32, n), [2 * i for i in range(n)]))
+    od = b.shuffle_vector(m, und, ir.Constant(_vec(_I32, n), [2 * i + 1 for i in range(n)]))
+    return b.add(ev, od)
+
+
+def _madd(b: ir.IRBuilder, a16: ir.Value, x16: ir.Value, n: int) -> ir.Value:
+    """<2n x i16> a, x -> <n x i32> a[2i] x[2i] + a[2i+1] x[2i+1] (x86: vpmaddwd)."""
+    w = _vec(_I32, 2 * n)
+    return _pair_sums(b, b.mul(b.sext(a16, w), b.sext(x16, w)), n)
+
+
+def _group_fn(module: ir.Module, q4: bool) -> ir.Function:
+    """The LLVM function of one group of 8 outputs x one token over a product's blocks, in explicit 8-wide
+    vectors (element r = output r), so that ggml's 8 lanes stay in registers across the blocks:
+
+    ``void f(i8* codes, half* dw, half* mw, i16* xw, float* xd, float* xs, i64 nb, float* state, i1 init)``
+
+    state (72 floats): lanes 0..7 (8 outputs each), then the minimums' sum; read at the start unless
+    ``init`` (then zeros), written at the end. Per block b: ``dd = dw * xd[b]`` (float32 product);
+    Q4_1: ``summ = fma(mw, xs[b], summ)``; per lane l the exact integer sum of its 4 weights' products
+    (codes x activation codes, i16 products summed in i32) converted to float32, ``lane = fma(dd, sum,
+    lane)``: ggml_vec_dot_q4_1_q8_1 / q8_0_q8_0's arithmetic for each output."""
+    name = "calconsole_dot8_q4_1" if q4 else "calconsole_dot8_q8_0"
+    got = module.globals.get(name)
+    if got is not None:
+        return got
+    i8p, f16p, i16p, f32p = _I8.as_pointer(), _F16.as_pointer(), _I16.as_pointer(), _F32.as_pointer()
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, f16p, f16p, i16p, f32p, f32p, _I64, f32p, ir.IntType(1)])
+    fn = ir.Function(module, fnty, name=name)
+    fn.linkage = "internal"
+    codes, dw, mw, xw, xd, xs, nb, state, init = fn.args
+    v8f = _vec(_F32, 8)
+    fma = cgutils.get_or_insert_function(module, ir.FunctionType(v8f, [v8f, v8f, v8f]), "llvm.fma.v8f32")
+    entry = fn.append_basic_block("entry")
+    loop = fn.append_basic_block("loop")
+    done = fn.append_basic_block("done")
+    b = ir.IRBuilder(entry)
+    sv = b.bitcast(state, v8f.as_pointer())
+    zero = ir.Constant(v8f, [0.0] * 8)
+    start = [b.select(init, zero, b.load(b.gep(sv, [ir.Constant(_I64, i)]), align=4)) for i in range(9)]
+    b.cbranch(b.icmp_signed(">", nb, ir.Constant(_I64, 0)), loop, done)
+    b.position_at_end(loop)
+    bi = b.phi(_I64)
+    accs = [b.phi(v8f) for _ in range(9)]
+    bi.add_incoming(ir.Constant(_I64, 0), entry)
+    for a, s in zip(accs, start, strict=True):
+        a.add_incoming(s, entry)
+    v8h = _vec(_F16, 8)
+    o8 = b.mul(bi, ir.Constant(_I64, GROUP))
+    dwv = b.fpext(b.load(b.bitcast(b.gep(dw, [o8]), v8h.as_pointer()), align=2), v8f)
+    dd = b.fmul(dwv, _splat(b, b.load(b.gep(xd, [bi])), 8))
+    new = list(accs)
+    if q4:
+        mwv = b.fpext(b.load(b.bitcast(b.gep(mw, [o8]), v8h.as_pointer()), align=2), v8f)
+        new[8] = b.call(fma, [mwv, _splat(b, b.load(b.gep(xs, [bi])), 8), accs[8]])
+    xb = b.mul(bi, ir.Constant(_I64, QK))
+    cb = b.mul(bi, ir.Constant(_I64, _Q4_BYTES if q4 else _Q8_BYTES))
+    for lane in range(LANES):
+        xl = b.gep(xw, [b.add(xb, ir.Constant(_I64, 4 * lane))])
+        if q4:
+            cv = b.load(b.bitcast(b.gep(codes, [b.add(cb, ir.Constant(_I64, 16 * lane))]), _vec(_I8, 16).as_pointer()),
+                        align=1)
+            z = b.zext(cv, _vec(_I16, 16))
+            lo = b.and_(z, ir.Constant(_vec(_I16, 16), [15] * 16))
+            hi = b.lshr(z, ir.Constant(_vec(_I16, 16), [4] * 16))
+            x01 = b.bitcast(_splat(b, b.load(b.bitcast(xl, _I32.as_pointer()), align=2), 8), _vec(_I16, 16))
+            x23 = b.bitcast(_splat(b, b.load(b.bitcast(b.gep(xl, [ir.Constant(_I64, 2)]), _I32.as_pointer()),
+                                             align=2), 8), _vec(_I16, 16))
+            p = b.add(_madd(b, lo, x01, 8), _madd(b, hi, x23, 8))
+        else:
+            cv = b.load(b.bitcast(b.gep(codes, [b.add(cb, ir.Constant(_I64, 32 * lane))]), _vec(_I8, 32).as_pointer()),
+                        align=1)
+            x4 = b.bitcast(_splat(b, b.load(b.bitcast(xl, _I64.as_pointer()), align=2), 8), _vec(_I16, 32))
+            p = _pair_sums(b, _madd(b, b.sext(cv, _vec(_I16, 32)), x4, 16), 8)
+        new[lane] = b.call(fma, [dd, b.sitofp(p, v8f), accs[lane]])
+    nxt = b.add(bi, ir.Constant(_I64, 1))
+    bi.add_incoming(nxt, loop)
+    for a, v in zip(accs, new, strict=True):
+        a.add_incoming(v, loop)
+    b.cbranch(b.icmp_signed("<", nxt, nb), loop, done)
+    b.position_at_end(done)
+    fin = [b.phi(v8f) for _ in range(9)]
+    for f, s, v in zip(fin, start, new, strict=True):
+        f.add_incoming(s, entry)
+        f.add_incoming(v, loop)
+    for i, f in enumerate(fin):
+        b.store(f, b.gep(sv, [ir.Constant(_I64, i)]), align=4)
+    b.ret_void()
+    return fn
+
+
+def _dot8(q4: bool):  # noqa: ANN202 (a numba intrinsic)
+    """The numba intrinsic calling ``_group_fn``: (codes, c_off, dw, d_off, mw, xw, x_off, xd, xs, xb_off, nb,
+    state, init), offsets in elements of each array's data (C-contiguous runs from there)."""
+
+    def typer(typingctx, codes, c_off, dw, d_off, mw, xw, x_off, xd, xs, xb_off, nb, state, init):
+        i64 = types.int64
+        sig = types.void(codes, i64, dw, i64, mw, xw, i64, xd, xs, i64, i64, state, types.boolean)
+
+        def codegen(context, builder, signature, args):
+            fn = _group_fn(builder.module, q4)
+            at = signature.args
+
+            def ptr(i, off, ty):
+                data = context.make_array(at[i])(context, builder, args[i]).data
+                if off is not None:
+                    data = builder.gep(data, [args[off]])
+                return builder.bitcast(data, ty.as_pointer())
+
+            builder.call(fn, [ptr(0, 1, _I8), ptr(2, 3, _F16), ptr(4, 3, _F16), ptr(5, 6, _I16),
+                              ptr(7, 9, _F32), ptr(8, 9, _F32), args[10], ptr(11, None, _F32),
+                              builder.trunc(args[12], ir.IntType(1)) if args[12].type != ir.IntType(1) else args[12]])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+_dot8_q4_1 = _dot8(True)
+_dot8_q8_0 = _dot8(False)
+
+
+def pack_q4_1(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q4_1 matrix in llama.cpp's layout (``split_q4_1``: codes (N, K) uint8 0..15, d / m (N, K/32) float32
+    F16 values) -> the products' layout: outputs in groups of 8 (N padded with zero weights to a multiple of
+    8, G groups), per group and block the 8 lanes' codes as 16 bytes each (byte 2 r + j, r the output in
+    the group, j 0..1: low nibble the weight 4 l + j of the block, high nibble 4 l + 2 + j): codes (G, K/32,
+    128) uint8; d, m (G, K/32, 8) uint16, the bits of their F16 values (exact: GGUF stores them as F16; numba
+    has no float16 arrays, the products read them as half floats)."""
+    N, K = codes.shape
     nb = K // QK
-    for b in range(nb):
-        dwr = dw_t[b, r0:r0 + rw]
+    G = -(-N // GROUP)
+    c = np.zeros((G * GROUP, K), np.uint8)
+    c[:N] = codes
+    c5 = c.reshape(G, GROUP, nb, LANES, 4)
+    byte = (c5[..., 0:2] | (c5[..., 2:4] << 4)).transpose(0, 2, 3, 1, 4)  # (G, nb, lane, r, j)
+    return (np.ascontiguousarray(byte.reshape(G, nb, _Q4_BYTES)), _pack_scales(d, G), _pack_scales(m, G))
+
+
+def pack_q8_0(codes: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A Q8_0 matrix (``split_q8_0``: codes (N, K) int8, d (N, K/32) float32) -> the products' layout as
+    ``pack_q4_1``, one byte a weight (byte 4 r + j of a lane's 32: output r, weight 4 l + j): codes (G, K/32,
+    256) int8, d (G, K/32, 8) F16 bits (uint16) and zero minimums (unused)."""
+    N, K = codes.shape
+    nb = K // QK
+    G = -(-N // GROUP)
+    c = np.zeros((G * GROUP, K), np.int8)
+    c[:N] = codes
+    byte = c.reshape(G, GROUP, nb, LANES, 4).transpose(0, 2, 3, 1, 4)
+    dp = _pack_scales(d, G)
+    return np.ascontiguousarray(byte.reshape(G, nb, _Q8_BYTES)), dp, np.zeros_like(dp)
+
+
+def _pack_scales(d: np.ndarray, G: int) -> np.ndarray:
+    N, nb = d.shape
+    p = np.zeros((G * GROUP, nb), np.float16)
+    p[:N] = d.astype(np.float16)
+    if not np.array_equal(p[:N].astype(F32), d):
+        raise ValueError("block scales are not F16 values")
+    return np.ascontiguousarray(p.reshape(G, GROUP, nb).transpose(0, 2, 1)).view(np.uint16)
+
+
+def product_scratch() -> np.ndarray:
+    """The products' scratch: one group's 8 lanes and minimums' sum (72,) float32."""
+    return np.zeros((LANES + 1) * GROUP, dtype=F32)
+
+
+@kernel()
+def _finish8(state, has_min, out, t, r0, add):
+    """out[t, r0 + r] (``add``: +=) for the group's outputs: its 8 lanes summed as ggml's hsum_float_8 (lanes
+    4-7 + 0-3, then (0 + 2) + (1 + 3)), plus the Q4_1 minimums' sum last (``has_min``)."""
+    for r in range(min(GROUP, out.shape[1] - r0)):
+        s0 = state[4 * GROUP + r] + state[r]
+        s1 = state[5 * GROUP + r] + state[GROUP + r]
+        s2 = state[6 * GROUP + r] + state[2 * GROUP + r]
+        s3 = state[7 * GROUP + r] + state[3 * GROUP + r]
+        y = (s0 + s2) + (s1 + s3)
         if has_min:
-            mwr = mw_t[b, r0:r0 + rw]
-            for t in range(g):
-                sb = xs[t0 + t, b]
-                st = summs[t]
-                for r in range(rw):
-                    st[r] = fma32(mwr[r], sb, st[r])
-        for lane in range(LANES):
-            k = b * QK + lane * (QK // LANES)
-            c0 = codes_t[k, r0:r0 + rw]
-            c1 = codes_t[k + 1, r0:r0 + rw]
-            c2 = codes_t[k + 2, r0:r0 + rw]
-            c3 = codes_t[k + 3, r0:r0 + rw]
-            for t in range(g):
-                db = xd[t0 + t, b]
-                x0 = xq[t0 + t, k]
-                x1 = xq[t0 + t, k + 1]
-                x2 = xq[t0 + t, k + 2]
-                x3 = xq[t0 + t, k + 3]
-                lt = lanes[t, lane]
-                for r in range(rw):
-                    p = (np.float32(c0[r]) * x0 + np.float32(c1[r]) * x1) + (np.float32(c2[r]) * x2
-                                                                            + np.float32(c3[r]) * x3)
-                    lt[r] = fma32(dwr[r] * db, p, lt[r])
+            y = y + state[8 * GROUP + r]
+        if add:
+            out[t, r0 + r] += y
+        else:
+            out[t, r0 + r] = y
 
 
 @kernel()
-def _finish(lanes, summs, has_min, t0, g, r0, rw, out, add):
-    """out[t0+t, r0+r] (``add``: +=) the 8 lanes summed as ggml's hsum_float_8 (lanes 4-7 + 0-3, then
-    (0 + 2) + (1 + 3)), plus the Q4_1 minimums' sum last (``has_min``)."""
-    for t in range(g):
-        lt = lanes[t]
-        for r in range(rw):
-            s0 = lt[4, r] + lt[0, r]
-            s1 = lt[5, r] + lt[1, r]
-            s2 = lt[6, r] + lt[2, r]
-            s3 = lt[7, r] + lt[3, r]
-            y = (s0 + s2) + (s1 + s3)
-            if has_min:
-                y = y + summs[t, r]
-            if add:
-                out[t0 + t, r0 + r] += y
-            else:
-                out[t0 + t, r0 + r] = y
+def quant_matmul(codes, dw, mw, has_min, xq, xd, xs, state, out):
+    """out (n, N) = x @ W for a quantised W as llama.cpp's vec_dot kernels compute each output: per group of
+    8 outputs and token, the blocks' lanes in vector registers (``_group_fn``), then ``_finish8``.
 
-
-@kernel()
-def _zero(lanes, summs, g, rw):
-    for t in range(g):
-        for lane in range(LANES):
-            for r in range(rw):
-                lanes[t, lane, r] = 0.0
-        for r in range(rw):
-            summs[t, r] = 0.0
-
-
-@kernel()
-def quant_matmul(codes_t, dw_t, mw_t, has_min, xq, xd, xs, scratch, out):
-    """out (n, N) = x @ W for a quantised W as llama.cpp's vec_dot kernels compute each output
-    (``_accumulate`` then ``_finish``); codes_t / dw_t / mw_t as ``_accumulate`` (mw_t unused unless
-    ``has_min``: Q4_1), xq / xd / xs from ``quantise_rows``; scratch a tuple (lanes, summs) as
-    ``_accumulate`` takes. The result does not depend on n or on the grouping of tokens and outputs."""
-    lanes, summs = scratch
+    codes / dw / mw from ``pack_q4_1`` (``has_min``) or ``pack_q8_0``; xq (n, >=K) int16 activation codes,
+    xd / xs (n, >=K/32) float32 from ``quantise_rows``; state ``product_scratch()``. The result does not
+    depend on n."""
     n = xq.shape[0]
-    N = codes_t.shape[1]
-    for t0 in range(0, n, TOKEN_GROUP):
-        g = min(TOKEN_GROUP, n - t0)
-        for r0 in range(0, N, OUT_TILE):
-            rw = min(OUT_TILE, N - r0)
-            _zero(lanes, summs, g, rw)
-            _accumulate(codes_t, dw_t, mw_t, has_min, xq, xd, xs, t0, g, r0, rw, lanes, summs)
-            _finish(lanes, summs, has_min, t0, g, r0, rw, out, False)
+    G, nb = codes.shape[0], codes.shape[1]
+    for g in range(G):
+        co, do = g * codes.strides[0] // codes.itemsize, g * dw.strides[0] // dw.itemsize
+        for t in range(n):
+            xo, bo = t * xq.strides[0] // 2, t * xd.strides[0] // 4
+            if has_min:
+                _dot8_q4_1(codes, co, dw, do, mw, xq, xo, xd, xs, bo, nb, state, True)
+            else:
+                _dot8_q8_0(codes, co, dw, do, mw, xq, xo, xd, xs, bo, nb, state, True)
+            _finish8(state, has_min, out, t, g * GROUP, False)
 
 
 @kernel()
-def chained_matmul(codes_t, dw_t, mw_t, li, xq, xd, xs, scratch, out, add):
+def chained_matmul(codes, dw, mw, li, xq, xd, xs, state, out, add):
     """out (n, N) (``add``: +=) = x @ W for a Q4_1 W whose input rows are split over the chips (the output and
     down projections), as ONE llama.cpp product over the whole row: the chips' blocks accumulated into the
-    same lanes in chip order (``_accumulate``), then summed (``_finish``) once.
+    same lanes in chip order, then summed (``_finish8``) once.
 
-    codes_t / dw_t / mw_t tuples over chips of (L, K_c, N) / (L, K_c/32, N) (layer ``li`` used); xq (C, n,
-    >=K_c) float32 each chip's activation codes, xd / xs (C, n, >=K_c/32); scratch as ``quant_matmul``."""
-    lanes, summs = scratch
+    codes / dw / mw tuples over chips of ``pack_q4_1`` arrays stacked over layers, (L, G, K_c/32, 128) /
+    (L, G, K_c/32, 8) (layer ``li`` used); xq (C, n, >=K_c) int16 each chip's activation codes, xd / xs
+    (C, n, >=K_c/32) float32; state ``product_scratch()``."""
     C = xq.shape[0]
     n = xq.shape[1]
-    N = out.shape[1]
-    for t0 in range(0, n, TOKEN_GROUP):
-        g = min(TOKEN_GROUP, n - t0)
-        for r0 in range(0, N, OUT_TILE):
-            rw = min(OUT_TILE, N - r0)
-            _zero(lanes, summs, g, rw)
+    G = codes[0].shape[1]
+    for g in range(G):
+        for t in range(n):
             for c in range(C):
-                _accumulate(codes_t[c][li], dw_t[c][li], mw_t[c][li], True, xq[c], xd[c], xs[c], t0, g, r0, rw,
-                            lanes, summs)
-            _finish(lanes, summs, True, t0, g, r0, rw, out, add)
+                cc, dc, mc = codes[c], dw[c], mw[c]
+                co = (li * cc.strides[0] + g * cc.strides[1]) // cc.itemsize
+                do = (li * dc.strides[0] + g * dc.strides[1]) // dc.itemsize
+                xo, bo = (c * xq.strides[0] + t * xq.strides[1]) // 2, (c * xd.strides[0] + t * xd.strides[1]) // 4
+                _dot8_q4_1(cc, co, dc, do, mc, xq, xo, xd, xs, bo, cc.shape[2], state, c == 0)
+            _finish8(state, True, out, t, g * GROUP, add)
 
 
 def _hexf(s: str) -> np.float32:
@@ -556,20 +690,19 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
         max_rows = max(max_rows, (hq[c] + 2 * hkv[c]) * D)
         max_o = max(max_o, hq[c] * D)
         max_f = max(max_f, fc[c])
-    scratch = (np.empty((TOKEN_GROUP, LANES, OUT_TILE), dtype=np.float32),
-               np.empty((TOKEN_GROUP, OUT_TILE), dtype=np.float32))
+    scratch = np.zeros((LANES + 1) * GROUP, dtype=np.float32)
     h = np.empty((n, H), dtype=np.float32)
-    hq8 = np.empty((n, H), dtype=np.float32)
+    hq8 = np.empty((n, H), dtype=np.int16)
     hd = np.empty((n, nbh), dtype=np.float32)
     hs = np.empty((n, nbh), dtype=np.float32)
     proj = np.empty((n, max_rows), dtype=np.float32)
     o = np.empty((n, max_o), dtype=np.float32)
-    oq = np.empty((C, n, max_o), dtype=np.float32)
+    oq = np.empty((C, n, max_o), dtype=np.int16)
     od = np.empty((C, n, max_o // QK), dtype=np.float32)
     osum = np.empty((C, n, max_o // QK), dtype=np.float32)
     gu = np.empty((n, 2 * max_f), dtype=np.float32)
     act = np.empty((n, max_f), dtype=np.float32)
-    aq = np.empty((C, n, max_f), dtype=np.float32)
+    aq = np.empty((C, n, max_f), dtype=np.int16)
     ad = np.empty((C, n, max_f // QK), dtype=np.float32)
     asum = np.empty((C, n, max_f // QK), dtype=np.float32)
     qh = np.empty((n, D), dtype=np.float32)
@@ -635,7 +768,7 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
     rms_norm_row(x[n - 1], final_norm, eps, h[0])
     quantise_rows(h[:1], hq8[:1], hd[:1], hs[:1])
     for c in range(C):
-        v = lm_c[c].shape[1]
+        v = (vocab0[c + 1] if c + 1 < C else logits.shape[0]) - vocab0[c]
         out = np.empty((1, v), dtype=np.float32)
         quant_matmul(lm_c[c], lm_d[c], lm_m[c], False, hq8[:1], hd[:1], hs[:1], scratch, out)
         for r in range(v):

@@ -29,7 +29,15 @@ from collections.abc import Callable
 import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape, NumericShape, split_over_chips
-from sim_backend.model.families.dense_kernels import QK, dense_forward, rope_tables, split_q4_1, split_q8_0
+from sim_backend.model.families.dense_kernels import (
+    QK,
+    dense_forward,
+    pack_q4_1,
+    pack_q8_0,
+    rope_tables,
+    split_q4_1,
+    split_q8_0,
+)
 from sim_backend.model.families.gguf_file import GGUFFile, MappedTensors, open_gguf
 from sim_backend.model.numerics import CellKV, StepNumerics, lazy_zeros
 
@@ -186,19 +194,23 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
 
 
 def _stack(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-layer (codes, d, m) in llama layout (outputs x inputs) -> stacked over layers and transposed to the
-    kernels' layout (L, inputs, outputs) / (L, input blocks, outputs), C-contiguous."""
-    return tuple(np.ascontiguousarray(np.stack([p[i].T for p in parts])) for i in range(3))  # type: ignore[return-value]
+    """Per-layer Q4_1 (codes, d, m) in llama layout (outputs x inputs) -> packed for the products
+    (``dense_kernels.pack_q4_1``) and stacked over layers: (L, G, K/32, 128) uint8, (L, G, K/32, 8) uint16
+    F16 bits twice, C-contiguous."""
+    packed = [pack_q4_1(*p) for p in parts]
+    return tuple(np.ascontiguousarray(np.stack([p[i] for p in packed])) for i in range(3))  # type: ignore[return-value]
 
 
 class DenseChip:
     """One chiplet's shard of a dense model and its KV cache, in the kernels' layout.
 
-    Stacked over layers (L), transposed (inputs x outputs; scales and minimums input blocks x outputs):
-    ``qkv`` (codes, d, m) of its Q then K then V outputs (H, (hq + 2 hkv) D); ``wo`` its input rows of the
-    output projection (hq D, H); ``gu`` its gate then up outputs (H, 2 fc); ``down`` its input rows of the
-    down projection (fc, H); ``norms`` (L, 2, H) float32 (replicated). ``lm_head`` (H, Vc) int8 Q8_0 codes
-    of its vocabulary, ``lm_d`` / ``lm_m`` (H/32, Vc) their scales / zeros, ``lm_bias`` (Vc,) zeros;
+    Stacked over layers (L), packed for the products (``dense_kernels.pack_q4_1``: groups of 8 outputs,
+    codes (L, G, K/32, 128) uint8, scales and minimums (L, G, K/32, 8) uint16 F16 bits), for a matrix of K inputs
+    and N outputs: ``qkv`` (codes, d, m) of its Q then K then V outputs (K = H, N = (hq + 2 hkv) D); ``wo``
+    its input rows of the output projection (K = hq D, N = H); ``gu`` its gate then up outputs (K = H,
+    N = 2 fc); ``down`` its input rows of the down projection (K = fc, N = H); ``norms`` (L, 2, H) float32
+    (replicated). ``lm_head`` / ``lm_d`` / ``lm_m`` its vocabulary's Q8_0 rows packed (``pack_q8_0``: (G,
+    H/32, 256) int8 codes, (G, H/32, 8) F16 bits of scales and zeros), ``lm_bias`` (Vc,) zeros;
     chip0 also the embedding ``embed`` (V, H) int8 codes and ``embed_d``. KV: ``k_cache`` / ``v_cache``
     float32 (L, hkv, cells, D) holding F16 values. ``layers`` is empty (no per-layer dicts).
     """
@@ -228,9 +240,8 @@ class DenseChip:
                                for li in range(L)]).astype(F32)
         self.layers: list[dict[str, np.ndarray]] = []
         a, b = self.vocab_range
-        lm_codes, lm_d, lm_m = w.output.rows(slice(a, b))
-        self.lm_head = np.ascontiguousarray(lm_codes.T)
-        self.lm_d, self.lm_m = np.ascontiguousarray(lm_d.T), np.ascontiguousarray(lm_m.T)
+        lm_codes, lm_d, _ = w.output.rows(slice(a, b))
+        self.lm_head, self.lm_d, self.lm_m = pack_q8_0(lm_codes, lm_d)
         self.lm_bias = np.zeros(b - a, dtype=F32)
         self.final_norm = w.final_norm.astype(F32)
         self.embed = np.ascontiguousarray(w.embed.codes) if chip == 0 else None
