@@ -46,7 +46,7 @@ def _q4_1_blocks(rng, N, K):
 
 def _quantised(x):
     n, K = x.shape
-    xq, xd, xs = np.empty((n, K), np.int16), np.empty((n, K // 32), F32), np.empty((n, K // 32), F32)
+    xq, xd, xs = np.empty((n, K), np.int8), np.empty((n, K // 32), F32), np.empty((n, K // 32), F32)
     dk.quantise_rows(x, xq, xd, xs)
     return xq, xd, xs
 

@@ -52,6 +52,8 @@ K a product's input length, N its outputs, nb = K / 32 blocks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
@@ -139,7 +141,7 @@ def f16_round(typingctx, x):
 def quantise_rows(x, q, d, s):
     """Quantise every row of x (n, K) float32 to 8-bit blocks of 32 as llama.cpp's quantize_row_q8_1 / q8_0
     (AVX2) do: per block amax = max |x|, codes rint(x * (127 / amax)) (round half to even; 0 when amax is
-    0), written to q (n, K) int16 (the products take them as 16-bit integers); d (n, nb) float32 the F16-rounded ``amax / 127``; s (n, nb) float32 the
+    0), written to q (n, K) int8; d (n, nb) float32 the F16-rounded ``amax / 127``; s (n, nb) float32 the
     F16-rounded ``(amax / 127) * sum(codes)`` (Q8_1's sum; unused against Q8_0 weights)."""
     n, K = x.shape
     nb = K // QK
@@ -154,7 +156,7 @@ def quantise_rows(x, q, d, s):
             tot = np.float32(0.0)
             for j in range(QK):
                 v = np.float32(np.rint(x[i, o + j] * idb))
-                q[i, o + j] = np.int16(v)
+                q[i, o + j] = np.int8(v)
                 tot += v
             d[i, b] = f16_round(db)
             s[i, b] = f16_round(db * tot)
@@ -179,94 +181,135 @@ def _splat(b: ir.IRBuilder, v: ir.Value, n: int) -> ir.Value:
 
 
 def _pair_sums(b: ir.IRBuilder, m: ir.Value, n: int) -> ir.Value:
-    """<2n x i32> -> <n x i32>: element i = m[2i] + m[2i+1] (exact; x86 selects vpmaddwd for a product of
-    sign-extended i16 vectors so reduced)."""
+    """<2n x iN> -> <n x iN>: element i = m[2i] + m[2i+1]."""
     und = ir.Constant(m.type, ir.Undefined)
     ev = b.shuffle_vector(m, und, ir.Constant(_vec(_I32, n), [2 * i for i in range(n)]))
     od = b.shuffle_vector(m, und, ir.Constant(_vec(_I32, n), [2 * i + 1 for i in range(n)]))
     return b.add(ev, od)
 
 
-def _madd(b: ir.IRBuilder, a16: ir.Value, x16: ir.Value, n: int) -> ir.Value:
-    """<2n x i16> a, x -> <n x i32> a[2i] x[2i] + a[2i+1] x[2i+1] (x86: vpmaddwd)."""
-    w = _vec(_I32, 2 * n)
-    return _pair_sums(b, b.mul(b.sext(a16, w), b.sext(x16, w)), n)
+def _host_avx2() -> bool:
+    """Whether numba compiles for this host (no ``NUMBA_CPU_NAME``) and it has AVX2: the products then use
+    its byte and word multiply-add instructions, as ggml's AVX2 build does."""
+    import llvmlite.binding as llb
+    import numba.core.config
+
+    if getattr(numba.core.config, "CPU_NAME", None):
+        return False
+    return bool(llb.get_host_cpu_features().get("avx2", False))
+
+
+_AVX2 = _host_avx2()
+
+
+def _lane_sums(b: ir.IRBuilder, a8: ir.Value, x8: ir.Value) -> ir.Value:
+    """<32 x i8> a (unsigned), x (signed), element 4 r + j -> <8 x i32>: sum over j of a[4r + j] x[4r + j],
+    exact. With AVX2 as ggml's ``mul_sum_us8_pairs_float`` before its conversion: ``vpmaddubsw`` (pairs to
+    16 bits, saturating, which no sum here reaches: |a| <= 128, |x| <= 127), then ``vpmaddwd`` with ones;
+    otherwise in 32-bit products."""
+    if _AVX2:
+        v32b, v16w = _vec(_I8, 32), _vec(_I16, 16)
+        ub = cgutils.get_or_insert_function(b.module, ir.FunctionType(v16w, [v32b, v32b]), "llvm.x86.avx2.pmadd.ub.sw")
+        wd = cgutils.get_or_insert_function(b.module, ir.FunctionType(_vec(_I32, 8), [v16w, v16w]),
+                                            "llvm.x86.avx2.pmadd.wd")
+        return b.call(wd, [b.call(ub, [a8, x8]), ir.Constant(v16w, [1] * 16)])
+    w = _vec(_I32, 32)
+    return _pair_sums(b, _pair_sums(b, b.mul(b.zext(a8, w), b.sext(x8, w)), 16), 8)
+
+
+def _block_loop(b: ir.IRBuilder, nb: ir.Value, init: list[ir.Value],
+                body: Callable[[ir.Value, list[ir.Value]], list[ir.Value]]) -> list[ir.Value]:
+    """Emit ``for i in range(nb): vals = body(i, vals)`` at ``b`` (values carried in registers: phi nodes);
+    returns the values after the loop, ``b`` placed after it."""
+    fn = b.function
+    entry = b.block
+    loop = fn.append_basic_block("blocks")
+    done = fn.append_basic_block("blocks_done")
+    b.cbranch(b.icmp_signed(">", nb, ir.Constant(_I64, 0)), loop, done)
+    b.position_at_end(loop)
+    bi = b.phi(_I64)
+    vals = [b.phi(v.type) for v in init]
+    new = body(bi, vals)
+    nxt = b.add(bi, ir.Constant(_I64, 1))
+    end = b.block
+    bi.add_incoming(ir.Constant(_I64, 0), entry)
+    bi.add_incoming(nxt, end)
+    for p, s, v in zip(vals, init, new, strict=True):
+        p.add_incoming(s, entry)
+        p.add_incoming(v, end)
+    b.cbranch(b.icmp_signed("<", nxt, nb), loop, done)
+    b.position_at_end(done)
+    out = []
+    for s, v in zip(init, new, strict=True):
+        f = b.phi(v.type)
+        f.add_incoming(s, entry)
+        f.add_incoming(v, end)
+        out.append(f)
+    return out
 
 
 def _group_fn(module: ir.Module, q4: bool) -> ir.Function:
     """The LLVM function of one group of 8 outputs x one token over a product's blocks, in explicit 8-wide
     vectors (element r = output r), so that ggml's 8 lanes stay in registers across the blocks:
 
-    ``void f(i8* codes, half* dw, half* mw, i16* xw, float* xd, float* xs, i64 nb, float* state, i1 init)``
+    ``void f(i8* codes, half* dw, half* mw, i8* xq, float* xd, float* xs, i64 nb, float* state, i1 init)``
 
-    state (72 floats): lanes 0..7 (8 outputs each), then the minimums' sum; read at the start unless
-    ``init`` (then zeros), written at the end. Per block b: ``dd = dw * xd[b]`` (float32 product);
-    Q4_1: ``summ = fma(mw, xs[b], summ)``; per lane l the exact integer sum of its 4 weights' products
-    (codes x activation codes, i16 products summed in i32) converted to float32, ``lane = fma(dd, sum,
-    lane)``: ggml_vec_dot_q4_1_q8_1 / q8_0_q8_0's arithmetic for each output."""
+    state (72 floats, ``product_scratch``): lanes 0..7 (8 outputs each), then the minimums' sum, read at
+    the start unless ``init`` (then zeros) and written at the end. Per block b: ``dd = dw * xd[b]`` (float32
+    product); per lane l the exact integer sum of its 4 weights' products (codes x activation codes: pairs of
+    8-bit products summed to 16 bits, pairs of those to 32, as ggml's AVX2 ``mul_sum_us8_pairs_float``;
+    Q8_0 by its sign trick, |w| times x with w's sign) converted to float32, ``lane = fma(dd, sum, lane)``;
+    then (Q4_1, a second pass over the blocks, its own chain) ``summ = fma(mw, xs[b], summ)``:
+    ggml_vec_dot_q4_1_q8_1 / q8_0_q8_0's arithmetic for each output."""
     name = "calconsole_dot8_q4_1" if q4 else "calconsole_dot8_q8_0"
     got = module.globals.get(name)
     if got is not None:
         return got
-    i8p, f16p, i16p, f32p = _I8.as_pointer(), _F16.as_pointer(), _I16.as_pointer(), _F32.as_pointer()
-    fnty = ir.FunctionType(ir.VoidType(), [i8p, f16p, f16p, i16p, f32p, f32p, _I64, f32p, ir.IntType(1)])
+    i8p, f16p, f32p = _I8.as_pointer(), _F16.as_pointer(), _F32.as_pointer()
+    fnty = ir.FunctionType(ir.VoidType(), [i8p, f16p, f16p, i8p, f32p, f32p, _I64, f32p, ir.IntType(1)])
     fn = ir.Function(module, fnty, name=name)
     fn.linkage = "internal"
-    codes, dw, mw, xw, xd, xs, nb, state, init = fn.args
-    v8f = _vec(_F32, 8)
+    codes, dw, mw, xq, xd, xs, nb, state, init = fn.args
+    v8f, v8h, v32b = _vec(_F32, 8), _vec(_F16, 8), _vec(_I8, 32)
     fma = cgutils.get_or_insert_function(module, ir.FunctionType(v8f, [v8f, v8f, v8f]), "llvm.fma.v8f32")
-    entry = fn.append_basic_block("entry")
-    loop = fn.append_basic_block("loop")
-    done = fn.append_basic_block("done")
-    b = ir.IRBuilder(entry)
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
     sv = b.bitcast(state, v8f.as_pointer())
     zero = ir.Constant(v8f, [0.0] * 8)
-    start = [b.select(init, zero, b.load(b.gep(sv, [ir.Constant(_I64, i)]), align=4)) for i in range(9)]
-    b.cbranch(b.icmp_signed(">", nb, ir.Constant(_I64, 0)), loop, done)
-    b.position_at_end(loop)
-    bi = b.phi(_I64)
-    accs = [b.phi(v8f) for _ in range(9)]
-    bi.add_incoming(ir.Constant(_I64, 0), entry)
-    for a, s in zip(accs, start, strict=True):
-        a.add_incoming(s, entry)
-    v8h = _vec(_F16, 8)
-    o8 = b.mul(bi, ir.Constant(_I64, GROUP))
-    dwv = b.fpext(b.load(b.bitcast(b.gep(dw, [o8]), v8h.as_pointer()), align=2), v8f)
-    dd = b.fmul(dwv, _splat(b, b.load(b.gep(xd, [bi])), 8))
-    new = list(accs)
+    start = [b.select(init, zero, b.load(b.gep(sv, [ir.Constant(_I64, i)]), align=4)) for i in range(LANES + 1)]
+    zero8 = ir.Constant(v32b, [0] * 32)
+
+    def half8(p: ir.Value, bi: ir.Value) -> ir.Value:
+        return b.fpext(b.load(b.bitcast(b.gep(p, [b.mul(bi, ir.Constant(_I64, GROUP))]), v8h.as_pointer()), align=2),
+                       v8f)
+
+    def lanes(bi: ir.Value, accs: list[ir.Value]) -> list[ir.Value]:
+        dd = b.fmul(half8(dw, bi), _splat(b, b.load(b.gep(xd, [bi])), 8))
+        xb = b.mul(bi, ir.Constant(_I64, QK))
+        cb = b.mul(bi, ir.Constant(_I64, _Q4_BYTES if q4 else _Q8_BYTES))
+        new = []
+        for lane in range(LANES):
+            xl = b.gep(xq, [b.add(xb, ir.Constant(_I64, 4 * lane))])
+            x4 = b.bitcast(_splat(b, b.load(b.bitcast(xl, _I32.as_pointer()), align=1), 8), v32b)  # x[4l..4l+3] x 8
+            if q4:
+                cp = b.gep(codes, [b.add(cb, ir.Constant(_I64, 16 * lane))])
+                cv = b.load(b.bitcast(cp, _vec(_I8, 16).as_pointer()), align=1)
+                lo = b.and_(cv, ir.Constant(_vec(_I8, 16), [15] * 16))
+                hi = b.lshr(cv, ir.Constant(_vec(_I8, 16), [4] * 16))
+                a, x = b.shuffle_vector(lo, hi, ir.Constant(_vec(_I32, 32), list(range(32)))), x4
+            else:
+                cp = b.gep(codes, [b.add(cb, ir.Constant(_I64, 32 * lane))])
+                cv = b.load(b.bitcast(cp, v32b.as_pointer()), align=1)
+                neg = b.icmp_signed("<", cv, zero8)
+                a, x = b.select(neg, b.sub(zero8, cv), cv), b.select(neg, b.sub(zero8, x4), x4)
+            new.append(b.call(fma, [dd, b.sitofp(_lane_sums(b, a, x), v8f), accs[lane]]))
+        return new
+
+    fin = _block_loop(b, nb, start[:LANES], lanes)
     if q4:
-        mwv = b.fpext(b.load(b.bitcast(b.gep(mw, [o8]), v8h.as_pointer()), align=2), v8f)
-        new[8] = b.call(fma, [mwv, _splat(b, b.load(b.gep(xs, [bi])), 8), accs[8]])
-    xb = b.mul(bi, ir.Constant(_I64, QK))
-    cb = b.mul(bi, ir.Constant(_I64, _Q4_BYTES if q4 else _Q8_BYTES))
-    for lane in range(LANES):
-        xl = b.gep(xw, [b.add(xb, ir.Constant(_I64, 4 * lane))])
-        if q4:
-            cv = b.load(b.bitcast(b.gep(codes, [b.add(cb, ir.Constant(_I64, 16 * lane))]), _vec(_I8, 16).as_pointer()),
-                        align=1)
-            z = b.zext(cv, _vec(_I16, 16))
-            lo = b.and_(z, ir.Constant(_vec(_I16, 16), [15] * 16))
-            hi = b.lshr(z, ir.Constant(_vec(_I16, 16), [4] * 16))
-            x01 = b.bitcast(_splat(b, b.load(b.bitcast(xl, _I32.as_pointer()), align=2), 8), _vec(_I16, 16))
-            x23 = b.bitcast(_splat(b, b.load(b.bitcast(b.gep(xl, [ir.Constant(_I64, 2)]), _I32.as_pointer()),
-                                             align=2), 8), _vec(_I16, 16))
-            p = b.add(_madd(b, lo, x01, 8), _madd(b, hi, x23, 8))
-        else:
-            cv = b.load(b.bitcast(b.gep(codes, [b.add(cb, ir.Constant(_I64, 32 * lane))]), _vec(_I8, 32).as_pointer()),
-                        align=1)
-            x4 = b.bitcast(_splat(b, b.load(b.bitcast(xl, _I64.as_pointer()), align=2), 8), _vec(_I16, 32))
-            p = _pair_sums(b, _madd(b, b.sext(cv, _vec(_I16, 32)), x4, 16), 8)
-        new[lane] = b.call(fma, [dd, b.sitofp(p, v8f), accs[lane]])
-    nxt = b.add(bi, ir.Constant(_I64, 1))
-    bi.add_incoming(nxt, loop)
-    for a, v in zip(accs, new, strict=True):
-        a.add_incoming(v, loop)
-    b.cbranch(b.icmp_signed("<", nxt, nb), loop, done)
-    b.position_at_end(done)
-    fin = [b.phi(v8f) for _ in range(9)]
-    for f, s, v in zip(fin, start, new, strict=True):
-        f.add_incoming(s, entry)
-        f.add_incoming(v, loop)
+        fin += _block_loop(b, nb, start[LANES:], lambda bi, s: [
+            b.call(fma, [half8(mw, bi), _splat(b, b.load(b.gep(xs, [bi])), 8), s[0]])])
+    else:
+        fin.append(start[LANES])
     for i, f in enumerate(fin):
         b.store(f, b.gep(sv, [ir.Constant(_I64, i)]), align=4)
     b.ret_void()
@@ -291,7 +334,7 @@ def _dot8(q4: bool):  # noqa: ANN202 (a numba intrinsic)
                     data = builder.gep(data, [args[off]])
                 return builder.bitcast(data, ty.as_pointer())
 
-            builder.call(fn, [ptr(0, 1, _I8), ptr(2, 3, _F16), ptr(4, 3, _F16), ptr(5, 6, _I16),
+            builder.call(fn, [ptr(0, 1, _I8), ptr(2, 3, _F16), ptr(4, 3, _F16), ptr(5, 6, _I8),
                               ptr(7, 9, _F32), ptr(8, 9, _F32), args[10], ptr(11, None, _F32),
                               builder.trunc(args[12], ir.IntType(1)) if args[12].type != ir.IntType(1) else args[12]])
             return context.get_dummy_value()
@@ -308,8 +351,9 @@ _dot8_q8_0 = _dot8(False)
 def pack_q4_1(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A Q4_1 matrix in llama.cpp's layout (``split_q4_1``: codes (N, K) uint8 0..15, d / m (N, K/32) float32
     F16 values) -> the products' layout: outputs in groups of 8 (N padded with zero weights to a multiple of
-    8, G groups), per group and block the 8 lanes' codes as 16 bytes each (byte 2 r + j, r the output in
-    the group, j 0..1: low nibble the weight 4 l + j of the block, high nibble 4 l + 2 + j): codes (G, K/32,
+    8, G groups), per group and block the 8 lanes' codes as 16 bytes each (lane l's 32 codes in the order
+    4 r + j, r the output in the group, j its weight 4 l + j of the block; code u in byte u's low nibble for
+    u < 16, in byte u - 16's high nibble above, as ggml's ``bytes_from_nibbles_32`` unpacks): codes (G, K/32,
     128) uint8; d, m (G, K/32, 8) uint16, the bits of their F16 values (exact: GGUF stores them as F16; numba
     has no float16 arrays, the products read them as half floats)."""
     N, K = codes.shape
@@ -317,9 +361,9 @@ def pack_q4_1(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarr
     G = -(-N // GROUP)
     c = np.zeros((G * GROUP, K), np.uint8)
     c[:N] = codes
-    c5 = c.reshape(G, GROUP, nb, LANES, 4)
-    byte = (c5[..., 0:2] | (c5[..., 2:4] << 4)).transpose(0, 2, 3, 1, 4)  # (G, nb, lane, r, j)
-    return (np.ascontiguousarray(byte.reshape(G, nb, _Q4_BYTES)), _pack_scales(d, G), _pack_scales(m, G))
+    u = c.reshape(G, GROUP, nb, LANES, 4).transpose(0, 2, 3, 1, 4).reshape(G, nb, LANES, 32)  # (G, nb, lane, 4r + j)
+    byte = (u[..., :16] | (u[..., 16:] << 4)).reshape(G, nb, _Q4_BYTES)
+    return (np.ascontiguousarray(byte), _pack_scales(d, G), _pack_scales(m, G))
 
 
 def pack_q8_0(codes: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -345,9 +389,13 @@ def _pack_scales(d: np.ndarray, G: int) -> np.ndarray:
     return np.ascontiguousarray(p.reshape(G, GROUP, nb).transpose(0, 2, 1)).view(np.uint16)
 
 
+#: Floats of the products' scratch: a group's 8 lanes and minimums' sum.
+SCRATCH = (LANES + 1) * GROUP
+
+
 def product_scratch() -> np.ndarray:
-    """The products' scratch: one group's 8 lanes and minimums' sum (72,) float32."""
-    return np.zeros((LANES + 1) * GROUP, dtype=F32)
+    """The products' scratch (SCRATCH,) float32."""
+    return np.zeros(SCRATCH, dtype=F32)
 
 
 @kernel()
@@ -373,7 +421,7 @@ def quant_matmul(codes, dw, mw, has_min, xq, xd, xs, state, out):
     """out (n, N) = x @ W for a quantised W as llama.cpp's vec_dot kernels compute each output: per group of
     8 outputs and token, the blocks' lanes in vector registers (``_group_fn``), then ``_finish8``.
 
-    codes / dw / mw from ``pack_q4_1`` (``has_min``) or ``pack_q8_0``; xq (n, >=K) int16 activation codes,
+    codes / dw / mw from ``pack_q4_1`` (``has_min``) or ``pack_q8_0``; xq (n, >=K) int8 activation codes,
     xd / xs (n, >=K/32) float32 from ``quantise_rows``; state ``product_scratch()``. The result does not
     depend on n."""
     n = xq.shape[0]
@@ -381,7 +429,7 @@ def quant_matmul(codes, dw, mw, has_min, xq, xd, xs, state, out):
     for g in range(G):
         co, do = g * codes.strides[0] // codes.itemsize, g * dw.strides[0] // dw.itemsize
         for t in range(n):
-            xo, bo = t * xq.strides[0] // 2, t * xd.strides[0] // 4
+            xo, bo = t * xq.strides[0], t * xd.strides[0] // 4
             if has_min:
                 _dot8_q4_1(codes, co, dw, do, mw, xq, xo, xd, xs, bo, nb, state, True)
             else:
@@ -396,7 +444,7 @@ def chained_matmul(codes, dw, mw, li, xq, xd, xs, state, out, add):
     same lanes in chip order, then summed (``_finish8``) once.
 
     codes / dw / mw tuples over chips of ``pack_q4_1`` arrays stacked over layers, (L, G, K_c/32, 128) /
-    (L, G, K_c/32, 8) (layer ``li`` used); xq (C, n, >=K_c) int16 each chip's activation codes, xd / xs
+    (L, G, K_c/32, 8) (layer ``li`` used); xq (C, n, >=K_c) int8 each chip's activation codes, xd / xs
     (C, n, >=K_c/32) float32; state ``product_scratch()``."""
     C = xq.shape[0]
     n = xq.shape[1]
@@ -407,7 +455,7 @@ def chained_matmul(codes, dw, mw, li, xq, xd, xs, state, out, add):
                 cc, dc, mc = codes[c], dw[c], mw[c]
                 co = (li * cc.strides[0] + g * cc.strides[1]) // cc.itemsize
                 do = (li * dc.strides[0] + g * dc.strides[1]) // dc.itemsize
-                xo, bo = (c * xq.strides[0] + t * xq.strides[1]) // 2, (c * xd.strides[0] + t * xd.strides[1]) // 4
+                xo, bo = c * xq.strides[0] + t * xq.strides[1], (c * xd.strides[0] + t * xd.strides[1]) // 4
                 _dot8_q4_1(cc, co, dc, do, mc, xq, xo, xd, xs, bo, cc.shape[2], state, c == 0)
             _finish8(state, True, out, t, g * GROUP, add)
 
@@ -690,19 +738,19 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
         max_rows = max(max_rows, (hq[c] + 2 * hkv[c]) * D)
         max_o = max(max_o, hq[c] * D)
         max_f = max(max_f, fc[c])
-    scratch = np.zeros((LANES + 1) * GROUP, dtype=np.float32)
+    scratch = np.zeros(SCRATCH, dtype=np.float32)
     h = np.empty((n, H), dtype=np.float32)
-    hq8 = np.empty((n, H), dtype=np.int16)
+    hq8 = np.empty((n, H), dtype=np.int8)
     hd = np.empty((n, nbh), dtype=np.float32)
     hs = np.empty((n, nbh), dtype=np.float32)
     proj = np.empty((n, max_rows), dtype=np.float32)
     o = np.empty((n, max_o), dtype=np.float32)
-    oq = np.empty((C, n, max_o), dtype=np.int16)
+    oq = np.empty((C, n, max_o), dtype=np.int8)
     od = np.empty((C, n, max_o // QK), dtype=np.float32)
     osum = np.empty((C, n, max_o // QK), dtype=np.float32)
     gu = np.empty((n, 2 * max_f), dtype=np.float32)
     act = np.empty((n, max_f), dtype=np.float32)
-    aq = np.empty((C, n, max_f), dtype=np.int16)
+    aq = np.empty((C, n, max_f), dtype=np.int8)
     ad = np.empty((C, n, max_f // QK), dtype=np.float32)
     asum = np.empty((C, n, max_f // QK), dtype=np.float32)
     qh = np.empty((n, D), dtype=np.float32)
