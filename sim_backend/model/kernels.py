@@ -14,12 +14,17 @@ The numpy code in ``numerics.py`` is the reference these kernels are tested agai
 different order than BLAS does it, which moves a float32 result by at most ~n * 2**-24 of the sum
 of |terms|; over 48 layers this gives logit drifts of order 1e-5 (measured in the tests and by
 ``python -m sim_backend.model.golden --check``), the same size as the drift between BLAS builds
-that the golden bound already covers (``golden.F32_DRIFT_ATOL``).
+that the golden bound already covers (``golden.F32_DRIFT_ATOL``). That bound holds for ANY order of
+the n additions (|error| <= (n - 1) * 2**-24 * sum|terms| to first order, whatever tree the sums form), so
+the register tiling of the decode attention (``_scores``: a score as four 4-term partial sums, added in
+turn; ``_weighted_values``: per chunk of keys a sum in vector lanes, chunk sums added in turn) changes no
+bound: it is one more order of the same terms. ``exp_in_range`` is ``exp_f32``'s own code without the
+clamps, so the same bits on its range.
 
 Layouts (C-contiguous float32 unless said):
-- a layer's K cache is stored transposed, (kv_heads, D, cells): a decode step's scores
-  ``q . k_t`` then read each key dimension as one contiguous run over the context, vectorised
-  over keys; V stays (kv_heads, cells, D) so ``p @ V`` adds whole D-wide rows.
+- a layer's K and V caches are stored transposed, (kv_heads, D, cells), written in place a cell at a
+  time (never rebuilt per call): a decode step's scores ``q . k_t`` and its ``p . v_t`` then read each
+  key (value) dimension as one contiguous run over the context, vectorised over keys.
 - BF16 weights are ``uint16`` bit patterns (the top half of a float32, ``bf16.py``), widened
   exactly by a 16-bit shift as they are read.
 
@@ -45,9 +50,9 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = [
-    "FMA", "SUM", "attend_decode", "attend_prefill", "bf16_blocks", "bf16_matvec", "bf16_value", "exp_f32", "exp_shift",
-    "head_norm_rope", "kernel", "matvec", "matvec_add", "prune_stale_caches", "rms_norm", "row_sum", "silu_mul",
-    "softmax_top_k",
+    "FMA", "SUM", "attend_decode", "attend_prefill", "bf16_blocks", "bf16_matvec", "bf16_value", "exp_f32",
+    "exp_in_range", "exp_shift", "head_norm_rope", "kernel", "matvec", "matvec_add", "prune_stale_caches", "rms_norm",
+    "row_sum", "silu_mul", "softmax_top_k",
 ]
 
 
@@ -203,14 +208,10 @@ _EXP_LO = np.float32(-86.9)  # n >= -125 above it, so 2**(n-1) is a normal float
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def exp_f32(x):
-    """exp of a float32 scalar, float32, within 2 ulp of the true value on [-87.3, 88.4] (Cephes'
-    expf: Cody-Waite reduction to |r| <= ln2/2, degree-6 polynomial, 2**n from its exponent bits);
-    +inf above, 0.0 below (where the true value is subnormal or 0), NaN for NaN. Branch-free
-    besides the clamps, so loops over it vectorise (libm's expf would be one call per element)."""
-    xc = min(max(x, _EXP_LO), _EXP_HI)
-    n = np.floor(xc * _LOG2E + np.float32(0.5))
-    r = xc - n * _LN2_HI
+def _exp_core(x):
+    """exp of a float32 scalar x in [_EXP_LO, _EXP_HI], without the clamps: the body of ``exp_f32``."""
+    n = np.floor(x * _LOG2E + np.float32(0.5))
+    r = x - n * _LN2_HI
     r = r - n * _LN2_LO
     p = np.float32(1.9875691500e-4)
     p = p * r + np.float32(1.3981999507e-3)
@@ -220,7 +221,16 @@ def exp_f32(x):
     p = p * r + np.float32(5.0000001201e-1)
     p = p * (r * r) + r + np.float32(1.0)
     # 2**(n-1) * 2: n reaches 128 just below the overflow, whose 2**n alone is not a float32
-    y = p * _bits_to_f32(np.int32(n + np.float32(126.0)) << 23) * np.float32(2.0)
+    return p * _bits_to_f32(np.int32(n + np.float32(126.0)) << 23) * np.float32(2.0)
+
+
+@njit(cache=True, nogil=True, error_model="numpy", inline="always")
+def exp_f32(x):
+    """exp of a float32 scalar, float32, within 2 ulp of the true value on [-87.3, 88.4] (Cephes'
+    expf: Cody-Waite reduction to |r| <= ln2/2, degree-6 polynomial, 2**n from its exponent bits);
+    +inf above, 0.0 below (where the true value is subnormal or 0), NaN for NaN. Branch-free
+    besides the clamps, so loops over it vectorise (libm's expf would be one call per element)."""
+    y = _exp_core(min(max(x, _EXP_LO), _EXP_HI))
     if x > _EXP_HI:
         y = np.float32(np.inf)
     if x < _EXP_LO:
@@ -228,6 +238,17 @@ def exp_f32(x):
     if x != x:
         y = x
     return y
+
+
+@kernel(FMA)
+def exp_in_range(row):
+    """row[:] = exp(row) in place, float32, for a row known to lie in [-86.9, 88.7] (e.g. scores proven
+    within ``numerics.SCORE_BOUND``): ``exp_f32`` without its clamps and edge selects, so the same bits
+    for every such input (the same code, ``_exp_core``, compiled with the same flags as ``exp_shift``),
+    in 5 fewer vector operations an element (decode attention at 4K: 12.2 -> 7.9 ms CPU for its 6.3 M
+    exps, load ~7). Outside the range the result is meaningless (no clamp): never call it there."""
+    for t in range(row.shape[0]):
+        row[t] = _exp_core(row[t])
 
 
 @kernel()
@@ -324,10 +345,12 @@ def head_norm_rope(qk, w, cos, sin, eps):
             qk[h, d + half] = b * cos[d] + a * sin[d]
 
 
-#: Keys per chunk of the decode attention kernel: a chunk of every key dimension (D x 128 float32, 8 KiB
-#: at D = 16), of the values and of the G heads' scores stay in L1 (32 KiB a core on the reference host)
-#: while the chunk is used; 128 measured fastest of 64-512 at 2K and 4K context.
-ATT_CHUNK = 128
+#: Keys per chunk of the decode attention kernel: the G heads' scores of a chunk (8 x 512 float32, 16 KiB)
+#: stay in L1 between their exp and p @ V; with the register-tiled ``_scores`` / ``_weighted_values`` the
+#: cost per chunk is the loop starts (64 vector iterations a loop at 512), so bigger chunks run faster:
+#: 192 heads at T = 4096, interleaved 7 times in one process (load ~11, the reference 2-core host), CPU ms
+#: median 33.5 at 128, 30.7 at 256, 29.1 at 512, 28.5 at 2048 (within noise of 512 from 512 on).
+ATT_CHUNK = 512
 
 
 
@@ -352,39 +375,93 @@ def exp_shift(row, m):
         row[n - 1] = exp_f32(row[n - 1] - m)
 
 
+#: Query heads per pass of the decode scores (:func:`_scores`): each key is loaded once for this many heads'
+#: multiply-adds (the G = 8 query heads of a KV head in Qwen3-30B-A3B), not once per head.
+SCORE_HEADS = 8
+
+
 @kernel(SUM)
-def _scores(q, k_t, a, kg, contiguous, s, s0, m):
-    """s[g, s0:s0+m] = q[g] . k[:, a:a+m] for one chunk of m keys: q (G, D); keys from k_t[:, a:a+m] if
-    ``contiguous`` else from the gathered chunk kg[:, :m]; s (G, >= s0+m) C-contiguous (rows are
-    sliced here, not by the caller: a sliced 2-D argument loses its known unit stride and with it
-    the vector loads). Four key dimensions per pass."""
+def _scores(q, src, off, m, s, s0):
+    """s[g, s0:s0+m] = q[g] . src[:, off:off+m] for one chunk of m keys, every query head g.
+
+    q (G, D) float32; src (D, >= off+m) the keys transposed (this head's K cache, or a gathered chunk with
+    off = 0); s (G, >= s0+m) C-contiguous (rows are sliced here, not by the caller: a sliced 2-D argument
+    loses its known unit stride and with it the vector loads).
+
+    Register tiling: ``SCORE_HEADS`` heads a pass, four key dimensions a pass. The loop over the chunk's
+    keys loads each of the 4 key rows once (one vector load of 8 keys each) and does the 8 heads' 32
+    multiply-adds from it, so a 2K-4K context is bound by multiply-adds and not by loads (the former
+    head-by-head loop reloaded every key row once per head: 5 loads per 4 multiply-adds). Heads past a
+    multiple of 8 go one at a time. Summation order of each score: per 4 dimensions a partial sum added
+    to the running score (``SUM`` lets LLVM reassociate the 4 terms); any order of the D terms is within
+    the same float32 bound (``kernels`` docstring)."""
     G, D = q.shape
-    for g in range(G):
+    g0 = 0
+    while g0 + SCORE_HEADS <= G:
+        r0, r1, r2, r3 = s[g0, s0:s0 + m], s[g0 + 1, s0:s0 + m], s[g0 + 2, s0:s0 + m], s[g0 + 3, s0:s0 + m]
+        r4, r5, r6, r7 = s[g0 + 4, s0:s0 + m], s[g0 + 5, s0:s0 + m], s[g0 + 6, s0:s0 + m], s[g0 + 7, s0:s0 + m]
+        for t in range(m):
+            r0[t] = 0.0
+            r1[t] = 0.0
+            r2[t] = 0.0
+            r3[t] = 0.0
+            r4[t] = 0.0
+            r5[t] = 0.0
+            r6[t] = 0.0
+            r7[t] = 0.0
+        d = 0
+        while d + 4 <= D:
+            k0, k1 = src[d, off:off + m], src[d + 1, off:off + m]
+            k2, k3 = src[d + 2, off:off + m], src[d + 3, off:off + m]
+            a0, a1, a2, a3 = q[g0, d], q[g0, d + 1], q[g0, d + 2], q[g0, d + 3]
+            b0, b1, b2, b3 = q[g0 + 1, d], q[g0 + 1, d + 1], q[g0 + 1, d + 2], q[g0 + 1, d + 3]
+            c0, c1, c2, c3 = q[g0 + 2, d], q[g0 + 2, d + 1], q[g0 + 2, d + 2], q[g0 + 2, d + 3]
+            e0, e1, e2, e3 = q[g0 + 3, d], q[g0 + 3, d + 1], q[g0 + 3, d + 2], q[g0 + 3, d + 3]
+            f0, f1, f2, f3 = q[g0 + 4, d], q[g0 + 4, d + 1], q[g0 + 4, d + 2], q[g0 + 4, d + 3]
+            h0, h1, h2, h3 = q[g0 + 5, d], q[g0 + 5, d + 1], q[g0 + 5, d + 2], q[g0 + 5, d + 3]
+            i0, i1, i2, i3 = q[g0 + 6, d], q[g0 + 6, d + 1], q[g0 + 6, d + 2], q[g0 + 6, d + 3]
+            j0, j1, j2, j3 = q[g0 + 7, d], q[g0 + 7, d + 1], q[g0 + 7, d + 2], q[g0 + 7, d + 3]
+            for t in range(m):
+                x0, x1, x2, x3 = k0[t], k1[t], k2[t], k3[t]
+                r0[t] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
+                r1[t] += b0 * x0 + b1 * x1 + b2 * x2 + b3 * x3
+                r2[t] += c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3
+                r3[t] += e0 * x0 + e1 * x1 + e2 * x2 + e3 * x3
+                r4[t] += f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3
+                r5[t] += h0 * x0 + h1 * x1 + h2 * x2 + h3 * x3
+                r6[t] += i0 * x0 + i1 * x1 + i2 * x2 + i3 * x3
+                r7[t] += j0 * x0 + j1 * x1 + j2 * x2 + j3 * x3
+            d += 4
+        while d < D:
+            kd = src[d, off:off + m]
+            for g in range(g0, g0 + SCORE_HEADS):
+                qd = q[g, d]
+                sg = s[g, s0:s0 + m]
+                for t in range(m):
+                    sg[t] += qd * kd[t]
+            d += 1
+        g0 += SCORE_HEADS
+    for g in range(g0, G):
         sg = s[g, s0:s0 + m]
         for t in range(m):
             sg[t] = 0.0
-        d = 0
-        while d + 4 <= D:
-            q0, q1, q2, q3 = q[g, d], q[g, d + 1], q[g, d + 2], q[g, d + 3]
-            if contiguous:
-                k0, k1, k2, k3 = k_t[d, a:a + m], k_t[d + 1, a:a + m], k_t[d + 2, a:a + m], k_t[d + 3, a:a + m]
-            else:
-                k0, k1, k2, k3 = kg[d, :m], kg[d + 1, :m], kg[d + 2, :m], kg[d + 3, :m]
-            for t in range(m):
-                sg[t] += q0 * k0[t] + q1 * k1[t] + q2 * k2[t] + q3 * k3[t]
-            d += 4
-        while d < D:
+        for d in range(D):
             qd = q[g, d]
-            kd = k_t[d, a:a + m] if contiguous else kg[d, :m]
+            kd = src[d, off:off + m]
             for t in range(m):
                 sg[t] += qd * kd[t]
-            d += 1
 
 
 @kernel(SUM)
-def _weighted_values(p, p0, m, v_t, a, vg, contiguous, acc, den):
-    """acc[g, d] += p[g, p0:p0+m] . v[d, a:a+m] and den[g] += sum(p[g, p0:p0+m]) for one chunk of m keys:
-    p (G, >= p0+m) the unnormalised probabilities; values from v_t[:, a:a+m] or the gathered vg[:, :m]."""
+def _weighted_values(p, p0, m, src, off, acc, den):
+    """acc[g, d] += p[g, p0:p0+m] . src[d, off:off+m] and den[g] += sum(p[g, p0:p0+m]) for one chunk of m
+    keys: p (G, >= p0+m) the unnormalised probabilities; src (D, >= off+m) the values transposed (this
+    head's V cache, or a gathered chunk with off = 0); acc (G, D), den (G,) float32.
+
+    Register tiling: 4 heads x 2 value dimensions a pass, 8 running sums in vector lanes over the keys,
+    so each loaded value serves 4 heads and each loaded probability 2 dimensions (6 loads per 8
+    multiply-adds; one head and dimension at a time was 2 loads per multiply-add). Each acc[g, d] gets
+    one sum of the chunk's m products (in vector lanes, ``SUM``) added to it, as before."""
     G = p.shape[0]
     D = acc.shape[1]
     for g in range(G):
@@ -393,8 +470,54 @@ def _weighted_values(p, p0, m, v_t, a, vg, contiguous, acc, den):
         for t in range(m):
             tot += pg[t]
         den[g] += tot
+    g0 = 0
+    while g0 + 4 <= G:
+        p0r, p1r, p2r, p3r = p[g0, p0:p0 + m], p[g0 + 1, p0:p0 + m], p[g0 + 2, p0:p0 + m], p[g0 + 3, p0:p0 + m]
+        d = 0
+        while d + 2 <= D:
+            v0, v1 = src[d, off:off + m], src[d + 1, off:off + m]
+            a00 = np.float32(0.0)
+            a01 = np.float32(0.0)
+            a10 = np.float32(0.0)
+            a11 = np.float32(0.0)
+            a20 = np.float32(0.0)
+            a21 = np.float32(0.0)
+            a30 = np.float32(0.0)
+            a31 = np.float32(0.0)
+            for t in range(m):
+                x0, x1 = v0[t], v1[t]
+                y0, y1, y2, y3 = p0r[t], p1r[t], p2r[t], p3r[t]
+                a00 += y0 * x0
+                a01 += y0 * x1
+                a10 += y1 * x0
+                a11 += y1 * x1
+                a20 += y2 * x0
+                a21 += y2 * x1
+                a30 += y3 * x0
+                a31 += y3 * x1
+            acc[g0, d] += a00
+            acc[g0, d + 1] += a01
+            acc[g0 + 1, d] += a10
+            acc[g0 + 1, d + 1] += a11
+            acc[g0 + 2, d] += a20
+            acc[g0 + 2, d + 1] += a21
+            acc[g0 + 3, d] += a30
+            acc[g0 + 3, d + 1] += a31
+            d += 2
+        while d < D:
+            vd = src[d, off:off + m]
+            for g in range(g0, g0 + 4):
+                pg = p[g, p0:p0 + m]
+                x = np.float32(0.0)
+                for t in range(m):
+                    x += pg[t] * vd[t]
+                acc[g, d] += x
+            d += 1
+        g0 += 4
+    for g in range(g0, G):
+        pg = p[g, p0:p0 + m]
         for d in range(D):
-            vd = v_t[d, a:a + m] if contiguous else vg[d, :m]
+            vd = src[d, off:off + m]
             x = np.float32(0.0)
             for t in range(m):
                 x += pg[t] * vd[t]
@@ -411,10 +534,11 @@ def attend_decode(q, k_t, v_t, start, idx, T, no_max, scores, out):
     |score| small enough (``numerics.SCORE_BOUND``) that exp needs no max shift. scores (G, >= T)
     float32 scratch. Writes softmax(q k^T) v to out (G, D). Sums run in vector lanes (``SUM``).
 
-    With ``no_max`` one pass over the keys, ``ATT_CHUNK`` at a time: the chunk's scores, their exp and
-    their share of p @ V while the chunk's keys, values and scores are in L1 (D x 128 float32 = 8 KiB
-    each at D = 16); K and V are each read once. Without it (a damaged norm weight) two passes: every
-    score and the row maxima first, then exp and p @ V chunk by chunk.
+    With ``no_max`` one pass over the keys, ``ATT_CHUNK`` at a time: the chunk's scores (all G heads
+    from each key load, ``_scores``), their exp (``exp_in_range``: the scores are proven within the
+    bound) and their share of p @ V (``_weighted_values``) while the chunk's keys, values and scores are
+    in L1; K and V are each read once. Without it (a damaged norm weight) two passes: every score and the
+    row maxima first, then exp (``exp_shift``, clamped) and p @ V chunk by chunk.
     """
     G, D = q.shape
     contiguous = start >= 0
@@ -430,20 +554,27 @@ def attend_decode(q, k_t, v_t, start, idx, T, no_max, scores, out):
         while t0 < T:
             # a short tail joins the last chunk (<= 1.5 chunks): a chunk costs ~70 loop starts of its own
             m = T - t0 if T - t0 <= ATT_CHUNK + ATT_CHUNK // 2 else ATT_CHUNK
-            if not contiguous:
+            if contiguous:
+                _scores(q, k_t, start + t0, m, scores, zero)
+            else:
                 _gather(k_t, idx, t0, m, kg)
-                _gather(v_t, idx, t0, m, vg)
-            _scores(q, k_t, start + t0, kg, contiguous, scores, zero, m)
+                _scores(q, kg, zero, m, scores, zero)
             for g in range(G):
-                exp_shift(scores[g, :m], np.float32(0.0))
-            _weighted_values(scores, zero, m, v_t, start + t0, vg, contiguous, acc, den)
+                exp_in_range(scores[g, :m])
+            if contiguous:
+                _weighted_values(scores, zero, m, v_t, start + t0, acc, den)
+            else:
+                _gather(v_t, idx, t0, m, vg)
+                _weighted_values(scores, zero, m, vg, zero, acc, den)
             t0 += m
     else:
         for t0 in range(0, T, ATT_CHUNK):
             m = min(ATT_CHUNK, T - t0)
-            if not contiguous:
+            if contiguous:
+                _scores(q, k_t, start + t0, m, scores, t0)
+            else:
                 _gather(k_t, idx, t0, m, kg)
-            _scores(q, k_t, start + t0, kg, contiguous, scores, t0, m)
+                _scores(q, kg, zero, m, scores, t0)
         for g in range(G):
             sg = scores[g, :T]
             mx = np.float32(-np.inf)
@@ -452,9 +583,11 @@ def attend_decode(q, k_t, v_t, start, idx, T, no_max, scores, out):
             exp_shift(sg, mx)
         for t0 in range(0, T, ATT_CHUNK):
             m = min(ATT_CHUNK, T - t0)
-            if not contiguous:
+            if contiguous:
+                _weighted_values(scores, t0, m, v_t, start + t0, acc, den)
+            else:
                 _gather(v_t, idx, t0, m, vg)
-            _weighted_values(scores, t0, m, v_t, start + t0, vg, contiguous, acc, den)
+                _weighted_values(scores, t0, m, vg, zero, acc, den)
     for g in range(G):
         inv = np.float32(1.0) / den[g]
         for d in range(D):

@@ -45,6 +45,16 @@ def test_exp_within_two_ulp_and_its_edges():
     assert got[5] == 1.0
 
 
+def test_exp_in_range_gives_exp_f32s_bits_on_its_range():
+    """The decode attention's unclamped exp is ``exp_f32``'s own code: the same bits wherever it may be used."""
+    x = np.linspace(-86.9, 88.7, 200_001, dtype=F)
+    want = np.empty_like(x)
+    _exp_rows(x, want)
+    got = x.copy()
+    K.exp_in_range(got)
+    assert np.array_equal(got, want)
+
+
 def _exp_rows(x, out):
     out[:] = x
     K.exp_shift(out, F(0.0))
@@ -95,9 +105,12 @@ def test_softmax_top_k_matches_the_router():
     assert ids.tolist() == list(range(8)) and np.allclose(w, 1 / 8)
 
 
-@pytest.mark.parametrize("T,contiguous,no_max", [(1, True, True), (700, True, False), (1100, False, True)])
-def test_attend_decode_matches_softmax_attention(T, contiguous, no_max):
-    G_, D, cells = 8, 16, 1200
+@pytest.mark.parametrize("T,contiguous,no_max,G_,D", [
+    (1, True, True, 8, 16), (700, True, False, 8, 16), (1100, False, True, 8, 16),
+    # heads and dimensions past the register tiles (8 heads x 4 dims for scores, 4 x 2 for values)
+    (900, True, True, 13, 18), (300, False, False, 3, 5)])
+def test_attend_decode_matches_softmax_attention(T, contiguous, no_max, G_, D):
+    cells = 1200
     q = (RNG.standard_normal((G_, D)) * 0.25).astype(F)
     k_t = RNG.standard_normal((D, cells)).astype(F)
     v_t = RNG.standard_normal((D, cells)).astype(F)
