@@ -628,8 +628,9 @@ def attend_prefill(q, ks, vs, ends, k_pos, q_pos, masked, no_max, out):
     ``no_max`` as in :func:`attend_decode`. Writes (n, G, D) to out.
 
     Per block of ``PREFILL_QUERY_BLOCK`` queries: scores = one BLAS product (rows x D) @ (D x keys the
-    block sees), exp in place (``exp_shift``; keys a query must not see set to 0, which is what
-    exp(-inf) gives), then one BLAS product with V and a normalisation by the row sums.
+    block sees), exp in place (``exp_in_range`` when ``no_max`` and unmasked, else ``exp_shift``; keys a
+    query must not see set to 0, which is what exp(-inf) gives), then one BLAS product with V and a
+    normalisation by the row sums.
     """
     n, G, D = q.shape
     qbuf = np.empty((PREFILL_QUERY_BLOCK * G, D), dtype=np.float32)
@@ -656,12 +657,15 @@ def attend_prefill(q, ks, vs, ends, k_pos, q_pos, masked, no_max, out):
                     for t in range(e):
                         if k_pos[t] > qp:
                             row[t] = -np.inf
-                mx = np.float32(0.0)
-                if not no_max:
-                    mx = np.float32(-np.inf)
-                    for t in range(e):
-                        mx = max(mx, row[t])
-                exp_shift(row[:e], mx)
+                if no_max and not masked:  # every score proven within the bound: no -inf, no max shift
+                    exp_in_range(row[:e])
+                else:
+                    mx = np.float32(0.0)
+                    if not no_max:
+                        mx = np.float32(-np.inf)
+                        for t in range(e):
+                            mx = max(mx, row[t])
+                    exp_shift(row[:e], mx)
                 for t in range(e, e_end):
                     row[t] = 0.0
         pv = np.dot(S, vs[:e_end])
@@ -697,21 +701,24 @@ def softmax_top_k(logits, k, ids, w):
     inv = np.float32(1.0) / tot
     for e in range(E):
         logits[e] *= inv
-    for j in range(k):  # selection: the j-th best is the largest left, lowest id first
+    # selection: the j-th best is the largest left, lowest id first (strict >). A chosen probability is set
+    # to -1 (below every probability, not above the start value: never chosen again) and put back after:
+    # k scans of E, not k scans of E with a scan of the chosen ids each (a prefill of 128 tokens spent
+    # 29 ms CPU in the router's 6,144 calls, load ~16)
+    for j in range(k):
         best = -1
         bv = np.float32(-1.0)
         for e in range(E):
             pe = logits[e]
             if pe > bv:
-                taken = False
-                for jj in range(j):
-                    if ids[jj] == e:
-                        taken = True
-                        break
-                if not taken:
-                    best, bv = e, pe
+                best, bv = e, pe
         ids[j] = best
         w[j] = bv
+        if best >= 0:
+            logits[best] = np.float32(-1.0)
+    for j in range(k):
+        if ids[j] >= 0:
+            logits[ids[j]] = w[j]
     tot = np.float32(0.0)
     for j in range(k):
         tot += w[j]
