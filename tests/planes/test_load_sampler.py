@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import pytest
 
 from sim_backend.planes import inprocess
 from sim_backend.planes.inprocess import _LoadSampler
+from tests.waits import wait_until
 
 
 def test_first_sample_has_no_figures() -> None:
@@ -57,25 +61,49 @@ def test_the_output_rate_adds_up_to_the_token_counters_when_a_request_ends_mid_s
     with build_system(pacing=Pacing(PacingMode.REALTIME, speed=1.0), numerics=False, maintenance=False) as s:
         s.observation._load.interval_s = 0.0  # every sample is compared with the previous one
         metrics = s.engine.metrics
+        # the device holds the request's third decode step until the race below: a few tokens in and still
+        # running however long this thread waits for a time slice (24 realtime tokens last ~0.4 s: a test
+        # thread starved that long saw the request end before its first look)
+        held, release, execute, decodes = threading.Event(), threading.Event(), s.board._execute, [0]
+
+        def execute_held(job: Any, gen: int) -> None:
+            if job.kind == "decode":
+                decodes[0] += 1
+                if decodes[0] == 3:
+                    held.set()
+                    release.wait(60)
+            execute(job, gen)
+
+        s.board._execute = execute_held  # type: ignore[method-assign]
         h = s.inference.submit(ChatRequest.from_prompt("count the tokens", max_tokens=24,
                                                        sampling=SamplingParams(seed=3)))
-        first = None
-        while first is None or not any(sl.predicted_n for sl in first.slots):  # a few tokens in
-            first = s.observation.snapshot()
-            assert not h.done, "the request ended before it was seen running"
-        before = first.requests.tokens.predicted + sum(sl.predicted_n or 0 for sl in first.slots)
-        orig = metrics.summary
-
-        def summary_then_end():  # the snapshot's counters are read, then the request ends
-            out = orig()
-            h.result(60)
-            return out
-
-        metrics.summary = summary_then_end
         try:
-            race = s.observation.snapshot()
+            assert held.wait(60), "the request's third decode step never started"
+            snaps: list[Any] = []
+
+            def tokens_in() -> bool:  # the steps before the held one have delivered their tokens
+                snaps.append(s.observation.snapshot())
+                return any(sl.predicted_n for sl in snaps[-1].slots)
+
+            assert wait_until(tokens_in, timeout=60)
+            first = snaps[-1]
+            assert not h.done, "the request ended before it was seen running"
+            before = first.requests.tokens.predicted + sum(sl.predicted_n or 0 for sl in first.slots)
+            orig = metrics.summary
+
+            def summary_then_end():  # the snapshot's counters are read, then the request ends
+                out = orig()
+                release.set()
+                h.result(60)
+                return out
+
+            metrics.summary = summary_then_end
+            try:
+                race = s.observation.snapshot()
+            finally:
+                metrics.summary = orig
         finally:
-            metrics.summary = orig
+            release.set()
         s.inference.generate(ChatRequest.from_prompt("more", max_tokens=4, sampling=SamplingParams(seed=4)), 60)
         last = s.observation.snapshot()
         total = last.requests.tokens.predicted
