@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     con.print(f"KV {mem['kv_bytes_per_token_per_chip']:,} B per token per chip "
               f"(x {mem['kv_context_tokens']} = "
               f"{_size(mem['kv_bytes_per_token_per_chip'] * mem['kv_context_tokens'])}); "
-              f"logits {mem['logits_bytes_per_token']:,} B per token to the host")
+              f"logits {mem['logits_bytes_per_token']:,} B per token to the host "
+              f"({str(mem.get('logits_dtype', 'bf16')).upper()})")
     con.print("[b]Findings[/b]" if info["findings"] else "no findings")
     for f in info["findings"]:
         con.print(f"  [yellow]{f['severity']}[/yellow] {f['code']} {f['field']}: {f['message']} -> {f['action']}")

@@ -29,7 +29,9 @@ from sim_backend.planes import Lease, MaintenanceRefused
 from .connection import Connection, ServerUnreachable
 
 AUDIT_LIMIT = 10_000  # the server's most per call
-ACTION_READ_S = 120.0  # a reset and its health check are bounded by the plane (2 x reset_timeout_s)
+#: a reset and its health check are bounded by the plane (2 x reset_timeout_s); a self-test waits for its job
+#: up to the server's step bound (``step_timeout_s``, 120 s by default), and then answers: a little more than that
+ACTION_READ_S = 150.0
 
 
 class RemoteAudit:

@@ -80,6 +80,7 @@ async def props(face: ServingFace, request: Request) -> Response:
         "device": {"name": dev.name, "status": dev.status, "mode": dev.mode, "calrt_version": dev.calrt_version,
                    "firmware_commit": dev.firmware_commit, "chiplets": msgspec.to_builtins(dev.chiplets),
                    "context_tokens": dev.context_tokens, "numerics": dev.numerics, "weights": dev.weights,
+                   "logits_dtype": dev.logits_dtype,
                    "pacing": dev.pacing,
                    "pacing_speed": dev.pacing_speed, "step_timeout_s": face.inference.step_timeout_s,
                    "maintenance_routes": face.maintenance is not None,

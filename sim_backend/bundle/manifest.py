@@ -21,7 +21,14 @@ from typing import Any
 import yaml
 
 from sim_backend import safe_yaml
-from sim_backend.bundle.shapes import LLAMA_DENSE, QWEN3_MOE, ModelShape, NumericShape, split_over_chips
+from sim_backend.bundle.shapes import (
+    LLAMA_DENSE,
+    LOGITS_DTYPE_BYTES,
+    QWEN3_MOE,
+    ModelShape,
+    NumericShape,
+    split_over_chips,
+)
 from sim_backend.errors import Finding, ManifestError
 
 DEFAULT_BUNDLE_DIR = Path(__file__).resolve().parents[1] / "bundles" / "qwen3-30b-a3b"
@@ -157,6 +164,12 @@ class Bundle:
     def family(self) -> str:
         """Model family (``qwen3_moe`` | ``llama_dense``): what the numerics, op graph and cost model follow."""
         return self.shape.family
+
+    @property
+    def logits_dtype(self) -> str:
+        """dtype of the logits the device returns over D2H: ``bf16`` (the production calbin, facts.md F1)
+        or ``f32`` (a C3 variant only, the dense pilot's). ``shape.logits_bytes_per_token`` prices it."""
+        return self.shape.logits_dtype
 
     @property
     def decode_batch(self) -> int:
@@ -385,7 +398,8 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     Raises:
         ManifestError: the directory, ``calbin.yaml`` or a companion file is
             missing or malformed, or a fatal check fails (missing or duplicate
-            sub-model, unknown type, dtype/shape mismatch, batch != 1 outside a
+            sub-model, unknown type, dtype/shape mismatch, logits other than
+            bf16 outside a C3 variant (f32 there) or of two dtypes, batch != 1 outside a
             C3 variant or not 4 / 8 / 16, unknown variant status, chip
             topology != the device's 2 chiplets), or a size is outside its
             bound (``MODEL_LIMITS``, ``MAX_CONTEXT``, ``NUMERIC_LIMITS``, the
@@ -593,6 +607,7 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
     expect_seq = {"prefill": context, "decode": 1}
     # rows of the I/O tensors: prefill is batch 1 always; decode carries max_batch_size sequences
     expect_rows = {"prefill": 1, "decode": batch}
+    logits_dtypes: dict[str, str] = {}
     for sname, seq in expect_seq.items():
         rows = expect_rows[sname]
         spec = submodels[sname]
@@ -612,12 +627,30 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
         if "logits" not in outs:
             raise r.fail(f"submodels[{i}].outputs", "missing output tensor 'logits'")
         j, lt = outs["logits"]
-        if lt.dtype != "bf16":
+        if lt.dtype not in LOGITS_DTYPE_BYTES:
             raise r.fail(f"submodels[{i}].outputs[{j}].dtype",
-                         f"logits must be bf16 (what the device returns), got {lt.dtype}")
+                         f"logits must be bf16 (what the device returns; f32 only in a C3 variant), got {lt.dtype}")
+        if lt.dtype != "bf16" and status != "C3":
+            # the production calbin returns BF16 (facts.md F1); another D2H dtype is a calbin the vendor
+            # would have to compile, so it exists only as a labelled C3 variant
+            raise r.fail(f"submodels[{i}].outputs[{j}].dtype",
+                         f"logits must be bf16 (what the production calbin returns), got {lt.dtype}: "
+                         "f32 logits need a calbin the vendor would compile (declare variant status C3)")
+        first = next(iter(logits_dtypes.items()), None)
+        if first is not None and first[1] != lt.dtype:
+            raise r.fail(f"submodels[{i}].outputs[{j}].dtype",
+                         f"{sname} logits must be {first[1]} as the {first[0]} sub-model's (one D2H dtype, one "
+                         f"host landing buffer), got {lt.dtype}")
+        logits_dtypes[sname] = lt.dtype
         if lt.shape != (rows, shape.vocab):
             raise r.fail(f"submodels[{i}].outputs[{j}].shape",
                          f"logits must be [{rows}, {shape.vocab}], got {list(lt.shape)}")
+
+    shape = replace(shape, logits_dtype=logits_dtypes["decode"])
+    if shape.logits_dtype != "bf16":
+        finding("info", "logits_dtype", f"submodels[{idx['decode']}].outputs",
+                f"{shape.logits_dtype} logits ({shape.logits_bytes_per_token:,} B per token D2H): "
+                "not what the production calbin returns (bf16)", "D2H priced at these bytes")
 
     # --- tokenizer config (known defect: 131072 vs 40960) ------------------
     tok_max = None

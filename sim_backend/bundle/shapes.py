@@ -16,6 +16,11 @@ QWEN3_MOE = "qwen3_moe"
 LLAMA_DENSE = "llama_dense"
 FAMILIES = (QWEN3_MOE, LLAMA_DENSE)
 
+#: The logits dtypes a calbin may return over D2H, with their bytes per logit. ``bf16`` is what the
+#: production calbin returns (facts.md F1); ``f32`` only a C3 variant declares (a calbin the vendor
+#: would have to compile: the dense pilot, whose greedy ties BF16 rounding would break).
+LOGITS_DTYPE_BYTES = {"bf16": 2, "f32": 4}
+
 
 def split_over_chips(n: int, n_chips: int) -> tuple[int, ...]:
     """Tensor-parallel shares of ``n`` units (heads, columns) over ``n_chips``: as even as possible,
@@ -64,6 +69,13 @@ class ModelShape:
     #: hardware YAML's ``quantisation``
     proj_bytes_per_weight: float = 0.0
     embed_bytes_per_weight: float = 0.0
+    #: dtype of the logits the calbin returns (a key of ``LOGITS_DTYPE_BYTES``): the manifest's
+    #: ``outputs: logits`` dtype; ``bf16`` for the production calbin, ``f32`` only in a C3 variant
+    logits_dtype: str = "bf16"
+
+    def __post_init__(self) -> None:
+        if self.logits_dtype not in LOGITS_DTYPE_BYTES:
+            raise ValueError(f"logits_dtype must be one of {', '.join(LOGITS_DTYPE_BYTES)}, got {self.logits_dtype!r}")
 
     @property
     def is_moe(self) -> bool:
@@ -98,9 +110,15 @@ class ModelShape:
         return self.n_layers * self.kv_heads_per_chip * 2 * self.head_dim * 2
 
     @property
+    def logits_itemsize(self) -> int:
+        """Bytes of one logit as the calbin returns it (``logits_dtype``: BF16 2, F32 4)."""
+        return LOGITS_DTYPE_BYTES[self.logits_dtype]
+
+    @property
     def logits_bytes_per_token(self) -> int:
-        """BF16 logits D2H per token: vocab x 2 B = 303,872 B (facts.md F1/F4)."""
-        return self.vocab * 2
+        """Logits D2H per token: vocab x the bytes of ``logits_dtype``. BF16: 151936 x 2 B = 303,872 B
+        (facts.md F1/F4); the pilot's F32 (a C3 variant): 49,152 x 4 B = 196,608 B."""
+        return self.vocab * self.logits_itemsize
 
     def with_layers(self, n_layers: int) -> ModelShape:
         return replace(self, n_layers=n_layers)

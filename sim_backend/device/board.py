@@ -426,14 +426,14 @@ class SimulatedBoard:
         if self._memory_cleared or (job.numeric and model is None):
             self._fail(job, JobState.FAILED, DeviceNotReady("device memory cleared while job was queued"))
             return
-        logits_bf16 = None
+        logits = None
         touched = None
         batch_rows: tuple[BatchRow, ...] = ()
         cost = None
         try:
             if job.batch:
                 batch_rows, cost = self._run_batch(job, model)
-                logits_bf16, touched = batch_rows[0].logits_bf16, batch_rows[0].experts_touched
+                logits, touched = batch_rows[0].logits, batch_rows[0].experts_touched
             else:
                 slow = dict(self.faults.slow_chip)
                 scale = [slow.get(c, 1.0) for c in range(self.shape.n_chips)] if slow else None
@@ -446,7 +446,8 @@ class SimulatedBoard:
                                                          chip_scale=scale)
                     else:
                         out = model.forward(*step)
-                    logits_bf16 = out.bf16()  # converted once, where the logits were made (the worker sends BF16)
+                    # the D2H dtype (BF16 bits, or float32 for an F32 C3 calbin), made once where the logits were made
+                    logits = out.device_logits(self.shape.logits_dtype)
                     touched = tuple(int(v) for v in out.experts_touched)
                 if cost is None:
                     cost = price_numeric_step(self.cost_model, self.shape, job.kind, int(job.tokens.shape[0]),
@@ -467,7 +468,7 @@ class SimulatedBoard:
                 return  # ended by a reset during the pacing sleep (and counted then)
         if job.done:
             return  # ended by a reset while computing
-        res = StepResult(job.id, job.kind, job.seq_id, int(job.tokens.shape[0]), job.past_len, logits_bf16,
+        res = StepResult(job.id, job.kind, job.seq_id, int(job.tokens.shape[0]), job.past_len, logits,
                          touched, cost, sim_us, start, end, compute_ms, batch_rows)
         chip_busy = chip_busy_us(cost)
         with self._lock:
@@ -543,7 +544,7 @@ class SimulatedBoard:
             if r.numeric and self.numerics:
                 assert model is not None  # refused in _execute
                 out = model.forward(r.tokens, r.positions, r.new_cells, r.ctx_cells, r.ctx_positions)
-                lg, t = out.bf16(), tuple(out.experts_touched)
+                lg, t = out.device_logits(self.shape.logits_dtype), tuple(out.experts_touched)
             rows.append(BatchRow(r.seq_id, r.past_len, lg, t))
         counts = [r.experts_touched for r in rows]
         union = None  # a model that reports no counts (()): the expectation

@@ -27,8 +27,9 @@ class JobState(str, Enum):
 class StepResult:
     """One finished step.
 
-    logits_bf16: (vocab,) uint16 BF16 bit patterns of the last token (the
-    303,872 B D2H of facts.md F1), or None in timing-only mode.
+    logits: the last token's (vocab,) logits as the device returns them (D2H): uint16 BF16 bit
+    patterns (the production calbin's 303,872 B of facts.md F1) or float32 (a C3 calbin that
+    declares F32 logits, ``ModelShape.logits_dtype``), or None in timing-only mode.
     experts_touched: distinct experts per layer (numeric mode) or None.
     cost: the cost model's ``StepCost`` (simulated µs, per layer/chip/category).
     sim_us: simulated device time of the step (µs), = cost.total_us (h2d + infer + d2h; a slow
@@ -42,7 +43,7 @@ class StepResult:
     seq_id: int
     n_tokens: int
     past_len: int
-    logits_bf16: np.ndarray | None
+    logits: np.ndarray | None
     experts_touched: tuple[int, ...] | None
     cost: Any
     sim_us: float
@@ -57,12 +58,13 @@ class StepResult:
 @dataclass(frozen=True)
 class BatchRow:
     """One sequence of a batched decode step: its ``seq_id``, context before the step
-    (``past_len``, tokens), its own (vocab,) uint16 BF16 logits (None timing-only) and the
+    (``past_len``, tokens), its own (vocab,) D2H logits (uint16 BF16 bits or float32, as
+    ``StepResult.logits``; None timing-only) and the
     distinct experts its token touched per layer (numeric rows only)."""
 
     seq_id: int
     past_len: int
-    logits_bf16: np.ndarray | None
+    logits: np.ndarray | None
     experts_touched: tuple[int, ...] | None
 
 

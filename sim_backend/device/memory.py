@@ -114,7 +114,8 @@ class MemoryPlan:
         param_estimate_bytes: per chip, model-derived cross-check (not used by the plan).
         address_union_bytes: ``{"decode", "prefill"}`` tensor address union of the
             per-chip plan (F4, taken; prefill ~ DRAM + SRAM reservation).
-        logits_bytes_per_token: BF16 logits D2H per token (303,872 B, derived).
+        logits_bytes_per_token: logits D2H per token, derived from the shape's ``logits_dtype``
+            (BF16: 303,872 B; the pilot's F32 C3 calbin: 196,608 B).
     """
 
     shape: ModelShape

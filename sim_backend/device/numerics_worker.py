@@ -5,9 +5,10 @@ hold the GIL; in the console they share one interpreter with Textual's
 rendering and the engine, and real-time pacing fell behind (about 0.75x
 on 2 cores). Here the ``ShardedModel`` (weights and per-chip KV cache)
 lives in a spawned worker process; the device thread sends it one step at
-a time over a pipe and gets the last token's logits back, as BF16 bits, in
-a buffer both processes share (one 303,872 B copy out instead of pickling
-them through a 64 KiB pipe: 0.35 -> 0.08 ms of this process's CPU a step).
+a time over a pipe and gets the last token's logits back, as the D2H dtype
+(BF16 bits; float32 for an F32 C3 calbin), in a buffer both processes share
+(one 303,872 B copy out instead of pickling them through a 64 KiB pipe:
+0.35 -> 0.08 ms of this process's CPU a step).
 Given the board's cost model, the worker also prices the step
 (``forward_priced``) and sends the ``StepCost`` with the logits, so the
 console's process does no per-step numeric work at all: its device thread
@@ -31,6 +32,7 @@ import numpy as np
 from sim_backend.bundle.shapes import ModelShape, NumericShape
 from sim_backend.errors import DeviceError
 from sim_backend.model.costmodel import CostModel, StepCost, priced_experts_touched
+from sim_backend.model.logits import NUMPY_DTYPES
 from sim_backend.model.numerics import StepNumerics
 
 #: Bound on the worker's start (host wall s): the synthetic weights take ~1.5 s, the pilot's GGUF ~6 s of
@@ -94,8 +96,9 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_m
            shared_logits: Any, source: Any = None) -> None:
     """Worker main loop: build the model, then answer (op, args) requests until "close".
 
-    A step's BF16 logits go into ``shared_logits`` (uint16 (vocab,), shared with the parent) and
-    the answer carries None in their place; the parent reads the buffer only after the answer,
+    A step's D2H logits go into ``shared_logits`` ((vocab,) in ``shape.logits_dtype``: uint16 BF16
+    bits, or float32 for an F32 calbin; shared with the parent) and the answer carries None in their
+    place; the parent reads the buffer only after the answer,
     and the worker writes it only while answering a call, so they never overlap.
     """
     # sim_backend/__init__ pins BLAS to one thread before numpy loads
@@ -106,7 +109,7 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_m
     except Exception as e:  # noqa: BLE001 - weights that do not load: a typed start failure
         conn.send((False, f"loading the weights failed: {type(e).__name__}: {e}"))
         return
-    shared = np.frombuffer(shared_logits, dtype=np.uint16)
+    shared = np.frombuffer(shared_logits, dtype=NUMPY_DTYPES[shape.logits_dtype])
     # compile the kernels (or load them from the disk cache) before answering; a stage that compiles is
     # announced (from whichever thread compiles it, hence the lock) so that the parent can show it
     try:
@@ -129,7 +132,8 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_m
     lower_priority()
 
     def logits(out: StepNumerics) -> np.ndarray | None:
-        bits = out.bf16()  # BF16 where the logits are made: what the device returns (D2H)
+        # converted where the logits are made: what the device returns (D2H, BF16 or F32 as the calbin says)
+        bits = out.device_logits(shape.logits_dtype)
         if bits.shape != shared.shape:
             return bits  # never for this model (vocab logits); the pipe still carries them correctly
         shared[:] = bits
@@ -193,8 +197,9 @@ class NumericsProcess:
         ctx = mp.get_context("spawn")  # never fork a process that runs threads
         self._conn, child = ctx.Pipe()
         # the logits buffer both processes map (lock-free: the call protocol keeps them apart)
-        shared = ctx.RawArray(ctypes.c_uint16, shape.vocab)
-        self._shared_logits = np.frombuffer(memoryview(shared).cast("B"), dtype=np.uint16)
+        dtype = NUMPY_DTYPES[shape.logits_dtype]
+        shared = ctx.RawArray(ctypes.c_uint8, shape.logits_bytes_per_token)
+        self._shared_logits = np.frombuffer(memoryview(shared).cast("B"), dtype=dtype)
         # the weights' file table from this process's parse (the pilot's GGUF): the worker maps it, no second parse
         from sim_backend.model.families import weights_source
 
@@ -278,14 +283,15 @@ class NumericsProcess:
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray, ctx_cells: np.ndarray,
                 ctx_positions: np.ndarray) -> StepNumerics:
-        """One step in the worker; as ``ShardedModel.forward``, but only the BF16 logits come back.
+        """One step in the worker; as ``ShardedModel.forward``, but only the D2H logits come back.
 
-        Returns StepNumerics with ``logits`` None and ``logits_bf16`` uint16 (vocab,) set
-        (the bits ``ShardedModel.forward(...).bf16()`` gives). Raises DeviceError.
+        Returns StepNumerics with the logits in the shape's ``logits_dtype``: BF16 -> ``logits`` None and
+        ``logits_bf16`` uint16 (vocab,) set (the bits ``ShardedModel.forward(...).bf16()`` gives); F32 ->
+        ``logits`` float32 (vocab,). Raises DeviceError.
         """
         bits, touched = self._call("forward", (tokens, positions, new_cells, ctx_cells, ctx_positions),
                                    self.step_timeout_s)
-        return StepNumerics(logits=None, experts_touched=list(touched), logits_bf16=self._own(bits))
+        return self._numerics(bits, touched)
 
     @property
     def prices_steps(self) -> bool:
@@ -307,11 +313,14 @@ class NumericsProcess:
             "forward_priced", (tokens, positions, new_cells, ctx_cells, ctx_positions, kind, past_len, chip_scale),
             self.step_timeout_s)
         cost = StepCost.from_wire(wire, self._cost_model.graph(self._shape, kind))
-        return StepNumerics(logits=None, experts_touched=list(touched), logits_bf16=self._own(bits)), cost
+        return self._numerics(bits, touched), cost
 
-    def _own(self, bits: np.ndarray | None) -> np.ndarray:
+    def _numerics(self, bits: np.ndarray | None, touched: Sequence[int]) -> StepNumerics:
         # the shared buffer is overwritten by the next step: the result gets its own copy
-        return self._shared_logits.copy() if bits is None else bits
+        own = self._shared_logits.copy() if bits is None else bits
+        if self._shape.logits_dtype == "f32":
+            return StepNumerics(logits=own, experts_touched=list(touched))
+        return StepNumerics(logits=None, experts_touched=list(touched), logits_bf16=own)
 
     def clear_kv(self) -> None:
         self._call("clear_kv", (), CONTROL_TIMEOUT_S)

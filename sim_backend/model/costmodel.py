@@ -510,7 +510,8 @@ class StepCost:
         kind, n_tokens, past_len: the step (tokens in this step; tokens already in KV).
         h2d_us: PCIe host->device of token ids, positions and CSR.
         infer_us: graph execution (chip timelines aligned at syncs) + submit overhead.
-        d2h_us: PCIe device->host of one token's BF16 logits (303,872 B, facts.md F1/F4).
+        d2h_us: PCIe device->host of one token's logits, ``ModelShape.logits_bytes_per_token``
+            (BF16: 303,872 B, facts.md F1/F4; an F32 C3 calbin: vocab x 4 B).
         total_us: ``h2d_us + infer_us + d2h_us``.
         layer_chip_us: float64 ``(n_layers, n_chips)``: busy time of each chip in each layer.
         layer_chip_category_us: float64 ``(n_layers, n_chips, len(categories))``.

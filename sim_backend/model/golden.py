@@ -13,12 +13,13 @@ bundle (the dense pilot) uses the same text in its own tokenizer (the pilot:
 
 What ``golden.npz`` stores, and why (about 0.3 MB):
 
-- ``logits``: uint16[151936], the BF16 bit patterns of the last token's
-  logits — exactly what a healthy device returns over D2H (facts.md F1: logits
-  come back as BF16, 303,872 B). This is what the self-test compares to.
-  A float32 golden would not do: these logits reach |x| ~ 40, where BF16
-  spacing is 0.25, so even a perfect device differs from float32 by up to
-  0.125 > the manifest's ``max_abs_error`` 0.05.
+- ``logits``: the last token's logits in the bundle's D2H dtype, exactly what a
+  healthy device returns: uint16[151936] BF16 bit patterns for the production
+  calbin (facts.md F1: logits come back as BF16, 303,872 B), float32 for a C3
+  calbin that declares F32 logits (the pilot: float32[49152]). This is what the
+  self-test compares to. For a BF16 device a float32 golden would not do: these
+  logits reach |x| ~ 40, where BF16 spacing is 0.25, so even a perfect device
+  differs from float32 by up to 0.125 > the manifest's ``max_abs_error`` 0.05.
 - ``ref_topk_ids`` / ``ref_topk_logits``: the 64 largest float32 reference
   logits (int32 / float32), for a readable report and for checking the
   float32 path without storing 600 KB.
@@ -30,7 +31,8 @@ What ``golden.npz`` stores, and why (about 0.3 MB):
 
 What passes, on any machine (``compare``): every device logit within one
 BF16 step (of the larger magnitude) plus ``golden.max_abs_error`` of the
-golden BF16 value, all finite, and the same top-1 token. Why: another CPU's
+golden BF16 value (an F32 device: within ``golden.max_abs_error`` of the
+golden float32 value, no rounding step), all finite, and the same top-1 token. Why: another CPU's
 float32 logits drift by a few 1e-6 (``F32_DRIFT_ATOL``), which BF16
 rounding turns into at most one step (0.03125 at |x| in [4, 8)); a healthy
 device here gives 0.0 and elsewhere a few one-step flips. A corrupted
@@ -58,6 +60,7 @@ import numpy as np
 
 from sim_backend.errors import ManifestError
 from sim_backend.model.bf16 import bf16_to_f32, f32_to_bf16
+from sim_backend.model.logits import NUMPY_DTYPES, dtype_of, to_d2h, to_f32
 
 GOLDEN_FORMAT = "calconsole-golden/1"
 GOLDEN_TEXT = "<|im_start|>user\nhi<|im_end|>\n"
@@ -75,19 +78,25 @@ GOLDEN_MAX_BYTES = 16 * 1024 * 1024
 
 @dataclass(frozen=True)
 class Golden:
-    """A loaded golden file. ``logits_bf16``: uint16 BF16 bits (vocab,); ``expected`` the same as float32."""
+    """A loaded golden file. ``logits``: the expected device output (vocab,) in the D2H dtype, uint16 BF16
+    bits or float32 (``dtype``); ``expected`` the same as float32."""
 
     path: Path
     input_ids: np.ndarray
-    logits_bf16: np.ndarray
+    logits: np.ndarray
     ref_topk_ids: np.ndarray
     ref_topk_logits: np.ndarray
     ref_sha256: str
     meta: dict
 
     @property
+    def dtype(self) -> str:
+        """``bf16`` or ``f32``: the D2H dtype the stored output is in."""
+        return dtype_of(self.logits)
+
+    @property
     def expected(self) -> np.ndarray:
-        return bf16_bits_to_f32(self.logits_bf16)
+        return np.array(to_f32(self.logits), dtype=np.float32)
 
 
 def bf16_bits_to_f32(u16: np.ndarray) -> np.ndarray:
@@ -138,7 +147,8 @@ def compute_golden(bundle) -> dict[str, np.ndarray]:
     # Top-1 agreement is part of the pass rule, so it must follow from the error bound on any CPU:
     # the lead over the runner-up must exceed twice the bound at that magnitude.
     gap = float(ref[top[0]] - ref[top[1]])
-    need = 2 * float(error_bound(ref[top[:1]], ref[top[:1]], bundle.golden_max_abs_error)[0])
+    need = 2 * (float(error_bound(ref[top[:1]], ref[top[:1]], bundle.golden_max_abs_error)[0])
+                if bundle.logits_dtype == "bf16" else bundle.golden_max_abs_error)
     if not gap > need:
         raise RuntimeError(f"golden input's top-1 lead {gap:.4g} is not above twice the error bound ({need:.4g}): "
                            "top-1 agreement would not be guaranteed across machines; pick another golden input")
@@ -146,12 +156,13 @@ def compute_golden(bundle) -> dict[str, np.ndarray]:
         "hidden": bundle.numeric.hidden, "head_dim": bundle.numeric.head_dim,
         "expert_ffn": bundle.numeric.expert_ffn, "seed": bundle.numeric.seed, "weights": bundle.numeric.weights},
         "vocab": int(ref.shape[0]), "job": "one prefill, positions 0..5",
-        "logits": "uint16 BF16 bits of the expected device output (D2H dtype)",
+        "logits": ("uint16 BF16 bits" if bundle.logits_dtype == "bf16" else "float32 values")
+                  + " of the expected device output (D2H dtype)",
         "max_abs_logit": float(np.max(np.abs(ref))), "top1_lead": gap}
     return {
         "input_ids": np.asarray(ids, dtype=np.int32),
         "input_text": np.array(GOLDEN_TEXT),
-        "logits": _f32_to_bf16_bits(ref),
+        "logits": to_d2h(ref, bundle.logits_dtype),
         "ref_topk_ids": top.astype(np.int32),
         "ref_topk_logits": ref[top].astype(np.float32),
         "ref_sha256": np.array(sha256_f32(ref)),
@@ -176,13 +187,20 @@ class GoldenFileError(ManifestError):
     """The golden file is missing, unreadable, truncated or malformed (``file``, ``field`` name it)."""
 
 
-def load_golden(path: str | Path) -> Golden:
-    """Read a golden file (npz, at most ``GOLDEN_MAX_BYTES``).
+def load_golden(path: str | Path, dtype: str = "bf16") -> Golden:
+    """Read a golden file (npz, at most ``GOLDEN_MAX_BYTES``) for a device that returns ``dtype`` logits
+    (the bundle's ``logits_dtype``: ``bf16``, or ``f32`` for a C3 calbin that declares it).
+
+    A BF16 device's golden may hold floats (rounded to BF16 here); an F32 device's must hold floats
+    (BF16 bits cannot be widened back to what the device returns).
 
     Raises GoldenFileError naming the file and the array for anything wrong with it: not a regular
     file, too large, not a zip/npz (truncated, damaged), pickled objects, a missing array, wrong
-    dtype or size. Nothing else escapes (no BadZipFile, EOFError, KeyError).
+    dtype (BF16 bits for an F32 device: regenerate the file) or size. Nothing else escapes (no
+    BadZipFile, EOFError, KeyError).
     """
+    if dtype not in NUMPY_DTYPES:
+        raise ValueError(f"unknown logits dtype {dtype!r} (known: {', '.join(NUMPY_DTYPES)})")
     p = Path(path)
     try:
         st = p.stat()
@@ -214,7 +232,13 @@ def load_golden(path: str | Path) -> Golden:
         raise GoldenFileError(str(p), "input_ids", f"need 1-4096 integer token ids, got {ids.size} of {ids.dtype}")
     if logits.size == 0 or logits.size > 1 << 20:
         raise GoldenFileError(str(p), "logits", f"need 1..{1 << 20} logits, got {logits.size}")
-    if logits.dtype != np.uint16:  # a float golden: convert to the device's BF16
+    if dtype == "f32":
+        if logits.dtype.kind != "f":
+            held = "BF16 bits" if logits.dtype == np.uint16 else str(logits.dtype)
+            raise GoldenFileError(str(p), "logits", f"holds {held}, but this bundle's device returns f32 logits: "
+                                  "regenerate it (python -m sim_backend.model.golden --write --bundle <dir>)")
+        logits = logits.astype(np.float32)
+    elif logits.dtype != np.uint16:  # a float golden: convert to the device's BF16
         if logits.dtype.kind != "f":
             raise GoldenFileError(str(p), "logits", f"need uint16 BF16 bits or floats, got {logits.dtype}")
         logits = _f32_to_bf16_bits(logits.astype(np.float32))
@@ -226,7 +250,7 @@ def load_golden(path: str | Path) -> Golden:
         meta_d = json.loads(str(meta)) if meta is not None else {}
     except ValueError:
         raise GoldenFileError(str(p), "meta", "not JSON") from None
-    return Golden(path=p, input_ids=ids.astype(np.int64), logits_bf16=logits,
+    return Golden(path=p, input_ids=ids.astype(np.int64), logits=logits,
                   ref_topk_ids=topk_ids.reshape(-1), ref_topk_logits=topk_logits.reshape(-1).astype(np.float32),
                   ref_sha256=str(sha) if sha is not None else "",
                   meta=meta_d if isinstance(meta_d, dict) else {})
@@ -255,30 +279,40 @@ def error_bound(want: np.ndarray, got: np.ndarray, margin: float) -> np.ndarray:
     return bf16_step(np.maximum(np.abs(want), np.abs(got))) + float(margin)
 
 
-def compare(golden: Golden, device_logits_bf16: np.ndarray, tolerance: float) -> dict:
-    """Compare device BF16 logits (uint16 bits, shape (vocab,)) with the golden output.
+def compare(golden: Golden, device_logits: np.ndarray, tolerance: float) -> dict:
+    """Compare the device's D2H logits (shape (vocab,): uint16 BF16 bits, or float32 from an F32 calbin)
+    with the golden output, which must be of the same dtype.
 
-    Pass rule (the same on every machine; never bit-exact): shapes match, every logit is finite,
-    every ``|device - golden| <= one BF16 step + tolerance`` (``error_bound``), and the top-1 token
-    agrees. ``tolerance`` is the manifest's ``golden.max_abs_error`` (default 0.05): 6,000x the
-    float32 drift measured across CPUs, yet far below what a corrupted weight, KV cell or routing
-    decision does (errors of 0.3 to 20 on many logits; see the golden tests).
+    Pass rule (the same on every machine; never bit-exact): dtypes and shapes match, every logit is
+    finite, every ``|device - golden| <= one BF16 step + tolerance`` (``error_bound``; F32 logits:
+    ``<= tolerance``, there is no rounding step), and the top-1 token agrees. ``tolerance`` is the
+    manifest's ``golden.max_abs_error`` (default 0.05): 6,000x the float32 drift measured across CPUs,
+    yet far below what a corrupted weight, KV cell or routing decision does (errors of 0.3 to 20 on
+    many logits; see the golden tests).
 
-    Returns {"ok", "max_abs_error", "tolerance", "worst_of_bound", "n_bf16_steps",
-    "argmax_device", "argmax_golden", "top1_match", "topk_overlap", "n_mismatched", "rule"}:
-    ``worst_of_bound`` is max(|error| / bound) (<= 1 passes), ``n_bf16_steps`` how many logits differ
-    at all (one-step rounding flips are expected across CPUs), ``n_mismatched`` how many exceed the bound.
+    Returns {"ok", "max_abs_error", "tolerance", "worst_of_bound", "n_bf16_steps" (BF16) or
+    "n_differ" (F32), "argmax_device", "argmax_golden", "top1_match", "topk_overlap", "n_mismatched",
+    "rule", "dtype"}: ``worst_of_bound`` is max(|error| / bound) (<= 1 passes), ``n_bf16_steps`` /
+    ``n_differ`` how many logits differ at all (one-step rounding flips, last-bit float32 drift, are
+    expected across CPUs), ``n_mismatched`` how many exceed the bound.
+    Raises TypeError for logits of another dtype.
     """
-    got = bf16_bits_to_f32(np.asarray(device_logits_bf16).reshape(-1))
+    dt = dtype_of(np.asarray(device_logits))
+    bf16 = dt == "bf16"
+    rule = f"|error| <= {'1 BF16 step + ' if bf16 else ''}{tolerance:g}, top-1 agrees"
+    if dt != golden.dtype:
+        return {"ok": False, "max_abs_error": None, "tolerance": tolerance, "rule": rule, "dtype": dt,
+                "top1_match": False, "detail": f"the device returns {dt} logits, the golden file holds {golden.dtype}"
+                                               " (regenerate it: python -m sim_backend.model.golden --write)"}
+    got = np.array(to_f32(np.asarray(device_logits).reshape(-1)), dtype=np.float32)
     want = golden.expected
-    rule = f"|error| <= 1 BF16 step + {tolerance:g}, top-1 agrees"
     if got.shape != want.shape:
-        return {"ok": False, "max_abs_error": None, "tolerance": tolerance, "rule": rule,
+        return {"ok": False, "max_abs_error": None, "tolerance": tolerance, "rule": rule, "dtype": dt,
                 "top1_match": False, "detail": f"logits shape {got.shape} != golden {want.shape}"}
     finite = bool(np.isfinite(got).all())
     diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
     if finite:
-        ratio = diff / error_bound(want, got, tolerance)
+        ratio = diff / (error_bound(want, got, tolerance) if bf16 else float(tolerance))
         err, worst = float(np.max(diff)), float(np.max(ratio))
         n_bad = int(np.count_nonzero(ratio > 1.0))
     else:
@@ -289,7 +323,8 @@ def compare(golden: Golden, device_logits_bf16: np.ndarray, tolerance: float) ->
         np.argsort(-want, kind="stable")[:k].tolist())
     top1 = bool(finite and np.argmax(got) == np.argmax(want))
     return {"ok": bool(finite and n_bad == 0 and top1), "max_abs_error": err, "tolerance": tolerance,
-            "worst_of_bound": worst, "n_bf16_steps": int(np.count_nonzero(diff)), "rule": rule,
+            "worst_of_bound": worst, ("n_bf16_steps" if bf16 else "n_differ"): int(np.count_nonzero(diff)),
+            "rule": rule, "dtype": dt,
             "argmax_device": int(np.argmax(got)), "argmax_golden": int(np.argmax(want)),
             "top1_match": top1, "topk_overlap": f"{len(top_dev & top_ref)}/{k}", "n_mismatched": n_bad}
 
@@ -297,27 +332,27 @@ def compare(golden: Golden, device_logits_bf16: np.ndarray, tolerance: float) ->
 def check_golden(bundle_dir: str | Path | None = None) -> dict:
     """Recompute the reference on this machine and compare it with the stored golden file.
 
-    Passes iff (1) the recomputed logits, rounded to BF16, meet ``compare``'s rule against the stored
-    BF16 output with the bundle's tolerance, and (2) the recomputed float32 logits of the stored
-    top-64 tokens are within ``F32_DRIFT_ATOL`` of the stored ones. ``bit_exact`` (the SHA-256 of
-    the float32 logits) is reported, never required: it holds only on the CPU and BLAS build that
-    wrote the file. Raises GoldenFileError if the file is unreadable.
+    Passes iff (1) the recomputed logits, in the bundle's D2H dtype (rounded to BF16, or float32),
+    meet ``compare``'s rule against the stored output with the bundle's tolerance, and (2) the
+    recomputed float32 logits of the stored top-64 tokens are within ``F32_DRIFT_ATOL`` of the stored
+    ones. ``bit_exact`` (the SHA-256 of the float32 logits) is reported, never required: it holds only
+    on the CPU and BLAS build that wrote the file. Raises GoldenFileError if the file is unreadable.
     """
     from sim_backend.bundle.manifest import load_bundle
 
     bundle = load_bundle(bundle_dir)
     if bundle.golden_file is None:
         return {"ok": False, "detail": "no golden file in the bundle"}
-    g = load_golden(bundle.golden_file)
+    g = load_golden(bundle.golden_file, bundle.logits_dtype)
     want_ids = golden_ids(bundle)
     if tuple(int(i) for i in g.input_ids) != want_ids:
         # the device self-test feeds the stored ids: a file whose ids were changed must not pass here
         return {"ok": False, "path": str(g.path), "detail": f"input_ids {g.input_ids.tolist()} are not the golden "
                                                             f"input {list(want_ids)}"}
     ref = reference_logits(bundle)
-    rep = compare(g, _f32_to_bf16_bits(ref), bundle.golden_max_abs_error)
+    rep = compare(g, to_d2h(ref, bundle.logits_dtype), bundle.golden_max_abs_error)
     drift = float(np.max(np.abs(ref[g.ref_topk_ids.astype(np.int64)] - g.ref_topk_logits))) \
-        if len(g.ref_topk_ids) and ref.shape == (int(g.logits_bf16.size),) else None
+        if len(g.ref_topk_ids) and ref.shape == (int(g.logits.size),) else None
     f32_ok = drift is not None and drift <= F32_DRIFT_ATOL
     # the compiled kernels (what the device runs) against the reference: another summation order and exp,
     # so a drift of the same kind as another BLAS build's, held to the same F32_DRIFT_ATOL, and its BF16
@@ -327,10 +362,11 @@ def check_golden(bundle_dir: str | Path | None = None) -> dict:
     if bundle.shape.is_moe:  # the family with compiled kernels
         comp = reference_logits(bundle, kernels="compiled")
         comp_drift = float(np.max(np.abs(comp.astype(np.float64) - ref)))
-        comp_rep = compare(g, _f32_to_bf16_bits(comp), bundle.golden_max_abs_error)
+        comp_rep = compare(g, to_d2h(comp, bundle.logits_dtype), bundle.golden_max_abs_error)
         comp_ok = bool(comp_rep["ok"] and comp_drift <= F32_DRIFT_ATOL)
-        compiled = {"ok": comp_ok, "f32_max_drift": comp_drift, "bf16": comp_rep}
-    return {"ok": bool(rep["ok"] and f32_ok and comp_ok), "path": str(g.path), "bf16": rep,
+        compiled = {"ok": comp_ok, "f32_max_drift": comp_drift, "device": comp_rep}
+    # "device": the comparison in the D2H dtype ("dtype" says which: bf16 or f32)
+    return {"ok": bool(rep["ok"] and f32_ok and comp_ok), "path": str(g.path), "device": rep,
             "f32_topk_drift": drift, "f32_drift_atol": F32_DRIFT_ATOL, "compiled": compiled,
             "bit_exact": sha256_f32(ref) == g.ref_sha256, "bytes": g.path.stat().st_size}
 
@@ -338,7 +374,7 @@ def check_golden(bundle_dir: str | Path | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sim_backend.model.golden",
                                 description="Write or check the bundle's golden self-test file "
-                                            "(golden input and BF16 output).")
+                                            "(golden input and the device's output in its D2H dtype).")
     p.add_argument("--write", action="store_true", help="regenerate the bundle's golden.npz")
     p.add_argument("--check", action="store_true", help="recompute and compare with the stored file")
     p.add_argument("--bundle", default=None, metavar="DIR")

@@ -519,6 +519,18 @@ class StepNumerics:
     experts_touched: list[int]
     logits_bf16: np.ndarray | None = None
 
+    def device_logits(self, dtype: str) -> np.ndarray:
+        """The last token's logits as the device returns them (D2H) in ``dtype`` (``ModelShape.logits_dtype``):
+        ``bf16`` -> :meth:`bf16` (uint16 (vocab,)); ``f32`` -> ``logits`` (float32 (vocab,)).
+        Raises ValueError if they were not kept in that form, or for an unknown dtype."""
+        if dtype == "bf16":
+            return self.bf16()
+        if dtype == "f32":
+            if self.logits is None:
+                raise ValueError("StepNumerics has no float32 logits (only BF16 bits were kept)")
+            return np.ascontiguousarray(self.logits, dtype=np.float32)
+        raise ValueError(f"unknown logits dtype {dtype!r}")
+
     def bf16(self) -> np.ndarray:
         """The last token's logits as BF16 bits, uint16 (vocab,): what the device returns (D2H).
 

@@ -171,7 +171,7 @@ def step_view(res: Any | None) -> dict[str, Any]:
         "past_len": res.past_len, "sim_us": res.sim_us, "h2d_us": cost.h2d_us, "infer_us": cost.infer_us,
         "d2h_us": cost.d2h_us, "global_us": cost.global_us, "sim_end_ms": res.sim_end_us / 1e3,
         "compute_wall_ms": res.compute_wall_ms, "experts_touched": list(res.experts_touched or []),
-        "numerics": res.logits_bf16 is not None, "layers": layers,
+        "numerics": res.logits is not None, "layers": layers,
         "batch_seq_ids": [row.seq_id for row in getattr(res, "batch", ())],
         "time_unit": "us (simulated device time); compute_wall_ms is host wall time",
     }
@@ -350,7 +350,7 @@ class InProcessObservation:
                                         if s.request_id is not None and s.numeric is False],
                 "n_slots": e.n_slots, "admitting": e.gate.admitting,
                 "bundle_status": self._bundle.status, "bundle_label": self._bundle.variant_label,
-                "decode_batch": self._bundle.decode_batch,
+                "decode_batch": self._bundle.decode_batch, "logits_dtype": self._bundle.logits_dtype,
                 "weights": "real" if self._bundle.numeric.weights == "gguf" else "synthetic",
             },
             jobs={"submitted": c.submitted, "pending": c.pending, "running": c.running, "finished": c.finished,

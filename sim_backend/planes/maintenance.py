@@ -53,8 +53,15 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-from sim_backend.errors import CalError, DeviceError, KVExhausted, MaintenanceArgumentError, MaintenanceRefused
-from sim_backend.model.bf16 import bf16_to_f32
+from sim_backend.errors import (
+    CalError,
+    DeviceError,
+    KVExhausted,
+    MaintenanceArgumentError,
+    MaintenanceRefused,
+    WaitTimeout,
+)
+from sim_backend.model.logits import to_f32
 from sim_backend.model.vocab import EOS_IDS, IM_START
 from sim_backend.planes.audit import AuditLog, AuditLogError
 from sim_backend.planes.contracts import Lease, Report
@@ -82,7 +89,8 @@ class InProcessMaintenance:
         audit: the audit log every call is appended to.
         drain_timeout_s: default bounded drain (host wall s) before in-flight
             requests are cancelled with a reason.
-        reset_timeout_s: bound on a reset and on each health/self-test job wait (host wall s).
+        reset_timeout_s: bound on a reset and on each health-check / probe job wait (host wall s). The golden
+            self-test's job waits the engine's bound on one device step instead (``self_test_wait_s``).
         memory_plan: ``memory.MemoryPlan`` for dumps (optional).
         dump_dir: default directory of ``dump`` files (default: next to the audit log).
     """
@@ -380,13 +388,23 @@ class InProcessMaintenance:
             raise MaintenanceRefused("dump", f"{target} exists: dumps never overwrite a file")
         return target
 
+    @property
+    def self_test_wait_s(self) -> float:
+        """Host wall seconds the golden self-test waits for its prefill job to reach a final state: the
+        engine's bound on one device step (``Engine.step_timeout_s``, 120 s by default: the wait any
+        serving step of the same work gets; a loaded host slows both alike), never less than
+        ``reset_timeout_s``."""
+        return max(float(self.reset_timeout_s), float(getattr(self._engine, "step_timeout_s", 0.0)))
+
     def self_test(self, lease: Lease | None) -> Report:
         """Golden self-test: the bundle's golden input as one prefill on the scratch sequence,
-        device BF16 logits vs the golden output; pass iff max abs error <= the bundle's
-        ``golden.max_abs_error``. {"ok", "max_abs_error", "tolerance", "top1_match", "sim_ms",
-        "wall_ms", "detail"}. A missing golden file or a device error is a failure. Where it cannot
-        run (a timing-only device computes no logits; cleared memory holds no weights) it is not a
-        failure: {"ok": None, "ran": False, "detail": "not run: <why>"}, audited as ``not run``."""
+        the device's D2H logits (BF16, or F32 where the calbin declares them) vs the golden output;
+        pass per ``golden.compare`` (the bundle's ``golden.max_abs_error``). {"ok", "max_abs_error",
+        "tolerance", "top1_match", "dtype", "sim_ms", "wall_ms", "detail"}. The job is waited for until it
+        ends, at most ``self_test_wait_s``; past that the report fails with ``error`` {"type": "WaitTimeout",
+        "message"} and a detail naming the bound. A missing golden file or a device error is a failure.
+        Where it cannot run (a timing-only device computes no logits; cleared memory holds no weights) it is
+        not a failure: {"ok": None, "ran": False, "detail": "not run: <why>"}, audited as ``not run``."""
         return self._run("self_test", {}, lease, self._self_test)
 
     def health_check(self, lease: Lease | None) -> Report:
@@ -509,8 +527,9 @@ class InProcessMaintenance:
             # the message itself, not str(KeyError), which quotes it (and strip() would eat its closing quote)
             raise MaintenanceArgumentError(action, str(e.args[0]) if e.args else "no such register") from None
 
-    def _job_timed(self, kind: str, tokens: list[int], p0: int) -> tuple[Any, float]:
-        """Apply KV on the scratch sequence, submit one job, wait (bounded).
+    def _job_timed(self, kind: str, tokens: list[int], p0: int, wait_s: float | None = None) -> tuple[Any, float]:
+        """Apply KV on the scratch sequence, submit one job, wait for it to end (at most ``wait_s`` host
+        wall s, default ``reset_timeout_s``; then WaitTimeout, and the job's buffers come back when it ends).
 
         Returns (StepResult, host ms of the KV apply and submit, measured like the engine's framework stage).
         """
@@ -519,14 +538,14 @@ class InProcessMaintenance:
         out = self._rt.scratch_submit(self._lease, kind, self._rt.scratch_seq, tokens, p0)
         host_ms = (ht.now() - h0) / 1e3
         try:
-            return out.wait(self.reset_timeout_s), host_ms
+            return out.wait(self.reset_timeout_s if wait_s is None else wait_s), host_ms
         except DeviceError:
             out.discard()  # a job that outlives its wait gives its buffer pair back when it ends
             raise
 
-    def _job(self, kind: str, tokens: list[int], p0: int, source: str) -> Any:
+    def _job(self, kind: str, tokens: list[int], p0: int, source: str, wait_s: float | None = None) -> Any:
         """``_job_timed``, and the step shown in the observation's stage table as ``source``. Returns the StepResult."""
-        res, host_ms = self._job_timed(kind, tokens, p0)
+        res, host_ms = self._job_timed(kind, tokens, p0, wait_s)
         self._engine.record_stages(res, source=source, framework_ms=host_ms)
         return res
 
@@ -564,7 +583,7 @@ class InProcessMaintenance:
                     self._engine.tokenizer, "bos_id", 0)))
                 res = self._job("decode", [probe_id], 0, "health check")
                 sim_us = res.sim_us
-                ok = res.logits_bf16 is None or bool(np.isfinite(bf16_to_f32(res.logits_bf16)).all())
+                ok = res.logits is None or bool(np.isfinite(to_f32(res.logits)).all())
                 check("decode probe job", ok, f"{res.sim_us / 1e3:.2f} sim ms" + ("" if ok else ", non-finite logits"))
             except (DeviceError, KVExhausted, CalError) as e:
                 check("decode probe job", False, f"{type(e).__name__}: {e}")
@@ -600,17 +619,25 @@ class InProcessMaintenance:
         if b.memory_cleared:
             return not_run("device memory is cleared (no weights to infer with); reload the model first")
         try:
-            golden = load_golden(b.bundle.golden_file)
+            golden = load_golden(b.bundle.golden_file, b.bundle.logits_dtype)
         except (GoldenFileError, OSError, ValueError) as e:
             return fail(f"golden file unreadable: {e}")
         self._rt.free_seq(self._lease, self._rt.scratch_seq)
+        wait_s = self.self_test_wait_s
+        n = int(golden.input_ids.size)
         try:
-            res = self._job("prefill", golden.input_ids.tolist(), 0, "self-test")
+            res = self._job("prefill", golden.input_ids.tolist(), 0, "self-test", wait_s=wait_s)
+        except WaitTimeout as e:
+            rep = fail(f"the golden prefill ({n} tokens) did not end within {wait_s:g} s host wall (the engine's "
+                       f"bound on one device step); the device is still computing it, on a host too loaded or a "
+                       f"chip too slow: WaitTimeout: {e}")
+            rep["error"] = {"type": type(e).__name__, "message": str(e), "wait_s": wait_s}
+            return rep
         except CalError as e:
             return fail(f"{type(e).__name__}: {e}")
         finally:
             self._rt.free_seq(self._lease, self._rt.scratch_seq)
-        rep = compare(golden, res.logits_bf16, tol)
+        rep = compare(golden, res.logits, tol)
         rep.update(golden=golden.path.name, n_tokens=int(golden.input_ids.size), sim_ms=res.sim_us / 1e3,
                    wall_ms=(time.perf_counter() - t0) * 1e3,
                    detail=_self_test_detail(rep))
@@ -634,10 +661,10 @@ class InProcessMaintenance:
             res, host_ms = self._job_timed("prefill", ids, 0)
             while True:
                 s0 = e.host_timer.now()
-                if res.logits_bf16 is None:
+                if res.logits is None:
                     tok = 0  # timing-only device: no logits
                 else:
-                    tok = int(np.argmax(bf16_to_f32(res.logits_bf16)))
+                    tok = int(np.argmax(to_f32(res.logits)))
                 e.record_stages(res, source="probe", framework_ms=host_ms, sampling_ms=(e.host_timer.now() - s0) / 1e3)
                 out.append(tok)
                 if tok in eos or len(out) >= max_tokens:
@@ -674,7 +701,8 @@ def _self_test_detail(rep: dict[str, Any]) -> str:
         return "FAIL: " + str(rep.get("detail", "no comparison"))
     top1 = f"top-1 {rep['argmax_device']}" + (" agrees" if rep["top1_match"] else f" != golden {rep['argmax_golden']}")
     return (("pass" if rep["ok"] else "FAIL") + f": max abs error {rep['max_abs_error']:.4g}, "
-            f"{rep['n_mismatched']} logits over the bound (1 BF16 step + {rep['tolerance']:g}), {top1}")
+            f"{rep['n_mismatched']} {rep.get('dtype', 'bf16')} logits over the bound "
+            f"({'1 BF16 step + ' if rep.get('dtype', 'bf16') == 'bf16' else ''}{rep['tolerance']:g}), {top1}")
 
 
 #: Longest holder name accepted (characters); it is shown in the header and the audit log.

@@ -100,6 +100,9 @@ class DeviceInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
     weights: str = "synthetic"
     #: sequences one decode step may carry (1 today, facts.md F1; N for a batch-N variant)
     decode_batch: int = 1
+    #: dtype of the logits the device returns over D2H: "bf16" (the production calbin, facts.md F1) or
+    #: "f32" (a C3 variant that declares it: the dense pilot); ``MemoryView.logits_bytes_per_token`` its bytes
+    logits_dtype: str = "bf16"
 
 
 class Health(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):

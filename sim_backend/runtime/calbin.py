@@ -315,9 +315,10 @@ class OutputBuf:
     """Host output buffer of one in-flight request; the job handle of CalRT.
 
     ``state``: "idle" (never submitted) | pending | running | done |
-    ccu_exception | failed. ``logits_bf16`` is the finished step's (vocab,)
-    uint16 BF16 logits (facts.md F1: 303,872 B per token D2H), handed over
-    without a copy; None before a result or in timing-only mode.
+    ccu_exception | failed. ``logits`` is the finished step's (vocab,) D2H
+    logits, handed over without a copy: uint16 BF16 bits (facts.md F1: 303,872 B
+    per token) or float32 where a C3 calbin declares F32 logits; None before a
+    result or in timing-only mode.
     Class counter ``OutputBuf.constructed`` counts constructions.
     """
 
@@ -349,12 +350,13 @@ class OutputBuf:
         return self._task_type
 
     @property
-    def logits_bf16(self) -> np.ndarray | None:
-        """The last ``wait()`` result's BF16 logits, uint16 (vocab,); None before one or in timing-only mode.
+    def logits(self) -> np.ndarray | None:
+        """The last ``wait()`` result's logits (vocab,): uint16 BF16 bits, or float32 for an F32 calbin
+        (``logits.to_f32`` widens either); None before one or in timing-only mode.
 
         The device's D2H array itself (no copy into a second host buffer: nothing reads one).
         """
-        return None if self.result is None else self.result.logits_bf16
+        return None if self.result is None else self.result.logits
 
     @property
     def job_id(self) -> int | None:
@@ -363,7 +365,7 @@ class OutputBuf:
     def wait(self, timeout: float) -> StepResult:
         """Wait(): block at most ``timeout`` host seconds.
 
-        Returns the StepResult (its logits are also ``logits_bf16``), or
+        Returns the StepResult (its logits are also ``logits``), or
         raises WaitTimeout (job keeps running; wait again), CCUException,
         DeviceReset, LinkError, DeviceNotReady or DeviceError. SubmitError if
         nothing was submitted.

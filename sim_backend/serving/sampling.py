@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from sim_backend.model import bf16 as _bf16
+from sim_backend.model import logits as _logits
 from sim_backend.model.vocab import VOCAB_SIZE
 from sim_backend.planes.types import SamplingParams, TokenLogprob, TokenProbs
 from sim_backend.serving.sampling_reference import (
@@ -133,6 +134,16 @@ class Sampler:
             raise ValueError(f"logits must have shape ({n},), got {logits_bf16.shape}")
         _bf16.bf16_to_f32(logits_bf16, out=self._x[:n])
         return self._sample_scratch(recent, allowed)
+
+    def sample_d2h(self, logits: np.ndarray, recent: Sequence[int] = (),
+                   allowed: np.ndarray | None = None) -> int:
+        """:meth:`sample` from a step's D2H logits in either dtype the device returns: ``uint16`` BF16 bits
+        (:meth:`sample_bf16`) or ``float32`` (an F32 C3 calbin; :meth:`sample`). ``recent``, ``allowed``
+        as for :meth:`sample`. Raises ValueError (wrong shape; no finite logit left), TypeError (another dtype).
+        """
+        if _logits.dtype_of(logits) == "bf16":
+            return self.sample_bf16(logits, recent, allowed)
+        return self.sample(logits, recent, allowed)
 
     def _sample_scratch(self, recent: Sequence[int], allowed: np.ndarray | None = None) -> int:
         """The sampler chain over the logits already in ``self._x[:vocab_size]`` (modified in place)."""

@@ -220,7 +220,7 @@ class StepRunner:
             mine = res
             if step.batched:
                 row = res.batch[i]
-                mine = dataclasses.replace(res, seq_id=row.seq_id, past_len=row.past_len, logits_bf16=row.logits_bf16,
+                mine = dataclasses.replace(res, seq_id=row.seq_id, past_len=row.past_len, logits=row.logits,
                                            experts_touched=row.experts_touched, sim_end_us=t)
             try:
                 t = self._after_step(r, mine, step.kind, step.n_tokens, step.kv_wait_us[i], step.submit_host_us)
@@ -254,7 +254,7 @@ class StepRunner:
         need_token = (kind == "decode" or r.n_prefilled >= len(r.prompt)) and not r.handle.cancelled
         if need_token:
             s0 = ht.now()
-            tok = r.tokens.sample(res.logits_bf16, r.numeric)
+            tok = r.tokens.sample(res.logits, r.numeric)
             sampling_us = ht.now() - s0
             d0 = ht.now()
             visible, stop = r.tokens.push(tok)

@@ -19,16 +19,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from sim_backend.model.logits import dtype_of, neg_inf, to_f32
 from sim_backend.model.tokenizer import get_tokenizer
 from sim_backend.model.vocab import EOS_IDS, N_BPE
 from sim_backend.planes.types import ChatRequest, TokenProbs
 from sim_backend.serving.grammar import GrammarMatcher
-from sim_backend.serving.sampling import Sampler, bf16_to_f32
+from sim_backend.serving.sampling import Sampler
 from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder, Tokenizer
 from sim_backend.serving.token_probs import distribution_probs, logit_probs, uniform_probs
-
-#: BF16 bits of -inf (sign 1, exponent all ones, mantissa 0)
-_BF16_NEG_INF = np.uint16(0xFF80)
 
 #: (stop_type, stopping word): ("eos", ""), ("limit", ""), ("word", the stop string)
 Stop = tuple[str, str]
@@ -97,12 +95,13 @@ class TokenPipeline:
         """The sampler's seed (drawn when the request gave none), for replay."""
         return self.sampler.seed
 
-    def sample(self, logits_bf16: np.ndarray | None, numeric: bool) -> int:
-        """The next token id from one step's BF16 logits (``uint16`` (vocab,)); timing-only
+    def sample(self, logits: np.ndarray | None, numeric: bool) -> int:
+        """The next token id from one step's D2H logits ((vocab,): ``uint16`` BF16 bits, or ``float32`` from a
+        calbin that returns F32 logits); timing-only
         (``numeric`` False or no logits): an ordinary text id (``text_ids``) from the seeded generator.
         With a grammar, only a token it allows (its mask on the logits, or its stand-in draw)."""
         allowed = self._allowed()
-        if logits_bf16 is None or not numeric:
+        if logits is None or not numeric:
             if self.grammar is not None and allowed is not None:
                 n_gen = len(self.generated)
                 tok = self.grammar.stand_in(self.fallback_rng, n_gen, self._max_tokens, allowed)
@@ -116,18 +115,18 @@ class TokenPipeline:
                 self.probs.append(self._with_pieces(uniform_probs(tok, self.n_probs, *self._text_ids,
                                                                   post_sampling=self.post_sampling)))
             return tok
-        raw = logits_bf16  # the probabilities' softmax is of the model's logits, before any bias (llama.cpp)
+        raw = logits  # the probabilities' softmax is of the model's logits, before any bias (llama.cpp)
         if self._ban_eos and allowed is None:  # llama.cpp's ignore_eos: -inf logits for the end-of-generation ids
-            logits_bf16 = logits_bf16.copy()
-            logits_bf16[self._eos_index] = _BF16_NEG_INF
+            logits = logits.copy()
+            logits[self._eos_index] = neg_inf(dtype_of(logits))
         # BF16 bits widen straight into the sampler's scratch buffer: no FP32 copy per step
         recent = list(self._prompt) + self.generated if self._penalties else ()
-        tok = self.sampler.sample_bf16(logits_bf16, recent, allowed)
+        tok = self.sampler.sample_d2h(logits, recent, allowed)
         if self.n_probs:
             if self.post_sampling:
                 tp = self.sampler.post_sampling_probs(tok, self.n_probs)
             else:  # the raw logits (the sampler's scratch holds them penalised and masked)
-                tp = logit_probs(bf16_to_f32(raw), tok, self.n_probs, n_valid=self.sampler.n_valid)
+                tp = logit_probs(to_f32(raw), tok, self.n_probs, n_valid=self.sampler.n_valid)
             self.probs.append(self._with_pieces(tp))
         return tok
 

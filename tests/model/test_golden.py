@@ -73,7 +73,7 @@ def test_top1_must_agree_and_non_finite_or_wrong_shape_fails(stored):
     nan = want.copy()
     nan[123] = np.nan
     assert not G.compare(stored, G._f32_to_bf16_bits(nan), 0.05)["ok"]
-    short = G.compare(stored, stored.logits_bf16[:-1], 0.05)
+    short = G.compare(stored, stored.logits[:-1], 0.05)
     assert not short["ok"] and short["max_abs_error"] is None and "shape" in short["detail"]
 
 
@@ -116,7 +116,7 @@ def test_check_passes_under_other_blas_kernels(coretype):
                        text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     rep = json.loads(p.stdout)
-    assert rep["ok"] and rep["bf16"]["top1_match"] and rep["f32_topk_drift"] <= G.F32_DRIFT_ATOL
+    assert rep["ok"] and rep["device"]["top1_match"] and rep["f32_topk_drift"] <= G.F32_DRIFT_ATOL
 
 
 # --- broken numerics fail ----------------------------------------------------------------------
@@ -216,3 +216,36 @@ def test_self_test_on_a_truncated_golden_fails_cleanly(tmp_path, bundle, monkeyp
         m.leave_exclusive(lease)
     finally:
         system.close()
+
+
+# --- an F32 calbin's golden (the pilot, a C3 variant) ----------------------------------------------
+
+
+def test_f32_golden_rule_has_no_rounding_step(bundle):
+    from pathlib import Path
+
+    from sim_backend.bundle.manifest import load_bundle
+
+    pilot = load_bundle(Path(bundle.path).parent / "smollm2-135m-pilot")
+    g = G.load_golden(pilot.golden_file, pilot.logits_dtype)
+    assert g.dtype == "f32" and g.logits.dtype == np.float32 and g.logits.shape == (49152,)
+    want = g.expected
+    i = int(np.argmax(np.abs(want)))
+    near, far = want.copy(), want.copy()
+    near[i] += 0.04 * np.sign(want[i])  # inside max_abs_error: F32 has no rounding step to add
+    far[i] -= 0.06 * np.sign(want[i])
+    rep = G.compare(g, near, 0.05)
+    assert rep["ok"] and rep["dtype"] == "f32" and rep["n_differ"] == 1 and "BF16" not in rep["rule"]
+    rep = G.compare(g, far, 0.05)
+    assert not rep["ok"] and rep["n_mismatched"] == 1
+    # the device's dtype must be the golden's: BF16 bits against an F32 golden are not compared
+    rep = G.compare(g, G._f32_to_bf16_bits(want), 0.05)
+    assert not rep["ok"] and rep["max_abs_error"] is None and "bf16" in rep["detail"] and "regenerate" in rep["detail"]
+
+
+def test_f32_device_refuses_a_bf16_golden_file_typed(stored, bundle):
+    with pytest.raises(G.GoldenFileError) as ei:
+        G.load_golden(bundle.golden_file, "f32")
+    assert ei.value.field == "logits" and "BF16 bits" in ei.value.message and "--write" in ei.value.message
+    with pytest.raises(ValueError, match="unknown logits dtype"):
+        G.load_golden(bundle.golden_file, "fp8")

@@ -349,6 +349,57 @@ def test_self_test_passes_and_detects_corruption(system):
     m.leave_exclusive(lease)
 
 
+def _hold_jobs(monkeypatch, board):
+    """Every device job waits for ``release`` once it is running (``running`` set): a job as slow as the test says."""
+    running, release = threading.Event(), threading.Event()
+    orig = board._execute
+
+    def held(job, gen):
+        running.set()
+        release.wait(60)
+        return orig(job, gen)
+
+    monkeypatch.setattr(board, "_execute", held)
+    return running, release
+
+
+def test_self_test_waits_for_its_job_past_the_reset_bound(system, monkeypatch):
+    """The golden prefill is waited for until it ends (the engine's step bound), not for reset_timeout_s:
+    under load (~40 on 2 cores) the pilot's job took longer than the 10 s the reset bound gave it."""
+    m, b = system.maintenance, system.board
+    lease = m.enter_exclusive("alice")
+    m.reset_timeout_s = 0.0  # a bound the job can never meet while it is held
+    assert m.self_test_wait_s == system.engine.step_timeout_s == 120.0
+    running, release = _hold_jobs(monkeypatch, b)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(rep=m.self_test(lease)))
+    t.start()
+    assert running.wait(30)  # the job is on the device, the self-test waits for it
+    assert "rep" not in out
+    release.set()
+    t.join(60)
+    assert out["rep"]["ok"], out["rep"]
+    m.leave_exclusive(lease)
+
+
+def test_self_test_past_the_step_bound_fails_typed_and_its_buffers_come_back(system, monkeypatch):
+    m, b, e = system.maintenance, system.board, system.engine
+    lease = m.enter_exclusive("alice")
+    m.reset_timeout_s = 0.0
+    monkeypatch.setattr(e, "step_timeout_s", 0.0)
+    running, release = _hold_jobs(monkeypatch, b)
+    rep = m.self_test(lease)
+    assert rep["ok"] is False and rep["error"]["type"] == "WaitTimeout" and rep["error"]["wait_s"] == 0.0
+    assert "did not end within 0 s" in rep["detail"] and "step" in rep["detail"]
+    assert m.audit.entries()[-1]["status"] == "failed"
+    release.set()  # the job ends; its buffer pair is given back, and the next self-test passes
+    assert wait_until(lambda: b.counters().left == 0)
+    monkeypatch.setattr(e, "step_timeout_s", 120.0)
+    again = m.self_test(lease)
+    assert again["ok"], again
+    m.leave_exclusive(lease)
+
+
 def test_self_test_without_golden_file_fails(system, monkeypatch):
     m = system.maintenance
     lease = m.enter_exclusive("alice")

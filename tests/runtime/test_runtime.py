@@ -394,8 +394,8 @@ def test_scratch_jobs_go_through_the_checked_runtime_path(bundle):
         out = mr.scratch_submit("lease", "prefill", mr.scratch_seq, [9707, 11, 1879, 0], 0)
         res = out.wait(WAIT)
         # the D2H array is handed over as is: the OutputBuf shows the result's bits, no second copy
-        assert res.logits_bf16.dtype == np.uint16 and res.logits_bf16.shape == (bundle.shape.vocab,)
-        assert out.logits_bf16 is res.logits_bf16 and res.n_tokens == 4
+        assert res.logits.dtype == np.uint16 and res.logits.shape == (bundle.shape.vocab,)
+        assert out.logits is res.logits and res.n_tokens == 4
         with pytest.raises(SubmitError):
             mr.scratch_submit("lease", "nosuch", mr.scratch_seq, [1], 4)
         with pytest.raises(CalError):
@@ -425,10 +425,10 @@ def test_output_buffer_logits_none_before_a_result_and_in_timing_only_mode(board
     s = _session(board)
     board.gate.close()
     out = _prefill(s, 0)
-    assert out.logits_bf16 is None  # still running: no result yet
+    assert out.logits is None  # still running: no result yet
     board.gate.open()
     res = out.wait(WAIT)
-    assert res.logits_bf16 is None and out.logits_bf16 is None  # timing-only board: no logits exist
+    assert res.logits is None and out.logits is None  # timing-only board: no logits exist
 
 
 def test_a_leftover_one_token_prefill_chunk_runs_the_decode_submodel():

@@ -46,11 +46,11 @@ def test_a_bug_fails_one_request_and_the_scheduler_survives(system, monkeypatch)
     calls = {"n": 0}
     orig = TokenPipeline.sample
 
-    def broken_once(self, logits_bf16, numeric):
+    def broken_once(self, logits, numeric):
         calls["n"] += 1
         if calls["n"] == 1:
             raise ValueError("no finite logits to sample from")
-        return orig(self, logits_bf16, numeric)
+        return orig(self, logits, numeric)
 
     monkeypatch.setattr(TokenPipeline, "sample", broken_once)
     bad = ask(system, "first")

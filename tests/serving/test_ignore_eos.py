@@ -4,6 +4,7 @@ runs to ``max_tokens``; without it the same logits end the reply at EOS."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from sim_backend.model.bf16 import f32_to_bf16
 from sim_backend.model.vocab import EOS_IDS, VOCAB_SIZE
@@ -37,3 +38,18 @@ def test_every_eos_id_is_banned() -> None:
     p = _pipeline(True)
     for eos in EOS_IDS:
         assert p.sample(_logits(best=eos, second=77), numeric=True) == 77
+
+
+def test_ignore_eos_bans_eos_in_f32_logits_too() -> None:
+    """A calbin that returns F32 logits (the pilot's C3 variant): the ban is -inf in float32, the device's
+    array untouched; with probabilities the raw logits' softmax is of those float32 values."""
+    eos = min(EOS_IDS)
+    x = np.zeros(VOCAB_SIZE, dtype=np.float32)
+    x[eos], x[1000] = 10.0, 5.0
+    assert _pipeline(False).sample(x, numeric=True) == eos
+    assert _pipeline(True).sample(x, numeric=True) == 1000 and x[eos] == 10.0
+    req = ChatRequest.from_prompt("hi", max_tokens=4, sampling=GREEDY, n_probs=2)
+    p = TokenPipeline(req, [1, 2, 3], n_ctx=4096, max_tokens=4, vocab=VOCAB_SIZE)
+    assert p.sample(x, numeric=True) == eos
+    top = p.probs[-1].top
+    assert [t.id for t in top] == [eos, 1000] and top[0].logprob - top[1].logprob == pytest.approx(5.0, abs=1e-5)

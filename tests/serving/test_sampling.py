@@ -345,6 +345,24 @@ def test_sample_bf16_refuses_wrong_shape_and_dtype():
         s.sample_bf16(np.zeros(8, np.float32))
 
 
+def test_sample_d2h_takes_either_dtype_the_device_returns():
+    """BF16 bits go the BF16 path, float32 (an F32 calbin's logits) the float32 one; both pick what sample()
+    picks from the same values, and a logit only float32 resolves is kept (a BF16 tie broken)."""
+    rng = np.random.default_rng(5)
+    x = peaked_logits(rng, hot=20)
+    p = msgspec.structs.replace(CONFIGS[1], seed=3)
+    for d2h, widened in ((f32_to_bf16(x), bf16_to_f32(f32_to_bf16(x))), (x, x)):
+        a, b = Sampler(p), Sampler(p)
+        for _ in range(3):
+            assert b.sample_d2h(d2h, ()) == a.sample(widened, ())
+    tie = np.zeros(VOCAB_SIZE, np.float32)
+    tie[10], tie[11] = 8.0, 8.0 + 2.0**-10  # one BF16 value (step 2**-4 at 8): the BF16 path takes id 10
+    g = SamplingParams.greedy(top_k=0)
+    assert Sampler(g).sample_d2h(f32_to_bf16(tie)) == 10 and Sampler(g).sample_d2h(tie) == 11
+    with pytest.raises(TypeError, match="uint16 BF16 bits or float32"):
+        Sampler(g).sample_d2h(tie.astype(np.float64))
+
+
 def test_bf16_has_one_home():
     from sim_backend.model import bf16, golden
 

@@ -86,7 +86,9 @@ def device_panel(snap: Snapshot) -> Any:
     head.append_text(status_text(d))
     head.append("  mode ")
     head.append_text(mode_text(d))
-    head.append(f"\nCalRT {d.calrt_version}  fw {d.firmware_commit}  pacing {d.pacing}"
+    head.append(f"\nCalRT {d.calrt_version}  fw {d.firmware_commit}  ")
+    head.append(f"logits {d.logits_dtype.upper()}", style="bold magenta" if d.logits_dtype != "bf16" else "")
+    head.append(f"  pacing {d.pacing}"
                 f"{'' if d.pacing == 'fast' else ' at ' + format(d.pacing_speed, 'g') + ' sim s per wall s'}")
     ach = d.achieved_speed
     if ach is not None and d.pacing != "fast":
@@ -293,6 +295,8 @@ def _faults_line(d: DeviceInfo, level: int) -> Text:
             faults.append(" (what-if, not the product)", style="magenta")
     elif not compact:
         faults.append("   decode batch 1", style="grey50")
+    if d.logits_dtype != "bf16":  # a C3 calbin's D2H dtype (the production calbin returns BF16, facts.md F1)
+        faults.append(f" · {d.bundle_status} logits {d.logits_dtype.upper()}", style="bold magenta")
     if level == 0:
         faults.append("   busy: % of sim time executing, last interval · steps: device steps done", style="grey50")
     else:

@@ -143,6 +143,6 @@ def dense_role_costs(hw_spec: Any, shape: ModelShape, kind: str, n: int, past: i
     vec("layout_out", 2 * n * H * a, layers=False)
     vec("final_norm", 2 * H * a, layers=False)
     mm("lm_head", H, Vc, epb, key="lm_head", layers=False)
-    d2d("logits_gather", Vc * a)
+    d2d("logits_gather", Vc * shape.logits_itemsize)  # chip1's half of the logits, in the D2H dtype
     d2d("logits_sync", 0.0)
     return t, b
