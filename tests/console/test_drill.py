@@ -60,7 +60,7 @@ def test_drill_json_passes_and_every_step_is_audited(tmp_path):
 def test_drill_exits_nonzero_when_a_step_misbehaves(tmp_path, monkeypatch):
     import sim_backend.model.golden as golden
 
-    def unreadable(path):
+    def unreadable(path, dtype="bf16"):
         raise ValueError("golden file damaged")
 
     monkeypatch.setattr(golden, "load_golden", unreadable)
