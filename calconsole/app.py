@@ -23,7 +23,7 @@ from textual.css.query import NoMatches
 from textual.message import Message
 from textual.screen import Screen
 from textual.widget import Widget
-from textual.widgets import Footer, Input, Static
+from textual.widgets import Input, Static
 
 from sim_backend.planes.snapshot import Snapshot
 
@@ -36,6 +36,7 @@ from .panes.focus import FOCUS_TARGET, HELP_BINDING, PANE_BINDINGS, focus_pane
 from .panes.observation import ObservationPane
 from .settings import COMPACT_BELOW, HISTORY_WINDOWS_S, Settings, save_settings
 from .widgets import server as server_render
+from .widgets.footer import FittedFooter
 from .widgets.help import HelpScreen, help_renderable
 from .widgets.render import mode_text, status_text
 
@@ -117,7 +118,7 @@ class CalConsoleApp(App):
                         self._panes.append(pane)
                         yield pane
         yield Static("terminal too small: need at least 80x24", id="too-small")
-        yield Footer()
+        yield FittedFooter()  # whole key entries only: at 80 columns the last one read "^s samplin"
 
     def _make_pane(self, name: str) -> Widget:
         w: Widget
@@ -322,6 +323,34 @@ class CalConsoleApp(App):
                 return pane
         return None
 
+    def action_focus_next(self) -> None:
+        """Tab: the next focusable widget of the focused pane, wrapping around inside it (F1 / F2 / F3 move
+        between panes). Tab from the chat input had jumped into the maintenance pane, onto "x Exclusive"."""
+        if not self._focus_within_pane(1):
+            super().action_focus_next()
+
+    def action_focus_previous(self) -> None:
+        """Shift+Tab: the previous focusable widget of the focused pane, wrapping around inside it."""
+        if not self._focus_within_pane(-1):
+            super().action_focus_previous()
+
+    def _focus_within_pane(self, step: int) -> bool:
+        """Move focus ``step`` places along the focused pane's own focus chain; False (Textual's own move) on a
+        modal screen or with no pane focused."""
+        screen = self.screen
+        if screen is not self.screen_stack[0]:
+            return False
+        pane = self._focused_pane()
+        if pane is None:
+            return False
+        chain = [w for w in screen.focus_chain if pane in w.ancestors_with_self]
+        if not chain:
+            return False
+        current = screen.focused
+        i = chain.index(current) if current in chain else (-1 if step > 0 else 0)
+        chain[(i + step) % len(chain)].focus()
+        return True
+
     def action_help(self) -> None:
         """``?``: the keys of the focused pane and the global ones, the figures, the thresholds.
 
@@ -335,10 +364,15 @@ class CalConsoleApp(App):
         pane = self._focused_pane()
 
         def keys(bindings) -> list[tuple[str, str]]:
-            out = []
+            out: list[tuple[str, str]] = []
             for b in bindings:
-                if isinstance(b, Binding) and b.description and b is not HELP_BINDING:  # listed as global
-                    out.append((self.get_key_display(b), b.description))
+                if not isinstance(b, Binding) or not b.description or b is HELP_BINDING:  # listed as global
+                    continue
+                # a footer-hidden key whose entry another key's entry names already ("pgup/pgdn scroll", then
+                # "pgdn scroll" again): listed once
+                if not b.show and any(d == b.description for _, d in out):
+                    continue
+                out.append((self.get_key_display(b), b.description))
             return out
 
         title = str(pane.border_title) if pane is not None else "no pane focused (F1 / F2 / F3 focus one)"

@@ -27,7 +27,8 @@ def register(bsub: Any) -> None:
     p.add_argument("--tokens", type=int, default=400, help="tokens measured per grammar and path (default 400)")
     p.add_argument("--requests", type=int, default=12,
                    help="timing-only requests per grammar through the simulator (default 12; 0 skips)")
-    p.add_argument("--bundle", metavar="DIR", default=None, help="calbin bundle directory (default: built-in)")
+    p.add_argument("--bundle", metavar="NAME|DIR", default=None,
+                   help="calbin bundle: an installed bundle's name or a directory (default: built-in)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)
 

@@ -82,7 +82,8 @@ def register(bsub) -> None:
     p.add_argument("--json", action="store_true", help="print the whole report as JSON instead of the table")
     p.add_argument("--plot", action="store_true", help="also draw TTFT and TPOT against prompt length (plotext)")
     g = p.add_argument_group("in-process server (without --url)")
-    g.add_argument("--bundle", metavar="DIR", default=None, help="calbin bundle directory (default: built-in)")
+    g.add_argument("--bundle", metavar="NAME|DIR", default=None,
+                   help="calbin bundle: an installed bundle's name or a directory (default: built-in)")
     g.add_argument("--pacing", choices=("fast", "realtime"), default="fast", help="pacing (default fast)")
     g.add_argument("--speed", type=float, default=1.0, help="real-time pacing speed, 0.1..1000 (default 1)")
     g.add_argument("--numerics", action="store_true", help="run the numerics (default timing-only)")

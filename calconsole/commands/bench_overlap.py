@@ -40,7 +40,8 @@ def register(bsub) -> None:
     p.add_argument("--prompt-words", type=int, default=24, help="words per prompt (default 24, short)")
     p.add_argument("--timing-only", action="store_true",
                    help="skip the numerics (faster; tokens from a seeded generator)")
-    p.add_argument("--bundle", metavar="DIR", default=None, help="calbin bundle directory (default: built-in)")
+    p.add_argument("--bundle", metavar="NAME|DIR", default=None,
+                   help="calbin bundle: an installed bundle's name or a directory (default: built-in)")
     p.add_argument("--json", action="store_true", help='print {"serial": {...}, "overlapped": {...}, "gain": {...}}')
     p.set_defaults(func=run)
 

@@ -51,7 +51,8 @@ def register(bsub) -> None:
     p.add_argument("--ui-idle-s", type=float, default=5.0,
                    help="--ui: window of the console's idle CPU before the request and after the reply "
                         "(host wall s, 0..120, default 5; 0: not measured)")
-    p.add_argument("--bundle", metavar="DIR", default=None, help="calbin bundle directory (default: built-in)")
+    p.add_argument("--bundle", metavar="NAME|DIR", default=None,
+                   help="calbin bundle: an installed bundle's name or a directory (default: built-in)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)
 

@@ -115,7 +115,8 @@ def register(bsub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and mix order (default 0)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     g = p.add_argument_group("in-process server (without --url)")
-    g.add_argument("--bundle", metavar="DIR", default=None, help="calbin bundle directory (default: built-in)")
+    g.add_argument("--bundle", metavar="NAME|DIR", default=None,
+                   help="calbin bundle: an installed bundle's name or a directory (default: built-in)")
     g.add_argument("--pacing", choices=("fast", "realtime"), default="fast",
                    help="pacing of the sweep's server (default fast; the overhead is always fast, "
                         "the sustained search always real time)")

@@ -39,7 +39,8 @@ def register(bsub) -> None:
     p.add_argument("--tokens-per-request", type=int, default=50,
                    help="tokens per request; keeps the context near --context (default 50)")
     p.add_argument("--mode", choices=("both", *MODES), default="both", help="which numerics placement (default both)")
-    p.add_argument("--bundle", metavar="DIR", default=None, help="calbin bundle directory (default: built-in)")
+    p.add_argument("--bundle", metavar="NAME|DIR", default=None,
+                   help="calbin bundle: an installed bundle's name or a directory (default: built-in)")
     p.add_argument("--json", action="store_true", help='print {"in-process": {...}, "worker": {...}, "unit": ...}')
     p.set_defaults(func=run)
 

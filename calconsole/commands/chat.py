@@ -51,8 +51,9 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop string, non-empty (repeatable)")
     g.add_argument("--seed", type=_number, default=None,
-                   help="sampling seed, integer in [0, 2**64); same seed, same tokens; -1 as llama-server: drawn "
-                        "(default: drawn, reported)")
+                   help="sampling seed, integer in [0, 2**64); same seed, same tokens; as llama-server, -1 is a "
+                        "drawn one and another negative is read modulo 2**32 (-5: 4294967291) (default: drawn, "
+                        "reported)")
     g.add_argument("--system", default=None, help="system message")
     g.add_argument("--think", action="store_true", help="leave thinking on (default: empty <think></think>)")
 

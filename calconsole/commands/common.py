@@ -37,8 +37,9 @@ def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_l
         return argparse.SUPPRESS
 
     g = p.add_argument_group("simulator")
-    g.add_argument("--bundle", metavar="DIR", default=d("bundle"),
-                   help="calbin bundle directory (default: the built-in Qwen3-30B-A3B simulator bundle)")
+    g.add_argument("--bundle", metavar="NAME|DIR", default=d("bundle"),
+                   help="calbin bundle: an installed bundle's name (qwen3-30b-a3b, its -b4/-b8/-b16 variants, "
+                        "smollm2-135m-pilot) or a directory (default: the built-in Qwen3-30B-A3B simulator bundle)")
     g.add_argument("--pacing", choices=[m.value for m in PacingMode], default=None if top_level else argparse.SUPPRESS,
                    help=f"map simulated device time to wall time: realtime or fast (default: {default_pacing})")
     g.add_argument("--speed", type=float, default=d("speed"),

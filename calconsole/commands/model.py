@@ -25,8 +25,9 @@ def register(sub, common) -> None:
         description="Print the calbin bundle: sub-models (declared and effective type, I/O), op counts by "
                     "category and per chip (generated from the model shape, as the real bundle's profile counts them), "
                     "the per-chip memory plan and the manifest findings. Nothing runs on the device.")
-    p.add_argument("--bundle", metavar="DIR", default=None,
-                   help="calbin bundle directory (default: the built-in Qwen3-30B-A3B simulator bundle)")
+    p.add_argument("--bundle", metavar="NAME|DIR", default=None,
+                   help="calbin bundle: an installed bundle's name or a directory (default: the built-in "
+                        "Qwen3-30B-A3B simulator bundle)")
     p.add_argument("--hardware", metavar="YAML", default=None,
                    help="hardware YAML for the memory plan (default: the shipped calculet_npu.yaml)")
     p.add_argument("--json", action="store_true",

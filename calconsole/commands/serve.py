@@ -77,7 +77,7 @@ def register(sub, common) -> None:
                         "generation stops at it (default: the calbin's 40960, which it stays)")
     p.add_argument("--seed", type=int, default=None, metavar="N",
                    help="seed of requests that give none; -1 (as llama-server) or none: a fresh random seed each, "
-                        "reported per result")
+                        "reported per result; another negative is read modulo 2**32, as llama-server")
     p.add_argument("--slo", default=None, metavar="SPEC",
                    help="goodput SLOs the engine checks, vLLM style: ttft:MS,tpot:MS,e2el:MS (simulated ms, each a "
                         "positive finite number, each key at most once); /metrics and /snapshot report goodput "

@@ -18,6 +18,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Vertical
 from textual.widgets import Button, Collapsible, Input, Label, RichLog, Static
+from textual.widgets.input import Selection
 
 from sim_backend.planes import (
     ChatRequest,
@@ -94,7 +95,8 @@ def param_defaults() -> dict[str, str]:
 
 
 PARAM_INPUT = {name: pid for pid, _, _, name in PARAMS}
-PARAM_HELP = {"seed": "seed (empty or -1: a random one, shown under the reply)",
+PARAM_HELP = {"seed": "seed (empty or -1: a random one, shown under the reply; another negative is read modulo "
+                      "2**32, as llama-server: -5 is 4294967291)",
               "stop": "stop strings, separated by |", "max_tokens": "max_tokens (the reply stops at the context end)"}
 
 
@@ -103,7 +105,7 @@ class ChatPane(Vertical):
 
     BINDINGS = [
         HELP_BINDING,
-        Binding("escape", "cancel", "cancel reply", priority=True),
+        Binding("escape", "cancel", "cancel", priority=True),  # short: at 80 columns the footer has 5 keys
         Binding("ctrl+l", "new_chat", "new chat"),
         # the sampling panel had no key: it opens on its first field, and closes back to the message input
         Binding("ctrl+s", "toggle_params", "sampling"),
@@ -121,6 +123,7 @@ class ChatPane(Vertical):
         self._stream_text = ""
         self._submitting = False
         self._wall_start = time.monotonic()
+        self._restored: str | None = None  # the prompt _restore_prompt put back in the input
 
     def compose(self) -> ComposeResult:
         kind = getattr(self.inference, "server_kind", None)  # a real server (llama-server): its own model
@@ -136,7 +139,11 @@ class ChatPane(Vertical):
                             classes="dim")
         yield notice
         # WrapLog: re-wraps on resize, renders a long reply in slices (keys stay responsive at its end)
-        yield WrapLog(id="chat-log", max_lines=LOG_MAX_LINES, auto_scroll=True, min_width=20)
+        # not focusable: PgUp / PgDn scroll it from the input (and the mouse wheel), so Tab from the input goes
+        # to the sampling panel, not to the transcript
+        log = WrapLog(id="chat-log", max_lines=LOG_MAX_LINES, auto_scroll=True, min_width=20)
+        log.can_focus = False
+        yield log
         yield Static("", id="chat-stream")  # shown while a reply streams
         yield Static("", id="chat-status", classes="dim")  # shown while it has something to say
         with Collapsible(title="sampling parameters", collapsed=True, id="chat-params"):
@@ -210,6 +217,7 @@ class ChatPane(Vertical):
         req = ChatRequest(messages=tuple(self.history + [{"role": "user", "content": text}]),
                           max_tokens=cast(Any, max_tokens), sampling=sp, stop=stops, client="chat-pane")
         event.input.value = ""
+        self._restored = None
         self._submitting = True  # set now: the handle only exists once the worker has submitted
         # the "you ..." line is written once the request is admitted (_on_started): a refused send leaves the
         # prompt in the input to edit, and each resend had added another "you ..." line
@@ -325,12 +333,17 @@ class ChatPane(Vertical):
                                  {"role": "assistant", "content": result.text}])
         elif result.status == "cancelled":
             self._restore_prompt(prompt)
+            self._set_status(Text("prompt restored, selected: Enter resends it, typing replaces it, Ctrl+L clears "
+                                  "it", style="grey62"))
 
     def _restore_prompt(self, prompt: str) -> None:
-        """The prompt back in the input to edit or resend, the cursor at its end (it was at the start)."""
+        """The prompt back in the input, selected: Enter resends it, typing replaces it (a new message typed
+        after a cancel had been appended to it: "Count to tenHi"), an arrow key or End edits it, and Ctrl+L
+        clears it while it is unchanged (``action_new_chat``). The cursor is at its end."""
         inp = self.query_one("#chat-input", Input)
         inp.value = prompt
-        inp.cursor_position = len(prompt)
+        inp.selection = Selection(0, len(prompt))
+        self._restored = prompt
 
     def _set_status(self, content) -> None:
         """The line by the input; hidden while empty (the transcript gets the row)."""
@@ -380,10 +393,18 @@ class ChatPane(Vertical):
         self.notify("sampling parameters reset to their defaults")
 
     def action_new_chat(self) -> None:
+        """Ctrl+L: a new conversation (history and transcript cleared, sampling parameters kept). A prompt the
+        pane put back in the input (cancelled or refused) goes too while it is unchanged; text the user typed
+        stays (it is the next message)."""
         if self.handle is not None:
             self.handle.cancel("new chat started")
         self.history.clear()
         self.query_one("#chat-log", RichLog).clear()
+        inp = self.query_one("#chat-input", Input)
+        if self._restored is not None and inp.value == self._restored:
+            inp.value = ""
+        self._restored = None
+        self._set_status("")
 
     def on_unmount(self) -> None:
         # a closed pane is a vanished client: cancel what it started

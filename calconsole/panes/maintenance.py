@@ -2,13 +2,15 @@
 
 Every action goes through the maintenance plane (which audits it) on a
 worker thread; results come back to the UI thread with ``call_from_thread``.
-Outside exclusive mode every action except "Enter exclusive" is disabled:
+Entering exclusive mode (key, button or palette) asks first (``AskModal``); outside
+exclusive mode every action except "Enter exclusive" is disabled:
 the buttons are disabled, the keys are disabled (``check_action``) and the
 action methods themselves return without calling the plane when there is
 no lease. Reset and Clear device memory open a ``ConfirmModal`` where the
 operator types the device name; Cancel is focused by default.
 
-Keys (focus inside the pane; F3 focuses it): x enter exclusive, l leave,
+Keys (focus inside the pane; F3 focuses it): x enter exclusive (asks first), l leave, L leave with force
+(asks first; after a memory clear a plain leave is refused until the model is reloaded),
 r reset, c clear device memory, o reload the model, t self-test, h health
 check, p probe request, k clear KV, d dump, 1 (or f) / 2 / 3 / 4 inject a
 CCU exception / KV exhaustion / D2D link error / slow chip, 0 disarm every
@@ -36,7 +38,7 @@ from textual.widgets import Button, Input, RichLog, Static
 
 from sim_backend.planes import CalError, Snapshot
 
-from ..widgets.confirm import ConfirmModal
+from ..widgets.confirm import AskModal, ConfirmModal
 from ..widgets.inputs import HelpKeyInput
 from ..widgets.render import set_subtitle, status_text
 from ..widgets.wraplog import WrapLog
@@ -47,8 +49,8 @@ GUARDED = ("#m-leave", "#m-reset", "#m-clear", "#m-reload", "#m-selftest", "#m-h
            "#m-dump", "#m-f-ccu", "#m-f-kv", "#m-f-link", "#m-f-slow", "#m-f-clear", "#m-reg-read", "#m-reg-write",
            "#m-reg-all")
 #: key actions that need the lease
-GUARDED_ACTIONS = {"leave", "reset", "clear", "reload", "self_test", "health", "probe", "clear_kv", "dump",
-                   "fault_ccu", "fault_kv", "fault_link", "fault_slow", "clear_faults", "read_register",
+GUARDED_ACTIONS = {"leave", "leave_force", "reset", "clear", "reload", "self_test", "health", "probe", "clear_kv",
+                   "dump", "fault_ccu", "fault_kv", "fault_link", "fault_slow", "clear_faults", "read_register",
                    "write_register", "dump_registers"}
 #: button id -> (label, short label), each led by its key: the short one when the long does not fit
 #: the button (a narrow pane); memory and KV clears stay told apart at any width ("c Mem…" / "k KV")
@@ -60,7 +62,8 @@ LABELS = {"m-enter": ("x Exclusive", "x Excl"), "m-leave": ("l Leave", "l Lv"), 
           "m-f-slow": ("4 Slow chip", "4 Slw"), "m-f-clear": ("0 No faults", "0 Off"), "m-ack": ("a Ack", "a Ack"),
           "m-reg-read": ("v Read", "v Rd"), "m-reg-write": ("w Write", "w Wr"), "m-reg-all": ("e All", "e All")}
 #: the palette's maintenance commands: (title, key, action)
-PALETTE = (("enter exclusive mode", "x", "enter"), ("leave exclusive mode", "l", "leave"),
+PALETTE = (("enter exclusive mode…", "x", "enter"), ("leave exclusive mode", "l", "leave"),
+           ("leave exclusive mode with force…", "L", "leave_force"),
            ("reset device…", "r", "reset"), ("clear device memory…", "c", "clear"), ("reload model", "o", "reload"),
            ("self-test (golden logits)", "t", "self_test"), ("health check", "h", "health"),
            ("probe request", "p", "probe"), ("clear KV cache", "k", "clear_kv"), ("dump trace + config", "d", "dump"),
@@ -91,6 +94,8 @@ class MaintenancePane(Vertical):
         HELP_BINDING,
         Binding("x", "enter", "exclusive"),
         Binding("l", "leave", "leave excl."),
+        # after a memory clear a plain leave is refused until the model is reloaded; this one asks, then forces
+        Binding("L", "leave_force", "leave (force)", show=False),
         Binding("r", "reset", "reset"),
         Binding("c", "clear", "clear mem"),
         Binding("o", "reload", "reload model"),
@@ -111,7 +116,8 @@ class MaintenancePane(Vertical):
         Binding("a", "acknowledge", "ack faults"),
     ]
     HELP_EXTRA = ("Every key but x (enter exclusive), a (acknowledge) and i needs exclusive mode: outside it a "
-                  "key says 'enter exclusive mode first (x)'. Reset and clear memory ask for the device name.")
+                  "key says 'enter exclusive mode first (x)'. Entering exclusive mode and leaving it with force (L) "
+                  "ask first (y confirms, Enter or Esc cancels); reset and clear memory ask for the device name.")
 
     class StateChanged(Message):
         """An action of this pane started or ended (the device's mode, faults or memory may have changed): the
@@ -175,7 +181,7 @@ class MaintenancePane(Vertical):
         self._guarded_keys = {k.strip() for b in self.BINDINGS if isinstance(b, Binding)
                               and b.action in GUARDED_ACTIONS for k in b.key.split(",")}
         self._sync_buttons()
-        self._log(f"audit log: {self.maintenance.audit.path}", "dim")
+        self._log(audit_line(self.maintenance.audit.path), "dim")
         if self.leaseless:
             kind = getattr(self.maintenance, "server_kind", "this server")
             offered = [m for m in sorted(set(BUTTON_METHOD.values())) if self.maintenance.offers(m)]
@@ -283,8 +289,22 @@ class MaintenancePane(Vertical):
     # --- key actions (the buttons call the same methods) ------------------------------------------
 
     def action_enter(self) -> None:
+        """x, the Exclusive button and the palette: asks first (``AskModal``, Cancel the default), then enters.
+        A Tab onto the button and an Enter had entered exclusive mode, draining the device, unconfirmed."""
         if self.leaseless:  # the plane says why there is no exclusive mode (NotOffered), audited
             self._run("enter_exclusive", lambda: self.maintenance.enter_exclusive(self.holder))
+            return
+        if self.lease is not None or self._entering:
+            return
+        timeout = self.maintenance.drain_timeout_s
+        self.app.push_screen(
+            AskModal("Enter exclusive mode", f"Stops admitting requests and drains the device: requests still "
+                     f"running after {timeout:g} s are cancelled. Maintenance actions need it; l leaves it."),
+            lambda ok: self._enter_confirmed(bool(ok)))
+
+    def _enter_confirmed(self, ok: bool) -> None:
+        if not ok:
+            self._log("enter_exclusive: cancelled at the confirmation", "dim")
             return
         if self.lease is not None or self._entering:
             return
@@ -300,6 +320,25 @@ class MaintenancePane(Vertical):
         if not self._need_lease("leave exclusive"):
             return
         self._run("leave_exclusive", lambda: self.maintenance.leave_exclusive(self.lease))
+
+    def action_leave_force(self) -> None:
+        """L: leave exclusive mode even where the plane refuses a plain leave (after a memory clear, before a
+        reload: requests then fail with DeviceNotReady). Asks first (``AskModal``)."""
+        if not self._need_lease("leave exclusive with force"):
+            return
+        self.app.push_screen(
+            AskModal("Leave exclusive mode with force", "Admits requests again even though the device cannot "
+                     "serve them (after a memory clear and before a reload, each fails with DeviceNotReady). "
+                     "o (Reload) first is the usual way out."),
+            lambda ok: self._leave_force_confirmed(bool(ok)))
+
+    def _leave_force_confirmed(self, ok: bool) -> None:
+        if not ok:
+            self._log("leave_exclusive (force): cancelled at the confirmation", "dim")
+            return
+        if self._need_lease("leave exclusive with force"):
+            lease = self.lease
+            self._run("leave_exclusive", lambda: self.maintenance.leave_exclusive(lease, force=True))
 
     def action_reset(self) -> None:
         if not self._need_lease("reset"):
@@ -467,6 +506,8 @@ class MaintenancePane(Vertical):
                       "green")
         elif not ok:
             self._log(f"{action}: refused/failed: {result}", "bold red")
+            if action == "leave_exclusive" and "force" in str(result):  # the plane's "or leave with force"
+                self._log("L leaves with force (it asks first); o reloads the model", "yellow")
         elif isinstance(result, dict) and result.get("ran") is False:  # could not run here: neither ok nor failed
             self._log(f"{action}: NOT RUN · {summarize_result(action, result)}", "yellow")
         else:
@@ -479,6 +520,20 @@ class MaintenancePane(Vertical):
         self.post_message(self.StateChanged())
         if action == "clear_device_memory" and ok:
             self.query_one("#m-reload", Button).focus()
+
+
+def audit_line(path) -> str:
+    """The pane's first log line: the audit file's name, then its directory (``~`` for the home directory), so
+    a narrow pane wraps between them, not inside a word (at 80x24 it read ``…/aud`` / ``it.jsonl``)."""
+    from pathlib import Path
+
+    p = Path(str(path))
+    directory = str(p.parent)
+    try:
+        directory = "~/" + str(p.parent.relative_to(Path.home()))
+    except (ValueError, RuntimeError):  # not under home, or no home
+        pass
+    return f"audit log: {p.name}" if directory == "." else f"audit log: {p.name} in {directory}"
 
 
 def summarize_result(action: str, r) -> str:

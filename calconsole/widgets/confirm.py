@@ -1,4 +1,5 @@
-"""Confirmation modal for destructive maintenance actions.
+"""Confirmation modals for maintenance actions: ``ConfirmModal`` (type the device name: reset, memory clear)
+and ``AskModal`` (yes / no: entering exclusive mode, leaving it with force).
 
 The name field has focus, so typing goes straight into it; the default
 action is Cancel: Enter confirms only when the field holds the device name
@@ -65,6 +66,49 @@ class ConfirmModal(ModalScreen[bool | None]):
     @on(Button.Pressed, "#confirm-cancel")
     def _cancel_pressed(self) -> None:
         self.dismiss(False)
+
+    def action_cancel(self) -> None:
+        self.dismiss(False)
+
+
+class AskModal(ModalScreen[bool]):
+    """A yes / no confirmation for a maintenance action that needs no typed name (entering exclusive mode,
+    leaving it with force): ``detail`` says what the action does; Cancel is focused, so Enter (and Escape,
+    ``n``, the Cancel button) cancels; ``y`` or the action's button confirms. Returns True only when confirmed.
+
+    A Tab that lands on a maintenance button followed by Enter (the keys of a user moving through the
+    fields) therefore opens this modal and, with a second Enter, cancels: nothing runs unconfirmed.
+    """
+
+    BINDINGS = [Binding("escape,n", "cancel", "cancel"), Binding("y", "confirm", "confirm")]
+
+    def __init__(self, action: str, detail: str) -> None:
+        super().__init__()
+        self.action_name = action
+        self.detail = detail
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm-box"):
+            yield Label(f"[b]{self.action_name}?[/b]", id="confirm-title")
+            yield Label(self.detail, id="confirm-detail")
+            yield Label("y confirms · Enter (on Cancel), n or Esc cancels", id="ask-keys", classes="dim")
+            with Horizontal(id="confirm-buttons"):
+                yield Button("Cancel", id="ask-cancel", variant="primary")
+                yield Button(f"y {self.action_name}", id="ask-ok", variant="warning")
+
+    def on_mount(self) -> None:
+        self.query_one("#ask-cancel", Button).focus()
+
+    @on(Button.Pressed, "#ask-ok")
+    def _ok(self) -> None:
+        self.dismiss(True)
+
+    @on(Button.Pressed, "#ask-cancel")
+    def _cancel_pressed(self) -> None:
+        self.dismiss(False)
+
+    def action_confirm(self) -> None:
+        self.dismiss(True)
 
     def action_cancel(self) -> None:
         self.dismiss(False)

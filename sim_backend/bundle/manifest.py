@@ -32,6 +32,8 @@ from sim_backend.bundle.shapes import (
 from sim_backend.errors import Finding, ManifestError
 
 DEFAULT_BUNDLE_DIR = Path(__file__).resolve().parents[1] / "bundles" / "qwen3-30b-a3b"
+#: the bundles shipped inside the installed package (``sim_backend/bundles/NAME``): ``--bundle NAME`` names one
+BUNDLES_DIR = DEFAULT_BUNDLE_DIR.parent
 MANIFEST_NAME = "calbin.yaml"
 REQUIRED_SUBMODELS = ("prefill", "decode")
 KNOWN_TYPES = ("llm_prefill", "llm_decode")
@@ -392,6 +394,45 @@ def numeric_footprint_bytes(shape: ModelShape, num: NumericShape) -> tuple[int, 
     return weights, kv
 
 
+def installed_bundles() -> list[str]:
+    """Names of the bundles shipped in the installed package (directories of ``BUNDLES_DIR`` with a
+    ``calbin.yaml``), sorted; empty when there are none."""
+    try:
+        return sorted(d.name for d in BUNDLES_DIR.iterdir() if (d / MANIFEST_NAME).is_file())
+    except OSError:
+        return []
+
+
+def installed_bundles_hint() -> str:
+    """The sentence a refused ``--bundle`` ends with: the installed bundles a name may give, and where they are."""
+    names = installed_bundles()
+    if not names:
+        return f"no bundle is installed in {BUNDLES_DIR}"
+    return f"installed bundles (give the name or a directory): {', '.join(names)} (in {BUNDLES_DIR})"
+
+
+def bundle_dir(path: str | Path | None) -> Path:
+    """The bundle directory ``--bundle`` names: ``path`` itself when it is a directory; else, for a bare name
+    (no path separator, e.g. ``smollm2-135m-pilot``) of an installed bundle, or the README's relative
+    ``sim_backend/bundles/NAME`` that is not a directory here, ``BUNDLES_DIR / name`` (from any working
+    directory: a ``pip install`` user has no source tree); else ``path`` unchanged, which
+    ``load_bundle`` refuses with the installed names. None: ``DEFAULT_BUNDLE_DIR``. Never raises."""
+    if path is None:
+        return DEFAULT_BUNDLE_DIR
+    p = Path(path)
+    try:
+        if p.is_dir():
+            return p
+        bare = str(path) == p.name and p.name not in ("", ".", "..")
+        # the README's source-tree form, sim_backend/bundles/NAME, given outside the source tree: the installed one
+        readme_form = not p.is_absolute() and p.parts[-3:-1] == ("sim_backend", "bundles")
+        if (bare or readme_form) and (BUNDLES_DIR / p.name / MANIFEST_NAME).is_file():
+            return BUNDLES_DIR / p.name
+    except (OSError, ValueError):  # a name too long or with a NUL: load_bundle says so
+        pass
+    return p
+
+
 def load_bundle(path: str | Path | None = None) -> Bundle:
     """Load and validate the bundle in directory ``path`` (default: the shipped simulator bundle).
 
@@ -406,7 +447,7 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
             numerics footprint, string / list / file lengths). The message
             names file and field.
     """
-    bdir = Path(path) if path is not None else DEFAULT_BUNDLE_DIR
+    bdir = bundle_dir(path)
     shown = str(bdir) if len(str(bdir)) <= 300 else str(bdir)[:300] + f"... ({len(str(bdir))} characters)"
     try:
         is_dir = bdir.is_dir()
@@ -414,7 +455,7 @@ def load_bundle(path: str | Path | None = None) -> Bundle:
         raise ManifestError(shown, "<bundle>", f"not a usable directory name: {getattr(e, 'strerror', None) or e}"
                             ) from None
     if not is_dir:
-        raise ManifestError(shown, "<bundle>", "bundle directory not found")
+        raise ManifestError(shown, "<bundle>", f"bundle directory not found; {installed_bundles_hint()}")
     mf = bdir / MANIFEST_NAME
     doc = _load_yaml(mf)
     r = _Reader(mf)

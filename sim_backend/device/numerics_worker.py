@@ -176,6 +176,40 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_m
             conn.send((False, f"{type(e).__name__}: {e}"))
 
 
+_MAIN_LOCK = threading.Lock()
+
+
+class _main_not_rerun:
+    """While a worker is spawned: ``__main__`` without the path of the script that started this process.
+
+    ``spawn`` re-runs the parent's main script in the child (as ``__mp_main__``) when that script was run by
+    its path, as the ``calconsole`` console script is. The worker needs nothing from it (its target lives
+    in this module), and a script replaced or removed since (calconsole reinstalled while ``serve`` runs)
+    made every worker start fail: ``FileNotFoundError`` and a traceback on the server's stderr, then a
+    reload that failed with "connection lost during start". A main module imported by name (``python -m``)
+    is left as it is: the child imports it by name.
+    """
+
+    def __enter__(self) -> None:
+        import sys
+        import types
+
+        _MAIN_LOCK.acquire()
+        self._saved = sys.modules.get("__main__")
+        if self._saved is not None and getattr(self._saved, "__spec__", None) is None \
+                and getattr(self._saved, "__file__", None):
+            sys.modules["__main__"] = types.ModuleType("__main__")  # no __file__: nothing to re-run
+
+    def __exit__(self, *exc: object) -> None:
+        import sys
+
+        try:
+            if self._saved is not None:
+                sys.modules["__main__"] = self._saved
+        finally:
+            _MAIN_LOCK.release()
+
+
 class NumericsProcess:
     """``ShardedModel``-compatible front (``forward``, ``clear_kv``, ``close``) for a worker process.
 
@@ -206,7 +240,13 @@ class NumericsProcess:
         source = weights_source(shape, num)
         self._proc = ctx.Process(target=_serve, args=(child, shape, num, n_cells, cost_model, shared, source),
                                  name="calconsole-numerics", daemon=True)
-        self._proc.start()
+        try:
+            with _main_not_rerun():
+                self._proc.start()
+        except OSError as e:  # the interpreter to spawn is gone (a venv removed or rebuilt while this runs)
+            child.close()
+            self._conn.close()
+            raise DeviceError(f"numerics worker could not be started: {type(e).__name__}: {e}") from None
         child.close()
         self._lock = threading.Lock()
         self._broken: str | None = None
@@ -268,7 +308,14 @@ class NumericsProcess:
             return self._conn.recv()
         except (EOFError, OSError) as e:
             self._broken = f"connection lost during {op}"
-            raise DeviceError(f"numerics process connection lost during {op}: {e}") from None
+            self._proc.join(1.0)  # the worker ended (EOF): its exit code says how
+            code = self._proc.exitcode
+            how = (f"the worker exited with code {code}" if code is not None and code >= 0 else
+                   f"the worker was killed by signal {-code}" if code is not None else
+                   f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            if op == "start":
+                how += " before it had started (see its lines on stderr, if any)"
+            raise DeviceError(f"numerics process connection lost during {op}: {how}") from None
 
     def _call(self, op: str, args: tuple, timeout: float) -> Any:
         with self._lock:

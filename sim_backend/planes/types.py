@@ -51,10 +51,30 @@ def _is_int(v: object) -> bool:
 RANDOM_SEEDS = (-1, 0xFFFFFFFF)
 
 
+#: the most negative seed an edge reads as llama-server does (int64's minimum: JSON integers it parses as int64)
+MIN_WRAPPED_SEED = -(2**63)
+
+
 def seed_or_random(seed: Any) -> Any:
-    """``seed`` as ``SamplingParams.seed`` takes it: None (a random seed) for an integer in ``RANDOM_SEEDS``,
-    anything else unchanged (``SamplingParams.validate`` then refuses what is not a seed)."""
-    return None if _is_int(seed) and seed in RANDOM_SEEDS else seed
+    """``seed`` as ``SamplingParams.seed`` takes it, read as llama-server reads a request's seed.
+
+    llama-server keeps the seed as a uint32 (``LLAMA_DEFAULT_SEED`` 0xFFFFFFFF asks for a random one), so a
+    negative integer is taken modulo 2**32: -1 is 4294967295 (random), -5 is the fixed seed 4294967291, and the
+    same request with -5 gives the same reply. Measured against the real server (xllamacpp's llama-server,
+    ``tests/server/test_parity_llama_server.py``): ``generation_settings.seed`` reads 4294967291 for -5,
+    4294967294 for -2, 2147483648 for -2**31, and 4294967295 (random) for -2**32-1.
+
+    Returns None (a random seed) for an integer in ``RANDOM_SEEDS`` or a negative one in [-2**63, 0) that wraps
+    to 0xFFFFFFFF; a negative integer in that range otherwise wraps to ``seed % 2**32``; anything else is
+    returned unchanged, so ``SamplingParams.validate`` refuses what is not a seed (a seed below -2**63, which
+    llama-server reads as a float whose conversion to uint32 C++ leaves undefined, is refused with its bounds;
+    a non-negative seed stays as given, up to 2**64 - 1: a drawn seed is 64-bit and must replay as drawn).
+    """
+    if not _is_int(seed):
+        return seed
+    if MIN_WRAPPED_SEED <= seed < 0:
+        seed = int(seed) % 2**32
+    return None if seed in RANDOM_SEEDS else seed
 
 
 class SamplingParams(msgspec.Struct, frozen=True):
@@ -130,7 +150,8 @@ class SamplingParams(msgspec.Struct, frozen=True):
         if not -2 <= self.frequency_penalty <= 2:
             raise bad("frequency_penalty", "in [-2, 2]")
         if self.seed is not None and not 0 <= self.seed < 2**64:
-            raise bad("seed", "in [0, 2**64) or null for a random seed")
+            raise bad("seed", "in [0, 2**64) or null for a random seed (where a person or a client gives it, "
+                      "-2**63..-1 too, read modulo 2**32 as llama-server: -1 is a random one)")
 
 
 #: grammar kinds a request may carry (``Grammar.kind``)

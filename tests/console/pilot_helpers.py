@@ -58,3 +58,14 @@ def typed_step(step):
     from sim_backend.planes.snapshot import StepView
 
     return step if isinstance(step, StepView) else msgspec.convert(step, StepView)
+
+
+async def confirm_ask(pilot, timeout_s: float = 20.0) -> None:
+    """Confirm the yes / no question a maintenance action asks first (``AskModal``: entering exclusive mode,
+    leaving it with force) with ``y``, once it is on screen."""
+    from calconsole.widgets.confirm import AskModal
+
+    app = pilot.app
+    assert await wait_for(pilot, lambda: isinstance(app.screen, AskModal), timeout_s), type(app.screen).__name__
+    await pilot.press("y")
+    assert await wait_for(pilot, lambda: not isinstance(app.screen, AskModal), timeout_s)

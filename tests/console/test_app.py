@@ -8,7 +8,7 @@ from textual.widgets import Button, Static
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
 from sim_backend.device.clock import Pacing, PacingMode
-from tests.console.pilot_helpers import click_button, log_lines, wait_for
+from tests.console.pilot_helpers import click_button, confirm_ask, log_lines, wait_for
 
 
 @pytest.fixture
@@ -89,6 +89,7 @@ async def test_reset_disabled_outside_exclusive_and_works_inside(system):
         await pilot.click("#m-reset")  # does nothing: no modal
         assert len(app.screen_stack) == 1
         await pilot.click("#m-enter")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: not reset.disabled)
         assert await wait_for(pilot, lambda: app.last_snapshot and app.last_snapshot.device.mode == "exclusive")
         await pilot.click("#m-reset")
@@ -143,6 +144,7 @@ async def test_maintenance_keys_keep_working_after_entering_exclusive(system):
         await pilot.press("f3")
         assert app.focused.id == "m-enter"
         await pilot.press("x")
+        await confirm_ask(pilot)
         pane = app.query_one("#maintenance")
         assert await wait_for(pilot, lambda: pane.lease is not None)
         await pilot.pause()

@@ -22,7 +22,7 @@ from calconsole.widgets import history as history_mod
 from calconsole.widgets import render
 from calconsole.widgets.help import HelpScreen
 from sim_backend.planes.snapshot import Snapshot
-from tests.console.pilot_helpers import has, log_lines, typed, typed_step, wait_for
+from tests.console.pilot_helpers import confirm_ask, has, log_lines, typed, typed_step, wait_for
 
 
 @pytest.fixture
@@ -170,6 +170,7 @@ async def test_every_maintenance_key_runs_its_audited_action(fast_system):
         pane.notify = notify
         assert len(audit.entries()) == before
         await pilot.press("x")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: pane.lease is not None)
         expected = [("h", "health_check"), ("k", "clear_kv"), ("d", "dump"), ("1", "inject_fault"),
                     ("2", "inject_fault"), ("3", "inject_fault"), ("4", "inject_fault"), ("0", "clear_faults"),

@@ -16,7 +16,7 @@ from calconsole.remote import connect
 from calconsole.server.face import ServingFace
 from calconsole.server.run import ServerThread
 from sim_backend.planes import ChatRequest
-from tests.console.pilot_helpers import click_button, log_text, wait_for
+from tests.console.pilot_helpers import click_button, confirm_ask, log_text, wait_for
 
 from .conftest import ADMIN_KEY
 
@@ -86,6 +86,7 @@ async def test_the_maintenance_window_works_over_http_with_the_lease(make_server
             assert await wait_for(pilot, lambda: app.last_snapshot is not None)
             assert app.screen_stack[0].query("#maintenance")
             await click_button(pilot, "#m-enter")
+            await confirm_ask(pilot)
             assert await wait_for(pilot, lambda: app.query_one("#maintenance").lease is not None)
             mode = s.system.maintenance.mode()
             # over HTTP the holder is the admin key's label with the console's claim: "admin-1 (user@console)"
@@ -110,6 +111,7 @@ async def test_a_lease_lost_with_the_server_is_reported_in_the_pane(make_server:
         async with app.run_test(size=(170, 50)) as pilot:
             assert await wait_for(pilot, lambda: app.last_snapshot is not None)
             await click_button(pilot, "#m-enter")
+            await confirm_ask(pilot)
             pane = app.query_one("#maintenance")
             assert await wait_for(pilot, lambda: pane.lease is not None)
             s.thread.stop()

@@ -174,6 +174,23 @@ def test_seed_minus_one_is_a_random_seed_on_both(pair: tuple[str, str]) -> None:
     assert len(set(drawn)) == len(drawn), drawn  # each a fresh random seed, as "no seed"
 
 
+def test_a_negative_seed_is_read_modulo_2_32_on_both(pair: tuple[str, str]) -> None:
+    # llama-server keeps the seed as a uint32: -5 is the fixed seed 4294967291 (the same reply each time), and
+    # -2**32-1 wraps to 4294967295, a random one; calconsole refused every seed below -1
+    body = {"prompt": "Hi", "n_predict": 3, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    for seed, reported in ((-5, 4294967291), (-2, 4294967294), (-2**31, 2**31), (-2**32 - 1, 4294967295)):
+        for r in both(pair, "POST", "/completion", {**body, "seed": seed}):
+            assert r.status_code == 200, r.text
+            assert r.json()["generation_settings"]["seed"] == reported, (seed, r.json()["generation_settings"])
+    for url in pair:  # a fixed seed: the same tokens twice, on each server
+        a, b = (call(url, "POST", "/completion", {**body, "seed": -5, "return_tokens": True}).json()
+                for _ in range(2))
+        assert a["tokens"] == b["tokens"], url
+    ours = [call(pair[0], "POST", "/completion", {**body, "seed": s}).json()["calconsole"]["seed"]
+            for s in (-5, -5, -2**32 - 1, -2**32 - 1)]
+    assert ours[:2] == [4294967291, 4294967291] and ours[2] != ours[3], ours  # the wrapped -1: drawn each time
+
+
 # --- streams: the event sequence, and each kind of event's shape --------------------------------------------
 
 STREAMS = [

@@ -13,7 +13,8 @@ from .common import bar, fmt_ms, not_reported
 
 def header_line(snap: Snapshot, settings: Any, compact: bool = False) -> Text:
     """KV, queue, TTFT / TPOT P95 against the console SLO, failures, pacing and output rate, each coloured by
-    its threshold (``settings.thresholds``). ``compact``: the same figures in about two 36-column lines."""
+    its threshold (``settings.thresholds``). ``compact``: the same figures in about two 36-column lines. TTFT / TPOT
+    are simulated device ms and say "sim" (every time figure says sim or wall); pacing is sim s per wall s."""
     d, kv = snap.device, snap.kv
     if d is None or kv is None or snap.jobs is None:  # a server that is not this simulator: widgets/server.py
         return not_reported("device thresholds", snap)
@@ -39,16 +40,18 @@ def header_line(snap: Snapshot, settings: Any, compact: bool = False) -> Text:
         t.append(fmt_ms(ttft, 0), style=ttft_style)
         t.append(" TPOT ")
         t.append(fmt_ms(tpot), style=tpot_style)
-        t.append(" ms · fail ")
+        t.append(" ms sim · fail ")  # device time: every figure says sim or wall
         t.append(f"{failed_req}/{jobs_failed}", style=settings.style("failed", failed_req + jobs_failed))
         if ratio is not None and settings.level("pacing_ratio", ratio) != "ok":
             t.append(f" host behind {ratio:.2f}", style=settings.style("pacing_ratio", ratio))
         return t
     t.append("  TTFT p95 ")
     t.append(f"{fmt_ms(ttft, 0)} ms", style=ttft_style)
+    t.append(" sim", style="grey62")  # simulated device time, as the graphs and the requests table say
     t.append("  TPOT p95 ")
     t.append(f"{fmt_ms(tpot)} ms", style=tpot_style)
-    t.append(f" (console SLO {settings.slo_tpot_ms:g})", style="grey50")
+    t.append(" sim", style="grey62")
+    t.append(f" (console SLO {settings.slo_tpot_ms:g} ms)", style="grey50")
     t.append("  failed ")
     t.append(f"{failed_req} req / {jobs_failed} steps", style=settings.style("failed", failed_req + jobs_failed))
     if ratio is not None:
