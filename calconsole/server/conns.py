@@ -11,7 +11,15 @@ shut everyone out, the admin included. Here connections are told apart by what t
   only among those idle for at least ``min_idle_s``: a client that sends its head at once (all
   real ones) is never closed for being new, however fast an attacker reconnects. Nor is one whose
   peer's bytes wait unread in the kernel (``FIONREAD``): when the loop is late, a head can sit there
-  past ``min_idle_s`` after the accept, and that client asked in time.
+  past ``min_idle_s`` after the accept, and that client asked in time. Closing for a budget is paced:
+  at most ``budget_closes_per_s`` a second for one address and as many for the total (a token bucket
+  each, ``budget_close_burst`` deep). Every close of a reconnecting attacker's connection costs an
+  accept, a protocol and a 503 for its next one (~0.5 ms of CPU); unpaced, each admit closed every
+  connection past the budget idle >= ``min_idle_s``, and on a starved loop (load ~20 on 2 cores) every
+  connection was that old by the next admit: ~100 closes a second, the server's whole share of the
+  CPU, and /health waited behind the reconnects (``calconsole bench slowloris``: admin P95 1-2.7 s).
+  Past its budget a connection is still closed by the head deadline, and the hard bounds below are
+  never paced.
 - **open**: a hard bound on all connections of one peer (``max_conns_per_peer``) and in total
   (``max_conns``, below the process's file limit). A connection past it, when no idle one can make
   room, is answered 503 in llama-server's JSON shape and closed at once (its descriptor freed).
@@ -79,6 +87,9 @@ class ConnLimits:
     max_conns_per_peer: int = 512
     max_conns: int = 4096
     min_idle_s: float = 1.0
+    #: closes for an idle budget, per address and for the total: a rate (per host s) and a bucket depth
+    budget_closes_per_s: float = 8.0
+    budget_close_burst: int = 8
 
     def check(self) -> None:
         """ValueError naming the bound that no server should run with."""
@@ -90,6 +101,11 @@ class ConnLimits:
             raise ValueError("an idle budget must not exceed the bound on open connections it is part of")
         if not 0.0 <= self.min_idle_s <= 60.0:
             raise ValueError(f"min_idle_s must be in [0, 60], got {self.min_idle_s}")
+        if not 0.0 < self.budget_closes_per_s <= 1e6:
+            raise ValueError(f"budget_closes_per_s must be in (0, 1e6], got {self.budget_closes_per_s}")
+        b = self.budget_close_burst
+        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 1 << 20:
+            raise ValueError(f"budget_close_burst must be an integer in [1, {1 << 20}], got {b!r}")
 
     def effective_max_conns(self) -> int:
         """``max_conns``, lowered to leave 64 descriptors of the process's file limit for files and threads."""
@@ -105,6 +121,8 @@ class ConnStats:
     refused: int = 0
     #: times an idle-looking connection was not closed because its peer's bytes waited unread (loop late)
     spared_unread: int = 0
+    #: times a connection past an idle budget was left open because that budget's closes were used up
+    paced: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -118,6 +136,8 @@ class ConnectionGuard:
         self._by_peer: dict[str, dict[GuardedH11Protocol, None]] = {}
         self._total = 0
         self.stats = ConnStats()
+        #: token buckets of budget closes: address (None: the total) -> (tokens, host monotonic s of the fill)
+        self._buckets: dict[str | None, tuple[float, float]] = {}
 
     # --- what protocols call -----------------------------------------------------------------
 
@@ -135,9 +155,9 @@ class ConnectionGuard:
         self._by_peer[conn.peer] = peers
         self._total += 1
         self.stats.open = self._total
-        self._trim(peers, lim.max_idle_per_peer, now, "idle connections of this address", exclude=conn)
+        self._trim(peers, lim.max_idle_per_peer, now, "idle connections of this address", exclude=conn, key=conn.peer)
         if self._total > lim.max_idle:
-            self._trim(self._all(), lim.max_idle, now, "idle connections", exclude=conn)
+            self._trim(self._all(), lim.max_idle, now, "idle connections", exclude=conn, key=None)
         return True
 
     def forget(self, conn: GuardedH11Protocol) -> None:
@@ -148,6 +168,7 @@ class ConnectionGuard:
             self.stats.open = self._total
             if not peers:
                 del self._by_peer[conn.peer]
+                self._buckets.pop(conn.peer, None)  # a full bucket is the same as none
 
     def count(self, peer: str | None = None) -> int:
         """Open connections (of ``peer``, or all)."""
@@ -181,18 +202,30 @@ class ConnectionGuard:
             return False
         return True
 
+    def _tokens(self, key: str | None, now: float) -> float:
+        """Budget closes ``key`` (an address, None: the total) may make now (its bucket, refilled to ``now``)."""
+        lim = self.limits
+        tokens, at = self._buckets.get(key, (float(lim.budget_close_burst), now))
+        return min(float(lim.budget_close_burst), tokens + (now - at) * lim.budget_closes_per_s)
+
     def _trim(self, conns: Iterable[GuardedH11Protocol], budget: int, now: float, what: str,
-              exclude: GuardedH11Protocol) -> None:
+              exclude: GuardedH11Protocol, key: str | None) -> None:
         idle = self._idle(conns, exclude)
         over = len(idle) + 1 - budget  # + the newcomer, idle until its head arrives
         if over <= 0:
             return
+        tokens = self._tokens(key, now)
         for c in self._ready(idle, now):
             if over <= 0:
+                break
+            if tokens < 1.0:
+                self.stats.paced += 1  # left open: closed later, or by its head deadline
                 break
             if self._evictable(c):
                 self._evict(c, what, budget)
                 over -= 1
+                tokens -= 1.0
+        self._buckets[key] = (tokens, now)
 
     def _evict_one(self, conns: Iterable[GuardedH11Protocol], now: float, what: str) -> bool:
         for c in self._ready(self._idle(conns), now):

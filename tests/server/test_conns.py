@@ -101,6 +101,32 @@ def test_idle_connections_past_their_budget_make_room_oldest_first(make_server: 
             assert guard.count("127.0.0.1") <= 3
 
 
+def test_closes_for_an_idle_budget_are_paced_per_address(make_server: Any) -> None:
+    # bench slowloris, 200 reconnecting from the probes' address at load ~20: each admit closed every connection
+    # past the budget idle >= min_idle_s, and on a starved loop all were by the next admit: ~100 closes (and
+    # reconnects, each an accept and a 503) a second took the server's CPU and /health waited 1-2.7 s (P95).
+    # Budget 1, two closes in the bucket and (almost) no refill: the third connection past the budget stays.
+    s = make_server(conn_limits=ConnLimits(max_idle_per_peer=1, min_idle_s=0.0, budget_closes_per_s=1e-3,
+                                           budget_close_burst=2))
+    guard = s.face.conn_guard
+    socks: list[socket.socket] = []
+    try:
+        for k in range(1, 5):  # one at a time: the k-th is admitted before the next connects
+            socks.append(socket.create_connection((s.thread.host, s.thread.port), timeout=10))
+            socks[-1].sendall(HALF_HEAD)
+            assert wait_until(lambda k=k: guard.count("127.0.0.1") + guard.stats.evicted_idle == k), k
+        assert guard.stats.evicted_idle == 2 and guard.stats.paced >= 1
+        assert guard.count("127.0.0.1") == 2  # over its budget of 1: the head deadline closes it
+        for old in socks[:2]:  # the two oldest, answered in llama-server's shape
+            status, _, body = read_answer(old)
+            assert status == 503 and "sent no request" in body["error"]["message"]
+        r = httpx.get(s.url + "/health", timeout=10, trust_env=False)  # a client is served meanwhile
+        assert r.status_code == 200
+    finally:
+        for c in socks:
+            c.close()
+
+
 def test_a_head_the_late_loop_has_not_read_yet_is_not_closed_as_idle(make_server: Any) -> None:
     # bench slowloris at load ~20 on 2 CPUs: the admin got 7 of 100 /health probes as 503 "sent no request":
     # its head waited unread in the kernel while a starved loop accepted reconnects, each of which closed the
@@ -187,6 +213,10 @@ def test_no_redirect_is_built_from_the_host_header(served: Any, path: str) -> No
 def test_limits_are_checked() -> None:
     with pytest.raises(ValueError, match="max_idle_per_peer"):
         ConnLimits(max_idle_per_peer=0).check()
+    with pytest.raises(ValueError, match="budget_closes_per_s"):
+        ConnLimits(budget_closes_per_s=0.0).check()
+    with pytest.raises(ValueError, match="budget_close_burst"):
+        ConnLimits(budget_close_burst=0).check()
     with pytest.raises(ValueError, match="idle budget"):
         ConnLimits(max_idle_per_peer=10, max_conns_per_peer=5).check()
 
