@@ -4,8 +4,8 @@ An attacker opens ``--connections`` TCP connections to the server, sends the sta
 (``GET /health HTTP/1.1`` and one header line without its end) and never finishes it. In
 ``--mode reconnect`` (default) every connection the server closes is opened again at once; in
 ``hold`` it is not. While that runs, a normal client (a new connection per probe, no key) and the
-admin (``Authorization: Bearer <admin key>``) each ask ``GET /health`` ``--probes`` times; the
-figure is their latency (host wall ms, connect to the end of the answer) and the status they got.
+admin (``Authorization: Bearer <admin key>``) each ask ``GET /health`` ``--probes`` times, taking
+turns; the figure is their latency (host wall ms, connect to the end of the answer) and the status they got.
 
 Without ``--url`` the server is ``calconsole serve --timing-only`` in a child process on
 127.0.0.1 (an admin key in a temporary 0600 file), so the attacker and the clients here do not
@@ -226,32 +226,41 @@ async def _measure(url: str, admin_key: str | None, args: argparse.Namespace, pr
     held_at_start = open_now.value
     out: dict[str, Any] = {}
     who = {"client": {}, "admin": {"Authorization": f"Bearer {admin_key}"} if admin_key else None}
+    roles = [name for name, headers in who.items() if headers is not None]
     for name, headers in who.items():
         if headers is None:
             out[name] = {"skipped": "no admin key (give --admin-key-file with --url)"}
-            continue
-        lat: list[float] = []
-        sts: list[int | str] = []
-        statuses: dict[str, int] = {}
-        whys: dict[str, int] = {}
-        # built once (an httpx client's set-up costs ~10 ms of CPU: not the server's latency); no keep-alive
-        client = httpx.AsyncClient(base_url=url, trust_env=False, timeout=args.timeout,
-                                   limits=httpx.Limits(max_keepalive_connections=0))
-        async with client:
-            for _ in range(args.probes):
-                ms, st, why = await _probe(client, headers)
-                lat.append(ms)
-                sts.append(st)
-                statuses[str(st)] = statuses.get(str(st), 0) + 1
+    lat: dict[str, list[float]] = {name: [] for name in roles}
+    sts: dict[str, list[int | str]] = {name: [] for name in roles}
+    whys: dict[str, dict[str, int]] = {name: {} for name in roles}
+    # built once (an httpx client's set-up costs ~10 ms of CPU: not the server's latency); no keep-alive
+    clients = {name: httpx.AsyncClient(base_url=url, trust_env=False, timeout=args.timeout,
+                                       limits=httpx.Limits(max_keepalive_connections=0)) for name in roles}
+    try:
+        # the roles take turns, probe after probe: both see the same attack and the same host load (one
+        # role's 100 probes after the other's ran while the load average rose, and read as the admin's tail)
+        for _ in range(args.probes):
+            for name in roles:
+                ms, st, why = await _probe(clients[name], who[name] or {})
+                lat[name].append(ms)
+                sts[name].append(st)
                 if why is not None:
                     key = f"{st}: {why}"
-                    if key in whys or len(whys) < 8:
-                        whys[key] = whys.get(key, 0) + 1
-        a = np.array(lat)
-        out[name] = {"probes": len(lat), "status": statuses, "p50_ms": float(np.median(a)),
+                    if key in whys[name] or len(whys[name]) < 8:
+                        whys[name][key] = whys[name].get(key, 0) + 1
+    finally:
+        for c in clients.values():
+            await c.aclose()
+    for name in roles:
+        a = np.array(lat[name])
+        statuses: dict[str, int] = {}
+        for st in sts[name]:
+            statuses[str(st)] = statuses.get(str(st), 0) + 1
+        out[name] = {"probes": len(a), "status": statuses, "p50_ms": float(np.median(a)),
                      "p95_ms": float(np.percentile(a, 95)), "max_ms": float(a.max()),
-                     "ok_within_1s": sum(1 for ms, st in zip(lat, sts, strict=True) if st == 200 and ms <= 1000),
-                     "not_ok": whys}
+                     "ok_within_1s": sum(1 for ms, st in zip(lat[name], sts[name], strict=True)
+                                         if st == 200 and ms <= 1000),
+                     "not_ok": whys[name]}
     stop.set()
     try:
         atk = await asyncio.get_running_loop().run_in_executor(None, lambda: results.get(timeout=60))
