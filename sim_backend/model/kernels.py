@@ -400,15 +400,6 @@ def _scores(q, src, off, m, s, s0):
     while g0 + SCORE_HEADS <= G:
         r0, r1, r2, r3 = s[g0, s0:s0 + m], s[g0 + 1, s0:s0 + m], s[g0 + 2, s0:s0 + m], s[g0 + 3, s0:s0 + m]
         r4, r5, r6, r7 = s[g0 + 4, s0:s0 + m], s[g0 + 5, s0:s0 + m], s[g0 + 6, s0:s0 + m], s[g0 + 7, s0:s0 + m]
-        for t in range(m):
-            r0[t] = 0.0
-            r1[t] = 0.0
-            r2[t] = 0.0
-            r3[t] = 0.0
-            r4[t] = 0.0
-            r5[t] = 0.0
-            r6[t] = 0.0
-            r7[t] = 0.0
         d = 0
         while d + 4 <= D:
             k0, k1 = src[d, off:off + m], src[d + 1, off:off + m]
@@ -421,6 +412,19 @@ def _scores(q, src, off, m, s, s0):
             h0, h1, h2, h3 = q[g0 + 5, d], q[g0 + 5, d + 1], q[g0 + 5, d + 2], q[g0 + 5, d + 3]
             i0, i1, i2, i3 = q[g0 + 6, d], q[g0 + 6, d + 1], q[g0 + 6, d + 2], q[g0 + 6, d + 3]
             j0, j1, j2, j3 = q[g0 + 7, d], q[g0 + 7, d + 1], q[g0 + 7, d + 2], q[g0 + 7, d + 3]
+            if d == 0:  # the first 4 dimensions set the scores (no zeroing pass: 5 % of the kernel at 4K)
+                for t in range(m):
+                    x0, x1, x2, x3 = k0[t], k1[t], k2[t], k3[t]
+                    r0[t] = a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
+                    r1[t] = b0 * x0 + b1 * x1 + b2 * x2 + b3 * x3
+                    r2[t] = c0 * x0 + c1 * x1 + c2 * x2 + c3 * x3
+                    r3[t] = e0 * x0 + e1 * x1 + e2 * x2 + e3 * x3
+                    r4[t] = f0 * x0 + f1 * x1 + f2 * x2 + f3 * x3
+                    r5[t] = h0 * x0 + h1 * x1 + h2 * x2 + h3 * x3
+                    r6[t] = i0 * x0 + i1 * x1 + i2 * x2 + i3 * x3
+                    r7[t] = j0 * x0 + j1 * x1 + j2 * x2 + j3 * x3
+                d += 4
+                continue
             for t in range(m):
                 x0, x1, x2, x3 = k0[t], k1[t], k2[t], k3[t]
                 r0[t] += a0 * x0 + a1 * x1 + a2 * x2 + a3 * x3
@@ -437,8 +441,12 @@ def _scores(q, src, off, m, s, s0):
             for g in range(g0, g0 + SCORE_HEADS):
                 qd = q[g, d]
                 sg = s[g, s0:s0 + m]
-                for t in range(m):
-                    sg[t] += qd * kd[t]
+                if d == 0:  # D < 4: no tiled pass set the scores
+                    for t in range(m):
+                        sg[t] = qd * kd[t]
+                else:
+                    for t in range(m):
+                        sg[t] += qd * kd[t]
             d += 1
         g0 += SCORE_HEADS
     for g in range(g0, G):

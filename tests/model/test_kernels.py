@@ -108,7 +108,7 @@ def test_softmax_top_k_matches_the_router():
 @pytest.mark.parametrize("T,contiguous,no_max,G_,D", [
     (1, True, True, 8, 16), (700, True, False, 8, 16), (1100, False, True, 8, 16),
     # heads and dimensions past the register tiles (8 heads x 4 dims for scores, 4 x 2 for values)
-    (900, True, True, 13, 18), (300, False, False, 3, 5)])
+    (900, True, True, 13, 18), (300, False, False, 3, 5), (200, True, True, 8, 3)])
 def test_attend_decode_matches_softmax_attention(T, contiguous, no_max, G_, D):
     cells = 1200
     q = (RNG.standard_normal((G_, D)) * 0.25).astype(F)
