@@ -37,7 +37,9 @@ class ConfirmModal(ModalScreen[bool | None]):
             yield Label(f"[b]{self.action_name}[/b]", id="confirm-title")
             yield Label(self.detail, id="confirm-detail")
             yield Label(f"Type the device name [b]{self.device_name}[/b] to confirm:")
-            yield Input(placeholder="device name", id="confirm-name")
+            name = Input(placeholder="device name", id="confirm-name")
+            name.cursor_blink = False  # steady, as the panes' inputs (widgets/inputs.py): no repaint twice a second
+            yield name
             with Horizontal(id="confirm-buttons"):
                 yield Button("Cancel", id="confirm-cancel", variant="primary")
                 yield Button(self.action_name, id="confirm-ok", variant="error", disabled=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from textual import events
+from textual.reactive import reactive
 from textual.widgets import Input
 
 
@@ -15,7 +16,12 @@ class HelpKeyInput(Input):
     processed the keys before it, so "what is two plus two?" typed fast opened the help and lost the
     message.) ``check_consume_key`` says "?" is not consumed, so the footer keeps naming the app's help key
     while the input has focus.
+
+    The cursor does not blink (shown steadily): a blinking cursor repaints the focused input's column twice
+    a second, the largest part of an idle console's CPU (``calconsole bench keys`` prints the idle CPU).
     """
+
+    cursor_blink = reactive(False, init=False)
 
     def check_consume_key(self, key: str, character: str | None) -> bool:
         if character == "?":

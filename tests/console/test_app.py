@@ -16,6 +16,23 @@ def system(make_system):
     return make_system(pacing=Pacing(PacingMode.REALTIME, speed=1.0), drain_timeout_s=0.5)
 
 
+async def test_inputs_show_a_steady_cursor_and_no_blink_timer_runs(system):
+    """A blinking cursor repainted the focused input's column twice a second: most of an idle console's CPU
+    (2.5 -> 1.6 % of a core in tmux, widgets/inputs.py). The cursor is shown, steadily, where one types."""
+    from textual.widgets import Input
+
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(170, 50)) as pilot:
+        inp = app.query_one("#chat-input", Input)
+        assert await wait_for(pilot, lambda: app.focused is inp)
+        assert all(i.cursor_blink is False for i in app.query(Input))
+        assert inp._cursor_visible  # shown while focused
+        assert inp._blink_timer is not None and not inp._blink_timer._active.is_set()  # paused: no repaints
+        await pilot.press("a")
+        assert await wait_for(pilot, lambda: inp.value == "a")
+        assert inp._cursor_visible and not inp._blink_timer._active.is_set()  # a key does not start it
+
+
 def set_max_tokens(app, n):
     app.query_one("#p-max-tokens").value = str(n)
 
@@ -96,6 +113,7 @@ async def test_reset_disabled_outside_exclusive_and_works_inside(system):
         assert await wait_for(pilot, lambda: len(app.screen_stack) == 2)
         modal = app.screen
         assert app.focused.id == "confirm-name"  # typing goes straight into the name field
+        assert app.focused.cursor_blink is False and app.focused._cursor_visible  # a steady cursor
         assert modal.query_one("#confirm-ok", Button).disabled
         await pilot.press("enter")  # Enter without the name: the default, Cancel
         assert await wait_for(pilot, lambda: len(app.screen_stack) == 1)
