@@ -89,6 +89,24 @@ def _settings_file_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch:
     monkeypatch.setenv("CALCONSOLE_CONFIG", str(tmp_path_factory.mktemp("cfg") / "config.yaml"))
 
 
+@pytest.fixture(autouse=True)
+def _textual_widget_caches_freed() -> Iterator[None]:
+    """After each test, drop what Textual's ``StylesCache.get_inner_outer`` cache keeps of the test's widgets.
+
+    It is an ``lru_cache(1024)`` on a method, so its keys hold the last 1024 ``StylesCache`` objects, one per
+    widget, with every rendered line each one caches: ~15-25k objects per console test stay alive after the
+    app is gone, ~330k after 30 console tests in one worker (~100k with this), and every full collection of
+    the rest of that worker's tests (the console's own ``gc.collect()`` at mount among them) walks them.
+    The cache only maps two colours to two styles; clearing it changes no picture.
+    """
+    yield
+    import sys
+
+    styles_cache = sys.modules.get("textual._styles_cache")
+    if styles_cache is not None:
+        styles_cache.StylesCache.get_inner_outer.cache_clear()
+
+
 @pytest.fixture
 def make_system(tmp_path: Path) -> Iterator[SystemFactory]:
     factory = SystemFactory(tmp_path)
