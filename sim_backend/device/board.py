@@ -35,7 +35,7 @@ from sim_backend.device.registers import RegisterFile
 from sim_backend.errors import CCUException, DeviceError, DeviceNotReady, DeviceReset, LinkError, SubmitError
 from sim_backend.model.batching import expected_union_touched, price_decode_batch
 from sim_backend.model.costmodel import CostModel
-from sim_backend.model.families import build_numerics
+from sim_backend.model.families import build_numerics, weights_stage
 from sim_backend.model.numerics import ShardedModel
 
 _DEFAULT_PACING = Pacing()  # frozen: one shared default is safe
@@ -153,8 +153,11 @@ class SimulatedBoard:
                 self.model = NumericsProcess(self.shape, self.bundle.numeric, n_cells, cost_model=cm,
                                              progress=self._numerics_progress)
             else:
-                model = build_numerics(self.shape, self.bundle.numeric, n_cells)
                 say = self._numerics_progress
+                note = weights_stage(self.shape, self.bundle.numeric)
+                if say is not None and note is not None:
+                    say(note)
+                model = build_numerics(self.shape, self.bundle.numeric, n_cells)
                 if hasattr(model, "warm_up"):
                     model.warm_up(None if say is None else
                                   lambda i, n, stage: say(f"compiling numerics kernels, {i}/{n}: {stage}"))

@@ -102,9 +102,12 @@ def _serve(conn: Any, shape: ModelShape, num: NumericShape, n_cells: int, cost_m
     and the worker writes it only while answering a call, so they never overlap.
     """
     # sim_backend/__init__ pins BLAS to one thread before numpy loads
-    from sim_backend.model.families import build_numerics
+    from sim_backend.model.families import build_numerics, weights_stage
 
     try:
+        note = weights_stage(shape, num)
+        if note is not None:
+            conn.send((None, ("say", note)))
         model = build_numerics(shape, num, n_cells, source=source)
     except Exception as e:  # noqa: BLE001 - weights that do not load: a typed start failure
         conn.send((False, f"loading the weights failed: {type(e).__name__}: {e}"))
@@ -288,11 +291,15 @@ class NumericsProcess:
             ok, payload = self._recv_one(op, max(0.0, deadline - time.monotonic()), timeout)
             if ok is not None:
                 break
+            if self._progress is None:
+                continue
+            if payload[0] == "say":  # a start stage said as it is (building the weights: ``weights_stage``)
+                self._progress(payload[1])
+                continue
             # a start stage (i, n, name) that is compiling (the worker says so only then: ``warm_up``)
             _, i, n, stage = payload
-            if self._progress is not None:
-                self._progress(f"compiling numerics kernels, {i}/{n}: {stage} (first start after install; "
-                               "later starts load them from the disk cache)")
+            self._progress(f"compiling numerics kernels, {i}/{n}: {stage} (first start after install; "
+                           "later starts load them from the disk cache)")
         if not ok:
             raise DeviceError(f"numerics process failed in {op}: {payload}")
         return payload

@@ -129,3 +129,22 @@ def test_mapped_tensors_read_what_the_parse_read(bundle):
     bad = tuple((n, k, r, c, off + 10**9, nb) for n, k, r, c, off, nb in table)
     with pytest.raises(ManifestError, match="outside"):
         MappedTensors(bundle.numeric.weights_file, bad)
+
+
+def test_the_pilot_start_says_what_it_does(bundle, weights):
+    """A worker start says that it builds the weights (every start) before anything else; warm-up announces
+    compiling only when numba compiles: a second warm-up in the same process (kernels in memory) says nothing."""
+    from sim_backend.device.numerics_worker import NumericsProcess
+
+    lines: list[str] = []
+    proc = NumericsProcess(bundle.shape, bundle.numeric, 16, progress=lines.append)
+    try:
+        assert lines and lines[0].startswith("building the weights from SmolLM2-135M-Instruct.Q4_1.gguf")
+        assert all(line.startswith("compiling numerics kernels, 1/1: dense step") for line in lines[1:])
+    finally:
+        proc.close()
+    m = DenseShardedModel(bundle.shape, bundle.numeric, 16, weights=weights)
+    m.warm_up()
+    said: list[tuple[int, int, str]] = []
+    m.warm_up(lambda i, n, s: said.append((i, n, s)))
+    assert said == []

@@ -161,10 +161,14 @@ def test_swiglu_is_ggml_swiglu_split(lib):
     assert np.array_equal(act, ref, equal_nan=True)
 
 
-@pytest.mark.parametrize(("nq", "used", "nkv"), [(1, 1, 256), (1, 200, 256), (7, 40, 256), (63, 100, 256),
-                                                 (64, 64, 256), (130, 200, 256), (1, 600, 1024)])
-def test_flash_attention_is_ggml_flash_attn_ext(lib, nq, used, nkv):
-    """3 query heads on 1 KV head, F16 K/V, causal mask: the last ``nq`` of ``used`` positions query."""
+@pytest.mark.parametrize(("nq", "used", "nkv", "scattered"),
+                         [(1, 1, 256, False), (1, 200, 256, False), (7, 40, 256, False), (63, 100, 256, False),
+                          (64, 64, 256, False), (130, 200, 256, False), (1, 600, 1024, False), (3, 150, 256, True),
+                          (70, 150, 256, True)])
+def test_flash_attention_is_ggml_flash_attn_ext(lib, nq, used, nkv, scattered):
+    """3 query heads on 1 KV head, F16 K/V, causal mask: the last ``nq`` of ``used`` positions query.
+    ``scattered``: our cache holds the keys in shuffled cells of a larger cache (a sequence whose cells are
+    not one run): the same result."""
     rng = np.random.default_rng(nq * 1000 + used)
     nh, D = 3, 64
     q = (rng.standard_normal((1, nh, nq, D)) * 2).astype(F32)
@@ -179,20 +183,25 @@ def test_flash_attention_is_ggml_flash_attn_ext(lib, nq, used, nkv):
                                     g.tensor(T_F16, v.shape, v), g.tensor(T_F16, mask.shape, mask), F32(0.125),
                                     F32(0.0), F32(0.0))
         ref = g.compute(t, (nq, nh, D))
-    kc, vc = k[0, 0].astype(F32), v[0, 0].astype(F32)
+    kt, vc = np.ascontiguousarray(k[0, 0].astype(F32).T), v[0, 0].astype(F32)  # K transposed (D, cells) as cached
     cells, ends = np.arange(used, dtype=np.int64), (pos_q + 1).astype(np.int64)
+    if scattered:
+        cells = rng.permutation(2 * nkv)[:used].astype(np.int64)
+        kt2, vc2 = np.zeros((D, 2 * nkv), F32), np.zeros((2 * nkv, D), F32)
+        kt2[:, cells], vc2[cells] = kt[:, :used], vc[:used]
+        kt, vc = kt2, vc2
     out = np.empty((nq, nh, D), F32)
     T = dk.FA_TILE
     for h in range(nh):
         if nq >= T:
             oh = np.empty((nq, D), F32)
             for q0 in range(0, nq, T):
-                dk.attend_tiled(np.ascontiguousarray(q[0, h]), q0, min(T, nq - q0), kc, vc, cells, ends, D, F32(0.125),
+                dk.attend_tiled(np.ascontiguousarray(q[0, h]), q0, min(T, nq - q0), kt, vc, cells, ends, D, F32(0.125),
                                 np.empty(T, F32), np.empty(T, F32), np.empty(T, F32), np.empty((T, D), F32),
                                 np.empty((D, T), F32), oh)
             out[:, h] = oh
         else:
             for i in range(nq):
-                dk.attend_one(q[0, h, i], kc, vc, cells, ends[i], D, F32(0.125), np.empty(D, F32), np.empty(D, F32),
-                              np.empty(used, F32), out[i, h])
+                dk.attend_one(q[0, h, i], kt, vc, cells, ends[i], D, F32(0.125), np.empty(D, F32), np.empty(D, F32),
+                              np.empty(used, F32), np.empty(used, F32), np.empty((D, used), F32), out[i, h])
     assert np.array_equal(out, ref), np.abs(out - ref).max()

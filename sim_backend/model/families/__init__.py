@@ -32,6 +32,18 @@ def weights_source(shape: ModelShape, num: NumericShape) -> Any:
     return f.tensor_table()
 
 
+def weights_stage(shape: ModelShape, num: NumericShape) -> str | None:
+    """The start-up line of a family whose weights take a while to build on every start (the pilot: its
+    GGUF's quantised blocks read and packed for the dense kernels, several seconds on a busy 2-core host),
+    or None (synthetic weights: nothing to say)."""
+    if shape.is_moe or num.weights != "gguf":
+        return None
+    from pathlib import Path
+
+    return (f"building the weights from {Path(num.weights_file).name} (its Q4_1 / Q8_0 blocks packed for the "
+            "dense kernels; every start)")
+
+
 def build_numerics(shape: ModelShape, num: NumericShape, n_cells: int, kernels: str | None = None,
                    source: Any = None) -> Any:
     """The sharded numerics of ``shape``'s family with ``n_cells`` KV cells per chip.

@@ -7,8 +7,9 @@ the activation row entering each product to 8-bit blocks of 32 (Q8_1 for Q4_1 we
 ``round(x * 127 / amax)``, scale ``amax / 127`` and the scaled code sum, both stored as F16; Q8_0 for
 Q8_0 weights) and sums integer dot products per block. This module does the same arithmetic in the same
 order, so that the pilot's logits are llama.cpp's (the x86-64 AVX2 + FMA + F16C build of ggml that the
-``xllamacpp`` wheel ships, whose ``llama-server`` the tests run), and reads 1 byte a weight (the codes):
-the decode step streams ~134 MB.
+``xllamacpp`` wheel ships, whose ``llama-server`` the tests run). The weights are repacked at load for
+the products (``pack_q4_1`` / ``pack_q8_0``: groups of 8 outputs, Q4_1 two codes a byte, F16 scales), so a
+decode step streams ~96 MB (the GGUF's own 0.625 B a Q4_1 weight, 1.06 B a Q8_0 weight).
 
 What is emulated, operation by operation (ggml-cpu's ``arch/x86/quants.c``, ``vec.h`` / ``vec.cpp``,
 ``ops.cpp``; checked bit for bit against the wheel's own functions, ``tests/real/test_pilot_ggml_ops.py``):
@@ -18,7 +19,8 @@ What is emulated, operation by operation (ggml-cpu's ``arch/x86/quants.c``, ``ve
 - the block dot products (``ggml_vec_dot_q4_1_q8_1`` / ``q8_0_q8_0``, AVX2): the integer products of a
   block summed in 8 lanes of 4 weights each, each lane accumulated over the blocks by a fused multiply-add
   with the float32 product of the two F16 scales, the 8 lanes added pairwise (``hsum_float_8``), then the
-  Q4_1 minimums' term, itself accumulated by fused multiply-adds (``quant_matmul``, ``_accumulate``);
+  Q4_1 minimums' term, itself accumulated by fused multiply-adds (``quant_matmul``: 8 outputs at a time
+  in explicit 8-wide vectors, ``_group_fn``, so that the 8 lanes stay in registers over the blocks);
 - a product whose input rows are split over the chips (the output and down projections) is one
   accumulation over all of its input blocks in chip order, as llama.cpp's one product over the whole row
   (the lanes are carried chip to chip before the pairwise sum: ``dense_forward``);
@@ -538,69 +540,94 @@ def rope_rotate(v, nh, D, cos, sin):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", boundscheck=False, inline="always")
-def _lane64(kc, cell, q16, a):
-    """Lane a of ggml_vec_dot_f16's 4 x 8 accumulators over a 64-element row, the 4 vectors already added as
-    its reduce does: (v0 + v2) + (v1 + v3), v_j = fma(k[32 + 8j + a], q[32 + 8j + a], k[8j + a] q[8j + a])."""
-    v0 = fma32(kc[cell, 32 + a], q16[32 + a], kc[cell, a] * q16[a])
-    v1 = fma32(kc[cell, 40 + a], q16[40 + a], kc[cell, 8 + a] * q16[8 + a])
-    v2 = fma32(kc[cell, 48 + a], q16[48 + a], kc[cell, 16 + a] * q16[16 + a])
-    v3 = fma32(kc[cell, 56 + a], q16[56 + a], kc[cell, 24 + a] * q16[24 + a])
+def _lane64(kt, t, q16, a):
+    """Lane a of ggml_vec_dot_f16's 4 x 8 accumulators over a 64-element key (column t of kt (64, > t)), the 4
+    vectors already added as its reduce does: (v0 + v2) + (v1 + v3), v_j = fma(k[32 + 8j + a], q[32 + 8j + a],
+    k[8j + a] q[8j + a])."""
+    v0 = fma32(kt[32 + a, t], q16[32 + a], kt[a, t] * q16[a])
+    v1 = fma32(kt[40 + a, t], q16[40 + a], kt[8 + a, t] * q16[8 + a])
+    v2 = fma32(kt[48 + a, t], q16[48 + a], kt[16 + a, t] * q16[16 + a])
+    v3 = fma32(kt[56 + a, t], q16[56 + a], kt[24 + a, t] * q16[24 + a])
     return (v0 + v2) + (v1 + v3)
 
 
 @kernel()
-def _scores_f16(kc, q16, ctx_cells, e, D, scale, sc):
-    """sc[t] = ggml_vec_dot_f16(K[ctx_cells[t]], q16) * scale for the first e keys (AVX2 + F16C + FMA): per
-    key 4 x 8 float32 lanes of fused multiply-adds over steps of 32 elements (lane a of vector j holds
-    elements 32 i + 8 j + a), reduced (v0 + v2) + (v1 + v3), then the 8 lanes' halves and two horizontal adds;
-    leftover elements (D % 32) added in float64. kc (cells, D) float32 holding F16 values, q16 (D,) the query
-    rounded to F16; sc (>= e,) float32."""
+def _scores_f16(kt, c0, q16, e, D, scale, sc):
+    """sc[t] = ggml_vec_dot_f16(K[:, c0 + t], q16) * scale for the first e keys, columns c0.. of kt (D, cells)
+    (C-contiguous; c0 >= 0) (AVX2 + F16C
+    + FMA): per key 4 x 8 float32 lanes of fused multiply-adds over steps of 32 elements (lane a of vector j
+    holds elements 32 i + 8 j + a), reduced (v0 + v2) + (v1 + v3), then the 8 lanes' halves and two
+    horizontal adds; leftover elements (D % 32) added in float64. kt float32 holding F16 values, q16 (D,) the
+    query rounded to F16; sc (>= e,) float32. Keys are columns so that the pilot's head dim (64) runs one
+    key per vector element: every key's operations are the same, in the same order, 8 keys at once."""
     npd = D - D % 32
+    if npd == 64 and D == 64:  # the pilot's head dim: two steps, written out (no stores), vectorised over keys
+        for t in range(e):
+            col = np.uint64(c0 + t)  # unsigned: no negative-index fix-up, so the loads stay contiguous
+            r0 = _lane64(kt, col, q16, 0)
+            r1 = _lane64(kt, col, q16, 1)
+            r2 = _lane64(kt, col, q16, 2)
+            r3 = _lane64(kt, col, q16, 3)
+            r4 = _lane64(kt, col, q16, 4)
+            r5 = _lane64(kt, col, q16, 5)
+            r6 = _lane64(kt, col, q16, 6)
+            r7 = _lane64(kt, col, q16, 7)
+            sc[t] = (((r0 + r4) + (r1 + r5)) + ((r2 + r6) + (r3 + r7))) * scale
+        return
     r = np.empty(8, dtype=np.float32)
     for t in range(e):
-        cell = ctx_cells[t]
-        if npd == 64:  # the pilot's head dim: two steps, written out (no stores) so that the 8 lanes vectorise
-            r0 = _lane64(kc, cell, q16, 0)
-            r1 = _lane64(kc, cell, q16, 1)
-            r2 = _lane64(kc, cell, q16, 2)
-            r3 = _lane64(kc, cell, q16, 3)
-            r4 = _lane64(kc, cell, q16, 4)
-            r5 = _lane64(kc, cell, q16, 5)
-            r6 = _lane64(kc, cell, q16, 6)
-            r7 = _lane64(kc, cell, q16, 7)
-            sc[t] = np.float32(np.float64(((r0 + r4) + (r1 + r5)) + ((r2 + r6) + (r3 + r7)))) * scale
-            continue
-        else:
-            for a in range(8):
-                v0 = np.float32(0.0)
-                v1 = np.float32(0.0)
-                v2 = np.float32(0.0)
-                v3 = np.float32(0.0)
-                for i0 in range(0, npd, 32):
-                    v0 = fma32(kc[cell, i0 + a], q16[i0 + a], v0)
-                    v1 = fma32(kc[cell, i0 + 8 + a], q16[i0 + 8 + a], v1)
-                    v2 = fma32(kc[cell, i0 + 16 + a], q16[i0 + 16 + a], v2)
-                    v3 = fma32(kc[cell, i0 + 24 + a], q16[i0 + 24 + a], v3)
-                r[a] = (v0 + v2) + (v1 + v3)
+        for a in range(8):
+            v0 = np.float32(0.0)
+            v1 = np.float32(0.0)
+            v2 = np.float32(0.0)
+            v3 = np.float32(0.0)
+            for i0 in range(0, npd, 32):
+                v0 = fma32(kt[i0 + a, c0 + t], q16[i0 + a], v0)
+                v1 = fma32(kt[i0 + 8 + a, c0 + t], q16[i0 + 8 + a], v1)
+                v2 = fma32(kt[i0 + 16 + a, c0 + t], q16[i0 + 16 + a], v2)
+                v3 = fma32(kt[i0 + 24 + a, c0 + t], q16[i0 + 24 + a], v3)
+            r[a] = (v0 + v2) + (v1 + v3)
         sf = np.float64(((r[0] + r[4]) + (r[1] + r[5])) + ((r[2] + r[6]) + (r[3] + r[7])))
         for d in range(npd, D):
-            sf += np.float64(kc[cell, d] * q16[d])
+            sf += np.float64(kt[d, c0 + t] * q16[d])
         sc[t] = np.float32(sf) * scale
 
 
 @kernel()
-def attend_one(qrow, kc, vc, ctx_cells, e, D, scale, q16, acc, sc, out):
+def context_keys(kt, ctx_cells, e, kg):
+    """Where the first e context keys' columns are, as (array, first column): (kt (D, cells), their first cell)
+    when their cells are one run (a sequence's cells usually are), else gathered into kg (D, >= e): (kg, 0)."""
+    c0 = ctx_cells[0] if e > 0 else 0
+    run = True
+    for t in range(e):
+        if ctx_cells[t] != c0 + t:
+            run = False
+            break
+    if run:
+        return kt, c0
+    for d in range(kt.shape[0]):
+        for t in range(e):
+            kg[d, t] = kt[d, ctx_cells[t]]
+    return kg, 0
+
+
+@kernel()
+def attend_one(qrow, kt, vc, ctx_cells, e, D, scale, q16, acc, sc, msa, kg, out):
     """One query of one head as ggml_compute_forward_flash_attn_ext_f16_one_chunk (F16 K/V): q rounded to F16,
     for each of the first e keys in ctx order a ggml_vec_dot_f16 score times ``scale`` (``_scores_f16``), an
     online softmax (on a new maximum M: ``ms = expf(Mold - M)``, the F16 accumulator scaled by ms and
     rounded; else ``vs = expf(s - M)``), ``acc = f16(fma(v, vs, acc))``, ``S = S * ms + vs``; out = acc *
     (1 / S).
 
-    qrow (D,) float32; kc / vc (cells, D) float32 holding F16 values; q16 / acc (D,), sc (>= e,) scratch."""
+    qrow (D,) float32; kt (D, cells) the keys transposed, vc (cells, D), float32 holding F16 values; q16 / acc
+    (D,), sc / msa (>= e,), kg (D, >= e) scratch (``context_keys``), kt and kg C-contiguous."""
     for d in range(D):
         q16[d] = f16_round(qrow[d])
         acc[d] = 0.0
-    _scores_f16(kc, q16, ctx_cells, e, D, scale, sc)
+    keys, c0 = context_keys(kt, ctx_cells, e, kg)
+    _scores_f16(keys, c0, q16, e, D, scale, sc)
+    # the softmax's factors first (they depend on the scores alone), so that the value chain below does not
+    # wait on expf: sc[t] becomes vs, msa[t] ms (1 where no new maximum: scaling by it changes nothing)
     M = np.float32(-np.inf)
     S = np.float32(0.0)
     for t in range(e):
@@ -610,21 +637,27 @@ def attend_one(qrow, kc, vc, ctx_cells, e, D, scale, q16, acc, sc, out):
         if s > M:
             ms = expf(M - s)
             M = s
-            for d in range(D):
-                acc[d] = f16_round(acc[d] * ms)
         else:
             vs = expf(s - M)
-        vr = vc[ctx_cells[t]]
-        for d in range(D):
-            acc[d] = f16_round(fma32(vr[d], vs, acc[d]))
         S = S * ms + vs
+        sc[t] = vs
+        msa[t] = ms
+    for t in range(e):
+        ms = msa[t]
+        if ms != np.float32(1.0):
+            for d in range(D):
+                acc[d] = f16_round(acc[d] * ms)
+        vs = sc[t]
+        cell = ctx_cells[t]
+        for d in range(D):
+            acc[d] = f16_round(fma32(vc[cell, d], vs, acc[d]))
     inv = np.float32(1.0) / S if S != np.float32(0.0) else np.float32(0.0)
     for d in range(D):
         out[d] = acc[d] * inv
 
 
 @kernel()
-def attend_tiled(q, q0, R, kc, vc, ctx_cells, ends, D, scale, kq, Ms, Ss, vkq, ktile, out):
+def attend_tiled(q, q0, R, kt, vc, ctx_cells, ends, D, scale, kq, Ms, Ss, vkq, ktile, out):
     """R (<= 64) queries q[q0:q0+R] (rows (D,) float32) of one head as ggml's tiled CPU flash attention: for
     each tile of 64 keys (sequence positions kt0..kt0+63; skipped when no query of the tile sees any), the
     scores as float32 chains of fused multiply-adds over D (q float32, K F16) times ``scale``, masked keys
@@ -632,8 +665,9 @@ def attend_tiled(q, q0, R, kc, vc, ctx_cells, ends, D, scale, kq, Ms, Ss, vkq, k
     probabilities ``v_expf(s - Mnew)`` summed 8 at a time (hsum_float_8) into a float64 that is added to S,
     the accumulator += p v as chains of fused multiply-adds over the tile's keys; out = acc * (1 / S).
 
-    ends (n,) int64: query i sees the first ends[i] keys of ctx_cells; kq (64,), Ms / Ss (64,), vkq (64, D),
-    ktile (D, 64) float32 scratch; out (>= q0+R, D) float32 the rows written."""
+    kt (D, cells) the keys transposed, vc (cells, D), float32 holding F16 values; ends (n,) int64: query i
+    sees the first ends[i] keys of ctx_cells; kq (64,), Ms / Ss (64,), vkq (64, D), ktile (D, 64) float32
+    scratch; out (>= q0+R, D) float32 the rows written."""
     T = ctx_cells.shape[0]
     for tq in range(R):
         Ms[tq] = -np.inf
@@ -648,10 +682,9 @@ def attend_tiled(q, q0, R, kc, vc, ctx_cells, ends, D, scale, kq, Ms, Ss, vkq, k
             continue
         # the tile's keys transposed (D x 64, as ggml's K_f32), so each score's chain over d runs in vector lanes
         nk = min(FA_TILE, T - kt0)
-        for tk in range(nk):
-            cell = ctx_cells[kt0 + tk]
-            for d in range(D):
-                ktile[d, tk] = kc[cell, d]
+        for d in range(D):
+            for tk in range(nk):
+                ktile[d, tk] = kt[d, ctx_cells[kt0 + tk]]
         for tq in range(R):
             e = ends[q0 + tq]
             for tk in range(FA_TILE):
@@ -713,11 +746,12 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
     their positions; new_cells (n,) int64 where their K/V go; ctx_cells (T,) int64 the sequence's cells in
     position order (the new ones included), ends (n,) int64: query i sees ctx_cells[:ends[i]]. eps float32,
     D head dim. Per chip c (tuples indexed by chip; hq/hkv/fc/vocab0 int64 arrays (C,)): its Q heads hq[c],
-    KV heads hkv[c], MLP columns fc[c], first vocabulary id vocab0[c]; its shards' codes (transposed: inputs
-    x outputs), scales and minimums (blocks x outputs) stacked over layers: qkv (L, H, (hq+2hkv) D) Q4_1
-    (q, k, v outputs); wo (L, hq D, H) Q4_1 (its input rows); gu (L, H, 2 fc) Q4_1 (gate then up); dn
-    (L, fc, H) Q4_1 (its input rows); lm (H, Vc) Q8_0 its vocabulary (lm_m zeros); k_cache / v_cache
-    (L, hkv, cells, D) float32 holding F16 values. norms (L, 2, H) float32 (attention, MLP), final_norm (H,).
+    KV heads hkv[c], MLP columns fc[c], first vocabulary id vocab0[c]; its shards' codes, scales and
+    minimums packed (``pack_q4_1``, stacked over layers) for products of K inputs to N outputs: qkv (K = H,
+    N = (hq+2hkv) D) Q4_1 (q, k, v outputs); wo (hq D, H) Q4_1 (its input rows); gu (H, 2 fc) Q4_1 (gate
+    then up); dn (fc, H) Q4_1 (its input rows); lm (H, Vc) Q8_0 its vocabulary (``pack_q8_0``, not stacked);
+    k_cache (L, hkv, D, cells) the keys transposed, v_cache (L, hkv, cells, D), float32 holding F16 values.
+    norms (L, 2, H) float32 (attention, MLP), final_norm (H,).
     Writes the last token's logits (V,) float32.
 
     Tensor parallel as the device: every chip computes its heads' attention and its share of the output and
@@ -758,6 +792,8 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
     q16 = np.empty(D, dtype=np.float32)
     acc = np.empty(D, dtype=np.float32)
     sc = np.empty(ctx_cells.shape[0], dtype=np.float32)
+    msa = np.empty(ctx_cells.shape[0], dtype=np.float32)
+    kg = np.empty((D, ctx_cells.shape[0]), dtype=np.float32)
     kq = np.empty(FA_TILE, dtype=np.float32)
     Ms = np.empty(FA_TILE, dtype=np.float32)
     Ss = np.empty(FA_TILE, dtype=np.float32)
@@ -779,7 +815,7 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
                 cell = new_cells[i]
                 for hk in range(hkv[c]):
                     for d in range(D):
-                        kc[li, hk, cell, d] = f16_round(proj[i, (hq[c] + hk) * D + d])
+                        kc[li, hk, d, cell] = f16_round(proj[i, (hq[c] + hk) * D + d])
                         vc[li, hk, cell, d] = f16_round(proj[i, (hq[c] + hkv[c] + hk) * D + d])
             G = hq[c] // hkv[c]
             w = hq[c] * D
@@ -800,8 +836,8 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
                                 o[i, qo + d] = oh[i, d]
                     else:
                         for i in range(n):
-                            attend_one(proj[i, qo:qo + D], kl, vl, ctx_cells, ends[i], D, scale, q16, acc, sc,
-                                        o[i, qo:qo + D])
+                            attend_one(proj[i, qo:qo + D], kl, vl, ctx_cells, ends[i], D, scale, q16, acc, sc, msa,
+                                       kg, o[i, qo:qo + D])
             quantise_rows(o[:, :w], oq[c, :, :w], od[c, :, :w // QK], osum[c, :, :w // QK])
         chained_matmul(wo_c, wo_d, wo_m, li, oq, od, osum, scratch, x, True)
         for i in range(n):

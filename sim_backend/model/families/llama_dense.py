@@ -24,7 +24,9 @@ float32 activations and K/V) on one device, for tests: the exact model the quant
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -211,8 +213,9 @@ class DenseChip:
     N = 2 fc); ``down`` its input rows of the down projection (K = fc, N = H); ``norms`` (L, 2, H) float32
     (replicated). ``lm_head`` / ``lm_d`` / ``lm_m`` its vocabulary's Q8_0 rows packed (``pack_q8_0``: (G,
     H/32, 256) int8 codes, (G, H/32, 8) F16 bits of scales and zeros), ``lm_bias`` (Vc,) zeros;
-    chip0 also the embedding ``embed`` (V, H) int8 codes and ``embed_d``. KV: ``k_cache`` / ``v_cache``
-    float32 (L, hkv, cells, D) holding F16 values. ``layers`` is empty (no per-layer dicts).
+    chip0 also the embedding ``embed`` (V, H) int8 codes and ``embed_d``. KV: ``k_cache`` (L, hkv, D, cells)
+    (the keys transposed: a decode step's scores run over the keys in vector lanes) and ``v_cache`` (L, hkv,
+    cells, D), float32 holding F16 values. ``layers`` is empty (no per-layer dicts).
     """
 
     def __init__(self, chip: int, shape: ModelShape, w: DenseWeights, n_cells: int) -> None:
@@ -246,7 +249,7 @@ class DenseChip:
         self.final_norm = w.final_norm.astype(F32)
         self.embed = np.ascontiguousarray(w.embed.codes) if chip == 0 else None
         self.embed_d = np.ascontiguousarray(w.embed.d) if chip == 0 else None
-        self.k_cache = lazy_zeros((L, self.hkv, n_cells, D))
+        self.k_cache = lazy_zeros((L, self.hkv, D, n_cells))
         self.v_cache = lazy_zeros((L, self.hkv, n_cells, D))
 
 
@@ -269,7 +272,8 @@ class DenseShardedModel(CellKV):
         self.chips = [DenseChip(c, shape, w, n_cells) for c in range(shape.n_chips)]
 
     def _kv_arrays(self) -> list[tuple[np.ndarray, int]]:
-        return [(a, 2) for c in self.chips for a in (c.k_cache, c.v_cache)]  # (L, hkv, cells, D) per chip
+        # per chip K (L, hkv, D, cells), V (L, hkv, cells, D)
+        return [kv for c in self.chips for kv in ((c.k_cache, 3), (c.v_cache, 2))]
 
     def clear_kv(self) -> None:
         """Zero every chip's KV cache (fresh zero pages; nothing is written)."""
@@ -282,15 +286,34 @@ class DenseShardedModel(CellKV):
 
     def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
         """Compile (or load from numba's disk cache) the step kernel: a 2-token prefill and one decode on
-        cells 0..2, then zero the KV. Returns host wall seconds."""
+        cells 0..2, then zero the KV. ``progress(1, 1, stage)`` is called once when the kernels start
+        compiling, and only then (numba's ``numba:compile`` event, as ``numerics.ShardedModel.warm_up``):
+        a start that loads them from the disk cache says nothing. Returns host wall seconds."""
         import time
 
+        from numba.core import event
+
         t0 = time.perf_counter()
-        (progress or (lambda _i, _n, _s: None))(1, 1, "dense step (quantised projections, attention, LM head)")
+        say = progress or (lambda _i, _n, _s: None)
+        told = [False]
+        lock = threading.Lock()
+
+        class Compiling(event.Listener):
+            def on_start(self, ev: Any) -> None:
+                with lock:
+                    if told[0]:
+                        return
+                    told[0] = True
+                say(1, 1, "dense step (quantised projections, attention, LM head)")
+
+            def on_end(self, ev: Any) -> None:
+                pass
+
         two = np.arange(2, dtype=np.int64)
-        self.forward(two, two, two.copy(), two.copy(), two.copy())
         three = np.arange(3, dtype=np.int64)
-        self.forward(three[2:], three[2:], three[2:], three, three.copy())
+        with event.install_listener("numba:compile", Compiling()):
+            self.forward(two, two, two.copy(), two.copy(), two.copy())
+            self.forward(three[2:], three[2:], three[2:], three, three.copy())
         self.clear_kv()
         return time.perf_counter() - t0
 
