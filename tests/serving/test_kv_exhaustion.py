@@ -88,17 +88,17 @@ def test_request_waiting_for_kv_does_not_block_others_and_gets_cells_when_freed(
 def test_when_every_running_request_waits_for_kv_the_newest_is_ended_at_once():
     """4 slots on 260 cells, each request wanting ~300: all would park and wait out the deadline.
     The engine ends the newest at once so the others can finish; nothing waits the full 30 s."""
-    import time as _t
-
     with build_system(numerics=False, kv_cells=260, kv_timeout_s=30.0, n_slots=4, maintenance=False) as s:
-        t0 = _t.monotonic()
         hs = [s.inference.submit(ChatRequest.from_prompt(f"w{i} " * 10, max_tokens=300,
                                                          sampling=SamplingParams(temperature=0.0))) for i in range(4)]
         rs = [h.result(RESULT_S) for h in hs]
-        assert _t.monotonic() - t0 < 20  # no request waited out its 30 s deadline
         statuses = [r.status for r in rs]
         assert "failed" in statuses and all(st in ("finished", "failed") for st in statuses)
         assert all(r.error["type_name"] == "KVExhausted" for r in rs if r.status == "failed")
+        # each was ended by the deadlock rule, none by its 30 s deadline (was a wall bound, < 20 s: a loaded
+        # host can take that long for 4 x 300 fast-paced tokens; the reason says which rule ended it)
+        assert all("every running request was waiting for KV cells" in r.error["message"]
+                   for r in rs if r.status == "failed"), [r.error for r in rs]
         assert all(v >= 0 for r in rs for v in r.timings.host_ms.values())  # no negative host stage
         snap = s.observation.snapshot().to_dict()
         assert snap["kv"]["waits"] <= 4  # requests that waited, not parkings
