@@ -244,23 +244,25 @@ def test_reset_that_cannot_stop_the_device_times_out_with_a_typed_error(system, 
     lease = m.enter_exclusive("alice")
     release = threading.Event()
     running = threading.Event()
+    left = threading.Event()
     orig = b._execute
 
     def stuck(job, gen):  # a device thread that ignores the reset interrupt
         running.set()
-        release.wait(10)
+        release.wait(60)
+        left.set()
         return orig(job, gen)
 
     monkeypatch.setattr(b, "_execute", stuck)
     cells = b.kv.apply(10, 1, timeout=1.0, positions=[0])
     ctx, pos = b.kv.seq_cells(10)
     job = b.submit("decode", 10, np.array([1]), np.array([0]), np.asarray(cells), ctx, pos)
-    assert running.wait(10)  # the device thread is in the job
+    assert running.wait(60)  # the device thread is in the job
     m.reset_timeout_s = 0.3
-    t0 = time.perf_counter()
     with pytest.raises(DeviceError, match="still busy"):
         m.reset(lease)
-    assert time.perf_counter() - t0 < 2.0
+    # gave up after its own timeout, with the device still in the job (was a < 2 s wall bound, which load can pass)
+    assert not left.is_set()
     with pytest.raises(DeviceReset):
         job.wait(0.1)  # the handle was failed at once anyway
     release.set()
