@@ -88,6 +88,8 @@ async def test_escape_cancels_and_marks_reply(system):
         assert await wait_for(pilot, lambda: app.query_one("#chat")._stream_text)  # a reply is streaming
         await pilot.press("escape")
         assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None)
+        # the reply line is written in slices (WrapLog.pending): read the log once all of it is drawn
+        assert await wait_for(pilot, lambda: not app.query_one("#chat-log").pending)
         lines = log_lines(app, "#chat-log")
         assert any("[cancelled:" in line for line in lines)
         # the prompt comes back to edit or resend, the cursor at its end (it was at the start)
