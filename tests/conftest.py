@@ -63,6 +63,90 @@ def pytest_configure(config: pytest.Config) -> None:
             os.environ.pop(var, None)
         else:
             os.environ[var] = value
+    _start_kernel_warmer(config)
+    _wait_for_warm_kernels()
+
+
+_WARM_ENV = "CALCONSOLE_TESTS_WARM_LOCKS"
+
+
+def _start_kernel_warmer(config: pytest.Config) -> None:
+    """In the pytest-xdist controller: compile the numerics kernels once, in ``tests/warm_kernels.py``.
+
+    Started before the workers (they are spawned after ``pytest_configure``), it runs beside their start-up
+    and first files. It holds one exclusive ``flock`` per kernel family (the MoE model's, the dense pilot's)
+    until that family is in numba's cache; the workers learn the lock files from ``CALCONSOLE_TESTS_WARM_LOCKS``
+    (the environment they inherit). Nothing without workers (``-n 0``, a single file) or in a worker.
+    """
+    import fcntl
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    if os.environ.get("PYTEST_XDIST_WORKER") or not getattr(config.option, "numprocesses", None):
+        return
+    locks = tempfile.mkdtemp(prefix="calconsole-tests-warm-")
+    fds = []
+    for name in ("moe.lock", "dense.lock"):
+        fd = os.open(os.path.join(locks, name), os.O_CREAT | os.O_RDWR, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        fds.append(fd)
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    try:
+        _WARMER.append(subprocess.Popen([sys.executable, "-m", "tests.warm_kernels", *map(str, fds)], cwd=root,
+                                        env=env, pass_fds=fds, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        os.environ[_WARM_ENV] = locks
+    finally:
+        for fd in fds:
+            os.close(fd)  # the warmer's copies hold the locks now (or nobody's, if it did not start)
+
+
+_WARMER: list[Any] = []
+
+
+def _wait_for_warm_kernels() -> None:
+    """In a worker: the first numba compilation of a kernel waits for the warmer's lock of its family.
+
+    ``Dispatcher._compile_for_args`` is where numba goes for a call with no compiled version in this process
+    (it then loads the disk cache or compiles). Waiting there (a shared ``flock``: returns when the warmer has
+    closed its exclusive one, at once if it already has) makes the first call of each kernel find what the
+    warmer wrote instead of compiling it beside it. One wait per family; a process without the variable
+    (no warmer) is left as it is.
+    """
+    import fcntl
+    import os
+
+    locks = os.environ.get(_WARM_ENV)
+    if not locks or not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    from numba.core import dispatcher
+
+    original = dispatcher.Dispatcher._compile_for_args
+    waited: set[str] = set()
+
+    def family(d: Any) -> str:
+        mod = getattr(getattr(d, "py_func", None), "__module__", "") or ""
+        return "dense" if mod.startswith("sim_backend.model.families") else "moe"
+
+    def compile_for_args(self: Any, *args: Any, **kws: Any) -> Any:
+        fam = family(self)
+        if fam not in waited:
+            waited.add(fam)
+            try:
+                fd = os.open(os.path.join(locks, f"{fam}.lock"), os.O_RDONLY)
+            except OSError:
+                pass
+            else:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH)  # blocks while the warmer compiles this family
+                finally:
+                    os.close(fd)
+        return original(self, *args, **kws)
+
+    dispatcher.Dispatcher._compile_for_args = compile_for_args  # type: ignore[method-assign]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -77,6 +161,14 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             os.environ[var] = value
     if empty and os.path.basename(empty).startswith("calconsole-tests-no-ca-"):
         shutil.rmtree(empty, ignore_errors=True)
+    locks = None if os.environ.get("PYTEST_XDIST_WORKER") else os.environ.pop(_WARM_ENV, None)
+    while _WARMER:
+        proc = _WARMER.pop()
+        if proc.poll() is None:
+            proc.kill()  # a run that ended before the warm-up did (e.g. -x, a collection error)
+        proc.wait()
+    if locks and os.path.basename(locks).startswith("calconsole-tests-warm-"):
+        shutil.rmtree(locks, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
