@@ -40,6 +40,10 @@ from sim_backend.serving.hosttime import HostBooking, HostTimer
 #: measured with ``calconsole bench realtime`` on the reference host (2 cores shared with other work):
 #: 2026-12-01, load average 1.0-2.5, worker prefill RTF 1.01-1.05 at 128 tokens, 0.59-0.63 at 256,
 #: 0.15 at 1024 (the former limit: a 1K prompt's first token came after ~3 s instead of 0.46 s).
+#: Re-measured 2026-12-02 after the register-tiled attention, at load 5-22 only (no quiet window): the
+#: derived limit was 0 in every run (wall RTF at 128 0.18-0.59), CPU time of a 128-token prefill 300 ms
+#: (two chip threads) against 180 ms simulated, so about 150 ms wall on an idle host: 128 stays; 256 needs
+#: 600 ms of CPU against 188 ms simulated and stays out of reach (its attention grows as n**2).
 #: ``--numeric-limit N`` (console, serve, chat, ...) sets another.
 NUMERIC_PROMPT_LIMIT = 128
 #: The observation pane's reason for the default limit.
