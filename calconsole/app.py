@@ -8,6 +8,7 @@ UI's event loop.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -84,8 +85,10 @@ class CalConsoleApp(App):
 
     def __init__(self, system, layout: Layout, refresh_hz: float | None = None,
                  listen_url: str | None = None, settings: Settings | None = None,
-                 start_notes: tuple[str, ...] = ()) -> None:
+                 start_notes: tuple[str, ...] = (), start_progress: StartProgress | None = None) -> None:
         super().__init__()
+        #: the numerics' start-up lines (kernels compiling on a first start), shown as notifications
+        self.start_progress = start_progress
         self.settings = settings or Settings()
         #: shown as notifications once mounted (e.g. simulator options --connect does not apply)
         self.start_notes = tuple(start_notes)
@@ -150,6 +153,10 @@ class CalConsoleApp(App):
         self.gc_policy.start()
         for note in self.start_notes:  # on stderr too, but a full-screen console hides stderr until it exits
             self.notify(note, severity="warning", timeout=10)
+        if self.start_progress is not None:
+            last = self.start_progress.attach(self)
+            if last is not None:
+                self.show_start_progress(last)
         if self.screen_stack[0].query("#chat-input"):
             self.action_focus_pane("chat")
         # one long-lived sampler thread, the same for in-process and remote planes (feed.py)
@@ -161,6 +168,19 @@ class CalConsoleApp(App):
         if watch_lease is not None:
             watch_lease(lambda lease, reason: self.post_message(LeaseLost(lease, reason)))
         self._check_size()
+
+    def show_start_progress(self, line: str) -> None:
+        """A numerics start-up line (UI thread): "compiling ..." stays up until the kernels are ready, and
+        says that requests run timing-only meanwhile; the "ready" line replaces it."""
+        if line.startswith("compiling"):
+            self.notify(f"{line}; until then requests run timing-only", title="numerics", severity="warning",
+                        timeout=3600)
+        elif line.startswith("numerics kernels ready") or line.startswith("numerics did not start"):
+            self.clear_notifications()  # the "compiling" one is over
+            self.notify(line, title="numerics", timeout=15,
+                        severity="information" if "ready" in line else "error")
+        else:  # another start stage (building the weights)
+            self.notify(line, title="numerics", timeout=10)
 
     def on_maintenance_pane_state_changed(self, message: MaintenancePane.StateChanged) -> None:
         feed = getattr(self, "feed", None)
@@ -484,3 +504,34 @@ class CalConsoleApp(App):
         if action == "focus_pane" and parameters:
             return bool(self.screen_stack[0].query(self.FOCUS_TARGET[parameters[0]]))
         return True
+
+
+class StartProgress:
+    """Start-up lines of the numerics (``build_system``'s ``numerics_progress``), from any thread: printed on
+    stderr until the console runs, then shown by it (``CalConsoleApp.show_start_progress``). ``lines``: all
+    of them so far."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._app: CalConsoleApp | None = None
+        self.lines: list[str] = []
+
+    def __call__(self, line: str) -> None:
+        with self._lock:
+            self.lines.append(line)
+            app = self._app
+        if app is None:
+            print(f"calconsole: {line}", file=sys.stderr, flush=True)
+            return
+        try:
+            app.call_from_thread(app.show_start_progress, line)
+        except RuntimeError:
+            pass  # the console is closing: nothing left to show it on
+
+    def attach(self, app: CalConsoleApp) -> str | None:
+        """From now on lines go to ``app``; returns the last line so far (None if none), for it to show."""
+        with self._lock:
+            self._app = app
+            return self.lines[-1] if self.lines else None

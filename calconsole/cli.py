@@ -158,7 +158,7 @@ def _run_console(args: argparse.Namespace, settings, layout, sock) -> int:
     if not sys.stdout.isatty() or not sys.stdin.isatty():
         return fail("the console needs a terminal; for scripts use 'calconsole snapshot --json' "
                     "or 'calconsole chat PROMPT --json'")
-    from .app import CalConsoleApp
+    from .app import CalConsoleApp, StartProgress
 
     # The UI, engine and device threads hand the GIL to each other several times per token;
     # the default 5 ms switch interval adds up to a visible lag behind real-time pacing.
@@ -166,6 +166,7 @@ def _run_console(args: argparse.Namespace, settings, layout, sock) -> int:
     from .commands.common import build_from_args, connect_from_args
 
     server = None
+    progress = StartProgress()
     try:
         if args.connect:
             # without an admin key (or with --observe-only) there is no maintenance plane, so no pane
@@ -179,9 +180,11 @@ def _run_console(args: argparse.Namespace, settings, layout, sock) -> int:
             # the engine's goodput checks the console's SLO (settings slo), the one the header colours
             # by: one SLO in every panel. Attached (--connect), the server's own SLO is shown as such.
             slo = None if settings is None else SLO(ttft_ms=settings.slo_ttft_ms, tpot_ms=settings.slo_tpot_ms)
-            # numerics in a worker process: the UI and the simulation would otherwise share one GIL
+            # numerics in a worker process: the UI and the simulation would otherwise share one GIL. The console
+            # does not wait for the worker's start (a first start compiles its kernels: ~30 s of CPU, minutes of
+            # wall on a busy host): it serves at once, timing-only until the numerics are ready, and says so
             system = build_from_args(args, maintenance=not args.observe_only, numerics_process=True, slo=slo,
-                                     numerics_progress=_say_progress)
+                                     numerics_progress=progress, numerics_background_start=True)
     except (CalError, ValueError) as e:
         return fail(str(e))
     try:
@@ -199,7 +202,7 @@ def _run_console(args: argparse.Namespace, settings, layout, sock) -> int:
                 notes = (f"{', '.join(ignored)}: with --connect the simulator options are the server's, "
                          "not applied here",)
         app = CalConsoleApp(system, layout, refresh_hz=args.refresh, listen_url=server.url if server else None,
-                            settings=settings, start_notes=notes)
+                            settings=settings, start_notes=notes, start_progress=progress)
         app.run()
     finally:
         if server is not None:
@@ -277,12 +280,6 @@ def _listen_spec(spec: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return spec
-
-
-def _say_progress(line: str) -> None:
-    """A start-up stage that takes a while (compiling the numerics kernels on a first start), on stderr:
-    the terminal is still in line mode before the console takes the screen."""
-    print(f"calconsole: {line}", file=sys.stderr, flush=True)
 
 
 def parse_listen(spec: str) -> tuple[str, int]:

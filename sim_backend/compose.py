@@ -87,6 +87,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                  numerics_process: bool = False,
                  reset_timeout_s: float = 10.0, slo: Any | None = None, variant: Variant | None = None,
                  host_time: str = "modeled", numerics_progress: Callable[[str], None] | None = None,
+                 numerics_background_start: bool = False,
                  prefill_chunk: int = 2048, chat_template: str | None = None,
                  chat_template_name: str = "chat template") -> System:
     """Load the bundle (strict; raises ManifestError) and start device + engine threads.
@@ -105,6 +106,9 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     measurement, or "set at start-up").
     ``numerics_progress``: called with one line per stage while the numerics kernels compile (a first
     start after install; later starts load them from numba's disk cache); None: silent.
+    ``numerics_background_start`` (with ``numerics_process``): return without waiting for the worker's start;
+    requests admitted before it answers run timing-only (the console serves at once on a first start). Not for
+    a real-weights bundle (the pilot's GGUF): its start is always waited for.
     ``host_time``: ``"modeled"`` books the cost model's fitted host allowance per sampled token
     (facts.md F7) on the simulated clock, ``"measured"`` this machine's measured host work
     (``serving.hosttime.HostBooking``; ValueError for anything else). ``prefill_chunk``: most prompt
@@ -139,7 +143,9 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
             kv_cells = kv_capacity_tokens(bundle.context, variant)
     board = SimulatedBoard(bundle, cost, numerics=numerics, pacing=pacing or Pacing(PacingMode.FAST),
                            kv_cells=kv_cells, numerics_process=numerics_process,
-                           numerics_progress=numerics_progress)
+                           numerics_progress=numerics_progress,
+                           # real weights (the pilot) wait: a timing-only reply would not be the model's
+                           numerics_background_start=numerics_background_start and bundle.numeric.weights != "gguf")
     engine = Engine(RuntimeSession(board, parallel=max_inflight > 1), n_slots=n_slots, queue_limit=queue_limit,
                     max_inflight=max_inflight, prefill_chunk=prefill_chunk,
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt,

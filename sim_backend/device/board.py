@@ -89,7 +89,8 @@ class SimulatedBoard:
 
     def __init__(self, bundle: Bundle, cost_model: Any, *, numerics: bool = True,
                  pacing: Pacing = _DEFAULT_PACING, kv_cells: int | None = None, numerics_process: bool = False,
-                 numerics_progress: Callable[[str], None] | None = None) -> None:
+                 numerics_progress: Callable[[str], None] | None = None,
+                 numerics_background_start: bool = False) -> None:
         # single-threaded BLAS: small ops, 2 cores shared with host threads (see sim_backend/__init__)
         threadpool_limits(limits=1, user_api="blas")
         self.bundle = bundle
@@ -100,6 +101,9 @@ class SimulatedBoard:
         self.numerics_process = numerics_process
         # told (one line each) while the numerics kernels compile on a first start; None: silent
         self._numerics_progress = numerics_progress
+        # with the worker: do not wait for its start (weights, kernels compiling on a first start); until it
+        # answers ``numerics_ready`` is False and the engine runs new requests timing-only
+        self.numerics_background_start = numerics_background_start
         self.pacing = pacing
         self.clock = SimClock()
         self.registers = RegisterFile()
@@ -151,7 +155,8 @@ class SimulatedBoard:
                 # a real cost model goes with it, so the worker prices each step where it computes it
                 cm = self.cost_model if isinstance(self.cost_model, CostModel) else None
                 self.model = NumericsProcess(self.shape, self.bundle.numeric, n_cells, cost_model=cm,
-                                             progress=self._numerics_progress)
+                                             progress=self._numerics_progress,
+                                             wait=not self.numerics_background_start)
             else:
                 say = self._numerics_progress
                 note = weights_stage(self.shape, self.bundle.numeric)
@@ -341,6 +346,14 @@ class SimulatedBoard:
         """Simulated µs the board spent executing steps (h2d + infer + d2h) since power-on."""
         with self._lock:
             return self._board_busy_us
+
+    @property
+    def numerics_ready(self) -> bool:
+        """True when a numeric job would run now: numerics on, the model loaded and (a worker started in the
+        background) its start finished. False while the kernels compile on a first start (a worker that died
+        later stays ready: its jobs fail, typed, and the device shows the fault)."""
+        model = self.model
+        return bool(self.numerics and model is not None and not self._memory_cleared and getattr(model, "ready", True))
 
     @property
     def numerics_broken(self) -> bool:

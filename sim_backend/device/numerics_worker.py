@@ -222,12 +222,19 @@ class NumericsProcess:
         step_timeout_s: bound on one ``forward`` (host wall seconds).
         cost_model: the board's cost model; a copy goes to the worker so that
             ``forward_priced`` prices there (None: only ``forward``; ``prices_steps`` False).
+        progress: told one line per compile stage (a first start after install), and, in a background
+            start that compiled, one line when the kernels are ready.
+        wait: True waits here for the worker's start (weights, kernels); False returns at once and a
+            thread waits for it: ``ready`` says when it answers, and every call waits for the start
+            first (a console starts serving at once and runs requests timing-only meanwhile).
     Raises:
-        DeviceError: the worker failed to start, died, or did not answer in time.
+        DeviceError: the worker failed to start (``wait``; in a background start the worker is then
+            ``broken`` and ``start_error`` says why), died, or did not answer in time.
     """
 
     def __init__(self, shape: ModelShape, num: NumericShape, n_cells: int, *, step_timeout_s: float = 300.0,
-                 cost_model: CostModel | None = None, progress: Callable[[str], None] | None = None) -> None:
+                 cost_model: CostModel | None = None, progress: Callable[[str], None] | None = None,
+                 wait: bool = True) -> None:
         self.step_timeout_s = step_timeout_s
         self._cost_model = cost_model
         self._shape = shape
@@ -254,9 +261,44 @@ class NumericsProcess:
         self._lock = threading.Lock()
         self._broken: str | None = None
         self._progress = progress
+        self._compiled_stages = 0
+        self._ready = threading.Event()
+        self.start_error: str | None = None
+        self.nice: int | None = None
+        if wait:
+            self._start()
+        else:
+            self._lock.acquire()  # held by the start thread until the worker answers: calls wait behind it
+            threading.Thread(target=self._start_in_background, name="calconsole-numerics-start", daemon=True).start()
+
+    def _start(self) -> None:
         with self._lock:
             self._recv("start", START_TIMEOUT_S)
         self.nice = self._nice_of_child()
+        self._ready.set()
+
+    def _start_in_background(self) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        try:
+            self._recv("start", START_TIMEOUT_S)
+            self.nice = self._nice_of_child()
+            self._ready.set()
+        except DeviceError as e:
+            self.start_error = str(e)
+            self._broken = self._broken or f"failed to start ({e})"
+        finally:
+            self._lock.release()
+        if self._progress is not None and (self._compiled_stages or self.start_error):
+            self._progress(f"numerics kernels ready after {time.perf_counter() - t0:.0f} s: new requests run "
+                           "the numerics" if self.start_error is None else
+                           f"numerics did not start: {self.start_error}; requests run timing-only")
+
+    @property
+    def ready(self) -> bool:
+        """True once the worker has started (weights built, kernels compiled or loaded) and answers."""
+        return self._ready.is_set()
 
     def _nice_of_child(self) -> int | None:
         """The worker's nice value as the OS reports it (None if unknown)."""
@@ -279,8 +321,8 @@ class NumericsProcess:
 
     @property
     def broken(self) -> bool:
-        """True once a call timed out or the worker died: its pipe may hold a late answer, so it is
-        never used again (the device reports a fault; reset or reload starts a new worker)."""
+        """True once a call timed out, the worker died or failed to start: its pipe may hold a late answer,
+        so it is never used again (the device reports a fault; reset or reload starts a new worker)."""
         return self._broken is not None or not self._proc.is_alive()
 
     def _recv(self, op: str, timeout: float) -> Any:
@@ -291,6 +333,8 @@ class NumericsProcess:
             ok, payload = self._recv_one(op, max(0.0, deadline - time.monotonic()), timeout)
             if ok is not None:
                 break
+            if payload[0] != "say":
+                self._compiled_stages += 1  # a kernel stage compiled (a background start says when it is ready)
             if self._progress is None:
                 continue
             if payload[0] == "say":  # a start stage said as it is (building the weights: ``weights_stage``)
@@ -393,7 +437,14 @@ class NumericsProcess:
         self._call("kv_put", (np.asarray(cells, dtype=np.int64), list(rows)), self.step_timeout_s)
 
     def close(self) -> None:
-        """Stop the worker (bounded): ask, then terminate."""
+        """Stop the worker (bounded): ask, then terminate. During a background start: terminate at once
+        (the start thread then ends on the lost connection)."""
+        if not self._ready.is_set() and self.start_error is None:
+            self._broken = self._broken or "closed during its start"
+            if self._proc.is_alive():
+                self._proc.terminate()
+            self._proc.join(timeout=2.0)
+            return  # the start thread still polls the pipe: it is closed with this object
         if not self.broken:
             try:
                 self._call("close", (), 2.0)

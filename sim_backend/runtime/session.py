@@ -69,6 +69,12 @@ class RuntimeSession:
         """True when the device computes logits (False: timing-only, no logits come back)."""
         return bool(self._board.numerics)
 
+    @property
+    def numerics_ready(self) -> bool:
+        """True when a numeric step would run now (False while a background start compiles the kernels:
+        requests admitted meanwhile run timing-only)."""
+        return bool(getattr(self._board, "numerics_ready", self._board.numerics))
+
     def kv_values(self) -> Any:
         """The device's K/V values by cell for a sequence-state file (``KVView.save_seq_state`` /
         ``load_seq_state`` ``values=``), or None when the device holds none (timing-only, memory cleared)."""

@@ -341,7 +341,9 @@ class Engine:
                 r.handle.emit(progress_event(r, 0.0))
 
         self._admission.assign(self.slots, self.rt.kv, lambda: self.rt.clock.now_us / 1e3,
-                               numerics=self.rt.numerics, numerics_max_prompt=self.numerics_max_prompt,
+                               # a worker still starting (kernels compiling): admitted timing-only
+                               numerics=self.rt.numerics and getattr(self.rt, "numerics_ready", True),
+                               numerics_max_prompt=self.numerics_max_prompt,
                                on_assigned=assigned)
 
     def _reap_cancelled_locked(self, busy: set[int]) -> None:

@@ -188,3 +188,25 @@ async def test_hidden_panes_take_no_keys_when_the_terminal_is_too_small(system):
         await pilot.resize_terminal(170, 50)
         await pilot.pause()
         assert not app.query_one("#too-small").display and app.query_one("#columns").display
+
+
+def test_start_progress_goes_to_stderr_until_the_console_runs_then_to_the_console(capsys):
+    from calconsole.app import StartProgress
+
+    shown: list[str] = []
+
+    class FakeApp:
+        def call_from_thread(self, fn, line):
+            fn(line)
+
+        def show_start_progress(self, line):
+            shown.append(line)
+
+    p = StartProgress()
+    p("compiling numerics kernels, 1/2: decode step")
+    assert "calconsole: compiling numerics kernels, 1/2" in capsys.readouterr().err
+    app = FakeApp()
+    assert p.attach(app) == "compiling numerics kernels, 1/2: decode step"  # the console shows it at mount
+    p("numerics kernels ready after 40 s: new requests run the numerics")
+    assert shown == ["numerics kernels ready after 40 s: new requests run the numerics"]
+    assert capsys.readouterr().err == "" and len(p.lines) == 2

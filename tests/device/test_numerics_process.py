@@ -184,3 +184,33 @@ def test_an_f32_calbin_worker_returns_the_float32_logits():
         assert c.d2h_us == pytest.approx(hw["pcie_latency_us"] + SHAPE.vocab * 4 / (hw["pcie_gbps"] * 1e3))
     finally:
         proc.close()
+
+
+def test_background_start_serves_timing_only_until_the_worker_is_ready(tmp_path):
+    """The console does not wait for the worker (a first start compiles its kernels for minutes on a busy
+    host): requests admitted before it answers run timing-only, later ones run the numerics."""
+    from sim_backend.compose import build_system
+    from sim_backend.planes import ChatRequest, SamplingParams
+    from tests.waits import wait_until
+
+    req = ChatRequest.from_prompt("hi", max_tokens=3, sampling=SamplingParams(temperature=0.0))
+    with build_system(numerics_process=True, numerics_background_start=True, n_slots=1,
+                      audit_path=tmp_path / "a.jsonl") as s:
+        # the spawned worker imports numpy and numba and builds its weights (seconds): not ready yet
+        assert not s.board.numerics_ready and not s.board.numerics_broken
+        early = s.inference.generate(req, 120)
+        assert early.status == "finished"
+        assert s.observation.snapshot().slots[0].numeric is False  # ran timing-only
+        assert wait_until(lambda: s.board.numerics_ready, timeout=300, step=0.1)
+        later = s.inference.generate(req, 120)
+        assert later.status == "finished" and s.observation.snapshot().slots[0].numeric is True
+        assert s.board.model.nice is not None
+
+
+def test_closing_a_worker_during_its_background_start_returns_at_once():
+    proc = NumericsProcess(SHAPE, NUM, 16, wait=False)
+    assert not proc.ready
+    proc.close()
+    assert proc.broken and not proc._proc.is_alive()
+    with pytest.raises(DeviceError, match="unusable"):
+        proc.forward(np.array([1]), np.array([0]), np.array([0]), np.array([0]), np.array([0]))
