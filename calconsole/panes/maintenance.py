@@ -2,12 +2,13 @@
 
 Every action goes through the maintenance plane (which audits it) on a
 worker thread; results come back to the UI thread with ``call_from_thread``.
-Entering exclusive mode (key, button or palette) asks first (``AskModal``); outside
+Every action (key, button or palette) asks first: reset and clear memory for the typed device name
+(``ConfirmModal``), every other one a yes / no question naming it (``AskModal``, Cancel focused); outside
 exclusive mode every action except "Enter exclusive" is disabled:
 the buttons are disabled, the keys are disabled (``check_action``) and the
 action methods themselves return without calling the plane when there is
-no lease. Reset and Clear device memory open a ``ConfirmModal`` where the
-operator types the device name; Cancel is focused by default.
+no lease. A cancelled question runs nothing and writes no audit line (the pane's log says
+"cancelled at the confirmation").
 
 Keys (focus inside the pane; F3 focuses it): x enter exclusive (asks first), l leave, L leave with force
 (asks first; after a memory clear a plain leave is refused until the model is reloaded),
@@ -81,6 +82,40 @@ BUTTON_METHOD = {"m-enter": "enter_exclusive", "m-leave": "leave_exclusive", "m-
                  "m-reg-read": "read_register", "m-reg-write": "write_register", "m-reg-all": "dump_registers"}
 #: the hint a guarded key gives outside exclusive mode
 NEED_EXCLUSIVE = "enter exclusive mode first (x)"
+#: the yes / no question each action asks first (AskModal): plane action -> (button label, question, what it does);
+#: the fault keys by their pane action (one plane action, inject_fault, for four questions)
+ASK = {
+    "leave_exclusive": ("Leave", "Leave exclusive mode and admit requests again?",
+                        "Releases the lease: the device serves requests again; maintenance actions need x first."),
+    "reload_model": ("Reload", "Reload the model onto the device?",
+                     "Reconfigures the calbin and loads the weights again (the way back after a memory clear), "
+                     "then runs a health check."),
+    "self_test": ("Self-test", "Run the golden self-test on the device?",
+                  "Runs the bundle's golden prompt on the device and compares its logits with the golden ones."),
+    "health_check": ("Health", "Run a health check on the device?",
+                     "Runs the device's health check (a short job on every chiplet) and logs its result."),
+    "probe_request": ("Probe", "Send a probe request to the device?",
+                      "Generates 4 tokens from the prompt 'hi' on the device and logs how long it took."),
+    "clear_kv": ("Clear KV", "Clear the KV cache on the device?",
+                 "Frees every cached KV token: the next requests compute their prompts again."),
+    "dump": ("Dump", "Dump the trace and config to a file?",
+             "Writes the device's step trace and configuration to a file; the log names it."),
+    "fault_ccu": ("CCU fault", "Inject a CCU exception fault on the device?",
+                  "The next job on the device fails with a CCU exception (0 disarms it)."),
+    "fault_kv": ("KV fault", "Inject a KV exhaustion fault on the device?",
+                 "The next KV apply fails with KVExhausted (0 disarms it)."),
+    "fault_link": ("D2D fault", "Inject a D2D link error fault on the device?",
+                   "The next job on the device fails with a D2D link error (0 disarms it)."),
+    "fault_slow": ("Slow chip", "Inject a slow-chip fault on the device?",
+                   "chip1 runs 4 times slower until the fault is disarmed (0)."),
+    "clear_faults": ("No faults", "Disarm every injected fault?", "Every armed fault that has not fired is removed."),
+    "read_register": ("Read", "Read the register on the device?", "Reads the register typed in the field."),
+    "write_register": ("Write", "Write the register on the device?",
+                       "Writes the value field into the register field's register."),
+    "dump_registers": ("All registers", "Read every register on the device?", "Reads and logs every register."),
+    "acknowledge_faults": ("Acknowledge", "Acknowledge the faults that fired?",
+                           "The device status goes back from 'fault'; the faults stay in the audit log."),
+}
 FAULTS = {"fault_ccu": ("ccu_exception", {}), "fault_kv": ("kv_exhaustion", {}),
           "fault_link": ("link_error", {}), "fault_slow": ("slow_chip", {"chip": 1, "factor": 4.0})}
 
@@ -116,8 +151,8 @@ class MaintenancePane(Vertical):
         Binding("a", "acknowledge", "ack faults"),
     ]
     HELP_EXTRA = ("Every key but x (enter exclusive), a (acknowledge) and i needs exclusive mode: outside it a "
-                  "key says 'enter exclusive mode first (x)'. Entering exclusive mode and leaving it with force (L) "
-                  "ask first (y confirms, Enter or Esc cancels); reset and clear memory ask for the device name.")
+                  "key says 'enter exclusive mode first (x)'. Every action asks first (y confirms, Enter, n or Esc "
+                  "cancels); reset and clear memory ask for the device name.")
 
     class StateChanged(Message):
         """An action of this pane started or ended (the device's mode, faults or memory may have changed): the
@@ -316,10 +351,32 @@ class MaintenancePane(Vertical):
         self._sync_buttons()
         self._run("enter_exclusive", lambda: self.maintenance.enter_exclusive(self.holder))
 
+    def _ask(self, action: str, fn, question: str | None = None, ask: str | None = None) -> None:
+        """Every maintenance action but reset and clear memory (typed name) and entering exclusive mode / leaving
+        with force (their own questions) asks first: ``AskModal`` with ``ASK[action]`` (button label, question,
+        what it does), Cancel focused; ``fn`` runs (through the audited plane) only once confirmed and while the
+        lease is still held (acknowledge needs none). ``question`` replaces the table's (a register read names the
+        register); ``ask`` is the ``ASK`` key when it is not ``action`` (the four fault keys). A
+        leaseless server's action it does not offer runs at once: the plane refuses it, audited, and says why
+        (NotOffered), as before; nothing to confirm."""
+        if self.leaseless and not self.maintenance.offers(action):
+            self._run(action, fn)
+            return
+        label, default_q, detail = ASK[ask or action]
+        self.app.push_screen(AskModal(label, detail, question or default_q),
+                             lambda ok: self._asked(bool(ok), action, fn))
+
+    def _asked(self, ok: bool, action: str, fn) -> None:
+        if not ok:
+            self._log(f"{action}: cancelled at the confirmation", "dim")  # the pane's log only: nothing ran
+            return
+        if action == "acknowledge_faults" or self._need_lease(action.replace("_", " ")):
+            self._run(action, fn)
+
     def action_leave(self) -> None:
         if not self._need_lease("leave exclusive"):
             return
-        self._run("leave_exclusive", lambda: self.maintenance.leave_exclusive(self.lease))
+        self._ask("leave_exclusive", lambda: self.maintenance.leave_exclusive(self.lease))
 
     def action_leave_force(self) -> None:
         """L: leave exclusive mode even where the plane refuses a plain leave (after a memory clear, before a
@@ -359,15 +416,15 @@ class MaintenancePane(Vertical):
 
     def action_self_test(self) -> None:
         if self._need_lease("self-test"):
-            self._run("self_test", lambda: self.maintenance.self_test(self.lease))
+            self._ask("self_test", lambda: self.maintenance.self_test(self.lease))
 
     def action_probe(self) -> None:
         if self._need_lease("probe request"):
-            self._run("probe_request", lambda: self.maintenance.probe_request(self.lease, "hi", max_tokens=4))
+            self._ask("probe_request", lambda: self.maintenance.probe_request(self.lease, "hi", max_tokens=4))
 
     def action_acknowledge(self) -> None:
         if self._fired:
-            self._run("acknowledge_faults", lambda: self.maintenance.acknowledge_faults(self.holder))
+            self._ask("acknowledge_faults", lambda: self.maintenance.acknowledge_faults(self.holder))
 
     def action_fault_ccu(self) -> None:
         self._inject("fault_ccu")
@@ -387,25 +444,25 @@ class MaintenancePane(Vertical):
 
     def action_reload(self) -> None:
         if self._need_lease("reload model"):
-            self._run("reload_model", lambda: self.maintenance.reload_model(self.lease))
+            self._ask("reload_model", lambda: self.maintenance.reload_model(self.lease))
 
     def action_health(self) -> None:
         if self._need_lease("health check"):
-            self._run("health_check", lambda: self.maintenance.health_check(self.lease))
+            self._ask("health_check", lambda: self.maintenance.health_check(self.lease))
 
     def action_clear_kv(self) -> None:
         if self._need_lease("clear KV"):
-            self._run("clear_kv", lambda: self.maintenance.clear_kv(self.lease))
+            self._ask("clear_kv", lambda: self.maintenance.clear_kv(self.lease))
 
     def action_dump(self) -> None:
         if self._need_lease("dump"):
-            self._run("dump", lambda: self.maintenance.dump(self.lease))
+            self._ask("dump", lambda: self.maintenance.dump(self.lease))
 
     def _inject(self, action: str) -> None:
         if not self._need_lease("inject fault"):
             return
         kind, kw = FAULTS[action]
-        self._run("inject_fault", lambda: self.maintenance.inject_fault(self.lease, kind, **kw))
+        self._ask("inject_fault", lambda: self.maintenance.inject_fault(self.lease, kind, **kw), ask=action)
 
     def action_fault_kv(self) -> None:
         self._inject("fault_kv")
@@ -418,7 +475,7 @@ class MaintenancePane(Vertical):
 
     def action_clear_faults(self) -> None:
         if self._need_lease("clear faults"):
-            self._run("clear_faults", lambda: self.maintenance.clear_faults(self.lease))
+            self._ask("clear_faults", lambda: self.maintenance.clear_faults(self.lease))
 
     def action_focus_register(self) -> None:
         self.query_one("#m-reg", Input).focus()
@@ -430,7 +487,8 @@ class MaintenancePane(Vertical):
                 self._log("read register: type a register name or 0xADDR first (i focuses the field)", "yellow")
                 self.query_one("#m-reg", Input).focus()
                 return
-            self._run("read_register", lambda: self.maintenance.read_register(self.lease, key))
+            self._ask("read_register", lambda: self.maintenance.read_register(self.lease, key),
+                      f"Read the register {key} on the device?")
 
     def action_write_register(self) -> None:
         if self._need_lease("write register"):
@@ -440,11 +498,12 @@ class MaintenancePane(Vertical):
                 self._log("write register: type the register and the value first (i focuses the field)", "yellow")
                 self.query_one("#m-reg" if not key else "#m-reg-value", Input).focus()
                 return
-            self._run("write_register", lambda: self.maintenance.write_register(self.lease, key, value))
+            self._ask("write_register", lambda: self.maintenance.write_register(self.lease, key, value),
+                      f"Write {value} to the register {key} on the device?")
 
     def action_dump_registers(self) -> None:
         if self._need_lease("read registers"):
-            self._run("dump_registers", lambda: self.maintenance.dump_registers(self.lease))
+            self._ask("dump_registers", lambda: self.maintenance.dump_registers(self.lease))
 
     @on(Input.Submitted, "#m-reg")
     def _reg_submitted(self) -> None:
@@ -479,8 +538,10 @@ class MaintenancePane(Vertical):
     def _worker(self, action: str, fn) -> None:
         try:
             result = fn()
-        except CalError as e:
-            self.app.call_from_thread(self._done, action, False, f"{type(e).__name__}: {e}")
+        except CalError as e:  # the log line names the action once (a remote plane's error starts with it too)
+            text = str(e)
+            text = text[len(action) + 2:] if text.startswith(f"{action}: ") else text
+            self.app.call_from_thread(self._done, action, False, f"{type(e).__name__}: {text}")
             return
         except Exception as e:  # noqa: BLE001 - audited by the plane; shown, never a crash of the console
             self.app.call_from_thread(self._done, action, False, f"internal error: {type(e).__name__}: {e}")

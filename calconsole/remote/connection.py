@@ -120,7 +120,10 @@ def raise_for(resp: httpx.Response, *, action: str | None = None) -> NoReturn:
             raise MaintenanceRefused(action, reason)
         if status == 503:
             raise UnavailableError(msg)
-        raise DeviceError(f"{action}: {msg}")
+        # the server's message already names the type (wire.from_cal_error: "DeviceError: …"): said once, as
+        # the error raised here (a remote console showed "DeviceError: reload_model: DeviceError: …")
+        kind_prefix = f"{DeviceError.__name__}: "
+        raise DeviceError(f"{action}: {msg[len(kind_prefix):] if msg.startswith(kind_prefix) else msg}")
     if kind == "exceed_context_size_error":
         raise ExceedContextSizeError(int(err.get("n_prompt_tokens", 0)), int(err.get("n_ctx", 0)), msg)
     if status == 400 or kind == "invalid_request_error":

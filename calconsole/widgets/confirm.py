@@ -1,5 +1,5 @@
 """Confirmation modals for maintenance actions: ``ConfirmModal`` (type the device name: reset, memory clear)
-and ``AskModal`` (yes / no: entering exclusive mode, leaving it with force).
+and ``AskModal`` (yes / no: every other maintenance action, from entering exclusive mode to a register read).
 
 The name field has focus, so typing goes straight into it; the default
 action is Cancel: Enter confirms only when the field holds the device name
@@ -10,6 +10,8 @@ reaches the caller through the ``push_screen`` callback.
 
 from __future__ import annotations
 
+from rich.markup import escape
+from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
@@ -74,8 +76,8 @@ class ConfirmModal(ModalScreen[bool | None]):
 
 
 class AskModal(ModalScreen[bool]):
-    """A yes / no confirmation for a maintenance action that needs no typed name (entering exclusive mode,
-    leaving it with force): ``detail`` says what the action does; Cancel is focused, so Enter (and Escape,
+    """A yes / no confirmation for a maintenance action that needs no typed name (every one but reset and
+    clear memory): ``detail`` says what the action does; Cancel is focused, so Enter (and Escape,
     ``n``, the Cancel button) cancels; ``y`` or the action's button confirms. Returns True only when confirmed.
 
     A Tab that lands on a maintenance button followed by Enter (the keys of a user moving through the
@@ -84,19 +86,22 @@ class AskModal(ModalScreen[bool]):
 
     BINDINGS = [Binding("escape,n", "cancel", "cancel"), Binding("y", "confirm", "confirm")]
 
-    def __init__(self, action: str, detail: str) -> None:
+    def __init__(self, action: str, detail: str, question: str | None = None) -> None:
+        """``action``: the confirm button's label (after ``y``); ``question``: the title, a question naming the
+        action (default ``"<action>?"``); ``detail``: what it does to the device."""
         super().__init__()
         self.action_name = action
         self.detail = detail
+        self.question = question or f"{action}?"
 
     def compose(self) -> ComposeResult:
         with Vertical(id="confirm-box"):
-            yield Label(f"[b]{self.action_name}?[/b]", id="confirm-title")
-            yield Label(self.detail, id="confirm-detail")
+            yield Label(f"[b]{escape(self.question)}[/b]", id="confirm-title")
+            yield Label(escape(self.detail), id="confirm-detail")
             yield Label("y confirms · Enter (on Cancel), n or Esc cancels", id="ask-keys", classes="dim")
             with Horizontal(id="confirm-buttons"):
                 yield Button("Cancel", id="ask-cancel", variant="primary")
-                yield Button(f"y {self.action_name}", id="ask-ok", variant="warning")
+                yield Button(Text(f"y {self.action_name}"), id="ask-ok", variant="warning")
 
     def on_mount(self) -> None:
         self.query_one("#ask-cancel", Button).focus()

@@ -61,8 +61,8 @@ def typed_step(step):
 
 
 async def confirm_ask(pilot, timeout_s: float = 20.0) -> None:
-    """Confirm the yes / no question a maintenance action asks first (``AskModal``: entering exclusive mode,
-    leaving it with force) with ``y``, once it is on screen."""
+    """Confirm the yes / no question a maintenance action asks first (``AskModal``: every action but reset and
+    clear memory, which ask for the typed device name) with ``y``, once it is on screen."""
     from calconsole.widgets.confirm import AskModal
 
     app = pilot.app

@@ -132,6 +132,7 @@ async def test_reset_disabled_outside_exclusive_and_works_inside(system):
         assert await wait_for(pilot, lambda: any("reset: ok" in line for line in log_lines(app, "#m-log")))
         assert await wait_for(pilot, lambda: app.last_snapshot.jobs.resets == 1)
         await pilot.click("#m-leave")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: reset.disabled)
 
 

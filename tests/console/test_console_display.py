@@ -60,27 +60,32 @@ async def test_header_shows_armed_then_fired_until_acknowledged(system):
         await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: pane.lease is not None)
         await click_button(pilot, "#m-f-ccu")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: "armed: ccu_exception x1" in topbar(app))
         assert " · ok · " in topbar(app)  # armed is not a failure
         assert app.query_one("#m-ack").disabled
         await click_button(pilot, "#m-probe")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: "ccu_exception fired" in topbar(app))
         assert "fault: ccu_exception fired (a acks)" in topbar(app)
         assert "fired (1 unacknowledged, last chip0, job" in shown(render.device_panel(app.last_snapshot))
         assert await wait_for(pilot, lambda: "chip0  ready  idle  steps done 0  ccu_exc 1" in shown(
             render.device_panel(app.last_snapshot)))  # on chip0's own row, not on both
         await click_button(pilot, "#m-probe")  # the device serves again: the fault is still shown
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "probe_request: ok"))
         done = system.observation.snapshot().jobs.finished  # the device steps, the probe's included
         # the header from a snapshot taken after the probe (it and the header are set together)
         assert await wait_for(pilot, lambda: app.last_snapshot.jobs.finished >= done)
         assert "fired" in topbar(app)
         await click_button(pilot, "#m-leave")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: pane.lease is None)
         # acknowledging needs no lease: key a in the pane
         assert await wait_for(pilot, lambda: not app.query_one("#m-ack").disabled)
         app.query_one("#m-log").focus()
         await pilot.press("a")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "acknowledge_faults: ok · acknowledged: ccu_exception"))
         assert await wait_for(pilot, lambda: " · ok · " in topbar(app) and "fired" not in topbar(app))
     assert [e["action"] for e in m.audit.entries()][-1] == "acknowledge_faults"
@@ -136,8 +141,10 @@ async def test_slow_chip_shows_on_its_own_column_and_probe_updates_stages(system
         await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: pane.lease is not None)
         await click_button(pilot, "#m-f-slow")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: "degraded (slow_chip1 x4)" in topbar(app))
         await click_button(pilot, "#m-probe")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "probe_request: ok"))
         assert await wait_for(pilot, lambda: "decode (probe)" in shown(render.stages_panel(app.last_snapshot)))
         step = app.last_snapshot.last_decode

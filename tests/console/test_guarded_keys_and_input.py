@@ -109,6 +109,91 @@ async def test_every_way_into_exclusive_mode_asks_first(fast_system):
         assert [e["status"] for e in entered(fast_system)] == ["granted"]
 
 
+#: every maintenance key that asked no question before (be10793 asked only for x and L), with its plane action
+ASKING = [("l", "leave_exclusive"), ("o", "reload_model"), ("t", "self_test"), ("h", "health_check"),
+          ("p", "probe_request"), ("k", "clear_kv"), ("d", "dump"), ("1", "inject_fault"), ("f", "inject_fault"),
+          ("2", "inject_fault"), ("3", "inject_fault"), ("4", "inject_fault"), ("0", "clear_faults"),
+          ("v", "read_register"), ("w", "write_register"), ("e", "dump_registers")]
+
+
+async def _ask_and_cancel(pilot, cancel: str) -> str:
+    """Wait for the yes / no question, cancel it with ``cancel``; the question it asked."""
+    app = pilot.app
+    assert await wait_for(pilot, lambda: isinstance(app.screen, AskModal)), type(app.screen).__name__
+    assert await wait_for(pilot, lambda: getattr(app.screen.focused, "id", None) == "ask-cancel")
+    question = app.screen.question
+    await pilot.press(cancel)
+    assert await wait_for(pilot, lambda: not isinstance(app.screen, AskModal))
+    return question
+
+
+async def test_every_maintenance_action_asks_and_a_cancel_runs_nothing(fast_system):
+    # the product rule: every maintenance action is confirmed; t, o, k, d, the faults, the registers and a plain
+    # l ran at once (only x and L asked). Keys, buttons and the palette's commands: each asks, names the action,
+    # and Enter / Esc / n run nothing and write no audit record; y runs it, audited
+    from calconsole.panes.maintenance import ASK, PALETTE
+
+    app = CalConsoleApp(fast_system, load_layout("operator"))
+    audit = fast_system.maintenance.audit
+    async with app.run_test(size=(160, 48)) as pilot:
+        pane = app.query_one(MaintenancePane)
+        assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+        await click_button(pilot, "#m-enter")
+        await confirm_ask(pilot)
+        assert await wait_for(pilot, lambda: pane.lease is not None)
+        assert await wait_for(pilot, lambda: not any(w.is_running for w in pane.workers))
+        pane.query_one("#m-reg").value = "CHIP0_SCRATCH"
+        pane.query_one("#m-reg-value").value = "7"
+        records = len(audit.read())
+        cancels = ("enter", "escape", "n")
+        for i, (key, action) in enumerate(ASKING):
+            pane.query_one("#m-log").focus()
+            await pilot.press(key)
+            question = await _ask_and_cancel(pilot, cancels[i % 3])
+            assert question.endswith("?") and len(question) > 20, (key, question)
+            if key not in ("v", "w"):
+                assert question == ASK[{"1": "fault_ccu", "f": "fault_ccu", "2": "fault_kv", "3": "fault_link",
+                                        "4": "fault_slow"}.get(key, action)][1], (key, question)
+            else:  # the register question names the register (and the value written)
+                assert "CHIP0_SCRATCH" in question and (key == "v" or "7" in question), question
+            assert has(app, "#m-log", f"{action}: cancelled at the confirmation"), key
+        assert "Run the golden self-test on the device?" in {ASK[a][1] for a in ASK}
+        # the buttons and the palette's commands run the same actions: the same questions
+        buttons = [b for b, a in pane.BUTTON_ACTIONS.items() if a not in ("enter", "reset", "clear", "acknowledge")]
+        assert len(buttons) == 15
+        for bid in buttons:
+            pane.query_one(f"#{bid}").press()
+            await _ask_and_cancel(pilot, "escape")
+        palette = [a for _t, _k, a in PALETTE if a not in ("enter", "leave_force", "reset", "clear", "acknowledge")]
+        assert len(palette) == 15
+        for action in palette:
+            getattr(pane, f"action_{action}")()  # what the palette's command calls (app.get_system_commands)
+            await _ask_and_cancel(pilot, "n")
+        # nothing ran: no audit record, the lease held, no fault armed, the register unchanged
+        assert len(audit.read()) == records, audit.entries()[-3:]
+        assert pane.lease is not None and fast_system.maintenance.mode()["mode"] == "exclusive"
+        assert not fast_system.observation.snapshot().device.faults
+        # y runs it: audited, granted
+        pane.query_one("#m-log").focus()
+        await pilot.press("w")
+        await confirm_ask(pilot)
+        assert await wait_for(pilot, lambda: has(app, "#m-log", "CHIP0_SCRATCH: 0 -> 7")), log_text(app, "#m-log")
+        assert [(e["action"], e["status"]) for e in audit.entries()][-1] == ("write_register", "granted")
+        # acknowledge (no lease needed) asks too: fire a fault first, then a, cancelled, then confirmed
+        for key in ("1", "p"):
+            await pilot.press(key)
+            await confirm_ask(pilot)
+        assert await wait_for(pilot, lambda: bool(pane._fired))
+        assert await wait_for(pilot, lambda: not any(w.is_running for w in pane.workers))
+        records = len(audit.read())
+        await pilot.press("a")
+        assert await _ask_and_cancel(pilot, "escape") == "Acknowledge the faults that fired?"
+        assert len(audit.read()) == records and pane._fired
+        await pilot.press("a")
+        await confirm_ask(pilot)
+        assert await wait_for(pilot, lambda: audit.entries()[-1]["action"] == "acknowledge_faults")
+
+
 # --- 7. after a memory clear, leaving with force has a key, and it asks first ---------------------
 
 
@@ -128,6 +213,7 @@ async def test_after_a_memory_clear_L_leaves_with_force_once_confirmed(fast_syst
         assert await wait_for(pilot, lambda: has(app, "#m-log", "clear_device_memory: ok"))
         app.query_one("#m-log").focus()
         await pilot.press("l")  # a plain leave is refused until the model is reloaded, and says which key forces
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "L leaves with force (it asks first)"))
         assert pane.lease is not None
         await pilot.press("L")
@@ -304,3 +390,45 @@ async def test_seed_minus_five_in_the_pane_is_a_fixed_seed(fast_system):
             assert await wait_for(pilot, lambda: not chat.history)
         assert "-refused" not in app.query_one("#p-seed").classes
         assert replies[0] == replies[1]
+
+
+# --- a failed action is said once: its type and its action not doubled (a remote console) ---------------
+
+
+def test_a_remote_device_error_names_its_type_once():
+    # the server's 500 says "DeviceError: …" (calconsole/server/wire.from_cal_error); the remote plane prefixed
+    # its action and raised DeviceError, so the pane showed "DeviceError: reload_model: DeviceError: …"
+    import httpx
+
+    from calconsole.remote.connection import raise_for
+    from sim_backend.errors import DeviceError
+
+    body = {"error": {"code": 500, "type": "server_error",
+                      "message": "DeviceError: numerics process connection lost during start: exit code 1"}}
+    with pytest.raises(DeviceError) as info:
+        raise_for(httpx.Response(500, json=body), action="reload_model")
+    assert str(info.value) == "reload_model: numerics process connection lost during start: exit code 1"
+
+
+async def test_a_failed_action_shows_its_type_and_action_once(fast_system):
+    from sim_backend.errors import DeviceError
+
+    app = CalConsoleApp(fast_system, load_layout("operator"))
+    async with app.run_test(size=(160, 48)) as pilot:
+        pane = app.query_one(MaintenancePane)
+        assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+        await click_button(pilot, "#m-enter")
+        await confirm_ask(pilot)
+        assert await wait_for(pilot, lambda: pane.lease is not None)
+
+        def fails(lease):  # what the remote plane raises for the server's 500 (test above)
+            raise DeviceError("reload_model: numerics process connection lost during start")
+
+        pane.maintenance = type("Plane", (), {"reload_model": staticmethod(fails),
+                                              "__getattr__": lambda self, n: getattr(fast_system.maintenance, n)})()
+        pane.query_one("#m-log").focus()
+        await pilot.press("o")
+        await confirm_ask(pilot)
+        line = "reload_model: refused/failed: DeviceError: numerics process connection lost during start"
+        assert await wait_for(pilot, lambda: has(app, "#m-log", line)), log_text(app, "#m-log")
+        assert "DeviceError: reload_model" not in log_text(app, "#m-log")

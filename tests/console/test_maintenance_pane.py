@@ -112,21 +112,26 @@ async def test_full_maintenance_window(system):
 
         # golden self-test
         await click_button(pilot, "#m-selftest")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "self_test: ok · pass: max abs error"))
 
         # CCU fault: visible in the snapshot; the next request fails typed, the one after succeeds
         await click_button(pilot, "#m-f-ccu")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: "ccu_exception x1" in app.last_snapshot.device.faults)
         await click_button(pilot, "#m-probe")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "request failed: CCUException")), \
             log_text(app, "#m-log")
         await click_button(pilot, "#m-probe")  # a second click on the same button: see click_button
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "probe_request: ok · request finished"))
         assert await wait_for(pilot, lambda: app.last_snapshot.device.faults == ()
                               or app.last_snapshot.device.faults == [])
 
         # leave exclusive and chat again
         await click_button(pilot, "#m-leave")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "left exclusive mode"))
         assert app.query_one("#m-reset", Button).disabled
         await chat(pilot, app, "hi again", 6)
@@ -152,6 +157,7 @@ async def test_the_header_follows_a_maintenance_action_at_once(make_system):
         assert await wait_for(pilot, lambda: pane.lease is not None)
         assert await wait_for(pilot, lambda: " exclusive (lease: " in app._topbar_text), app._topbar_text
         await click_button(pilot, "#m-leave")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: pane.lease is None)
         assert await wait_for(pilot, lambda: " serving " in app._topbar_text), app._topbar_text
 
@@ -177,23 +183,29 @@ async def test_clear_memory_offers_reload_and_leaving_needs_it(make_system):
         assert system.board.memory_cleared
         assert app.focused.id == "m-reload"
         await click_button(pilot, "#m-leave")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "reload the model first"))
         assert pane.lease is not None
         await click_button(pilot, "#m-reload")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "reload_model: ok"))
         # registers: read any, write only writable ones
         app.query_one("#m-reg").value = "BOARD_ID"
         await click_button(pilot, "#m-reg-read")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "BOARD_ID (0x0000) = "))
         app.query_one("#m-reg-value").value = "7"
         await click_button(pilot, "#m-reg-write")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "register BOARD_ID is read-only"))
         app.query_one("#m-reg").value = "chip1_scratch"
         # the second click on Write: a click within 0.2 s of the first is dropped by Textual's
         # Button (press effect), which made this step fail on fast machines
         await click_button(pilot, "#m-reg-write")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "CHIP1_SCRATCH: 0 -> 7"))
         await click_button(pilot, "#m-leave")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: pane.lease is None)
 
 

@@ -178,19 +178,23 @@ async def test_every_maintenance_key_runs_its_audited_action(fast_system):
         for key, action in expected:
             n = len(audit.entries())
             await pilot.press(key)
+            await confirm_ask(pilot)  # every action asks first
             assert await wait_for(pilot, lambda n=n: len(audit.entries()) > n), key
             assert audit.entries()[-1]["action"] == action, (key, audit.entries()[-1])
             assert await wait_for(pilot, lambda: not any(w.is_running for w in pane.workers))
         # registers: i focuses the field, Enter reads; Enter in the value field writes
         await pilot.press("i")
         await pilot.press(*"D2D_LINK_ERR", "enter")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "read_register: ok · D2D_LINK_ERR"))
         pane.query_one("#m-reg").value = "CHIP0_SCRATCH"
         pane.query_one("#m-reg-value").focus()
         await pilot.press(*"0x2a", "enter")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: audit.entries()[-1]["action"] == "write_register")
         pane.query_one("#m-log").focus()
         await pilot.press("v")
+        await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "CHIP0_SCRATCH"))
         # reset asks for the device name first
         await pilot.press("r")

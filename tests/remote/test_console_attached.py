@@ -94,6 +94,7 @@ async def test_the_maintenance_window_works_over_http_with_the_lease(make_server
             assert mode["lease_holder"].endswith("@console)")
             assert await wait_for(pilot, lambda: app.last_snapshot.device.mode == "exclusive")
             await click_button(pilot, "#m-leave")
+            await confirm_ask(pilot)
             assert await wait_for(pilot, lambda: app.query_one("#maintenance").lease is None)
             assert s.system.maintenance.mode()["mode"] == "serving"
         entries = s.system.maintenance.audit.entries()

@@ -25,7 +25,7 @@ from calconsole.app import CalConsoleApp
 from calconsole.cli import main
 from calconsole.layout import load_layout
 from calconsole.remote import NotAServer, connect
-from tests.console.pilot_helpers import log_text, wait_for
+from tests.console.pilot_helpers import confirm_ask, log_text, wait_for
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -155,6 +155,7 @@ async def test_a_maintenance_action_llama_server_lacks_is_refused_with_the_reaso
             assert pane.lease is None
             # this fixture runs without --slot-save-path: llama-server refuses even slot erase, and says so
             await pilot.press("k")
+            await confirm_ask(pilot)
             assert await wait_for(pilot, lambda: "--slot-save-path" in log_text(app, "#m-log"))
         records = [json.loads(line) for line in audit.read_text().splitlines()]
         done = [r for r in records if r["phase"] == "finished"]
