@@ -253,17 +253,21 @@ class MaintenancePane(Vertical):
         self.call_after_refresh(self._fit_labels)  # the buttons have their new widths after layout
 
     def _fit_labels(self) -> None:
-        """The long labels in a row where they all fit, else the short ones (a short one that still
-        does not fit is cut with …): one row reads alike."""
+        """The long labels in a row where they all fit, else the short ones where they all fit, else the keys
+        alone (``fitted_label``): one row reads alike, and no label is cut (at 80x24 in the chat layout the
+        buttons are 3-5 columns wide: "x Excl" read "x E…"). A key-only button's tooltip names its action, and
+        the footer and the help (?) list every key with what it does."""
         for row in self.query(".m-row"):
             buttons = [b for b in row.query(Button) if (b.id or "") in LABELS]
             if not buttons or not all(b.size.width for b in buttons):
                 continue
-            fits = all(len(LABELS[b.id or ""][0]) <= b.size.width for b in buttons)
+            tier = fitted_tier([(b.id or "", b.size.width) for b in buttons])
             for b in buttons:
-                label = LABELS[b.id or ""][0 if fits else 1]
+                label = fitted_label(b.id or "", tier)
                 if str(b.label) != label:
                     b.label = label
+                if tier == 2 and not b.tooltip:
+                    b.tooltip = LABELS[b.id or ""][0]
 
     def on_key(self, event: events.Key) -> None:
         """A maintenance key outside exclusive mode says why nothing happens (the footer shows it
@@ -581,6 +585,21 @@ class MaintenancePane(Vertical):
         self.post_message(self.StateChanged())
         if action == "clear_device_memory" and ok:
             self.query_one("#m-reload", Button).focus()
+
+
+def fitted_tier(widths: list[tuple[str, int]]) -> int:
+    """Which labels a row of buttons shows, from ``[(button id, width in cells)]``: 0 the long ones when each
+    fits its button, 1 the short ones when each of those fits, else 2, the keys alone."""
+    for tier in (0, 1):
+        if all(len(fitted_label(bid, tier)) <= width for bid, width in widths):
+            return tier
+    return 2
+
+
+def fitted_label(button_id: str, tier: int) -> str:
+    """A button's label at ``tier`` (``fitted_tier``): ``LABELS``' long or short one, or (2) its key alone."""
+    long, short = LABELS[button_id]
+    return (long, short, long.split(" ", 1)[0])[tier]
 
 
 def audit_line(path) -> str:

@@ -12,7 +12,7 @@ from textual.widgets import Button
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
 from calconsole.panes.chat import PARAMS, SYNTHETIC_BANNERS, metrics_line, param_defaults
-from calconsole.panes.maintenance import LABELS, MaintenancePane
+from calconsole.panes.maintenance import LABELS, MaintenancePane, fitted_label, fitted_tier
 from calconsole.widgets import render
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.planes import SamplingParams
@@ -252,8 +252,8 @@ async def test_maintenance_buttons_tell_memory_and_kv_apart(fast_system, size):
                 buttons = [b for b in row.query(Button) if b.id in LABELS]
                 if not all(b.size.width for b in buttons):
                     return False
-                which = 0 if all(len(LABELS[b.id][0]) <= b.size.width for b in buttons) else 1
-                if any(str(b.label) != LABELS[b.id][which] for b in buttons):
+                which = fitted_tier([(b.id, b.size.width) for b in buttons])
+                if any(str(b.label) != fitted_label(b.id, which) for b in buttons):
                     return False
             return True
 
@@ -268,6 +268,33 @@ async def test_maintenance_buttons_tell_memory_and_kv_apart(fast_system, size):
         assert len(set(labels.values())) == len(labels), labels
         for bid, key in keys.items():
             assert labels[bid].startswith(key), labels
+
+
+@pytest.mark.parametrize("layout,size", [("chat", (80, 24)), ("operator", (80, 24)), ("operator", (160, 48))])
+async def test_no_maintenance_button_label_is_cut(fast_system, layout, size):
+    # at 80x24 in the chat layout the buttons are 3-5 cells wide: "x Excl" read "x E…", "1 CCU" read "1 …";
+    # a row whose short labels do not all fit shows the keys alone (the footer and the help say what they do)
+    app = CalConsoleApp(fast_system, load_layout(layout))
+    async with app.run_test(size=size) as pilot:
+
+        def shown(b) -> str:
+            return "".join(s.text for s in b.render_lines(b.region.reset_offset)).strip()
+
+        def settled() -> bool:
+            rows = [[b for b in row.query(Button) if b.id in LABELS] for row in app.query("#maintenance .m-row")]
+            return all(all(b.size.width for b in r) and all(
+                str(b.label) == fitted_label(b.id, fitted_tier([(c.id, c.size.width) for c in r])) for b in r)
+                for r in rows)
+
+        assert await wait_for(pilot, settled)
+        buttons = list(app.query("#maintenance Button"))
+        labels = {b.id: shown(b) for b in buttons}
+        for b in buttons:
+            assert labels[b.id] == str(b.label), (b.id, labels[b.id], str(b.label), b.size.width)  # whole
+            assert labels[b.id].split(" ", 1)[0] == LABELS[b.id][0].split(" ", 1)[0], labels  # leads with its key
+        assert len(set(labels.values())) == len(labels), labels
+        if size == (160, 48):
+            assert labels["m-enter"] == "x Exclusive" and labels["m-clear"] == "c Clear mem…", labels
 
 
 def test_maintenance_styles_have_one_home():
