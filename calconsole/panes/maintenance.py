@@ -93,7 +93,8 @@ ASK = {
     "self_test": ("Self-test", "Run the golden self-test on the device?",
                   "Runs the bundle's golden prompt on the device and compares its logits with the golden ones."),
     "health_check": ("Health", "Run a health check on the device?",
-                     "Runs the device's health check (a short job on every chiplet) and logs its result."),
+                     "Checks the status registers, job accounting and buffer pool, runs one decode probe job, "
+                     "and logs the result."),
     "probe_request": ("Probe", "Send a probe request to the device?",
                       "Generates 4 tokens from the prompt 'hi' on the device and logs how long it took."),
     "clear_kv": ("Clear KV", "Clear the KV cache on the device?",
