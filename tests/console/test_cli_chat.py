@@ -32,7 +32,6 @@ BAD = [
     (["--frequency-penalty", "-3"], "frequency_penalty"),
     (["--seed", "abc"], "seed"),
     (["--seed", "1.5"], "seed"),
-    (["--seed", "-4"], "seed"),
     (["--stop", ""], "stop"),
     (["--stop", "ok", "--stop", ""], "stop"),
     (["--max-tokens", "0"], "max_tokens"),
