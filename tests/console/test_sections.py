@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import json
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -205,12 +207,31 @@ async def test_b8_bundle_shows_batch_occupancy_and_slots_of_two_chats_decoding_t
         assert await wait_for(pilot, lambda: app.last_snapshot is not None)
         await pilot.pause()
         assert "batches" in pane.listed() and "batches" in displayed(pane)
-        hs = [system.inference.submit(ChatRequest(messages=({"role": "user", "content": f"chat {i}"},), max_tokens=12,
-                                               sampling=SamplingParams.greedy(seed=1))) for i in range(2)]
+        # the device holds the second decode step both chats ride in until the screen has been read: the
+        # newest rows then show them decoding together however the host schedules the two admissions (on a
+        # loaded host the second chat joined late and the newest six rows were the first one's alone)
+        held, release, execute, together = threading.Event(), threading.Event(), system.board._execute, [0]
+
+        def execute_held(job: Any, gen: int) -> None:
+            if job.kind == "decode" and len(job.batch) == 2:
+                together[0] += 1
+                if together[0] == 2:
+                    held.set()
+                    release.wait(60)
+            execute(job, gen)
+
+        system.board._execute = execute_held  # type: ignore[method-assign]
+        try:
+            hs = [system.inference.submit(ChatRequest(messages=({"role": "user", "content": f"chat {i}"},),
+                                                      max_tokens=12, sampling=SamplingParams.greedy(seed=1)))
+                  for i in range(2)]
+            assert held.wait(60), "the two chats never rode in one decode step twice"
+            assert await wait_for(pilot, lambda: " 2/8 " in shown(pane, "batches"))
+            text = shown(pane, "batches")
+        finally:
+            release.set()
         for h in hs:
             h.result(60)
-        assert await wait_for(pilot, lambda: "2/8" in shown(pane, "batches"))
-        text = shown(pane, "batches")
         assert "C3 variant: batch-8 decode calbin" in text and "not the product" in text
         assert "max 2/8" in text
         rows = [line for line in text.splitlines() if " 2/8 " in line]
