@@ -220,7 +220,7 @@ async def test_b8_bundle_shows_batch_occupancy_and_slots_of_two_chats_decoding_t
                     release.wait(60)
             execute(job, gen)
 
-        system.board._execute = execute_held  # type: ignore[method-assign]
+        system.board._execute = execute_held
         try:
             hs = [system.inference.submit(ChatRequest(messages=({"role": "user", "content": f"chat {i}"},),
                                                       max_tokens=12, sampling=SamplingParams.greedy(seed=1)))
