@@ -22,14 +22,20 @@ from .metrics import parse_slo
 
 
 def add_key_options(p: argparse.ArgumentParser) -> None:
+    """``--api-key KEY``, ``--api-key-file FILE``, ``--admin-key-file FILE`` on ``serve``.
+
+    The two file options default to ``argparse.SUPPRESS``: the top-level parser defines the same names (for
+    ``--listen`` / ``--connect``) with default None, so ``calconsole --api-key-file F serve`` keeps F. A
+    default of None here overwrote it, and the server then listened with no API key (``API key off``) and no
+    maintenance routes, silently."""
     g = p.add_argument_group("keys (prefer the files or the environment: a flag is visible in ps)")
     g.add_argument("--api-key", default=None, metavar="KEY",
                    help="API key every route but /health needs (Authorization: Bearer KEY, or X-Api-Key: KEY "
                         "as llama-server takes it); "
                         "also $CALCONSOLE_API_KEY")
-    g.add_argument("--api-key-file", default=None, metavar="FILE",
+    g.add_argument("--api-key-file", default=argparse.SUPPRESS, metavar="FILE",
                    help="file of API keys, one per line ('KEY' or 'LABEL KEY'; mode 600)")
-    g.add_argument("--admin-key-file", default=None, metavar="FILE",
+    g.add_argument("--admin-key-file", default=argparse.SUPPRESS, metavar="FILE",
                    help="file of admin keys for /maintenance/... (without one, or $CALCONSOLE_ADMIN_KEY, "
                         "no maintenance route exists)")
 
