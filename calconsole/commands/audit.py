@@ -74,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         log = AuditLog(getattr(args, "audit_log", None))
         where = str(log.path)
+        # a path the user named that holds no log (a typo) is an error; the default log not yet written is not
+        if getattr(args, "audit_log", None) is not None and not log.path.exists() and not log.rotated_paths():
+            return fail(f"no audit log at {log.path}: --audit-log names a file that does not exist")
         try:
             if tail is None:
                 records = log.read_all()

@@ -94,6 +94,10 @@ def test_summarize_statuses_and_corrupt_lines(tmp_path):
 
 def test_audit_command_json_and_table(tmp_path):
     path = tmp_path / "a.jsonl"
+    # a named log that does not exist is a typo, not an empty log: exit 2 naming the path (was exit 0, [])
+    rc, out = run_cli("audit", "--audit-log", str(tmp_path / "a.jsnol"), "--json")
+    assert rc == 2 and out == ""
+    path.touch()
     rc, out = run_cli("audit", "--audit-log", str(path), "--json")
     assert rc == 0 and json.loads(out) == []
     log = AuditLog(path)
@@ -210,3 +214,13 @@ def test_tail_bounds_an_overlong_line(tmp_path, monkeypatch):
     entries, more = log.tail(3)
     assert [e["action"] for e in entries] == ["before", "?", "after"] and not more
     assert "longer than 1000 bytes" in entries[1]["result"]
+
+
+def test_a_named_audit_log_that_does_not_exist_is_refused_naming_it(tmp_path, capsys):
+    typo = tmp_path / "audti.jsonl"
+    assert main(["audit", "--audit-log", str(typo)]) == 2
+    err = capsys.readouterr().err
+    assert f"no audit log at {typo}" in err and "Traceback" not in err and not typo.exists()
+    # a rotated log whose current file is not yet written again is read, not refused
+    (tmp_path / "audti.jsonl.1").write_text("")
+    assert main(["audit", "--audit-log", str(typo)]) == 0
