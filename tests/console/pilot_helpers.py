@@ -69,3 +69,11 @@ async def confirm_ask(pilot, timeout_s: float = 20.0) -> None:
     assert await wait_for(pilot, lambda: isinstance(app.screen, AskModal), timeout_s), type(app.screen).__name__
     await pilot.press("y")
     assert await wait_for(pilot, lambda: not isinstance(app.screen, AskModal), timeout_s)
+
+
+async def enter_exclusive(pilot, pane, timeout_s: float = 20.0) -> None:
+    """Enter exclusive mode the way an operator does: the ``x Exclusive`` button, then ``y`` to its question;
+    returns once ``pane`` (the maintenance pane) holds the lease."""
+    await click_button(pilot, "#m-enter")
+    await confirm_ask(pilot, timeout_s)
+    assert await wait_for(pilot, lambda: pane.lease is not None, timeout_s)

@@ -22,7 +22,7 @@ from calconsole.widgets.wraplog import SLICE_CHARS, WrapLog
 from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.planes.snapshot import RequestsView, TokenCounts
-from tests.console.pilot_helpers import click_button, confirm_ask, has, typed, wait_for
+from tests.console.pilot_helpers import click_button, confirm_ask, enter_exclusive, has, typed, wait_for
 
 
 @pytest.fixture
@@ -56,9 +56,7 @@ async def test_header_shows_armed_then_fired_until_acknowledged(system):
     m = system.maintenance
     async with app.run_test(size=(200, 50)) as pilot:
         pane = app.query_one("#maintenance")
-        await click_button(pilot, "#m-enter")
-        await confirm_ask(pilot)
-        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await enter_exclusive(pilot, pane)
         await click_button(pilot, "#m-f-ccu")
         await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: "armed: ccu_exception x1" in topbar(app))
@@ -137,9 +135,7 @@ async def test_slow_chip_shows_on_its_own_column_and_probe_updates_stages(system
     app = CalConsoleApp(system, load_layout("operator"))
     async with app.run_test(size=(200, 60)) as pilot:
         pane = app.query_one("#maintenance")
-        await click_button(pilot, "#m-enter")
-        await confirm_ask(pilot)
-        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await enter_exclusive(pilot, pane)
         await click_button(pilot, "#m-f-slow")
         await confirm_ask(pilot)
         assert await wait_for(pilot, lambda: "degraded (slow_chip1 x4)" in topbar(app))

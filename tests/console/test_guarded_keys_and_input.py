@@ -15,7 +15,7 @@ from calconsole.panes.maintenance import MaintenancePane
 from calconsole.widgets import confirm
 from calconsole.widgets.confirm import ConfirmModal
 from calconsole.widgets.help import HelpScreen
-from tests.console.pilot_helpers import click_button, confirm_ask, has, log_text, wait_for
+from tests.console.pilot_helpers import confirm_ask, enter_exclusive, has, log_text, wait_for
 
 
 @pytest.fixture
@@ -103,9 +103,7 @@ async def test_every_way_into_exclusive_mode_asks_first(fast_system):
         assert pane.lease is None and entered(fast_system) == []
         assert fast_system.maintenance.mode()["mode"] == "serving"
         # confirmed (the button, then y): granted
-        await click_button(pilot, "#m-enter")
-        await confirm_ask(pilot)
-        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await enter_exclusive(pilot, pane)
         assert [e["status"] for e in entered(fast_system)] == ["granted"]
 
 
@@ -138,9 +136,7 @@ async def test_every_maintenance_action_asks_and_a_cancel_runs_nothing(fast_syst
     async with app.run_test(size=(160, 48)) as pilot:
         pane = app.query_one(MaintenancePane)
         assert await wait_for(pilot, lambda: app.last_snapshot is not None)
-        await click_button(pilot, "#m-enter")
-        await confirm_ask(pilot)
-        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await enter_exclusive(pilot, pane)
         assert await wait_for(pilot, lambda: not any(w.is_running for w in pane.workers))
         pane.query_one("#m-reg").value = "CHIP0_SCRATCH"
         pane.query_one("#m-reg-value").value = "7"
@@ -203,9 +199,7 @@ async def test_after_a_memory_clear_L_leaves_with_force_once_confirmed(fast_syst
     async with app.run_test(size=(160, 48)) as pilot:
         pane = app.query_one(MaintenancePane)
         assert await wait_for(pilot, lambda: app.last_snapshot is not None)
-        await click_button(pilot, "#m-enter")
-        await confirm_ask(pilot)
-        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await enter_exclusive(pilot, pane)
         app.query_one("#m-log").focus()
         await pilot.press("c")
         assert await wait_for(pilot, lambda: isinstance(app.screen, ConfirmModal))
@@ -423,9 +417,7 @@ async def test_a_failed_action_shows_its_type_and_action_once(fast_system):
     async with app.run_test(size=(160, 48)) as pilot:
         pane = app.query_one(MaintenancePane)
         assert await wait_for(pilot, lambda: app.last_snapshot is not None)
-        await click_button(pilot, "#m-enter")
-        await confirm_ask(pilot)
-        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await enter_exclusive(pilot, pane)
 
         def fails(lease):  # what the remote plane raises for the server's 500 (test above)
             raise DeviceError("reload_model: numerics process connection lost during start")

@@ -15,7 +15,7 @@ from calconsole.layout import load_layout
 from calconsole.panes.maintenance import MaintenancePane
 from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
-from tests.console.pilot_helpers import click_button, confirm_ask, has, log_text, wait_for
+from tests.console.pilot_helpers import click_button, confirm_ask, enter_exclusive, has, log_text, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,9 +68,7 @@ async def test_full_maintenance_window(system):
             return drain(*a, **k)
 
         system.engine.gate.drain = drain_and_look
-        await click_button(pilot, "#m-enter")
-        await confirm_ask(pilot)
-        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await enter_exclusive(pilot, pane)
         seen.append(m.mode()["mode"])
         assert seen == ["draining", "exclusive"]  # the bounded drain (0.5 s) shows as a mode
         assert await wait_for(pilot, lambda: chat_pane.handle is None)
@@ -152,9 +150,7 @@ async def test_the_header_follows_a_maintenance_action_at_once(make_system):
         assert await wait_for(pilot, lambda: app.last_snapshot is not None)
         app.refresh_hz = 0.001  # the feed's slowest period (100 s): only a sample the action asks for comes in time
         assert " serving " in app._topbar_text
-        await click_button(pilot, "#m-enter")
-        await confirm_ask(pilot)
-        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await enter_exclusive(pilot, pane)
         assert await wait_for(pilot, lambda: " exclusive (lease: " in app._topbar_text), app._topbar_text
         await click_button(pilot, "#m-leave")
         await confirm_ask(pilot)
@@ -169,9 +165,7 @@ async def test_clear_memory_offers_reload_and_leaving_needs_it(make_system):
     app = CalConsoleApp(system, load_layout("operator"))
     async with app.run_test(size=(160, 50)) as pilot:
         pane = app.query_one(MaintenancePane)
-        await click_button(pilot, "#m-enter")
-        await confirm_ask(pilot)
-        assert await wait_for(pilot, lambda: pane.lease is not None)
+        await enter_exclusive(pilot, pane)
         app.query_one("#m-log").focus()
         await pilot.pause()
         await pilot.press("c")  # the key opens the same confirmation
