@@ -14,10 +14,16 @@ kernels read; the KV cache (K transposed) is the model's own, shared with the nu
 
 from __future__ import annotations
 
+import ctypes
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from sim_backend.model.kernels import (
     attend_decode,
@@ -33,6 +39,110 @@ from sim_backend.model.kernels import (
 )
 
 F32 = np.float32
+
+#: Context keys from which a decode step runs each layer's attention on two threads (``CompiledMoe.decode``):
+#: below it the 48 hand-offs a step cost more than half the attention saves.
+DECODE_SPLIT_MIN_CONTEXT = 512
+
+
+def _libc() -> Any:
+    """The C library of this process (ctypes), errno kept."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def split_possible() -> bool:
+    """True when this process may run on at least two CPUs (its affinity mask; ``os.cpu_count`` where the
+    platform has no affinity call) and has process-private POSIX semaphores (``sem_init``: Linux, not macOS),
+    which the split decode step hands over with."""
+    import os
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cpus = os.cpu_count() or 1
+    if cpus < 2:
+        return False
+    try:
+        buf = np.zeros(64, dtype=np.uint8)
+        return bool(_libc().sem_init(ctypes.c_void_p(int(buf.ctypes.data)), 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+#: Tries of a semaphore before a split decode step's thread sleeps on it (each try one ``pause``, ~40-140
+#: cycles): a futex wake-up across CPUs took ~50 us on the reference 2-core VM, longer than a layer's serial
+#: part, so a short bounded spin hands over faster; past it the thread sleeps (a busy host loses at most this).
+SPLIT_SPIN_TRIES = 3000
+
+#: Bound on one wait of a split decode step's threads for the other (host wall s): far above any layer's
+#: attention (about 1 ms at 4K keys on an idle host); a wait past it ends the step with an error, not a hang.
+SPLIT_WAIT_S = 120
+
+
+def _libc_call(name: str, arg_types: tuple[Any, ...]) -> Any:
+    """A numba intrinsic calling the C library's ``int name(...)`` with int64 arguments passed as pointers
+    where ``arg_types`` says ``"ptr"`` (addresses from ``array.ctypes.data``) and as int32 where ``"i32"``.
+    Declared by name: the JIT links it against the process's libc (as ``dense_kernels`` does libm)."""
+    i8p = ir.IntType(8).as_pointer()
+
+    def lower(builder: Any, args: Any) -> Any:
+        fnty = ir.FunctionType(ir.IntType(32), [i8p if t == "ptr" else ir.IntType(32) for t in arg_types])
+        cargs = [builder.inttoptr(a, i8p) if t == "ptr" else builder.trunc(a, ir.IntType(32))
+                 for a, t in zip(args, arg_types, strict=True)]
+        return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), cargs)
+
+    if len(arg_types) == 1:
+        def one(typingctx, a):  # noqa: ANN001, ANN202
+            return types.int32(types.int64), lambda ctx, b, sig, args: lower(b, args)
+        return intrinsic(one)
+
+    def two(typingctx, a, b):  # noqa: ANN001, ANN202
+        return types.int32(types.int64, types.int64), lambda ctx, bl, sig, args: lower(bl, args)
+    return intrinsic(two)
+
+
+_sem_post = _libc_call("sem_post", ("ptr",))
+_sem_trywait = _libc_call("sem_trywait", ("ptr",))
+_sem_timedwait = _libc_call("sem_timedwait", ("ptr", "ptr"))
+_clock_gettime = _libc_call("clock_gettime", ("i32", "ptr"))
+
+
+@intrinsic
+def _pause(typingctx):  # noqa: ANN001, ANN202
+    """The CPU's spin-wait hint (x86 ``pause``; nothing elsewhere) between two tries of a semaphore."""
+    import platform
+
+    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+        if platform.machine() in ("x86_64", "AMD64", "i686"):
+            fn = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+@kernel()
+def _sem_wait_s(sem, ts, timeout_s):
+    """Wait on the POSIX semaphore at address ``sem`` (int64) for at most ``timeout_s`` host wall seconds
+    (CLOCK_REALTIME deadline, as ``sem_timedwait`` takes it; ``ts`` an int64 (2,) scratch timespec). The
+    thread sleeps in the kernel meanwhile (futex), no spinning. True when the semaphore was taken, False at
+    the deadline; an interrupted wait is resumed."""
+    for _ in range(SPLIT_SPIN_TRIES):
+        if _sem_trywait(sem) == 0:
+            return True
+        _pause()
+    tp = ts.ctypes.data
+    _clock_gettime(0, tp)
+    end = ts[0] + timeout_s
+    ns = ts[1]
+    while True:
+        ts[0] = end
+        ts[1] = ns
+        if _sem_timedwait(sem, tp) == 0:
+            return True
+        _clock_gettime(0, tp)
+        if ts[0] > end or (ts[0] == end and ts[1] >= ns):
+            return False
 
 
 @dataclass
@@ -60,77 +170,172 @@ class MoeWeights:
 
 
 @kernel()
+def _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max_l, eps, scale, qh, kvh, wqkv, qk_norm, wo,
+                      k_t, v_t, qkv, qk, q, og, o, scores, y):
+    """Chip ``c``'s attention of one decode token in layer ``li``: its q|k|v columns, per-head RMSNorm + RoPE,
+    the K/V write at ``cell``, attention of each of its KV heads over the context, and its share of the
+    output projection, written to y[c] (H,) (the partial sum before the all-reduce).
+
+    h (H,) the normed residual (read only); scratch rows qkv[c] (cols,), o[c] (qh D,) and y[c] are this chip's
+    own; qk (qh + kvh, D), q, og (G, D) and scores (G, >= T) are scratch owned by the calling thread (one set per
+    thread when the chips run on two threads, ``CompiledMoe.decode``). Arguments otherwise as ``_decode_step``.
+    """
+    D = qk_norm.shape[3]
+    G = qh // kvh
+    qkc = (qh + kvh) * D
+    matvec(h, wqkv[li, c], qkv[c])
+    for j in range(qh + kvh):
+        for d in range(D):
+            qk[j, d] = qkv[c, j * D + d]
+    head_norm_rope(qk, qk_norm[li, c], cos, sin, eps)
+    for hk in range(kvh):
+        for d in range(D):
+            k_t[c, li, hk, d, cell] = qk[qh + hk, d]
+            v_t[c, li, hk, d, cell] = qkv[c, qkc + hk * D + d]
+    for hk in range(kvh):
+        for g in range(G):
+            for d in range(D):
+                q[g, d] = qk[hk * G + g, d] * scale
+        attend_decode(q, k_t[c, li, hk], v_t[c, li, hk], start, idx, T, no_max_l, scores, og)
+        for g in range(G):
+            for d in range(D):
+                o[c, (hk * G + g) * D + d] = og[g, d]
+    matvec(o[c], wo[li, c], y[c])
+
+
+@kernel()
+def _decode_between(li, x, h, y, eps, k_act, in_norm, post_norm, router, gue, down, final_norm, lm_bits, lm_bias,
+                    probs, ids, wt, gu, act, logits):
+    """The serial part of a decode step between two layers' attention: for li > 0 the all-reduce of layer
+    li - 1's attention partial sums y (C, H) into the residual x (H,), its post-attention norm, router, top-k and
+    the experts of every chip (partial sums reduced into x in chip order); then, for li < L, layer li's input
+    norm into h (H,), or for li == L the final norm and the LM head into logits (V,). Scratch: probs (E,),
+    ids (k,) int64, wt (k,), gu (2 C F,), act (F,) float32."""
+    L = in_norm.shape[0]
+    C, H = y.shape
+    F = down.shape[3]
+    if li > 0:
+        p = li - 1
+        for i in range(H):  # all-reduce: the chips' partial sums, then the residual
+            acc = y[0, i]
+            for c in range(1, C):
+                acc += y[c, i]
+            x[i] += acc
+        rms_norm(x, post_norm[p], eps, h)
+        matvec(h, router[p], probs)
+        softmax_top_k(probs, k_act, ids, wt)
+        for c in range(C):
+            for i in range(H):
+                y[c, i] = 0.0
+        for j in range(k_act):
+            e = ids[j]
+            matvec(h, gue[p, e], gu)
+            for c in range(C):
+                silu_mul(gu[c * F:(c + 1) * F], gu[(C + c) * F:(C + c + 1) * F], wt[j], act)
+                matvec_add(act, down[p, c, e], y[c])
+        for i in range(H):
+            acc = y[0, i]
+            for c in range(1, C):
+                acc += y[c, i]
+            x[i] += acc
+    if li < L:
+        rms_norm(x, in_norm[li], eps, h)
+    else:
+        rms_norm(x, final_norm, eps, h)
+        bf16_matvec(h, lm_bits, lm_bias, logits)
+
+
+@kernel()
 def _decode_step(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, k_act,
                  in_norm, post_norm, wqkv, qk_norm, wo, router, gue, down, final_norm, lm_bits, lm_bias,
                  k_t, v_t, logits):
-    """One decode token through every layer and the LM head; returns nothing, writes ``logits``.
+    """One decode token through every layer and the LM head on one thread; returns nothing, writes ``logits``.
 
     x (H,) the token's embedding (float32, overwritten: the residual stream); cos/sin (D/2,);
     cell: the KV cell written; keys: cells start..start+T (start >= 0) or idx[:T]; no_max (L,) bool;
     k_t, v_t (C, L, kvh, D, cells) the transposed K/V caches, written at ``cell``; logits (V,) out.
+    The same two kernels per layer (``_decode_between``, ``_decode_attn_chip`` per chip) as the two-thread
+    step of ``CompiledMoe.decode``, so both give the same bits.
     """
     L, C, H, cols = wqkv.shape
     D = qk_norm.shape[3]
     G = qh // kvh
     E = router.shape[2]
     F = down.shape[3]
-    qkc = (qh + kvh) * D
     h = np.empty(H, dtype=np.float32)
     qkv = np.empty((C, cols), dtype=np.float32)
     qk = np.empty((qh + kvh, D), dtype=np.float32)  # one chip's q and k heads (copied: no reshapes, see ``kernels``)
     q = np.empty((G, D), dtype=np.float32)
     og = np.empty((G, D), dtype=np.float32)
     o = np.empty((C, qh * D), dtype=np.float32)
-    y = np.empty((C, H), dtype=np.float32)
+    y = np.zeros((C, H), dtype=np.float32)
     scores = np.empty((G, T), dtype=np.float32)
     probs = np.empty(E, dtype=np.float32)
     ids = np.empty(k_act, dtype=np.int64)
     wt = np.empty(k_act, dtype=np.float32)
     gu = np.empty(2 * C * F, dtype=np.float32)
     act = np.empty(F, dtype=np.float32)
-    for li in range(L):
-        rms_norm(x, in_norm[li], eps, h)
+    for li in range(L + 1):
+        _decode_between(li, x, h, y, eps, k_act, in_norm, post_norm, router, gue, down, final_norm, lm_bits,
+                        lm_bias, probs, ids, wt, gu, act, logits)
+        if li == L:
+            break
         for c in range(C):
-            matvec(h, wqkv[li, c], qkv[c])
-            for j in range(qh + kvh):
-                for d in range(D):
-                    qk[j, d] = qkv[c, j * D + d]
-            head_norm_rope(qk, qk_norm[li, c], cos, sin, eps)
-            for hk in range(kvh):
-                for d in range(D):
-                    k_t[c, li, hk, d, cell] = qk[qh + hk, d]
-                    v_t[c, li, hk, d, cell] = qkv[c, qkc + hk * D + d]
-            for hk in range(kvh):
-                for g in range(G):
-                    for d in range(D):
-                        q[g, d] = qk[hk * G + g, d] * scale
-                attend_decode(q, k_t[c, li, hk], v_t[c, li, hk], start, idx, T, no_max[li], scores, og)
-                for g in range(G):
-                    for d in range(D):
-                        o[c, (hk * G + g) * D + d] = og[g, d]
-            matvec(o[c], wo[li, c], y[c])
-        for i in range(H):  # all-reduce: the chips' partial sums, then the residual
-            acc = y[0, i]
-            for c in range(1, C):
-                acc += y[c, i]
-            x[i] += acc
-        rms_norm(x, post_norm[li], eps, h)
-        matvec(h, router[li], probs)
-        softmax_top_k(probs, k_act, ids, wt)
-        y[:, :] = 0.0
-        for j in range(k_act):
-            e = ids[j]
-            matvec(h, gue[li, e], gu)
-            for c in range(C):
-                silu_mul(gu[c * F:(c + 1) * F], gu[(C + c) * F:(C + c + 1) * F], wt[j], act)
-                matvec_add(act, down[li, c, e], y[c])
-        for i in range(H):
-            acc = y[0, i]
-            for c in range(1, C):
-                acc += y[c, i]
-            x[i] += acc
-    rms_norm(x, final_norm, eps, h)
-    bf16_matvec(h, lm_bits, lm_bias, logits)
+            _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max[li], eps, scale, qh, kvh, wqkv,
+                              qk_norm, wo, k_t, v_t, qkv, qk, q, og, o, scores, y)
+
+
+@kernel()
+def _decode_split_main(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, k_act,
+                       in_norm, post_norm, wqkv, qk_norm, wo, router, gue, down, final_norm, lm_bits, lm_bias,
+                       k_t, v_t, logits, h, qkv, o, y, qk, q, og, scores, go, done, ts, state):
+    """The calling thread's share of a split decode step (``CompiledMoe.decode``): per layer the serial part
+    (``_decode_between``), a post of ``go`` (the other thread starts the other chips' attention), chip 0's
+    attention, then a wait on ``done``; after the last layer the final norm and the LM head. h, qkv, o, y are
+    the step's shared rows (each chip writes its own), qk, q, og, scores this thread's scratch; go, done the
+    semaphores' addresses (int64); ts int64 (2,) scratch; state int64 (1,): set to 1 when a wait ran past
+    ``SPLIT_WAIT_S`` (the other thread then stops at its next wait). Returns False in that case."""
+    L = wqkv.shape[0]
+    C = wqkv.shape[1]
+    E = router.shape[2]
+    F = down.shape[3]
+    probs = np.empty(E, dtype=np.float32)
+    ids = np.empty(k_act, dtype=np.int64)
+    wt = np.empty(k_act, dtype=np.float32)
+    gu = np.empty(2 * C * F, dtype=np.float32)
+    act = np.empty(F, dtype=np.float32)
+    for li in range(L + 1):
+        _decode_between(li, x, h, y, eps, k_act, in_norm, post_norm, router, gue, down, final_norm, lm_bits,
+                        lm_bias, probs, ids, wt, gu, act, logits)
+        if li == L:
+            break
+        _sem_post(go)
+        _decode_attn_chip(li, 0, h, cos, sin, cell, start, idx, T, no_max[li], eps, scale, qh, kvh, wqkv,
+                          qk_norm, wo, k_t, v_t, qkv, qk, q, og, o, scores, y)
+        if not _sem_wait_s(done, ts, SPLIT_WAIT_S):
+            state[0] = 1
+            return False
+    return True
+
+
+@kernel()
+def _decode_split_other(cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, wqkv, qk_norm, wo, k_t, v_t,
+                        h, qkv, o, y, qk, q, og, scores, go, done, ts, state):
+    """The other thread's share of a split decode step: per layer, a wait on ``go``, the attention of chips
+    1..C-1 (``_decode_attn_chip``), a post of ``done``. Arguments as ``_decode_split_main``'s (qk, q, og,
+    scores: this thread's own scratch). Returns False when a wait ran past ``SPLIT_WAIT_S`` or the calling
+    thread gave up (``state``)."""
+    L = wqkv.shape[0]
+    C = wqkv.shape[1]
+    for li in range(L):
+        if not _sem_wait_s(go, ts, SPLIT_WAIT_S) or state[0] != 0:
+            state[0] = 1
+            return False
+        for c in range(1, C):
+            _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max[li], eps, scale, qh, kvh, wqkv,
+                              qk_norm, wo, k_t, v_t, qkv, qk, q, og, o, scores, y)
+        _sem_post(done)
+    return True
 
 
 @kernel()
@@ -261,6 +466,7 @@ class CompiledMoe:
         D = weights.qk_norm.shape[3]
         self.scale = F32(1.0 / np.sqrt(D))
         self._pool: ThreadPoolExecutor | None = None
+        self._sem_buf: np.ndarray | None = None
 
     def _threads(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -273,20 +479,80 @@ class CompiledMoe:
             self._pool = None
 
     def decode(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cell: int, ctx_cells: np.ndarray,
-               no_max: np.ndarray, k_t: np.ndarray, v_t: np.ndarray) -> np.ndarray:
+               no_max: np.ndarray, k_t: np.ndarray, v_t: np.ndarray, *, split: bool | None = None) -> np.ndarray:
         """One decode token: x (H,) float32 embedding (consumed), cos/sin (D/2,) float32 of its position,
         ``cell`` its KV cell, ctx_cells (T,) int64 every cell it attends to in position order
-        (its own included); no_max (L,) bool. Returns logits (V,) float32."""
+        (its own included); no_max (L,) bool. Returns logits (V,) float32.
+
+        ``split``: run each layer's attention with chip 0 on the calling thread and the other chips on the
+        pool's thread (``_decode_split``), or the whole step as one compiled call (``_decode_step``). Both
+        run the same kernels in the same order per chip, so the logits are the same bits. None (default):
+        split when the context has at least ``DECODE_SPLIT_MIN_CONTEXT`` keys and this process may run on
+        two CPUs (``split_possible``).
+        """
         T = int(ctx_cells.shape[0])
         contiguous = T > 0 and int(ctx_cells[-1]) - int(ctx_cells[0]) == T - 1 and (
             T < 3 or bool(np.all(np.diff(ctx_cells) == 1)))
         start = int(ctx_cells[0]) if contiguous else -1
         w = self.w
         logits = np.empty(w.lm_bias.shape[0], dtype=F32)
+        if split is None:
+            split = T >= DECODE_SPLIT_MIN_CONTEXT and split_possible()
+        if split and w.wqkv.shape[1] > 1:
+            self._decode_split(x, cos, sin, int(cell), start, ctx_cells, T, no_max, k_t, v_t, logits)
+            return logits
         _decode_step(x, cos, sin, int(cell), start, ctx_cells, T, no_max, self.eps, self.scale,
                      self.qh, self.kvh, self.k_act, w.in_norm, w.post_norm, w.wqkv, w.qk_norm, w.wo, w.router,
                      w.gue, w.down, w.final_norm, w.lm_bits, w.lm_bias, k_t, v_t, logits)
         return logits
+
+    def _decode_split(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cell: int, start: int,
+                      idx: np.ndarray, T: int, no_max: np.ndarray, k_t: np.ndarray, v_t: np.ndarray,
+                      logits: np.ndarray) -> None:
+        """``_decode_step`` with each layer's attention on two threads: chip 0's here
+        (``_decode_split_main``, which also runs the serial part between layers), the other chips' on the
+        pool's thread (``_decode_split_other``), handing over through two POSIX semaphores inside the
+        compiled code (a futex sleep, no spinning, no GIL: two hand-offs a layer). Writes ``logits``.
+        Raises RuntimeError if a thread waited past ``SPLIT_WAIT_S`` for the other."""
+        w = self.w
+        L, C, H, cols = w.wqkv.shape
+        D = w.qk_norm.shape[3]
+        qh, kvh = self.qh, self.kvh
+        G = qh // kvh
+        h = np.empty(H, dtype=F32)
+        qkv = np.empty((C, cols), dtype=F32)
+        o = np.empty((C, qh * D), dtype=F32)
+        y = np.zeros((C, H), dtype=F32)
+        # each thread's own scratch: qk, q, og, scores (float32) and a timespec (int64)
+        sc = [(np.empty((qh + kvh, D), dtype=F32), np.empty((G, D), dtype=F32), np.empty((G, D), dtype=F32),
+               np.empty((G, T), dtype=F32)) for _ in range(2)]
+        ts = [np.zeros(2, dtype=np.int64) for _ in range(2)]
+        state = np.zeros(1, dtype=np.int64)
+        go, done = self._semaphores()
+        fut = self._threads().submit(lambda: _decode_split_other(
+            cos, sin, cell, start, idx, T, no_max, self.eps, self.scale, qh, kvh, w.wqkv, w.qk_norm, w.wo, k_t, v_t,
+            h, qkv, o, y, *sc[1], go, done, ts[1], state))
+        try:
+            ok = _decode_split_main(x, cos, sin, cell, start, idx, T, no_max, self.eps, self.scale, qh, kvh,
+                                    self.k_act, w.in_norm, w.post_norm, w.wqkv, w.qk_norm, w.wo, w.router, w.gue,
+                                    w.down, w.final_norm, w.lm_bits, w.lm_bias, k_t, v_t, logits, h, qkv, o, y,
+                                    *sc[0], go, done, ts[0], state)
+        finally:
+            other = fut.result()  # bounded: the other thread's every wait is bounded by SPLIT_WAIT_S
+        if not (ok and other):
+            raise RuntimeError(f"decode step: a chip thread waited over {SPLIT_WAIT_S} s for the other "
+                               "(host starved or stopped); the step's logits are not valid")
+
+    def _semaphores(self) -> tuple[int, int]:
+        """Addresses of two process-private POSIX semaphores (``go``, ``done``), set to 0 for a new step."""
+        if self._sem_buf is None:
+            self._sem_buf = np.zeros((2, 64), dtype=np.uint8)  # sem_t is 32 bytes on x86-64 glibc; 64 for any
+        a = int(self._sem_buf.ctypes.data)
+        go, done = a, a + 64
+        for addr in (go, done):
+            if _libc().sem_init(ctypes.c_void_p(addr), 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "sem_init failed")
+        return go, done
 
     def prefill(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                 new_cells: np.ndarray, ctx_cells: np.ndarray, ctx_positions: np.ndarray, no_max: np.ndarray,

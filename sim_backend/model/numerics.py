@@ -761,7 +761,8 @@ class ShardedModel(CellKV):
     def warm_up(self, progress: Callable[[int, int, str], None] | None = None) -> float:
         """Compile (or load from numba's on-disk cache) the kernels of both step kinds, then zero the KV.
 
-        Runs a 2-token prefill and one decode on cells 0..2 of this model. ``progress(i, n, stage)`` is
+        Runs a 2-token prefill and one decode on cells 0..2 of this model, and one decode on two threads (the
+        split step of long contexts, where this host can run it). ``progress(i, n, stage)`` is
         called when stage i of n starts compiling, once per stage and only then: numba announces each
         compilation (its ``numba:compile`` event), and a kernel loaded from the disk cache is not one, so
         a start that loads the cache says nothing however long the load takes on a busy host (a wall-time
@@ -778,7 +779,8 @@ class ShardedModel(CellKV):
         t0 = time.perf_counter()
         if self._compiled is None:
             return 0.0
-        stages = ("decode step", "prefill (attention, experts, router, LM head)")
+        stages = ("decode step", "prefill (attention, experts, router, LM head)",
+                  "decode step on two threads (long contexts)")
         say = progress or (lambda _i, _n, _s: None)
         lock = threading.Lock()
         current = [0]
@@ -803,6 +805,16 @@ class ShardedModel(CellKV):
             self.forward(one, one, one, ctx, ctx.copy())
             current[0] = 2
             self.forward(two, two, two.copy(), two.copy(), two.copy())
+            from sim_backend.model.compiled import split_possible
+
+            if split_possible():  # the split kernels, used from DECODE_SPLIT_MIN_CONTEXT keys on
+                current[0] = 3
+                cos, sin = rope_tables(np.array([2]), self.num.head_dim, self.shape.rope_theta)
+                embed = self.chips[0].embed
+                assert embed is not None
+                self._compiled.decode(embed[1].astype(F32), cos[0], sin[0], 2, np.arange(3, dtype=np.int64),
+                                      np.array(self._score_bounds(), dtype=np.bool_), self.k_cache_t,
+                                      self.v_cache_t, split=True)
         self.clear_kv()
         return time.perf_counter() - t0
 

@@ -212,6 +212,56 @@ def test_compiled_model_sees_kv_changes(pair):
     np.testing.assert_allclose(got["compiled", True], got["numpy", True], atol=G.F32_DRIFT_ATOL)
 
 
+@pytest.mark.parametrize("scattered", [False, True])
+def test_split_decode_gives_the_bits_of_the_one_thread_step(pair, scattered):
+    """The two-thread decode step (each layer's chip 1 attention on the pool's thread, handed over by
+    semaphores) runs the same kernels per chip in the same order as the one-call step: the same logits,
+    bit for bit, and the same K/V written; over a contiguous run of cells and over scattered cells."""
+    from sim_backend.model.compiled import split_possible
+
+    if not split_possible():
+        pytest.skip("this host has one CPU or no process-private semaphores: the split step never runs here")
+    compiled, _ = pair
+    n = 40
+    cells = np.arange(n, dtype=np.int64) * (3 if scattered else 1) % 64 if scattered else np.arange(n)
+    cells = np.asarray(sorted(set(cells.tolist())), dtype=np.int64)[:n]
+    ids = np.asarray((list(G.GOLDEN_IDS) * 8)[:cells.size], dtype=np.int64)
+    pos = np.arange(cells.size, dtype=np.int64)
+    new = np.array([int(c) for c in range(64) if c not in set(cells.tolist())][0], dtype=np.int64)
+    ctx = np.append(cells, new)
+    cos, sin = rope_tables(np.array([cells.size]), NUM.head_dim, SHAPE.rope_theta)
+    no_max = np.array(compiled._score_bounds(), dtype=np.bool_)
+    got = {}
+    for split in (False, True):
+        compiled.clear_kv()
+        compiled.forward(ids, pos, cells, cells.copy(), pos.copy())
+        x = compiled.chips[0].embed[198].astype(F)
+        got[split] = (compiled._compiled.decode(x, cos[0], sin[0], int(new), ctx, no_max, compiled.k_cache_t,
+                                                compiled.v_cache_t, split=split),
+                      compiled.k_cache_t[..., int(new)].copy(), compiled.v_cache_t[..., int(new)].copy())
+    for a, b in zip(got[False], got[True], strict=True):
+        assert np.array_equal(a, b)
+    assert np.any(got[True][1] != 0.0)
+
+
+def test_split_decode_waits_are_bounded():
+    """A thread of the split decode step never waits without end: a semaphore nobody posts gives up at its
+    deadline (False), one that was posted is taken at once (True)."""
+    from sim_backend.model.compiled import _libc, _sem_wait_s, split_possible
+
+    if not split_possible():
+        pytest.skip("no process-private semaphores on this host")
+    import ctypes
+
+    buf = np.zeros(64, dtype=np.uint8)
+    addr = int(buf.ctypes.data)
+    assert _libc().sem_init(ctypes.c_void_p(addr), 0, 0) == 0
+    ts = np.zeros(2, dtype=np.int64)
+    assert _sem_wait_s(addr, ts, 1) is False
+    assert _libc().sem_post(ctypes.c_void_p(addr)) == 0
+    assert _sem_wait_s(addr, ts, 1) is True
+
+
 def test_cache_dir_falls_back_to_the_user_cache_when_the_package_is_read_only(monkeypatch, tmp_path):
     """A wheel in a read-only site-packages: the kernels are cached under the user cache directory (numba's
     own fallback needs a usable HOME cache); NUMBA_CACHE_DIR, when set, wins. Either way under the kernels'
@@ -273,7 +323,7 @@ def test_warm_up_announces_a_stage_only_when_numba_compiles(monkeypatch):
 
     monkeypatch.setattr(m._compiled, "decode", decode_compiling_once)
     m.warm_up(lambda i, n, s: said.append((i, n, s)))
-    assert said == [(1, 2, "decode step")]
+    assert said == [(1, 3, "decode step")]
     m.close()
 
 
