@@ -105,6 +105,40 @@ def test_softmax_top_k_matches_the_router():
     assert ids.tolist() == list(range(8)) and np.allclose(w, 1 / 8)
 
 
+def _top_k_by_scans(p: np.ndarray, k: int) -> tuple[list[int], list[float]]:
+    """The selection rule written out: k scans, each the largest probability left (strict >, so the
+    lowest id among equal ones), -1 where none is left (NaN never chosen)."""
+    left = p.astype(np.float64).copy()
+    ids, ws = [], []
+    for _ in range(k):
+        best, bv = -1, -1.0
+        for e, v in enumerate(left):
+            if v > bv:
+                best, bv = e, v
+        ids.append(best)
+        ws.append(bv)
+        if best >= 0:
+            left[best] = -1.0
+    return ids, ws
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_one_pass_top_k_picks_what_k_scans_pick_ties_included(seed):
+    """The router's one-pass selection gives the ids, in order, that k scans of E give: on logits drawn
+    from a handful of values (many exact ties), with k from 1 to E, and with NaN logits among them."""
+    rng = np.random.default_rng(seed)
+    E = 128
+    for k in (1, 3, 8, 17, E):
+        logits = rng.choice(np.array([-2.0, -0.5, 0.0, 0.25, 1.0], dtype=F), size=E)
+        if seed % 2:
+            logits[rng.choice(E, 5, replace=False)] = np.nan
+        probs = logits.copy()
+        ids, w = np.empty(k, np.int64), np.empty(k, F)
+        K.softmax_top_k(probs, k, ids, w)  # probs now the softmax (NaN where a logit was NaN: all NaN)
+        want, _ = _top_k_by_scans(probs, k)
+        assert ids.tolist() == want, (k, seed)
+
+
 @pytest.mark.parametrize("T,contiguous,no_max,G_,D", [
     (1, True, True, 8, 16), (700, True, False, 8, 16), (1100, False, True, 8, 16),
     # heads and dimensions past the register tiles (8 heads x 4 dims for scores, 4 x 2 for values)
