@@ -35,17 +35,16 @@ from sim_backend.serving.engine import Engine
 from sim_backend.serving.hosttime import HostBooking, HostTimer
 
 #: Longest prompt (tokens) the device runs with numerics by default; longer prompts run timing-only
-#: (tokens from the seeded generator; the reply and the observation pane say so). The longest prompt
-#: whose numeric prefill kept real time (real-time factor >= 1) in the console's numerics worker,
-#: measured with ``calconsole bench realtime`` on the reference host (2 cores shared with other work):
-#: 2026-12-01, load average 1.0-2.5, worker prefill RTF 1.01-1.05 at 128 tokens, 0.59-0.63 at 256,
-#: 0.15 at 1024 (the former limit: a 1K prompt's first token came after ~3 s instead of 0.46 s).
-#: Re-measured 2026-12-02 after the register-tiled attention, at load 5-22 only (no quiet window): the
-#: derived limit was 0 in every run (wall RTF at 128 0.18-0.59), CPU time of a 128-token prefill 300 ms
-#: (two chip threads) against 180 ms simulated, so about 150 ms wall on an idle host: 128 stays; 256 needs
-#: 600 ms of CPU against 188 ms simulated and stays out of reach (its attention grows as n**2).
+#: (tokens from the seeded generator; the reply and the observation pane say so). Counted in new tokens
+#: to prefill (a cached prefix is not counted: a chat's later turns prefill only their new part). The
+#: longest prompt whose numeric prefill keeps real time (real-time factor >= 1) with a margin, in the
+#: console's numerics worker, measured with ``calconsole bench realtime`` on the reference host (2 cores):
+#: 2026-12-06, idle (load average 1.1-1.9), worker prefill wall RTF 2.14-2.46 at 128 tokens, 1.41-1.44 at
+#: 256, 1.00-1.07 at 384 (no margin: any other work on the host puts it behind), 0.68-0.74 at 512; CPU RTF
+#: 0.82-0.85 at 256 (the prefill uses both cores: a host with one core busy elsewhere falls behind from about
+#: 200 tokens). Earlier figures, at load 5-22 only, derived 0 and kept 128.
 #: ``--numeric-limit N`` (console, serve, chat, ...) sets another.
-NUMERIC_PROMPT_LIMIT = 128
+NUMERIC_PROMPT_LIMIT = 256
 #: The observation pane's reason for the default limit.
 NUMERIC_LIMIT_REASON = "real time on the reference host"
 
