@@ -1,7 +1,11 @@
 """Qwen3-MoE steps composed of the compiled kernels (``kernels.py``): the fast path of ``ShardedModel``.
 
 A decode step is ONE compiled call (all 48 layers, both chiplets, the LM head): the numpy path
-spends about two thirds of its 15 ms in ~4,900 calls' dispatch. A prefill is a short Python loop
+spends about two thirds of its 15 ms in ~4,900 calls' dispatch. From ``DECODE_SPLIT_MIN_CONTEXT`` keys
+it is two compiled calls on two threads instead, one per chiplet's attention, handing over each layer
+through two POSIX semaphores inside the compiled code (``_decode_split_main`` / ``_decode_split_other``):
+the attention over a long context is most of the step and the two chips' shares are independent until
+the all-reduce. Both forms run the same per-chip kernels in the same order: the same bits. A prefill is a short Python loop
 over layers whose work runs per chip on two threads (the kernels release the GIL): each chip's
 projections (BLAS products inside the kernel), attention and output-projection share, its half of
 the router's rows, and its expert partial sums; only the norms and the all-reduces stay in numpy.
@@ -456,7 +460,8 @@ class CompiledMoe:
 
     ``k_t`` and ``v_t`` (C, L, kvh, D, cells) are the transposed K/V caches, float32 arrays the
     caller owns (``ShardedModel`` points them at its cache). One extra thread runs chip 1's
-    prefill work beside the caller's chip 0 (kernels release the GIL).
+    prefill work, and a long context's decode attention, beside the caller's chip 0 (kernels release
+    the GIL).
     """
 
     def __init__(self, weights: MoeWeights, *, qh: int, kvh: int, k_act: int, eps: float) -> None:
