@@ -86,7 +86,7 @@ MAX_STR = 255
 #: Report status codes a bundle may declare itself as (facts.md "What-if is labelled"): C0 today's calbin,
 #: C1 SDK feature unused, C2 buildable by us, C3 needs a vendor-compiled calbin.
 VARIANT_STATUSES = ("C0", "C1", "C2", "C3")
-#: Decode batch sizes a C3 variant may declare (report §11 asks the vendor for 4 / 8 / 16); prefill stays 1.
+#: Decode batch sizes a C3 variant may declare (facts.md F10: the vendor is asked for 4 / 8 / 16); prefill stays 1.
 VARIANT_DECODE_BATCHES = (4, 8, 16)
 #: A manifest or tokenizer config is a few KiB; refuse to parse a huge file.
 MAX_YAML_BYTES = 1 << 20

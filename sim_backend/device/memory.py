@@ -19,7 +19,7 @@ from the report:
   plan);
 * remainders: DRAM workspace = reservation - parameters - KV; SRAM workspace
   = SRAM reservation - parameter window.  Address ranges alias over
-  lifetimes (report §7), so the workspace is a reservation, not a live peak.
+  lifetimes (facts.md F4), so the workspace is a reservation, not a live peak.
 """
 
 from __future__ import annotations

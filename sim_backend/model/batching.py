@@ -56,7 +56,7 @@ from sim_backend.model.costmodel import (
     sram_workspace_bytes,
 )
 
-#: Decode batch sizes a variant calbin may declare (the ones the report asks the vendor about, §11).
+#: Decode batch sizes a variant calbin may declare (the ones the report's roadmap asks the vendor for, facts.md F10).
 BATCH_SIZES = (1, 4, 8, 16)
 #: Report status codes (facts.md "What-if is labelled"; facts.md F5).
 STATUS_TEXT = {"C0": "today's calbin", "C1": "in the SDK, unused", "C2": "buildable by us",

@@ -35,7 +35,7 @@ kinds of sync points (a barrier, then the gather of the partial sums, per block)
 i.e. 21 ops a layer in decode, 23 in prefill; the same ops outside the layers (the embedding on
 chip0, a tied LM head reads the embedding table's copy on each chip).
 
-Per-chip profile rule (our inference, report §6): the per-chip ``.profparts``
+Per-chip profile rule (our inference from facts.md F3): the per-chip ``.profparts``
 files have 1254/1253 (decode) and 1352/1351 (prefill) rows, i.e. every graph
 node minus 144 (= 3 per layer) on both chips, minus the embedding on chip1.
 We take the 3 per-layer ``sync_d2d`` nodes to be data-less barriers executed

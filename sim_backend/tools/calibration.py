@@ -158,9 +158,9 @@ def _point(name: str, measured: float, simulated: float, unit: str) -> dict:
 
 #: why a held-out band may land outside it; printed with the miss, never used to pass a FITTED case
 HELD_OUT_NOTES: dict[str, str] = {
-    "decode_ctx_8k_16k": "report §10: the ~8K-16K rows of the CSV mix software versions and cannot be compared "
+    "decode_ctx_8k_16k": "facts.md F7: the ~8K-16K rows of the CSV mix software versions and cannot be compared "
                          "directly ('mostly 20-30')",
-    "decode_ctx_33k": "report §10 gives 'about 12' with no range; the band 10.5-13.5 is our choice",
+    "decode_ctx_33k": "facts.md F7 gives 'about 12' with no range; the band 10.5-13.5 is our choice",
     "decode_ctx_short": "the short rows (2026-06/08) are a later version than some long rows; the F7 decode point "
                         "(58.25) sits at the band's lower edge",
 }
@@ -606,7 +606,7 @@ def explain_band_miss(case: dict, bound: dict) -> str | None:
     return (f"the best line through the F7 run gives {line:.2f} tok/s at {ctx} "
             f"({'inside' if pred == 0.0 else f'{pred:+.2f}%'}): the bands need a decode time concave in the context "
             f"({bound['knee_ms']:.2f} ms more per step from ~2K on, or long-context rows that much slower: mixed "
-            f"versions, report §10) and the stated mechanisms (block-granular split-KV, tree merge) are no more "
+            f"versions, facts.md F7) and the stated mechanisms (block-granular split-KV, tree merge) are no more "
             f"concave; {miss:+.1f}% is their documented limit (<= {ceiling:g}%)")
 
 

@@ -55,7 +55,7 @@ def test_dram_reservation_and_unions(plan):
     assert r3(2 * plan.reserved_bytes(0, "dram") / GiB) == 28.150
     assert r3(plan.address_union_bytes["decode"] / GiB) == 10.634
     assert r3(plan.address_union_bytes["prefill"] / GiB) == 14.091
-    # prefill union ~ DRAM + SRAM reservation (report §7 "basically closes")
+    # prefill union ~ DRAM + SRAM reservation (facts.md F4: "basically closes")
     closure = plan.reserved_bytes(0, "dram") + plan.reserved_bytes(0, "sram")
     assert r3(closure / GiB) == 14.091
     assert plan.logits_bytes_per_token == 303_872

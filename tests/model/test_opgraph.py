@@ -52,11 +52,11 @@ def test_embedding_only_on_chip0_and_moe_on_both(kind):
     emb = [op for op in g.ops if op.category == "embedding"]
     assert len(emb) == 1 and emb[0].chips == (0,) and emb[0].profile_chips == (0,)
     assert all(op.chips == (0, 1) for op in g.ops if op.category != "embedding")
-    # report §5: both chips' profiles hold all 144 nbu_moe_dense_group
+    # facts.md F3: both chips' profiles hold all 144 nbu_moe_dense_group
     for chip in (0, 1):
         moe = [op for op in g.ops_on_chip(chip) if op.category == "moe_dense_group"]
         assert len(moe) == 144
-    # the only stable per-chip difference is the embedding (report §6)
+    # the only stable per-chip difference is the embedding (facts.md F3)
     names0 = {op.name for op in g.ops_on_chip(0)}
     names1 = {op.name for op in g.ops_on_chip(1)}
     assert names0 - names1 == {emb[0].name} and not names1 - names0
