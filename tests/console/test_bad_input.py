@@ -13,7 +13,6 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ from calconsole.layout import LayoutError, load_layout
 from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.planes.audit import MAX_DEPTH, AuditLog, AuditLogError, summarize
+from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 UNWRITABLE = "/proc/nope/a.jsonl"  # /proc refuses new directories, even to root
@@ -104,8 +104,16 @@ def test_device_thread_survives_the_extreme_accepted_speeds(speed):
         job = b.submit("decode", 7, np.array([151644]), np.array([0]), np.asarray(cells), ctx, pos)
         if speed == Pacing.MAX_SPEED:
             assert job.wait(30).sim_us > 0
-        else:  # a ~3 min pacing sleep: the thread sleeps, it does not die
-            time.sleep(0.3)
+        else:  # a ~3 min pacing sleep: the thread sleeps in it, it does not die
+            def pacing_sleep() -> bool:  # the device thread is inside the job's pacing wait now
+                f = sys._current_frames().get(b._thread.ident)
+                names = []
+                while f is not None:
+                    names.append(f.f_code.co_name)
+                    f = f.f_back
+                return "_execute" in names and "wait" in names
+
+            assert wait_until(pacing_sleep, timeout=30.0)
             assert not job.done
         assert b._thread.is_alive()
     finally:
