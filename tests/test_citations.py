@@ -17,7 +17,8 @@ FACTS = ROOT / "sim_backend" / "facts.md"
 
 def _tracked_sources() -> list[Path]:
     out = subprocess.run(
-        ["git", "ls-files", "*.py", "*.yaml", "*.toml", "*.tcss", "*.md"], cwd=ROOT, capture_output=True, text=True, check=True
+        ["git", "ls-files", "*.py", "*.yaml", "*.toml", "*.tcss", "*.md"], cwd=ROOT, capture_output=True, text=True,
+        check=True,
     ).stdout.split()
     return [ROOT / p for p in out]
 
