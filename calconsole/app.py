@@ -292,6 +292,10 @@ class CalConsoleApp(App):
             parts.append((self.where, "bold cyan", 8))
         if self.listen_url:
             parts.append((f"HTTP API {self.listen_url}", "", 7))
+        if d.numerics and d.timing_only_running:  # (a timing-only device: the chat pane's banner says it)
+            ids = ", ".join(str(i) for i in d.timing_only_running)
+            parts.append((f"timing-only: request{'s' if len(d.timing_only_running) > 1 else ''} {ids}",
+                          "bold yellow", 8))
         parts += [(f"requests done {snap.requests.counters.finished}", "", 4),
                   (f"device steps {'-' if snap.jobs is None else snap.jobs.finished}", "", 2), (f"KV {kv}", "", 3),
                   (f"sim clock {(snap.sim_now_ms or 0.0) / 1e3:.2f} s", "", 1)]

@@ -9,6 +9,7 @@ import msgspec
 
 from sim_backend.planes import CalError, RequestError, SamplingParams
 
+from ..widgets.render import timing_only_reason
 from .common import add_common_options, add_connect_options, build_or_connect, fail, print_json, read_prompt
 
 
@@ -96,6 +97,18 @@ def register(sub, common) -> None:
     p.set_defaults(func=run)
 
 
+def _numeric_limit(system) -> int | None:
+    """The device's numeric limit (new prompt tokens; 0 when it runs timing-only), None when it says none
+    (a server without a device) or the snapshot cannot be read."""
+    try:
+        d = system.observation.snapshot().device
+    except (CalError, OSError, ValueError):
+        return None
+    if d is None:
+        return None
+    return int(d.numerics_max_prompt) if d.numerics else 0
+
+
 def run(args: argparse.Namespace) -> int:
     from sim_backend.planes import validate_request
 
@@ -146,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
             handle.cancel("no event within the step timeout")
             return fail(f"server_error: {e}", code=1)
         res = handle.result(1.0)
+        limit = _numeric_limit(system)
     t = res.timings
     if args.json:
         print_json({
@@ -164,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"[{res.status}, stop={res.stop_type}] prompt {t.prompt_n} tok, generated {t.predicted_n} tok | "
               f"TTFT {ttft} ms, TPOT {tpot} ms, E2E {t.e2e_ms:.1f} ms ({clock}){where}",
               file=sys.stderr)
+        if not t.numerics and t.time_base != "wall":
+            print(f"timing-only: the tokens are the seeded generator's, not the model's "
+                  f"({timing_only_reason(t.prompt_n, t.cache_n, limit)})", file=sys.stderr)
         if res.error:
             print(f"error: {res.error.get('message')}", file=sys.stderr)
     return 0 if res.status == "finished" else 1

@@ -32,7 +32,7 @@ from sim_backend.planes import (
 )
 
 from ..widgets.inputs import HelpKeyInput
-from ..widgets.render import set_subtitle
+from ..widgets.render import set_subtitle, timing_only_reason
 from ..widgets.wraplog import WrapLog
 from .focus import HELP_BINDING
 
@@ -124,6 +124,8 @@ class ChatPane(Vertical):
         self._submitting = False
         self._wall_start = time.monotonic()
         self._restored: str | None = None  # the prompt _restore_prompt put back in the input
+        # the device's numeric limit (new prompt tokens; 0: timing-only device; None: not known yet / no device)
+        self._numeric_limit: int | None = None
 
     def compose(self) -> ComposeResult:
         kind = getattr(self.inference, "server_kind", None)  # a real server (llama-server): its own model
@@ -326,7 +328,8 @@ class ChatPane(Vertical):
             reply.append(f"  [failed: {(result.error or {}).get('type_name', '')}: "
                          f"{(result.error or {}).get('message', '')}]", style="bold red")
         log.write(reply)
-        log.write(Text(metrics_line(result, time.monotonic() - self._wall_start), style="grey62"))
+        log.write(Text(metrics_line(result, time.monotonic() - self._wall_start, self._numeric_limit),
+                       style="grey62"))
         self._set_status("")
         if result.status == "finished":
             self.history.extend([{"role": "user", "content": prompt},
@@ -417,6 +420,7 @@ class ChatPane(Vertical):
             set_subtitle(self, f"{snap.source} · model {snap.server.model if snap.server is not None else '?'}")
             return
         set_subtitle(self, d.mode + (f" (lease: {d.lease_holder})" if d.lease_holder else ""))
+        self._numeric_limit = d.numerics_max_prompt if d.numerics else 0
         if getattr(self.inference, "server_kind", None) is None:  # the device's mode, as the snapshot says it
             variants, tip = self._banner(d.numerics)
             banner = self.query_one("#chat-notice", Banner)
@@ -452,8 +456,10 @@ class ChatInput(HelpKeyInput):
     """The chat's message input: "?" on an empty input opens the help (``HelpKeyInput``), otherwise it is typed."""
 
 
-def metrics_line(result, wall_s: float) -> str:
-    """The dim line under a reply: token counts, TTFT / TPOT / E2E (sim ms), stop, seed.
+def metrics_line(result, wall_s: float, limit: int | None = None) -> str:
+    """The dim line under a reply: token counts, TTFT / TPOT / E2E (sim ms), stop, seed; for a timing-only
+    reply, why (``render.timing_only_reason``; ``limit``: the device's numeric limit in new prompt tokens, 0
+    when it runs timing-only, None when not known).
 
     TPOT and E2E are defined for finished replies only (as the observation pane counts them):
     a cancelled or failed reply shows what is defined so far (TTFT once a token came, tokens
@@ -478,7 +484,8 @@ def metrics_line(result, wall_s: float) -> str:
         body = (f"{result.status} after {t.predicted_n} tok · {ttft} · "
                 f"TPOT/E2E are for finished replies only")
     return (head + body + f" · seed {result.seed} · sim ms (device time + {t.host_time} host work)"
-            + ("" if t.numerics else " · timing-only (tokens not from the model)")
+            + ("" if t.numerics else " · timing-only (tokens not from the model: "
+               + timing_only_reason(t.prompt_n, t.cache_n, limit, new_chat_key="Ctrl+L") + ")")
             + f" · streamed in {wall_s:.2f} s wall")
 
 

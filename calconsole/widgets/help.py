@@ -36,7 +36,13 @@ FIGURES = (
 #: words of this device and its report the console uses; the README's glossary says the same
 GLOSSARY = (
     ("F1 / F2 / F3 (keys)", "focus the observation / chat / maintenance pane; ? (on an empty input) is this help"),
-    ("facts.md F1..F9", "a section of sim_backend/facts.md, the facts about the real device the simulator "
+    ("timing-only", "a reply whose tokens come from a seeded generator, not from the model: the device still "
+                    "prices every op (the figures stay real) but computes no values. A request runs so when it "
+                    "must prefill more new prompt tokens than the numeric limit (256 by default; "
+                    "--numeric-limit N sets another), when the device runs --timing-only, while "
+                    "the kernels compile at a first start, and when it continues a timing-only turn (its cached "
+                    "prefix holds no values: Ctrl+L starts a new conversation). The reply's line says which"),
+    ("facts.md F1..F10", "a section of sim_backend/facts.md, the facts about the real device the simulator "
                         "follows (F4 the memory map, F7 the cost figures, F8 the stage times)"),
     ("calbin", "the compiled device program: the model's prefill and decode sub-models as the NPU runs them; "
                "the bundle is the calbin with its manifest and weights"),

@@ -99,7 +99,8 @@ def test_status_text_and_header_counts_say_what_they_count():
                                 faults_armed=("link_error x1",), faults_fired=())
     assert render.status_text(d).plain == "degraded (slow_chip1 x4) · armed: link_error x1"
     d = msgspec.structs.replace(base, numerics=True, numerics_max_prompt=1024, timing_only_running=(7,))
-    assert render.numerics_text(d) == "numerics on, but request 7 timing-only (> 1024 new prompt tok)"
+    assert render.numerics_text(d) == ("numerics on, but request 7 timing-only (> 1024 new prompt tok, or continuing "
+                                       "a timing-only turn)")
     assert render.numerics_text(msgspec.structs.replace(d, timing_only_running=(),
                                                         numerics_limit_reason="--numeric-limit")) == (
         "numerics up to 1024 new prompt tokens (--numeric-limit); longer prompts timing-only")
@@ -116,6 +117,15 @@ async def test_long_prompt_running_timing_only_is_named_in_the_device_line(tmp_p
         snap = s.observation.snapshot().to_dict()
         assert h.id in snap["device"]["timing_only_running"]
         assert f"request {h.id} timing-only" in render.device_panel(typed(snap)).renderables[0].plain
+        # the console's top bar names it while it runs (the device table has no numerics line)
+        app = CalConsoleApp(s, load_layout("operator"))
+        async with app.run_test(size=(200, 50)) as pilot:
+            app._show_topbar(typed(snap))
+            await pilot.pause()
+            assert f"timing-only: request {h.id}" in topbar(app)
+            snap["device"]["timing_only_running"] = []
+            app._show_topbar(typed(snap))
+            assert "timing-only" not in topbar(app)
         h.cancel("test over")
     finally:
         s.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -43,3 +44,64 @@ def test_out_of_range_exits_2_with_one_line(capsys, value):
 def test_build_system_refuses_a_limit_below_one():
     with pytest.raises(ValueError, match="numerics_max_prompt"):
         build_system(maintenance=False, numerics_max_prompt=0)
+
+
+def test_the_chat_command_says_why_a_reply_ran_timing_only(capsys):
+    """A timing-only reply says so on the command line, and why (here: more new prompt tokens than the
+    limit); a numeric one does not."""
+    assert main(["chat", "hello there", "--numeric-limit", "3", "--max-tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "timing-only: the tokens are the seeded generator's, not the model's" in err
+    assert re.search(r"\(\d+ new prompt tokens, over the numeric limit of 3\)", err), err
+    assert main(["chat", "hello there", "--numeric-limit", "4096", "--max-tokens", "2"]) == 0
+    assert "timing-only" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("new, cached, limit, says", [
+    (300, 0, 256, "300 new prompt tokens, over the numeric limit of 256"),
+    (152, 496, 256, "it continues a timing-only turn, whose cached prefix holds no values (Ctrl+L: a new "
+                    "conversation)"),
+    (10, 0, 256, "the numerics were not ready (kernels still compiling)"),
+    (10, 0, 0, "the device runs timing-only (numerics off)"),
+    (10, 0, None, "the device did not compute it"),
+])
+def test_timing_only_reason(new, cached, limit, says):
+    from calconsole.widgets.render import timing_only_reason
+
+    assert timing_only_reason(new, cached, limit, new_chat_key="Ctrl+L") == says
+
+
+async def test_a_turn_after_a_timing_only_turn_says_it_continues_one_and_a_new_chat_runs_numerics():
+    """The chat a fresh user tried: a short turn (numerics), a turn over the limit (timing-only, over the
+    limit), a short turn after it (timing-only: its cached prefix came from the timing-only turn, and the
+    reply line names Ctrl+L), then Ctrl+L and the same short turn with numerics again."""
+    from calconsole.app import CalConsoleApp
+    from calconsole.layout import load_layout
+    from tests.console.pilot_helpers import log_lines, wait_for
+
+    with build_system(maintenance=False, n_slots=1, numerics=True, numerics_max_prompt=40) as s:
+        app = CalConsoleApp(s, load_layout("chat"))
+        async with app.run_test(size=(200, 60)) as pilot:
+            app.query_one("#p-max-tokens").value = "3"
+            chat = app.query_one("#chat")
+
+            async def turn(text: str) -> str:
+                n = len(chat.query_one("#chat-log").lines)
+                await pilot.click("#chat-input")
+                app.query_one("#chat-input").value = text
+                await pilot.press("enter")
+                assert await wait_for(pilot, lambda: chat.handle is None and not chat._submitting
+                                      and not chat.query_one("#chat-log").pending
+                                      and any("prompt " in ln for ln in log_lines(app, "#chat-log")[n:]), 60.0)
+                return re.sub(r"\s+", " ", " ".join(log_lines(app, "#chat-log")[n:]))  # wrapped lines joined
+
+            assert await wait_for(pilot, lambda: chat._numeric_limit == 40)  # the first snapshot came
+            first = await turn("hi")
+            assert "timing-only" not in first, first
+            second = await turn(" ".join(["word"] * 60))
+            assert "timing-only (tokens not from the model:" in second and "over the numeric limit of 40" in second
+            third = await turn("and again")
+            assert "cached" in third and "it continues a timing-only turn" in third and "Ctrl+L" in third, third
+            await pilot.press("ctrl+l")
+            fourth = await turn("and again")
+            assert "timing-only" not in fourth, fourth

@@ -37,6 +37,7 @@ from .device import (
                      mode_text,
                      numerics_text,
                      status_text,
+                     timing_only_reason,
 )
 from .header import header_line, pacing_ratio
 from .layers import (
@@ -57,5 +58,5 @@ __all__ = [
     "host_behind", "host_panel", "jobs_panel", "kv_panel", "layers_heatmap", "layers_panel", "layers_uniform",
     "mem_bar", "memory_panel", "mode_text", "not_reported", "numerics_text", "pacing_ratio", "plain_table",
     "requests_panel", "sections_bar", "set_subtitle", "slots_panel", "stages_panel",
-    "status_text", "step_chips_line",
+    "status_text", "step_chips_line", "timing_only_reason",
 ]

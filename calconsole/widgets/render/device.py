@@ -59,10 +59,29 @@ def numerics_text(device: DeviceInfo) -> str:
     if running:
         ids = ", ".join(str(i) for i in running)
         return (f"numerics on, but request{'s' if len(running) > 1 else ''} {ids} timing-only "
-                f"(> {limit} new prompt tok)")
+                f"(> {limit} new prompt tok, or continuing a timing-only turn)")
     why = device.numerics_limit_reason
     return (f"numerics up to {limit} new prompt tokens ({why or 'limit'}); longer prompts timing-only" if limit
             else "numerics on")
+
+
+def timing_only_reason(new_tokens: int, cached: int, limit: int | None, *, new_chat_key: str = "") -> str:
+    """Why a reply ran timing-only (its tokens from the seeded generator, not the model), from what the reply
+    and the device say: ``new_tokens`` prompt tokens it prefilled, ``cached`` reused from a slot's cache, the
+    device's numeric limit ``limit`` (new prompt tokens; 0: the device runs timing-only; None: not known).
+    A prefix cached by a timing-only turn holds no values, so a later turn that reuses it is timing-only too
+    (``sim_backend.serving.admission.choose_slot``) until a new conversation; ``new_chat_key`` names the key
+    that starts one, if any. One clause, no trailing period."""
+    if limit is None:
+        return "the device did not compute it"
+    if limit <= 0:
+        return "the device runs timing-only (numerics off)"
+    if new_tokens > limit:
+        return f"{new_tokens} new prompt tokens, over the numeric limit of {limit}"
+    if cached > 0:
+        how = f" ({new_chat_key}: a new conversation)" if new_chat_key else " (start a new conversation)"
+        return f"it continues a timing-only turn, whose cached prefix holds no values{how}"
+    return "the numerics were not ready (kernels still compiling)"
 
 
 def host_behind(device: DeviceInfo, ratio_ok: float = 0.9) -> float | None:
