@@ -61,6 +61,11 @@ class EventBridge:
         self._sends: list[MemoryObjectSendStream[Any]] = [send.clone() for _ in self.streams]
         send.close()
         self._loop = asyncio.get_running_loop()
+        # one request's formatting and hand-over at a time: the order items reach the loop is then the order
+        # ``fmt`` saw the events in, so what fmt decides from all requests' progress (the n choices' one
+        # [DONE], after the last request's end) is delivered in that order (a pump descheduled between its
+        # fmt and its hand-over let another request's [DONE] overtake its usage chunk, under load)
+        self._order = threading.Lock()
         self._threads = [threading.Thread(target=self._pump, args=(i,), name=f"calconsole-pump-req{h.id}",
                                           daemon=True) for i, h in enumerate(self.streams)]
 
@@ -103,13 +108,15 @@ class EventBridge:
                     h.cancel("no event from the engine within its step timeout")
                     self._hand(send, self._on_silent(i))
                     return
-                try:
-                    items = self._fmt(i, ev)
-                except Exception as e:  # noqa: BLE001 - a formatting bug ends this request, not the server
-                    h.cancel("internal error formatting the response")
-                    self._hand(send, self._on_error(i, e))
-                    return
-                if not self._hand(send, items) or isinstance(ev, DoneEvent):
+                with self._order:
+                    try:
+                        items = self._fmt(i, ev)
+                    except Exception as e:  # noqa: BLE001 - a formatting bug ends this request, not the server
+                        h.cancel("internal error formatting the response")
+                        self._hand(send, self._on_error(i, e))
+                        return
+                    handed = self._hand(send, items)
+                if not handed or isinstance(ev, DoneEvent):
                     return
         finally:
             with contextlib.suppress(RuntimeError):

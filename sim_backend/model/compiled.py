@@ -6,9 +6,10 @@ it is two compiled calls on two threads instead, one per chiplet's attention, ha
 through two POSIX semaphores inside the compiled code (``_decode_split_main`` / ``_decode_split_other``):
 the attention over a long context is most of the step and the two chips' shares are independent until
 the all-reduce. Both forms run the same per-chip kernels in the same order: the same bits.
-A prefill is a short Python loop over layers whose work runs per chip on two threads (the kernels release the GIL): each chip's
-projections (BLAS products inside the kernel), attention and output-projection share, its half of
-the router's rows, and its expert partial sums; only the norms and the all-reduces stay in numpy.
+A prefill is a short Python loop over layers whose work runs per chip on two threads (the kernels
+release the GIL): each chip's projections (BLAS products inside the kernel), attention and output-
+projection share, its half of the router's rows, and its expert partial sums; only the norms and the
+all-reduces stay in numpy.
 
 The math is ``ShardedModel``'s numpy path, chip for chip (facts.md F3: tensor parallel, attention
 output and expert partial sums reduced over the chips, LM-head halves gathered); only summation
