@@ -403,8 +403,8 @@ class CalConsoleApp(App):
         extra = getattr(pane, "HELP_EXTRA", "") if pane is not None else ""
         global_keys = keys(self.BINDINGS) + [("ctrl+p", "command palette: every action, layouts, refresh, "
                                                          "history window, compact mode, theme, export snapshot")]
-        content = help_renderable(title, keys(pane.BINDINGS) if pane is not None else [], global_keys,
-                                  self.settings, extra)
+        pane_keys = list(getattr(pane, "HELP_KEYS", ())) + keys(pane.BINDINGS) if pane is not None else []
+        content = help_renderable(title, pane_keys, global_keys, self.settings, extra)
         self.push_screen(HelpScreen(content))
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:

@@ -103,6 +103,9 @@ PARAM_HELP = {"seed": "seed (empty or -1: a random one, shown under the reply; a
 class ChatPane(Vertical):
     """Chat with the simulated model through the inference plane only."""
 
+    #: keys the help lists that are not bindings of the pane (the input's own)
+    HELP_KEYS = (("enter", "send the message"),)
+
     BINDINGS = [
         HELP_BINDING,
         Binding("escape", "cancel", "cancel", priority=True),  # short: at 80 columns the footer has 5 keys

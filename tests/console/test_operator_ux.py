@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -80,9 +81,10 @@ async def test_question_mark_on_the_empty_chat_input_opens_the_help_and_types_in
         assert await wait_for(pilot, lambda: isinstance(app.screen, HelpScreen))
         assert inp.value == ""
         text = plain(app.screen.content)
-        for word in ("calbin", "C0 / C1 / C2 / C3", "S8 V-cache", "facts.md F1..F9", "job / device step",
-                     "fault xN", "pacing A/S"):
+        for word in ("calbin", "C0 / C1 / C2 / C3", "S8 V-cache", "facts.md F1..F10", "job / device step",
+                     "fault xN", "pacing A/S", "timing-only"):
             assert word in text, word
+        assert re.search(r"enter\s+send the message", text), text[:400]  # the input's own key, listed too
         await pilot.press("question_mark")  # ? closes it again
         assert await wait_for(pilot, lambda: not isinstance(app.screen, HelpScreen))
         await pilot.press("w", "h", "y", "question_mark")
