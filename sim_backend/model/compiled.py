@@ -20,6 +20,7 @@ kernels read; the KV cache (K transposed) is the model's own, shared with the nu
 from __future__ import annotations
 
 import ctypes
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -50,15 +51,17 @@ F32 = np.float32
 DECODE_SPLIT_MIN_CONTEXT = 512
 
 
+@functools.cache
 def _libc() -> Any:
-    """The C library of this process (ctypes), errno kept."""
+    """The C library of this process (ctypes, loaded once), errno kept."""
     return ctypes.CDLL(None, use_errno=True)
 
 
+@functools.cache
 def split_possible() -> bool:
     """True when this process may run on at least two CPUs (its affinity mask; ``os.cpu_count`` where the
     platform has no affinity call) and has process-private POSIX semaphores (``sem_init``: Linux, not macOS),
-    which the split decode step hands over with."""
+    which the split decode step hands over with. Read once per process (a decode step asks it)."""
     import os
 
     try:
