@@ -302,7 +302,8 @@ def _decode_split_main(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh,
     attention, then a wait on ``done``; after the last layer the final norm and the LM head. h, qkv, o, y are
     the step's shared rows (each chip writes its own), qk, q, og, scores this thread's scratch; go, done the
     semaphores' addresses (int64); ts int64 (2,) scratch; state int64 (1,): set to 1 when a wait ran past
-    ``SPLIT_WAIT_S`` (the other thread then stops at its next wait). Returns False in that case."""
+    ``SPLIT_WAIT_S`` or by a thread that failed (each thread then stops at its next wait). Returns False in
+    that case."""
     L = wqkv.shape[0]
     C = wqkv.shape[1]
     E = router.shape[2]
@@ -320,7 +321,7 @@ def _decode_split_main(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh,
         _sem_post(go)
         _decode_attn_chip(li, 0, h, cos, sin, cell, start, idx, T, no_max[li], eps, scale, qh, kvh, wqkv,
                           qk_norm, wo, k_t, v_t, qkv, qk, q, og, o, scores, y)
-        if not _sem_wait_s(done, ts, SPLIT_WAIT_S):
+        if not _sem_wait_s(done, ts, SPLIT_WAIT_S) or state[0] != 0:  # timed out, or the other thread failed
             state[0] = 1
             return False
     return True
@@ -522,7 +523,8 @@ class CompiledMoe:
         (``_decode_split_main``, which also runs the serial part between layers), the other chips' on the
         pool's thread (``_decode_split_other``), handing over through two POSIX semaphores inside the
         compiled code (a futex sleep, no spinning, no GIL: two hand-offs a layer). Writes ``logits``.
-        Raises RuntimeError if a thread waited past ``SPLIT_WAIT_S`` for the other."""
+        Raises RuntimeError if a thread waited past ``SPLIT_WAIT_S`` for the other; a thread that fails stops
+        the other at its next wait (the calling thread re-raises the failure), so neither waits out the bound."""
         w = self.w
         L, C, H, cols = w.wqkv.shape
         D = w.qk_norm.shape[3]
@@ -538,17 +540,31 @@ class CompiledMoe:
         ts = [np.zeros(2, dtype=np.int64) for _ in range(2)]
         state = np.zeros(1, dtype=np.int64)
         go, done = self._semaphores()
-        fut = self._threads().submit(lambda: _decode_split_other(
-            cos, sin, cell, start, idx, T, no_max, self.eps, self.scale, qh, kvh, w.wqkv, w.qk_norm, w.wo, k_t, v_t,
-            h, qkv, o, y, *sc[1], go, done, ts[1], state))
+        libc = _libc()
+
+        def other() -> bool:
+            try:
+                return bool(_decode_split_other(
+                    cos, sin, cell, start, idx, T, no_max, self.eps, self.scale, qh, kvh, w.wqkv, w.qk_norm, w.wo,
+                    k_t, v_t, h, qkv, o, y, *sc[1], go, done, ts[1], state))
+            except BaseException:
+                state[0] = 1  # this thread failed: the calling thread stops at its next wait, at once
+                libc.sem_post(ctypes.c_void_p(done))
+                raise
+
+        fut = self._threads().submit(other)
+        ok = False
         try:
-            ok = _decode_split_main(x, cos, sin, cell, start, idx, T, no_max, self.eps, self.scale, qh, kvh,
-                                    self.k_act, w.in_norm, w.post_norm, w.wqkv, w.qk_norm, w.wo, w.router, w.gue,
-                                    w.down, w.final_norm, w.lm_bits, w.lm_bias, k_t, v_t, logits, h, qkv, o, y,
-                                    *sc[0], go, done, ts[0], state)
+            ok = bool(_decode_split_main(x, cos, sin, cell, start, idx, T, no_max, self.eps, self.scale, qh, kvh,
+                                         self.k_act, w.in_norm, w.post_norm, w.wqkv, w.qk_norm, w.wo, w.router,
+                                         w.gue, w.down, w.final_norm, w.lm_bits, w.lm_bias, k_t, v_t, logits, h,
+                                         qkv, o, y, *sc[0], go, done, ts[0], state))
         finally:
-            other = fut.result()  # bounded: the other thread's every wait is bounded by SPLIT_WAIT_S
-        if not (ok and other):
+            if not ok:  # this thread failed or gave up: the other one stops at its next wait, at once
+                state[0] = 1
+                libc.sem_post(ctypes.c_void_p(go))
+            other_ok = fut.result()  # bounded: the other thread's every wait is bounded by SPLIT_WAIT_S
+        if not (ok and other_ok):
             raise RuntimeError(f"decode step: a chip thread waited over {SPLIT_WAIT_S} s for the other "
                                "(host starved or stopped); the step's logits are not valid")
 

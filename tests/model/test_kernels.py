@@ -278,6 +278,47 @@ def test_split_decode_gives_the_bits_of_the_one_thread_step(pair, scattered):
     assert np.any(got[True][1] != 0.0)
 
 
+@pytest.mark.parametrize("failing", ["_decode_split_other", "_decode_split_main"])
+def test_a_split_decode_thread_that_fails_stops_the_other_at_once(pair, monkeypatch, failing):
+    """A failure in either thread of the split step ends the step with that failure, and the other thread
+    is released at once (not after its SPLIT_WAIT_S bound): the pool's thread takes new work right after."""
+    import sim_backend.model.compiled as C
+
+    if not C.split_possible():
+        pytest.skip("no split decode on this host")
+    compiled, _ = pair
+    compiled.clear_kv()
+    ids = np.asarray(G.GOLDEN_IDS, dtype=np.int64)
+    pos = np.arange(ids.size, dtype=np.int64)
+    compiled.forward(ids, pos, pos.copy(), pos.copy(), pos.copy())
+
+    def boom(*a, **k):
+        raise ValueError("injected failure")
+
+    monkeypatch.setattr(C, failing, boom)
+    cos, sin = rope_tables(np.array([ids.size]), NUM.head_dim, SHAPE.rope_theta)
+    ctx = np.arange(ids.size + 1, dtype=np.int64)
+    import threading
+
+    raised: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            compiled._compiled.decode(compiled.chips[0].embed[198].astype(F), cos[0], sin[0], ids.size, ctx,
+                                      np.array(compiled._score_bounds(), dtype=np.bool_), compiled.k_cache_t,
+                                      compiled.v_cache_t, split=True)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            raised.append(e)
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    t.join(30.0)  # the step ends at once; waiting out a thread's 120 s bound (SPLIT_WAIT_S) fails here
+    assert not t.is_alive(), "the split step waited for a thread that had failed"
+    assert len(raised) == 1 and isinstance(raised[0], ValueError) and "injected failure" in str(raised[0])
+    # the pool's thread is free again: a new task runs at once
+    assert compiled._compiled._threads().submit(lambda: 7).result(timeout=30) == 7
+
+
 def test_split_decode_waits_are_bounded():
     """A thread of the split decode step never waits without end: a semaphore nobody posts gives up at its
     deadline (False), one that was posted is taken at once (True)."""
