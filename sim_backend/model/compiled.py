@@ -3,7 +3,7 @@
 A decode step is ONE compiled call (all 48 layers, both chiplets, the LM head): the numpy path
 spends about two thirds of its 15 ms in ~4,900 calls' dispatch. From ``DECODE_SPLIT_MIN_CONTEXT`` keys
 it is two compiled calls on two threads instead, one per chiplet's attention, handing over each layer
-through two POSIX semaphores inside the compiled code (``_decode_split_main`` / ``_decode_split_other``):
+through two POSIX semaphores inside the compiled code (``_decode_layers`` / ``_decode_split_other``):
 the attention over a long context is most of the step and the two chips' shares are independent until
 the all-reduce. Both forms run the same per-chip kernels in the same order: the same bits.
 A prefill is a short Python loop over layers whose work runs per chip on two threads (the kernels
@@ -186,7 +186,7 @@ def _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max_l, eps, sc
 
     h (H,) the normed residual (read only); scratch rows qkv[c] (cols,), o[c] (qh D,) and y[c] are this chip's
     own; qk (qh + kvh, D), q, og (G, D) and scores (G, >= T) are scratch owned by the calling thread (one set per
-    thread when the chips run on two threads, ``CompiledMoe.decode``). Arguments otherwise as ``_decode_step``.
+    thread when the chips run on two threads, ``CompiledMoe.decode``). Arguments otherwise as ``_decode_layers``.
     """
     D = qk_norm.shape[3]
     G = qh // kvh
@@ -254,56 +254,24 @@ def _decode_between(li, x, h, y, eps, k_act, in_norm, post_norm, router, gue, do
 
 
 @kernel()
-def _decode_step(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, k_act,
-                 in_norm, post_norm, wqkv, qk_norm, wo, router, gue, down, final_norm, lm_bits, lm_bias,
-                 k_t, v_t, logits):
-    """One decode token through every layer and the LM head on one thread; returns nothing, writes ``logits``.
+def _decode_layers(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, k_act,
+                   in_norm, post_norm, wqkv, qk_norm, wo, router, gue, down, final_norm, lm_bits, lm_bias,
+                   k_t, v_t, logits, h, qkv, o, y, qk, q, og, scores, split, go, done, ts, state):
+    """One decode token through every layer and the LM head; writes ``logits`` (V,).
 
-    x (H,) the token's embedding (float32, overwritten: the residual stream); cos/sin (D/2,);
-    cell: the KV cell written; keys: cells start..start+T (start >= 0) or idx[:T]; no_max (L,) bool;
-    k_t, v_t (C, L, kvh, D, cells) the transposed K/V caches, written at ``cell``; logits (V,) out.
-    The same two kernels per layer (``_decode_between``, ``_decode_attn_chip`` per chip) as the two-thread
-    step of ``CompiledMoe.decode``, so both give the same bits.
+    x (H,) the token's embedding (float32, overwritten: the residual stream); cos/sin (D/2,); cell: the KV
+    cell written; keys: cells start..start+T (start >= 0) or idx[:T]; no_max (L,) bool; k_t, v_t (C, L, kvh,
+    D, cells) the transposed K/V caches, written at ``cell``. h (H,), qkv (C, cols), o (C, qh D), y (C, H) the
+    step's rows (each chip writes its own); qk (qh + kvh, D), q, og (G, D), scores (G, >= T) this thread's
+    scratch. Per layer the serial part (``_decode_between``), then the chips' attention (``_decode_attn_chip``).
+
+    ``split`` False: every chip here, one thread (go, done, ts, state unused). True: the calling thread's share
+    of a split step (``CompiledMoe.decode``): a post of ``go`` (the other thread, ``_decode_split_other``, runs
+    the other chips' attention), chip 0's attention here, then a wait on ``done``; go, done the semaphores'
+    addresses (int64); ts int64 (2,) scratch; state int64 (1,), set to 1 when a wait ran past ``SPLIT_WAIT_S``
+    or by a thread that failed (each thread then stops at its next wait). Both forms run the same kernels in
+    the same order per chip: the same bits. Returns False when a split step gave up, else True.
     """
-    L, C, H, cols = wqkv.shape
-    D = qk_norm.shape[3]
-    G = qh // kvh
-    E = router.shape[2]
-    F = down.shape[3]
-    h = np.empty(H, dtype=np.float32)
-    qkv = np.empty((C, cols), dtype=np.float32)
-    qk = np.empty((qh + kvh, D), dtype=np.float32)  # one chip's q and k heads (copied: no reshapes, see ``kernels``)
-    q = np.empty((G, D), dtype=np.float32)
-    og = np.empty((G, D), dtype=np.float32)
-    o = np.empty((C, qh * D), dtype=np.float32)
-    y = np.zeros((C, H), dtype=np.float32)
-    scores = np.empty((G, T), dtype=np.float32)
-    probs = np.empty(E, dtype=np.float32)
-    ids = np.empty(k_act, dtype=np.int64)
-    wt = np.empty(k_act, dtype=np.float32)
-    gu = np.empty(2 * C * F, dtype=np.float32)
-    act = np.empty(F, dtype=np.float32)
-    for li in range(L + 1):
-        _decode_between(li, x, h, y, eps, k_act, in_norm, post_norm, router, gue, down, final_norm, lm_bits,
-                        lm_bias, probs, ids, wt, gu, act, logits)
-        if li == L:
-            break
-        for c in range(C):
-            _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max[li], eps, scale, qh, kvh, wqkv,
-                              qk_norm, wo, k_t, v_t, qkv, qk, q, og, o, scores, y)
-
-
-@kernel()
-def _decode_split_main(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, k_act,
-                       in_norm, post_norm, wqkv, qk_norm, wo, router, gue, down, final_norm, lm_bits, lm_bias,
-                       k_t, v_t, logits, h, qkv, o, y, qk, q, og, scores, go, done, ts, state):
-    """The calling thread's share of a split decode step (``CompiledMoe.decode``): per layer the serial part
-    (``_decode_between``), a post of ``go`` (the other thread starts the other chips' attention), chip 0's
-    attention, then a wait on ``done``; after the last layer the final norm and the LM head. h, qkv, o, y are
-    the step's shared rows (each chip writes its own), qk, q, og, scores this thread's scratch; go, done the
-    semaphores' addresses (int64); ts int64 (2,) scratch; state int64 (1,): set to 1 when a wait ran past
-    ``SPLIT_WAIT_S`` or by a thread that failed (each thread then stops at its next wait). Returns False in
-    that case."""
     L = wqkv.shape[0]
     C = wqkv.shape[1]
     E = router.shape[2]
@@ -313,15 +281,18 @@ def _decode_split_main(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh,
     wt = np.empty(k_act, dtype=np.float32)
     gu = np.empty(2 * C * F, dtype=np.float32)
     act = np.empty(F, dtype=np.float32)
+    here = 1 if split else C  # chips whose attention runs on this thread
     for li in range(L + 1):
         _decode_between(li, x, h, y, eps, k_act, in_norm, post_norm, router, gue, down, final_norm, lm_bits,
                         lm_bias, probs, ids, wt, gu, act, logits)
         if li == L:
             break
-        _sem_post(go)
-        _decode_attn_chip(li, 0, h, cos, sin, cell, start, idx, T, no_max[li], eps, scale, qh, kvh, wqkv,
-                          qk_norm, wo, k_t, v_t, qkv, qk, q, og, o, scores, y)
-        if not _sem_wait_s(done, ts, SPLIT_WAIT_S) or state[0] != 0:  # timed out, or the other thread failed
+        if split:
+            _sem_post(go)
+        for c in range(here):
+            _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max[li], eps, scale, qh, kvh, wqkv,
+                              qk_norm, wo, k_t, v_t, qkv, qk, q, og, o, scores, y)
+        if split and (not _sem_wait_s(done, ts, SPLIT_WAIT_S) or state[0] != 0):  # timed out, or the other failed
             state[0] = 1
             return False
     return True
@@ -331,7 +302,7 @@ def _decode_split_main(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh,
 def _decode_split_other(cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, wqkv, qk_norm, wo, k_t, v_t,
                         h, qkv, o, y, qk, q, og, scores, go, done, ts, state):
     """The other thread's share of a split decode step: per layer, a wait on ``go``, the attention of chips
-    1..C-1 (``_decode_attn_chip``), a post of ``done``. Arguments as ``_decode_split_main``'s (qk, q, og,
+    1..C-1 (``_decode_attn_chip``), a post of ``done``. Arguments as ``_decode_layers``'s (qk, q, og,
     scores: this thread's own scratch). Returns False when a wait ran past ``SPLIT_WAIT_S`` or the calling
     thread gave up (``state``)."""
     L = wqkv.shape[0]
@@ -495,58 +466,53 @@ class CompiledMoe:
         (its own included); no_max (L,) bool. Returns logits (V,) float32.
 
         ``split``: run each layer's attention with chip 0 on the calling thread and the other chips on the
-        pool's thread (``_decode_split``), or the whole step as one compiled call (``_decode_step``). Both
+        pool's thread, or every chip on this thread (``_decode_layers``: one compiled call either way). Both
         run the same kernels in the same order per chip, so the logits are the same bits. None (default):
         split when the context has at least ``DECODE_SPLIT_MIN_CONTEXT`` keys and this process may run on
-        two CPUs (``split_possible``).
+        two CPUs (``split_possible``). Raises RuntimeError if a split step's thread waited past
+        ``SPLIT_WAIT_S`` for the other; a thread that fails stops the other at its next wait (this call
+        re-raises the failure), so neither waits out the bound.
         """
         T = int(ctx_cells.shape[0])
         contiguous = T > 0 and int(ctx_cells[-1]) - int(ctx_cells[0]) == T - 1 and (
             T < 3 or bool(np.all(np.diff(ctx_cells) == 1)))
         start = int(ctx_cells[0]) if contiguous else -1
         w = self.w
-        logits = np.empty(w.lm_bias.shape[0], dtype=F32)
-        if split is None:
-            split = T >= DECODE_SPLIT_MIN_CONTEXT and split_possible()
-        if split and w.wqkv.shape[1] > 1:
-            self._decode_split(x, cos, sin, int(cell), start, ctx_cells, T, no_max, k_t, v_t, logits)
-            return logits
-        _decode_step(x, cos, sin, int(cell), start, ctx_cells, T, no_max, self.eps, self.scale,
-                     self.qh, self.kvh, self.k_act, w.in_norm, w.post_norm, w.wqkv, w.qk_norm, w.wo, w.router,
-                     w.gue, w.down, w.final_norm, w.lm_bits, w.lm_bias, k_t, v_t, logits)
-        return logits
-
-    def _decode_split(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, cell: int, start: int,
-                      idx: np.ndarray, T: int, no_max: np.ndarray, k_t: np.ndarray, v_t: np.ndarray,
-                      logits: np.ndarray) -> None:
-        """``_decode_step`` with each layer's attention on two threads: chip 0's here
-        (``_decode_split_main``, which also runs the serial part between layers), the other chips' on the
-        pool's thread (``_decode_split_other``), handing over through two POSIX semaphores inside the
-        compiled code (a futex sleep, no spinning, no GIL: two hand-offs a layer). Writes ``logits``.
-        Raises RuntimeError if a thread waited past ``SPLIT_WAIT_S`` for the other; a thread that fails stops
-        the other at its next wait (the calling thread re-raises the failure), so neither waits out the bound."""
-        w = self.w
         L, C, H, cols = w.wqkv.shape
         D = w.qk_norm.shape[3]
         qh, kvh = self.qh, self.kvh
         G = qh // kvh
-        h = np.empty(H, dtype=F32)
-        qkv = np.empty((C, cols), dtype=F32)
-        o = np.empty((C, qh * D), dtype=F32)
+        if split is None:
+            split = T >= DECODE_SPLIT_MIN_CONTEXT and split_possible()
+        split = bool(split) and C > 1
+        logits = np.empty(w.lm_bias.shape[0], dtype=F32)
+        # the step's rows (each chip writes its own), then each thread's scratch: qk, q, og, scores (float32)
+        # and a timespec (int64)
+        h, qkv, o = np.empty(H, dtype=F32), np.empty((C, cols), dtype=F32), np.empty((C, qh * D), dtype=F32)
         y = np.zeros((C, H), dtype=F32)
-        # each thread's own scratch: qk, q, og, scores (float32) and a timespec (int64)
         sc = [(np.empty((qh + kvh, D), dtype=F32), np.empty((G, D), dtype=F32), np.empty((G, D), dtype=F32),
-               np.empty((G, T), dtype=F32)) for _ in range(2)]
-        ts = [np.zeros(2, dtype=np.int64) for _ in range(2)]
+               np.empty((G, T), dtype=F32)) for _ in range(2 if split else 1)]
+        ts = [np.zeros(2, dtype=np.int64) for _ in sc]
         state = np.zeros(1, dtype=np.int64)
+        cell = int(cell)
+
+        def mine(go: int, done: int) -> bool:
+            return bool(_decode_layers(x, cos, sin, cell, start, ctx_cells, T, no_max, self.eps, self.scale, qh,
+                                       kvh, self.k_act, w.in_norm, w.post_norm, w.wqkv, w.qk_norm, w.wo, w.router,
+                                       w.gue, w.down, w.final_norm, w.lm_bits, w.lm_bias, k_t, v_t, logits, h,
+                                       qkv, o, y, *sc[0], split, go, done, ts[0], state))
+
+        if not split:
+            mine(0, 0)
+            return logits
         go, done = self._semaphores()
         libc = _libc()
 
         def other() -> bool:
             try:
                 return bool(_decode_split_other(
-                    cos, sin, cell, start, idx, T, no_max, self.eps, self.scale, qh, kvh, w.wqkv, w.qk_norm, w.wo,
-                    k_t, v_t, h, qkv, o, y, *sc[1], go, done, ts[1], state))
+                    cos, sin, cell, start, ctx_cells, T, no_max, self.eps, self.scale, qh, kvh, w.wqkv, w.qk_norm,
+                    w.wo, k_t, v_t, h, qkv, o, y, *sc[1], go, done, ts[1], state))
             except BaseException:
                 state[0] = 1  # this thread failed: the calling thread stops at its next wait, at once
                 libc.sem_post(ctypes.c_void_p(done))
@@ -555,10 +521,7 @@ class CompiledMoe:
         fut = self._threads().submit(other)
         ok = False
         try:
-            ok = bool(_decode_split_main(x, cos, sin, cell, start, idx, T, no_max, self.eps, self.scale, qh, kvh,
-                                         self.k_act, w.in_norm, w.post_norm, w.wqkv, w.qk_norm, w.wo, w.router,
-                                         w.gue, w.down, w.final_norm, w.lm_bits, w.lm_bias, k_t, v_t, logits, h,
-                                         qkv, o, y, *sc[0], go, done, ts[0], state))
+            ok = mine(go, done)
         finally:
             if not ok:  # this thread failed or gave up: the other one stops at its next wait, at once
                 state[0] = 1
@@ -567,6 +530,7 @@ class CompiledMoe:
         if not (ok and other_ok):
             raise RuntimeError(f"decode step: a chip thread waited over {SPLIT_WAIT_S} s for the other "
                                "(host starved or stopped); the step's logits are not valid")
+        return logits
 
     def _semaphores(self) -> tuple[int, int]:
         """Addresses of two process-private POSIX semaphores (``go``, ``done``), set to 0 for a new step."""

@@ -278,7 +278,7 @@ def test_split_decode_gives_the_bits_of_the_one_thread_step(pair, scattered):
     assert np.any(got[True][1] != 0.0)
 
 
-@pytest.mark.parametrize("failing", ["_decode_split_other", "_decode_split_main"])
+@pytest.mark.parametrize("failing", ["_decode_split_other", "_decode_layers"])
 def test_a_split_decode_thread_that_fails_stops_the_other_at_once(pair, monkeypatch, failing):
     """A failure in either thread of the split step ends the step with that failure, and the other thread
     is released at once (not after its SPLIT_WAIT_S bound): the pool's thread takes new work right after."""
