@@ -309,6 +309,7 @@ async def test_the_footer_shows_whole_entries_at_80_columns(fast_system):
         pane = app.query_one(MaintenancePane)
         descriptions = " ".join(b.description for b in pane.BINDINGS) + " help"
         assert all(w in descriptions or len(w) <= 2 for w in words), words
+        assert "? help" in footer_text(app), footer_text(app)  # the footer always names the help key
 
 
 async def test_the_audit_log_path_wraps_at_words(fast_system, tmp_path):
