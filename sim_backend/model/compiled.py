@@ -46,8 +46,10 @@ from sim_backend.model.kernels import (
 
 F32 = np.float32
 
-#: Context keys from which a decode step runs each layer's attention on two threads (``CompiledMoe.decode``):
-#: below it the 48 hand-offs a step cost more than half the attention saves.
+#: Context keys from which a decode step runs each layer's attention on two threads (``CompiledMoe.decode``).
+#: Measured in-process on the idle 2-core host, ms a step one thread -> two: 128 3.0 -> 2.5, 256 3.4-3.8 ->
+#: 3.1-3.2, 512 5.7-6.1 -> 3.9-4.1: below 512 the split saves 10-15 % of a short step for a second busy core
+#: (it spins at each hand-off), which a console sharing 2 cores with its UI does not want.
 DECODE_SPLIT_MIN_CONTEXT = 512
 
 
@@ -132,9 +134,10 @@ def _pause(typingctx):  # noqa: ANN001, ANN202
 @kernel()
 def _sem_wait_s(sem, ts, timeout_s):
     """Wait on the POSIX semaphore at address ``sem`` (int64) for at most ``timeout_s`` host wall seconds
-    (CLOCK_REALTIME deadline, as ``sem_timedwait`` takes it; ``ts`` an int64 (2,) scratch timespec). The
-    thread sleeps in the kernel meanwhile (futex), no spinning. True when the semaphore was taken, False at
-    the deadline; an interrupted wait is resumed."""
+    (CLOCK_REALTIME deadline, as ``sem_timedwait`` takes it; ``ts`` an int64 (2,) scratch timespec). It first
+    tries the semaphore up to ``SPLIT_SPIN_TRIES`` times (a ``pause`` between: a bounded spin, ~0.1-0.4 ms),
+    then sleeps in the kernel (futex) until the deadline. True when the semaphore was taken, False at the
+    deadline; an interrupted wait is resumed."""
     for _ in range(SPLIT_SPIN_TRIES):
         if _sem_trywait(sem) == 0:
             return True
