@@ -6,10 +6,12 @@ it is two compiled calls on two threads instead, one per chiplet's attention, ha
 through two POSIX semaphores inside the compiled code (``_decode_layers`` / ``_decode_split_other``):
 the attention over a long context is most of the step and the two chips' shares are independent until
 the all-reduce. Both forms run the same per-chip kernels in the same order: the same bits.
-A prefill is a short Python loop over layers whose work runs per chip on two threads (the kernels
-release the GIL): each chip's projections (BLAS products inside the kernel), attention and output-
-projection share, its half of the router's rows, and its expert partial sums; only the norms and the
-all-reduces stay in numpy.
+A prefill is likewise one compiled call per thread (``_prefill_layers``): chip 0's work on the calling
+thread and chip 1's on the pool's (each chip's projections as BLAS products inside the kernel, attention
+and output-projection share, its half of the router's rows, its expert partial sums), the threads meeting
+through the same semaphores three times a layer; each thread computes the norms and all-reduces itself
+(the same bits), so no Python runs between layers (it cost ~30 of 250 ms at 512 tokens: numpy norms and
+144 pool hand-offs).
 
 The math is ``ShardedModel``'s numpy path, chip for chip (facts.md F3: tensor parallel, attention
 output and expert partial sums reduced over the chips, LM-head halves gathered); only summation
@@ -434,6 +436,100 @@ def _prefill_experts_chip(h, ids, w, gue, down, chip, out):
                 row[c] += yr[c]
 
 
+@kernel()
+def _rows_rms_norm(x, w, eps, out):
+    """out[i] = rms_norm(x[i]) * w for every row: x, out (n, H) float32 (out may be x), w (H,), eps float32."""
+    for i in range(x.shape[0]):
+        rms_norm(x[i], w, eps, out[i])
+
+
+@kernel()
+def _add_chips(x, y):
+    """The all-reduce into the residual: x (n, H) += sum over chips of y (C, n, H), the chips' partial sums
+    added in chip order first (as numpy's ``x + y.sum(axis=0)``), float32."""
+    C, n, H = y.shape
+    for i in range(n):
+        for j in range(H):
+            acc = y[0, i, j]
+            for c in range(1, C):
+                acc += y[c, i, j]
+            x[i, j] += acc
+
+
+@kernel()
+def _meet(part, go, done, ts, state):
+    """A rendezvous of a split prefill's two threads (``_prefill_layers``): part 0 posts ``go`` and waits on
+    ``done``, part 1 the other way round, so neither passes until both arrived. Each wait is bounded
+    (``_sem_wait_s``, ``SPLIT_WAIT_S``). False (and state[0] = 1) when a wait ran past the bound or the
+    other thread failed (it set ``state`` and posted), else True."""
+    if part == 0:
+        _sem_post(go)
+        ok = _sem_wait_s(done, ts, SPLIT_WAIT_S)
+    else:
+        _sem_post(done)
+        ok = _sem_wait_s(go, ts, SPLIT_WAIT_S)
+    if not ok or state[0] != 0:
+        state[0] = 1
+        return False
+    return True
+
+
+@kernel()
+def _prefill_layers(part, parts, x, h, ya, ye, ids, wt, touched, cos, sin, new_cells, ctx_cells, ends, k_pos, q_pos,
+                    masked, no_max, eps, scale, qh, kvh, k_act, in_norm, post_norm, wqkv, qk_norm, wo, router, gue,
+                    down, k_t, v_t, go, done, ts, state):
+    """A prefill of n tokens through every layer: one thread's share (``part`` of ``parts``, 1 or 2).
+
+    x (n, H) float32 the embeddings, overwritten with the residual stream (each thread its own copy: both
+    compute the norms and all-reduces, the same bits, rather than wait for one another twice more); h (n, H)
+    this thread's normed rows. Shared by the threads: ya, ye (C, n, H) the chips' attention and expert
+    partial sums (two arrays, so a chip's next write never meets the other thread's read of the last);
+    ids (n, k) int64 / wt (n, k) float32 the routing; touched (L,) int64, distinct experts per layer
+    (written by part 0). Chip c's work runs on part c % parts: its attention (``_prefill_attention_chip``),
+    the router over its rows n c / C .. n (c + 1) / C (``_route_rows``), its experts
+    (``_prefill_experts_chip``). Other arguments as ``CompiledMoe.prefill`` / ``_decode_layers``.
+
+    With two parts the threads meet (``_meet``) three times a layer: after the attention, after the routing,
+    after the experts. The calls per chip and per row range are the same in both forms: the same bits.
+    Returns False when a meeting failed (a wait past ``SPLIT_WAIT_S``, or the other thread failed), else True.
+    """
+    L, C = wqkv.shape[0], wqkv.shape[1]
+    n = x.shape[0]
+    E = router.shape[2]
+    seen = np.zeros(E, dtype=np.bool_)
+    for li in range(L):
+        _rows_rms_norm(x, in_norm[li], eps, h)
+        for c in range(part, C, parts):
+            _prefill_attention_chip(h, wqkv[li, c], wo[li, c], qk_norm[li, c], cos, sin, eps, scale, qh, kvh,
+                                    new_cells, ctx_cells, ends, k_pos, q_pos, masked, no_max[li], k_t[c, li],
+                                    v_t[c, li], ya[c])
+        if parts > 1 and not _meet(part, go, done, ts, state):
+            return False
+        _add_chips(x, ya)
+        _rows_rms_norm(x, post_norm[li], eps, h)
+        for c in range(part, C, parts):
+            r0, r1 = n * c // C, n * (c + 1) // C
+            _route_rows(h[r0:r1], router[li], k_act, ids[r0:r1], wt[r0:r1])
+        if parts > 1 and not _meet(part, go, done, ts, state):
+            return False
+        if part == 0:
+            seen[:] = False
+            count = 0
+            for i in range(n):
+                for j in range(k_act):
+                    e = ids[i, j]
+                    if not seen[e]:
+                        seen[e] = True
+                        count += 1
+            touched[li] = count
+        for c in range(part, C, parts):
+            _prefill_experts_chip(h, ids, wt, gue[li], down[li, c], c, ye[c])
+        if parts > 1 and not _meet(part, go, done, ts, state):
+            return False
+        _add_chips(x, ye)
+    return True
+
+
 class CompiledMoe:
     """The compiled Qwen3-MoE step over a ``MoeWeights`` and the model's KV cache.
 
@@ -548,67 +644,80 @@ class CompiledMoe:
 
     def prefill(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                 new_cells: np.ndarray, ctx_cells: np.ndarray, ctx_positions: np.ndarray, no_max: np.ndarray,
-                k_t: np.ndarray, v_t: np.ndarray) -> tuple[np.ndarray, list[int]]:
+                k_t: np.ndarray, v_t: np.ndarray, *, split: bool | None = None) -> tuple[np.ndarray, list[int]]:
         """A prefill of n tokens: x (n, H) float32 embeddings, positions/new_cells (n,) int64, cos/sin
         (n, D/2) float32, ctx_cells/ctx_positions (T,) int64 the sequence's cells sorted by position
         (the new ones included). Returns (last token's logits (V,) float32, distinct experts per layer).
 
-        Per layer, on each chip's own thread (chip 1 on the pool's, chip 0 on the caller's): its q|k|v
-        projection, attention and share of the output projection; its half of the router's rows; its
-        expert partial sums. The norms and the reductions over chips run here, between them.
+        One compiled call per thread for all layers (``_prefill_layers``): per layer each chip's q|k|v
+        projection, attention and share of the output projection, its share of the router's rows and its
+        expert partial sums; the norms and all-reduces between them. ``split``: chip 1's work on the pool's
+        thread beside chip 0's on the calling thread, the two meeting through two POSIX semaphores inside
+        the compiled code three times a layer; or every chip on this thread. The same calls per chip in the
+        same order, so the same bits either way. None (default): split when there are two chips or more and
+        this process may run on two CPUs (``split_possible``). Raises RuntimeError if a thread waited past
+        ``SPLIT_WAIT_S`` for the other; a thread that fails stops the other at its next meeting.
         """
         w = self.w
         L, C = w.wqkv.shape[:2]
         H = w.in_norm.shape[1]
         n = x.shape[0]
         T = ctx_cells.shape[0]
-        eps, k_act = self.eps, self.k_act
         qpos = positions.astype(np.int64, copy=False)
         kpos = ctx_positions.astype(np.int64, copy=False)
         masked = not (T < 2 or bool(np.all(kpos[1:] >= kpos[:-1])))
         ends = np.full(n, T, dtype=np.int64) if masked else np.searchsorted(kpos, qpos, side="right").astype(np.int64)
-        cells_new = new_cells.astype(np.int64, copy=False)
-        cells_ctx = ctx_cells.astype(np.int64, copy=False)
-        y = np.empty((C, n, H), dtype=F32)
-        inv_h = F32(1.0 / H)
-        pool = self._threads() if C > 1 else None
-        touched: list[int] = []
+        cells_new = np.ascontiguousarray(new_cells, dtype=np.int64)
+        cells_ctx = np.ascontiguousarray(ctx_cells, dtype=np.int64)
+        if split is None:
+            split = split_possible()
+        parts = 2 if split and C > 1 else 1
+        xs = [np.array(x, dtype=F32, order="C") for _ in range(parts)]  # each thread's residual stream
+        hs = [np.empty((n, H), dtype=F32) for _ in range(parts)]
+        ya, ye = np.zeros((C, n, H), dtype=F32), np.zeros((C, n, H), dtype=F32)
+        ids = np.zeros((n, self.k_act), dtype=np.int64)
+        wt = np.zeros((n, self.k_act), dtype=F32)
+        touched = np.zeros(L, dtype=np.int64)
+        ts = [np.zeros(2, dtype=np.int64) for _ in range(parts)]
+        state = np.zeros(1, dtype=np.int64)
+        go, done = self._semaphores() if parts > 1 else (0, 0)
 
-        def norm(z: np.ndarray, wn: np.ndarray) -> np.ndarray:
-            ms = np.einsum("ij,ij->i", z, z)[:, None]
-            ms *= inv_h
-            ms += eps
-            return z * (F32(1.0) / np.sqrt(ms)) * wn
+        def run(part: int) -> bool:
+            return bool(_prefill_layers(
+                part, parts, xs[part], hs[part], ya, ye, ids, wt, touched, cos, sin, cells_new, cells_ctx, ends, kpos,
+                qpos, masked, no_max, self.eps, self.scale, self.qh, self.kvh, self.k_act, w.in_norm, w.post_norm,
+                w.wqkv, w.qk_norm, w.wo, w.router, w.gue, w.down, k_t, v_t, go, done, ts[part], state))
 
-        def on_chips(fn, *args_of_chip) -> None:
-            fut = pool.submit(fn, *args_of_chip[1]) if pool is not None else None
-            fn(*args_of_chip[0])
-            for c in range(2, C):
-                fn(*args_of_chip[c])
-            if fut is not None:
-                fut.result()
+        if parts == 1:
+            run(0)
+        else:
+            libc = _libc()
 
-        # the router is replicated on every chip; the host splits its rows over the chip threads
-        bounds = [n * c // C for c in range(C + 1)]
-        for li in range(L):
-            h = norm(x, w.in_norm[li])
-            on_chips(_prefill_attention_chip, *[
-                (h, w.wqkv[li, c], w.wo[li, c], w.qk_norm[li, c], cos, sin, eps, self.scale, self.qh, self.kvh,
-                 cells_new, cells_ctx, ends, kpos, qpos, masked, bool(no_max[li]), k_t[c, li], v_t[c, li], y[c])
-                for c in range(C)])
-            x = x + y.sum(axis=0)  # all-reduce (sum) over chips
-            h = norm(x, w.post_norm[li])
-            ids = np.empty((n, k_act), dtype=np.int64)
-            wt = np.empty((n, k_act), dtype=F32)
-            on_chips(_route_rows, *[(h[bounds[c]:bounds[c + 1]], w.router[li], k_act, ids[bounds[c]:bounds[c + 1]],
-                                     wt[bounds[c]:bounds[c + 1]]) for c in range(C)])
-            touched.append(int(np.unique(ids).size))
-            on_chips(_prefill_experts_chip, *[(h, ids, wt, w.gue[li], w.down[li, c], c, y[c]) for c in range(C)])
-            x = x + y.sum(axis=0)  # reduce the chips' partial sums
-        last = norm(x[-1:], w.final_norm)[0]
+            def other() -> bool:
+                try:
+                    return run(1)
+                except BaseException:
+                    state[0] = 1  # this thread failed: the calling thread stops at its next meeting, at once
+                    libc.sem_post(ctypes.c_void_p(done))
+                    raise
+
+            fut = self._threads().submit(other)
+            ok = False
+            try:
+                ok = run(0)
+            finally:
+                if not ok:  # this thread failed or gave up: the other one stops at its next meeting, at once
+                    state[0] = 1
+                    libc.sem_post(ctypes.c_void_p(go))
+                other_ok = fut.result()  # bounded: each of the other thread's waits is bounded by SPLIT_WAIT_S
+            if not (ok and other_ok):
+                raise RuntimeError(f"prefill: a chip thread waited over {SPLIT_WAIT_S} s for the other (host "
+                                   "starved or stopped); the step's logits are not valid")
+        last = np.empty(H, dtype=F32)
+        rms_norm(xs[0][n - 1], w.final_norm, self.eps, last)
         logits = np.empty(w.lm_bias.shape[0], dtype=F32)
         bf16_matvec(last, w.lm_bits, w.lm_bias, logits)
-        return logits, touched
+        return logits, [int(t) for t in touched]
 
 
 @kernel()

@@ -314,6 +314,78 @@ def test_a_split_decode_thread_that_fails_stops_the_other_at_once(pair, monkeypa
     assert compiled._compiled._threads().submit(lambda: 7).result(timeout=30) == 7
 
 
+@pytest.mark.parametrize("scattered", [False, True])
+def test_split_prefill_gives_the_bits_of_the_one_thread_prefill(pair, scattered):
+    """The two-thread prefill (chip 1's attention, router rows and experts on the pool's thread, the threads
+    meeting by semaphores three times a layer) makes the same calls per chip as the one-thread prefill: the
+    same logits and experts touched, bit for bit, and the same K/V written; a prompt after a cached prefix
+    over contiguous cells, and one over scattered cells whose positions are not in cell order (the masked
+    path)."""
+    compiled, _ = pair
+    ids = np.asarray((list(G.GOLDEN_IDS) * 8)[:37], dtype=np.int64)
+    if scattered:
+        cells = np.asarray([(7 * i) % 64 for i in range(ids.size)], dtype=np.int64)
+    else:
+        cells = np.arange(5, 5 + ids.size, dtype=np.int64)
+    pos = np.arange(ids.size, dtype=np.int64)
+    head, tail = slice(0, 20), slice(20, None)
+    got = {}
+    for split in (False, True):
+        compiled.clear_kv()
+        compiled.forward(ids[head], pos[head], cells[head], cells[head].copy(), pos[head].copy())
+        order = np.argsort(cells) if scattered else np.arange(ids.size)  # scattered: keys not in position order
+        x = compiled.chips[0].embed[ids[tail]].astype(F)
+        cos, sin = rope_tables(pos[tail], NUM.head_dim, SHAPE.rope_theta)
+        logits, touched = compiled._compiled.prefill(
+            x, pos[tail], cos, sin, cells[tail], cells[order], pos[order],
+            np.array(compiled._score_bounds(), dtype=np.bool_), compiled.k_cache_t, compiled.v_cache_t, split=split)
+        got[split] = (logits, np.asarray(touched), compiled.k_cache_t[..., cells].copy(),
+                      compiled.v_cache_t[..., cells].copy())
+    for a, b in zip(got[False], got[True], strict=True):
+        assert np.array_equal(a, b)
+    assert np.all(np.isfinite(got[True][0])) and np.any(got[True][2] != 0.0)
+
+
+@pytest.mark.parametrize("failing_part", [0, 1])
+def test_a_split_prefill_thread_that_fails_stops_the_other_at_once(pair, monkeypatch, failing_part):
+    """A failure in either thread of the split prefill ends the prefill with that failure, and the other
+    thread is released at its next meeting (not after its SPLIT_WAIT_S bound): the pool's thread takes new
+    work right after."""
+    import threading
+
+    import sim_backend.model.compiled as C
+
+    compiled, _ = pair
+    real = C._prefill_layers
+
+    def failing(part, *a):
+        if part == failing_part:
+            raise ValueError("injected failure")
+        return real(part, *a)
+
+    monkeypatch.setattr(C, "_prefill_layers", failing)
+    ids = np.asarray(G.GOLDEN_IDS, dtype=np.int64)
+    pos = np.arange(ids.size, dtype=np.int64)
+    cos, sin = rope_tables(pos, NUM.head_dim, SHAPE.rope_theta)
+    raised: list[BaseException] = []
+
+    def step() -> None:
+        compiled.clear_kv()
+        try:
+            compiled._compiled.prefill(compiled.chips[0].embed[ids].astype(F), pos, cos, sin, pos, pos.copy(),
+                                       pos.copy(), np.array(compiled._score_bounds(), dtype=np.bool_),
+                                       compiled.k_cache_t, compiled.v_cache_t, split=True)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            raised.append(e)
+
+    t = threading.Thread(target=step, daemon=True)
+    t.start()
+    t.join(30.0)  # the prefill ends at once; waiting out a thread's 120 s bound (SPLIT_WAIT_S) fails here
+    assert not t.is_alive(), "the split prefill waited for a thread that had failed"
+    assert len(raised) == 1 and isinstance(raised[0], ValueError) and "injected failure" in str(raised[0])
+    assert compiled._compiled._threads().submit(lambda: 7).result(timeout=30) == 7
+
+
 def test_split_decode_waits_are_bounded():
     """A thread of the split decode step never waits without end: a semaphore nobody posts gives up at its
     deadline (False), one that was posted is taken at once (True)."""
