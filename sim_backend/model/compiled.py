@@ -44,6 +44,7 @@ from sim_backend.model.kernels import (
     rms_norm,
     silu_mul,
     softmax_top_k,
+    wide_legal,
 )
 
 F32 = np.float32
@@ -140,6 +141,7 @@ def _sem_wait_s(sem, ts, timeout_s):
     tries the semaphore up to ``SPLIT_SPIN_TRIES`` times (a ``pause`` between: a bounded spin, ~0.1-0.4 ms),
     then sleeps in the kernel (futex) until the deadline. True when the semaphore was taken, False at the
     deadline; an interrupted wait is resumed."""
+    wide_legal()
     for _ in range(SPLIT_SPIN_TRIES):
         if _sem_trywait(sem) == 0:
             return True
@@ -193,6 +195,7 @@ def _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max_l, eps, sc
     own; qk (qh + kvh, D), q, og (G, D) and scores (G, >= T) are scratch owned by the calling thread (one set per
     thread when the chips run on two threads, ``CompiledMoe.decode``). Arguments otherwise as ``_decode_layers``.
     """
+    wide_legal()
     D = qk_norm.shape[3]
     G = qh // kvh
     qkc = (qh + kvh) * D
@@ -224,6 +227,7 @@ def _decode_between(li, x, h, y, eps, k_act, in_norm, post_norm, router, gue, do
     the experts of every chip (partial sums reduced into x in chip order); then, for li < L, layer li's input
     norm into h (H,), or for li == L the final norm and the LM head into logits (V,). Scratch: probs (E,),
     ids (k,) int64, wt (k,), gu (2 C F,), act (F,) float32."""
+    wide_legal()
     L = in_norm.shape[0]
     C, H = y.shape
     F = down.shape[3]
@@ -277,6 +281,7 @@ def _decode_layers(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh
     or by a thread that failed (each thread then stops at its next wait). Both forms run the same kernels in
     the same order per chip: the same bits. Returns False when a split step gave up, else True.
     """
+    wide_legal()
     L = wqkv.shape[0]
     C = wqkv.shape[1]
     E = router.shape[2]
@@ -310,6 +315,7 @@ def _decode_split_other(cos, sin, cell, start, idx, T, no_max, eps, scale, qh, k
     1..C-1 (``_decode_attn_chip``), a post of ``done``. Arguments as ``_decode_layers``'s (qk, q, og,
     scores: this thread's own scratch). Returns False when a wait ran past ``SPLIT_WAIT_S`` or the calling
     thread gave up (``state``)."""
+    wide_legal()
     L = wqkv.shape[0]
     C = wqkv.shape[1]
     for li in range(L):
@@ -336,6 +342,7 @@ def _prefill_attention_chip(h, wqkv, wo, qk_norm, cos, sin, eps, scale, qh, kvh,
     order (new ones included), ends (n,) keys each query sees; k_t, v_t (kvh, D, cells) this chip's layer
     of the transposed caches; out (n, H) written.
     """
+    wide_legal()
     qkv = np.dot(h, wqkv)
     n = qkv.shape[0]
     D = qk_norm.shape[1]
@@ -393,6 +400,7 @@ def _prefill_experts_chip(h, ids, w, gue, down, chip, out):
     (m x H) @ (H x 2 C F) (both chips' columns: one contiguous operand; this chip's are picked) and the
     chip's (m x F) @ (F x H), added into the tokens' rows.
     """
+    wide_legal()
     n, k = ids.shape
     H = h.shape[1]
     E, F = down.shape[0], down.shape[1]
@@ -439,6 +447,7 @@ def _prefill_experts_chip(h, ids, w, gue, down, chip, out):
 @kernel()
 def _rows_rms_norm(x, w, eps, out):
     """out[i] = rms_norm(x[i]) * w for every row: x, out (n, H) float32 (out may be x), w (H,), eps float32."""
+    wide_legal()
     for i in range(x.shape[0]):
         rms_norm(x[i], w, eps, out[i])
 
@@ -447,6 +456,7 @@ def _rows_rms_norm(x, w, eps, out):
 def _add_chips(x, y):
     """The all-reduce into the residual: x (n, H) += sum over chips of y (C, n, H), the chips' partial sums
     added in chip order first (as numpy's ``x + y.sum(axis=0)``), float32."""
+    wide_legal()
     C, n, H = y.shape
     for i in range(n):
         for j in range(H):
@@ -462,6 +472,7 @@ def _meet(part, go, done, ts, state):
     ``done``, part 1 the other way round, so neither passes until both arrived. Each wait is bounded
     (``_sem_wait_s``, ``SPLIT_WAIT_S``). False (and state[0] = 1) when a wait ran past the bound or the
     other thread failed (it set ``state`` and posted), else True."""
+    wide_legal()
     if part == 0:
         _sem_post(go)
         ok = _sem_wait_s(done, ts, SPLIT_WAIT_S)
@@ -493,6 +504,7 @@ def _prefill_layers(part, parts, x, h, ya, ye, ids, wt, touched, cos, sin, new_c
     after the experts. The calls per chip and per row range are the same in both forms: the same bits.
     Returns False when a meeting failed (a wait past ``SPLIT_WAIT_S``, or the other thread failed), else True.
     """
+    wide_legal()
     L, C = wqkv.shape[0], wqkv.shape[1]
     n = x.shape[0]
     E = router.shape[2]
@@ -724,6 +736,7 @@ class CompiledMoe:
 def _route_rows(h, router, k, ids, w):
     """The router of every row: logits = h @ router (one BLAS product), then ``softmax_top_k`` per row.
     h (n, H), router (H, E) float32; ids (n, k) int64 and w (n, k) float32 written. n may be 0."""
+    wide_legal()
     if h.shape[0] == 0:
         return
     logits = np.dot(h, router)
