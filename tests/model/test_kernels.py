@@ -487,3 +487,46 @@ def test_stale_kernel_caches_are_pruned_and_the_current_one_kept(tmp_path):
     assert current.is_dir() and fresh.is_dir() and other.is_dir() and not stale.exists()
     assert K.prune_stale_caches(current, now=now) == []
 
+
+
+def _host_has_avx512() -> bool:
+    import llvmlite.binding as ll
+
+    return "+avx512f" in ll.get_host_cpu_features().flatten().split(",")
+
+
+@pytest.mark.skipif(not _host_has_avx512(), reason="the host CPU has no AVX-512: wide_vectors changes nothing")
+def test_wide_vectors_makes_a_kernel_use_512_bit_registers_with_the_same_bits():
+    """``wide_vectors`` (called first in the long-loop kernels) makes LLVM vectorise with 512-bit registers on an
+    AVX-512 host (zmm in the machine code; the default tuning of the reference host picks 256-bit), and an
+    element-wise loop keeps its bits; ``wide_legal`` alone keeps the default width for the caller's own loops.
+    Cached kernels cannot be disassembled, so the same intrinsics are compiled here into fresh functions."""
+    from numba import njit
+
+    def body(row):
+        for t in range(row.shape[0]):
+            row[t] = K._exp_core(row[t])
+
+    def wide(row):
+        K.wide_vectors()
+        body_inline(row)
+
+    body_inline = njit(inline="always", fastmath={"contract"})(body)
+    narrow_f = njit(fastmath={"contract"}, error_model="numpy")(body)
+    wide_f = njit(fastmath={"contract"}, error_model="numpy")(wide)
+
+    def legal(row):
+        K.wide_legal()
+        body_inline(row)
+
+    legal_f = njit(fastmath={"contract"}, error_model="numpy")(legal)
+    x = np.random.default_rng(3).uniform(-80, 80, 4099).astype(np.float32)
+    outs = []
+    for f in (narrow_f, wide_f, legal_f):
+        y = x.copy()
+        f(y)
+        outs.append(y)
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
+    asm = {f: f.inspect_asm(f.signatures[0]) for f in (narrow_f, wide_f, legal_f)}
+    assert "zmm" in asm[wide_f]
+    assert "zmm" not in asm[legal_f] and "zmm" not in asm[narrow_f]
