@@ -680,7 +680,7 @@ def row_sum(row):
     return t
 
 
-#: Queries per block of :func:`attend_prefill`: a block's G x 16 score rows go through one BLAS product
+#: Queries per block of :func:`attend_prefill`: a block's G x 16 score columns go through one BLAS product
 #: with the keys it can see (16 measured as fast as 8-64 at 512 tokens).
 PREFILL_QUERY_BLOCK = 16
 
@@ -694,53 +694,76 @@ def attend_prefill(q, ks, vs, ends, k_pos, q_pos, masked, no_max, out):
     positions), and if ``masked`` (keys not sorted by position) only those with k_pos[t] <= q_pos[i].
     ``no_max`` as in :func:`attend_decode`. Writes (n, G, D) to out.
 
-    Per block of ``PREFILL_QUERY_BLOCK`` queries: scores = one BLAS product (rows x D) @ (D x keys the
-    block sees), exp in place (``exp_in_range`` when ``no_max`` and unmasked, else ``exp_shift``; keys a
-    query must not see set to 0, which is what exp(-inf) gives), then one BLAS product with V and a
-    normalisation by the row sums.
+    Per block of ``PREFILL_QUERY_BLOCK`` queries: the scores transposed, a row per key and a column per
+    (query, head): one BLAS product (keys the block sees x D) @ (D x m G). That shape ran about twice as
+    fast as the scores a row per query (OpenBLAS, D = 16: 14.6 vs 27.8 us for 512 keys x 128 columns); the
+    exp then runs along a key's row over the columns of the queries that see it (``exp_in_range`` when
+    ``no_max`` and unmasked; else ``exp_f32`` of the score less its column's max, or less 0 with
+    ``no_max``), the columns of queries that must not see the key set to 0 (what exp(-inf) gives); each
+    column's sum is added over the keys in order, and one more BLAS product with V (the scores' transpose as
+    its left operand) and a division by the sums finish the block.
     """
     wide_vectors()
     n, G, D = q.shape
     qbuf = np.empty((PREFILL_QUERY_BLOCK * G, D), dtype=np.float32)
+    mx = np.empty(PREFILL_QUERY_BLOCK * G, dtype=np.float32)
+    den = np.empty(PREFILL_QUERY_BLOCK * G, dtype=np.float32)
     for s0 in range(0, n, PREFILL_QUERY_BLOCK):
         s1 = min(n, s0 + PREFILL_QUERY_BLOCK)
         m = s1 - s0
+        R = m * G
         e_end = 0
+        ordered = True  # the block's ends non-decreasing: a key's visible columns are one run at the end
         for i in range(s0, s1):
             e_end = max(e_end, ends[i])
+            if i > s0 and ends[i] < ends[i - 1]:
+                ordered = False
         # the block's rows copied to a (m G, D) operand: a reshape compiles numba's shape-error text
         # formatting (no reshapes: see the module docstring), and the copy is 2 K floats a block
-        qb = qbuf[:m * G]
+        qb = qbuf[:R]
         for i in range(m):
             for g in range(G):
                 for d in range(D):
                     qb[i * G + g, d] = q[s0 + i, g, d]
-        S = np.dot(qb, ks[:e_end].T)
-        for i in range(m):
-            e = ends[s0 + i]
-            qp = q_pos[s0 + i]
-            for g in range(G):
-                row = S[i * G + g]
-                if masked:
-                    for t in range(e):
-                        if k_pos[t] > qp:
-                            row[t] = -np.inf
-                if no_max and not masked:  # every score proven within the bound: no -inf, no max shift
-                    exp_in_range(row[:e])
-                else:
-                    mx = np.float32(0.0)
-                    if not no_max:
-                        mx = np.float32(-np.inf)
-                        for t in range(e):
-                            mx = max(mx, row[t])
-                    exp_shift(row[:e], mx)
-                for t in range(e, e_end):
-                    row[t] = 0.0
-        pv = np.dot(S, vs[:e_end])
+        S = np.dot(ks[:e_end], qb.T)  # (e_end, R): a row per key
+        if no_max and ordered and not masked:  # every visible score proven within the bound: no max shift
+            i0 = 0
+            for t in range(e_end):
+                while i0 < m and ends[s0 + i0] <= t:
+                    i0 += 1
+                row = S[t]
+                for j in range(i0 * G):
+                    row[j] = 0.0
+                exp_in_range(row[i0 * G:R])
+        else:
+            for t in range(e_end):  # keys a query must not see: -inf
+                row = S[t]
+                for i in range(m):
+                    if t >= ends[s0 + i] or (masked and k_pos[t] > q_pos[s0 + i]):
+                        for g in range(G):
+                            row[i * G + g] = -np.inf
+            for j in range(R):
+                mx[j] = np.float32(0.0) if no_max else np.float32(-np.inf)
+            if not no_max:
+                for t in range(e_end):
+                    row = S[t]
+                    for j in range(R):
+                        mx[j] = max(mx[j], row[j])
+            for t in range(e_end):
+                row = S[t]
+                for j in range(R):
+                    row[j] = exp_f32(row[j] - mx[j])
+        for j in range(R):
+            den[j] = 0.0
+        for t in range(e_end):
+            row = S[t]
+            for j in range(R):
+                den[j] += row[j]
+        pv = np.dot(S.T, vs[:e_end])  # (R, D)
         for i in range(m):
             for g in range(G):
                 r = i * G + g
-                inv = np.float32(1.0) / row_sum(S[r])
+                inv = np.float32(1.0) / den[r]
                 for d in range(D):
                     out[s0 + i, g, d] = pv[r, d] * inv
 

@@ -157,7 +157,7 @@ def test_attend_decode_matches_softmax_attention(T, contiguous, no_max, G_, D):
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n,past,stride", [(37, 0, 1), (9, 4, 3)])
+@pytest.mark.parametrize("n,past,stride", [(37, 0, 1), (9, 4, 3), (100, 30, 1)])
 def test_attend_prefill_matches_the_numpy_prefill(n, past, stride):
     G_, D = 8, 16
     q = (RNG.standard_normal((1, n, G_, D)) * 0.25).astype(F)
@@ -173,9 +173,19 @@ def test_attend_prefill_matches_the_numpy_prefill(n, past, stride):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # keys out of position order: the mask decides, not the ends
     perm = RNG.permutation(past + n)
-    K.attend_prefill(qs, np.ascontiguousarray(k[0, perm]), np.ascontiguousarray(v[0, perm]),
-                     np.full(n, past + n, np.int64), k_pos[perm], q_pos, True, True, got)
+    for no_max in (True, False):
+        K.attend_prefill(qs, np.ascontiguousarray(k[0, perm]), np.ascontiguousarray(v[0, perm]),
+                         np.full(n, past + n, np.int64), k_pos[perm], q_pos, True, no_max, got)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # scores within the bound (no max shift): the path of the model's every layer
+    K.attend_prefill(qs, k[0], v[0], ends, k_pos, q_pos, False, True, got)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # queries not in position order (a block's ends not increasing): each still sees its own keys only
+    qperm = RNG.permutation(n)
+    for no_max in (True, False):
+        K.attend_prefill(np.ascontiguousarray(qs[qperm]), k[0], v[0], ends[qperm], k_pos, q_pos[qperm], False,
+                         no_max, got)
+        np.testing.assert_allclose(got, want[qperm], rtol=1e-5, atol=1e-5)
 
 
 def test_kernels_choice():
