@@ -35,7 +35,7 @@ from numba.extending import intrinsic
 
 from sim_backend.model.kernels import (
     attend_decode,
-    attend_prefill,
+    attend_prefill_t,
     bf16_matvec,
     head_norm_rope,
     kernel,
@@ -385,10 +385,8 @@ def _prefill_attention_chip(h, wqkv, wo, qk_norm, cos_t, sin_t, eps, scale, qh, 
             for i in range(n):
                 kc[new_cells[i]] = kr[i]
                 vc[new_cells[i]] = vr[i]
-    q = np.empty((n, G, D), dtype=np.float32)
     k_s = np.empty((T, D), dtype=np.float32)  # gathered in position order, a row per key (BLAS operands)
     v_s = np.empty((T, D), dtype=np.float32)
-    o = np.empty((n, G, D), dtype=np.float32)
     att = np.empty((n, qh * D), dtype=np.float32)
     for hk in range(kvh):
         for d in range(D):
@@ -397,16 +395,9 @@ def _prefill_attention_chip(h, wqkv, wo, qk_norm, cos_t, sin_t, eps, scale, qh, 
                 c = ctx_cells[t]
                 k_s[t, d] = kr[c]
                 v_s[t, d] = vr[c]
-        for g in range(G):
-            for d in range(D):
-                r = qkv[(hk * G + g) * D + d]
-                for i in range(n):
-                    q[i, g, d] = r[i] * scale
-        attend_prefill(q, k_s, v_s, ends, k_pos, q_pos, masked, no_max, o)
-        for i in range(n):
-            for g in range(G):
-                for d in range(D):
-                    att[i, (hk * G + g) * D + d] = o[i, g, d]
+        # the KV head's G query heads are rows hk G D .. (hk + 1) G D of the projection; its output columns
+        # the same range of ``att``
+        attend_prefill_t(qkv, hk * G * D, G, scale, k_s, v_s, ends, k_pos, q_pos, masked, no_max, att, hk * G * D)
     r = np.dot(att, wo)
     for i in range(n):  # element loops, not ``out[:, :] = r`` (no reshapes, see ``kernels``)
         for j in range(r.shape[1]):
