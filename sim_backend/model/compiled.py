@@ -398,10 +398,7 @@ def _prefill_attention_chip(h, wqkv, wo, qk_norm, cos_t, sin_t, eps, scale, qh, 
         # the KV head's G query heads are rows hk G D .. (hk + 1) G D of the projection; its output columns
         # the same range of ``att``
         attend_prefill_t(qkv, hk * G * D, G, scale, k_s, v_s, ends, k_pos, q_pos, masked, no_max, att, hk * G * D)
-    r = np.dot(att, wo)
-    for i in range(n):  # element loops, not ``out[:, :] = r`` (no reshapes, see ``kernels``)
-        for j in range(r.shape[1]):
-            out[i, j] = r[i, j]
+    np.dot(att, wo, out)
 
 
 @kernel()
