@@ -85,7 +85,9 @@ def request_latencies(arrival_ms: float, piece_times_ms: Sequence[float], done_m
 def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 95, 99)) -> dict[str, float | None]:
     """{"p50": .., "p95": .., "p99": .., "mean": .., "n": ..}; None values when empty."""
     arr = np.asarray(list(values), dtype=np.float64)
-    out: dict[str, float | None] = {f"p{int(q)}": (float(np.percentile(arr, q)) if arr.size else None) for q in qs}
+    at = np.percentile(arr, list(qs)) if arr.size else [None] * len(qs)  # one call for every q: the same values
+    out: dict[str, float | None] = {f"p{int(q)}": (None if v is None else float(v))
+                                    for q, v in zip(qs, at, strict=True)}
     out["mean"] = float(arr.mean()) if arr.size else None
     out["n"] = int(arr.size)
     return out
@@ -99,6 +101,7 @@ class _Hist:
         self.count = 0
         self.sum_s = 0.0
         self.recent: deque[float] = deque(maxlen=window)
+        self._summary: dict[str, float | None] | None = None  # percentiles of ``recent``, until the next sample
 
     def observe_ms(self, ms: float) -> None:
         s = ms / 1e3
@@ -106,6 +109,14 @@ class _Hist:
         self.count += 1
         self.sum_s += s
         self.recent.append(ms)
+        self._summary = None
+
+    def summary(self) -> dict[str, float | None]:
+        """``percentiles(recent)``, computed once per new sample: the console asks twice a second, and on
+        an idle console the same answer cost ~0.9 ms of numpy a snapshot once a request had finished."""
+        if self._summary is None:
+            self._summary = percentiles(self.recent)
+        return dict(self._summary)
 
 
 class MetricsRegistry:
@@ -232,7 +243,7 @@ class MetricsRegistry:
                 "balanced": self.submitted == self.finished + self.failed + self.cancelled + self.queued + self.running,
                 "tokens": {"prompt": self.prompt_tokens, "cached": self.cache_tokens,
                            "predicted": self.predicted_tokens},
-                "latency_ms": {k: percentiles(h.recent) for k, h in self.hist.items()},
+                "latency_ms": {k: h.summary() for k, h in self.hist.items()},
                 "latency_sampled_from": dict(SAMPLED_FROM),
                 "goodput": {
                     "slo": self.slo.to_dict(),

@@ -101,6 +101,39 @@ def test_counters_and_samples_by_status():
     assert s["kv_cache_usage_ratio"] == 0.05
 
 
+def test_latency_percentiles_are_computed_once_per_new_sample(monkeypatch):
+    """The summary's percentiles are recomputed only when a latency was recorded since the last summary (an
+    idle console asks twice a second), and always equal ``percentiles`` of the recent samples."""
+    import numpy as np
+
+    import sim_backend.planes.metrics as M
+
+    calls = {"n": 0}
+    real = np.percentile
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(M.np, "percentile", counting)
+    reg = MetricsRegistry()
+    reg.on_submitted(live=(0, 1, 0.1))
+    _done(reg, "finished", prompt_n=20, live=(0, 0, 0.05))
+    first = reg.summary()["latency_ms"]
+    after_first = calls["n"]
+    assert after_first > 0
+    for _ in range(3):
+        assert reg.summary()["latency_ms"] == first
+    assert calls["n"] == after_first  # nothing recorded: nothing recomputed
+    reg.summary()["latency_ms"]["ttft"]["p50"] = -1.0  # a caller's change does not reach the cache
+    assert reg.summary()["latency_ms"] == first
+    reg.on_submitted(live=(0, 1, 0.1))
+    _done(reg, "finished", ttft=900.0, prompt_n=20, live=(0, 0, 0.05))
+    second = reg.summary()["latency_ms"]
+    assert calls["n"] > after_first and second["ttft"]["n"] == 2
+    assert second["ttft"] == percentiles(reg.hist["ttft"].recent)
+
+
 def test_stopped_after_first_token_counts_in_ttft_and_itl_not_in_e2e_or_tpot():
     # vLLM's time_to_first_token_seconds counts every request with a first token; E2E/TPOT only finished
     reg = MetricsRegistry(slo=SLO(ttft_ms=1000.0))
