@@ -37,14 +37,15 @@ from sim_backend.serving.hosttime import HostBooking, HostTimer
 #: Longest prompt (tokens) the device runs with numerics by default; longer prompts run timing-only
 #: (tokens from the seeded generator; the reply and the observation pane say so). Counted in new tokens
 #: to prefill (a cached prefix is not counted: a chat's later turns prefill only their new part). The
-#: longest prompt whose numeric prefill keeps real time (real-time factor >= 1) with a margin, in the
-#: console's numerics worker, measured with ``calconsole bench realtime`` on the reference host (2 cores):
-#: 2026-12-06, idle (load average 1.1-1.9), worker prefill wall RTF 2.14-2.46 at 128 tokens, 1.41-1.44 at
-#: 256, 1.00-1.07 at 384 (no margin: any other work on the host puts it behind), 0.68-0.74 at 512; CPU RTF
-#: 0.82-0.85 at 256 (the prefill uses both cores: a host with one core busy elsewhere falls behind from about
-#: 200 tokens). Earlier figures, at load 5-22 only, derived 0 and kept 128.
+#: longest prompt whose numeric prefill keeps real time (real-time factor >= 1) in the console's numerics
+#: worker, measured with ``calconsole bench realtime`` on the reference host (2 cores), 2026-12-06, idle
+#: (load average 1.0-1.4), three runs: worker prefill wall RTF 4.9-5.2 at 128 tokens, 2.7-2.8 at 256,
+#: 1.7-1.8 at 384, 1.18-1.33 at 512 (a margin of about a fifth: a busy host can put it behind, and the
+#: pacing flag then says so), 0.54-0.60 at 1024; CPU RTF 0.62-0.68 at 512 (the prefill uses both cores: a
+#: host with one core busy elsewhere falls behind from about 350 tokens). Earlier figures: 256 (1.41-1.44
+#: at 256, 0.68-0.74 at 512, the same day before the compiled prefill loop and 512-bit kernels); 128 before.
 #: ``--numeric-limit N`` (console, serve, chat, ...) sets another.
-NUMERIC_PROMPT_LIMIT = 256
+NUMERIC_PROMPT_LIMIT = 512
 #: The observation pane's reason for the default limit.
 NUMERIC_LIMIT_REASON = "real time on the reference host"
 

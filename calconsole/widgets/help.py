@@ -38,7 +38,7 @@ GLOSSARY = (
     ("F1 / F2 / F3 (keys)", "focus the observation / chat / maintenance pane; ? (on an empty input) is this help"),
     ("timing-only", "a reply whose tokens come from a seeded generator, not from the model: the device still "
                     "prices every op (the figures stay real) but computes no values. A request runs so when it "
-                    "must prefill more new prompt tokens than the numeric limit (256 by default; "
+                    "must prefill more new prompt tokens than the numeric limit (512 by default; "
                     "--numeric-limit N sets another), when the device runs --timing-only, while "
                     "the kernels compile at a first start, and when it continues a timing-only turn (its cached "
                     "prefix holds no values: Ctrl+L starts a new conversation). The reply's line says which"),

@@ -33,3 +33,16 @@ def test_the_readme_and_the_help_define_the_same_words() -> None:
     # nothing defined in one place only (the keys F1/F2/F3 are the help's own: the README says them beside F1..F10)
     assert helped - set(WORDS) == {"F1 / F2 / F3 (keys)"}, helped - set(WORDS)
     assert readme - set(WORDS.values()) == set(), readme - set(WORDS.values())
+
+
+def test_the_help_states_the_default_numeric_limit_in_force() -> None:
+    """The help's "timing-only" entry names the default numeric prompt limit: the one the simulator applies
+    (``compose.NUMERIC_PROMPT_LIMIT``), not a figure of an earlier measurement."""
+    from sim_backend.compose import NUMERIC_PROMPT_LIMIT
+
+    entry = dict(GLOSSARY)["timing-only"]
+    m = re.search(r"numeric limit \((\d+) by default", entry)
+    assert m is not None, entry
+    assert int(m.group(1)) == NUMERIC_PROMPT_LIMIT
+    readme = README.read_text(encoding="utf-8")
+    assert f"more\n    than **{NUMERIC_PROMPT_LIMIT}** new tokens" in readme
