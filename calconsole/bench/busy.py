@@ -115,3 +115,37 @@ class CpuMeter:
 
     def window(self) -> CpuWindow:
         return CpuWindow(time.process_time() - self._c0, time.perf_counter() - self._t0)
+
+
+class ChildrenCpuMeter:
+    """CPU time of this process's child processes (recursive) but those in ``exclude`` (e.g. the busy
+    loops' pids) since construction: the console's numerics worker, for a window of ``bench keys
+    --numerics``. A child that ends in between counts what was read of it at the start (psutil)."""
+
+    def __init__(self, exclude: list[int]) -> None:
+        self._exclude = set(exclude)
+        self._t0 = time.perf_counter()
+        self._c0 = self._read()
+
+    def _read(self) -> dict[int, float]:
+        import psutil
+
+        out: dict[int, float] = {}
+        try:
+            kids = psutil.Process().children(recursive=True)
+        except psutil.Error:
+            return out
+        for k in kids:
+            if k.pid in self._exclude:
+                continue
+            try:
+                t = k.cpu_times()
+            except psutil.Error:
+                continue
+            out[k.pid] = t.user + t.system
+        return out
+
+    def window(self) -> CpuWindow:
+        now = self._read()
+        cpu = sum(max(0.0, c - self._c0.get(pid, 0.0)) for pid, c in now.items() if pid in self._c0)
+        return CpuWindow(cpu, time.perf_counter() - self._t0)

@@ -10,7 +10,9 @@ the window around the end of the reply, when the reply is written to the
 chat log. Beside it run ``--busy-loops`` CPU busy loops (child processes, default 1: the condition the
 key-latency target is stated for), and the console's idle CPU is measured over ``--idle-s`` before the
 request and again after the reply (this process's CPU time, all its threads: UI, engine, device, as % of
-one core). A benchmark figure, never a test assertion.
+one core). ``--numerics`` runs the console as it starts by default instead (the numerics in their worker
+process on both cores, realtime pacing), and the idle windows then also give the worker's CPU. A benchmark
+figure, never a test assertion.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from calconsole.bench.busy import MAX_BUSY_LOOPS, BusyLoops, CpuMeter
+from calconsole.bench.busy import MAX_BUSY_LOOPS, BusyLoops, ChildrenCpuMeter, CpuMeter
 
 from .common import fail, print_json
 
@@ -46,6 +48,10 @@ def register(bsub) -> None:
     p.add_argument("--idle-s", type=float, default=5.0,
                    help="window of the console's idle CPU, measured before the request and after the reply "
                         "(host wall s, 0..120, default 5; 0: not measured)")
+    p.add_argument("--numerics", action="store_true",
+                   help="run the console as it starts by default instead: the numerics in their worker process "
+                        "(compiled kernels, both cores), realtime pacing; use a --max-tokens the device streams "
+                        "in reasonable time (3000: about a minute)")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)
 
@@ -67,15 +73,16 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--size must be within 80x24..400x200, got {args.size}")
     try:
         r = asyncio.run(_measure(args.max_tokens, args.after_s, (cols, rows), busy_loops=args.busy_loops,
-                                 idle_s=args.idle_s))
+                                 idle_s=args.idle_s, numerics=args.numerics))
     except OSError as e:
         return fail(f"could not start a busy loop: {e}")
     r.pop("window_perf_s", None)  # perf_counter bounds, for bench realtime's GC split only
     if args.json:
         print_json(r)
         return 0
+    sim = ("numerics worker, realtime pacing" if args.numerics else "timing-only simulator, fast pacing")
     print(f"key latency, host wall ms ({r['reply_chars']} characters, {r['reply_tokens']} tokens; "
-          f"terminal {cols}x{rows}; {busy_text(r['busy_loops'])})")
+          f"terminal {cols}x{rows}; {sim}; {busy_text(r['busy_loops'])})")
     for line in key_lines(r) + idle_lines(r):
         print("  " + line)
     return 0
@@ -98,6 +105,10 @@ def idle_lines(r: dict, label: str = "") -> list[str]:
             continue
         out.append(f"{label}idle CPU {name}: {w['percent_of_a_core']:.2f} % of a core "
                    f"({w['cpu_s'] * 1e3:.0f} ms process CPU over {w['wall_s']:.1f} s wall)")
+        wk = r.get(k + "_worker")
+        if wk is not None:
+            out.append(f"{label}  its numerics worker meanwhile: {wk['percent_of_a_core']:.2f} % of a core "
+                       f"({wk['cpu_s'] * 1e3:.0f} ms CPU)")
     return out
 
 
@@ -121,27 +132,33 @@ def _stats(xs: list[float]) -> dict:
 
 
 async def _measure(max_tokens: int, after_s: float, size: tuple[int, int], *, busy_loops: int = 0,
-                   idle_s: float = 0.0) -> dict:
+                   idle_s: float = 0.0, numerics: bool = False) -> dict:
     """Key latency while one reply streams and ends (module docstring), with ``busy_loops`` busy child
     processes running throughout and, if ``idle_s`` > 0, the console's idle CPU over ``idle_s`` host s
     before the request and after the reply. Returns ``{"streaming", "end_of_reply": {n, median_ms, p95_ms,
     max_ms}, "idle_before", "idle_after": CpuWindow.to_dict() or None, "busy_loops": BusyLoops.summary(),
-    "reply_chars", "reply_tokens", "window_perf_s", "unit"}``. OSError if a busy loop cannot start."""
+    "reply_chars", "reply_tokens", "window_perf_s", "unit"}``. OSError if a busy loop cannot start.
+    ``numerics``: the console as it starts by default (numerics in their worker process, realtime pacing),
+    not the timing-only simulator at fast pacing; the idle windows then also give the worker's CPU
+    (``idle_before_worker`` / ``idle_after_worker``)."""
     with BusyLoops(busy_loops) as loops:
-        r = await _measure_beside(max_tokens, after_s, size, idle_s)
+        r = await _measure_beside(max_tokens, after_s, size, idle_s, numerics=numerics, exclude=loops.pids)
     r["busy_loops"] = loops.summary()
     return r
 
 
-async def _idle(idle_s: float) -> dict | None:
+async def _idle(idle_s: float, exclude: list[int] | None = None) -> tuple[dict | None, dict | None]:
+    """(this process's CPU window, its other child processes' window when ``exclude`` is given) over idle_s."""
     if idle_s <= 0:
-        return None
+        return None, None
     m = CpuMeter()
+    kids = ChildrenCpuMeter(exclude) if exclude is not None else None
     await asyncio.sleep(idle_s)  # the app's loop (same event loop) runs its timers and repaints meanwhile
-    return m.window().to_dict()
+    return m.window().to_dict(), (kids.window().to_dict() if kids is not None else None)
 
 
-async def _measure_beside(max_tokens: int, after_s: float, size: tuple[int, int], idle_s: float) -> dict:
+async def _measure_beside(max_tokens: int, after_s: float, size: tuple[int, int], idle_s: float, *,
+                          numerics: bool = False, exclude: list[int] | None = None) -> dict:
     from textual import events
     from textual.widgets import Input
 
@@ -151,8 +168,10 @@ async def _measure_beside(max_tokens: int, after_s: float, size: tuple[int, int]
     from sim_backend.compose import Pacing, PacingMode, build_system
 
     with tempfile.TemporaryDirectory() as tmp:
-        system = build_system(pacing=Pacing(PacingMode.FAST), numerics=False,
-                              audit_path=Path(tmp) / "audit.jsonl")
+        # --numerics: as the console starts by default (the worker's start waited for: a reply that ran
+        # timing-only while the kernels load would measure the wrong thing)
+        system = build_system(pacing=Pacing(PacingMode.REALTIME if numerics else PacingMode.FAST), numerics=numerics,
+                              numerics_process=numerics, audit_path=Path(tmp) / "audit.jsonl")
         try:
             app = CalConsoleApp(system, load_layout("operator"))
             async with app.run_test(size=size) as pilot:
@@ -161,7 +180,7 @@ async def _measure_beside(max_tokens: int, after_s: float, size: tuple[int, int]
                 app.query_one("#p-max-tokens", Input).value = str(max_tokens)
                 inp.focus()
                 await pilot.pause()
-                idle_before = await _idle(idle_s)
+                idle_before, worker_before = await _idle(idle_s, exclude if numerics else None)
                 inp.value = "hi"
                 await pilot.press("enter")
                 deadline = time.perf_counter() + 60.0
@@ -200,11 +219,16 @@ async def _measure_beside(max_tokens: int, after_s: float, size: tuple[int, int]
                 finally:
                     stop.set()
                     thread.join(1.0)
-                await pilot.pause(0.2)
-                arrived.extend([time.perf_counter()] * len(inp.value))
-                inp.value = ""
+                # keys posted just before the typist stopped still arrive: polled as above for 0.2 s (a blind
+                # 0.2 s pause stamped them at its end, a ~200 ms "latency" the console never had)
+                settle = time.perf_counter() + 0.2
+                while time.perf_counter() < settle:
+                    await asyncio.sleep(0.001)
+                    if inp.value:
+                        arrived.extend([time.perf_counter()] * len(inp.value))
+                        inp.value = ""
                 await pilot.pause()
-                idle_after = await _idle(idle_s)
+                idle_after, worker_after = await _idle(idle_s, exclude if numerics else None)
                 # keys typed after the end never arrive: fewer arrivals than posts
                 samples = [(a, (a - p) * 1e3) for p, a in zip(posted, arrived, strict=False)]
                 result = chat.history[-1]["content"] if chat.history else ""
@@ -218,4 +242,5 @@ async def _measure_beside(max_tokens: int, after_s: float, size: tuple[int, int]
     return {"unit": "host wall ms from key posted to the input showing it", "reply_chars": len(result),
             "window_perf_s": (posted[0] if posted else None, time.perf_counter()),
             "reply_tokens": stats.predicted, "streaming": _stats(streaming), "end_of_reply": _stats(end),
-            "idle_before": idle_before, "idle_after": idle_after}
+            "idle_before": idle_before, "idle_after": idle_after, "idle_before_worker": worker_before,
+            "idle_after_worker": worker_after, "numerics": numerics}

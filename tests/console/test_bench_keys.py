@@ -110,3 +110,21 @@ def test_idle_window_zero_measures_nothing():
     r = asyncio.run(bench_keys._measure(20, 0.0, (120, 36), busy_loops=0, idle_s=0.0))
     assert r["idle_before"] is None and r["idle_after"] is None and r["busy_loops"]["n"] == 0
     assert bench_keys.idle_lines(r) == []
+
+
+def test_numerics_run_is_the_default_console_and_reports_its_worker(capsys):
+    """``--numerics``: the console as it starts by default (numerics in their worker process, realtime
+    pacing); the report says so, and each idle window also gives the worker's CPU."""
+    rc = main(["bench", "keys", "--json", "--numerics", "--max-tokens", "6", "--after-s", "0", "--idle-s", "0.2",
+               "--busy-loops", "0"])
+    rep = json.loads(capsys.readouterr().out)
+    assert rc == 0 and rep["numerics"] is True
+    for k in ("idle_before_worker", "idle_after_worker"):
+        w = rep[k]
+        assert w is not None and w["wall_s"] >= 0.2 and w["cpu_s"] >= 0 and math.isfinite(w["percent_of_a_core"])
+    lines = bench_keys.idle_lines(rep)
+    assert sum("its numerics worker meanwhile" in ln for ln in lines) == 2
+    assert rep["reply_tokens"] >= 1
+    assert main(["bench", "keys", "--numerics", "--max-tokens", "4", "--after-s", "0", "--idle-s", "0",
+                 "--busy-loops", "0"]) == 0
+    assert "numerics worker, realtime pacing" in capsys.readouterr().out
