@@ -128,3 +128,19 @@ def test_numerics_run_is_the_default_console_and_reports_its_worker(capsys):
     assert main(["bench", "keys", "--numerics", "--max-tokens", "4", "--after-s", "0", "--idle-s", "0",
                  "--busy-loops", "0"]) == 0
     assert "numerics worker, realtime pacing" in capsys.readouterr().out
+
+
+def test_children_cpu_meter_counts_child_processes_but_the_excluded():
+    """The worker's idle window (``ChildrenCpuMeter``) counts this process's children's CPU and leaves out
+    the pids it is told to (the busy loops): a spinning child is counted, the same child excluded is not."""
+    import time
+
+    from calconsole.bench.busy import ChildrenCpuMeter
+
+    with BusyLoops(1) as loops:
+        counted, excluded = ChildrenCpuMeter([]), ChildrenCpuMeter(loops.pids)
+        deadline = time.monotonic() + 30.0
+        while counted.window().cpu_s < 0.05 and time.monotonic() < deadline:  # until the loop has run a while
+            time.sleep(0.02)
+        assert counted.window().cpu_s >= 0.05
+        assert excluded.window().cpu_s == 0.0
