@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -628,31 +629,45 @@ class CompiledMoe:
             mine(0, 0)
             return logits
         go, done = self._semaphores()
-        libc = _libc()
 
         def other() -> bool:
+            return bool(_decode_split_other(
+                cos, sin, cell, start, ctx_cells, T, no_max, self.eps, self.scale, qh, kvh, w.wqkv, w.qk_norm,
+                w.wo, k_t, v_t, h, qkv, o, y, *sc[1], go, done, ts[1], state))
+
+        self._two_threads(lambda: mine(go, done), other, go, done, state, "decode step")
+        return logits
+
+    def _two_threads(self, mine: Callable[[], bool], other: Callable[[], bool], go: int, done: int,
+                     state: np.ndarray, what: str) -> None:
+        """Run ``mine`` here and ``other`` on the pool's thread: the two halves of a split step, which hand over
+        through the semaphores ``go`` (``other`` waits on it) and ``done`` (``mine`` waits on it). Each returns
+        False when a wait ran past ``SPLIT_WAIT_S`` or the other half gave up (``state``). A half that fails
+        (raises) or gives up sets ``state`` and posts the semaphore the other half waits on, so the other stops
+        at its next wait at once; the failure is re-raised here. Raises RuntimeError naming ``what`` if a half
+        gave up; never waits without bound (every wait of either half is bounded)."""
+        libc = _libc()
+
+        def guarded() -> bool:
             try:
-                return bool(_decode_split_other(
-                    cos, sin, cell, start, ctx_cells, T, no_max, self.eps, self.scale, qh, kvh, w.wqkv, w.qk_norm,
-                    w.wo, k_t, v_t, h, qkv, o, y, *sc[1], go, done, ts[1], state))
+                return other()
             except BaseException:
                 state[0] = 1  # this thread failed: the calling thread stops at its next wait, at once
                 libc.sem_post(ctypes.c_void_p(done))
                 raise
 
-        fut = self._threads().submit(other)
+        fut = self._threads().submit(guarded)
         ok = False
         try:
-            ok = mine(go, done)
+            ok = mine()
         finally:
             if not ok:  # this thread failed or gave up: the other one stops at its next wait, at once
                 state[0] = 1
                 libc.sem_post(ctypes.c_void_p(go))
             other_ok = fut.result()  # bounded: the other thread's every wait is bounded by SPLIT_WAIT_S
         if not (ok and other_ok):
-            raise RuntimeError(f"decode step: a chip thread waited over {SPLIT_WAIT_S} s for the other "
+            raise RuntimeError(f"{what}: a chip thread waited over {SPLIT_WAIT_S} s for the other "
                                "(host starved or stopped); the step's logits are not valid")
-        return logits
 
     def _semaphores(self) -> tuple[int, int]:
         """Addresses of two process-private POSIX semaphores (``go``, ``done``), set to 0 for a new step."""
@@ -715,28 +730,7 @@ class CompiledMoe:
         if parts == 1:
             run(0)
         else:
-            libc = _libc()
-
-            def other() -> bool:
-                try:
-                    return run(1)
-                except BaseException:
-                    state[0] = 1  # this thread failed: the calling thread stops at its next meeting, at once
-                    libc.sem_post(ctypes.c_void_p(done))
-                    raise
-
-            fut = self._threads().submit(other)
-            ok = False
-            try:
-                ok = run(0)
-            finally:
-                if not ok:  # this thread failed or gave up: the other one stops at its next meeting, at once
-                    state[0] = 1
-                    libc.sem_post(ctypes.c_void_p(go))
-                other_ok = fut.result()  # bounded: each of the other thread's waits is bounded by SPLIT_WAIT_S
-            if not (ok and other_ok):
-                raise RuntimeError(f"prefill: a chip thread waited over {SPLIT_WAIT_S} s for the other (host "
-                                   "starved or stopped); the step's logits are not valid")
+            self._two_threads(lambda: run(0), lambda: run(1), go, done, state, "prefill")
         last = np.empty(H, dtype=F32)
         rms_norm(xs[0][n - 1], w.final_norm, self.eps, last)
         logits = np.empty(w.lm_bias.shape[0], dtype=F32)

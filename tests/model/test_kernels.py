@@ -303,24 +303,29 @@ def test_a_split_decode_thread_that_fails_stops_the_other_at_once(pair, monkeypa
     monkeypatch.setattr(C, failing, boom)
     cos, sin = rope_tables(np.array([ids.size]), NUM.head_dim, SHAPE.rope_theta)
     ctx = np.arange(ids.size + 1, dtype=np.int64)
+    _ends_with_the_injected_failure_at_once(compiled, lambda: compiled._compiled.decode(
+        compiled.chips[0].embed[198].astype(F), cos[0], sin[0], ids.size, ctx,
+        np.array(compiled._score_bounds(), dtype=np.bool_), compiled.k_cache_t, compiled.v_cache_t, split=True))
+
+
+def _ends_with_the_injected_failure_at_once(compiled, step) -> None:
+    """Run a split step on a thread: it must end within 30 s (not wait out a thread's 120 s SPLIT_WAIT_S)
+    raising the injected ValueError, and the pool's thread must take new work right after."""
     import threading
 
     raised: list[BaseException] = []
 
-    def step() -> None:
+    def run() -> None:
         try:
-            compiled._compiled.decode(compiled.chips[0].embed[198].astype(F), cos[0], sin[0], ids.size, ctx,
-                                      np.array(compiled._score_bounds(), dtype=np.bool_), compiled.k_cache_t,
-                                      compiled.v_cache_t, split=True)
+            step()
         except BaseException as e:  # noqa: BLE001 - the test reads it
             raised.append(e)
 
-    t = threading.Thread(target=step, daemon=True)
+    t = threading.Thread(target=run, daemon=True)
     t.start()
-    t.join(30.0)  # the step ends at once; waiting out a thread's 120 s bound (SPLIT_WAIT_S) fails here
+    t.join(30.0)
     assert not t.is_alive(), "the split step waited for a thread that had failed"
     assert len(raised) == 1 and isinstance(raised[0], ValueError) and "injected failure" in str(raised[0])
-    # the pool's thread is free again: a new task runs at once
     assert compiled._compiled._threads().submit(lambda: 7).result(timeout=30) == 7
 
 
@@ -361,8 +366,6 @@ def test_a_split_prefill_thread_that_fails_stops_the_other_at_once(pair, monkeyp
     """A failure in either thread of the split prefill ends the prefill with that failure, and the other
     thread is released at its next meeting (not after its SPLIT_WAIT_S bound): the pool's thread takes new
     work right after."""
-    import threading
-
     import sim_backend.model.compiled as C
 
     compiled, _ = pair
@@ -377,23 +380,10 @@ def test_a_split_prefill_thread_that_fails_stops_the_other_at_once(pair, monkeyp
     ids = np.asarray(G.GOLDEN_IDS, dtype=np.int64)
     pos = np.arange(ids.size, dtype=np.int64)
     cos, sin = rope_tables(pos, NUM.head_dim, SHAPE.rope_theta)
-    raised: list[BaseException] = []
-
-    def step() -> None:
-        compiled.clear_kv()
-        try:
-            compiled._compiled.prefill(compiled.chips[0].embed[ids].astype(F), pos, cos, sin, pos, pos.copy(),
-                                       pos.copy(), np.array(compiled._score_bounds(), dtype=np.bool_),
-                                       compiled.k_cache_t, compiled.v_cache_t, split=True)
-        except BaseException as e:  # noqa: BLE001 - the test reads it
-            raised.append(e)
-
-    t = threading.Thread(target=step, daemon=True)
-    t.start()
-    t.join(30.0)  # the prefill ends at once; waiting out a thread's 120 s bound (SPLIT_WAIT_S) fails here
-    assert not t.is_alive(), "the split prefill waited for a thread that had failed"
-    assert len(raised) == 1 and isinstance(raised[0], ValueError) and "injected failure" in str(raised[0])
-    assert compiled._compiled._threads().submit(lambda: 7).result(timeout=30) == 7
+    compiled.clear_kv()
+    _ends_with_the_injected_failure_at_once(compiled, lambda: compiled._compiled.prefill(
+        compiled.chips[0].embed[ids].astype(F), pos, cos, sin, pos, pos.copy(), pos.copy(),
+        np.array(compiled._score_bounds(), dtype=np.bool_), compiled.k_cache_t, compiled.v_cache_t, split=True))
 
 
 def test_split_decode_waits_are_bounded():
