@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sim_backend.compose import Pacing, PacingMode
+from sim_backend.compose import NUMERIC_PROMPT_LIMIT, Pacing, PacingMode
 
 # Defaults of the shared options. Sub-command parsers register the options with
 # SUPPRESS so a value given before the sub-command (``calconsole --bundle D
@@ -49,8 +49,9 @@ def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_l
                    help="skip the numerics (no logits; tokens from a seeded generator). Steps are priced the same way, "
                         "but prefill uses the expected number of experts touched instead of the router's choices")
     g.add_argument("--numeric-limit", type=int, metavar="N", default=d("numeric_limit"),
-                   help="prompts longer than N tokens run timing-only (their tokens from the seeded generator; "
-                        "the reply says so). Default: the longest prompt whose numeric prefill kept real time "
+                   help="a request that must prefill more than N new prompt tokens (a cached prefix not "
+                        "counted) runs timing-only (its tokens from the seeded generator; the reply says so). "
+                        f"Default {NUMERIC_PROMPT_LIMIT}: the longest prompt whose numeric prefill kept real time "
                         "on the reference host (calconsole bench realtime measures this one)")
     g.add_argument("--host-time", choices=("modeled", "measured"), default=d("host_time"),
                    help="host work put on the simulated clock: 'modeled' books the real serving host's "
