@@ -35,9 +35,10 @@ KEY_EVERY_S = 0.005
 def register(bsub) -> None:
     p = bsub.add_parser(
         "keys", help="key latency in the console while a long reply streams and ends (host wall ms)",
-        description="Run the console headless on a timing-only simulator, stream one long reply and time "
-                    "keys typed into the chat input (host wall ms from the key being posted to the input "
-                    "showing it). Reports streaming and end-of-reply latency separately.")
+        description="Run the console headless on a timing-only simulator (--numerics: as it starts by default, "
+                    "the numerics in their worker), stream one long reply and time keys typed into the chat "
+                    "input (host wall ms from the key being posted to the input showing it). Reports streaming "
+                    "and end-of-reply latency separately.")
     p.add_argument("--max-tokens", type=int, default=40_000, help="reply length in tokens (default 40000)")
     p.add_argument("--after-s", type=float, default=3.0,
                    help="keep typing this long after the reply ended (host wall s, default 3)")

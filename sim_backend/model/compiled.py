@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,6 +92,11 @@ SPLIT_SPIN_TRIES = 3000
 #: Bound on one wait of a split decode step's threads for the other (host wall s): far above any layer's
 #: attention (about 1 ms at 4K keys on an idle host); a wait past it ends the step with an error, not a hang.
 SPLIT_WAIT_S = 120
+
+
+#: Bound on waiting for another split step of the same model to end (host wall s): a step takes well under
+#: a second on an idle host; the engine's step bound (300 s) is the most a caller would wait anyway.
+SPLIT_LOCK_WAIT_S = 300
 
 
 def _libc_call(name: str, arg_types: tuple[Any, ...]) -> Any:
@@ -571,6 +577,7 @@ class CompiledMoe:
         self.scale = F32(1.0 / np.sqrt(D))
         self._pool: ThreadPoolExecutor | None = None
         self._sem_buf: np.ndarray | None = None
+        self._split_lock = threading.Lock()
 
     def _threads(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -645,8 +652,25 @@ class CompiledMoe:
         False when a wait ran past ``SPLIT_WAIT_S`` or the other half gave up (``state``). A half that fails
         (raises) or gives up sets ``state`` and posts the semaphore the other half waits on, so the other stops
         at its next wait at once; the failure is re-raised here. Raises RuntimeError naming ``what`` if a half
-        gave up; never waits without bound (every wait of either half is bounded)."""
+        gave up; never waits without bound (every wait of either half is bounded). Split steps of one model run
+        one at a time (``_split_lock``, waited for at most ``SPLIT_LOCK_WAIT_S``; RuntimeError past it), so
+        callers on several threads are safe."""
         libc = _libc()
+        # one split step at a time: they share the semaphores and the pool's one thread (two at once paired
+        # each caller's chip 0 with the wrong chip 1: a hang, then a crash)
+        if not self._split_lock.acquire(timeout=SPLIT_LOCK_WAIT_S):
+            raise RuntimeError(f"{what}: another split step of this model ran over {SPLIT_LOCK_WAIT_S} s")
+        try:
+            for addr in (go, done):
+                if libc.sem_init(ctypes.c_void_p(addr), 0, 0) != 0:
+                    raise OSError(ctypes.get_errno(), "sem_init failed")
+            self._run_two(mine, other, go, done, state, what, libc)
+        finally:
+            self._split_lock.release()
+
+    def _run_two(self, mine: Callable[[], bool], other: Callable[[], bool], go: int, done: int,
+                 state: np.ndarray, what: str, libc: Any) -> None:
+        """``_two_threads``'s run, under its lock."""
 
         def guarded() -> bool:
             try:
@@ -670,15 +694,12 @@ class CompiledMoe:
                                "(host starved or stopped); the step's logits are not valid")
 
     def _semaphores(self) -> tuple[int, int]:
-        """Addresses of two process-private POSIX semaphores (``go``, ``done``), set to 0 for a new step."""
+        """Addresses of this model's two process-private POSIX semaphores (``go``, ``done``), allocated once;
+        ``_two_threads`` sets them to 0 for each split step, under ``_split_lock``."""
         if self._sem_buf is None:
             self._sem_buf = np.zeros((2, 64), dtype=np.uint8)  # sem_t is 32 bytes on x86-64 glibc; 64 for any
         a = int(self._sem_buf.ctypes.data)
-        go, done = a, a + 64
-        for addr in (go, done):
-            if _libc().sem_init(ctypes.c_void_p(addr), 0, 0) != 0:
-                raise OSError(ctypes.get_errno(), "sem_init failed")
-        return go, done
+        return a, a + 64
 
     def prefill(self, x: np.ndarray, positions: np.ndarray, cos: np.ndarray, sin: np.ndarray,
                 new_cells: np.ndarray, ctx_cells: np.ndarray, ctx_positions: np.ndarray, no_max: np.ndarray,

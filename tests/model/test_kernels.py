@@ -386,6 +386,45 @@ def test_a_split_prefill_thread_that_fails_stops_the_other_at_once(pair, monkeyp
         np.array(compiled._score_bounds(), dtype=np.bool_), compiled.k_cache_t, compiled.v_cache_t, split=True))
 
 
+def test_split_steps_called_from_two_threads_at_once_run_one_after_the_other(pair):
+    """Two threads calling split prefills of one model at once (they share its semaphores and its pool's
+    thread) get the bits of calls made one after the other, within a bound: before the model serialised its
+    split steps, the callers' chip-0 threads met the wrong chip 1 (a 120 s hang, then a crash)."""
+    import threading
+
+    compiled, _ = pair
+    ids = np.asarray((list(G.GOLDEN_IDS) * 6)[:33], dtype=np.int64)
+    pos = np.arange(ids.size, dtype=np.int64)
+    cos, sin = rope_tables(pos, NUM.head_dim, SHAPE.rope_theta)
+    no_max = np.array(compiled._score_bounds(), dtype=np.bool_)
+    x = compiled.chips[0].embed[ids].astype(F)
+
+    def prefill() -> np.ndarray:
+        return compiled._compiled.prefill(x, pos, cos, sin, pos, pos.copy(), pos.copy(), no_max, compiled.k_cache_t,
+                                          compiled.v_cache_t, split=True)[0]
+
+    compiled.clear_kv()
+    want = prefill()
+    got: list[np.ndarray] = []
+    errors: list[BaseException] = []
+
+    def caller() -> None:
+        try:
+            for _ in range(4):
+                got.append(prefill())  # the same tokens into the same cells: the same values, whatever the order
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            errors.append(e)
+
+    threads = [threading.Thread(target=caller, daemon=True) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60.0)
+    assert not any(t.is_alive() for t in threads), "two callers' split steps met each other's threads"
+    assert errors == [] and len(got) == 8
+    assert all(np.array_equal(g, want) for g in got)
+
+
 def test_split_decode_waits_are_bounded():
     """A thread of the split decode step never waits without end: a semaphore nobody posts gives up at its
     deadline (False), one that was posted is taken at once (True)."""
