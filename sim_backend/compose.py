@@ -39,11 +39,12 @@ from sim_backend.serving.hosttime import HostBooking, HostTimer
 #: to prefill (a cached prefix is not counted: a chat's later turns prefill only their new part). The
 #: longest prompt whose numeric prefill keeps real time (real-time factor >= 1) in the console's numerics
 #: worker, measured with ``calconsole bench realtime`` on the reference host (2 cores), 2026-12-06, idle
-#: (load average 1.0-1.4), three runs: worker prefill wall RTF 4.9-5.2 at 128 tokens, 2.7-2.8 at 256,
-#: 1.7-1.8 at 384, 1.18-1.33 at 512 (a margin of about a fifth: a busy host can put it behind, and the
-#: pacing flag then says so), 0.54-0.60 at 1024; CPU RTF 0.62-0.68 at 512 (the prefill uses both cores: a
+#: (load average 0.8-1.4), seven runs: worker prefill wall RTF 4.7-5.2 at 128 tokens, 2.7-2.9 at 256,
+#: 1.7-1.8 at 384, 1.09-1.33 at 512 (a margin of a tenth to a third: a busy host can put it behind, and the
+#: pacing flag then says so), 0.49-0.60 at 1024; CPU RTF 0.59-0.68 at 512 (the prefill uses both cores: a
 #: host with one core busy elsewhere falls behind from about 350 tokens). Earlier figures: 256 (1.41-1.44
-#: at 256, 0.68-0.74 at 512, the same day before the compiled prefill loop and 512-bit kernels); 128 before.
+#: at 256, 0.68-0.74 at 512, the same day before the compiled prefill loop and 512-bit kernels; the code
+#: before them, efce84e, alternated with these runs: 1.67-1.70 at 256, 1.18 at 384, 0.87 at 512); 128 before.
 #: ``--numeric-limit N`` (console, serve, chat, ...) sets another.
 NUMERIC_PROMPT_LIMIT = 512
 #: The observation pane's reason for the default limit.
