@@ -119,9 +119,8 @@ async def test_long_prompt_running_timing_only_is_named_in_the_device_line(tmp_p
         assert f"request {h.id} timing-only" in render.device_panel(typed(snap)).renderables[0].plain
         # the console's top bar names it while it runs (the device table has no numerics line)
         app = CalConsoleApp(s, load_layout("operator"))
-        async with app.run_test(size=(200, 50)) as pilot:
-            app._show_topbar(typed(snap))
-            await pilot.pause()
+        async with app.run_test(size=(200, 50)):
+            app._show_topbar(typed(snap))  # sets the top bar's text at once: no pause to wait for
             assert f"timing-only: request {h.id}" in topbar(app)
             snap["device"]["timing_only_running"] = []
             app._show_topbar(typed(snap))
