@@ -9,7 +9,7 @@ import msgspec
 
 from sim_backend.planes import CalError, RequestError, SamplingParams
 
-from ..widgets.render import timing_only_reason
+from ..widgets.render import numeric_limit, timing_only_reason
 from .common import add_common_options, add_connect_options, build_or_connect, fail, print_json, read_prompt
 
 
@@ -104,9 +104,7 @@ def _numeric_limit(system) -> int | None:
         d = system.observation.snapshot().device
     except (CalError, OSError, ValueError):
         return None
-    if d is None:
-        return None
-    return int(d.numerics_max_prompt) if d.numerics else 0
+    return None if d is None else numeric_limit(d)
 
 
 def run(args: argparse.Namespace) -> int:

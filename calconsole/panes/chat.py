@@ -32,7 +32,7 @@ from sim_backend.planes import (
 )
 
 from ..widgets.inputs import HelpKeyInput
-from ..widgets.render import set_subtitle, timing_only_reason
+from ..widgets.render import numeric_limit, set_subtitle, timing_only_reason
 from ..widgets.wraplog import WrapLog
 from .focus import HELP_BINDING
 
@@ -423,7 +423,7 @@ class ChatPane(Vertical):
             set_subtitle(self, f"{snap.source} · model {snap.server.model if snap.server is not None else '?'}")
             return
         set_subtitle(self, d.mode + (f" (lease: {d.lease_holder})" if d.lease_holder else ""))
-        self._numeric_limit = d.numerics_max_prompt if d.numerics else 0
+        self._numeric_limit = numeric_limit(d)
         if getattr(self.inference, "server_kind", None) is None:  # the device's mode, as the snapshot says it
             variants, tip = self._banner(d.numerics)
             banner = self.query_one("#chat-notice", Banner)

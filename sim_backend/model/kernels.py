@@ -50,9 +50,9 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = [
-    "FMA", "SUM", "attend_decode", "attend_prefill", "attend_prefill_t", "bf16_blocks", "bf16_matvec", "bf16_value",
+    "FMA", "SUM", "attend_decode", "attend_prefill_t", "bf16_blocks", "bf16_matvec", "bf16_value",
     "exp_f32", "exp_in_range", "exp_shift", "head_norm_rope", "kernel", "matvec", "matvec_add", "prune_stale_caches",
-    "rms_norm", "row_sum", "silu_mul", "softmax_top_k", "wide_legal", "wide_vectors",
+    "rms_norm", "silu_mul", "softmax_top_k", "wide_legal", "wide_vectors",
 ]
 
 
@@ -670,17 +670,7 @@ def _gather(x_t, idx, t0, m, out):
             o[t] = row[idx[t0 + t]]
 
 
-@kernel(SUM)
-def row_sum(row):
-    """Sum of a float32 row (returns float32), in vector lanes (``SUM``)."""
-    wide_vectors()
-    t = np.float32(0.0)
-    for i in range(row.shape[0]):
-        t += row[i]
-    return t
-
-
-#: Queries per block of :func:`attend_prefill`: a block's G x 16 score columns go through one BLAS product
+#: Queries per block of :func:`attend_prefill_t`: a block's G x 16 score columns go through one BLAS product
 #: with the keys it can see (16 measured as fast as 8-64 at 512 tokens).
 PREFILL_QUERY_BLOCK = 16
 
@@ -772,26 +762,6 @@ def attend_prefill_t(qt, q0, G, scale, ks, vs, ends, k_pos, q_pos, masked, no_ma
                 orow = out[s0 + i]
                 for d in range(D):
                     orow[o0 + g * D + d] = pv[r, d] * inv
-
-
-@kernel()
-def attend_prefill(q, ks, vs, ends, k_pos, q_pos, masked, no_max, out):
-    """Causal grouped attention of n queries of one KV head over T keys: :func:`attend_prefill_t` with the
-    queries as (n, G, D) float32 rows, already scaled by 1/sqrt(D); writes (n, G, D) to out. Arguments
-    otherwise as there."""
-    wide_legal()
-    n, G, D = q.shape
-    qt = np.empty((G * D, n), dtype=np.float32)
-    for i in range(n):
-        for g in range(G):
-            for d in range(D):
-                qt[g * D + d, i] = q[i, g, d]
-    o = np.empty((n, G * D), dtype=np.float32)
-    attend_prefill_t(qt, 0, G, np.float32(1.0), ks, vs, ends, k_pos, q_pos, masked, no_max, o, 0)
-    for i in range(n):
-        for g in range(G):
-            for d in range(D):
-                out[i, g, d] = o[i, g * D + d]
 
 
 @kernel()

@@ -157,6 +157,16 @@ def test_attend_decode_matches_softmax_attention(T, contiguous, no_max, G_, D):
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
+def _attend_prefill(q, ks, vs, ends, k_pos, q_pos, masked, no_max, out) -> None:
+    """``K.attend_prefill_t`` on queries given as (n, G, D) rows, unscaled (the kernel scales them by
+    1/sqrt(D) as it reads them, as the chip's prefill passes them): the output written to out (n, G, D)."""
+    n, G_, D = q.shape
+    qt = np.ascontiguousarray(q.reshape(n, G_ * D).T)  # feature rows, as the chip's transposed projection
+    o = np.empty((n, G_ * D), F)
+    K.attend_prefill_t(qt, 0, G_, F(1 / np.sqrt(D)), ks, vs, ends, k_pos, q_pos, masked, no_max, o, 0)
+    out[...] = o.reshape(n, G_, D)
+
+
 @pytest.mark.parametrize("n,past,stride", [(37, 0, 1), (9, 4, 3), (100, 30, 1)])
 def test_attend_prefill_matches_the_numpy_prefill(n, past, stride):
     G_, D = 8, 16
@@ -168,23 +178,23 @@ def test_attend_prefill_matches_the_numpy_prefill(n, past, stride):
     want = _prefill_attention(q, k, v, q_pos, k_pos)[0]
     ends = np.searchsorted(k_pos, q_pos, side="right").astype(np.int64)
     got = np.empty((n, G_, D), F)
-    qs = q[0] * F(1 / np.sqrt(D))  # the kernel takes q scaled; the numpy prefill scales it itself
-    K.attend_prefill(qs, k[0], v[0], ends, k_pos, q_pos, False, False, got)
+    qs = np.ascontiguousarray(q[0])  # unscaled: the kernel and the numpy prefill each scale it
+    _attend_prefill(qs, k[0], v[0], ends, k_pos, q_pos, False, False, got)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # keys out of position order: the mask decides, not the ends
     perm = RNG.permutation(past + n)
     for no_max in (True, False):
-        K.attend_prefill(qs, np.ascontiguousarray(k[0, perm]), np.ascontiguousarray(v[0, perm]),
-                         np.full(n, past + n, np.int64), k_pos[perm], q_pos, True, no_max, got)
+        _attend_prefill(qs, np.ascontiguousarray(k[0, perm]), np.ascontiguousarray(v[0, perm]),
+                        np.full(n, past + n, np.int64), k_pos[perm], q_pos, True, no_max, got)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # scores within the bound (no max shift): the path of the model's every layer
-    K.attend_prefill(qs, k[0], v[0], ends, k_pos, q_pos, False, True, got)
+    _attend_prefill(qs, k[0], v[0], ends, k_pos, q_pos, False, True, got)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     # queries not in position order (a block's ends not increasing): each still sees its own keys only
     qperm = RNG.permutation(n)
     for no_max in (True, False):
-        K.attend_prefill(np.ascontiguousarray(qs[qperm]), k[0], v[0], ends[qperm], k_pos, q_pos[qperm], False,
-                         no_max, got)
+        _attend_prefill(np.ascontiguousarray(qs[qperm]), k[0], v[0], ends[qperm], k_pos, q_pos[qperm], False,
+                        no_max, got)
         np.testing.assert_allclose(got, want[qperm], rtol=1e-5, atol=1e-5)
 
 

@@ -35,6 +35,7 @@ from .device import (
                      host_behind,
                      mem_bar,
                      mode_text,
+                     numeric_limit,
                      numerics_text,
                      status_text,
                      timing_only_reason,
@@ -58,5 +59,5 @@ __all__ = [
     "host_behind", "host_panel", "jobs_panel", "kv_panel", "layers_heatmap", "layers_panel", "layers_uniform",
     "mem_bar", "memory_panel", "mode_text", "not_reported", "numerics_text", "pacing_ratio", "plain_table",
     "requests_panel", "sections_bar", "set_subtitle", "slots_panel", "stages_panel",
-    "status_text", "step_chips_line", "timing_only_reason",
+    "numeric_limit", "status_text", "step_chips_line", "timing_only_reason",
 ]

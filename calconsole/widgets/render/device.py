@@ -65,6 +65,12 @@ def numerics_text(device: DeviceInfo) -> str:
             else "numerics on")
 
 
+def numeric_limit(d) -> int:
+    """The device's numeric limit as ``timing_only_reason`` takes it: new prompt tokens a request may prefill
+    with numerics (``DeviceInfo.numerics_max_prompt``), 0 when the device runs timing-only."""
+    return int(d.numerics_max_prompt) if d.numerics else 0
+
+
 def timing_only_reason(new_tokens: int, cached: int, limit: int | None, *, new_chat_key: str = "") -> str:
     """Why a reply ran timing-only (its tokens from the seeded generator, not the model), from what the reply
     and the device say: ``new_tokens`` prompt tokens it prefilled, ``cached`` reused from a slot's cache, the
