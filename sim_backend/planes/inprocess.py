@@ -299,14 +299,13 @@ class InProcessObservation:
     def snapshot(self) -> Snapshot:
         b, e = self._mon, self._engine
         c = b.counters()
-        occ = b.kv_occupancy()
+        # the KV, the slots, the request counters and the tokens generated at one instant (one hold of the
+        # engine lock, under which it frees a cancelled request's KV and counts the cancel)
+        view = e.observe(b.kv_occupancy)
+        occ, slots, requests, generated = view.kv, view.slots, view.requests, view.tokens_generated
         kvc = b.kv_counters()
         mode = self._mode()
         chiplets = b.chiplets()
-        requests = e.metrics.summary()
-        slots = e.slot_info()
-        # generated so far: ended requests' tokens plus those in the slots now, in one read (engine lock)
-        generated = e.tokens_generated()
         load, chip_pct = self._load.sample(b.now_us, b.busy_us, tuple(ch.busy_us for ch in chiplets), generated)
         chips = [
             {"index": ch.index, "state": ch.state, "busy": ch.busy, "slow_factor": ch.slow_factor,
@@ -346,7 +345,7 @@ class InProcessObservation:
                 "context_tokens": self._bundle.context,
                 "numerics_max_prompt": e.numerics_max_prompt if b.numerics else 0,
                 "numerics_limit_reason": self._numerics_limit_reason if b.numerics else "",
-                "timing_only_running": [s.request_id for s in e.slot_info()
+                "timing_only_running": [s.request_id for s in slots
                                         if s.request_id is not None and s.numeric is False],
                 "n_slots": e.n_slots, "admitting": e.gate.admitting,
                 "bundle_status": self._bundle.status, "bundle_label": self._bundle.variant_label,
@@ -360,8 +359,8 @@ class InProcessObservation:
                 "bytes_used_per_chip": occ.bytes_used_per_chip, "bytes_capacity_per_chip": occ.bytes_capacity_per_chip,
                 "per_seq_tokens": {str(s): n for s, n in occ.per_seq_tokens},
                 # request-level waits (the engine parks a request while the cache is full)
-                "waits": e.kv_stats["parked_requests"], "timeouts": e.kv_stats["timeouts"],
-                "kv_wait_wall_ms": e.kv_stats["wait_wall_ms"] + kvc.kv_wait_s * 1e3,
+                "waits": view.kv_stats["parked_requests"], "timeouts": view.kv_stats["timeouts"],
+                "kv_wait_wall_ms": view.kv_stats["wait_wall_ms"] + kvc.kv_wait_s * 1e3,
                 # KV-manager calls: every non-blocking attempt that found the cache full counts once
                 "apply_calls": kvc.apply_calls, "apply_full_attempts": kvc.apply_timeouts},
             last_step=self._step(last),

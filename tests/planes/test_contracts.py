@@ -114,14 +114,19 @@ def kind(planes: Planes) -> str:
     return str(getattr(planes[2], "server_kind", "calconsole"))
 
 
-def wait_idle(obs: ObservationPlane, timeout_s: float = 20.0) -> Snapshot:
-    """The first snapshot with every slot idle (bounded wait)."""
+def first_snapshot(obs: ObservationPlane, cond: Callable[[Snapshot], bool], timeout_s: float = 20.0) -> Snapshot:
+    """The first snapshot for which ``cond`` holds (polled every 20 ms host, bounded), else the last one taken."""
     deadline = time.monotonic() + timeout_s
     snap = obs.snapshot()
-    while any(s.state != "idle" for s in snap.slots) and time.monotonic() < deadline:
+    while not cond(snap) and time.monotonic() < deadline:
         time.sleep(0.02)
         snap = obs.snapshot()
     return snap
+
+
+def wait_idle(obs: ObservationPlane, timeout_s: float = 20.0) -> Snapshot:
+    """The first snapshot with every slot idle (bounded wait)."""
+    return first_snapshot(obs, lambda snap: all(s.state == "idle" for s in snap.slots), timeout_s)
 
 
 def req(prompt: str = "hello there", n: int = 6, seed: int = 1) -> ChatRequest:
@@ -189,17 +194,13 @@ def test_cancel_ends_a_running_request_and_frees_its_kv(planes: Planes) -> None:
     h.cancel("test")
     res = h.result(30.0)
     assert res.status == "cancelled" and h.cancelled
-    snap = wait_idle(obs)
-    assert all(s.state == "idle" for s in snap.slots)
-    deadline = time.monotonic() + 20  # the engine frees the slot, then counts the request
-    while snap.requests.counters.cancelled != 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
-        snap = obs.snapshot()
-    assert snap.requests.counters.cancelled == 1
-    # a snapshot reads the KV before the request counters, so the one that first saw the cancel may hold the
-    # KV of just before the engine freed it (the engine frees, then counts, under its lock); a snapshot
-    # started after that one reads the KV after the free (CI saw 19 tokens = prompt 17 + 2 generated, freed)
-    snap = obs.snapshot()
+    # the first snapshot with the cancel counted and the slot idle (a llama-server's planes count the cancel
+    # client-side, before its slot is seen idle). The simulator's snapshot is one instant of the engine, which
+    # frees the KV, idles the slot and counts the cancel under one lock, so this one already shows the KV
+    # freed (when the KV was read apart from the counters, CI once saw 19 tokens here = prompt 17 + 2 generated)
+    snap = first_snapshot(obs, lambda snap: snap.requests.counters.cancelled == 1 and
+                          all(s.state == "idle" for s in snap.slots))
+    assert snap.requests.counters.cancelled == 1 and all(s.state == "idle" for s in snap.slots)
     if kind(planes) == LLAMA:  # no KV view: the slot is free and the server stopped generating
         assert snap.kv is None and snap.server is not None and snap.server.requests_processing == 0
         assert snap.server.tokens_predicted_total is not None and first.server is not None

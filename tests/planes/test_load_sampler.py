@@ -53,14 +53,15 @@ def test_the_reference_is_the_newest_sample_old_enough(monkeypatch: pytest.Monke
 def test_the_output_rate_adds_up_to_the_token_counters_when_a_request_ends_mid_snapshot() -> None:
     # the rate's tokens were the metrics' count (read first) plus the slots' (read after): a request ending
     # between the two reads was in neither for one sample, so the next sample's rate rose by all its tokens
-    # (a 20-token chat ending read as 78 tok/s on a device making 58). Forced here: the end happens between
+    # (a 20-token chat ending read as 78 tok/s on a device making 58). Both are now read in one hold of the
+    # engine lock (``Engine.observe``), so the end cannot fall between them; forced here: it falls right after
+    # that read, while the snapshot is still being built
     from sim_backend.compose import build_system
     from sim_backend.device.clock import Pacing, PacingMode
     from sim_backend.planes import ChatRequest, SamplingParams
 
     with build_system(pacing=Pacing(PacingMode.REALTIME, speed=1.0), numerics=False, maintenance=False) as s:
         s.observation._load.interval_s = 0.0  # every sample is compared with the previous one
-        metrics = s.engine.metrics
         # the device holds the request's third decode step until the race below: a few tokens in and still
         # running however long this thread waits for a time slice (24 realtime tokens last ~0.4 s: a test
         # thread starved that long saw the request end before its first look)
@@ -89,19 +90,19 @@ def test_the_output_rate_adds_up_to_the_token_counters_when_a_request_ends_mid_s
             first = snaps[-1]
             assert not h.done, "the request ended before it was seen running"
             before = first.requests.tokens.predicted + sum(sl.predicted_n or 0 for sl in first.slots)
-            orig = metrics.summary
+            orig = s.engine.observe
 
-            def summary_then_end():  # the snapshot's counters are read, then the request ends
-                out = orig()
+            def observe_then_end(read_kv: Any) -> Any:  # the snapshot's engine view is read, then the request ends
+                out = orig(read_kv)
                 release.set()
                 h.result(60)
                 return out
 
-            metrics.summary = summary_then_end
+            s.engine.observe = observe_then_end  # type: ignore[method-assign]
             try:
                 race = s.observation.snapshot()
             finally:
-                metrics.summary = orig
+                s.engine.observe = orig  # type: ignore[method-assign]
         finally:
             release.set()
         s.inference.generate(ChatRequest.from_prompt("more", max_tokens=4, sampling=SamplingParams(seed=4)), 60)
