@@ -177,8 +177,8 @@ def run(args: argparse.Namespace) -> int:
               f"TTFT {ttft} ms, TPOT {tpot} ms, E2E {t.e2e_ms:.1f} ms ({clock}){where}",
               file=sys.stderr)
         if not t.numerics and t.time_base != "wall":
-            print(f"timing-only: the tokens are the seeded generator's, not the model's "
-                  f"({timing_only_reason(t.prompt_n, t.cache_n, limit)})", file=sys.stderr)
+            why = timing_only_reason(t.prompt_n, t.cache_n, limit, recorded=t.timing_only_reason)
+            print(f"timing-only: the tokens are the seeded generator's, not the model's ({why})", file=sys.stderr)
         if res.error:
             print(f"error: {res.error.get('message')}", file=sys.stderr)
     return 0 if res.status == "finished" else 1

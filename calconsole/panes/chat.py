@@ -488,7 +488,8 @@ def metrics_line(result, wall_s: float, limit: int | None = None) -> str:
                 f"TPOT/E2E are for finished replies only")
     return (head + body + f" · seed {result.seed} · sim ms (device time + {t.host_time} host work)"
             + ("" if t.numerics else " · timing-only (tokens not from the model: "
-               + timing_only_reason(t.prompt_n, t.cache_n, limit, new_chat_key="Ctrl+L") + ")")
+               + timing_only_reason(t.prompt_n, t.cache_n, limit, new_chat_key="Ctrl+L",
+                                    recorded=t.timing_only_reason) + ")")
             + f" · streamed in {wall_s:.2f} s wall")
 
 

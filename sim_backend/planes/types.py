@@ -426,6 +426,9 @@ class Timings(msgspec.Struct, frozen=True):
     #: prompt_ms / predicted_ms are that server's own wall-clock timings and ttft / tpot / itl / e2e
     #: were measured in wall ms by the client (the llama-server planes)
     time_base: str = "simulated"
+    #: why the tokens are not the model's when ``numerics`` is False, as the engine decided at admission (one
+    #: clause: numerics off or not ready, over the numeric limit, or continuing a timing-only turn); "" else
+    timing_only_reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form: every field, lists for tuples, plus ``clock`` (what the ms figures measure)."""

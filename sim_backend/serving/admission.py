@@ -47,6 +47,25 @@ def check_prompt(prompt_n: int, id_slot: int, *, n_ctx: int, n_slots: int, kv_ce
                                      f"cache holds {kv_cells} tokens in all (context {n_ctx})")
 
 
+#: ``timing_only_why``'s reasons, one clause each, no trailing period (the console and ``calconsole chat`` show
+#: them after "timing-only (tokens not from the model: ...)")
+NUMERICS_OFF = "the device runs timing-only (numerics off)"
+NUMERICS_NOT_READY = "the numerics were not ready (kernels still compiling)"
+CONTINUES_TIMING_ONLY = ("it continues a timing-only turn, whose cached prefix holds no values "
+                         "(start a new conversation)")
+
+
+def timing_only_why(*, numerics: bool, numerics_off_why: str, new_tokens: int, numerics_max_prompt: int) -> str:
+    """Why ``choose_slot`` admitted a request timing-only: the device computes no numerics now
+    (``numerics_off_why``: ``NUMERICS_OFF`` or ``NUMERICS_NOT_READY``), more new prompt tokens than the numeric
+    limit, or else a reused prefix that a timing-only turn left (it holds no values: ``CONTINUES_TIMING_ONLY``)."""
+    if not numerics:
+        return numerics_off_why
+    if new_tokens > numerics_max_prompt:
+        return f"{new_tokens} new prompt tokens, over the numeric limit of {numerics_max_prompt}"
+    return CONTINUES_TIMING_ONLY
+
+
 def choose_slot(free: Sequence[Slot], prompt: Sequence[int], *, cache_prompt: bool, numerics: bool,
                 numerics_max_prompt: int) -> tuple[Slot, int, bool]:
     """The slot a request takes among ``free`` (non-empty): (slot, prefix tokens reused, runs with numerics).
@@ -107,11 +126,13 @@ class Admission:
             self.queue.remove(r)
 
     def assign(self, slots: Sequence[Slot], kv: KVView, now_ms: Callable[[], float], *, numerics: bool,
-               numerics_max_prompt: int, on_assigned: Callable[[Slot], None]) -> None:
+               numerics_max_prompt: int, on_assigned: Callable[[Slot], None],
+               numerics_off_why: str = NUMERICS_OFF) -> None:
         """Give queued requests free slots, in queue order (``id_slot`` requests wait for theirs).
 
         The slot's sequence keeps the reused prefix (``seq_rm`` of the rest) or is freed; whether the
-        request runs with numerics is ``choose_slot``'s (otherwise timing-only).
+        request runs with numerics is ``choose_slot``'s (otherwise timing-only, and the request records why:
+        ``timing_only_why``; ``numerics_off_why`` is the reason when ``numerics`` is False).
         ``now_ms``: the simulated clock (ms); ``on_assigned``: called for each slot given a request.
         """
         waiting: deque[RequestRecord] = deque()  # asked for a busy slot (id_slot): keep their place in the queue
@@ -131,6 +152,9 @@ class Admission:
                 kv.free(best.seq_id)
             else:
                 kv.seq_rm(best.seq_id, n_common, -1)
+            r.timing_only_reason = "" if r.numeric else timing_only_why(
+                numerics=numerics, numerics_off_why=numerics_off_why, new_tokens=len(r.prompt) - n_common,
+                numerics_max_prompt=numerics_max_prompt)
             best.cache_tokens = r.prompt[:n_common]
             best.req = r
             r.slot = best

@@ -14,11 +14,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from sim_backend.errors import CalError
 from sim_backend.planes.eventstream import EventStream
 from sim_backend.planes.types import DoneEvent, ProgressEvent, RequestResult, StreamEvent, TokenEvent
+
+T = TypeVar("T")
 
 
 class RequestState(str, Enum):
@@ -110,6 +112,20 @@ class SlotInfo:
     params: dict[str, Any] = field(default_factory=dict)  # sampling parameters, llama.cpp names ({} if none yet)
     last_request_id: int | None = None
     reused_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineView(Generic[T]):
+    """``Engine.observe``'s one-instant read. ``kv``: what the caller's KV read returned; ``slots``: one
+    ``SlotInfo`` per slot; ``requests``: ``MetricsRegistry.summary()``; ``tokens_generated``: ended requests'
+    predicted tokens plus those in the slots now; ``kv_stats``: a copy of the KV-pressure counters
+    (``parked_requests``, ``timeouts``, ``wait_wall_ms`` in host wall ms)."""
+
+    kv: T
+    slots: list[SlotInfo]
+    requests: dict[str, Any]
+    tokens_generated: int
+    kv_stats: dict[str, float]
 
 
 def error_dict(e: CalError) -> dict[str, Any]:

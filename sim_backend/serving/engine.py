@@ -33,15 +33,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from sim_backend.errors import ExceedContextSizeError, InvalidRequestError, UnavailableError
 from sim_backend.planes.metrics import MetricsRegistry
 from sim_backend.planes.types import SLO, ChatRequest, RequestResult, StageTimes
 from sim_backend.runtime import RuntimeSession
-from sim_backend.serving.admission import Admission
-from sim_backend.serving.api import RequestHandle, SlotInfo
+from sim_backend.serving.admission import NUMERICS_NOT_READY, NUMERICS_OFF, Admission
+from sim_backend.serving.api import EngineView, RequestHandle, SlotInfo
 from sim_backend.serving.gate import AdmissionGate
 from sim_backend.serving.hosttime import HostBooking, HostTimer
 from sim_backend.serving.intake import RequestIntake
@@ -54,21 +53,6 @@ from sim_backend.serving.steps import InFlight, StepRunner, progress_event
 from sim_backend.serving.streaming import Tokenizer
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class EngineView(Generic[T]):
-    """``Engine.observe``'s one-instant read. ``kv``: what the caller's KV read returned; ``slots``: one
-    ``SlotInfo`` per slot; ``requests``: ``MetricsRegistry.summary()``; ``tokens_generated``: ended requests'
-    predicted tokens plus those in the slots now; ``kv_stats``: a copy of the KV-pressure counters
-    (``parked_requests``, ``timeouts``, ``wait_wall_ms`` in host wall ms)."""
-
-    kv: T
-    slots: list[SlotInfo]
-    requests: dict[str, Any]
-    tokens_generated: int
-    kv_stats: dict[str, float]
-
 
 class Engine:
     """Slots + admission + scheduler thread over a ``RuntimeSession`` (its only door to the device).
@@ -368,9 +352,11 @@ class Engine:
             if r is not None and r.req.return_progress:  # llama-server's 0 % event: the request has started
                 r.handle.emit(progress_event(r, 0.0))
 
+        ready = getattr(self.rt, "numerics_ready", True)
         self._admission.assign(self.slots, self.rt.kv, lambda: self.rt.clock.now_us / 1e3,
                                # a worker still starting (kernels compiling): admitted timing-only
-                               numerics=self.rt.numerics and getattr(self.rt, "numerics_ready", True),
+                               numerics=self.rt.numerics and ready,
+                               numerics_off_why=NUMERICS_NOT_READY if self.rt.numerics else NUMERICS_OFF,
                                numerics_max_prompt=self.numerics_max_prompt,
                                on_assigned=assigned)
 

@@ -52,6 +52,7 @@ def build_timings(r: RequestRecord, now_ms: float, host_time: str) -> Timings:
         # waiting for a slot, nothing else: from the tokenised prompt (its host work is booked before)
         queue_ms=max(0.0, r.assigned_ms - r.tokenized_ms) if r.assigned_ms is not None else None,
         host_ms=dict(r.host), device_ms=dict(r.device), numerics=r.numeric,
+        timing_only_reason=r.timing_only_reason,
         arrival_ms=r.arrival_ms, done_ms=now_ms,
         host_booked_ms=r.host_booked_ms, host_time=host_time,
     )

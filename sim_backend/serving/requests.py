@@ -58,6 +58,7 @@ class RequestRecord:
         self.device = {"h2d": 0.0, "infer": 0.0, "d2h": 0.0}
         self.tokenize_reported = False
         self.numeric = True
+        self.timing_only_reason = ""  # why not, when ``numeric`` is False (``admission.timing_only_why``)
         self.kv_epoch = -1  # KV epoch at admission (a clear since then took its cells)
         self.kv_deadline: float | None = None
         self.kv_retry_at = 0.0

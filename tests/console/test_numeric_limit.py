@@ -105,3 +105,47 @@ async def test_a_turn_after_a_timing_only_turn_says_it_continues_one_and_a_new_c
             await pilot.press("ctrl+l")
             fourth = await turn("and again")
             assert "timing-only" not in fourth, fourth
+
+
+def test_the_engine_records_why_a_request_ran_timing_only():
+    """The reason is the engine's own, decided at admission (``Timings.timing_only_reason``), for each way a
+    request runs timing-only; "" for one with numerics."""
+    from sim_backend.planes import ChatRequest, SamplingParams
+    from sim_backend.serving.admission import CONTINUES_TIMING_ONLY, NUMERICS_OFF
+
+    def ask(s, text):
+        return s.inference.generate(ChatRequest.from_prompt(text, max_tokens=2, sampling=SamplingParams(seed=1)),
+                                    60).timings
+
+    with build_system(maintenance=False, n_slots=1, numerics=True, numerics_max_prompt=40) as s:
+        short = ask(s, "hi")
+        assert short.numerics is True and short.timing_only_reason == ""
+        long = ask(s, " ".join(["word"] * 60))
+        assert long.numerics is False
+        assert long.timing_only_reason == f"{long.prompt_n} new prompt tokens, over the numeric limit of 40"
+        # the same conversation continued: its prefix (from the timing-only turn) is reused, holds no values
+        more = ask(s, " ".join(["word"] * 60) + " and again")
+        assert more.numerics is False and more.cache_n > 0 and more.timing_only_reason == CONTINUES_TIMING_ONLY
+    with build_system(maintenance=False, n_slots=1, numerics=False) as s:
+        off = ask(s, "hi")
+        assert off.numerics is False and off.timing_only_reason == NUMERICS_OFF
+
+
+def test_chat_json_gives_the_reason_with_the_timings(capsys):
+    assert main(["chat", "hello there", "--numeric-limit", "3", "--max-tokens", "2", "--json"]) == 0
+    t = json.loads(capsys.readouterr().out)["timings"]
+    assert t["numerics"] is False
+    assert t["timing_only_reason"] == f"{t['prompt_n']} new prompt tokens, over the numeric limit of 3"
+    assert main(["chat", "hello there", "--numeric-limit", "4096", "--max-tokens", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["timings"]["timing_only_reason"] == ""
+
+
+def test_a_recorded_reason_is_shown_as_it_is_with_the_new_chat_key():
+    from calconsole.widgets.render import timing_only_reason
+    from sim_backend.serving.admission import CONTINUES_TIMING_ONLY, NUMERICS_NOT_READY
+
+    # the recorded reason wins over what the reply's counts would suggest (here: "over the limit")
+    assert timing_only_reason(300, 0, 256, recorded=NUMERICS_NOT_READY) == NUMERICS_NOT_READY
+    assert timing_only_reason(10, 5, 256, new_chat_key="Ctrl+L", recorded=CONTINUES_TIMING_ONLY) == (
+        "it continues a timing-only turn, whose cached prefix holds no values (Ctrl+L: a new conversation)")
+    assert timing_only_reason(10, 5, 256, recorded=CONTINUES_TIMING_ONLY) == CONTINUES_TIMING_ONLY

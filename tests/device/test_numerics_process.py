@@ -13,6 +13,7 @@ from sim_backend.device.numerics_worker import WORKER_NICE, NumericsProcess
 from sim_backend.errors import DeviceError
 from sim_backend.model.costmodel import CostModel
 from sim_backend.model.numerics import ShardedModel
+from sim_backend.serving.admission import NUMERICS_NOT_READY
 from tests.waits import wait_until
 
 SHAPE, NUM = ModelShape(), NumericShape()
@@ -200,7 +201,8 @@ def test_background_start_serves_timing_only_until_the_worker_is_ready(tmp_path)
         assert not s.board.numerics_ready and not s.board.numerics_broken
         early = s.inference.generate(req, 120)
         assert early.status == "finished"
-        assert s.observation.snapshot().slots[0].numeric is False  # ran timing-only
+        assert s.observation.snapshot().slots[0].numeric is False  # ran timing-only, and says why
+        assert early.timings.timing_only_reason == NUMERICS_NOT_READY
         assert wait_until(lambda: s.board.numerics_ready, timeout=300, step=0.1)
         later = s.inference.generate(req, 120)
         assert later.status == "finished" and s.observation.snapshot().slots[0].numeric is True

@@ -450,3 +450,17 @@ def test_per_token_timings_say_their_clock_books_host_work(make_server):
     assert per_token and all(t["clock"] == "simulated ms: device time + booked host work" for t in per_token)
     final = chunks[-1]["calconsole"]["timings"]
     assert final["host_booked_ms"] > 0 and per_token[-1]["sim_ms"] <= final["done_ms"]
+
+
+def test_a_timing_only_reply_says_why_in_its_calconsole_timings(make_server):
+    # a reply whose tokens are not the model's said "numerics": false over HTTP without the reason the
+    # console and `calconsole chat` show; the engine's reason now travels with the timings
+    from sim_backend.serving.admission import NUMERICS_OFF
+
+    s = make_server()  # numerics off
+    body = httpx.post(s.url + "/completion", json={"prompt": "hi", "n_predict": 2}, timeout=60).json()
+    t = body["calconsole"]["timings"]
+    assert t["numerics"] is False and t["timing_only_reason"] == NUMERICS_OFF
+    chat = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                            "max_tokens": 2}, timeout=60).json()
+    assert chat["calconsole"]["timings"]["timing_only_reason"] == NUMERICS_OFF

@@ -71,13 +71,19 @@ def numeric_limit(d) -> int:
     return int(d.numerics_max_prompt) if d.numerics else 0
 
 
-def timing_only_reason(new_tokens: int, cached: int, limit: int | None, *, new_chat_key: str = "") -> str:
-    """Why a reply ran timing-only (its tokens from the seeded generator, not the model), from what the reply
-    and the device say: ``new_tokens`` prompt tokens it prefilled, ``cached`` reused from a slot's cache, the
-    device's numeric limit ``limit`` (new prompt tokens; 0: the device runs timing-only; None: not known).
-    A prefix cached by a timing-only turn holds no values, so a later turn that reuses it is timing-only too
+def timing_only_reason(new_tokens: int, cached: int, limit: int | None, *, new_chat_key: str = "",
+                       recorded: str = "") -> str:
+    """Why a reply ran timing-only (its tokens from the seeded generator, not the model). ``recorded``: the
+    reason the engine gave at admission (``Timings.timing_only_reason``), used as it is when there is one;
+    else (a server that gives none) inferred from what the reply and the device say: ``new_tokens`` prompt
+    tokens it prefilled, ``cached`` reused from a slot's cache, the device's numeric limit ``limit`` (new
+    prompt tokens; 0: the device runs timing-only; None: not known). A prefix cached by a timing-only turn
+    holds no values, so a later turn that reuses it is timing-only too
     (``sim_backend.serving.admission.choose_slot``) until a new conversation; ``new_chat_key`` names the key
     that starts one, if any. One clause, no trailing period."""
+    how = f"({new_chat_key}: a new conversation)" if new_chat_key else "(start a new conversation)"
+    if recorded:
+        return recorded.replace("(start a new conversation)", how)
     if limit is None:
         return "the device did not compute it"
     if limit <= 0:
@@ -85,8 +91,7 @@ def timing_only_reason(new_tokens: int, cached: int, limit: int | None, *, new_c
     if new_tokens > limit:
         return f"{new_tokens} new prompt tokens, over the numeric limit of {limit}"
     if cached > 0:
-        how = f" ({new_chat_key}: a new conversation)" if new_chat_key else " (start a new conversation)"
-        return f"it continues a timing-only turn, whose cached prefix holds no values{how}"
+        return f"it continues a timing-only turn, whose cached prefix holds no values {how}"
     return "the numerics were not ready (kernels still compiling)"
 
 
