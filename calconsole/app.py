@@ -292,6 +292,8 @@ class CalConsoleApp(App):
             parts.append((self.where, "bold cyan", 8))
         if self.listen_url:
             parts.append((f"HTTP API {self.listen_url}", "", 7))
+        if d.numerics and d.numerics_starting:  # first start: kernels compile; replies meanwhile are seeded
+            parts.append(("numerics starting: replies timing-only", "bold yellow", 8))
         if d.numerics and d.timing_only_running:  # (a timing-only device: the chat pane's banner says it)
             ids = ", ".join(str(i) for i in d.timing_only_running)
             parts.append((f"timing-only: request{'s' if len(d.timing_only_running) > 1 else ''} {ids}",

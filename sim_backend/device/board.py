@@ -356,6 +356,16 @@ class SimulatedBoard:
         return bool(self.numerics and model is not None and not self._memory_cleared and getattr(model, "ready", True))
 
     @property
+    def numerics_starting(self) -> bool:
+        """True while a numerics worker started in the background is not ready yet (spawning, loading its
+        kernels from the disk cache, or compiling them on a first start): requests admitted now run
+        timing-only. False once it is ready, when it failed to start (``numerics_broken``), and when no
+        model is loaded or the memory was cleared (the status says so)."""
+        model = self.model
+        return bool(self.numerics and model is not None and not self._memory_cleared
+                    and not getattr(model, "ready", True) and not self.numerics_broken)
+
+    @property
     def numerics_broken(self) -> bool:
         """The numerics worker process died or hung (reset or reload the model to recover)."""
         return bool(getattr(self.model, "broken", False))

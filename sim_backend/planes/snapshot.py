@@ -67,6 +67,8 @@ class DeviceInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
     (prompts over ``numerics_max_prompt`` tokens; 0 = the device runs timing-only);
     ``numerics_limit_reason`` says where that limit comes from (the measurement behind the
     default, or the option that set it; "" when the device runs timing-only).
+    ``numerics_starting``: the numerics worker is still starting (kernels loading, or compiling on a first
+    start): requests admitted meanwhile run timing-only.
     """
 
     name: str
@@ -90,6 +92,7 @@ class DeviceInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
     numerics_max_prompt: int = 0
     numerics_limit_reason: str = ""
     timing_only_running: tuple[int, ...] = ()
+    numerics_starting: bool = False
     n_slots: int
     admitting: bool
     #: report status code of the loaded bundle (C0 today's calbin; C3 a variant the vendor would compile)

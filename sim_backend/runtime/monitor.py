@@ -46,6 +46,11 @@ class DeviceMonitor:
         return bool(self._board.numerics)
 
     @property
+    def numerics_starting(self) -> bool:
+        """True while the numerics worker is still starting (requests run timing-only until it is ready)."""
+        return bool(getattr(self._board, "numerics_starting", False))
+
+    @property
     def numerics_broken(self) -> bool:
         """True after the numerics worker died or timed out (reset or reload restarts it)."""
         return bool(self._board.numerics_broken)

@@ -105,6 +105,8 @@ def test_status_text_and_header_counts_say_what_they_count():
                                                         numerics_limit_reason="--numeric-limit")) == (
         "numerics up to 1024 new prompt tokens (--numeric-limit); longer prompts timing-only")
     assert render.numerics_text(msgspec.structs.replace(d, numerics=False)) == "numerics off (timing-only)"
+    assert render.numerics_text(msgspec.structs.replace(d, numerics_starting=True)) == (
+        "numerics starting (kernels loading or compiling): requests run timing-only until ready")
 
 
 async def test_long_prompt_running_timing_only_is_named_in_the_device_line(tmp_path):
@@ -125,6 +127,9 @@ async def test_long_prompt_running_timing_only_is_named_in_the_device_line(tmp_p
             snap["device"]["timing_only_running"] = []
             app._show_topbar(typed(snap))
             assert "timing-only" not in topbar(app)
+            snap["device"]["numerics_starting"] = True  # a first start: the worker compiles its kernels
+            app._show_topbar(typed(snap))
+            assert "numerics starting: replies timing-only" in topbar(app)
         h.cancel("test over")
     finally:
         s.close()

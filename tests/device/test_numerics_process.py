@@ -199,11 +199,13 @@ def test_background_start_serves_timing_only_until_the_worker_is_ready(tmp_path)
                       audit_path=tmp_path / "a.jsonl") as s:
         # the spawned worker imports numpy and numba and builds its weights (seconds): not ready yet
         assert not s.board.numerics_ready and not s.board.numerics_broken
+        assert s.observation.snapshot().device.numerics_starting  # the console says so meanwhile
         early = s.inference.generate(req, 120)
         assert early.status == "finished"
         assert s.observation.snapshot().slots[0].numeric is False  # ran timing-only, and says why
         assert early.timings.timing_only_reason == NUMERICS_NOT_READY
         assert wait_until(lambda: s.board.numerics_ready, timeout=300, step=0.1)
+        assert not s.observation.snapshot().device.numerics_starting
         later = s.inference.generate(req, 120)
         assert later.status == "finished" and s.observation.snapshot().slots[0].numeric is True
         assert s.board.model.nice is not None
