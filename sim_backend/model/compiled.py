@@ -141,28 +141,38 @@ def _pause(typingctx):  # noqa: ANN001, ANN202
     return types.none(), codegen
 
 
+#: One sleep of ``_sem_wait_s`` on the semaphore (ns): ``sem_timedwait`` takes a CLOCK_REALTIME deadline, so a
+#: wait sleeps in slices this long and keeps its bound on CLOCK_MONOTONIC: a system clock step forward ends a
+#: slice early instead of failing the step with a false timeout (a step back lengthens one slice by the step).
+#: A post wakes the sleeper at once; a slower other thread costs one wake-up per slice (5 a second).
+SPLIT_SLICE_NS = 200_000_000
+
+
 @kernel()
 def _sem_wait_s(sem, ts, timeout_s):
-    """Wait on the POSIX semaphore at address ``sem`` (int64) for at most ``timeout_s`` host wall seconds
-    (CLOCK_REALTIME deadline, as ``sem_timedwait`` takes it; ``ts`` an int64 (2,) scratch timespec). It first
-    tries the semaphore up to ``SPLIT_SPIN_TRIES`` times (a ``pause`` between: a bounded spin, ~0.1-0.4 ms),
-    then sleeps in the kernel (futex) until the deadline. True when the semaphore was taken, False at the
-    deadline; an interrupted wait is resumed."""
+    """Wait on the POSIX semaphore at address ``sem`` (int64) for at most ``timeout_s`` host wall seconds,
+    measured on CLOCK_MONOTONIC (``ts`` an int64 (2,) scratch timespec). It first tries the semaphore up to
+    ``SPLIT_SPIN_TRIES`` times (a ``pause`` between: a bounded spin, ~0.1-0.4 ms), then sleeps in the kernel
+    (futex) in ``SPLIT_SLICE_NS`` slices until the bound. True when the semaphore was taken, False at the
+    bound (up to one slice late); an interrupted wait is resumed."""
     wide_legal()
     for _ in range(SPLIT_SPIN_TRIES):
         if _sem_trywait(sem) == 0:
             return True
         _pause()
     tp = ts.ctypes.data
-    _clock_gettime(0, tp)
+    _clock_gettime(1, tp)  # CLOCK_MONOTONIC
     end = ts[0] + timeout_s
     ns = ts[1]
     while True:
-        ts[0] = end
-        ts[1] = ns
+        _clock_gettime(0, tp)  # CLOCK_REALTIME, which sem_timedwait's deadline is on
+        ts[1] += SPLIT_SLICE_NS
+        if ts[1] >= 1_000_000_000:
+            ts[0] += 1
+            ts[1] -= 1_000_000_000
         if _sem_timedwait(sem, tp) == 0:
             return True
-        _clock_gettime(0, tp)
+        _clock_gettime(1, tp)
         if ts[0] > end or (ts[0] == end and ts[1] >= ns):
             return False
 

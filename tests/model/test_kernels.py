@@ -437,8 +437,10 @@ def test_split_steps_called_from_two_threads_at_once_run_one_after_the_other(pai
 
 def test_split_decode_waits_are_bounded():
     """A thread of the split decode step never waits without end: a semaphore nobody posts gives up at its
-    deadline (False), one that was posted is taken at once (True)."""
+    deadline (False) and not before it (the bound is on CLOCK_MONOTONIC, slept in 0.2 s slices: five here),
+    one that was posted is taken at once (True)."""
     import ctypes
+    import time
 
     from sim_backend.model.compiled import _libc, _sem_wait_s
 
@@ -446,7 +448,9 @@ def test_split_decode_waits_are_bounded():
     addr = int(buf.ctypes.data)
     assert _libc().sem_init(ctypes.c_void_p(addr), 0, 0) == 0
     ts = np.zeros(2, dtype=np.int64)
+    t0 = time.monotonic()
     assert _sem_wait_s(addr, ts, 1) is False
+    assert time.monotonic() - t0 >= 0.999  # the whole bound, across the slices (Python's clock is monotonic too)
     assert _libc().sem_post(ctypes.c_void_p(addr)) == 0
     assert _sem_wait_s(addr, ts, 1) is True
 
