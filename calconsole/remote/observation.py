@@ -1,7 +1,8 @@
 """``ObservationPlane`` over HTTP: ``GET /snapshot`` (the same typed ``Snapshot``) and ``GET /metrics``.
 
-``snapshot()`` decodes the server's JSON straight into ``Snapshot`` (msgspec: the same validation
-as ``Snapshot.from_dict``). Both reads are polled, so they go through the connection's back-off:
+``snapshot()`` decodes the server's JSON into ``Snapshot`` (msgspec: the same validation as
+``Snapshot.from_dict``, except that fields a newer server adds are left out: ``decode_snapshot_json``).
+Both reads are polled, so they go through the connection's back-off:
 while the server is unreachable they raise ``ServerUnreachable`` at once until the next attempt
 is due (0.25 s doubling to 5 s).
 
@@ -21,6 +22,7 @@ import msgspec
 from httpx_sse import EventSource
 
 from sim_backend.planes import CalError, Health, Snapshot
+from sim_backend.planes.snapshot import decode_snapshot_json
 
 from .connection import BACKOFF_MAX_S, BACKOFF_MIN_S, Connection, describe, health_of, raise_for
 
@@ -32,6 +34,8 @@ class RemoteObservationPlane:
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
+        #: snapshot fields the server sent that this console does not know (a newer server), left out
+        self.ignored_fields: set[str] = set()
 
     @property
     def connection(self) -> Connection:
@@ -43,7 +47,7 @@ class RemoteObservationPlane:
         if resp.status_code != 200:
             raise_for(resp)
         try:
-            return msgspec.json.decode(resp.content, type=Snapshot)
+            return decode_snapshot_json(resp.content, self.ignored_fields)
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
             raise CalError(f"the server's snapshot does not match this console's Snapshot type: {e}") from None
 
@@ -101,7 +105,7 @@ class SnapshotStreamReader:
 
     def _run(self) -> None:
         backoff = 0.0
-        decode = msgspec.json.Decoder(Snapshot)
+        ignored: set[str] = set()
         while not self._stop.is_set():
             try:
                 timeout = httpx.Timeout(max(SNAPSHOT_READ_S, 3.0 / self._hz), connect=3.0, write=5.0, pool=5.0)
@@ -120,7 +124,7 @@ class SnapshotStreamReader:
                             return
                         if '"error"' in sse.data[:10]:
                             raise CalError(f"snapshot stream ended by the server: {sse.data[:200]}")
-                        self._on_snapshot(decode.decode(sse.data))
+                        self._on_snapshot(decode_snapshot_json(sse.data, ignored))
                 finally:
                     self._resp = None
                     resp.close()

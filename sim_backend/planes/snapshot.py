@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 import msgspec
+import msgspec.inspect
 
 from sim_backend.errors import Finding
 
@@ -515,3 +516,54 @@ def _no_nan(obj: Any) -> Any:
 def convert(data: Any, typ: type[Any]) -> Any:
     """Build a snapshot section of type ``typ`` from plain data (dicts, lists, numpy scalars)."""
     return msgspec.convert(data, typ, from_attributes=True, strict=False)
+
+
+_STRICT_DECODER = msgspec.json.Decoder(Snapshot)
+_GENERIC_DECODER = msgspec.json.Decoder()
+_SNAPSHOT_INFO: Any = None
+
+
+def decode_snapshot_json(data: bytes | str, ignored: set[str] | None = None) -> Snapshot:
+    """A snapshot from another process's JSON (``GET /snapshot``, ``/snapshot/stream``), tolerant of a newer
+    server: fields this version does not know (a server upgraded before its consoles adds some) are left out,
+    their paths (``device.numerics_starting``) added to ``ignored`` when given; every known field is checked
+    as ``Snapshot.from_dict`` does. In-process snapshots stay strict (``msgspec.convert``), so a field this
+    code base forgot to declare still fails its tests. Raises ``msgspec.DecodeError`` for JSON that is not
+    one and ``msgspec.ValidationError`` for a known field of the wrong type or a missing required one."""
+    try:
+        return _STRICT_DECODER.decode(data)  # the fast path: a server of this version
+    except msgspec.ValidationError as e:
+        if "unknown field" not in str(e):
+            raise
+    global _SNAPSHOT_INFO
+    if _SNAPSHOT_INFO is None:
+        _SNAPSHOT_INFO = msgspec.inspect.type_info(Snapshot)
+    pruned = _known_only(_GENERIC_DECODER.decode(data), _SNAPSHOT_INFO, "", ignored if ignored is not None else set())
+    return msgspec.convert(pruned, Snapshot)
+
+
+def _known_only(obj: Any, t: Any, path: str, ignored: set[str]) -> Any:
+    """``obj`` (decoded JSON) without the struct fields ``t`` (``msgspec.inspect`` type info) does not
+    declare, at every depth; values of other types as they are (``convert`` checks them)."""
+    mi = msgspec.inspect
+    if isinstance(t, mi.StructType) and isinstance(obj, dict):
+        fields = {f.encode_name: f.type for f in t.fields}
+        out = {}
+        for k, v in obj.items():
+            if k in fields:
+                out[k] = _known_only(v, fields[k], f"{path}.{k}" if path else k, ignored)
+            else:
+                ignored.add(f"{path}.{k}" if path else k)
+        return out
+    if isinstance(t, (mi.ListType, mi.VarTupleType, mi.SetType, mi.FrozenSetType)) and isinstance(obj, list):
+        return [_known_only(v, t.item_type, f"{path}[]", ignored) for v in obj]
+    if isinstance(t, mi.TupleType) and isinstance(obj, list):
+        head = [_known_only(v, it, f"{path}[]", ignored) for v, it in zip(obj, t.item_types, strict=False)]
+        return head + obj[len(t.item_types):]  # a wrong length is convert's to refuse
+    if isinstance(t, mi.DictType) and isinstance(obj, dict):
+        return {k: _known_only(v, t.value_type, f"{path}{{}}", ignored) for k, v in obj.items()}
+    if isinstance(t, mi.UnionType) and isinstance(obj, dict):
+        structs = [u for u in t.types if isinstance(u, mi.StructType)]
+        if len(structs) == 1:  # Optional[Section]: the one struct it can be
+            return _known_only(obj, structs[0], path, ignored)
+    return obj
