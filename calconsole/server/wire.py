@@ -609,8 +609,12 @@ def text_completion(results: list[RequestResult], cid: str, created: int, model:
              "prompt_tokens_details": {"cached_tokens": sum(x["prompt_tokens_details"]["cached_tokens"] for x in u)}}
     out = {"choices": choices, "created": created, "model": model, "system_fingerprint": fingerprint,
            "object": "text_completion", "usage": total, "id": cid, "timings": timings(results[0])}
-    if len(results) == 1:
-        out["calconsole"] = result_extension(results[0])
+    # as chat_completion: the first result's extension, and one per choice when there are several (a list of
+    # prompts or ``n``), so each choice's token ids, timings and timing-only reason are there
+    ext = result_extension(results[0])
+    if len(results) > 1:
+        ext["choices"] = [result_extension(r) for r in results]
+    out["calconsole"] = ext
     return out
 
 

@@ -368,8 +368,12 @@ class NumericsProcess:
                 how += " before it had started (see its lines on stderr, if any)"
             raise DeviceError(f"numerics process connection lost during {op}: {how}") from None
 
-    def _call(self, op: str, args: tuple, timeout: float) -> Any:
-        with self._lock:
+    def _call(self, op: str, args: tuple, timeout: float, lock_wait: float = -1) -> Any:
+        """Send ``op`` and wait up to ``timeout`` host s for its answer. ``lock_wait``: host s to wait for a
+        call in flight to end (-1: as long as it takes, which its own timeout bounds); DeviceError past it."""
+        if not self._lock.acquire(timeout=lock_wait):
+            raise DeviceError(f"numerics process busy: a call was still running after {lock_wait:g} s ({op})")
+        try:
             if self.broken:
                 raise DeviceError(f"numerics process unusable ({self._broken or 'died'}): reset or reload the model")
             try:
@@ -378,6 +382,8 @@ class NumericsProcess:
                 self._broken = f"gone ({op})"
                 raise DeviceError(f"numerics process is gone ({op}): {e}") from None
             return self._recv(op, timeout)
+        finally:
+            self._lock.release()
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray, ctx_cells: np.ndarray,
                 ctx_positions: np.ndarray) -> StepNumerics:
@@ -437,18 +443,19 @@ class NumericsProcess:
         self._call("kv_put", (np.asarray(cells, dtype=np.int64), list(rows)), self.step_timeout_s)
 
     def close(self) -> None:
-        """Stop the worker (bounded): ask, then terminate. During a background start: terminate at once
-        (the start thread then ends on the lost connection)."""
+        """Stop the worker, bounded at ~9 s wall: ask it (0.5 s for a call in flight to end, 2 s for the
+        answer, 2 s to exit), then ``_stop``. During a background start: ``_stop`` at once (the start thread
+        then ends on the lost connection)."""
         if not self._ready.is_set() and self.start_error is None:
             self._broken = self._broken or "closed during its start"
             self._stop()
             return  # the start thread still polls the pipe: it is closed with this object
         if not self.broken:
-            try:
-                self._call("close", (), 2.0)
+            try:  # a forward in flight (or hung: SIGSTOP, a stuck host) is not waited out: ended below
+                self._call("close", (), 2.0, lock_wait=0.5)
+                self._proc.join(timeout=2.0)
             except DeviceError:
                 pass
-        self._proc.join(timeout=2.0)
         self._stop()
         self._conn.close()
 

@@ -345,7 +345,7 @@ class InProcessObservation:
                 "context_tokens": self._bundle.context,
                 "numerics_max_prompt": e.numerics_max_prompt if b.numerics else 0,
                 "numerics_limit_reason": self._numerics_limit_reason if b.numerics else "",
-                "numerics_starting": b.numerics_starting,
+                "numerics_starting": b.numerics_starting, "numerics_broken": b.numerics_broken,
                 "timing_only_running": [s.request_id for s in slots
                                         if s.request_id is not None and s.numeric is False],
                 "n_slots": e.n_slots, "admitting": e.gate.admitting,

@@ -69,7 +69,8 @@ class DeviceInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
     ``numerics_limit_reason`` says where that limit comes from (the measurement behind the
     default, or the option that set it; "" when the device runs timing-only).
     ``numerics_starting``: the numerics worker is still starting (kernels loading, or compiling on a first
-    start): requests admitted meanwhile run timing-only.
+    start): requests admitted meanwhile run timing-only. ``numerics_broken``: it failed to start, died or
+    hung: until a reset or reload requests fail (it died serving) or run timing-only (it never started).
     """
 
     name: str
@@ -94,6 +95,7 @@ class DeviceInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True)
     numerics_limit_reason: str = ""
     timing_only_running: tuple[int, ...] = ()
     numerics_starting: bool = False
+    numerics_broken: bool = False
     n_slots: int
     admitting: bool
     #: report status code of the loaded bundle (C0 today's calbin; C3 a variant the vendor would compile)

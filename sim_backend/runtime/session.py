@@ -75,6 +75,11 @@ class RuntimeSession:
         requests admitted meanwhile run timing-only)."""
         return bool(getattr(self._board, "numerics_ready", self._board.numerics))
 
+    @property
+    def numerics_broken(self) -> bool:
+        """True after the numerics worker failed to start, died or hung (a reset or reload restarts it)."""
+        return bool(getattr(self._board, "numerics_broken", False))
+
     def kv_values(self) -> Any:
         """The device's K/V values by cell for a sequence-state file (``KVView.save_seq_state`` /
         ``load_seq_state`` ``values=``), or None when the device holds none (timing-only, memory cleared)."""

@@ -51,19 +51,25 @@ def check_prompt(prompt_n: int, id_slot: int, *, n_ctx: int, n_slots: int, kv_ce
 #: them after "timing-only (tokens not from the model: ...)")
 NUMERICS_OFF = "the device runs timing-only (numerics off)"
 NUMERICS_NOT_READY = "the numerics were not ready (kernels still compiling)"
-CONTINUES_TIMING_ONLY = ("it continues a timing-only turn, whose cached prefix holds no values "
-                         "(start a new conversation)")
+NUMERICS_DOWN = "the numerics worker is down (reset or reload the model)"
+#: a template (``prompt_n``, ``limit``): ``choose_slot`` reuses a prefix without values only for a prompt over the
+#: limit as a whole (else it starts afresh with numerics), so a new conversation, with a shorter prompt, is the way
+CONTINUES_TIMING_ONLY = ("it continues a timing-only turn, whose cached prefix holds no values, and its whole "
+                         "prompt ({prompt_n} tokens) is over the numeric limit of {limit} (start a new conversation)")
 
 
-def timing_only_why(*, numerics: bool, numerics_off_why: str, new_tokens: int, numerics_max_prompt: int) -> str:
+def timing_only_why(*, numerics: bool, numerics_off_why: str, new_tokens: int, prompt_n: int,
+                    numerics_max_prompt: int) -> str:
     """Why ``choose_slot`` admitted a request timing-only: the device computes no numerics now
-    (``numerics_off_why``: ``NUMERICS_OFF`` or ``NUMERICS_NOT_READY``), more new prompt tokens than the numeric
-    limit, or else a reused prefix that a timing-only turn left (it holds no values: ``CONTINUES_TIMING_ONLY``)."""
+    (``numerics_off_why``: ``NUMERICS_OFF``, ``NUMERICS_NOT_READY`` or ``NUMERICS_DOWN``), more new prompt
+    tokens than the numeric limit, or else a reused prefix that a timing-only turn left (it holds no values:
+    ``CONTINUES_TIMING_ONLY``, which ``choose_slot`` reuses only for a prompt of ``prompt_n`` tokens over the
+    limit as a whole, so sent afresh it would run timing-only too)."""
     if not numerics:
         return numerics_off_why
     if new_tokens > numerics_max_prompt:
         return f"{new_tokens} new prompt tokens, over the numeric limit of {numerics_max_prompt}"
-    return CONTINUES_TIMING_ONLY
+    return CONTINUES_TIMING_ONLY.format(prompt_n=prompt_n, limit=numerics_max_prompt)
 
 
 def choose_slot(free: Sequence[Slot], prompt: Sequence[int], *, cache_prompt: bool, numerics: bool,
@@ -154,7 +160,7 @@ class Admission:
                 kv.seq_rm(best.seq_id, n_common, -1)
             r.timing_only_reason = "" if r.numeric else timing_only_why(
                 numerics=numerics, numerics_off_why=numerics_off_why, new_tokens=len(r.prompt) - n_common,
-                numerics_max_prompt=numerics_max_prompt)
+                prompt_n=len(r.prompt), numerics_max_prompt=numerics_max_prompt)
             best.cache_tokens = r.prompt[:n_common]
             best.req = r
             r.slot = best

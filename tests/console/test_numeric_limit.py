@@ -124,8 +124,14 @@ def test_the_engine_records_why_a_request_ran_timing_only():
         assert long.numerics is False
         assert long.timing_only_reason == f"{long.prompt_n} new prompt tokens, over the numeric limit of 40"
         # the same conversation continued: its prefix (from the timing-only turn) is reused, holds no values
+        # (choose_slot reuses such a prefix only for a prompt over the limit as a whole: the reason says so)
         more = ask(s, " ".join(["word"] * 60) + " and again")
-        assert more.numerics is False and more.cache_n > 0 and more.timing_only_reason == CONTINUES_TIMING_ONLY
+        whole = more.prompt_n + more.cache_n
+        assert more.numerics is False and more.cache_n > 0 and whole > 40
+        assert more.timing_only_reason == CONTINUES_TIMING_ONLY.format(prompt_n=whole, limit=40)
+        assert "start a new conversation" in more.timing_only_reason
+        # a short turn after it in a new conversation: numerics again (the prefix without values not reused)
+        assert ask(s, "and again").timing_only_reason == ""
     with build_system(maintenance=False, n_slots=1, numerics=False) as s:
         off = ask(s, "hi")
         assert off.numerics is False and off.timing_only_reason == NUMERICS_OFF
@@ -146,6 +152,8 @@ def test_a_recorded_reason_is_shown_as_it_is_with_the_new_chat_key():
 
     # the recorded reason wins over what the reply's counts would suggest (here: "over the limit")
     assert timing_only_reason(300, 0, 256, recorded=NUMERICS_NOT_READY) == NUMERICS_NOT_READY
-    assert timing_only_reason(10, 5, 256, new_chat_key="Ctrl+L", recorded=CONTINUES_TIMING_ONLY) == (
-        "it continues a timing-only turn, whose cached prefix holds no values (Ctrl+L: a new conversation)")
-    assert timing_only_reason(10, 5, 256, recorded=CONTINUES_TIMING_ONLY) == CONTINUES_TIMING_ONLY
+    continues = CONTINUES_TIMING_ONLY.format(prompt_n=300, limit=256)
+    assert timing_only_reason(10, 290, 256, new_chat_key="Ctrl+L", recorded=continues) == (
+        "it continues a timing-only turn, whose cached prefix holds no values, and its whole prompt (300 tokens) is "
+        "over the numeric limit of 256 (Ctrl+L: a new conversation)")
+    assert timing_only_reason(10, 290, 256, recorded=continues) == continues

@@ -13,7 +13,7 @@ from sim_backend.device.numerics_worker import WORKER_NICE, NumericsProcess
 from sim_backend.errors import DeviceError
 from sim_backend.model.costmodel import CostModel
 from sim_backend.model.numerics import ShardedModel
-from sim_backend.serving.admission import NUMERICS_NOT_READY
+from sim_backend.serving.admission import NUMERICS_DOWN, NUMERICS_NOT_READY
 from tests.waits import wait_until
 
 SHAPE, NUM = ModelShape(), NumericShape()
@@ -101,6 +101,34 @@ def test_a_timed_out_worker_is_never_reused():
         proc.close()
 
 
+def test_closing_a_worker_with_a_call_in_flight_does_not_wait_for_the_call():
+    """A forward in flight on a hung worker (SIGSTOP: a stuck host) held the call lock until its own timeout
+    (the engine's 300 s by default), and close() waited for it. Now close() waits 0.5 s for the lock, then
+    ends the worker: the forward ends at once with a typed error (the connection is gone)."""
+    import os
+    import signal
+    import threading
+
+    proc = NumericsProcess(SHAPE, NUM, 16, step_timeout_s=600.0)
+    ctx = np.arange(1)
+    errors: list[BaseException] = []
+    os.kill(proc._proc.pid, signal.SIGSTOP)
+
+    def forward() -> None:
+        try:
+            proc.forward(np.array([1]), np.array([0]), np.array([0]), ctx, ctx)
+        except DeviceError as e:
+            errors.append(e)
+
+    th = threading.Thread(target=forward, daemon=True)
+    th.start()
+    assert wait_until(proc._lock.locked, timeout=30)  # the forward holds the call lock, waiting for its answer
+    proc.close()  # SIGTERM stays pending on a stopped process; the SIGKILL after it ends it
+    th.join(120)  # far below the forward's own 600 s bound
+    assert not th.is_alive() and len(errors) == 1 and proc.broken
+    assert wait_until(lambda: not proc._proc.is_alive(), timeout=60, step=0.05)
+
+
 def test_dead_worker_shows_as_fault_and_reset_recovers(tmp_path):
     from sim_backend.compose import build_system
     from sim_backend.planes import ChatRequest, SamplingParams
@@ -115,6 +143,7 @@ def test_dead_worker_shows_as_fault_and_reset_recovers(tmp_path):
         assert bad.status == "failed" and "numerics process" in bad.error["message"]
         snap = s.observation.snapshot().to_dict()
         assert snap["device"]["status"].startswith("fault") and snap["device"]["chiplets"][0]["state"] == "fault"
+        assert snap["device"]["numerics_broken"] is True and snap["device"]["numerics_starting"] is False
         m = s.maintenance
         lease = m.enter_exclusive("test")
         rep = m.reset(lease)
@@ -123,6 +152,28 @@ def test_dead_worker_shows_as_fault_and_reset_recovers(tmp_path):
         again = s.inference.generate(req, 60)
         assert again.status == "finished" and again.tokens == first.tokens
         assert s.observation.snapshot().to_dict()["device"]["status"] == "ok"
+        assert s.observation.snapshot().device.numerics_broken is False
+
+
+def test_a_worker_that_fails_its_start_says_so_in_replies_and_on_the_device_line(tmp_path):
+    """Killed during its background start: every request then runs timing-only until a reset or reload, and
+    the reply and the device line say the worker is down (not "still compiling", not "numerics up to N")."""
+    from calconsole.widgets.render import numerics_text
+    from sim_backend.compose import build_system
+    from sim_backend.planes import ChatRequest, SamplingParams
+
+    req = ChatRequest.from_prompt("hi", max_tokens=3, sampling=SamplingParams(temperature=0.0))
+    with build_system(numerics_process=True, numerics_background_start=True, n_slots=1,
+                      audit_path=tmp_path / "a.jsonl") as s:
+        assert not s.board.numerics_ready  # importing numpy and numba in the spawned worker: seconds
+        s.board.model._proc.kill()
+        assert wait_until(lambda: s.board.numerics_broken, timeout=60)
+        d = s.observation.snapshot().device
+        assert d.numerics_broken and not d.numerics_starting
+        assert numerics_text(d) == "numerics worker down: requests fail or run timing-only until a reset or reload"
+        res = s.inference.generate(req, 60)
+        assert res.status == "finished" and res.timings.numerics is False
+        assert res.timings.timing_only_reason == NUMERICS_DOWN
 
 
 def test_board_with_worker_prices_there_and_matches_in_process_board(monkeypatch):

@@ -464,3 +464,9 @@ def test_a_timing_only_reply_says_why_in_its_calconsole_timings(make_server):
     chat = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                             "max_tokens": 2}, timeout=60).json()
     assert chat["calconsole"]["timings"]["timing_only_reason"] == NUMERICS_OFF
+    # several choices on /v1/completions (a list of prompts, or n): one extension per choice, as chat has
+    for body in ({"prompt": ["hi", "there"], "max_tokens": 2}, {"prompt": "hi", "n": 2, "max_tokens": 2}):
+        out = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()
+        per_choice = out["calconsole"]["choices"]
+        assert len(per_choice) == len(out["choices"]) == 2
+        assert all(c["timings"]["timing_only_reason"] == NUMERICS_OFF and c["tokens"] for c in per_choice)

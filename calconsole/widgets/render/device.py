@@ -54,6 +54,8 @@ def numerics_text(device: DeviceInfo) -> str:
     """What the tokens are made from right now, honest while a long prompt runs timing-only."""
     if not device.numerics:
         return "numerics off (timing-only)"
+    if device.numerics_broken:
+        return "numerics worker down: requests fail or run timing-only until a reset or reload"
     if device.numerics_starting:
         return "numerics starting (kernels loading or compiling): requests run timing-only until ready"
     limit = device.numerics_max_prompt
