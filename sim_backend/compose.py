@@ -51,6 +51,12 @@ NUMERIC_PROMPT_LIMIT = 512
 NUMERIC_LIMIT_REASON = "real time on the reference host"
 
 
+#: Host s ``System.close`` lets the step in flight end on its own (most take well under 1 s; a long prompt's
+#: prefill paced in real time a few) before it closes the device under it (the step then fails "device closed";
+#: its request was being cancelled by the close anyway).
+CLOSE_GRACE_S = 5.0
+
+
 @dataclass
 class System:
     """The simulator and its three planes. ``maintenance`` is None in observe-only mode."""
@@ -63,7 +69,13 @@ class System:
     maintenance: Any | None
 
     def close(self) -> None:
-        self.engine.close()
+        """Stop the engine, then the device (bounded: about ``CLOSE_GRACE_S`` + 15 s host wall at worst). A step
+        still in flight after the grace (a hung numerics worker, a stuck host) is failed by closing the device
+        ("device closed"), which ends the scheduler; before, the close waited out the step's own bound."""
+        if not self.engine.close(join_timeout_s=CLOSE_GRACE_S):
+            self.board.close()
+            self.engine.close(join_timeout_s=5.0)
+            return
         self.board.close()
 
     def __enter__(self) -> System:

@@ -314,8 +314,10 @@ class Engine:
         """P50/P95/P99/mean of each stage (facts.md F8) over the recent steps, per kind (``StepRunner``)."""
         return self._steps.stage_summary()
 
-    def close(self) -> None:
-        """Stop the scheduler; every unfinished request is cancelled ("engine shutting down") and gets its result."""
+    def close(self, join_timeout_s: float | None = None) -> bool:
+        """Stop the scheduler; every unfinished request is cancelled ("engine shutting down") and gets its result.
+        Waits for the scheduler thread ``join_timeout_s`` host s (default: a step's bound when requests were
+        running, else 5 s); True when it ended (False: a step still in flight, e.g. on a hung device)."""
         with self._lock:
             pending = list(self._admission.queue) + self._running_locked()
         for r in pending:
@@ -323,7 +325,9 @@ class Engine:
         with self._lock:
             self._stop = True
             self._wake.notify_all()
-        self._thread.join(timeout=max(5.0, self.step_timeout_s if pending else 5.0))
+        default = max(5.0, self.step_timeout_s if pending else 5.0)
+        self._thread.join(timeout=default if join_timeout_s is None else join_timeout_s)
+        return not self._thread.is_alive()
 
     def wake(self) -> None:
         """Let the scheduler look at its state now (an observer read: cancels and KV retries are seen at once)."""

@@ -271,3 +271,26 @@ def test_closing_a_worker_during_its_background_start_returns_at_once():
     assert wait_until(lambda: not proc._proc.is_alive(), timeout=60, step=0.05)
     with pytest.raises(DeviceError, match="unusable"):
         proc.forward(np.array([1]), np.array([0]), np.array([0]), np.array([0]), np.array([0]))
+
+
+def test_closing_the_system_with_a_step_hung_in_the_worker_is_bounded(tmp_path):
+    """A step in flight on a hung worker (SIGSTOP): closing the system waited out the step's own bound (300 s by
+    default) in the engine's join. Now the engine gets a grace, then the device is closed under the step: the
+    request gets its result and the close returns well before the step's bound."""
+    import os
+    import signal
+    import threading
+
+    from sim_backend.compose import build_system
+    from sim_backend.planes import ChatRequest, SamplingParams
+
+    s = build_system(numerics_process=True, audit_path=tmp_path / "a.jsonl", n_slots=1)
+    os.kill(s.board.model._proc.pid, signal.SIGSTOP)
+    h = s.inference.submit(ChatRequest.from_prompt("hi", max_tokens=4, sampling=SamplingParams(temperature=0.0)))
+    assert wait_until(lambda: s.board.model._lock.locked(), timeout=60)  # the prefill is in the stopped worker
+    closer = threading.Thread(target=s.close, daemon=True)
+    closer.start()
+    closer.join(120)  # grace 5 s + the worker's end (~5 s); far below the step's 300 s bound
+    assert not closer.is_alive()
+    res = h.result(10)
+    assert res.status in ("cancelled", "failed")
