@@ -40,8 +40,10 @@ GLOSSARY = (
                     "prices every op (the figures stay real) but computes no values. A request runs so when it "
                     "must prefill more new prompt tokens than the numeric limit (512 by default; "
                     "--numeric-limit N sets another), when the device runs --timing-only, while "
-                    "the kernels compile at a first start, and when it continues a timing-only turn (its cached "
-                    "prefix holds no values: Ctrl+L starts a new conversation). The reply's line says which"),
+                    "the numerics start (the top bar says \"numerics starting\"; kernels compile at a first "
+                    "start), when the numerics worker is down, and when it continues a timing-only turn (its "
+                    "cached prefix holds no values: Ctrl+L starts a new conversation). The reply's line says "
+                    "which (serve and chat --json: timings.timing_only_reason)"),
     ("facts.md F1..F10", "a section of sim_backend/facts.md, the facts about the real device the simulator "
                         "follows (F4 the memory map, F7 the cost figures, F8 the stage times)"),
     ("calbin", "the compiled device program: the model's prefill and decode sub-models as the NPU runs them; "
