@@ -171,14 +171,29 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         shutil.rmtree(locks, ignore_errors=True)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _user_files_in_tmp_for_the_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Module- and session-scoped fixtures are built before any function-scoped one runs: they too get a
+    settings file and a default audit log of their own (a pilot fixture without ``audit_path`` wrote its
+    maintenance actions into the operator's real audit log)."""
+    base = tmp_path_factory.mktemp("user-files")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CALCONSOLE_CONFIG", str(base / "config.yaml"))
+        mp.setenv("CALCONSOLE_AUDIT_LOG", str(base / "audit.jsonl"))
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _settings_file_in_tmp(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The console's settings file: never the user's own (CALCONSOLE_CONFIG), and no CALCONSOLE_* from outside."""
+    """The console's settings file and default audit log: never the user's own (CALCONSOLE_CONFIG,
+    CALCONSOLE_AUDIT_LOG), and no other CALCONSOLE_* from outside."""
     import os
 
     for var in [v for v in os.environ if v.startswith("CALCONSOLE_")]:
         monkeypatch.delenv(var)
-    monkeypatch.setenv("CALCONSOLE_CONFIG", str(tmp_path_factory.mktemp("cfg") / "config.yaml"))
+    d = tmp_path_factory.mktemp("cfg")
+    monkeypatch.setenv("CALCONSOLE_CONFIG", str(d / "config.yaml"))
+    monkeypatch.setenv("CALCONSOLE_AUDIT_LOG", str(d / "audit.jsonl"))
 
 
 @pytest.fixture(autouse=True)

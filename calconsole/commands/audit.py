@@ -49,6 +49,8 @@ def run(args: argparse.Namespace) -> int:
         return fail("give --tail N or --all, not both")
     tail = None if args.all else (args.tail or DEFAULT_TAIL)
     more = False
+    # --audit-log on the command line; a default from the settings or $CALCONSOLE_AUDIT_LOG is not one given
+    named = getattr(args, "audit_log", None) is not None and not getattr(args, "audit_log_from_settings", False)
     if args.connect:
         if args.raw:
             return fail("--raw reads the log file itself; over HTTP (--connect) the server gives its entries")
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
                     records = [e for e in remote.maintenance.audit.entries()
                                if (e.get("origin") or {}).get("server") == remote.url][-(tail or 10_000):]
                     where = f"{remote.maintenance.audit.path} (entries for {remote.url})"
-                elif getattr(args, "audit_log", None) is not None:
+                elif named:
                     return fail("--audit-log names a local file; with --connect the server's log is read")
                 else:
                     from ..remote.maintenance import AUDIT_LIMIT
@@ -75,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         log = AuditLog(getattr(args, "audit_log", None))
         where = str(log.path)
         # a path the user named that holds no log (a typo) is an error; the default log not yet written is not
-        if getattr(args, "audit_log", None) is not None and not log.path.exists() and not log.rotated_paths():
+        if named and not log.path.exists() and not log.rotated_paths():
             return fail(f"no audit log at {log.path}: --audit-log names a file that does not exist")
         try:
             if tail is None:

@@ -95,11 +95,15 @@ def launch(args, *, out=sys.stderr) -> int:
     if args.port != 0 and not 1 <= args.port <= 65535 - n + 1:
         print(f"calconsole: error: --port {args.port} leaves no room for {n} consecutive ports", file=sys.stderr)
         return 2
-    if args.audit_log is not None:
-        print("calconsole: error: with --boards each board keeps its own audit log under --boards-dir; "
-              "--audit-log names one file", file=sys.stderr)
-        return 2
     root = Path(args.boards_dir or _default_dir())
+    if args.audit_log is not None:
+        if not getattr(args, "audit_log_from_settings", False):
+            print("calconsole: error: with --boards each board keeps its own audit log under --boards-dir; "
+                  "--audit-log names one file", file=sys.stderr)
+            return 2
+        # a default from the settings or $CALCONSOLE_AUDIT_LOG is not an option given: said, not refused
+        print(f"calconsole: note: the settings' audit log ({args.audit_log}) is not used with --boards: each "
+              f"board keeps its own under {root}", file=sys.stderr)
     root.mkdir(parents=True, exist_ok=True)
     boards: list[Board] = []
     readies: list[threading.Event] = []

@@ -59,8 +59,8 @@ MIN_FULL, MIN_FIRST = 6, 8
 
 
 @pytest.fixture(scope="module")
-def pilot():
-    s = build_system(PILOT, maintenance=True, n_slots=2)
+def pilot(tmp_path_factory):
+    s = build_system(PILOT, maintenance=True, n_slots=2, audit_path=tmp_path_factory.mktemp("pilot") / "audit.jsonl")
     try:
         yield s
     finally:

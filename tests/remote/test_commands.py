@@ -71,9 +71,17 @@ def test_audit_and_drill_over_http_need_the_admin_key(served: Any, capsys: Any) 
     assert "timing-only" in capsys.readouterr().err
     with pytest.raises(MaintenanceRefused):
         s.system.maintenance.reset(None)  # one refused action in the server's log
-    assert main(["audit", *conn, "--admin-key-file", admin, "--json"]) == 0
+    assert main(["audit", *conn, "--admin-key-file", admin, "--json"]) == 0  # $CALCONSOLE_AUDIT_LOG is set here
     entries = json.loads(capsys.readouterr().out)
     assert [(e["action"], e["status"]) for e in entries][-1] == ("reset", "refused")
+    # a local log named on the command line is refused with --connect; the environment's default is not
+    assert main(["audit", *conn, "--admin-key-file", admin, "--audit-log", str(Path(admin).parent / "x.jsonl")]) == 2
+    assert "names a local file" in capsys.readouterr().err
+
+
+def test_serve_boards_refuses_an_audit_log_given_but_not_one_from_the_settings(capsys: Any, tmp_path: Path) -> None:
+    assert main(["serve", "--boards", "2", "--audit-log", str(tmp_path / "a.jsonl")]) == 2
+    assert "each board keeps its own audit log" in capsys.readouterr().err
 
 
 def test_the_drill_runs_over_http_against_a_numerics_server(make_server: Any, tmp_path: Path, capsys: Any) -> None:
