@@ -127,7 +127,11 @@ def run(args: argparse.Namespace) -> int:
     except RequestError as e:
         return fail(f"{e.error_type}: {e}")
     try:
-        system = build_or_connect(args, maintenance=False)
+        # start stages on stderr as serve says them (the pilot's weights are built at every start, ~10 s;
+        # kernels compile at a first start): a silent wait looked hung
+        system = build_or_connect(args, maintenance=False,
+                                  numerics_progress=lambda line: print(f"calconsole chat: {line}", file=sys.stderr,
+                                                                       flush=True))
     except (CalError, ValueError) as e:
         return fail(str(e))
     with system:

@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -73,6 +74,17 @@ def board_command(args, port: int, audit_log: Path) -> list[str]:
     return cmd
 
 
+_SAY_LOCK = threading.Lock()
+
+
+def _say(text: str, *, out: Any) -> None:
+    """One whole line on ``out`` from any thread: ``print`` writes the text and its newline apart, so two
+    boards' reader threads glued lines ("...startup complete.calconsole serve --boards: ...")."""
+    with _SAY_LOCK:
+        out.write(text + "\n")
+        out.flush()
+
+
 def _reader(board: Board, ready: threading.Event, out) -> None:
     """Forward a board's stderr, prefixed with its name, and note its URL when it starts listening."""
     assert board.proc.stderr is not None
@@ -82,7 +94,7 @@ def _reader(board: Board, ready: threading.Event, out) -> None:
         if m and board.url is None:
             board.url = m.group(1)
             ready.set()
-        print(f"[{board.name}] {line}", file=out, flush=True)
+        _say(f"[{board.name}] {line}", out=out)
     ready.set()  # exited: nothing more to wait for
 
 
@@ -133,21 +145,21 @@ def launch(args, *, out=sys.stderr) -> int:
                     break
         missing = [b.name for b in boards if b.url is None]
         if missing and not stop.is_set():
-            print(f"calconsole serve --boards: {', '.join(missing)} did not start listening within "
-                  f"{START_TIMEOUT_S:g} s; stopping all", file=out, flush=True)
+            _say(f"calconsole serve --boards: {', '.join(missing)} did not start listening within "
+                  f"{START_TIMEOUT_S:g} s; stopping all", out=out)
             return 1
         fleet_file = Path(args.fleet_out) if args.fleet_out else root / "fleet.yaml"
         write_fleet_file(fleet_file, boards, args)
-        print(f"calconsole serve --boards: {n} boards listening ({', '.join(b.url or '?' for b in boards)}); "
+        _say(f"calconsole serve --boards: {n} boards listening ({', '.join(b.url or '?' for b in boards)}); "
               f"fleet file {fleet_file} (calconsole --fleet {fleet_file}); audit logs in {root}; "
-              "Ctrl-C stops them all", file=out, flush=True)
+              "Ctrl-C stops them all", out=out)
         exited: set[str] = set()
         while not stop.wait(0.5):
             for b in boards:
                 if b.name not in exited and b.proc.poll() is not None:
                     exited.add(b.name)
-                    print(f"calconsole serve --boards: {b.name} exited with code {b.proc.returncode}; the "
-                          "others keep serving", file=out, flush=True)
+                    _say(f"calconsole serve --boards: {b.name} exited with code {b.proc.returncode}; the "
+                          "others keep serving", out=out)
             if len(exited) == len(boards):
                 return 1
         return 0
@@ -155,7 +167,7 @@ def launch(args, *, out=sys.stderr) -> int:
         stop_all(boards)
         for s, h in old.items():
             signal.signal(s, h)
-        print("calconsole serve --boards: stopped", file=out, flush=True)
+        _say("calconsole serve --boards: stopped", out=out)
 
 
 def stop_all(boards: list[Board]) -> None:
