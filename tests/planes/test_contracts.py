@@ -11,7 +11,6 @@ kind must do instead: the section absent (None), or the typed ``NotOffered`` ref
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +38,7 @@ from sim_backend.planes import (
     TokenEvent,
     UnavailableError,
 )
+from tests.waits import wait_until
 
 Planes = tuple[InferencePlane, ObservationPlane, MaintenancePlane]
 
@@ -116,12 +116,14 @@ def kind(planes: Planes) -> str:
 
 def first_snapshot(obs: ObservationPlane, cond: Callable[[Snapshot], bool], timeout_s: float = 20.0) -> Snapshot:
     """The first snapshot for which ``cond`` holds (polled every 20 ms host, bounded), else the last one taken."""
-    deadline = time.monotonic() + timeout_s
-    snap = obs.snapshot()
-    while not cond(snap) and time.monotonic() < deadline:
-        time.sleep(0.02)
-        snap = obs.snapshot()
-    return snap
+    snaps: list[Snapshot] = []
+
+    def taken_and_holds() -> bool:
+        snaps.append(obs.snapshot())
+        return cond(snaps[-1])
+
+    wait_until(taken_and_holds, timeout=timeout_s)
+    return snaps[-1]
 
 
 def wait_idle(obs: ObservationPlane, timeout_s: float = 20.0) -> Snapshot:
