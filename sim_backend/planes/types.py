@@ -372,6 +372,21 @@ class StageTimes(msgspec.Struct, frozen=True):
         return self.tokenize_ms + self.kv_wait_ms + self.sampling_ms + self.detokenize_ms + self.framework_ms
 
 
+#: ``Timings.timing_only_reason``'s words (``sim_backend.serving.admission.timing_only_why``), one clause each,
+#: no trailing period (the console and ``calconsole chat`` show them after "timing-only (tokens not from the
+#: model: ...)")
+NUMERICS_OFF = "the device runs timing-only (numerics off)"
+NUMERICS_NOT_READY = "the numerics were not ready (kernels still compiling)"
+NUMERICS_DOWN = "the numerics worker is down (reset or reload the model)"
+#: a template (``new_tokens``, ``limit``)
+OVER_NUMERIC_LIMIT = "{new_tokens} new prompt tokens, over the numeric limit of {limit}"
+#: a template (``prompt_n``, ``limit``): ``admission.choose_slot`` reuses a prefix without values only for a
+#: prompt over the limit as a whole (else it starts afresh with numerics), so a new conversation, with a
+#: shorter prompt, is the way
+CONTINUES_TIMING_ONLY = ("it continues a timing-only turn, whose cached prefix holds no values, and its whole "
+                         "prompt ({prompt_n} tokens) is over the numeric limit of {limit} (start a new conversation)")
+
+
 class Timings(msgspec.Struct, frozen=True):
     """llama.cpp ``timings`` plus TTFT / TPOT / ITL / E2E / queue time.
 

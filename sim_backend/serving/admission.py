@@ -19,7 +19,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from sim_backend.errors import ExceedContextSizeError, InvalidRequestError, UnavailableError
-from sim_backend.runtime import KVView
+from sim_backend.planes.types import (
+    CONTINUES_TIMING_ONLY,
+    NUMERICS_DOWN,
+    NUMERICS_NOT_READY,
+    NUMERICS_OFF,
+    OVER_NUMERIC_LIMIT,
+)
+from sim_backend.runtime import KVView, RuntimeSession
 from sim_backend.serving.api import RequestState
 from sim_backend.serving.requests import RequestRecord, Slot
 
@@ -47,15 +54,15 @@ def check_prompt(prompt_n: int, id_slot: int, *, n_ctx: int, n_slots: int, kv_ce
                                      f"cache holds {kv_cells} tokens in all (context {n_ctx})")
 
 
-#: ``timing_only_why``'s reasons, one clause each, no trailing period (the console and ``calconsole chat`` show
-#: them after "timing-only (tokens not from the model: ...)")
-NUMERICS_OFF = "the device runs timing-only (numerics off)"
-NUMERICS_NOT_READY = "the numerics were not ready (kernels still compiling)"
-NUMERICS_DOWN = "the numerics worker is down (reset or reload the model)"
-#: a template (``prompt_n``, ``limit``): ``choose_slot`` reuses a prefix without values only for a prompt over the
-#: limit as a whole (else it starts afresh with numerics), so a new conversation, with a shorter prompt, is the way
-CONTINUES_TIMING_ONLY = ("it continues a timing-only turn, whose cached prefix holds no values, and its whole "
-                         "prompt ({prompt_n} tokens) is over the numeric limit of {limit} (start a new conversation)")
+def numerics_now(rt: RuntimeSession) -> tuple[bool, str]:
+    """(numeric steps run for requests admitted now, why not): the device runs timing-only (``NUMERICS_OFF``), or
+    its numerics worker is not ready: still starting (``NUMERICS_NOT_READY``) or failed its start
+    (``NUMERICS_DOWN``). A worker that died after its start stays ready: its requests fail, typed."""
+    if not rt.numerics:
+        return False, NUMERICS_OFF
+    if getattr(rt, "numerics_ready", True):
+        return True, ""
+    return False, NUMERICS_DOWN if getattr(rt, "numerics_broken", False) else NUMERICS_NOT_READY
 
 
 def timing_only_why(*, numerics: bool, numerics_off_why: str, new_tokens: int, prompt_n: int,
@@ -68,7 +75,7 @@ def timing_only_why(*, numerics: bool, numerics_off_why: str, new_tokens: int, p
     if not numerics:
         return numerics_off_why
     if new_tokens > numerics_max_prompt:
-        return f"{new_tokens} new prompt tokens, over the numeric limit of {numerics_max_prompt}"
+        return OVER_NUMERIC_LIMIT.format(new_tokens=new_tokens, limit=numerics_max_prompt)
     return CONTINUES_TIMING_ONLY.format(prompt_n=prompt_n, limit=numerics_max_prompt)
 
 

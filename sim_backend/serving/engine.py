@@ -39,7 +39,7 @@ from sim_backend.errors import ExceedContextSizeError, InvalidRequestError, Unav
 from sim_backend.planes.metrics import MetricsRegistry
 from sim_backend.planes.types import SLO, ChatRequest, RequestResult, StageTimes
 from sim_backend.runtime import RuntimeSession
-from sim_backend.serving.admission import NUMERICS_DOWN, NUMERICS_NOT_READY, NUMERICS_OFF, Admission
+from sim_backend.serving.admission import Admission, numerics_now
 from sim_backend.serving.api import EngineView, RequestHandle, SlotInfo
 from sim_backend.serving.gate import AdmissionGate
 from sim_backend.serving.hosttime import HostBooking, HostTimer
@@ -356,12 +356,9 @@ class Engine:
             if r is not None and r.req.return_progress:  # llama-server's 0 % event: the request has started
                 r.handle.emit(progress_event(r, 0.0))
 
-        ready = getattr(self.rt, "numerics_ready", True)
+        numerics, why_not = numerics_now(self.rt)  # a worker still starting or down: admitted timing-only
         self._admission.assign(self.slots, self.rt.kv, lambda: self.rt.clock.now_us / 1e3,
-                               # a worker still starting (kernels compiling): admitted timing-only
-                               numerics=self.rt.numerics and ready,
-                               numerics_off_why=(NUMERICS_OFF if not self.rt.numerics else NUMERICS_DOWN
-                                                 if getattr(self.rt, "numerics_broken", False) else NUMERICS_NOT_READY),
+                               numerics=numerics, numerics_off_why=why_not,
                                numerics_max_prompt=self.numerics_max_prompt,
                                on_assigned=assigned)
 

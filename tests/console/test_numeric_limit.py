@@ -111,7 +111,7 @@ def test_the_engine_records_why_a_request_ran_timing_only():
     """The reason is the engine's own, decided at admission (``Timings.timing_only_reason``), for each way a
     request runs timing-only; "" for one with numerics."""
     from sim_backend.planes import ChatRequest, SamplingParams
-    from sim_backend.serving.admission import CONTINUES_TIMING_ONLY, NUMERICS_OFF
+    from sim_backend.planes.types import CONTINUES_TIMING_ONLY, NUMERICS_OFF
 
     def ask(s, text):
         return s.inference.generate(ChatRequest.from_prompt(text, max_tokens=2, sampling=SamplingParams(seed=1)),
@@ -148,7 +148,7 @@ def test_chat_json_gives_the_reason_with_the_timings(capsys):
 
 def test_a_recorded_reason_is_shown_as_it_is_with_the_new_chat_key():
     from calconsole.widgets.render import timing_only_reason
-    from sim_backend.serving.admission import CONTINUES_TIMING_ONLY, NUMERICS_NOT_READY
+    from sim_backend.planes.types import CONTINUES_TIMING_ONLY, NUMERICS_NOT_READY
 
     # the recorded reason wins over what the reply's counts would suggest (here: "over the limit")
     assert timing_only_reason(300, 0, 256, recorded=NUMERICS_NOT_READY) == NUMERICS_NOT_READY

@@ -13,7 +13,7 @@ from sim_backend.device.numerics_worker import WORKER_NICE, NumericsProcess
 from sim_backend.errors import DeviceError
 from sim_backend.model.costmodel import CostModel
 from sim_backend.model.numerics import ShardedModel
-from sim_backend.serving.admission import NUMERICS_DOWN, NUMERICS_NOT_READY
+from sim_backend.planes.types import NUMERICS_DOWN, NUMERICS_NOT_READY
 from tests.waits import wait_until
 
 SHAPE, NUM = ModelShape(), NumericShape()

@@ -455,7 +455,7 @@ def test_per_token_timings_say_their_clock_books_host_work(make_server):
 def test_a_timing_only_reply_says_why_in_its_calconsole_timings(make_server):
     # a reply whose tokens are not the model's said "numerics": false over HTTP without the reason the
     # console and `calconsole chat` show; the engine's reason now travels with the timings
-    from sim_backend.serving.admission import NUMERICS_OFF
+    from sim_backend.planes.types import NUMERICS_OFF
 
     s = make_server()  # numerics off
     body = httpx.post(s.url + "/completion", json={"prompt": "hi", "n_predict": 2}, timeout=60).json()

@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from sim_backend.planes.snapshot import ChipletInfo, DeviceInfo, MemoryView, Snapshot
+from sim_backend.planes.types import NUMERICS_NOT_READY, NUMERICS_OFF, OVER_NUMERIC_LIMIT
 
 from .common import GIB, MIB, bar, fmt_gib, fmt_pct, not_reported, plain_table
 
@@ -91,12 +92,12 @@ def timing_only_reason(new_tokens: int, cached: int, limit: int | None, *, new_c
     if limit is None:
         return "the device did not compute it"
     if limit <= 0:
-        return "the device runs timing-only (numerics off)"
+        return NUMERICS_OFF
     if new_tokens > limit:
-        return f"{new_tokens} new prompt tokens, over the numeric limit of {limit}"
+        return OVER_NUMERIC_LIMIT.format(new_tokens=new_tokens, limit=limit)
     if cached > 0:
         return f"it continues a timing-only turn, whose cached prefix holds no values {how}"
-    return "the numerics were not ready (kernels still compiling)"
+    return NUMERICS_NOT_READY
 
 
 def host_behind(device: DeviceInfo, ratio_ok: float = 0.9) -> float | None:
