@@ -123,6 +123,8 @@ class ConnStats:
     spared_unread: int = 0
     #: times a connection past an idle budget was left open because that budget's closes were used up
     paced: int = 0
+    #: answer-and-close on a connection whose peer was already gone (ENOTCONN / EPIPE / reset): closed quietly
+    peer_gone: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -310,17 +312,26 @@ class GuardedH11Protocol(H11Protocol):
         A lingering close: our side ends with FIN and what the peer still sends is read and dropped
         until it closes (at most ``linger_s``). Closing a socket with unread input sends a reset,
         which destroys the answer in the peer's buffer before it reads it.
+
+        A peer that is already gone (the socket reset or never connected: ``write_eof`` raises ENOTCONN,
+        EPIPE or ECONNRESET, as seen over the connection cap) is not an error of the server: the transport
+        is aborted and the guard counts it in ``ConnStats.peer_gone``; nothing is logged.
         """
         self.closing = True
         t = self.transport
         if t.is_closing():
             return
-        t.write(data)
-        if t.can_write_eof():
-            t.write_eof()
-            self.loop.call_later(self.linger_s, t.close)
-        else:
-            t.close()
+        try:
+            t.write(data)
+            if t.can_write_eof():
+                t.write_eof()
+                self.loop.call_later(self.linger_s, t.close)
+            else:
+                t.close()
+        except OSError:  # the peer left before our answer: nothing to tell it
+            if self.guard is not None:
+                self.guard.stats.peer_gone += 1
+            t.abort()
 
     def data_received(self, data: bytes) -> None:
         if self.closing:

@@ -252,3 +252,48 @@ def test_large_tokenize_and_detokenize_count_against_the_bound_off_the_event_loo
     assert r2.status_code == 200 and len(r2.json()["pieces"]) == len(big_ids["tokens"])
     assert s.face.in_flight == 0
     assert threads and "calconsole-serve" not in threads  # pieces built in worker threads, not on the loop
+
+
+class _GoneTransport:
+    """A transport whose peer is gone: ``write_eof`` fails as the kernel does on a socket never or no longer
+    connected (ENOTCONN, errno 107, seen over the connection cap)."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.aborted = False
+
+    def is_closing(self) -> bool:
+        return self.aborted
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        import errno
+
+        raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def close(self) -> None:  # pragma: no cover - must not be reached on this path
+        raise AssertionError("close after a failed write_eof: abort is what ends a gone peer")
+
+
+def test_answer_and_close_to_a_gone_peer_is_quiet_and_counted() -> None:
+    from types import SimpleNamespace
+
+    from calconsole.server.conns import ConnectionGuard, ConnLimits, GuardedH11Protocol
+
+    guard = ConnectionGuard(ConnLimits())
+    t = _GoneTransport()
+    conn = SimpleNamespace(closing=False, transport=t, guard=guard, loop=None, linger_s=2.0)
+    GuardedH11Protocol.close_with(conn, b"HTTP/1.1 503 Service Unavailable\r\n\r\n")  # type: ignore[arg-type]
+    assert conn.closing and t.aborted
+    assert t.written.startswith(b"HTTP/1.1 503")
+    assert guard.stats.peer_gone == 1
+    GuardedH11Protocol.close_with(conn, b"again")  # type: ignore[arg-type]
+    assert guard.stats.peer_gone == 1  # already closing: nothing more is written or counted
