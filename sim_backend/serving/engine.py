@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections import deque
@@ -53,6 +54,8 @@ from sim_backend.serving.steps import InFlight, StepRunner, progress_event
 from sim_backend.serving.streaming import Tokenizer
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
 
 class Engine:
     """Slots + admission + scheduler thread over a ``RuntimeSession`` (its only door to the device).
@@ -155,6 +158,9 @@ class Engine:
         #: llama-server's slot save / restore / erase on idle slots (``SlotActionRunner``)
         self.slot_actions = SlotActionRunner(rt, self.slots, self._admission, lock=self._lock, wake=self._wake,
                                              stopped=lambda: self._stop, kv_timeout_s=kv_timeout_s)
+        #: an arrival feed (the trace replay's reference run; None when serving): called by the scheduler
+        #: thread at every step boundary, without the lock, with ``idle`` = no step in flight
+        self._feed: Callable[[bool], None] | None = None
         self._thread = threading.Thread(target=self._loop, name="calconsole-engine", daemon=True)
         self._thread.start()
 
@@ -197,8 +203,19 @@ class Engine:
         self.metrics.on_rejected()
         raise e
 
-    def submit(self, req: ChatRequest) -> RequestHandle:
+    def attach_feed(self, feed: Callable[[bool], None]) -> None:
+        """Let ``feed(idle)`` submit requests at step boundaries (``submit(req, arrival_us=...)``): the trace
+        replay's token-by-token reference (``sim_backend.tools.replay_engine``), where arrivals come on the
+        simulated clock, not the host's. ``idle``: no device step is in flight; the feed may then move the
+        clock to its next arrival. Called from the scheduler thread; it must not block."""
+        self._feed = feed
+        self.wake()
+
+    def submit(self, req: ChatRequest, *, arrival_us: float | None = None) -> RequestHandle:
         """Validate, tokenise and enqueue. Returns a handle at once.
+
+        ``arrival_us``: when the request arrived on the simulated clock (an arrival feed's, at most now);
+        None = now.
 
         Raises (nothing allocated, no counter but ``rejected`` moves):
         InvalidRequestError (also a grammar that does not compile), ExceedContextSizeError
@@ -214,7 +231,7 @@ class Engine:
             self.intake.validate(req)
         except InvalidRequestError as e:
             self._refuse(e)
-        arrival = self.rt.clock.now_us
+        arrival = self.rt.clock.now_us if arrival_us is None else min(float(arrival_us), self.rt.clock.now_us)
         try:
             prompt, matcher, tok_us = self.intake.prepare(req)
         except (ExceedContextSizeError, InvalidRequestError) as e:
@@ -377,6 +394,12 @@ class Engine:
     def _loop(self) -> None:
         inflight: deque[InFlight] = deque()
         while True:
+            if self._feed is not None and not self._stop:
+                try:
+                    self._feed(not inflight)
+                except Exception:  # noqa: BLE001 - a feed's bug must not stop the scheduler
+                    log.exception("arrival feed failed; detached")
+                    self._feed = None
             with self._lock:
                 busy = {id(r) for step in inflight for r in step.riders}
                 self._reap_cancelled_locked(busy)

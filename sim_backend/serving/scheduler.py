@@ -91,6 +91,25 @@ class RoundScheduler:
             return self._next_decode(states)
         return None
 
+    def steady_round(self, states: Sequence[SlotState]) -> list[tuple[int, ...]] | None:
+        """The decode steps of the next round when the rule would repeat the round just ended unchanged.
+
+        That is the case when the current round is complete (every decoding slot served since the
+        round began), no slot is prefilling and every occupied slot is decoding and ready: the next
+        round then runs the same steps (slot groups of at most ``decode_batch``, round-robin order),
+        and leaves this scheduler in the state it is in now, so a caller may run any number of such
+        rounds without calling ``next`` (the trace replay's fast path). None otherwise.
+        """
+        decoding = [s.index for s in states if s.phase == "decoding"]
+        if not decoding or any(s.phase == "prefilling" or (s.phase == "decoding" and not s.ready) for s in states):
+            return None
+        if self._served != set(decoding):
+            return None
+        n = self.n_slots
+        order = [i for i in ((self._rr_decode + k) % n for k in range(n)) if i in self._served]
+        b = self.decode_batch
+        return [tuple(order[j:j + b]) for j in range(0, len(order), b)]
+
     def _next_decode(self, states: Sequence[SlotState]) -> Work | None:
         n = self.n_slots
         picked = [s.index for s in (states[(self._rr_decode + k) % n] for k in range(n))
