@@ -130,7 +130,7 @@ class CalConsoleApp(App):
             w.border_title = "Observation (read-only)"
         elif name == "chat":
             w = ChatPane(self.system.inference, id="chat", classes="pane")
-            w.border_title = "Chat"
+            w.border_title = w.legend()
         else:
             from .panes.maintenance import MaintenancePane
 

@@ -373,7 +373,6 @@ def test_a_negative_seed_is_read_modulo_2_32_at_every_edge():
 
 
 async def test_seed_minus_five_in_the_pane_is_a_fixed_seed(fast_system):
-    from tests.console.pilot_helpers import log_lines
 
     app = CalConsoleApp(fast_system, load_layout("operator"))
     async with app.run_test(size=(160, 48)) as pilot:
@@ -386,7 +385,7 @@ async def test_seed_minus_five_in_the_pane_is_a_fixed_seed(fast_system):
             await pilot.press(*"hi", "enter")
             assert await wait_for(pilot, lambda: len(chat.history) == 2), str(app.query_one("#chat-status").render())
             replies.append(chat.history[-1]["content"])
-            assert await wait_for(pilot, lambda: " seed 4294967291 " in " ".join(log_lines(app, "#chat-log")))
+            assert await wait_for(pilot, lambda: " seed 4294967291 " in " ".join(chat.full_figures[-1:]))
             await pilot.press("ctrl+l")  # the same prompt again, from an empty conversation
             assert await wait_for(pilot, lambda: not chat.history)
         assert "-refused" not in app.query_one("#p-seed").classes

@@ -25,7 +25,7 @@ from calconsole.app import CalConsoleApp
 from calconsole.cli import main
 from calconsole.layout import load_layout
 from calconsole.remote import NotAServer, connect
-from tests.console.pilot_helpers import confirm_ask, log_text, wait_for
+from tests.console.pilot_helpers import chat_text, confirm_ask, log_text, wait_for
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -100,10 +100,12 @@ async def test_the_console_names_the_server_fills_slots_while_streaming_and_show
             await pilot.press(*"Write one sentence about the sea.")
             await pilot.press("enter")
             assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None, timeout_s=60)
-            # the log renders a reply in slices: wait for its metrics line to be drawn
-            assert await wait_for(pilot, lambda: "(client wall)" in log_text(app, "#chat-log"))
-            log = log_text(app, "#chat-log")
-            reply = log.split("model ", 1)[1].split(" prompt ", 1)[0]
+            # the log renders a reply in slices: wait for its figures line to be drawn
+            chat = app.query_one("#chat")
+            assert await wait_for(pilot, lambda: " tok · " in log_text(app, "#chat-log") and chat.full_figures)
+            assert "wall ms" in str(chat.border_title)  # the one-line figures are wall ms, said once
+            log = chat_text(app)
+            reply = log.split("model ", 1)[1].split(" TTFT ", 1)[0]
             assert "\ufffd" not in log
             assert re.search(r"[A-Za-z]+( [A-Za-z]+){2,}", reply), reply  # words of ASCII letters and spaces
             # the server's timings as wall ms, and the latencies measured here as client
