@@ -335,8 +335,8 @@ class CalConsoleApp(App):
     def _show_topbar(self, snap: Snapshot) -> None:
         # not this simulator: the server's kind, build and model (widgets/server.py)
         if snap.server is not None or snap.device is None:
-            bar = Text.assemble(("calconsole ", "bold"), server_render.topbar(snap, getattr(self.system, "url", None)))
-            self._topbar_bar(bar)
+            server_parts = server_render.topbar_parts(snap, getattr(self.system, "url", None), self.single)
+            self._topbar_bar(self._fit_topbar(server_parts, keep_first=2))
             return
         d = snap.device
         kv = "-" if snap.kv is None else f"{snap.kv.used_tokens}/{snap.kv.capacity_tokens}"
@@ -362,6 +362,14 @@ class CalConsoleApp(App):
                   *([] if self.single else [(f"KV {kv}", "", 3)]),
                   (f"sim clock {(snap.sim_now_ms or 0.0) / 1e3:.2f} s", "", 1)]
         brief = status_text(d, compact=True, brief=True)
+        self._topbar_bar(self._fit_topbar(parts, keep_first=3, brief=brief))
+
+    def _fit_topbar(self, parts: list[tuple[Text | str, str, int]], keep_first: int,
+                    brief: Text | str | None = None) -> Text:
+        """The header from ``parts`` (text, style, keep) that fits the terminal's width: the lowest keep goes
+        first (of equal keeps the rightmost), each part whole or not at all; the first ``keep_first`` always
+        stay (the third, a device's status, shortened to ``brief`` when even they do not fit)."""
+        parts = list(parts)
         width = self.size.width - 1 if self.size.width else 1000
         if self.disconnected_since is not None:
             width -= len("DISCONNECTED since 00:00:00 (retrying) · ")
@@ -372,16 +380,14 @@ class CalConsoleApp(App):
                     bar.append(" · ")
                 bar.append_text(part if isinstance(part, Text) else Text(part, style=style))
             if bar.cell_len <= width:
-                break
-            if len(parts) <= 3:
-                if parts[2][0] == brief:
-                    break
+                return bar
+            if len(parts) <= keep_first:
+                if brief is None or parts[2][0] == brief:
+                    return bar
                 parts[2] = (brief, "", 9)  # the status without what is in effect or armed (the table has it)
                 continue
-            # the lowest keep goes first; of equal keeps the rightmost (the device's name, mode and status,
-            # first in the list, stay to the end)
-            del parts[min(range(3, len(parts)), key=lambda i: (parts[i][2], -i))]
-        self._topbar_bar(bar)
+            # the device's name, mode and status (a server's kind and health), first in the list, stay
+            del parts[min(range(keep_first, len(parts)), key=lambda i: (parts[i][2], -i))]
 
     def _topbar_bar(self, bar: Text) -> None:
         if self.disconnected_since is not None:

@@ -371,3 +371,24 @@ def test_an_idle_slot_keeps_its_last_task_as_llama_server_reports_it() -> None:
     assert (ran.prompt_n, ran.max_tokens, ran.params) == (39, 8, {"temperature": 0.0, "n_predict": 8})
     busy = slot_view({"id": 1, "is_processing": True, "id_task": 9, "params": {"n_predict": 4}})
     assert (busy.state, busy.request_id, busy.last_request_id, busy.max_tokens) == ("processing", 9, 9, 4)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (160, 48)])
+async def test_the_header_drops_whole_figures_at_every_size(llama_server: Any, tmp_path: Path, size) -> None:
+    # at 80x24 it ended "model SmolLM2-135M-Instruct.Q4_1.gguf ·", cut
+    system = connect(llama_server.url, audit_path=tmp_path / "audit.jsonl")
+    try:
+        app = CalConsoleApp(system, load_layout("operator"))
+        async with app.run_test(size=size) as pilot:
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None and "health" in topbar(app))
+            top = topbar(app)
+            assert len(top) < size[0] and not top.rstrip().endswith("·"), top
+            parts = top.removeprefix("calconsole ").split(" · ")
+            assert parts[0].startswith("llama-server ") and parts[1].startswith("health "), top
+            if app.single:  # the status header over one pane: KV, queue and running requests kept
+                heads = [p.split()[0] for p in parts]
+                assert "KV" in heads and "queue" in heads and "run -" in parts, top
+            else:
+                assert f"model {MODEL}" in parts, top  # room for it: whole
+    finally:
+        system.close()
