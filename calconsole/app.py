@@ -8,6 +8,7 @@ UI's event loop.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Iterable
@@ -25,6 +26,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Input, Static
+from textual.widgets._toast import ToastRack  # Textual's toast container (no public name); see _refresh_notifications
 
 from sim_backend.planes.snapshot import Snapshot
 
@@ -111,6 +113,8 @@ class CalConsoleApp(App):
         #: one pane at a time now; ``active_pane``: the one shown then (a PANES name)
         self.single = False
         self.active_pane: str | None = None
+        #: the numerics kernels' compile stage shown in the header ("1/3") while they compile; None otherwise
+        self.compiling: str | None = None
         self.last_snapshot: Snapshot | None = None
         # widget references: App.query_one searches the *active* screen, which is a modal at times
         self._topbar = Static(id="topbar")
@@ -181,17 +185,31 @@ class CalConsoleApp(App):
         self._check_size()
 
     def show_start_progress(self, line: str) -> None:
-        """A numerics start-up line (UI thread): "compiling ..." stays up until the kernels are ready, and
-        says that requests run timing-only meanwhile; the "ready" line replaces it."""
+        """A numerics start-up line (UI thread): "compiling ..." lives in the header (``compiling``: the stage,
+        e.g. "1/3", with "replies timing-only") until the kernels are ready, never in a toast over the help or a
+        confirmation (it stayed up ~30 s); the "ready" line (or the failure) is a notification."""
         if line.startswith("compiling"):
-            self.notify(f"{line}; until then requests run timing-only", title="numerics", severity="warning",
-                        timeout=3600)
+            m = re.search(r"\b(\d+/\d+)\b", line)
+            self.compiling = m.group(1) if m else "…"
+            self._refit_topbar()
         elif line.startswith("numerics kernels ready") or line.startswith("numerics did not start"):
-            self.clear_notifications()  # the "compiling" one is over
+            self.compiling = None
+            self._refit_topbar()
             self.notify(line, title="numerics", timeout=15,
                         severity="information" if "ready" in line else "error")
         else:  # another start stage (building the weights)
             self.notify(line, title="numerics", timeout=10)
+
+    def _refresh_notifications(self) -> None:
+        """Notifications never cover a modal screen (help, a confirmation, the palette): while one is up its
+        toasts stay hidden; back on the console the ones not yet expired show (Textual calls this on every
+        screen's resume and every notify)."""
+        screen = self.screen_stack[-1] if self.screen_stack else None
+        if screen is not None and screen is not self.screen_stack[0]:
+            for rack in screen.query(ToastRack):
+                rack.display = False
+            return
+        super()._refresh_notifications()
 
     def on_maintenance_pane_state_changed(self, message: MaintenancePane.StateChanged) -> None:
         feed = getattr(self, "feed", None)
@@ -344,11 +362,14 @@ class CalConsoleApp(App):
         # console is attached, its mode and its status are never cut
         parts: list[tuple[Text | str, str, int]] = [
             (f"{d.name}", "", 9), (mode_text(d), "", 9), (status_text(d, compact=True), "", 9)]
+        compiling = self.compiling is not None
+        if compiling:  # first start: the kernels compile (the notice lives here, not in a toast, until ready)
+            parts.append((f"kernels compiling {self.compiling}: replies timing-only", "bold yellow", 9))
         if self.where:
             parts.append((self.where, "bold cyan", 8))
         if self.listen_url:
             parts.append((f"HTTP API {self.listen_url}", "", 7))
-        if d.numerics and d.numerics_starting:  # first start: kernels compile; replies meanwhile are seeded
+        if d.numerics and d.numerics_starting and not compiling:  # starting (no stage reported yet)
             parts.append(("numerics starting: replies timing-only", "bold yellow", 8))
         if d.numerics and d.timing_only_running:  # (a timing-only device: the chat pane's banner says it)
             ids = ", ".join(str(i) for i in d.timing_only_running)

@@ -146,3 +146,30 @@ async def test_a_layout_sets_the_breakpoint(system, tmp_path):
         with pytest.raises(LayoutError) as e:
             load_layout(str(_layout(tmp_path, bad + "\n")))
         assert e.value.field == field, (bad, str(e.value))
+
+
+async def test_the_compile_notice_is_in_the_header_and_no_toast_covers_a_modal():
+    from textual.widgets._toast import Toast, ToastRack
+
+    from calconsole.widgets.help import HelpScreen
+    from tests.console.test_console_sizes import console
+
+    app = console(panes="columns")
+    async with app.run_test(size=(160, 48), notifications=True) as pilot:  # toasts drawn (run_test's default: not)
+        await settle(pilot, lambda: app.last_snapshot is not None)
+        app.show_start_progress("compiling numerics kernels, 1/3: decode step (first start after install)")
+        top = app.query_one("#topbar")
+        await settle(pilot, lambda: "kernels compiling 1/3: replies timing-only" in str(top.render()))
+        assert not app._notifications  # in the header, not a toast
+        await pilot.press("f2", "question_mark")
+        await settle(pilot, lambda: isinstance(app.screen, HelpScreen))
+        app.notify("settings saved", timeout=30)
+        await pilot.pause()
+        assert app.screen.query(ToastRack)  # a rack there, to be kept hidden
+        assert not any(r.display and r.query(Toast) for r in app.screen.query(ToastRack))  # not over the help
+        await pilot.press("escape")
+        await settle(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        base = app.screen_stack[0]
+        await settle(pilot, lambda: any(r.display and r.query(Toast) for r in base.query(ToastRack)))
+        app.show_start_progress("numerics kernels ready after 31 s: new requests run the numerics")
+        await settle(pilot, lambda: "compiling" not in str(top.render()))
