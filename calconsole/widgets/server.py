@@ -52,17 +52,32 @@ def _server(snap: Snapshot) -> ServerInfo:
     return snap.server
 
 
-def server_table(snap: Snapshot, compact: bool = False) -> Group:
-    """The server row (kind, build, model, health, slots busy, context) in place of the device table."""
+def server_table(snap: Snapshot, compact: bool = False, width: int | None = None) -> Group:
+    """The server row (kind, build, model, health, slots busy, context) in place of the device table.
+
+    ``width`` (cells, the pane's; None: unknown, the row form): when the row form's headings and values do
+    not fit it side by side, the same fields are stacked, one "heading value" row each, every heading whole
+    (at 80x24 the row form read ``slo… lla… mod… hea… n_c…``); a value longer than its row wraps."""
     s = _server(snap)
     busy = sum(1 for sl in snap.slots if sl.state != "idle")
     load = snap.load
+    fields: list[tuple[str, Text | str]] = [
+        (s.kind, s.build), ("model", s.model), ("health", Text(s.health, style=health_style(s.health))),
+        ("slots busy", f"{busy}/{s.total_slots}" if s.slots_enabled else "not reported (--slots off)"),
+        ("n_ctx/slot", str(s.n_ctx)), ("busy %", "-" if load.busy_percent is None else f"{load.busy_percent:.0f}")]
+    row_width = sum(max(len(h), Text(v).cell_len if isinstance(v, str) else v.cell_len) for h, v in fields)
+    row_width += 2 * len(fields)  # padding (0, 1): a cell each side of every column
     t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
-    for col in (s.kind, "model", "health", "slots busy", "n_ctx/slot", "busy %"):
-        t.add_column(col)
-    t.add_row(s.build, s.model, Text(s.health, style=health_style(s.health)),
-              f"{busy}/{s.total_slots}" if s.slots_enabled else "not reported (--slots off)",
-              str(s.n_ctx), "-" if load.busy_percent is None else f"{load.busy_percent:.0f}")
+    if width is None or row_width <= width:
+        for heading, _ in fields:
+            t.add_column(heading)
+        t.add_row(*(v for _, v in fields))
+    else:
+        t.show_header = False
+        t.add_column(style="bold", no_wrap=True)
+        t.add_column(overflow="fold")
+        for heading, value in fields:
+            t.add_row(heading, value)
     lines: list[Any] = [t]
     if s.health_detail:
         lines.append(Text(f"health: {s.health_detail}", style="yellow"))

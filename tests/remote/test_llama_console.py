@@ -392,3 +392,30 @@ async def test_the_header_drops_whole_figures_at_every_size(llama_server: Any, t
                 assert f"model {MODEL}" in parts, top  # room for it: whole
     finally:
         system.close()
+
+
+@pytest.mark.parametrize("panes", ["single", "columns"])
+async def test_at_80x24_no_heading_of_the_server_table_is_cut(llama_server: Any, tmp_path: Path, panes) -> None:
+    # the row form read "slo… lla… mod… hea… n_c…" in a 36-column pane; stacked rows keep every heading whole
+    from calconsole.settings import Settings
+
+    system = connect(llama_server.url, audit_path=tmp_path / "audit.jsonl")
+    try:
+        app = CalConsoleApp(system, load_layout("operator"), settings=Settings(panes=panes))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("f1")
+            dev = app.query_one("#obs-device", Static)
+
+            def lines() -> list[str]:
+                return [strip.text for strip in dev.render_lines(dev.region.reset_offset)]
+
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None and dev.size.height > 0
+                                  and any("health" in ln for ln in lines()))
+            await pilot.pause()
+            text = "\n".join(lines())
+            assert "…" not in text, text
+            for heading in ("llama-server", "model", "health", "slots busy", "n_ctx/slot", "busy %"):
+                assert heading in text, (heading, text)
+            assert "SmolLM2" in text
+    finally:
+        system.close()
