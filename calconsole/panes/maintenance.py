@@ -225,12 +225,15 @@ class MaintenancePane(Vertical):
                       f"action is not offered by {kind} (its key says why)", "yellow")
 
     def _sync_leaseless(self) -> None:
-        kind = getattr(self.maintenance, "server_kind", "this server")
+        """A server without a lease (llama-server): only the buttons of what it offers are drawn; a row with none
+        (faults, registers) is not drawn at all. Their keys still answer, refused by the plane (audited) with
+        the reason."""
         for bid, method in BUTTON_METHOD.items():
             b = self.query_one(f"#{bid}", Button)
             b.disabled = not self.maintenance.offers(method)
-            if b.disabled:
-                b.tooltip = f"not offered by {kind}"
+            b.display = not b.disabled
+        for row in self.query(".m-row"):
+            row.display = any(b.display for b in row.query(Button))
         self.refresh_bindings()
 
     def _sync_buttons(self) -> None:

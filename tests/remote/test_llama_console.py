@@ -150,6 +150,11 @@ async def test_a_maintenance_action_llama_server_lacks_is_refused_with_the_reaso
             assert await wait_for(pilot, lambda: app.last_snapshot is not None)
             pane = app.query_one("#maintenance")
             assert app.query_one("#m-reset").disabled and not app.query_one("#m-health").disabled
+            # only what llama-server offers is drawn: no reset, CCU / D2D fault or register action
+            for sel in ("#m-reset", "#m-enter", "#m-f-ccu", "#m-f-link", "#m-reg-read"):
+                assert not app.query_one(sel).display, sel
+            assert not app.query_one("#m-row-faults").display and not app.query_one("#m-row-reg").display
+            assert app.query_one("#m-health").display and app.query_one("#m-clearkv").display
             await pilot.press("f3")
             await pilot.press("x")
             assert await wait_for(pilot, lambda: "not offered by llama-server: it has no exclusive mode"
