@@ -424,3 +424,68 @@ async def test_at_80x24_no_heading_of_the_server_table_is_cut(llama_server: Any,
             assert "SmolLM2" in text
     finally:
         system.close()
+
+
+async def _slot_button(pilot, app, slot: str, name: str | None, button: str) -> None:
+    app.query_one("#m-slot").value = slot
+    if name is not None:
+        app.query_one("#m-slot-file").value = name
+    app.query_one(button).press()
+    await pilot.pause()
+
+
+async def test_the_pane_saves_restores_and_erases_a_slot(llama_server_slot_save: Any, tmp_path: Path) -> None:
+    from calconsole.widgets.confirm import AskModal
+
+    audit = tmp_path / "audit.jsonl"
+    system = connect(llama_server_slot_save.url, audit_path=audit)
+    try:
+        from sim_backend.planes import ChatRequest
+
+        system.inference.generate(ChatRequest.from_prompt("hi", max_tokens=2), timeout=60)  # a slot with KV
+        app = CalConsoleApp(system, load_layout("operator"))
+        async with app.run_test(size=(160, 48)) as pilot:
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+            assert app.query_one("#m-row-slots").display and app.query_one("#m-slot-save").size.width > 0
+            # checked as llama-server checks it, before any request (nothing to confirm, nothing audited)
+            for bad in ("../escape.bin", "a:b", " lead", "trail.", ".."):
+                await _slot_button(pilot, app, "0", bad, "#m-slot-save")
+                assert not isinstance(app.screen, AskModal)
+                assert await wait_for(pilot, lambda bad=bad: f"{bad!r} refused" in log_text(app, "#m-log")), bad
+            await _slot_button(pilot, app, "x", "ok.bin", "#m-slot-save")
+            assert await wait_for(pilot, lambda: "the slot id must be an integer" in log_text(app, "#m-log"))
+            for button in ("#m-slot-save", "#m-slot-restore", "#m-slot-erase"):
+                await _slot_button(pilot, app, "0", "slot0.bin", button)
+                await confirm_ask(pilot)
+            assert await wait_for(pilot, lambda: sum(f"{a}: ok" in log_text(app, "#m-log")
+                                                     for a in ("save_slot", "restore_slot", "erase_slot")) == 3), \
+                log_text(app, "#m-log")
+        done = [json.loads(line) for line in audit.read_text().splitlines()]
+        done = [r for r in done if r["phase"] == "finished"]
+        assert [(r["action"], r["granted"]) for r in done] == [("save_slot", True), ("restore_slot", True),
+                                                               ("erase_slot", True)]
+    finally:
+        system.close()
+
+
+async def test_without_a_slot_save_path_the_pane_shows_llama_servers_refusal(llama_server: Any,
+                                                                            tmp_path: Path) -> None:
+    system = connect(llama_server.url, audit_path=tmp_path / "audit.jsonl")
+    try:
+        app = CalConsoleApp(system, load_layout("operator"))
+        async with app.run_test(size=(160, 48)) as pilot:
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+            await _slot_button(pilot, app, "0", "slot0.bin", "#m-slot-save")
+            await confirm_ask(pilot)
+            assert await wait_for(pilot, lambda: "--slot-save-path" in log_text(app, "#m-log")), log_text(app, "#m-log")
+    finally:
+        system.close()
+
+
+def test_slot_file_names_are_checked_as_llama_server_checks_them() -> None:
+    from calconsole.panes.maintenance import slot_filename_problem
+
+    assert slot_filename_problem("slot0.bin") is None and slot_filename_problem("ünï code.bin") is None
+    for bad in ("", "a/b", "a\\b", "a:b", "a*b", "a?b", 'a"b', "a<b", "a>b", "a|b", "a\x01b", "a\x7fb", " a", "a ",
+                "a.", ".", "..", "a\u2215b", "x" * 256):
+        assert slot_filename_problem(bad) is not None, repr(bad)
