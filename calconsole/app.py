@@ -8,6 +8,7 @@ UI's event loop.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from collections.abc import Iterable
@@ -25,6 +26,7 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Input, Static
+from textual.widgets._toast import ToastRack  # Textual's toast container (no public name); see _refresh_notifications
 
 from sim_backend.planes.snapshot import Snapshot
 
@@ -35,13 +37,16 @@ from .messages import SnapshotReady
 from .panes.chat import ChatPane
 from .panes.focus import FOCUS_TARGET, HELP_BINDING, PANE_BINDINGS, focus_pane
 from .panes.observation import ObservationPane
-from .settings import COMPACT_BELOW, HISTORY_WINDOWS_S, Settings, save_settings
+from .settings import COMPACT_BELOW, HISTORY_WINDOWS_S, PANE_MODES, Settings, save_settings
 from .widgets import server as server_render
 from .widgets.footer import FittedFooter
 from .widgets.help import HelpScreen, help_renderable
 from .widgets.render import mode_text, status_text
 
 MIN_WIDTH, MIN_HEIGHT = 80, 24
+#: the palette's words for each pane mode (settings.PANE_MODES)
+PANE_MODE_TEXT = {"auto": "by terminal size (one at a time below the layout's breakpoint)",
+                  "single": "one at a time, full size (F1 / F2 / F3)", "columns": "side by side, whatever the size"}
 
 
 if TYPE_CHECKING:  # imported where used: an --observe-only console never loads the maintenance pane
@@ -100,6 +105,16 @@ class CalConsoleApp(App):
         # --observe-only: the system has no maintenance plane, so the pane is dropped too
         self.layout_spec = layout if system.maintenance is not None else layout.without("maintenance")
         self.refresh_hz = refresh_hz or self.settings.refresh_hz or layout.refresh_hz
+        # the columns' widths and the panes' heights as CSS (App reads self.CSS once, at start): the single-pane
+        # rules in styles.tcss are more specific and override them
+        self.CSS = self.layout_spec.css()  # type: ignore[misc]  # App reads self.CSS, an instance's is its own
+        #: "auto" (one pane at a time below the layout's single_pane_below), "single" or "columns" (PANE_MODES)
+        self.pane_mode = self.settings.panes
+        #: one pane at a time now; ``active_pane``: the one shown then (a PANES name)
+        self.single = False
+        self.active_pane: str | None = None
+        #: the numerics kernels' compile stage shown in the header ("1/3") while they compile; None otherwise
+        self.compiling: str | None = None
         self.last_snapshot: Snapshot | None = None
         # widget references: App.query_one searches the *active* screen, which is a modal at times
         self._topbar = Static(id="topbar")
@@ -113,11 +128,11 @@ class CalConsoleApp(App):
         yield self._topbar
         with Horizontal(id="columns"):
             for ci, col in enumerate(self.layout_spec.columns):
-                with Vertical(classes="column", id=f"col{ci}") as v:
-                    v.styles.width = col.width
+                with Vertical(classes="column", id=f"col{ci}"):
                     for p in col.panes:
-                        pane = self._make_pane(p.pane)
-                        pane.styles.height = p.height
+                        pane: Any = self._make_pane(p.pane)
+                        pane.pane_name = p.pane
+                        pane.base_title = pane.border_title
                         self._panes.append(pane)
                         yield pane
         yield Static("terminal too small: need at least 80x24", id="too-small")
@@ -130,7 +145,7 @@ class CalConsoleApp(App):
             w.border_title = "Observation (read-only)"
         elif name == "chat":
             w = ChatPane(self.system.inference, id="chat", classes="pane")
-            w.border_title = "Chat"
+            w.border_title = w.legend()
         else:
             from .panes.maintenance import MaintenancePane
 
@@ -170,17 +185,31 @@ class CalConsoleApp(App):
         self._check_size()
 
     def show_start_progress(self, line: str) -> None:
-        """A numerics start-up line (UI thread): "compiling ..." stays up until the kernels are ready, and
-        says that requests run timing-only meanwhile; the "ready" line replaces it."""
+        """A numerics start-up line (UI thread): "compiling ..." lives in the header (``compiling``: the stage,
+        e.g. "1/3", with "replies timing-only") until the kernels are ready, never in a toast over the help or a
+        confirmation (it stayed up ~30 s); the "ready" line (or the failure) is a notification."""
         if line.startswith("compiling"):
-            self.notify(f"{line}; until then requests run timing-only", title="numerics", severity="warning",
-                        timeout=3600)
+            m = re.search(r"\b(\d+/\d+)\b", line)
+            self.compiling = m.group(1) if m else "…"
+            self._refit_topbar()
         elif line.startswith("numerics kernels ready") or line.startswith("numerics did not start"):
-            self.clear_notifications()  # the "compiling" one is over
+            self.compiling = None
+            self._refit_topbar()
             self.notify(line, title="numerics", timeout=15,
                         severity="information" if "ready" in line else "error")
         else:  # another start stage (building the weights)
             self.notify(line, title="numerics", timeout=10)
+
+    def _refresh_notifications(self) -> None:
+        """Notifications never cover a modal screen (help, a confirmation, the palette): while one is up its
+        toasts stay hidden; back on the console the ones not yet expired show (Textual calls this on every
+        screen's resume and every notify)."""
+        screen = self.screen_stack[-1] if self.screen_stack else None
+        if screen is not None and screen is not self.screen_stack[0]:
+            for rack in screen.query(ToastRack):
+                rack.display = False
+            return
+        super()._refresh_notifications()
 
     def on_maintenance_pane_state_changed(self, message: MaintenancePane.StateChanged) -> None:
         feed = getattr(self, "feed", None)
@@ -218,6 +247,51 @@ class CalConsoleApp(App):
             self._set_compact(size.width < COMPACT_BELOW[0] or size.height < COMPACT_BELOW[1])
         else:
             self._set_compact(self.settings.compact == "on")
+        w, h = self.layout_spec.single_pane_below
+        small_for_columns = size.width < w or size.height < h
+        self._set_single(self.pane_mode == "single" or (self.pane_mode == "auto" and small_for_columns))
+
+    def _set_single(self, on: bool) -> None:
+        """One pane at a time (``on``) or the layout's columns: classes on the base screen and the shown pane
+        and its column; styles.tcss draws them (``Screen.-single``). The pane shown: on leaving the columns the
+        focused one, else the last shown; at start the chat (the first in the layout without one)."""
+        if not self._panes:
+            return
+        names = [p.pane_name for p in self._panes]
+        focused = self._focused_pane()
+        if self.active_pane not in names:  # the first time: the chat (Textual's auto-focus picks the first pane)
+            active = "chat" if "chat" in names else names[0]
+        elif on and not self.single and focused is not None:  # from the columns: the pane one was working in
+            active = getattr(focused, "pane_name", self.active_pane)
+        else:
+            active = self.active_pane
+        changed = on != self.single
+        self.single = on
+        self._show_pane(active)
+        self.screen_stack[0].set_class(on, "-single")
+        if changed and self.last_snapshot is not None:
+            self.call_after_refresh(self._refit_topbar)  # the status header's figures differ by mode
+
+    def _show_pane(self, name: str | None) -> None:
+        """Mark pane ``name`` (and its column) as the one shown in single-pane mode; the border titles say
+        which keys show the others."""
+        self.active_pane = name
+        keys = {"observation": "F1 obs", "chat": "F2 chat", "maintenance": "F3 maint"}
+        for column in self.screen_stack[0].query(".column"):
+            column.set_class(any(getattr(p, "pane_name", None) == name for p in column.children), "-active")
+        for pane in self._panes:
+            pane.set_class(pane.pane_name == name, "-active")
+            others = " · ".join(keys[p.pane_name] for p in self._panes if p is not pane)
+            pane.border_title = f"{pane.base_title} · {others}" if self.single and others else pane.base_title
+
+    def set_pane_mode(self, mode: str) -> None:
+        """The palette's choice: "auto", "single" or "columns" (PANE_MODES); "save settings" keeps it."""
+        self.pane_mode = mode
+        self._check_size()
+        focused = self._focused_pane()
+        if focused is None and self.active_pane is not None:
+            self.action_focus_pane(self.active_pane)
+        self.notify(f"panes: {PANE_MODE_TEXT[mode]}", timeout=3)
 
     def _observation(self) -> ObservationPane | None:
         panes = self.screen_stack[0].query(ObservationPane)
@@ -279,8 +353,8 @@ class CalConsoleApp(App):
     def _show_topbar(self, snap: Snapshot) -> None:
         # not this simulator: the server's kind, build and model (widgets/server.py)
         if snap.server is not None or snap.device is None:
-            bar = Text.assemble(("calconsole ", "bold"), server_render.topbar(snap, getattr(self.system, "url", None)))
-            self._topbar_bar(bar)
+            server_parts = server_render.topbar_parts(snap, getattr(self.system, "url", None), self.single)
+            self._topbar_bar(self._fit_topbar(server_parts, keep_first=2))
             return
         d = snap.device
         kv = "-" if snap.kv is None else f"{snap.kv.used_tokens}/{snap.kv.capacity_tokens}"
@@ -288,20 +362,35 @@ class CalConsoleApp(App):
         # console is attached, its mode and its status are never cut
         parts: list[tuple[Text | str, str, int]] = [
             (f"{d.name}", "", 9), (mode_text(d), "", 9), (status_text(d, compact=True), "", 9)]
+        compiling = self.compiling is not None
+        if compiling:  # first start: the kernels compile (the notice lives here, not in a toast, until ready)
+            parts.append((f"kernels compiling {self.compiling}: replies timing-only", "bold yellow", 9))
         if self.where:
             parts.append((self.where, "bold cyan", 8))
         if self.listen_url:
             parts.append((f"HTTP API {self.listen_url}", "", 7))
-        if d.numerics and d.numerics_starting:  # first start: kernels compile; replies meanwhile are seeded
+        if d.numerics and d.numerics_starting and not compiling:  # starting (no stage reported yet)
             parts.append(("numerics starting: replies timing-only", "bold yellow", 8))
         if d.numerics and d.timing_only_running:  # (a timing-only device: the chat pane's banner says it)
             ids = ", ".join(str(i) for i in d.timing_only_running)
             parts.append((f"timing-only: request{'s' if len(d.timing_only_running) > 1 else ''} {ids}",
                           "bold yellow", 8))
+        if self.single:  # the status header over one pane: board state, KV, queue and the running request
+            parts += [(f"KV {kv}", "", 9), (f"queue {snap.requests.counters.queued}", "", 9),
+                      (running_text(snap), "", 9)]
         parts += [(f"requests done {snap.requests.counters.finished}", "", 4),
-                  (f"device steps {'-' if snap.jobs is None else snap.jobs.finished}", "", 2), (f"KV {kv}", "", 3),
+                  (f"device steps {'-' if snap.jobs is None else snap.jobs.finished}", "", 2),
+                  *([] if self.single else [(f"KV {kv}", "", 3)]),
                   (f"sim clock {(snap.sim_now_ms or 0.0) / 1e3:.2f} s", "", 1)]
         brief = status_text(d, compact=True, brief=True)
+        self._topbar_bar(self._fit_topbar(parts, keep_first=3, brief=brief))
+
+    def _fit_topbar(self, parts: list[tuple[Text | str, str, int]], keep_first: int,
+                    brief: Text | str | None = None) -> Text:
+        """The header from ``parts`` (text, style, keep) that fits the terminal's width: the lowest keep goes
+        first (of equal keeps the rightmost), each part whole or not at all; the first ``keep_first`` always
+        stay (the third, a device's status, shortened to ``brief`` when even they do not fit)."""
+        parts = list(parts)
         width = self.size.width - 1 if self.size.width else 1000
         if self.disconnected_since is not None:
             width -= len("DISCONNECTED since 00:00:00 (retrying) · ")
@@ -312,14 +401,14 @@ class CalConsoleApp(App):
                     bar.append(" · ")
                 bar.append_text(part if isinstance(part, Text) else Text(part, style=style))
             if bar.cell_len <= width:
-                break
-            if len(parts) <= 3:
-                if parts[2][0] == brief:
-                    break
+                return bar
+            if len(parts) <= keep_first:
+                if brief is None or parts[2][0] == brief:
+                    return bar
                 parts[2] = (brief, "", 9)  # the status without what is in effect or armed (the table has it)
                 continue
-            parts.remove(min(parts, key=lambda p: p[2]))
-        self._topbar_bar(bar)
+            # the device's name, mode and status (a server's kind and health), first in the list, stay
+            del parts[min(range(keep_first, len(parts)), key=lambda i: (parts[i][2], -i))]
 
     def _topbar_bar(self, bar: Text) -> None:
         if self.disconnected_since is not None:
@@ -337,7 +426,13 @@ class CalConsoleApp(App):
     FOCUS_TARGET = FOCUS_TARGET
 
     def action_focus_pane(self, name: str) -> None:
-        """Focus a pane: its main input, or its first enabled focusable widget."""
+        """Focus a pane: its main input, or its first enabled focusable widget. One pane at a time: show it
+        first (a hidden widget takes no focus), then focus it once it is laid out."""
+        if self.single and any(p.pane_name == name for p in self._panes):
+            if name != self.active_pane:
+                self._show_pane(name)
+                self.call_after_refresh(focus_pane, self.screen_stack[0], name)
+                return
         focus_pane(self.screen_stack[0], name)
 
     # --- help, palette --------------------------------------------------------------------------
@@ -446,6 +541,11 @@ class CalConsoleApp(App):
         for hz in self.REFRESH_CHOICES:
             yield SystemCommand(f"Refresh rate: {hz:g} Hz", f"snapshots per second (now {self.refresh_hz:g})",
                                 lambda hz=hz: self.set_refresh(hz))
+        w, h = self.layout_spec.single_pane_below
+        for mode in PANE_MODES:
+            yield SystemCommand(f"Panes: {PANE_MODE_TEXT[mode]}", f"now {PANE_MODE_TEXT[self.pane_mode]}; the "
+                                f"layout's breakpoint is {w}x{h} (save settings to keep it)",
+                                lambda mode=mode: self.set_pane_mode(mode))
         for name in ("operator", "chat"):
             yield SystemCommand(f"Layout: {name} (default at next start)", "saved in the settings file; the panes "
                                 "keep their state now", lambda name=name: self.set_default_layout(name))
@@ -473,7 +573,7 @@ class CalConsoleApp(App):
     def current_settings(self) -> Settings:
         """The settings as the console now runs (what 'save settings' writes)."""
         obs = self._observation()
-        kw: dict = {"theme": self.theme, "refresh_hz": self.refresh_hz}
+        kw: dict = {"theme": self.theme, "refresh_hz": self.refresh_hz, "panes": self.pane_mode}
         if obs is not None:
             kw["history_window_s"] = int(obs.window_s)
             kw.update(section_order=obs.settings.section_order, sections_folded=obs.settings.sections_folded,
@@ -510,6 +610,15 @@ class CalConsoleApp(App):
         if action == "focus_pane" and parameters:
             return bool(self.screen_stack[0].query(self.FOCUS_TARGET[parameters[0]]))
         return True
+
+
+def running_text(snap: Snapshot) -> str:
+    """The requests running now, from the slots: ``run #12``, ``run #12 #13 +2`` (at most two ids), ``run -``."""
+    ids = [s.request_id for s in snap.slots if s.request_id is not None and s.state != "idle"]
+    if not ids:
+        return "run -"
+    shown = " ".join(f"#{i}" for i in ids[:2])
+    return f"run {shown}" + (f" +{len(ids) - 2}" if len(ids) > 2 else "")
 
 
 class StartProgress:

@@ -12,11 +12,13 @@ from .commands.common import add_common_options, check_common, fail, finalize
 from .layout import MAX_REFRESH_HZ, MIN_REFRESH_HZ
 
 SETTINGS_HELP = """settings: {path} (YAML; optional). Keys: layout, refresh_hz, history_window_s (60|300|900),
-theme, compact (auto|on|off), audit_log, slo {{ttft_ms, tpot_ms}}, thresholds {{NAME: {{warn, crit}}}}
+theme, compact (auto|on|off), panes (auto|single|columns: one pane at a time below the layout's
+single_pane_below size, always, or never), audit_log, slo {{ttft_ms, tpot_ms}}, thresholds {{NAME: {{warn, crit}}}}
 with NAME one of {names}, sections {{order: [...], folded: [...], focus: NAME|null}} (the observation pane's
 arrangement, written at each change). Environment overrides: CALCONSOLE_CONFIG (the file),
 CALCONSOLE_LAYOUT, CALCONSOLE_REFRESH, CALCONSOLE_HISTORY_WINDOW, CALCONSOLE_THEME, CALCONSOLE_COMPACT,
-CALCONSOLE_AUDIT_LOG, CALCONSOLE_SLO_TTFT_MS, CALCONSOLE_SLO_TPOT_MS, CALCONSOLE_THRESHOLD_<NAME>=WARN,CRIT.
+CALCONSOLE_PANES, CALCONSOLE_AUDIT_LOG, CALCONSOLE_SLO_TTFT_MS, CALCONSOLE_SLO_TPOT_MS,
+CALCONSOLE_THRESHOLD_<NAME>=WARN,CRIT.
 Options given here override both; the console saves its settings from the palette (Ctrl+P). Every command
 reads the file: a bad one stops each with the same error (exit 2)."""
 

@@ -1,4 +1,7 @@
-"""Layouts: YAML files saying which panes, their sizes and the refresh rate.
+"""Layouts: YAML files saying which panes, their sizes, the refresh rate and the single-pane breakpoint.
+
+``single_pane_below: {width: W, height: H}`` (optional; default ``SINGLE_PANE_BELOW``): a terminal narrower
+than W or lower than H shows one pane at a time at full size (F1 / F2 / F3 switch) instead of the columns.
 
 Shipped layouts live in the repository's ``layouts/`` (copied into the wheel
 as ``calconsole/_layouts``); ``--layout`` takes a shipped name or a path.
@@ -24,6 +27,16 @@ SIZE_BOUNDS = {"": (1, 1000), "%": (0, 100), "fr": (0, 100)}  # (exclusive-or-1 
 MAX_DEPTH = 16  # YAML nesting; a layout needs 5 levels (columns / column / panes / pane / value)
 MAX_FILE_BYTES = 64 * 1024
 
+
+#: below this terminal size (columns, rows) the console shows one pane at a time. Measured on the operator
+#: layout (chat transcript, columns x rows): 80x24 35x5, 100x30 44x11, 110x33 49x14, 120x36 54x16, 130x40 58x19.
+#: A 128-token English reply (~4 characters a token, ~512) with its prompt and figures line takes 12 rows at 54
+#: columns (fits 16 at 120x36), 13 at 49 (only just 14 at 110x33) and 14 at 44 (not 11 at 100x30); the timing-only
+#: simulator's multi-script tokens are wider (20 rows at 54: from 130x40). At 120x36 the observation pane's
+#: device table keeps its memory figures and every maintenance button label is whole (test_console_sizes).
+SINGLE_PANE_BELOW = (120, 36)
+#: the breakpoint's bounds: not below the smallest terminal the console draws (80x24), not beyond any terminal
+BREAKPOINT_BOUNDS = ((80, 1000), (24, 1000))
 
 MAX_INT_DIGITS = 40  # an integer literal longer than this is no layout value (Python refuses > 4300)
 
@@ -71,19 +84,30 @@ class ColumnSpec:
 
 @dataclass(frozen=True)
 class Layout:
-    """A parsed layout: columns of stacked panes, refresh rate in Hz."""
+    """A parsed layout: columns of stacked panes, refresh rate in Hz, and the terminal size (columns, rows)
+    below which one pane is shown at a time."""
 
     name: str
     path: Path
     refresh_hz: float
     columns: tuple[ColumnSpec, ...]
+    single_pane_below: tuple[int, int] = SINGLE_PANE_BELOW
 
     def panes(self) -> list[str]:
         return [p.pane for c in self.columns for p in c.panes]
 
     def without(self, pane: str) -> Layout:
         cols = tuple(ColumnSpec(c.width, tuple(p for p in c.panes if p.pane != pane)) for c in self.columns)
-        return Layout(self.name, self.path, self.refresh_hz, tuple(c for c in cols if c.panes))
+        return Layout(self.name, self.path, self.refresh_hz, tuple(c for c in cols if c.panes), self.single_pane_below)
+
+    def css(self) -> str:
+        """The columns' widths and the panes' heights as Textual CSS (ids ``col<i>`` and the pane names); CSS,
+        not inline styles, so the single-pane rules of styles.tcss (more specific) can override them."""
+        rules = []
+        for i, c in enumerate(self.columns):
+            rules.append(f"#col{i} {{ width: {c.width}; }}")
+            rules += [f"#{p.pane} {{ height: {p.height}; }}" for p in c.panes]
+        return "\n".join(rules)
 
 
 def layout_dirs() -> list[Path]:
@@ -187,4 +211,19 @@ def load_layout(name_or_path: str) -> Layout:
             seen.add(p["pane"])
             specs.append(PaneSpec(p["pane"], _size(p.get("height", "1fr"), f, fld + ".height")))
         columns.append(ColumnSpec(width, tuple(specs)))
-    return Layout(name, path, float(hz), tuple(columns))
+    return Layout(name, path, float(hz), tuple(columns), _breakpoint(doc.get("single_pane_below"), f))
+
+
+def _breakpoint(v: object, file: str) -> tuple[int, int]:
+    """``single_pane_below: {width: W, height: H}`` (either may be left out: its default) as (W, H)."""
+    if v is None:
+        return SINGLE_PANE_BELOW
+    if not isinstance(v, dict) or set(v) - {"width", "height"}:
+        raise LayoutError(file, "single_pane_below", f"expected {{width: COLUMNS, height: ROWS}}, got {_show(v)}")
+    out = []
+    for key, default, (lo, hi) in zip(("width", "height"), SINGLE_PANE_BELOW, BREAKPOINT_BOUNDS, strict=True):
+        n = v.get(key, default)
+        if isinstance(n, bool) or not isinstance(n, int) or not lo <= n <= hi:
+            raise LayoutError(file, f"single_pane_below.{key}", f"expected an integer in {lo}..{hi}, got {_show(n)}")
+        out.append(int(n))
+    return out[0], out[1]

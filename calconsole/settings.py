@@ -3,8 +3,9 @@
 The file (``settings_path()``: ``$CALCONSOLE_CONFIG``, else ``<user config dir>/calconsole/config.yaml``
 from platformdirs) is optional; a missing key keeps its default. Environment variables override it,
 nvitop style: ``CALCONSOLE_LAYOUT``, ``CALCONSOLE_REFRESH`` (Hz), ``CALCONSOLE_HISTORY_WINDOW`` (s),
-``CALCONSOLE_THEME``, ``CALCONSOLE_COMPACT`` (auto|on|off), ``CALCONSOLE_AUDIT_LOG``,
-``CALCONSOLE_SLO_TTFT_MS`` / ``CALCONSOLE_SLO_TPOT_MS`` and ``CALCONSOLE_THRESHOLD_<NAME>=WARN,CRIT``.
+``CALCONSOLE_THEME``, ``CALCONSOLE_COMPACT`` (auto|on|off), ``CALCONSOLE_PANES`` (auto|single|columns),
+``CALCONSOLE_AUDIT_LOG``, ``CALCONSOLE_SLO_TTFT_MS`` / ``CALCONSOLE_SLO_TPOT_MS`` and
+``CALCONSOLE_THRESHOLD_<NAME>=WARN,CRIT``.
 ``sections: {order, folded, focus}`` is the observation pane's arrangement (names in ``SECTIONS``),
 written by the pane at each change (``save_sections``, the file's other keys kept). Command-line
 options override both. A bad value raises ``SettingsError`` naming the file (or the
@@ -33,6 +34,9 @@ from .layout import MAX_REFRESH_HZ, MIN_REFRESH_HZ
 
 HISTORY_WINDOWS_S = (60, 300, 900)  # 1 / 5 / 15 min (host wall time)
 COMPACT_MODES = ("auto", "on", "off")
+#: how the panes are shown: by the terminal's size (the layout's ``single_pane_below``), one at a time, or side
+#: by side whatever the size
+PANE_MODES = ("auto", "single", "columns")
 #: below this terminal size, compact mode "auto" switches the observation pane to compact
 COMPACT_BELOW = (120, 36)
 MAX_FILE_BYTES = 64 * 1024
@@ -82,6 +86,7 @@ class Settings:
     history_window_s: int = 300
     theme: str = "textual-dark"
     compact: str = "auto"
+    panes: str = "auto"  # PANE_MODES
     audit_log: str | None = None
     slo_ttft_ms: float = 2000.0
     slo_tpot_ms: float = 50.0
@@ -212,6 +217,8 @@ def _apply(s: Settings, source: str, data: dict[str, Any], env: bool = False) ->
             kw["theme"] = _text(source, key, v)
         elif key == "compact":
             kw["compact"] = _text(source, key, {True: "on", False: "off"}.get(v, v), COMPACT_MODES)
+        elif key == "panes":
+            kw["panes"] = _text(source, key, v, PANE_MODES)
         elif key == "audit_log":
             kw["audit_log"] = _text(source, key, v)
         elif key == "slo":
@@ -233,13 +240,13 @@ def _apply(s: Settings, source: str, data: dict[str, Any], env: bool = False) ->
             kw.update(_sections(source, v))
         else:
             raise SettingsError(source, str(key)[:40], "unknown key (layout, refresh_hz, history_window_s, theme, "
-                                                       "compact, audit_log, slo, thresholds, sections)")
+                                                       "compact, panes, audit_log, slo, thresholds, sections)")
     return s.replace(thresholds=thresholds, **kw)
 
 
 ENV_KEYS = {"CALCONSOLE_LAYOUT": "layout", "CALCONSOLE_REFRESH": "refresh_hz",
             "CALCONSOLE_HISTORY_WINDOW": "history_window_s", "CALCONSOLE_THEME": "theme",
-            "CALCONSOLE_COMPACT": "compact", "CALCONSOLE_AUDIT_LOG": "audit_log"}
+            "CALCONSOLE_COMPACT": "compact", "CALCONSOLE_PANES": "panes", "CALCONSOLE_AUDIT_LOG": "audit_log"}
 
 
 def load_settings(path: Path | None = None, environ: dict[str, str] | None = None) -> Settings:
@@ -284,7 +291,8 @@ def load_settings(path: Path | None = None, environ: dict[str, str] | None = Non
 def to_data(s: Settings) -> dict[str, Any]:
     """The file form of ``s`` (what ``save_settings`` writes)."""
     data: dict[str, Any] = {"layout": s.layout, "history_window_s": s.history_window_s, "theme": s.theme,
-                            "compact": s.compact, "slo": {"ttft_ms": s.slo_ttft_ms, "tpot_ms": s.slo_tpot_ms},
+                            "compact": s.compact, "panes": s.panes,
+                            "slo": {"ttft_ms": s.slo_ttft_ms, "tpot_ms": s.slo_tpot_ms},
                             "thresholds": {k: {"warn": t.warn, "crit": t.crit} for k, t in s.thresholds.items()},
                             "sections": sections_data(s)}
     if s.refresh_hz is not None:

@@ -1,6 +1,11 @@
 """Chat pane: multi-turn chat with streaming, cancel (Escape), sampling parameters
 and per-request TTFT / TPOT / E2E (simulated ms: device time plus the host work booked on the clock).
 
+Under each reply one line of figures (``figures_line``: TTFT, TPOT, tokens, stop); whether they are simulated
+or wall ms is said once, in the pane's border title (``ChatPane.legend``). The full set of the last reply
+(``metrics_line``: prompt and cached tokens, E2E, seed, host work, wall time streamed) is shown on demand
+(Ctrl+R).
+
 Generation runs in a thread worker; tokens reach the UI via ``call_from_thread``.
 The log is capped and append-only; the reply being streamed lives in one
 small Static that is updated at most ~15 times a second.
@@ -9,6 +14,7 @@ small Static that is updated at most ~15 times a second.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, cast
 
 from rich.cells import cell_len
@@ -63,6 +69,8 @@ STREAM_TAIL_CHARS = 600  # live stream box shows the last characters of the repl
 CANCEL_GRACE_S = 10.0  # after a no-progress cancel, how long to wait for the request to end
 NO_PROGRESS_S = 300.0  # a request that streams nothing for this long is cancelled (host wall s)
 LOG_MAX_LINES = 2000
+#: replies whose full figures the pane keeps (Ctrl+R shows the last one)
+FULL_FIGURES_KEPT = 200
 
 #: the pane's reply length; every other default comes from SamplingParams() (the engine's)
 DEFAULT_MAX_TOKENS = 128
@@ -112,6 +120,9 @@ class ChatPane(Vertical):
         Binding("ctrl+l", "new_chat", "new chat"),
         # the sampling panel had no key: it opens on its first field, and closes back to the message input
         Binding("ctrl+s", "toggle_params", "sampling"),
+        # one line of figures under a reply (the transcript keeps its rows at 80x24); the full set on demand
+        Binding("ctrl+r", "toggle_details", "figures", tooltip="the last reply's full figures: prompt and cached "
+                "tokens, E2E, seed, host work, wall time streamed"),
         # the input keeps focus: the transcript scrolls from it (one footer entry for both keys);
         # priority, as Input binds PageUp/PageDown itself (to scroll its one line)
         Binding("pageup", "scroll_log(-1)", "scroll", key_display="pgup/pgdn", priority=True),
@@ -129,6 +140,17 @@ class ChatPane(Vertical):
         self._restored: str | None = None  # the prompt _restore_prompt put back in the input
         # the device's numeric limit (new prompt tokens; 0: timing-only device; None: not known yet / no device)
         self._numeric_limit: int | None = None
+        #: the full figures (``metrics_line``) of each reply so far, oldest first (bounded); Ctrl+R shows the last
+        self.full_figures: deque[str] = deque(maxlen=FULL_FIGURES_KEPT)
+
+    @property
+    def wall_clock(self) -> bool:
+        """True when the figures are wall ms (a real server, measured by this console as its client)."""
+        return bool(getattr(self.inference, "server_kind", None))
+
+    def legend(self) -> str:
+        """The border title: the pane's name and, once, the clock its figures are in."""
+        return f"Chat · figures in {'wall' if self.wall_clock else 'sim'} ms (Ctrl+R: all)"
 
     def compose(self) -> ComposeResult:
         kind = getattr(self.inference, "server_kind", None)  # a real server (llama-server): its own model
@@ -151,6 +173,7 @@ class ChatPane(Vertical):
         yield log
         yield Static("", id="chat-stream")  # shown while a reply streams
         yield Static("", id="chat-status", classes="dim")  # shown while it has something to say
+        yield Static("", id="chat-details", classes="dim")  # the last reply's full figures (Ctrl+R)
         with Collapsible(title="sampling parameters", collapsed=True, id="chat-params"):
             # label + borderless input pairs, two per row: each value gets ~1/3 of the pane, not 5 cells
             with Grid(id="param-grid"):
@@ -223,6 +246,7 @@ class ChatPane(Vertical):
                           max_tokens=cast(Any, max_tokens), sampling=sp, stop=stops, client="chat-pane")
         event.input.value = ""
         self._restored = None
+        self._show_details(False)  # they were the previous reply's
         self._submitting = True  # set now: the handle only exists once the worker has submitted
         # the "you ..." line is written once the request is admitted (_on_started): a refused send leaves the
         # prompt in the input to edit, and each resend had added another "you ..." line
@@ -298,8 +322,10 @@ class ChatPane(Vertical):
         self._restore_prompt(prompt)
 
     def on_mount(self) -> None:
+        self.border_title = self.legend()
         self._set_stream(None)
         self._set_status("")
+        self._show_details(False)
 
     def _on_started(self, req: ChatRequest, handle: RequestStream, prompt: str) -> None:
         self.query_one("#chat-log", RichLog).write(Text.assemble(("you ", "bold cyan"), prompt))  # wraps (WrapLog)
@@ -331,8 +357,8 @@ class ChatPane(Vertical):
             reply.append(f"  [failed: {(result.error or {}).get('type_name', '')}: "
                          f"{(result.error or {}).get('message', '')}]", style="bold red")
         log.write(reply)
-        log.write(Text(metrics_line(result, time.monotonic() - self._wall_start, self._numeric_limit),
-                       style="grey62"))
+        log.write(Text(figures_line(result), style="grey62"))
+        self.full_figures.append(metrics_line(result, time.monotonic() - self._wall_start, self._numeric_limit))
         self._set_status("")
         if result.status == "finished":
             self.history.extend([{"role": "user", "content": prompt},
@@ -371,6 +397,19 @@ class ChatPane(Vertical):
     def action_cancel(self) -> None:
         if self.handle is not None:
             self.handle.cancel("cancelled from the chat pane (Esc)")
+
+    def action_toggle_details(self) -> None:
+        """Ctrl+R: show the last reply's full figures under the transcript; again, hide them."""
+        if not self.full_figures:
+            self.notify("no reply yet: the figures come under the first one", timeout=3)
+            return
+        self._show_details(not self.query_one("#chat-details", Static).display)
+
+    def _show_details(self, on: bool) -> None:
+        details = self.query_one("#chat-details", Static)
+        if on and self.full_figures:
+            details.update(Text.assemble(("last reply (Ctrl+R hides):", "bold"), self.full_figures[-1]))
+        details.display = on and bool(self.full_figures)
 
     def action_scroll_log(self, pages: int) -> None:
         """PageUp / PageDown: scroll the transcript a page while the input keeps focus."""
@@ -457,6 +496,30 @@ class Banner(Static):
 
 class ChatInput(HelpKeyInput):
     """The chat's message input: "?" on an empty input opens the help (``HelpKeyInput``), otherwise it is typed."""
+
+
+def figures_line(result) -> str:
+    """The one dim line under a reply: ``TTFT 127 ms · TPOT 17.1 ms · 128 tok · limit`` (the stop type);
+    a cancelled or failed reply says so and what is defined so far; ``timing-only`` when the tokens did not
+    come from the model. Milliseconds are sim or wall as the pane's legend says (``ChatPane.legend``); the
+    full set is ``metrics_line``."""
+    t = result.timings
+    if result.status == "finished":
+        parts = [f"TTFT {_short_ms(t.ttft_ms)}", f"TPOT {_short_ms(t.tpot_ms)}", f"{t.predicted_n} tok",
+                 result.stop_type]
+    else:
+        parts = [f"{result.status} after {t.predicted_n} tok",
+                 f"TTFT {_short_ms(t.ttft_ms)}" if t.predicted_n and t.ttft_ms is not None else "no token came"]
+    if getattr(t, "time_base", "simulated") != "wall" and not t.numerics:
+        parts.append("timing-only")
+    return "  " + " · ".join(parts)
+
+
+def _short_ms(v: float | None) -> str:
+    """127 ms, 17.1 ms: three significant figures at most (a figure line is read, not diffed)."""
+    if v is None:
+        return "-"
+    return f"{v:.0f} ms" if abs(v) >= 100 else f"{v:.1f} ms"
 
 
 def metrics_line(result, wall_s: float, limit: int | None = None) -> str:

@@ -85,6 +85,12 @@ NEED_EXCLUSIVE = "enter exclusive mode first (x)"
 #: the yes / no question each action asks first (AskModal): plane action -> (button label, question, what it does);
 #: the fault keys by their pane action (one plane action, inject_fault, for four questions)
 ASK = {
+    "save_slot": ("Save", "Save the slot's KV cache to this file?",
+                  "llama-server writes the slot's prompt cache into its --slot-save-path under this name."),
+    "restore_slot": ("Restore", "Restore the slot's KV cache from this file?",
+                     "llama-server replaces the slot's prompt cache with the file's (from its --slot-save-path)."),
+    "erase_slot": ("Erase", "Erase this slot's KV cache?",
+                   "llama-server drops the slot's cached prompt: its next request prefills from scratch."),
     "leave_exclusive": ("Leave", "Leave exclusive mode and admit requests again?",
                         "Releases the lease: the device serves requests again; maintenance actions need x first."),
     "reload_model": ("Reload", "Reload the model onto the device?",
@@ -211,7 +217,40 @@ class MaintenancePane(Vertical):
             yield Button(LABELS["m-reg-read"][0], id="m-reg-read", disabled=True, compact=True)
             yield Button(LABELS["m-reg-write"][0], id="m-reg-write", disabled=True, compact=True)
             yield Button(LABELS["m-reg-all"][0], id="m-reg-all", disabled=True, compact=True)
+        if self.leaseless and self.maintenance.offers("save_slot"):  # a llama-server's slot actions
+            with Horizontal(classes="m-row", id="m-row-slots"):
+                yield HelpKeyInput(placeholder="slot id", id="m-slot", compact=True, tooltip="the slot's id (0, 1 ...)")
+                yield HelpKeyInput(placeholder="file name", id="m-slot-file", compact=True,
+                                   tooltip="a plain file name in the server's --slot-save-path")
+                yield Button("Save…", id="m-slot-save", compact=True, tooltip="save the slot's KV to the file")
+                yield Button("Restore…", id="m-slot-restore", compact=True, tooltip="restore the slot's KV from it")
+                yield Button("Erase…", id="m-slot-erase", compact=True, tooltip="erase the slot's KV")
         yield WrapLog(id="m-log", max_lines=500, min_width=20)  # re-wraps on resize (see chat pane)
+
+    @on(Button.Pressed, "#m-slot-save, #m-slot-restore, #m-slot-erase")
+    def _slot_action(self, event: Button.Pressed) -> None:
+        """Save / restore / erase one slot of a llama-server: the slot id and (save, restore) the file name
+        checked first (``slot_filename_problem``), then asked, then run through the audited plane."""
+        action = {"m-slot-save": "save_slot", "m-slot-restore": "restore_slot", "m-slot-erase": "erase_slot"}[
+            event.button.id or ""]
+        raw = self.query_one("#m-slot", Input).value.strip()
+        try:
+            slot = int(raw)
+        except ValueError:
+            self._log(f"{action}: the slot id must be an integer (0, 1 ...), got {raw[:40]!r}", "bold red")
+            return
+        m = self.maintenance
+        if action == "erase_slot":
+            self._ask(action, lambda: m.erase_slot(None, slot), question=f"Erase slot {slot}'s KV cache?")
+            return
+        name = self.query_one("#m-slot-file", Input).value
+        problem = slot_filename_problem(name)
+        if problem is not None:
+            self._log(f"{action}: file name {name[:60]!r} refused: {problem}", "bold red")
+            return
+        fn = m.save_slot if action == "save_slot" else m.restore_slot
+        verb = "Save slot {} to {}?" if action == "save_slot" else "Restore slot {} from {}?"
+        self._ask(action, lambda: fn(None, slot, name), question=verb.format(slot, name))
 
     def on_mount(self) -> None:
         self._guarded_keys = {k.strip() for b in self.BINDINGS if isinstance(b, Binding)
@@ -225,12 +264,15 @@ class MaintenancePane(Vertical):
                       f"action is not offered by {kind} (its key says why)", "yellow")
 
     def _sync_leaseless(self) -> None:
-        kind = getattr(self.maintenance, "server_kind", "this server")
+        """A server without a lease (llama-server): only the buttons of what it offers are drawn; a row with none
+        (faults, registers) is not drawn at all. Their keys still answer, refused by the plane (audited) with
+        the reason."""
         for bid, method in BUTTON_METHOD.items():
             b = self.query_one(f"#{bid}", Button)
             b.disabled = not self.maintenance.offers(method)
-            if b.disabled:
-                b.tooltip = f"not offered by {kind}"
+            b.display = not b.disabled
+        for row in self.query(".m-row"):
+            row.display = any(b.display for b in row.query(Button))
         self.refresh_bindings()
 
     def _sync_buttons(self) -> None:
@@ -586,6 +628,37 @@ class MaintenancePane(Vertical):
         self.post_message(self.StateChanged())
         if action == "clear_device_memory" and ok:
             self.query_one("#m-reload", Button).focus()
+
+
+#: characters llama.cpp's ``fs_validate_filename`` (common/common.cpp) refuses in a slot file name, besides
+#: control characters: the path separators and the characters Windows reserves
+SLOT_FILENAME_FORBIDDEN = set('/\\:*?"<>|')
+#: its length bound, in UTF-8 bytes
+SLOT_FILENAME_MAX_BYTES = 255
+
+
+def slot_filename_problem(name: str) -> str | None:
+    """Why llama-server would refuse ``name`` as a slot file name (its ``fs_validate_filename``, checked by
+    ``/slots/{id}?action=save|restore`` before any file is touched), or None when it is acceptable: empty;
+    longer than 255 UTF-8 bytes; a control character (U+0000-U+001F, U+007F-U+009F); a path separator or
+    Windows-reserved character (``/ \\ : * ? " < > |``); a leading or trailing space; a trailing dot; "." or
+    ".." (its Unicode look-alike separators are refused here too: U+2215, U+2216, U+2044, U+FF0E)."""
+    if not name:
+        return "empty"
+    if len(name.encode("utf-8", "surrogatepass")) > SLOT_FILENAME_MAX_BYTES:
+        return f"longer than {SLOT_FILENAME_MAX_BYTES} bytes"
+    for c in name:
+        if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F:
+            return f"a control character (U+{ord(c):04X})"
+        if c in SLOT_FILENAME_FORBIDDEN or c in "\u2215\u2216\u2044\uff0e":
+            return f"the character {c!r} (no paths: a plain file name in --slot-save-path)"
+    if name in (".", ".."):
+        return "'.' and '..' are not file names"
+    if name[0] == " " or name[-1] == " ":
+        return "a leading or trailing space"
+    if name[-1] == ".":
+        return "a trailing dot"
+    return None
 
 
 def fitted_tier(widths: list[tuple[str, int]]) -> int:

@@ -415,8 +415,9 @@ class ObservationPane(VerticalScroll):
         fresh, self._fresh = self._fresh, set()
         # a hidden (folded, compact, not focused) section is not rendered at all: it costs nothing
         if "device" in visible and kind:
-            table = server_render.server_table(snap, self.compact)
-            key = ("server", snap.server, snap.slots, snap.load.busy_percent, self.compact)
+            width = self._table_width()
+            table = server_render.server_table(snap, self.compact, width)
+            key = ("server", snap.server, snap.slots, snap.load.busy_percent, self.compact, width)
             if self._shown.get("#obs-device") != key:
                 self._shown["#obs-device"] = key
                 detail = bool(snap.server and snap.server.health_detail)

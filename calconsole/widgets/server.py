@@ -52,17 +52,32 @@ def _server(snap: Snapshot) -> ServerInfo:
     return snap.server
 
 
-def server_table(snap: Snapshot, compact: bool = False) -> Group:
-    """The server row (kind, build, model, health, slots busy, context) in place of the device table."""
+def server_table(snap: Snapshot, compact: bool = False, width: int | None = None) -> Group:
+    """The server row (kind, build, model, health, slots busy, context) in place of the device table.
+
+    ``width`` (cells, the pane's; None: unknown, the row form): when the row form's headings and values do
+    not fit it side by side, the same fields are stacked, one "heading value" row each, every heading whole
+    (at 80x24 the row form read ``slo… lla… mod… hea… n_c…``); a value longer than its row wraps."""
     s = _server(snap)
     busy = sum(1 for sl in snap.slots if sl.state != "idle")
     load = snap.load
+    fields: list[tuple[str, Text | str]] = [
+        (s.kind, s.build), ("model", s.model), ("health", Text(s.health, style=health_style(s.health))),
+        ("slots busy", f"{busy}/{s.total_slots}" if s.slots_enabled else "not reported (--slots off)"),
+        ("n_ctx/slot", str(s.n_ctx)), ("busy %", "-" if load.busy_percent is None else f"{load.busy_percent:.0f}")]
+    row_width = sum(max(len(h), Text(v).cell_len if isinstance(v, str) else v.cell_len) for h, v in fields)
+    row_width += 2 * len(fields)  # padding (0, 1): a cell each side of every column
     t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
-    for col in (s.kind, "model", "health", "slots busy", "n_ctx/slot", "busy %"):
-        t.add_column(col)
-    t.add_row(s.build, s.model, Text(s.health, style=health_style(s.health)),
-              f"{busy}/{s.total_slots}" if s.slots_enabled else "not reported (--slots off)",
-              str(s.n_ctx), "-" if load.busy_percent is None else f"{load.busy_percent:.0f}")
+    if width is None or row_width <= width:
+        for heading, _ in fields:
+            t.add_column(heading)
+        t.add_row(*(v for _, v in fields))
+    else:
+        t.show_header = False
+        t.add_column(style="bold", no_wrap=True)
+        t.add_column(overflow="fold")
+        for heading, value in fields:
+            t.add_row(heading, value)
     lines: list[Any] = [t]
     if s.health_detail:
         lines.append(Text(f"health: {s.health_detail}", style="yellow"))
@@ -103,20 +118,40 @@ def subtitle(snap: Snapshot) -> str:
 
 def topbar(snap: Snapshot, url: str | None = None) -> Text:
     """The header after "calconsole ": ``llama-server b… · model … · URL · health … · slots …``."""
-    s = _server(snap)
-    busy = sum(1 for sl in snap.slots if sl.state != "idle")
-    bar = Text.assemble((f"{s.kind} {s.build}", "bold"), f" · model {s.model} · ")
-    if url:
-        bar.append(f"attached to {url}", "bold cyan")
-        bar.append(" · ")
-    bar.append_text(Text.assemble("health ", (s.health, health_style(s.health))))
-    bar.append(f" · slots {busy}/{s.total_slots} busy" if s.slots_enabled else " · slots not reported")
-    bar.append(f" · requests done here {snap.requests.counters.finished}")
+    bar = Text()
+    for i, (part, style, _) in enumerate(topbar_parts(snap, url)):
+        if i:
+            bar.append(" · ")
+        bar.append_text(part if isinstance(part, Text) else Text(part, style=style))
     return bar
+
+
+def topbar_parts(snap: Snapshot, url: str | None = None, single: bool = False) -> list[tuple[Text | str, str, int]]:
+    """The header's figures as (text, style, keep): a narrow header drops the lowest keep first, each figure
+    whole (``CalConsoleApp._fit_topbar``); what it drops is in the observation pane's server table. ``single``:
+    the status header over one pane, which keeps KV, the queue (llama-server's deferred requests) and the
+    running requests."""
+    s = _server(snap)
+    busy = [sl for sl in snap.slots if sl.state != "idle"]
+    parts: list[tuple[Text | str, str, int]] = [(f"{s.kind} {s.build}", "bold", 10),
+                                                (Text.assemble("health ", (s.health, health_style(s.health))), "", 10)]
+    slots = f"slots {len(busy)}/{s.total_slots} busy" if s.slots_enabled else "slots not reported"
+    parts.append((slots, "", 8 if single else 5))  # over one pane "run" names the busy slots' requests
+    if single:
+        kv = f"KV {s.kv_cache_tokens} tok" if s.kv_cache_tokens is not None else (
+            f"KV {100 * s.kv_cache_usage_ratio:.0f}%" if s.kv_cache_usage_ratio is not None else "KV -")
+        ids = [f"#{sl.request_id}" for sl in busy if sl.request_id is not None]
+        parts += [(kv, "", 9), (f"queue {_num(s.requests_deferred)}", "", 9),
+                  ("run " + (" ".join(ids[:2]) + (f" +{len(ids) - 2}" if len(ids) > 2 else "") if ids else "-"), "", 9)]
+    if url:
+        parts.append((f"attached to {url}", "bold cyan", 7))
+    parts.append((f"model {s.model}", "", 6))
+    parts.append((f"requests done here {snap.requests.counters.finished}", "", 3))
+    return parts
 
 
 def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:.0f} ms"
 
 
-__all__ = ["SECTION_WHAT", "absent", "kind_of", "server_header", "server_table", "subtitle", "topbar"]
+__all__ = ["SECTION_WHAT", "absent", "kind_of", "server_header", "server_table", "subtitle", "topbar", "topbar_parts"]

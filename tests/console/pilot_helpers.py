@@ -77,3 +77,10 @@ async def enter_exclusive(pilot, pane, timeout_s: float = 20.0) -> None:
     await click_button(pilot, "#m-enter")
     await confirm_ask(pilot, timeout_s)
     assert await wait_for(pilot, lambda: pane.lease is not None, timeout_s)
+
+
+def chat_text(app) -> str:
+    """The chat transcript's text (``log_text``) followed by the full figures of every reply so far (what Ctrl+R
+    shows for the last one; the transcript has one line of figures under each reply)."""
+    pane = app.screen_stack[0].query_one("#chat")
+    return log_text(app, "#chat-log") + " " + " ".join(pane.full_figures)

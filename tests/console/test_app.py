@@ -66,9 +66,19 @@ async def test_typed_prompt_streams_reply_and_counters_rise(system, monkeypatch)
         lines = log_lines(app, "#chat-log")
         assert lines[0] == "you Hello there"
         assert lines[1].startswith("model ")
-        metrics = " ".join(" ".join(lines[1:]).split())  # reply + metrics line, wrapping undone
+        # one line of figures under the reply (sim ms, said in the pane's title), the full set on Ctrl+R
+        figures = lines[-1].split()
+        assert lines[-1].startswith("  TTFT ") and " · 80 tok · limit" in lines[-1], lines[-1]
+        assert len(lines[-1]) <= app.query_one("#chat-log").size.width, figures
+        assert "sim ms" in str(app.query_one("#chat").border_title)
+        await pilot.press("ctrl+r")
+        details = app.query_one("#chat-details", Static)
+        assert await wait_for(pilot, lambda: details.display)
+        metrics = " ".join(str(details.render()).split())
         assert "TTFT" in metrics and "TPOT" in metrics and "sim ms (device time + modeled host work)" in metrics
-        assert "generated 80 tok" in metrics
+        assert "generated 80 tok" in metrics and "E2E" in metrics and "seed" in metrics
+        await pilot.press("ctrl+r")
+        assert await wait_for(pilot, lambda: not details.display)
         # the observation pane's finished-jobs counter rises (1 prefill + 79 decode jobs)
         assert await wait_for(pilot, lambda: app.last_snapshot.jobs.finished >= finished_before + 80)
         jobs_text = str(app.query_one("#obs-jobs", Static).render())

@@ -1,8 +1,12 @@
 """The whole console at every size from 80x24 up: no figure an operator needs is cut to "…".
 
 A fake system hands out the scripted snapshot (a fault fired on chip0, chip1 slow x4, KV near full), so the
-pictures are the same at every run; the clock the graphs read is frozen. Snapshot tests at 80x24, 100x30,
-120x36 and 160x48 (operator layout) and 80x24 (chat layout, the README's advice for a long transcript).
+pictures are the same at every run; the clock the graphs read is frozen. Its inference plane is a real
+timing-only simulator (a seeded generator's tokens, modeled host work: the same reply and figures at every run),
+so each picture has a chat exchange on it. Snapshot tests at 80x24, 100x30, 120x36 and 160x48 (operator
+layout) in both pane modes (one at a time, the layout's columns), and 80x24 (chat layout, columns).
+Below the layout's breakpoint (120x36) the console shows one pane at a time: the checks of a pane's text
+show that pane first (F1 / F2), as an operator does.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from textual.widgets import Input
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
 from calconsole.panes.observation import ObservationPane
+from calconsole.settings import Settings
 from calconsole.widgets import history as history_mod
 from calconsole.widgets.history import HistoryGraph, x_ticks, y_ticks
 from tests.console.pilot_helpers import typed, wait_for
@@ -41,11 +46,12 @@ class _Maintenance:
 
 
 class FakeSystem:
-    """The three planes a console needs to draw itself; nothing here runs a request."""
+    """The three planes a console needs to draw itself; requests run on ``inference`` when one is given (a
+    real simulator's plane), else nothing runs one."""
 
-    def __init__(self) -> None:
+    def __init__(self, inference=None) -> None:
         self.observation = _Observation()
-        self.inference = SimpleNamespace()
+        self.inference = inference if inference is not None else SimpleNamespace()
         self.maintenance = _Maintenance()
 
     def close(self) -> None:
@@ -65,8 +71,17 @@ def frozen_clock(monkeypatch):
     monkeypatch.setattr(obs_mod, "time", Clock)
 
 
-def console(layout: str = "operator") -> CalConsoleApp:
-    return CalConsoleApp(FakeSystem(), load_layout(layout))
+def console(layout: str = "operator", panes: str = "auto", inference=None) -> CalConsoleApp:
+    return CalConsoleApp(FakeSystem(inference), load_layout(layout), settings=Settings(panes=panes))
+
+
+async def show(pilot, key: str) -> None:
+    """F1 / F2 / F3: the pane shown (one at a time) and focused, once it is laid out."""
+    app = pilot.app
+    await pilot.press(key)
+    name = {"f1": "observation", "f2": "chat", "f3": "maintenance"}[key]
+    assert await wait_for(pilot, lambda: app.query_one(f"#{name}").size.height > 0
+                          and app._focused_pane() is app.query_one(f"#{name}"))
 
 
 async def _drawn(pilot) -> None:
@@ -74,6 +89,12 @@ async def _drawn(pilot) -> None:
     first snapshot can come before the layout knows it), every shown graph drawn."""
     app = pilot.app
     pane = app.query_one(ObservationPane)
+    if not pane.display or not pane.size.height:  # one pane at a time and another one shown: nothing to wait for
+        assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+        for inp in app.query(Input):
+            inp.cursor_blink = False
+        await pilot.pause()
+        return
 
     def settled() -> bool:
         shown = pane._shown.get("#obs-device")
@@ -96,13 +117,16 @@ def _device_lines(app) -> list[str]:
     return [strip.text for strip in dev.render_lines(dev.region.reset_offset)]
 
 
+@pytest.mark.parametrize("panes", ["columns", "single"])
 @pytest.mark.parametrize("layout", ["operator", "chat"])
 @pytest.mark.parametrize("size", SIZES)
-async def test_no_device_figure_and_no_header_part_is_cut(frozen_clock, size, layout):
+async def test_no_device_figure_and_no_header_part_is_cut(frozen_clock, size, layout, panes):
     # at 120x36 the device table read "dev hea… sta… b… …" with busy "9…"; --layout chat at 80x24
     # "bo… ok se… 0% ██▒ … ███ 9…"; the header lost its end
-    app = console(layout)
+    app = console(layout, panes)
     async with app.run_test(size=size) as pilot:
+        if panes == "single":
+            await show(pilot, "f1")
         await _drawn(pilot)
         lines = _device_lines(app)
         table = "\n".join(lines).split("faults")[0]
@@ -115,19 +139,24 @@ async def test_no_device_figure_and_no_header_part_is_cut(frozen_clock, size, la
         assert len(top) <= size[0]
 
 
+@pytest.mark.parametrize("panes", ["columns", "single"])
 @pytest.mark.parametrize("layout", ["operator", "chat"])
 @pytest.mark.parametrize("size", SIZES)
-async def test_every_graph_keeps_its_title_and_the_chat_banner_is_whole(frozen_clock, size, layout):
+async def test_every_graph_keeps_its_title_and_the_chat_banner_is_whole(frozen_clock, size, layout, panes):
     # at 120x36 the TTFT / TPOT graph had no title (plotext drops one wider than the plot) and at 80x24 the
     # chat banner read "synthetic weights: the text is not…"
-    app = console(layout)
+    app = console(layout, panes)
     async with app.run_test(size=size) as pilot:
+        if panes == "single":
+            await show(pilot, "f1")
         await _drawn(pilot)
         shown = [g for g in app.query(HistoryGraph) if g.display and g.size.width]
         assert shown
         for g in shown:
             top = g.render().plain.split("\n")[0]
             assert any(t in top for t in g.titles()), (g.spec.id, g.size, top)
+        if panes == "single":
+            await show(pilot, "f2")
         notice = app.query_one("#chat-notice")
         text = str(notice.render())
         assert text and "…" not in text and len(text) <= notice.size.width, (text, notice.size)
@@ -136,7 +165,7 @@ async def test_every_graph_keeps_its_title_and_the_chat_banner_is_whole(frozen_c
 async def test_at_120x36_the_device_table_keeps_its_memory_figures(frozen_clock):
     # at 120x36 the table went from used/physical figures (58 columns) straight to the % rows in a 56-column
     # pane, a third of it free: now the names get short first and both memories keep used/physical
-    app = console()
+    app = console(panes="columns")
     async with app.run_test(size=(120, 36)) as pilot:
         await _drawn(pilot)
         board = _device_lines(app)[1]
@@ -144,13 +173,43 @@ async def test_at_120x36_the_device_table_keeps_its_memory_figures(frozen_clock)
         assert "%" in board.split("/32G")[0]  # the busy % stays
 
 
-@pytest.mark.parametrize("size", SIZES)
-def test_console_at_each_size(snap_compare, frozen_clock, size):
-    assert snap_compare(console(), terminal_size=size, run_before=_drawn)
+@pytest.fixture
+def timing_only(make_system):
+    """A timing-only simulator (FAST pacing) of its own (no prompt cached by an earlier test): seeded tokens,
+    modeled host work, the same reply and figures every run."""
+    return make_system(numerics=False)
+
+
+async def chat_exchange(pilot, max_tokens: int = 128) -> None:
+    """A message sent in the chat pane (F2 shows it when one pane is shown at a time), its reply (seed 7)
+    and figures in the transcript, then the console drawn for its size."""
+    app = pilot.app
+    app.query_one("#p-seed").value = "7"
+    app.query_one("#p-max-tokens").value = str(max_tokens)
+    if app.single:
+        await show(pilot, "f2")
+    app.query_one("#chat-input").focus()
+    await pilot.press(*"Tell me about the device", "enter")
+    chat = app.query_one("#chat")
+    assert await wait_for(pilot, lambda: chat.full_figures and chat.handle is None
+                          and not app.query_one("#chat-log").pending)
+    await _drawn(pilot)
+
+
+#: auto at each size (one pane at a time below 120x36, the columns from there), and the other mode forced (the
+#: palette's "Panes: ...") at each size
+MODES = [(size, "auto") for size in SIZES] + [((80, 24), "columns"), ((100, 30), "columns"), ((120, 36), "single"),
+                                               ((160, 48), "single")]
+
+
+@pytest.mark.parametrize(("size", "panes"), MODES)
+def test_console_at_each_size(snap_compare, frozen_clock, timing_only, size, panes):
+    assert snap_compare(console(panes=panes, inference=timing_only.inference), terminal_size=size,
+                        run_before=chat_exchange)
 
 
 def test_chat_layout_at_80x24(snap_compare, frozen_clock):
-    assert snap_compare(console("chat"), terminal_size=(80, 24), run_before=_drawn)
+    assert snap_compare(console("chat", "columns"), terminal_size=(80, 24), run_before=_drawn)
 
 
 def test_graph_ticks_are_even_and_every_time_label_fits():

@@ -143,7 +143,7 @@ async def test_seed_minus_one_in_the_pane_is_a_random_seed(fast_system):
         await pilot.press(*"hi", "enter")
         assert await wait_for(pilot, lambda: chat.history), str(app.query_one("#chat-status").render())
         assert "-refused" not in app.query_one("#p-seed").classes
-        assert await wait_for(pilot, lambda: " seed " in " ".join(log_lines(app, "#chat-log")))
+        assert await wait_for(pilot, lambda: " seed " in " ".join(chat.full_figures))
 
 
 def test_seed_minus_one_and_llama_default_seed_are_random_in_every_edge():

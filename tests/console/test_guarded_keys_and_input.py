@@ -313,8 +313,10 @@ async def test_the_footer_shows_whole_entries_at_80_columns(fast_system):
 
 
 async def test_the_audit_log_path_wraps_at_words(fast_system, tmp_path):
-    # at 80x24 (chat layout) the path wrapped mid-word: ".../aud" / "it.jsonl"
-    app = CalConsoleApp(fast_system, load_layout("chat"))
+    # at 80x24 (chat layout, its columns) the path wrapped mid-word: ".../aud" / "it.jsonl"
+    from calconsole.settings import Settings
+
+    app = CalConsoleApp(fast_system, load_layout("chat"), settings=Settings(panes="columns"))
     async with app.run_test(size=(80, 24)) as pilot:
         pane = app.query_one(MaintenancePane)
         assert await wait_for(pilot, lambda: has(app, "#m-log", "audit log"))
@@ -373,7 +375,6 @@ def test_a_negative_seed_is_read_modulo_2_32_at_every_edge():
 
 
 async def test_seed_minus_five_in_the_pane_is_a_fixed_seed(fast_system):
-    from tests.console.pilot_helpers import log_lines
 
     app = CalConsoleApp(fast_system, load_layout("operator"))
     async with app.run_test(size=(160, 48)) as pilot:
@@ -386,7 +387,7 @@ async def test_seed_minus_five_in_the_pane_is_a_fixed_seed(fast_system):
             await pilot.press(*"hi", "enter")
             assert await wait_for(pilot, lambda: len(chat.history) == 2), str(app.query_one("#chat-status").render())
             replies.append(chat.history[-1]["content"])
-            assert await wait_for(pilot, lambda: " seed 4294967291 " in " ".join(log_lines(app, "#chat-log")))
+            assert await wait_for(pilot, lambda: " seed 4294967291 " in (list(chat.full_figures) or [""])[-1])
             await pilot.press("ctrl+l")  # the same prompt again, from an empty conversation
             assert await wait_for(pilot, lambda: not chat.history)
         assert "-refused" not in app.query_one("#p-seed").classes

@@ -15,7 +15,7 @@ from calconsole.layout import load_layout
 from calconsole.panes.maintenance import MaintenancePane
 from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
-from tests.console.pilot_helpers import click_button, confirm_ask, enter_exclusive, has, log_text, wait_for
+from tests.console.pilot_helpers import chat_text, click_button, confirm_ask, enter_exclusive, has, log_text, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,7 +134,7 @@ async def test_full_maintenance_window(system):
         assert app.query_one("#m-reset", Button).disabled
         await chat(pilot, app, "hi again", 6)
         assert await wait_for(pilot,
-                              lambda: chat_pane.handle is None and "generated 6 tok" in log_text(app, "#chat-log"))
+                              lambda: chat_pane.handle is None and "generated 6 tok" in chat_text(app))
 
     actions = [(e["action"], e["status"]) for e in m.audit.entries()]
     assert actions == [("enter_exclusive", "granted"), ("reset", "granted"), ("self_test", "granted"),

@@ -77,7 +77,7 @@ async def test_a_turn_after_a_timing_only_turn_says_it_continues_one_and_a_new_c
     reply line names Ctrl+L), then Ctrl+L and the same short turn with numerics again."""
     from calconsole.app import CalConsoleApp
     from calconsole.layout import load_layout
-    from tests.console.pilot_helpers import log_lines, wait_for
+    from tests.console.pilot_helpers import wait_for
 
     with build_system(maintenance=False, n_slots=1, numerics=True, numerics_max_prompt=40) as s:
         app = CalConsoleApp(s, load_layout("chat"))
@@ -86,14 +86,14 @@ async def test_a_turn_after_a_timing_only_turn_says_it_continues_one_and_a_new_c
             chat = app.query_one("#chat")
 
             async def turn(text: str) -> str:
-                n = len(chat.query_one("#chat-log").lines)
+                n = len(chat.full_figures)
                 await pilot.click("#chat-input")
                 app.query_one("#chat-input").value = text
                 await pilot.press("enter")
                 assert await wait_for(pilot, lambda: chat.handle is None and not chat._submitting
                                       and not chat.query_one("#chat-log").pending
-                                      and any("prompt " in ln for ln in log_lines(app, "#chat-log")[n:]), 60.0)
-                return re.sub(r"\s+", " ", " ".join(log_lines(app, "#chat-log")[n:]))  # wrapped lines joined
+                                      and len(chat.full_figures) > n, 60.0)
+                return chat.full_figures[-1]  # the reply's full figures (Ctrl+R shows them)
 
             assert await wait_for(pilot, lambda: chat._numeric_limit == 40)  # the first snapshot came
             first = await turn("hi")

@@ -11,12 +11,12 @@ from textual.widgets import Button
 
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
-from calconsole.panes.chat import PARAMS, SYNTHETIC_BANNERS, metrics_line, param_defaults
+from calconsole.panes.chat import PARAMS, SYNTHETIC_BANNERS, figures_line, metrics_line, param_defaults
 from calconsole.panes.maintenance import LABELS, MaintenancePane, fitted_label, fitted_tier
 from calconsole.widgets import render
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.planes import SamplingParams
-from tests.console.pilot_helpers import log_text, typed_step, wait_for
+from tests.console.pilot_helpers import chat_text, log_text, typed_step, wait_for
 
 
 @pytest.fixture
@@ -145,7 +145,7 @@ async def test_long_user_turn_wraps_and_stays_visible_while_the_reply_streams(sy
         assert app.query_one("#chat-stream").display
         await pilot.press("escape")
         assert await wait_for(pilot, lambda: chat.handle is None)
-        text = log_text(app, "#chat-log")
+        text = chat_text(app)
         assert f"you {msg}" in text
         assert "[cancelled:" in text and "cancelled after" in text
         assert "TPOT/E2E are for finished replies only" in text
@@ -172,6 +172,16 @@ def test_metrics_line_for_finished_cancelled_and_failed_replies():
     assert "12.0" not in cancelled and "99.0" not in cancelled and "stop none" not in cancelled
     failed = metrics_line(R("failed", 0, None), 1.0)
     assert "failed after 0 tok · no token came" in failed and "TTFT" not in failed
+    # the one line under a reply: the issue's own example, ms with three significant figures
+    r = R("finished", 128, 127.2)
+    r.timings = Timings(**dict(base, prompt_n=10, cache_n=0, predicted_n=128, ttft_ms=127.2, tpot_ms=17.08,
+                              e2e_ms=2294.6, numerics=True))
+    assert figures_line(r) == "  TTFT 127 ms · TPOT 17.1 ms · 128 tok · limit"
+    assert figures_line(R("cancelled", 3, 30.0)) == "  cancelled after 3 tok · TTFT 30.0 ms"
+    assert figures_line(R("failed", 0, None)) == "  failed after 0 tok · no token came"
+    r.timings = Timings(**dict(base, prompt_n=10, cache_n=0, predicted_n=4, ttft_ms=9.0, tpot_ms=2.0,
+                              e2e_ms=15.0, numerics=False))
+    assert figures_line(r).endswith("· 4 tok · limit · timing-only")
 
 
 # --- 5. the per-layer table -------------------------------------------------------------------

@@ -16,7 +16,7 @@ from calconsole.remote import connect
 from calconsole.server.face import ServingFace
 from calconsole.server.run import ServerThread
 from sim_backend.planes import ChatRequest
-from tests.console.pilot_helpers import click_button, confirm_ask, log_text, wait_for
+from tests.console.pilot_helpers import chat_text, click_button, confirm_ask, log_text, wait_for
 
 from .conftest import ADMIN_KEY
 
@@ -42,7 +42,7 @@ async def test_an_attached_console_streams_chat_and_another_client_sees_it(make_
             await pilot.press(*"Hello there")
             await pilot.press("enter")
             assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None)
-            assert "generated 12 tok" in log_text(app, "#chat-log")
+            assert "generated 12 tok" in chat_text(app)
             # the console's counters follow the server's device...
             assert await wait_for(pilot, lambda: app.last_snapshot.requests.counters.finished == 1)
             # ...and a second attached client sees the same request

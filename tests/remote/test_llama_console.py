@@ -25,7 +25,7 @@ from calconsole.app import CalConsoleApp
 from calconsole.cli import main
 from calconsole.layout import load_layout
 from calconsole.remote import NotAServer, connect
-from tests.console.pilot_helpers import confirm_ask, log_text, wait_for
+from tests.console.pilot_helpers import chat_text, confirm_ask, log_text, wait_for
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -100,10 +100,12 @@ async def test_the_console_names_the_server_fills_slots_while_streaming_and_show
             await pilot.press(*"Write one sentence about the sea.")
             await pilot.press("enter")
             assert await wait_for(pilot, lambda: app.query_one("#chat").handle is None, timeout_s=60)
-            # the log renders a reply in slices: wait for its metrics line to be drawn
-            assert await wait_for(pilot, lambda: "(client wall)" in log_text(app, "#chat-log"))
-            log = log_text(app, "#chat-log")
-            reply = log.split("model ", 1)[1].split(" prompt ", 1)[0]
+            # the log renders a reply in slices: wait for its figures line to be drawn
+            chat = app.query_one("#chat")
+            assert await wait_for(pilot, lambda: " tok · " in log_text(app, "#chat-log") and chat.full_figures)
+            assert "wall ms" in str(chat.border_title)  # the one-line figures are wall ms, said once
+            log = chat_text(app)
+            reply = log.split("model ", 1)[1].split(" TTFT ", 1)[0]
             assert "\ufffd" not in log
             assert re.search(r"[A-Za-z]+( [A-Za-z]+){2,}", reply), reply  # words of ASCII letters and spaces
             # the server's timings as wall ms, and the latencies measured here as client
@@ -148,6 +150,11 @@ async def test_a_maintenance_action_llama_server_lacks_is_refused_with_the_reaso
             assert await wait_for(pilot, lambda: app.last_snapshot is not None)
             pane = app.query_one("#maintenance")
             assert app.query_one("#m-reset").disabled and not app.query_one("#m-health").disabled
+            # only what llama-server offers is drawn: no reset, CCU / D2D fault or register action
+            for sel in ("#m-reset", "#m-enter", "#m-f-ccu", "#m-f-link", "#m-reg-read"):
+                assert not app.query_one(sel).display, sel
+            assert not app.query_one("#m-row-faults").display and not app.query_one("#m-row-reg").display
+            assert app.query_one("#m-health").display and app.query_one("#m-clearkv").display
             await pilot.press("f3")
             await pilot.press("x")
             assert await wait_for(pilot, lambda: "not offered by llama-server: it has no exclusive mode"
@@ -369,3 +376,116 @@ def test_an_idle_slot_keeps_its_last_task_as_llama_server_reports_it() -> None:
     assert (ran.prompt_n, ran.max_tokens, ran.params) == (39, 8, {"temperature": 0.0, "n_predict": 8})
     busy = slot_view({"id": 1, "is_processing": True, "id_task": 9, "params": {"n_predict": 4}})
     assert (busy.state, busy.request_id, busy.last_request_id, busy.max_tokens) == ("processing", 9, 9, 4)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (160, 48)])
+async def test_the_header_drops_whole_figures_at_every_size(llama_server: Any, tmp_path: Path, size) -> None:
+    # at 80x24 it ended "model SmolLM2-135M-Instruct.Q4_1.gguf ·", cut
+    system = connect(llama_server.url, audit_path=tmp_path / "audit.jsonl")
+    try:
+        app = CalConsoleApp(system, load_layout("operator"))
+        async with app.run_test(size=size) as pilot:
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None and "health" in topbar(app))
+            top = topbar(app)
+            assert len(top) < size[0] and not top.rstrip().endswith("·"), top
+            parts = top.removeprefix("calconsole ").split(" · ")
+            assert parts[0].startswith("llama-server ") and parts[1].startswith("health "), top
+            if app.single:  # the status header over one pane: KV, queue and running requests kept
+                heads = [p.split()[0] for p in parts]
+                assert "KV" in heads and "queue" in heads and "run -" in parts, top
+            else:
+                assert f"model {MODEL}" in parts, top  # room for it: whole
+    finally:
+        system.close()
+
+
+@pytest.mark.parametrize("panes", ["single", "columns"])
+async def test_at_80x24_no_heading_of_the_server_table_is_cut(llama_server: Any, tmp_path: Path, panes) -> None:
+    # the row form read "slo… lla… mod… hea… n_c…" in a 36-column pane; stacked rows keep every heading whole
+    from calconsole.settings import Settings
+
+    system = connect(llama_server.url, audit_path=tmp_path / "audit.jsonl")
+    try:
+        app = CalConsoleApp(system, load_layout("operator"), settings=Settings(panes=panes))
+        async with app.run_test(size=(80, 24)) as pilot:
+            await pilot.press("f1")
+            dev = app.query_one("#obs-device", Static)
+
+            def lines() -> list[str]:
+                return [strip.text for strip in dev.render_lines(dev.region.reset_offset)]
+
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None and dev.size.height > 0
+                                  and any("health" in ln for ln in lines()))
+            await pilot.pause()
+            text = "\n".join(lines())
+            assert "…" not in text, text
+            for heading in ("llama-server", "model", "health", "slots busy", "n_ctx/slot", "busy %"):
+                assert heading in text, (heading, text)
+            assert "SmolLM2" in text
+    finally:
+        system.close()
+
+
+async def _slot_button(pilot, app, slot: str, name: str | None, button: str) -> None:
+    app.query_one("#m-slot").value = slot
+    if name is not None:
+        app.query_one("#m-slot-file").value = name
+    app.query_one(button).press()
+    await pilot.pause()
+
+
+async def test_the_pane_saves_restores_and_erases_a_slot(llama_server_slot_save: Any, tmp_path: Path) -> None:
+    from calconsole.widgets.confirm import AskModal
+
+    audit = tmp_path / "audit.jsonl"
+    system = connect(llama_server_slot_save.url, audit_path=audit)
+    try:
+        from sim_backend.planes import ChatRequest
+
+        system.inference.generate(ChatRequest.from_prompt("hi", max_tokens=2), timeout=60)  # a slot with KV
+        app = CalConsoleApp(system, load_layout("operator"))
+        async with app.run_test(size=(160, 48)) as pilot:
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+            assert app.query_one("#m-row-slots").display and app.query_one("#m-slot-save").size.width > 0
+            # checked as llama-server checks it, before any request (nothing to confirm, nothing audited)
+            for bad in ("../escape.bin", "a:b", " lead", "trail.", ".."):
+                await _slot_button(pilot, app, "0", bad, "#m-slot-save")
+                assert not isinstance(app.screen, AskModal)
+                assert await wait_for(pilot, lambda bad=bad: f"{bad!r} refused" in log_text(app, "#m-log")), bad
+            await _slot_button(pilot, app, "x", "ok.bin", "#m-slot-save")
+            assert await wait_for(pilot, lambda: "the slot id must be an integer" in log_text(app, "#m-log"))
+            for button in ("#m-slot-save", "#m-slot-restore", "#m-slot-erase"):
+                await _slot_button(pilot, app, "0", "slot0.bin", button)
+                await confirm_ask(pilot)
+            assert await wait_for(pilot, lambda: sum(f"{a}: ok" in log_text(app, "#m-log")
+                                                     for a in ("save_slot", "restore_slot", "erase_slot")) == 3), \
+                log_text(app, "#m-log")
+        done = [json.loads(line) for line in audit.read_text().splitlines()]
+        done = [r for r in done if r["phase"] == "finished"]
+        assert [(r["action"], r["granted"]) for r in done] == [("save_slot", True), ("restore_slot", True),
+                                                               ("erase_slot", True)]
+    finally:
+        system.close()
+
+
+async def test_without_a_slot_save_path_the_pane_shows_llama_servers_refusal(llama_server: Any,
+                                                                            tmp_path: Path) -> None:
+    system = connect(llama_server.url, audit_path=tmp_path / "audit.jsonl")
+    try:
+        app = CalConsoleApp(system, load_layout("operator"))
+        async with app.run_test(size=(160, 48)) as pilot:
+            assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+            await _slot_button(pilot, app, "0", "slot0.bin", "#m-slot-save")
+            await confirm_ask(pilot)
+            assert await wait_for(pilot, lambda: "--slot-save-path" in log_text(app, "#m-log")), log_text(app, "#m-log")
+    finally:
+        system.close()
+
+
+def test_slot_file_names_are_checked_as_llama_server_checks_them() -> None:
+    from calconsole.panes.maintenance import slot_filename_problem
+
+    assert slot_filename_problem("slot0.bin") is None and slot_filename_problem("ünï code.bin") is None
+    for bad in ("", "a/b", "a\\b", "a:b", "a*b", "a?b", 'a"b', "a<b", "a>b", "a|b", "a\x01b", "a\x7fb", " a", "a ",
+                "a.", ".", "..", "a\u2215b", "x" * 256):
+        assert slot_filename_problem(bad) is not None, repr(bad)
