@@ -336,6 +336,43 @@ def test_metrics_families_and_types(pair: tuple[str, str]) -> None:
         assert int(r.headers["process-start-time-unix"]) > 0
 
 
+#: the requests whose raw header names are compared: JSON, Prometheus text, an SSE stream, an error, a preflight
+HEADER_CASES = [
+    ("GET", "/health", None, {}),
+    ("GET", "/v1/models", None, {}),
+    ("GET", "/metrics", None, {}),
+    ("POST", "/completion", {"prompt": "Hi", "n_predict": 1}, {}),
+    ("POST", "/completion", {"prompt": "Hi", "n_predict": 2, "stream": True}, {}),
+    ("GET", "/no-such-route", None, {}),
+    ("GET", "/health", None, {"Origin": "http://localhost:5173"}),
+    ("OPTIONS", CHAT, None, {"Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST"}),
+]
+#: names llama-server writes and we do not (ALLOW header:only-theirs), in lower case
+ONLY_THEIRS = {"server", "keep-alive", "access-control-allow-origin", "connection"}
+
+
+@pytest.mark.parametrize("method,path,body,headers", HEADER_CASES,
+                         ids=[f"{m} {p} {sorted(h)}{'' if b is None else ' ' + json.dumps(b)[:30]}"
+                              for m, p, b, h in HEADER_CASES])
+def test_header_names_as_llama_server_writes_them(pair: tuple[str, str], method: str, path: str, body: Any,
+                                                  headers: dict[str, str]) -> None:
+    """The raw header names on the wire (``Headers.raw``: as received, not folded): every name both send is
+    spelled alike (llama.cpp's test harness keeps headers in a plain dict); the ones only llama-server sends are
+    the allow-listed ones."""
+    ours, theirs = (call(u, method, path, body, headers=headers) for u in pair)
+    assert ours.status_code == theirs.status_code
+    a = {k.decode(): v for k, v in ours.headers.raw}
+    b = {k.decode(): v for k, v in theirs.headers.raw}
+    shared = {k.lower() for k in a} & {k.lower() for k in b}
+    assert shared >= {"content-type"} or method == "OPTIONS", (a, b)
+    spelled = {k: ([x for x in a if x.lower() == k], [x for x in b if x.lower() == k]) for k in shared}
+    assert {k: v for k, v in spelled.items() if v[0] != v[1]} == {}
+    only = ONLY_THEIRS | ({"access-control-allow-headers"} if method == "OPTIONS" else set())
+    assert {k.lower() for k in b} - {k.lower() for k in a} <= only
+    # ours beyond theirs: Date, the stream's request id and prompt tokens, Cache-Control, Vary; all Title-Case
+    assert all(k == "-".join(w.capitalize() for w in k.split("-")) for k in a), list(a)
+
+
 def test_cors_preflight(pair: tuple[str, str]) -> None:
     h = {"Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST",
          "Access-Control-Request-Headers": "content-type,authorization"}
