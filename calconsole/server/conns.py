@@ -65,8 +65,8 @@ except ImportError:  # pragma: no cover - not POSIX
 def error_bytes(status: int, type_: str, message: str, reason: str) -> bytes:
     """A whole HTTP/1.1 response with llama-server's JSON error body and ``Connection: close``."""
     body = json.dumps(HTTPError(status, type_, message).body(), separators=(",", ":")).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json; charset=utf-8\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode("ascii")
+    head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode("ascii")
     return head + body
 
 

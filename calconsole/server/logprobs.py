@@ -21,8 +21,10 @@ per token: ``id``, ``token`` (its text, an incomplete UTF-8 tail cut), ``bytes``
 ``top_logprobs`` (entries of ``id``, ``token``, ``bytes``, ``logprob``); with ``post_sampling_probs``:
 ``prob`` and ``top_probs`` (probabilities in [0, 1]). A probability of 0 is ``logprob`` -3.4028234663852886e38
 (llama-server's ``logarithm(0)``: the lowest float, JSON has no -inf). The probabilities are the plane's
-(``sim_backend.planes.TokenProbs``): from the logits the device returned, or, timing-only, from the seeded
-generator's distribution, which the ``calconsole`` key says (``logprobs_source``), never the OpenAI shape.
+(``sim_backend.planes.TokenProbs``): from the logits the device returned, which the ``calconsole`` key says
+(``logprobs_source``), never the OpenAI shape. A request that would run timing-only has no logits: the engine
+refuses it (400, ``sim_backend.serving.admission.NO_LOGITS``). ``SOURCE_GENERATOR`` is how a calconsole before
+that labelled the seeded generator's distribution; the remote planes still read it as not from logits.
 """
 
 from __future__ import annotations

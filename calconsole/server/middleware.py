@@ -1,5 +1,13 @@
-"""ASGI middleware of the face, outermost first: the access log, CORS (Starlette's), the body limit and
-the key check. Routes see only requests that passed; every refusal is llama-server's error body.
+"""ASGI middleware of the face, outermost first: the header casing (around everything, the request bound of
+the conns module included), the access log, CORS (Starlette's), the body limit and the key check. Routes see
+only requests that passed; every refusal is llama-server's error body.
+
+- ``HeaderCase``: response header names as llama-server writes them (``Content-Type``,
+  ``Access-Control-Allow-Origin``, ``Process-Start-Time-Unix``) and the ``Date`` header (uvicorn's own is
+  off: it writes ``date``). Starlette lower-cases every name; HTTP says case does not matter, but clients
+  that keep headers in a plain dict (llama.cpp's test harness) look them up by llama-server's spelling. h11
+  writes the names it is given as given and title-cases the ones it adds (``Connection``,
+  ``Transfer-Encoding``).
 
 - ``AccessLog``: one line per request when it ends (remote, method, path, status, wall ms, key label;
   never a key; control characters in a path escaped so a log line cannot be forged).
@@ -13,9 +21,11 @@ the key check. Routes see only requests that passed; every refusal is llama-serv
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
+from email.utils import formatdate
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -67,6 +77,49 @@ class AccessLog:
                 path = path.encode("unicode_escape").decode("ascii")
             log.info('%s "%s %s" %d %.1fms key=%s', f"{client[0]}:{client[1]}" if client else "?",
                      scope["method"], path, code, (time.perf_counter() - t0) * 1e3, label)
+
+
+#: names whose usual spelling is not plain Title-Case (RFC 9110's own spellings)
+_SPELLED = {b"www-authenticate": b"WWW-Authenticate", b"etag": b"ETag", b"te": b"TE"}
+
+
+@functools.lru_cache(maxsize=512)
+def header_case(name: bytes) -> bytes:
+    """``b"process-start-time-unix"`` -> ``b"Process-Start-Time-Unix"``: each dash-separated word capitalised,
+    as llama-server (cpp-httplib) writes its names; a few names keep their RFC spelling (``WWW-Authenticate``).
+    Cached: the server writes a small, fixed set of names."""
+    low = name.lower()
+    return _SPELLED.get(low) or b"-".join(w[:1].upper() + w[1:] for w in low.split(b"-"))
+
+
+class HeaderCase:
+    """Response header names in llama-server's casing, and ``Date`` (RFC 9110 §6.6.1: an origin server with a
+    clock sends it), formatted once per second."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self._date_s = -1
+        self._date = b""
+
+    def _date_now(self) -> bytes:
+        now = int(time.time())
+        if now != self._date_s:
+            self._date_s, self._date = now, formatdate(now, usegmt=True).encode("ascii")
+        return self._date
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def cased(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(header_case(k), v) for k, v in message.get("headers", ())]
+                headers.append((b"Date", self._date_now()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, cased)
 
 
 async def _refuse(send: Any, err: HTTPError) -> None:
@@ -134,4 +187,4 @@ class KeyCheck:
         await self.app(scope, receive, send)
 
 
-__all__ = ["AccessLog", "BodyLimit", "BodyTooLarge", "KeyCheck"]
+__all__ = ["AccessLog", "BodyLimit", "BodyTooLarge", "HeaderCase", "KeyCheck", "header_case"]

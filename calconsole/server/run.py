@@ -22,6 +22,7 @@ import uvicorn
 
 from .conns import ConnectionGuard, GuardedH11Protocol, RequestBound
 from .face import ServingFace, build_app
+from .middleware import HeaderCase
 
 log = logging.getLogger("calconsole.serve")
 #: how long in-flight responses get to finish after a stop is asked (host s); then they are cancelled
@@ -82,7 +83,7 @@ def _app_with_lifespan(face: ServingFace, on_started: Callable[[], None] | None 
     c = face.config
     # requests in progress, not connections: idle ones cannot take this capacity (conns module)
     face.request_bound = RequestBound(app, max_active=c.max_streams + c.max_snapshot_streams + 64)
-    return face.request_bound
+    return HeaderCase(face.request_bound)  # outermost: the bound's own refusals are cased too
 
 
 class _Server(uvicorn.Server):
@@ -142,7 +143,8 @@ def _config(face: ServingFace, *, signals: bool, on_started: Callable[[], None] 
     return uvicorn.Config(_app_with_lifespan(face, on_started), log_config=None, access_log=False, lifespan="on",
                           http=proto,
                           timeout_graceful_shutdown=int(GRACEFUL_S), timeout_keep_alive=5,
-                          h11_max_incomplete_event_size=64 * 1024, server_header=False, date_header=True)
+                          h11_max_incomplete_event_size=64 * 1024, server_header=False,
+                          date_header=False)  # HeaderCase writes Date (uvicorn's is lower-case)
 
 
 def serve_foreground(face: ServingFace, socks: socket.socket | list[socket.socket],

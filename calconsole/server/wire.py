@@ -110,6 +110,8 @@ def result_error(res: RequestResult) -> HTTPError:
         return HTTPError(503, "unavailable_error", f"request cancelled: {msg}")
     if kind in ("KVExhausted", "DeviceNotReady", "unavailable_error"):
         return HTTPError(503, "unavailable_error", msg)
+    if kind == "invalid_request_error":  # refused once admitted (admission.NO_LOGITS): the request's, not ours
+        return HTTPError(400, "invalid_request_error", msg)
     return HTTPError(500, "server_error", f"{kind}: {msg}" if kind else msg)
 
 

@@ -38,19 +38,19 @@ Leaving stopped replies out of TTFT would bias it toward short replies.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
 import numpy as np
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from sim_backend.planes.types import SLO
 
-__all__ = ["SLO", "MetricsRegistry", "percentiles", "request_latencies"]
+__all__ = ["SLO", "MetricsRegistry", "PromFamily", "exposition", "percentiles", "request_latencies"]
 
 # Histogram bucket upper bounds in seconds (Prometheus convention is base units).
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -265,68 +265,126 @@ class MetricsRegistry:
 
     # --- Prometheus ---------------------------------------------------------------
 
-    def collect(self) -> Iterator[Metric]:
-        """prometheus_client custom-collector protocol: yields metric families."""
-        with self._lock:
-            def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
-                return CounterMetricFamily(f"llamacpp:{name}", doc, value=v)
+    def families(self) -> list[PromFamily]:
+        """The metric families of ``/metrics``, in llama-server's order and with its exact names and types.
 
-            yield counter("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens.",
-                          self.prompt_tokens)
-            yield counter("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache.",
-                          self.cache_tokens)
-            yield counter("prompt_seconds_total", "Prompt process time (simulated device seconds).",
-                          self.prompt_ms_total / 1e3)
-            yield counter("tokens_predicted_total", "Number of generation tokens processed.", self.predicted_tokens)
-            yield counter("tokens_predicted_seconds_total", "Predict process time (simulated device seconds).",
-                          self.predicted_ms_total / 1e3)
-            yield counter("n_decode_total", "Total number of device steps (llama_decode() calls).", self.n_decode)
-            # a counter in llama.cpp's exposition too, though it is a maximum
-            yield counter("n_tokens_max", "Largest observed sequence length (prompt + generation).",
-                          self.n_tokens_max)
-            # no draft model: speculative decoding never runs, its counters stay 0 (llama.cpp exports them anyway)
-            yield counter("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated.", 0)
-            yield counter("spec_decode_num_accepted_tokens_total",
-                          "Speculative: Total draft tokens accepted by the target model.", 0)
-            yield counter("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps.",
-                          0)
-            yield counter("requests_submitted_total", "Requests accepted into the queue.", self.submitted)
-            yield counter("requests_finished_total", "Requests that finished.", self.finished)
-            yield counter("requests_failed_total", "Requests that failed with an error.", self.failed)
-            yield counter("requests_cancelled_total", "Requests cancelled by the client or maintenance.",
-                          self.cancelled)
-            yield counter("requests_rejected_total", "Requests refused at admission.", self.rejected)
-            yield counter("requests_good_total", "Finished requests meeting every configured SLO (goodput).",
-                          self.good_requests)
-            yield GaugeMetricFamily("llamacpp:requests_processing", "Number of requests processing.",
-                                    value=self.running)
-            yield GaugeMetricFamily("llamacpp:requests_deferred", "Number of requests deferred (queued).",
-                                    value=self.queued)
-            yield GaugeMetricFamily("llamacpp:kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage.",
-                                    value=self.kv_usage_ratio)
+        llama-server's families first (checked against a real one: tests/server/test_parity_llama_server.py),
+        then ours (request counters, KV ratio, latency histograms). Counters are cumulative since start;
+        times are simulated device seconds.
+        """
+        with self._lock:
+            def counter(name: str, doc: str, v: float) -> PromFamily:
+                return PromFamily(f"llamacpp:{name}", "counter", doc, ((f"llamacpp:{name}", (), v),))
+
+            def gauge(name: str, doc: str, v: float) -> PromFamily:
+                return PromFamily(f"llamacpp:{name}", "gauge", doc, ((f"llamacpp:{name}", (), v),))
+
             pt = self.prompt_ms_total / 1e3
             gt = self.predicted_ms_total / 1e3
-            yield GaugeMetricFamily("llamacpp:prompt_tokens_seconds", "Average prompt throughput in tokens/s.",
-                                    value=self.prompt_tokens / pt if pt > 0 else 0.0)
-            yield GaugeMetricFamily("llamacpp:predicted_tokens_seconds", "Average generation throughput in tokens/s.",
-                                    value=self.predicted_tokens / gt if gt > 0 else 0.0)
-            yield GaugeMetricFamily("llamacpp:n_busy_slots_per_decode",
-                                    "Average number of busy slots per device step (llama_decode() call).",
-                                    value=self.n_busy_slots_total / self.n_decode if self.n_decode else 0.0)
+            out = [
+                counter("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
+                        self.prompt_tokens),
+                counter("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache",
+                        self.cache_tokens),
+                counter("prompt_seconds_total", "Total time spent processing prompts (simulated device seconds)",
+                        pt),
+                counter("tokens_predicted_total", "Number of generation tokens processed", self.predicted_tokens),
+                counter("tokens_predicted_seconds_total",
+                        "Total time spent generating tokens (simulated device seconds)", gt),
+                counter("n_decode_total", "Total number of device steps (llama_decode() calls)", self.n_decode),
+                # llama-server types this maximum a counter and gives it no _total suffix: so do we
+                counter("n_tokens_max", "Largest observed sequence length (prompt + generation)", self.n_tokens_max),
+                # no draft model: speculative decoding never runs, its counters stay 0 (llama.cpp exports them anyway)
+                counter("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0),
+                counter("spec_decode_num_accepted_tokens_total",
+                        "Speculative: Total draft tokens accepted by the target model", 0),
+                counter("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps",
+                        0),
+                gauge("prompt_tokens_seconds", "Average prompt throughput in tokens/s",
+                      self.prompt_tokens / pt if pt > 0 else 0.0),
+                gauge("predicted_tokens_seconds", "Average generation throughput in tokens/s",
+                      self.predicted_tokens / gt if gt > 0 else 0.0),
+                gauge("requests_processing", "Number of requests processing", self.running),
+                gauge("requests_deferred", "Number of requests deferred (queued)", self.queued),
+                gauge("n_busy_slots_per_decode", "Average number of busy slots per device step (llama_decode() call)",
+                      self.n_busy_slots_total / self.n_decode if self.n_decode else 0.0),
+                # ours beyond llama-server's
+                counter("requests_submitted_total", "Requests accepted into the queue", self.submitted),
+                counter("requests_finished_total", "Requests that finished", self.finished),
+                counter("requests_failed_total", "Requests that failed with an error", self.failed),
+                counter("requests_cancelled_total", "Requests cancelled by the client or maintenance", self.cancelled),
+                counter("requests_rejected_total", "Requests refused at admission", self.rejected),
+                counter("requests_good_total", "Finished requests meeting every configured SLO (goodput)",
+                        self.good_requests),
+                gauge("kv_cache_usage_ratio", "KV-cache usage. 1 means 100 percent usage", self.kv_usage_ratio),
+            ]
             for key, name, doc in (("ttft", "time_to_first_token_seconds", "Time to first token"),
                                    ("itl", "inter_token_latency_seconds", "Inter-token latency"),
                                    ("e2e", "e2e_request_latency_seconds", "End-to-end request latency"),
                                    ("tpot", "time_per_output_token_seconds", "Time per output token"),
                                    ("queue", "request_queue_time_seconds", "Time in queue before a slot")):
                 h = self.hist[key]
-                buckets = [(f"{b:g}", float(c)) for b, c in zip(LATENCY_BUCKETS_S, h.counts, strict=True)]
-                buckets.append(("+Inf", float(h.count)))
-                yield HistogramMetricFamily(f"llamacpp:{name}",
-                                            f"{doc} (simulated device seconds); samples from {SAMPLED_FROM[key]}.",
-                                            buckets=buckets, sum_value=h.sum_s)
+                full = f"llamacpp:{name}"
+                samples: list[PromSample] = [(f"{full}_bucket", (("le", _go_float(b)),), int(c))
+                                             for b, c in zip(LATENCY_BUCKETS_S, h.counts, strict=True)]
+                samples += [(f"{full}_bucket", (("le", "+Inf"),), h.count), (f"{full}_count", (), h.count),
+                            (f"{full}_sum", (), h.sum_s)]
+                out.append(PromFamily(full, "histogram",
+                                      f"{doc} (simulated device seconds); samples from {SAMPLED_FROM[key]}.",
+                                      tuple(samples)))
+            return out
 
     def prometheus_text(self) -> str:
-        """Prometheus text exposition format (version 0.0.4)."""
-        reg = CollectorRegistry(auto_describe=False)
-        reg.register(self)
-        return generate_latest(reg).decode("utf-8")
+        """Prometheus text exposition format (version 0.0.4) of ``families()``, written here rather than by a
+        client library so the names and types are exactly llama-server's whatever library is installed
+        (prometheus_client 0.26 renames a counter without ``_total``, as llama-server's ``n_tokens_max``)."""
+        return exposition(self.families())
+
+
+#: one sample: (name, ((label, value), ...), value)
+PromSample = tuple[str, tuple[tuple[str, str], ...], float]
+
+
+@dataclass(frozen=True)
+class PromFamily:
+    """One metric family of a Prometheus text exposition: ``# HELP``, ``# TYPE`` and its samples.
+
+    ``type``: "counter" | "gauge" | "histogram"; ``samples`` written as given (a histogram's ``_bucket`` with
+    its ``le`` label, ``_count``, ``_sum``).
+    """
+
+    name: str
+    type: str
+    help: str
+    samples: tuple[PromSample, ...]
+
+
+def _go_float(v: float) -> str:
+    """A sample value as Prometheus writes one: integers without a fraction, ``+Inf`` / ``-Inf`` / ``NaN``."""
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return str(int(v))
+    f = float(v)
+    if math.isnan(f):
+        return "NaN"
+    if math.isinf(f):
+        return "+Inf" if f > 0 else "-Inf"
+    return repr(f)
+
+
+def _escape(text: str, quote: bool) -> str:
+    out = text.replace("\\", "\\\\").replace("\n", "\\n")
+    return out.replace('"', '\\"') if quote else out
+
+
+def exposition(families: Iterable[PromFamily]) -> str:
+    """Prometheus text format 0.0.4 (prometheus.io/docs/instrumenting/exposition_formats): for each family a
+    ``# HELP name text`` line (backslash and newline escaped), a ``# TYPE name type`` line, then one line per
+    sample, ``name{label="value",...} value`` (label values also escape the double quote)."""
+    lines: list[str] = []
+    for fam in families:
+        lines.append(f"# HELP {fam.name} {_escape(fam.help, False)}")
+        lines.append(f"# TYPE {fam.name} {fam.type}")
+        for name, labels, value in fam.samples:
+            lab = ",".join(f'{k}="{_escape(v, True)}"' for k, v in labels)
+            lines.append(f"{name}{{{lab}}} {_go_float(value)}" if labels else f"{name} {_go_float(value)}")
+    return "\n".join(lines) + "\n"

@@ -105,6 +105,29 @@ def choose_slot(free: Sequence[Slot], prompt: Sequence[int], *, cache_prompt: bo
     return free[i], plans[i][2], plans[i][0]
 
 
+#: the refusal of a request asking for token probabilities that would run timing-only (a template: ``why``)
+NO_LOGITS = ("token probabilities ('n_probs' / 'logprobs') need the model's logits, and this request would run "
+             "timing-only: {why}. Its tokens would be seeded draws with no logits, so there are no probabilities "
+             "to report; send it without 'n_probs' / 'logprobs', or where the numerics run")
+
+
+def timing_only_foreseen(slots: Sequence[Slot], prompt: Sequence[int], *, cache_prompt: bool, numerics: bool,
+                         numerics_off_why: str, numerics_max_prompt: int) -> str:
+    """Why a request of ``prompt`` would run timing-only whichever slot it takes ("" if one slot lets it run
+    with numerics): ``choose_slot`` over every slot, busy ones included (their cached prefix may be free by
+    the time the request is admitted). A request that can run with numerics is still admitted by
+    ``choose_slot`` at its turn; ``Admission.assign`` may then find it timing-only after all (a cache it counted
+    on was replaced meanwhile), and the engine ends it with ``NO_LOGITS`` then."""
+    if not slots:
+        return numerics_off_why
+    _, n_common, numeric = choose_slot(slots, prompt, cache_prompt=cache_prompt, numerics=numerics,
+                                       numerics_max_prompt=numerics_max_prompt)
+    if numeric:
+        return ""
+    return timing_only_why(numerics=numerics, numerics_off_why=numerics_off_why, new_tokens=len(prompt) - n_common,
+                           prompt_n=len(prompt), numerics_max_prompt=numerics_max_prompt)
+
+
 class Admission:
     """The queue and the slot assignment (module docstring). State only; the engine holds the lock.
 

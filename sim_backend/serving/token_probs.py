@@ -1,6 +1,6 @@
-"""Token probabilities as llama-server reports them (``n_probs``): from one step's raw logits, and for a
-timing-only step (no logits) from the distribution its seeded draw used. The post-sampling ones (after
-the whole chain) are :meth:`~sim_backend.serving.sampling.Sampler.post_sampling_probs`.
+"""Token probabilities as llama-server reports them (``n_probs``): from one step's raw logits. The
+post-sampling ones (after the whole chain) are :meth:`~sim_backend.serving.sampling.Sampler.post_sampling_probs`.
+A timing-only step has no logits and so no probabilities (the engine refuses such a request: ``admission.NO_LOGITS``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 from sim_backend.planes.types import TokenLogprob, TokenProbs
 from sim_backend.serving.sampling_reference import default_n_valid, sanitize, top_ids
 
-__all__ = ["distribution_probs", "logit_probs", "uniform_probs"]
+__all__ = ["logit_probs"]
 
 
 def logit_probs(logits: np.ndarray, tok: int, n: int, *, n_valid: int | None = None) -> TokenProbs:
@@ -45,32 +45,3 @@ def logit_probs(logits: np.ndarray, tok: int, n: int, *, n_valid: int | None = N
     top = tuple(TokenLogprob(int(i), float(x[i]) - lse) for i in ids)
     mine = float(x[tok]) - lse if 0 <= tok < nv else -math.inf
     return TokenProbs(int(tok), mine, top, post_sampling=False)
-
-
-def distribution_probs(tok: int, n: int, ids: np.ndarray, p: np.ndarray, *, post_sampling: bool = False) -> TokenProbs:
-    """Probabilities of a timing-only step drawn from a known distribution (``ids`` with probabilities
-    ``p``: a grammar's stand-in, ``GrammarMatcher.stand_in_distribution``): ``tok``'s and the ``n`` most
-    probable ids (descending, ties by lower id); ``from_logits`` False."""
-    order = np.lexsort((ids, -p))[: max(n, 0)]
-    hit = np.flatnonzero(ids == tok)
-    mine = math.log(float(p[hit[0]])) if hit.size and p[hit[0]] > 0 else -math.inf
-    top = tuple(TokenLogprob(int(ids[i]), math.log(float(p[i]))) for i in order if p[i] > 0)
-    return TokenProbs(int(tok), mine, top, post_sampling=post_sampling, from_logits=False)
-
-
-def uniform_probs(tok: int, n: int, lo: int, hi: int, *, post_sampling: bool = False) -> TokenProbs:
-    """Probabilities of a timing-only step (no logits): the seeded generator draws uniformly from the
-    ids ``[lo, hi)``, so each has probability ``1 / (hi - lo)``. All tie: ``top`` lists ``tok`` first, then
-    the lowest other ids, ``n`` in all (at most ``hi - lo``). ValueError for an empty range."""
-    if hi <= lo:
-        raise ValueError(f"empty id range [{lo}, {hi})")
-    lp = -math.log(hi - lo)
-    k = min(max(n, 0), hi - lo)
-    ids = [tok] if k and lo <= tok < hi else []
-    i = lo
-    while len(ids) < k:
-        if i != tok:
-            ids.append(i)
-        i += 1
-    return TokenProbs(int(tok), lp if lo <= tok < hi else -math.inf, tuple(TokenLogprob(j, lp) for j in ids),
-                      post_sampling=post_sampling, from_logits=False)

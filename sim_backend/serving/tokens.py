@@ -26,7 +26,7 @@ from sim_backend.planes.types import ChatRequest, TokenProbs
 from sim_backend.serving.grammar import GrammarMatcher
 from sim_backend.serving.sampling import Sampler
 from sim_backend.serving.streaming import StopStringMatcher, StreamDecoder, Tokenizer
-from sim_backend.serving.token_probs import distribution_probs, logit_probs, uniform_probs
+from sim_backend.serving.token_probs import logit_probs
 
 #: (stop_type, stopping word): ("eos", ""), ("limit", ""), ("word", the stop string)
 Stop = tuple[str, str]
@@ -51,9 +51,9 @@ class TokenPipeline:
 
     With ``req.n_probs`` > 0 each sampled token's ``TokenProbs`` is appended to ``probs`` (aligned with
     ``generated``): from the step's raw logits (``token_probs.logit_probs``), or after the sampler chain
-    with ``req.post_sampling_probs`` (``Sampler.post_sampling_probs``); a timing-only step from the
-    seeded generator's uniform distribution over ``text_ids`` (``token_probs.uniform_probs``; with a
-    grammar the stand-in's draw is over the allowed ids instead, which these probabilities do not show).
+    with ``req.post_sampling_probs`` (``Sampler.post_sampling_probs``). A timing-only step has no logits and
+    records none: probabilities of the seeded stand-in would be invented, not the model's (the engine refuses
+    a request with ``n_probs`` that would run timing-only: ``admission.NO_LOGITS``).
     """
 
     def __init__(self, req: ChatRequest, prompt: Sequence[int], *, n_ctx: int, max_tokens: int,
@@ -103,18 +103,8 @@ class TokenPipeline:
         allowed = self._allowed()
         if logits is None or not numeric:
             if self.grammar is not None and allowed is not None:
-                n_gen = len(self.generated)
-                tok = self.grammar.stand_in(self.fallback_rng, n_gen, self._max_tokens, allowed)
-                if self.n_probs:
-                    ids, p = self.grammar.stand_in_distribution(n_gen, self._max_tokens, allowed)
-                    self.probs.append(self._with_pieces(distribution_probs(tok, self.n_probs, ids, p,
-                                                                           post_sampling=self.post_sampling)))
-                return tok
-            tok = int(self.fallback_rng.integers(*self._text_ids))
-            if self.n_probs:
-                self.probs.append(self._with_pieces(uniform_probs(tok, self.n_probs, *self._text_ids,
-                                                                  post_sampling=self.post_sampling)))
-            return tok
+                return self.grammar.stand_in(self.fallback_rng, len(self.generated), self._max_tokens, allowed)
+            return int(self.fallback_rng.integers(*self._text_ids))
         raw = logits  # the probabilities' softmax is of the model's logits, before any bias (llama.cpp)
         if self._ban_eos and allowed is None:  # llama.cpp's ignore_eos: -inf logits for the end-of-generation ids
             logits = logits.copy()

@@ -212,3 +212,22 @@ def test_history_series_for_sparklines():
     h = reg.history_series()
     assert h["ttft_ms"] == [400.0] and h["e2e_ms"] == [500.0] and h["tokens_per_s"][0] == pytest.approx(50.0)
     assert not any(math.isnan(x) for x in h["tokens_per_s"])
+
+
+def test_exposition_is_llama_servers_text_whatever_the_client_library():
+    """Written by the registry itself: a counter without ``_total`` keeps its name (``n_tokens_max``, as
+    llama-server writes it), integers have no fraction, HELP and label values are escaped."""
+    from sim_backend.planes.metrics import PromFamily, exposition
+
+    reg = MetricsRegistry()
+    _done(reg, arrival=0.0, ttft=400.0, tpot=25.0, n=5, e2e=500.0, prompt_n=20, live=(0, 1, 0.3))
+    lines = reg.prometheus_text().splitlines()
+    i = lines.index("# TYPE llamacpp:n_tokens_max counter")
+    assert lines[i + 1] == "llamacpp:n_tokens_max 25"
+    assert "llamacpp:prompt_tokens_total 20" in lines and "llamacpp:requests_processing 1" in lines
+    assert not any("n_tokens_max_total" in x for x in lines)
+    assert 'llamacpp:time_to_first_token_seconds_bucket{le="+Inf"} 1' in lines
+    text = exposition([PromFamily("x", "gauge", 'a\\b\nc', (("x", (("k", 'q"\n'),), float("inf")),))])
+    assert text == '# HELP x a\\\\b\\nc\n# TYPE x gauge\nx{k="q\\"\\n"} +Inf\n'
+    assert [(s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples] == \
+        [({"k": 'q"\n'}, float("inf"))]

@@ -2,9 +2,10 @@
 ``top_logprobs`` on chat, ``logprobs`` on /v1/completions.
 
 Differential against the real llama-server (the session's ``llama_server`` fixture; the same status,
-error type and words, key sets and JSON types, list lengths, stream event sequence) with a timing-only
-simulator behind ours; the math on ours with the numerics on (the probabilities of the logits the
-simulated device returned); the OpenAI SDK reads them.
+error type and words, key sets and JSON types, list lengths, stream event sequence) with the numerics on
+behind ours (the probabilities of the logits the simulated device returned); the math on ours; the OpenAI
+SDK reads them. A request that would run timing-only has no logits: it is refused, never answered with
+invented probabilities.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ import httpx
 import openai
 import pytest
 
-from calconsole.server.logprobs import LOWEST_LOGPROB, MAX_N_PROBS, SOURCE_GENERATOR, SOURCE_LOGITS, token_text
-from sim_backend.model.vocab import N_BPE
+from calconsole.server.logprobs import LOWEST_LOGPROB, MAX_N_PROBS, SOURCE_LOGITS, token_text
 from tests.server.parity.streams import CHAT, MSG, assert_same_stream, body_of, kind_of, unexplained
 from tests.server.parity.streams import FULL as SAME  # deterministic on both: greedy, the real model cannot end early
 
@@ -26,6 +26,12 @@ from tests.server.parity.streams import FULL as SAME  # deterministic on both: g
 def numeric(make_module_server: Any) -> str:
     """Ours with the numerics on: the probabilities come from the logits the simulated device returned."""
     return make_module_server(system_kw={"n_slots": 1, "numerics": True}).url
+
+
+@pytest.fixture(scope="module")
+def npair(numeric: str, llama_server: Any) -> tuple[str, str]:
+    """(ours with the numerics on, a real llama-server): both have logits to give probabilities from."""
+    return numeric, llama_server.url
 
 
 def post(url: str, path: str, body: dict[str, Any]) -> httpx.Response:
@@ -74,9 +80,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("path,body", CASES, ids=[f"{p} {str(b)[:60]}" for p, b in CASES])
-def test_same_answer_as_llama_server(pair: tuple[str, str], path: str, body: dict[str, Any]) -> None:
+def test_same_answer_as_llama_server(npair: tuple[str, str], path: str, body: dict[str, Any]) -> None:
     body = {**body, **SAME}
-    ours, theirs = (post(u, path, body) for u in pair)
+    ours, theirs = (post(u, path, body) for u in npair)
     assert ours.status_code == theirs.status_code, (ours.text[:300], theirs.text[:300])
     a, b = ours.json(), theirs.json()
     if theirs.status_code >= 400:
@@ -102,9 +108,9 @@ STREAMS = [
 
 
 @pytest.mark.parametrize("route,path,body", STREAMS, ids=[f"{p} {str(b)[:60]}" for _, p, b in STREAMS])
-def test_same_stream_as_llama_server(pair: tuple[str, str], route: str, path: str, body: dict[str, Any]) -> None:
+def test_same_stream_as_llama_server(npair: tuple[str, str], route: str, path: str, body: dict[str, Any]) -> None:
     body = {**body, **SAME, "stream": True}
-    ours, theirs = (post(u, path, body) for u in pair)
+    ours, theirs = (post(u, path, body) for u in npair)
     assert ours.status_code == theirs.status_code == 200
     a, b = body_of(ours), body_of(theirs)
     assert_same_stream(a, b, route)
@@ -175,17 +181,43 @@ def test_stop_word_tokens_are_dropped_from_a_whole_reply(numeric: str) -> None:
     assert word.strip() not in "".join(e["content"] for e in pieces) and events[-1]["stop_type"] == "word"
 
 
-# --- timing-only: the seeded generator's distribution, labelled ------------------------------------------
+# --- timing-only: no logits, so no probabilities: refused, in llama-server's error shape -------------------
 
-def test_timing_only_probabilities_are_the_generators_and_say_so(pair: tuple[str, str]) -> None:
-    r = post(pair[0], "/completion", {"prompt": "Hello", "n_predict": 2, "n_probs": 3}).json()
-    assert r["calconsole"]["logprobs_source"] == SOURCE_GENERATOR
-    for e in r["completion_probabilities"]:
-        assert e["logprob"] == pytest.approx(-math.log(N_BPE))  # uniform over the ordinary text ids
-        assert e["top_logprobs"][0]["id"] == e["id"] and {t["logprob"] for t in e["top_logprobs"]} == {e["logprob"]}
-    chat = post(pair[0], CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": True, "top_logprobs": 1}).json()
-    assert "logprobs_source" not in chat["choices"][0]["logprobs"]  # never inside OpenAI's shape
-    assert chat["calconsole"]["logprobs_source"] == SOURCE_GENERATOR
+TIMING_ONLY = [
+    ("/completion", {"prompt": "Hello", "n_predict": 2, "n_probs": 3}),
+    ("/completion", {"prompt": "Hello", "n_predict": 2, "n_probs": 3, "stream": True}),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": True, "top_logprobs": 1}),
+    (CHAT, {"messages": MSG, "max_tokens": 2, "logprobs": True, "stream": True}),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "logprobs": 2}),
+    ("/completion", {"prompt": "Hello", "n_predict": 2, "n_probs": 2, "grammar": 'root ::= "a" | "b"'}),
+]
+
+
+@pytest.mark.parametrize("path,body", TIMING_ONLY, ids=[f"{p} {str(b)[:60]}" for p, b in TIMING_ONLY])
+def test_timing_only_requests_for_probabilities_are_refused(pair: tuple[str, str], path: str,
+                                                             body: dict[str, Any]) -> None:
+    """Ours timing-only (numerics off): 400 ``invalid_request_error`` saying it runs timing-only and why, with
+    llama-server's error body (the real server's own 400 for comparison); the same request without
+    probabilities is served."""
+    r = post(pair[0], path, body)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    theirs = post(pair[1], "/completion", {"prompt": "x", "n_predict": "a"}).json()["error"]  # a 400 of theirs
+    assert set(err) == set(theirs) and err["code"] == 400 and err["type"] == "invalid_request_error"
+    assert "timing-only" in err["message"] and "numerics off" in err["message"], err
+    plain = {k: v for k, v in body.items() if k not in ("n_probs", "logprobs", "top_logprobs")}
+    assert post(pair[0], path, plain).status_code == 200
+
+
+def test_over_the_numeric_limit_is_refused_with_that_reason(make_server: Any) -> None:
+    """Numerics on, but a prompt over the numeric limit would run timing-only: refused, naming the limit; a
+    short prompt is served with the logits' probabilities."""
+    url = make_server(system_kw={"n_slots": 1, "numerics": True, "numerics_max_prompt": 8}).url
+    r = post(url, "/completion", {"prompt": "one two three four five six seven eight nine ten eleven",
+                                  "n_predict": 1, "n_probs": 2})
+    assert r.status_code == 400 and "over the numeric limit of 8" in r.json()["error"]["message"], r.text
+    ok = post(url, "/completion", {"prompt": "Hi", "n_predict": 1, "n_probs": 2}).json()
+    assert ok["calconsole"]["logprobs_source"] == SOURCE_LOGITS and len(ok["completion_probabilities"]) == 1
 
 
 def test_refusals_beyond_llama_server(pair: tuple[str, str]) -> None:
@@ -202,8 +234,8 @@ def test_token_text_cuts_an_incomplete_character() -> None:
 
 # --- the OpenAI SDK reads them ---------------------------------------------------------------------------
 
-def test_openai_sdk_reads_logprobs(pair: tuple[str, str]) -> None:
-    client = openai.OpenAI(base_url=pair[0] + "/v1", api_key="none", max_retries=0, timeout=60)
+def test_openai_sdk_reads_logprobs(numeric: str) -> None:
+    client = openai.OpenAI(base_url=numeric + "/v1", api_key="none", max_retries=0, timeout=60)
     r = client.chat.completions.create(model="m", messages=MSG, max_tokens=3, logprobs=True, top_logprobs=2)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens and all(len(c.top_logprobs) == 2 for c in content)
@@ -222,22 +254,27 @@ def test_openai_sdk_reads_logprobs(pair: tuple[str, str]) -> None:
 
 # --- the remote planes carry them (calconsole serve and a real llama-server) -----------------------------
 
-def test_remote_planes_carry_the_probabilities(pair: tuple[str, str], tmp_path: Any) -> None:
+def test_remote_planes_carry_the_probabilities(npair: tuple[str, str], pair: tuple[str, str], tmp_path: Any) -> None:
     from calconsole.remote import connect
+    from sim_backend.errors import InvalidRequestError
     from sim_backend.planes import ChatRequest, DoneEvent, SamplingParams, TokenEvent
 
     req = ChatRequest.from_prompt("Say hi.", max_tokens=3, sampling=SamplingParams.greedy(), ignore_eos=True,
                                   n_probs=2)
-    for url, from_logits in ((pair[0], False), (pair[1], True)):
-        with connect(url, audit_path=tmp_path / f"audit-{from_logits}.jsonl") as system:
+    for i, url in enumerate(npair):
+        with connect(url, audit_path=tmp_path / f"audit-{i}.jsonl") as system:
             events = list(system.inference.submit(req).stream(timeout=60))
             res = events[-1].result
             assert isinstance(events[-1], DoneEvent) and res.status == "finished", res
             streamed = [p for e in events if isinstance(e, TokenEvent) for p in e.probs]
             assert len(streamed) == 3 and res.probs == tuple(streamed)
-            assert all(len(p.top) == 2 and p.from_logits == from_logits for p in streamed)
-            if from_logits:  # llama-server, greedy: its top-1 is the token it chose
-                assert all(p.top[0].id == p.id and p.logprob == pytest.approx(p.top[0].logprob) for p in streamed)
+            assert all(len(p.top) == 2 and p.from_logits for p in streamed)
+            # greedy: the top-1 is the token chosen
+            assert all(p.top[0].id == p.id and p.logprob == pytest.approx(p.top[0].logprob) for p in streamed)
+    # a timing-only server's refusal reaches the remote plane typed, with its reason
+    with connect(pair[0], audit_path=tmp_path / "audit-t.jsonl") as system, \
+            pytest.raises(InvalidRequestError, match="timing-only"):
+        list(system.inference.submit(req).stream(timeout=60))
 
 
 def test_codec_reads_back_what_the_face_writes() -> None:

@@ -302,15 +302,75 @@ def test_slot_actions(make_server: Any, llama_server_slot_save: Any, tmp_path: A
 
 # --- /metrics and headers ---------------------------------------------------------------------------------
 
+def _families_as_written(text: str) -> dict[str, tuple[str, frozenset[str]]]:
+    """family -> (its ``# TYPE``, the names its samples are written under), read from the text itself: a
+    client library's parser renames counters (prometheus_client strips ``_total``), which would hide the very
+    difference this compares."""
+    fams: dict[str, tuple[str, set[str]]] = {}
+    current = ""
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, current, typ = line.split(" ", 3)
+            fams[current] = (typ, set())
+        elif line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            assert name.startswith(current), (name, current)  # samples follow their family's TYPE line
+            fams[current][1].add(name)
+    return {k: (t, frozenset(n)) for k, (t, n) in fams.items()}
+
+
 def test_metrics_families_and_types(pair: tuple[str, str]) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
+    for u in pair:  # every llama-server family has a sample once a request ran
+        assert call(u, "POST", "/completion", {"prompt": "Hi", "n_predict": 2}).status_code == 200
     ours, theirs = both(pair, "GET", "/metrics")
-    fam = [{f.name: f.type for f in text_string_to_metric_families(r.text)} for r in (ours, theirs)]
-    missing = {n: t for n, t in fam[1].items() if fam[0].get(n) != t}
-    assert missing == {}, f"llama-server families we lack or type differently: {missing}"
+    a, b = _families_as_written(ours.text), _families_as_written(theirs.text)
+    assert "llamacpp:n_tokens_max" in b and b["llamacpp:n_tokens_max"][0] == "counter"  # the case in point
+    # every family llama-server writes, under the same name, TYPE and sample names (ours may have more)
+    differ = {n: (a.get(n), tb) for n, tb in b.items() if a.get(n) != tb}
+    assert differ == {}, f"llama-server families we lack or write differently: {differ}"
+    # and a client's parser reads the whole of ours
+    assert {f.name for f in text_string_to_metric_families(ours.text)}
     for r in (ours, theirs):
         assert int(r.headers["process-start-time-unix"]) > 0
+
+
+#: the requests whose raw header names are compared: JSON, Prometheus text, an SSE stream, an error, a preflight
+HEADER_CASES = [
+    ("GET", "/health", None, {}),
+    ("GET", "/v1/models", None, {}),
+    ("GET", "/metrics", None, {}),
+    ("POST", "/completion", {"prompt": "Hi", "n_predict": 1}, {}),
+    ("POST", "/completion", {"prompt": "Hi", "n_predict": 2, "stream": True}, {}),
+    ("GET", "/no-such-route", None, {}),
+    ("GET", "/health", None, {"Origin": "http://localhost:5173"}),
+    ("OPTIONS", CHAT, None, {"Origin": "http://localhost:5173", "Access-Control-Request-Method": "POST"}),
+]
+#: names llama-server writes and we do not (ALLOW header:only-theirs), in lower case
+ONLY_THEIRS = {"server", "keep-alive", "access-control-allow-origin", "connection"}
+
+
+@pytest.mark.parametrize("method,path,body,headers", HEADER_CASES,
+                         ids=[f"{m} {p} {sorted(h)}{'' if b is None else ' ' + json.dumps(b)[:30]}"
+                              for m, p, b, h in HEADER_CASES])
+def test_header_names_as_llama_server_writes_them(pair: tuple[str, str], method: str, path: str, body: Any,
+                                                  headers: dict[str, str]) -> None:
+    """The raw header names on the wire (``Headers.raw``: as received, not folded): every name both send is
+    spelled alike (llama.cpp's test harness keeps headers in a plain dict); the ones only llama-server sends are
+    the allow-listed ones."""
+    ours, theirs = (call(u, method, path, body, headers=headers) for u in pair)
+    assert ours.status_code == theirs.status_code
+    a = {k.decode(): v for k, v in ours.headers.raw}
+    b = {k.decode(): v for k, v in theirs.headers.raw}
+    shared = {k.lower() for k in a} & {k.lower() for k in b}
+    assert shared >= {"content-type"} or method == "OPTIONS", (a, b)
+    spelled = {k: ([x for x in a if x.lower() == k], [x for x in b if x.lower() == k]) for k in shared}
+    assert {k: v for k, v in spelled.items() if v[0] != v[1]} == {}
+    only = ONLY_THEIRS | ({"access-control-allow-headers"} if method == "OPTIONS" else set())
+    assert {k.lower() for k in b} - {k.lower() for k in a} <= only
+    # ours beyond theirs: Date, the stream's request id and prompt tokens, Cache-Control, Vary; all Title-Case
+    assert all(k == "-".join(w.capitalize() for w in k.split("-")) for k in a), list(a)
 
 
 def test_cors_preflight(pair: tuple[str, str]) -> None:

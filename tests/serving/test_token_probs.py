@@ -11,7 +11,7 @@ import pytest
 from sim_backend.model.bf16 import f32_to_bf16
 from sim_backend.planes import ChatRequest, SamplingParams
 from sim_backend.serving.sampling import N_VALID, Sampler
-from sim_backend.serving.token_probs import logit_probs, uniform_probs
+from sim_backend.serving.token_probs import logit_probs
 from sim_backend.serving.tokens import TokenPipeline
 
 
@@ -115,15 +115,6 @@ def test_greedy_post_sampling_is_the_argmax_alone():
         Sampler(SamplingParams()).post_sampling_probs(0, 1)
 
 
-def test_uniform_probs_of_the_timing_only_generator():
-    tp = uniform_probs(500, 3, 0, 1000)
-    assert tp.logprob == pytest.approx(-math.log(1000)) and [t.id for t in tp.top] == [500, 0, 1]
-    assert all(t.logprob == tp.logprob for t in tp.top)
-    assert len(uniform_probs(1, 10, 0, 4).top) == 4
-    with pytest.raises(ValueError):
-        uniform_probs(0, 1, 5, 5)
-
-
 def test_pipeline_records_one_entry_per_token_with_pieces():
     req = ChatRequest.from_prompt("hi", max_tokens=4, n_probs=2, sampling=SamplingParams.greedy())
     pl = TokenPipeline(req, [1, 2, 3], n_ctx=100, max_tokens=4)
@@ -133,21 +124,20 @@ def test_pipeline_records_one_entry_per_token_with_pieces():
     assert tok == 151645 and pl.probs[-1].piece == b"" and pl.probs[-1].top[0].piece == b""
     assert pl.probs[-1].top[1].piece == pl._tok.token_bytes(pl.probs[-1].top[1].id)
     pl.push(tok)
-    tok = pl.sample(None, False)  # timing-only: the generator's distribution
-    assert pl.probs[-1].id == tok and pl.probs[-1].piece and len(pl.probs) == 2
+    pl.sample(None, False)  # a timing-only step has no logits: it records no (invented) probabilities
+    assert len(pl.probs) == 1
     plain = TokenPipeline(ChatRequest.from_prompt("hi", max_tokens=2), [1], n_ctx=100, max_tokens=2)
     plain.sample(f32_to_bf16(x), True)
     assert plain.probs == []
 
 
-def test_grammar_stand_in_probabilities_are_its_draws():
+def test_grammar_stand_in_distribution_is_its_draws():
     # timing-only with a grammar: the stand-in's own distribution (a uniform pick of the allowed ids, leaning to
     # an ending as the reply grows), checked against its seeded draws; a small made-up vocabulary (8 ids: EOS 7,
     # closers 5 and 6) instead of compiling a grammar over Qwen3's (7 s the first time)
     from types import SimpleNamespace
 
     from sim_backend.serving import grammar as G
-    from sim_backend.serving.token_probs import distribution_probs
 
     eos, closer = np.zeros(8, bool), np.zeros(8, bool)
     eos[7], closer[5:7] = True, True
@@ -161,32 +151,3 @@ def test_grammar_stand_in_probabilities_are_its_draws():
             draws = np.array([g.stand_in(rng, n_gen, 40, allowed) for _ in range(3000)])
             freq = [float(np.mean(draws == i)) for i in ids]
             assert freq == pytest.approx(p.tolist(), abs=0.03)
-            tp = distribution_probs(int(draws[0]), 2, ids, p)
-            assert not tp.from_logits and tp.logprob == pytest.approx(math.log(p[list(ids).index(draws[0])]))
-            assert [t.logprob for t in tp.top] == sorted((t.logprob for t in tp.top), reverse=True)
-
-
-def test_pipeline_with_a_grammar_timing_only_reports_the_stand_in():
-    from types import SimpleNamespace
-
-    from sim_backend.model.vocab import EOS_IDS, VOCAB_SIZE
-    from sim_backend.serving import grammar as G
-
-    eos, closer, allowed = (np.zeros(VOCAB_SIZE, bool) for _ in range(3))
-    eos[list(EOS_IDS)] = True
-    allowed[[9707, 11, 1879]] = True  # three text ids allowed ("Hello", ",", " world")
-
-    class Fixed(G.GrammarMatcher):  # the mask a compiled grammar would give, without compiling one
-        def allowed(self) -> np.ndarray:
-            return allowed
-
-        def consume(self, tok: int) -> bool:
-            return True
-
-    g = Fixed(None, SimpleNamespace(vocab=VOCAB_SIZE, eos=eos, closer=closer))
-    req = ChatRequest.from_prompt("hi", max_tokens=8, n_probs=5)
-    pl = TokenPipeline(req, [1, 2], n_ctx=4096, max_tokens=8, grammar=g)
-    tok = pl.sample(None, False)
-    tp = pl.probs[-1]
-    assert tok in (9707, 11, 1879) and tp.id == tok and not tp.from_logits
-    assert sorted(t.id for t in tp.top) == [11, 1879, 9707] and tp.logprob == pytest.approx(math.log(1 / 3))

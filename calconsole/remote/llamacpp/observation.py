@@ -46,8 +46,9 @@ COUNTERS = {
     "llamacpp:tokens_predicted_seconds_total": "tokens_predicted_seconds_total",
     "llamacpp:n_decode_total": "n_decode_total",
     "llamacpp:n_tokens_max": "n_tokens_max",
-    # llama-server types n_tokens_max as a counter without the _total suffix; prometheus_client's parser
-    # names such a counter's sample <name>_total, so the sample arrives under this name
+    # llama-server types n_tokens_max as a counter without the _total suffix (and so does calconsole serve
+    # since it writes its own exposition); a calconsole before that wrote it through prometheus_client,
+    # which appends _total to a counter's sample: the sample arrives under this name from one of those
     "llamacpp:n_tokens_max_total": "n_tokens_max",
     "llamacpp:prompt_tokens_seconds": "prompt_tokens_seconds",
     "llamacpp:predicted_tokens_seconds": "predicted_tokens_seconds",

@@ -28,7 +28,13 @@ ALLOW: dict[str, str] = {
     "metrics:extra-families": "/metrics: calconsole's request counters, latency histograms (vLLM definitions) "
                               "and kv_cache_usage_ratio beside every llamacpp: family llama-server has",
     "header:access-control-allow-headers": "CORS preflight: Starlette echoes the requested headers where "
-                                           "llama-server writes '*' (both allow any header)",
+                                           "llama-server writes '*' (both allow any header), and writes "
+                                           "none when none were requested",
+    "header:only-theirs": "headers llama-server (cpp-httplib) writes that we do not: 'Server: llama.cpp' (we are "
+                          "not it), 'Keep-Alive: timeout=5, max=100' (uvicorn keeps the connection 5 s too and "
+                          "counts no requests; the header is advisory), an empty 'Access-Control-Allow-Origin' "
+                          "on a request without Origin (it allows nothing), 'Connection: close' after a 404 "
+                          "(cpp-httplib closes; we keep the connection for the next request)",
     "status:empty-messages": "an empty 'messages' list: 400 (OpenAI refuses it) where llama-server renders an "
                              "empty chat and generates",
     "status:slot-out-of-range": "POST /slots/{id} for a slot that does not exist: 400 'Invalid slot ID' where "
