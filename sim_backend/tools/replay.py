@@ -552,6 +552,7 @@ class BoardSim:
     def _skip_rounds(self, until_us: float) -> bool:
         """Run whole steady rounds in closed form while they end by ``until_us``, no rider reaches its
         last token and the KV pool holds them; False if not one round could be skipped."""
+        self._admit()  # a freed slot takes the queue's head first, as the engine's loop top does
         steps = self.sched.steady_round(self._states())
         if steps is None:
             return False
