@@ -1,0 +1,304 @@
+"""``calconsole bench replay [TRACE]``: a production trace replayed on simulated boards (capacity planning).
+
+Each trace row is one request with exactly its prompt and output tokens (EOS ignored, timing-only) on one
+of ``--boards`` boards, each what one ``calconsole serve`` runs (slots, queue limit, round scheduler, KV
+pool, calibrated cost model, modeled host work). Every latency is SIMULATED ms; ``wall_seconds`` is this
+machine's time. ``--find-boards`` searches the fewest boards meeting ``--slo`` at ``--attainment`` for the
+production bundle and its batch variants, probes in parallel on every core (or a dask cluster).
+Default trace: Azure's LLM inference trace 2023, conversation service (CC-BY 4.0, shipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from concurrent.futures import Executor, ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from sim_backend.planes import CalError
+from sim_backend.tools.replay import (
+    ROUTES,
+    VARIANTS,
+    ReplayConfig,
+    Trace,
+    TraceError,
+    load_trace,
+    prices_for_trace,
+    replay,
+    variant_bundle_dir,
+)
+
+from .common import fail, print_json
+from .metrics import parse_slo
+
+#: the shipped trace (calconsole/bench/data/azure-llm-2023, its README and LICENSE beside it)
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "bench" / "data" / "azure-llm-2023" / \
+    "AzureLLMInferenceTrace_conv.csv"
+DEFAULT_SLO = "ttft:2000,tpot:100"
+#: the engine check steps every token: past this many requests it is refused (minutes of wall time)
+ENGINE_CHECK_MAX = 400
+
+
+def register(bsub: Any) -> None:
+    """Add ``replay`` to the ``bench`` subparsers."""
+    p = bsub.add_parser("replay", help="replay a production trace on N simulated boards; --find-boards: how many",
+                        description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("trace", nargs="?", default=str(DEFAULT_TRACE), metavar="TRACE",
+                   help="CSV of TIMESTAMP,ContextTokens,GeneratedTokens (default: the shipped Azure 2023 "
+                        "conversation trace, 19,366 requests over one hour)")
+    p.add_argument("--boards", type=int, default=24, help="simulated boards (default 24)")
+    p.add_argument("--bundle", default=VARIANTS[0],
+                   help=f"bundle name or directory (default {VARIANTS[0]}; variants {', '.join(VARIANTS[1:])})")
+    p.add_argument("--route", default="round-robin", choices=ROUTES,
+                   help="router: round-robin, least-outstanding (queued + running), least-kv (KV demand)")
+    p.add_argument("--slots", type=int, default=4, help="slots per board (serve's --slots, default 4)")
+    p.add_argument("--queue-limit", type=int, default=16, help="queue per board beyond the free slots (default 16)")
+    p.add_argument("--limit", type=int, default=None, metavar="N", help="first N requests of the cut")
+    p.add_argument("--start", type=float, default=0.0, metavar="T", help="skip the first T trace seconds")
+    p.add_argument("--span", type=float, default=None, metavar="S", help="keep S trace seconds from --start")
+    p.add_argument("--speedup", type=float, default=1.0, metavar="X", help="arrivals X times as fast (default 1)")
+    p.add_argument("--slo", default=DEFAULT_SLO, metavar="SPEC",
+                   help=f"ttft:MS,tpot:MS,e2el:MS, simulated ms (default {DEFAULT_SLO})")
+    p.add_argument("--attainment", type=float, default=0.9, metavar="F",
+                   help="share of all requests that must meet every SLO (default 0.9, as in DistServe)")
+    p.add_argument("--find-boards", nargs="?", const=",".join(VARIANTS), default=None, metavar="VARIANTS",
+                   help=f"search the fewest boards meeting the SLO for each bundle (default all: {','.join(VARIANTS)})")
+    p.add_argument("--workers", type=int, default=None,
+                   help="local processes for --find-boards (default: every core)")
+    p.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="run --find-boards' probes on a dask.distributed cluster (tcp://host:8786; "
+                        "pip install 'calconsole[cluster]')")
+    p.add_argument("--check-engine", action="store_true",
+                   help=f"also run the cut token by token through real engines and compare (<= {ENGINE_CHECK_MAX} "
+                        "requests, round-robin)")
+    p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
+    p.add_argument("--plot", action="store_true", help="P95 latency and queue over trace time (terminal plot)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The bench's entry: 0 on success, 2 with one line for bad input (a malformed trace names its row and
+    field)."""
+    try:
+        slo = parse_slo(args.slo)
+        if not 0 < args.attainment <= 1:
+            raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
+        if not 1 <= args.boards <= 1024:
+            raise ValueError(f"--boards must be in 1..1024, got {args.boards}")
+        cfg = ReplayConfig(n_slots=args.slots, queue_limit=args.queue_limit, route=args.route)
+        trace = load_trace(args.trace).cut(start_s=args.start, span_s=args.span, limit=args.limit,
+                                           speedup=args.speedup)
+        variants = _variants(args.find_boards) if args.find_boards is not None else []
+        if args.check_engine and len(trace) > ENGINE_CHECK_MAX:
+            raise ValueError(f"--check-engine steps every token: cut the trace to <= {ENGINE_CHECK_MAX} requests "
+                             f"(--limit), got {len(trace)}")
+        if args.check_engine and args.route != "round-robin":
+            raise ValueError("--check-engine compares round-robin routing only")
+    except (TraceError, ValueError, OSError) as e:
+        return fail(str(e))
+    try:
+        if variants:
+            return _find(args, trace, variants, cfg, slo)
+        return _single(args, trace, cfg, slo)
+    except (CalError, ValueError) as e:
+        return fail(str(e))
+
+
+def _variants(text: str) -> list[str]:
+    out = [v.strip() for v in text.split(",") if v.strip()]
+    if not out:
+        raise ValueError(f"--find-boards: name bundles from {', '.join(VARIANTS)} (or leave the list out)")
+    for v in out:
+        variant_bundle_dir(v)  # ValueError naming the choices
+    return out
+
+
+def _progress(quiet: bool, total: int, what: str) -> Any:
+    """A rich progress bar on stderr (a no-op object when quiet)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("{task.description}"), console=Console(stderr=True), disable=quiet,
+                    transient=True)
+
+
+def _single(args: argparse.Namespace, trace: Trace, cfg: ReplayConfig, slo: Any) -> int:
+    w0 = time.perf_counter()
+    bundle = variant_bundle_dir(args.bundle)
+    with _progress(args.json, len(trace), "replay") as bar:
+        task = bar.add_task("pricing steps", total=len(trace))
+        prices = prices_for_trace(trace, bundle, prefill_chunk=cfg.prefill_chunk)
+        bar.update(task, description="")
+        rep = replay(trace, prices, boards=args.boards, cfg=cfg, slo=slo, attainment=args.attainment,
+                     progress=lambda done, total: bar.update(task, completed=done),
+                     timeline_points=48 if args.plot else 0)
+    rep["wall_seconds"] = time.perf_counter() - w0
+    rep["trace_file"] = str(args.trace)
+    if args.check_engine:
+        rep["engine_check"] = _engine_check(trace, bundle, args, cfg, slo, rep)
+    if args.json:
+        print_json(rep)
+    else:
+        _report(rep)
+    if args.plot and not args.json:
+        _plot(rep)
+    return 0
+
+
+def _engine_check(trace: Trace, bundle: Path, args: argparse.Namespace, cfg: ReplayConfig, slo: Any,
+                  rep: dict[str, Any]) -> dict[str, Any]:
+    """The same cut token by token through real engines; relative P50/P95 differences per metric."""
+    from sim_backend.tools.replay_engine import replay_on_engine
+
+    w0 = time.perf_counter()
+    eng = replay_on_engine(trace, bundle, boards=args.boards, cfg=cfg, slo=slo, attainment=args.attainment)
+    diffs: dict[str, dict[str, float | None]] = {}
+    for m in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "itl_ms"):
+        diffs[m] = {}
+        for q in ("p50", "p95"):
+            a, b = rep["metrics"][m][q], eng["metrics"][m][q]
+            diffs[m][q] = None if a is None or b is None else (abs(a - b) / b if b else float(a != b))
+    worst = max((v for d in diffs.values() for v in d.values() if v is not None), default=0.0)
+    core = max((v for m in ("ttft_ms", "tpot_ms", "e2e_ms") for v in diffs[m].values() if v is not None),
+               default=0.0)
+    return {"engine_metrics": eng["metrics"], "engine_rejected": eng["rejected"], "relative_diff": diffs,
+            "worst_ttft_tpot_e2e": core, "worst_any": worst, "within_1pct": core <= 0.01,
+            "engine_wall_seconds": time.perf_counter() - w0,
+            "note": "itl differs slightly by definition: the engine's gaps are between streamed pieces "
+                    "(a token that completes no character streams with the next), the fast path's per token"}
+
+
+def _fmt(v: float | None, nd: int = 0) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:,.{nd}f}"
+
+
+def _report(rep: dict[str, Any]) -> None:
+    out = sys.stdout
+    tr = rep["trace"]
+    out.write(f"trace: {tr['count']:,} requests over {tr['span_s']:,.0f} s "
+              f"({_fmt(tr['rate_per_s'], 2)} req/s); prompt p50/p90/p99 {tr['prompt']['p50']:.0f}/"
+              f"{tr['prompt']['p90']:.0f}/{tr['prompt']['p99']:.0f}, output {tr['output']['p50']:.0f}/"
+              f"{tr['output']['p90']:.0f}/{tr['output']['p99']:.0f} tokens\n")
+    out.write(f"{rep['boards']} boards of {rep['bundle']}, route {rep['route']}, "
+              f"{rep['board_config']['slots']} slots, queue {rep['board_config']['queue_limit']}\n\n")
+    out.write(f"{'simulated ms':14}{'p50':>12}{'p95':>12}{'p99':>12}\n")
+    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"),
+                      ("queue_ms", "queue")):
+        m = rep["metrics"][key]
+        out.write(f"{name:14}{_fmt(m['p50'], 1):>12}{_fmt(m['p95'], 1):>12}{_fmt(m['p99'], 1):>12}\n")
+    slo = ", ".join(f"{k[:-3]} <= {v:g}" for k, v in rep["slo"].items() if v is not None) or "none"
+    g = rep["goodput"]
+    out.write(f"\nSLO ({slo} ms): attainment {rep['attainment']:.3f} (target {rep['attainment_target']:g}) -> "
+              f"{'MET' if rep['meets_slo'] else 'NOT met'}; goodput {_fmt(g['requests_per_s'], 2)} req/s, "
+              f"{_fmt(g['tokens_per_s'], 0)} tok/s\n")
+    fin = rep["finished"]
+    rej = ", ".join(f"{k} {v} (rows {', '.join(map(str, rep['rejected_rows'][k][:5]))}"
+                    f"{', ...' if v > 5 else ''})" for k, v in rep["rejected"].items()) or "none"
+    out.write(f"finished {fin:,} of {rep['requests']:,}; not served: {rej}\n")
+    busy = [b["busy_pct"] for b in rep["per_board"]]
+    kv = [b["kv_peak_pct"] for b in rep["per_board"]]
+    out.write(f"boards busy {min(busy):.0f}-{max(busy):.0f} % (mean {sum(busy) / len(busy):.0f}), "
+              f"KV peak {min(kv):.0f}-{max(kv):.0f} %\n")
+    out.write(f"{rep['steps']:,} device steps ({rep['rounds_skipped']:,} rounds in closed form); "
+              f"wall {rep['wall_seconds']:.1f} s ({rep['trace_seconds'] / max(rep['wall_seconds'], 1e-9):,.0f}x "
+              f"trace time)\n({rep['clock']})\n")
+    ec = rep.get("engine_check")
+    if ec:
+        d = ec["relative_diff"]
+        out.write("\nengine check (token by token, same cut): relative difference P50 / P95\n")
+        for m in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "itl_ms"):
+            out.write(f"  {m:9}{_pct(d[m]['p50']):>10}{_pct(d[m]['p95']):>10}\n")
+        out.write(f"  TTFT/TPOT/E2E within 1 %: {'yes' if ec['within_1pct'] else 'NO'} "
+                  f"(worst {_pct(ec['worst_ttft_tpot_e2e'])}); engine wall {ec['engine_wall_seconds']:.1f} s\n")
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.3f} %"
+
+
+def _plot(rep: dict[str, Any]) -> None:
+    import plotext as plt
+
+    tl = rep.get("timeline") or {}
+    if not tl.get("t_s"):
+        return
+    t = [x / 60 for x in tl["t_s"]]
+    plt.clear_figure()
+    plt.subplots(1, 2)
+    plt.subplot(1, 1)
+    plt.title("P95 latency of arrivals, simulated s")
+    plt.plot(t, [0.0 if math.isnan(v) else v / 1e3 for v in tl["ttft_p95_ms"]], label="TTFT")
+    plt.plot(t, [0.0 if math.isnan(v) else v / 1e3 for v in tl["e2e_p95_ms"]], label="E2E")
+    plt.xlabel("trace minutes")
+    plt.subplot(1, 2)
+    plt.title("longest queue met by an arrival (requests)")
+    plt.plot(t, tl["queue_max"])
+    plt.xlabel("trace minutes")
+    plt.plotsize(120, 22)
+    plt.show()
+
+
+def _executor(args: argparse.Namespace) -> tuple[Executor, Any]:
+    """(executor, closer): a dask cluster's executor with --scheduler, else local processes."""
+    if args.scheduler:
+        try:
+            from distributed import Client
+        except ImportError as e:
+            raise ValueError("--scheduler needs dask.distributed: pip install 'calconsole[cluster]'") from e
+        try:
+            client = Client(args.scheduler, timeout=30)
+        except (OSError, TimeoutError) as e:
+            raise ValueError(f"--scheduler {args.scheduler}: cannot reach the dask scheduler ({e})") from e
+        return client.get_executor(), client
+    n = args.workers or os.cpu_count() or 1
+    if not 1 <= n <= 256:
+        raise ValueError(f"--workers must be in 1..256, got {n}")
+    ex = ProcessPoolExecutor(max_workers=n)
+    return ex, None
+
+
+def _find(args: argparse.Namespace, trace: Trace, variants: list[str], cfg: ReplayConfig, slo: Any) -> int:
+    from sim_backend.tools.replay_search import find_boards
+
+    ex, client = _executor(args)
+    try:
+        with _progress(args.json, 0, "search") as bar:
+            task = bar.add_task("pricing the variants", total=None)
+
+            def progress(done: int, msg: str) -> None:
+                bar.update(task, completed=done, description=msg)
+
+            res = find_boards(trace, variants, ex, slo=slo, attainment=args.attainment, cfg=cfg, progress=progress)
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
+        if client is not None:
+            client.close()
+    res["trace"] = trace.stats()
+    res["trace_file"] = str(args.trace)
+    res["executor"] = f"dask {args.scheduler}" if args.scheduler else f"{args.workers or os.cpu_count()} local processes"
+    if args.json:
+        print_json(res)
+        return 0
+    out = sys.stdout
+    slo_s = ", ".join(f"{k[:-3]} <= {v:g}" for k, v in res["slo"].items() if v is not None)
+    out.write(f"fewest boards meeting {slo_s} ms (simulated) for {res['attainment_target']:g} of "
+              f"{res['trace']['count']:,} requests, route {res['route']}:\n\n")
+    out.write(f"{'variant':20}{'boards':>7}{'meets':>7}{'attain':>8}{'TTFT p95':>11}{'TPOT p95':>10}"
+              f"{'E2E p95':>11}{'refused':>8}{'busy %':>8}\n")
+    for r in res["search"]:
+        mark = " <" if res["answers"].get(r["variant"]) == r["boards"] else ""
+        out.write(f"{r['variant']:20}{r['boards']:>7}{'yes' if r['meets_slo'] else 'no':>7}{r['attainment']:>8.3f}"
+                  f"{_fmt(r['ttft_p95_ms']):>11}{_fmt(r['tpot_p95_ms'], 1):>10}{_fmt(r['e2e_p95_ms']):>11}"
+                  f"{r['rejected']:>8}{r['busy_pct']:>8.0f}{mark}\n")
+    out.write("\n")
+    top = res["max_boards"]
+    for v, n in res["answers"].items():
+        out.write(f"{v}: {n} boards\n" if n is not None else f"{v}: not met up to {top} boards\n")
+    out.write(f"({res['probes']} replays on {res['executor']}, wall {res['wall_seconds']:.1f} s; latencies are "
+              "simulated ms)\n")
+    return 0
