@@ -301,10 +301,11 @@ def prefill_chunks(prompts: Iterable[int], chunk: int) -> set[tuple[int, int]]:
 def prices_for_trace(trace: Trace, bundle_dir: str | Path | None = None, *, prefill_chunk: int = 2048,
                      cost: CostModel | None = None) -> StepPrices:
     """:meth:`StepPrices.build` with the contexts and chunks ``trace`` needs (requests over the calbin's
-    context are priced up to it; the replay refuses them)."""
+    context are not priced: the replay refuses them)."""
     b = load_bundle(bundle_dir)
-    need = int(min(b.context, int((trace.prompt + trace.output).max())))
-    ok = trace.prompt < b.context
+    total = trace.prompt + trace.output
+    ok = total <= b.context  # the rest is refused before a step, so never priced
+    need = int(total[ok].max()) if ok.any() else 1
     return StepPrices.build(bundle_dir, max_context=need, prefill_chunks=prefill_chunks(
         (int(p) for p in trace.prompt[ok]), prefill_chunk), cost=cost)
 
@@ -650,8 +651,8 @@ def summarize(trace: Trace, led: Ledger, *, slo: SLO, attainment: float) -> dict
     """Metrics of a finished replay (vLLM's definitions, simulated ms): per request TTFT = arrival -> first
     token, E2E = arrival -> last, TPOT = (E2E - TTFT) / (out - 1), queue = arrival -> slot; ITL pooled gaps.
     ``attainment`` = share of ALL trace requests that finished meeting every SLO (a refused one misses);
-    ``goodput`` = those requests (and their output tokens) per trace second; ``meets_slo`` = attainment >=
-    the target."""
+    ``goodput`` = those requests (and their output tokens) per trace second (None over a zero span);
+    ``meets_slo`` = attainment >= the target."""
     arr = trace.arrival_s * 1e6
     done = ~np.isnan(led.last)
     ttft = (led.first - arr)[done] / 1e3
@@ -668,14 +669,14 @@ def summarize(trace: Trace, led: Ledger, *, slo: SLO, attainment: float) -> dict
         good &= e2e <= slo.e2el_ms
     n = len(trace)
     att = float(good.sum()) / n if n else 0.0
-    span = max(trace.span_s, 1e-9)
+    span = trace.span_s  # a rate over no time is no rate: None for a single instant
     return {"metrics": {"ttft_ms": _q(ttft), "tpot_ms": _q(tpot[~np.isnan(tpot)]), "itl_ms": _q(led.gaps() / 1e3),
                         "e2e_ms": _q(e2e), "queue_ms": _q(queue)},
             "finished": int(done.sum()),
             "slo": slo.to_dict(), "attainment_target": attainment, "attainment": att,
             "meets_slo": att >= attainment,
-            "goodput": {"requests_per_s": float(good.sum()) / span,
-                        "tokens_per_s": float(outs[good].sum()) / span}}
+            "goodput": {"requests_per_s": float(good.sum()) / span if span > 0 else None,
+                        "tokens_per_s": float(outs[good].sum()) / span if span > 0 else None}}
 
 
 def replay(trace: Trace, prices: StepPrices, *, boards: int, cfg: ReplayConfig | None = None,

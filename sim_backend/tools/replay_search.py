@@ -106,14 +106,14 @@ def find_boards(trace: Trace, variants: list[str], executor: Executor, *, slo: S
     searches: dict[str, Search] = {}
     pending: dict[Future[Any], str] = {}
     done = 0
-    for v, fut in priced.items():
-        s = searches[v] = Search(v, fut.result(), start)
+    for v, pf in priced.items():
+        s = searches[v] = Search(v, pf.result(), start)
         pending[executor.submit(probe, trace, s.prices, start, cfg, slo, attainment)] = v
     while pending:
         finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
-        for fut in finished:
-            v = pending.pop(fut)
-            rec = fut.result()
+        for f in finished:
+            v = pending.pop(f)
+            rec: dict[str, Any] = f.result()
             s = searches[v]
             s.record(rec)
             done += 1
