@@ -55,7 +55,8 @@ def register(bsub: Any) -> None:
                    help=f"bundle name or directory (default {VARIANTS[0]}; variants {', '.join(VARIANTS[1:])})")
     p.add_argument("--route", default="round-robin", choices=ROUTES,
                    help="router: round-robin, least-outstanding (queued + running), least-kv (KV demand)")
-    p.add_argument("--slots", type=int, default=4, help="slots per board (serve's --slots, default 4)")
+    p.add_argument("--slots", dest="board_slots", type=int, default=None,
+                   help="slots per board (serve's --slots; default 4, or the calbin's decode batch when larger)")
     p.add_argument("--queue-limit", type=int, default=16, help="queue per board beyond the free slots (default 16)")
     p.add_argument("--limit", type=int, default=None, metavar="N", help="first N requests of the cut")
     p.add_argument("--start", type=float, default=0.0, metavar="T", help="skip the first T trace seconds")
@@ -89,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--attainment must be in (0, 1], got {args.attainment}")
         if not 1 <= args.boards <= 1024:
             raise ValueError(f"--boards must be in 1..1024, got {args.boards}")
-        cfg = ReplayConfig(n_slots=args.slots, queue_limit=args.queue_limit, route=args.route)
+        cfg = ReplayConfig(n_slots=args.board_slots, queue_limit=args.queue_limit, route=args.route)
         trace = load_trace(args.trace).cut(start_s=args.start, span_s=args.span, limit=args.limit,
                                            speedup=args.speedup)
         variants = _variants(args.find_boards) if args.find_boards is not None else []

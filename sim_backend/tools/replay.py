@@ -328,17 +328,18 @@ class _Seq:
 
 @dataclass
 class ReplayConfig:
-    """What every board runs: ``n_slots`` (serve's --slots, default 4), ``queue_limit`` (serve's --queue-limit,
-    16), ``prefill_chunk`` (2048 tokens, the engine's round rule), and the router (one of :data:`ROUTES`).
+    """What every board runs: ``n_slots`` (serve's --slots; None = 4, or the calbin's decode batch when larger,
+    so a batch-8 board can fill its batch), ``queue_limit`` (serve's --queue-limit, 16), ``prefill_chunk``
+    (2048 tokens, the engine's round rule), and the router (one of :data:`ROUTES`).
     Raises ValueError for a bad value."""
 
-    n_slots: int = 4
+    n_slots: int | None = None
     queue_limit: int = 16
     prefill_chunk: int = 2048
     route: str = "round-robin"
 
     def __post_init__(self) -> None:
-        if not 1 <= self.n_slots <= 32:
+        if self.n_slots is not None and not 1 <= self.n_slots <= 32:
             raise ValueError(f"slots must be in 1..32, got {self.n_slots}")
         if self.queue_limit < 0:
             raise ValueError(f"queue limit must be >= 0, got {self.queue_limit}")
@@ -346,6 +347,10 @@ class ReplayConfig:
             raise ValueError(f"prefill chunk must be >= 1, got {self.prefill_chunk}")
         if self.route not in ROUTES:
             raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {self.route!r}")
+
+    def slots_for(self, decode_batch: int) -> int:
+        """Slots of a board whose calbin decodes ``decode_batch`` sequences a step."""
+        return self.n_slots if self.n_slots is not None else max(4, int(decode_batch))
 
 
 class Ledger:
@@ -399,10 +404,11 @@ class BoardSim:
         self.kv_used = 0
         self.kv_peak = 0
         self.served = 0
-        self.slots: list[_Seq | None] = [None] * cfg.n_slots
-        self.last_used = [0.0] * cfg.n_slots
+        n_slots = cfg.slots_for(prices.decode_batch)
+        self.slots: list[_Seq | None] = [None] * n_slots
+        self.last_used = [0.0] * n_slots
         self.queue: deque[_Seq] = deque()
-        self.sched = RoundScheduler(cfg.n_slots, cfg.prefill_chunk, prices.decode_batch)
+        self.sched = RoundScheduler(n_slots, cfg.prefill_chunk, prices.decode_batch)
         self.steps = 0
         self.rounds_skipped = 0
 
@@ -727,7 +733,7 @@ def replay(trace: Trace, prices: StepPrices, *, boards: int, cfg: ReplayConfig |
         b.run_until(math.inf)
     out: dict[str, Any] = {"requests": n, "trace_seconds": trace.span_s, "boards": boards,
                            "bundle": prices.bundle, "route": cfg.route,
-                           "board_config": {"slots": cfg.n_slots, "queue_limit": cfg.queue_limit,
+                           "board_config": {"slots": cfg.slots_for(prices.decode_batch), "queue_limit": cfg.queue_limit,
                                             "prefill_chunk": cfg.prefill_chunk, "decode_batch": prices.decode_batch,
                                             "kv_cells": prices.kv_cells, "n_ctx": prices.n_ctx,
                                             "host_token_ms": prices.host_token_us / 1e3}}

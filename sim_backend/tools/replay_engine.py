@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from sim_backend.bundle.manifest import load_bundle
 from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.errors import CalError, UnavailableError
@@ -100,7 +101,8 @@ def replay_on_engine(trace: Trace, bundle_dir: str | Path | None = None, *, boar
     n = len(trace)
     led = Ledger(n)
     arr = trace.arrival_s * 1e6
-    systems = [build_system(bundle_dir, pacing=Pacing(PacingMode.FAST), numerics=False, n_slots=cfg.n_slots,
+    n_slots = cfg.slots_for(load_bundle(bundle_dir).decode_batch)
+    systems = [build_system(bundle_dir, pacing=Pacing(PacingMode.FAST), numerics=False, n_slots=n_slots,
                             queue_limit=cfg.queue_limit, prefill_chunk=cfg.prefill_chunk, maintenance=False)
                for _ in range(boards)]
     feeds: list[_Feed] = []
