@@ -41,6 +41,8 @@ DEFAULT_TRACE = Path(__file__).resolve().parent.parent / "bench" / "data" / "azu
 DEFAULT_SLO = "ttft:2000,tpot:100"
 #: the engine check steps every token: past this many requests it is refused (minutes of wall time)
 ENGINE_CHECK_MAX = 400
+#: the HTTP check runs one serve process per board on this machine, in real time
+HTTP_CHECK_MAX_BOARDS = 8
 
 
 def register(bsub: Any) -> None:
@@ -76,6 +78,11 @@ def register(bsub: Any) -> None:
     p.add_argument("--check-engine", action="store_true",
                    help=f"also run the cut token by token through real engines and compare (<= {ENGINE_CHECK_MAX} "
                         "requests, round-robin)")
+    p.add_argument("--check-http", action="store_true",
+                   help=f"also send the cut to --boards real `calconsole serve` boards (<= {HTTP_CHECK_MAX_BOARDS}, "
+                        "real-time pacing at --http-speed) over HTTP at its arrival times, and compare")
+    p.add_argument("--http-speed", type=float, default=1.0, metavar="X",
+                   help="with --check-http: the boards' simulated seconds per wall second (default 1)")
     p.add_argument("--json", action="store_true", help="the report as JSON on stdout")
     p.add_argument("--plot", action="store_true", help="P95 latency and queue over trace time (terminal plot)")
     p.set_defaults(func=run)
@@ -97,8 +104,14 @@ def run(args: argparse.Namespace) -> int:
         if args.check_engine and len(trace) > ENGINE_CHECK_MAX:
             raise ValueError(f"--check-engine steps every token: cut the trace to <= {ENGINE_CHECK_MAX} requests "
                              f"(--limit), got {len(trace)}")
-        if args.check_engine and args.route != "round-robin":
-            raise ValueError("--check-engine compares round-robin routing only")
+        if (args.check_engine or args.check_http) and args.route != "round-robin":
+            raise ValueError("--check-engine and --check-http compare round-robin routing only")
+        if args.check_http:
+            if len(trace) > ENGINE_CHECK_MAX or args.boards > HTTP_CHECK_MAX_BOARDS:
+                raise ValueError(f"--check-http runs in real time: at most {ENGINE_CHECK_MAX} requests (--limit) "
+                                 f"on at most {HTTP_CHECK_MAX_BOARDS} boards")
+            if not 0.1 <= args.http_speed <= 10:
+                raise ValueError(f"--http-speed must be in 0.1..10, got {args.http_speed}")
     except (TraceError, ValueError, OSError) as e:
         return fail(str(e))
     try:
@@ -142,6 +155,8 @@ def _single(args: argparse.Namespace, trace: Trace, cfg: ReplayConfig, slo: Any)
     rep["trace_file"] = str(args.trace)
     if args.check_engine:
         rep["engine_check"] = _engine_check(trace, bundle, args, cfg, slo, rep)
+    if args.check_http:
+        rep["http_check"] = _http_check(trace, bundle, args, cfg, slo, rep)
     if args.json:
         print_json(rep)
     else:
@@ -172,6 +187,35 @@ def _engine_check(trace: Trace, bundle: Path, args: argparse.Namespace, cfg: Rep
             "engine_wall_seconds": time.perf_counter() - w0,
             "note": "itl differs slightly by definition: the engine's gaps are between streamed pieces "
                     "(a token that completes no character streams with the next), the fast path's per token"}
+
+
+def _rel(a: dict[str, Any], b: dict[str, Any], metrics: tuple[str, ...]) -> dict[str, dict[str, float | None]]:
+    """(b - a) / a per metric and quantile (P50, P95); None where either is missing."""
+    out: dict[str, dict[str, float | None]] = {}
+    for m in metrics:
+        out[m] = {}
+        for q in ("p50", "p95"):
+            x, y = a[m][q], b[m][q]
+            out[m][q] = None if x is None or y is None or x == 0 else (y - x) / x
+    return out
+
+
+def _http_check(trace: Trace, bundle: Path, args: argparse.Namespace, cfg: ReplayConfig, slo: Any,
+                rep: dict[str, Any]) -> dict[str, Any]:
+    """The same cut over HTTP to served boards (calconsole.bench.replay_http); signed relative differences."""
+    from calconsole.bench.replay_http import replay_over_http, served_boards
+
+    w0 = time.perf_counter()
+    slots = rep["board_config"]["slots"]
+    with served_boards(args.boards, speed=args.http_speed, bundle=str(bundle), slots=slots,
+                       queue_limit=cfg.queue_limit) as urls:
+        h = replay_over_http(trace, urls, speed=args.http_speed, slo=slo, attainment=args.attainment)
+    ms = ("ttft_ms", "tpot_ms", "e2e_ms")
+    return {"client_metrics": h["client"]["metrics"], "server_metrics": h["server"]["metrics"],
+            "failed": h["failed"], "client_vs_replay": _rel(rep["metrics"], h["client"]["metrics"], ms),
+            "server_vs_replay": _rel(rep["metrics"], h["server"]["metrics"], ms + ("queue_ms",)),
+            "speed": args.http_speed, "wall_seconds": time.perf_counter() - w0,
+            "clock": h["client_clock"] + "; server: " + h["server_clock"]}
 
 
 def _fmt(v: float | None, nd: int = 0) -> str:
@@ -216,6 +260,13 @@ def _report(rep: dict[str, Any]) -> None:
             out.write(f"  {m:9}{_pct(d[m]['p50']):>10}{_pct(d[m]['p95']):>10}\n")
         out.write(f"  TTFT/TPOT/E2E within 1 %: {'yes' if ec['within_1pct'] else 'NO'} "
                   f"(worst {_pct(ec['worst_ttft_tpot_e2e'])}); engine wall {ec['engine_wall_seconds']:.1f} s\n")
+    hc = rep.get("http_check")
+    if hc:
+        out.write(f"\nHTTP check ({rep['boards']} served boards at speed {hc['speed']:g}, "
+                  f"{len(hc['failed'])} failed): client (wall x speed) minus replay, P50 / P95\n")
+        for m, d in hc["client_vs_replay"].items():
+            out.write(f"  {m:9}{_pct(d['p50']):>10}{_pct(d['p95']):>10}\n")
+        out.write(f"  wall {hc['wall_seconds']:.1f} s\n")
 
 
 def _pct(v: float | None) -> str:
