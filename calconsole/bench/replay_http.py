@@ -24,17 +24,14 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 import yaml
 
 from calconsole.bench.serve_load import Record, stream_completion
-from sim_backend.planes.types import SLO
-from sim_backend.tools.replay import Ledger, Trace, summarize
-from sim_backend.tools.replay_engine import prompt_ids
 
 __all__ = ["replay_over_http", "served_boards"]
 
@@ -83,57 +80,43 @@ def served_boards(n: int, *, speed: float = 1.0, bundle: str | None = None, slot
                 proc.wait(timeout=10)
 
 
-async def _send_all(trace: Trace, urls: list[str], speed: float, timeout_s: float) -> list[Record]:
-    limits = httpx.Limits(max_connections=len(trace) + 4, max_keepalive_connections=len(trace) + 4)
+@dataclass(frozen=True)
+class Row:
+    """One request to send: ``arrival_s`` (trace seconds from the first), ``prompt`` token ids, ``n_predict``."""
+
+    arrival_s: float
+    prompt: tuple[int, ...]
+    n_predict: int
+
+
+async def _send_all(rows: Sequence[Row], urls: list[str], speed: float, timeout_s: float) -> list[Record]:
+    limits = httpx.Limits(max_connections=len(rows) + 4, max_keepalive_connections=len(rows) + 4)
     clients = [httpx.AsyncClient(base_url=u, timeout=httpx.Timeout(timeout_s), limits=limits) for u in urls]
     try:
-        loop_t0 = asyncio.get_running_loop().time() + 0.2
+        loop = asyncio.get_running_loop()
+        t0 = loop.time() + 0.2
 
-        async def one(i: int) -> Record:
-            await asyncio.sleep(max(0.0, loop_t0 + float(trace.arrival_s[i]) / speed
-                                    - asyncio.get_running_loop().time()))
-            body = {"prompt": list(prompt_ids(i, int(trace.prompt[i]))), "n_predict": int(trace.output[i]),
-                    "ignore_eos": True, "stream": True, "cache_prompt": False, "seed": i}
+        async def one(i: int, row: Row) -> Record:
+            await asyncio.sleep(max(0.0, t0 + row.arrival_s / speed - loop.time()))
+            body = {"prompt": list(row.prompt), "n_predict": row.n_predict, "ignore_eos": True, "stream": True,
+                    "cache_prompt": False, "seed": i}
             return await stream_completion(clients[i % len(urls)], body, f"row{i}", timeout_s=timeout_s)
 
-        return list(await asyncio.gather(*(one(i) for i in range(len(trace)))))
+        return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(rows))))
     finally:
         for c in clients:
             await c.aclose()
 
 
-def replay_over_http(trace: Trace, urls: list[str], *, speed: float = 1.0, slo: SLO | None = None,
-                     attainment: float = 0.9, timeout_s: float = 600.0) -> dict[str, Any]:
-    """Send ``trace`` to the boards at ``urls`` (round-robin, row i to ``urls[i % n]``) at its arrival
-    times divided by ``speed``; returns ``{"client": summary, "server": summary, "failed": {row: error},
-    "requests", "boards", "speed"}``, each summary :func:`replay.summarize`'s dict in simulated ms (client
-    wall ms times ``speed``; the server's ``calconsole.timings``). ``timeout_s``: host s per request."""
-    recs = asyncio.run(_send_all(trace, urls, speed, timeout_s))
-    arr = trace.arrival_s * 1e6
-    views: dict[str, Ledger] = {"client": Ledger(len(trace)), "server": Ledger(len(trace))}
-    failed: dict[int, str] = {}
-    for i, r in enumerate(recs):
-        if not r.ok or r.ttft_ms is None or r.e2e_ms is None:
-            failed[i] = r.error or "failed"
-            for led in views.values():
-                led.reason[i] = "failed"
-            continue
-        c = views["client"]
-        c.first[i] = arr[i] + r.ttft_ms * speed * 1e3
-        c.last[i] = arr[i] + r.e2e_ms * speed * 1e3
-        c.board[i] = i % len(urls)
-        srv = r.server or {}
-        s = views["server"]
-        if srv.get("ttft_ms") is not None and srv.get("e2e_ms") is not None:
-            s.first[i] = arr[i] + float(srv["ttft_ms"]) * 1e3
-            s.last[i] = arr[i] + float(srv["e2e_ms"]) * 1e3
-            if srv.get("queue_ms") is not None:
-                s.assigned[i] = arr[i] + float(srv["queue_ms"]) * 1e3
-            s.board[i] = i % len(urls)
-    out: dict[str, Any] = {"requests": len(trace), "boards": len(urls), "speed": speed, "failed": failed}
-    for name, led in views.items():
-        out[name] = summarize(trace, led, slo=slo or SLO(), attainment=attainment)
-    out["client_clock"] = "host wall ms x speed (to compare with simulated ms)"
-    out["server_clock"] = "each board's simulated ms from when it took the request"
-    return out
-
+def replay_over_http(rows: Sequence[Row], urls: list[str], *, speed: float = 1.0,
+                     timeout_s: float = 600.0) -> list[Record]:
+    """Send ``rows`` to the boards at ``urls`` (row i to ``urls[i % n]``, round-robin) at their arrival times
+    divided by ``speed`` (host monotonic clock); returns one :class:`~calconsole.bench.serve_load.Record` per
+    row, in order (client TTFT / E2E in host wall ms; ``server`` the board's ``calconsole.timings`` in
+    simulated ms; ``ok`` False with the reason for a failed one, never raised). ``timeout_s``: host s per
+    request. Raises ValueError for no URL or a speed outside 0.1..10."""
+    if not urls:
+        raise ValueError("no board URL to send to")
+    if not 0.1 <= speed <= 10:
+        raise ValueError(f"speed must be in 0.1..10, got {speed}")
+    return asyncio.run(_send_all(rows, urls, speed, timeout_s))

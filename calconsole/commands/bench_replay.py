@@ -189,6 +189,48 @@ def _engine_check(trace: Trace, bundle: Path, args: argparse.Namespace, cfg: Rep
                     "(a token that completes no character streams with the next), the fast path's per token"}
 
 
+def http_replay(trace: Trace, urls: list[str], *, speed: float = 1.0, slo: Any = None, attainment: float = 0.9,
+                timeout_s: float = 600.0) -> dict[str, Any]:
+    """``trace`` sent over HTTP to served boards (:func:`calconsole.bench.replay_http.replay_over_http`, row i
+    with :func:`replay_engine.prompt_ids` to ``urls[i % n]``); returns ``{"client": summary, "server":
+    summary, "failed": {row: error}, "requests", "boards", "speed"}``, each summary
+    :func:`replay.summarize`'s dict in simulated ms (the client's wall ms times ``speed``; the boards' own
+    ``calconsole.timings``)."""
+    from calconsole.bench.replay_http import Row, replay_over_http
+    from sim_backend.planes.types import SLO
+    from sim_backend.tools.replay import Ledger, summarize
+    from sim_backend.tools.replay_engine import prompt_ids
+
+    rows = [Row(float(trace.arrival_s[i]), prompt_ids(i, int(trace.prompt[i])), int(trace.output[i]))
+            for i in range(len(trace))]
+    recs = replay_over_http(rows, urls, speed=speed, timeout_s=timeout_s)
+    arr = trace.arrival_s * 1e6
+    views = {"client": Ledger(len(trace)), "server": Ledger(len(trace))}
+    failed: dict[int, str] = {}
+    for i, r in enumerate(recs):
+        if not r.ok or r.ttft_ms is None or r.e2e_ms is None:
+            failed[i] = r.error or "failed"
+            for led in views.values():
+                led.reason[i] = "failed"
+            continue
+        c = views["client"]
+        c.first[i], c.last[i] = arr[i] + r.ttft_ms * speed * 1e3, arr[i] + r.e2e_ms * speed * 1e3
+        c.board[i] = i % len(urls)
+        srv = r.server or {}
+        if srv.get("ttft_ms") is not None and srv.get("e2e_ms") is not None:
+            s = views["server"]
+            s.first[i], s.last[i], s.board[i] = (arr[i] + float(srv["ttft_ms"]) * 1e3,
+                                                 arr[i] + float(srv["e2e_ms"]) * 1e3, i % len(urls))
+            if srv.get("queue_ms") is not None:
+                s.assigned[i] = arr[i] + float(srv["queue_ms"]) * 1e3
+    out: dict[str, Any] = {"requests": len(trace), "boards": len(urls), "speed": speed, "failed": failed,
+                           "client_clock": "host wall ms x speed (to compare with simulated ms)",
+                           "server_clock": "each board's simulated ms from when it took the request"}
+    for name, led in views.items():
+        out[name] = summarize(trace, led, slo=slo or SLO(), attainment=attainment)
+    return out
+
+
 def _rel(a: dict[str, Any], b: dict[str, Any], metrics: tuple[str, ...]) -> dict[str, dict[str, float | None]]:
     """(b - a) / a per metric and quantile (P50, P95); None where either is missing."""
     out: dict[str, dict[str, float | None]] = {}
@@ -203,13 +245,13 @@ def _rel(a: dict[str, Any], b: dict[str, Any], metrics: tuple[str, ...]) -> dict
 def _http_check(trace: Trace, bundle: Path, args: argparse.Namespace, cfg: ReplayConfig, slo: Any,
                 rep: dict[str, Any]) -> dict[str, Any]:
     """The same cut over HTTP to served boards (calconsole.bench.replay_http); signed relative differences."""
-    from calconsole.bench.replay_http import replay_over_http, served_boards
+    from calconsole.bench.replay_http import served_boards
 
     w0 = time.perf_counter()
     slots = rep["board_config"]["slots"]
     with served_boards(args.boards, speed=args.http_speed, bundle=str(bundle), slots=slots,
                        queue_limit=cfg.queue_limit) as urls:
-        h = replay_over_http(trace, urls, speed=args.http_speed, slo=slo, attainment=args.attainment)
+        h = http_replay(trace, urls, speed=args.http_speed, slo=slo, attainment=args.attainment)
     ms = ("ttft_ms", "tpot_ms", "e2e_ms")
     return {"client_metrics": h["client"]["metrics"], "server_metrics": h["server"]["metrics"],
             "failed": h["failed"], "client_vs_replay": _rel(rep["metrics"], h["client"]["metrics"], ms),

@@ -102,7 +102,8 @@ def _close(a: dict, b: dict, rel: float) -> None:
             assert a[m][q] == pytest.approx(b[m][q], rel=rel), (m, q)
 
 
-@pytest.mark.parametrize(("variant", "boards"), [("qwen3-30b-a3b", 2), ("qwen3-30b-a3b-b4", 1), ("qwen3-30b-a3b-b8", 1)])
+@pytest.mark.parametrize(("variant", "boards"),
+                         [("qwen3-30b-a3b", 2), ("qwen3-30b-a3b-b4", 1), ("qwen3-30b-a3b-b8", 1)])
 def test_the_fast_path_agrees_with_the_token_by_token_engine_on_a_slice(azure, variant, boards):
     # a contended slice (queueing, refusals, prefill chunks of a 4k prompt); outputs cut to keep it quick
     cut = azure.cut(start_s=600, limit=24)

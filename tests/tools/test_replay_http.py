@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calconsole.bench.replay_http import replay_over_http, served_boards
-from calconsole.commands.bench_replay import DEFAULT_TRACE
+from calconsole.bench.replay_http import served_boards
+from calconsole.commands.bench_replay import DEFAULT_TRACE, http_replay
 from sim_backend.tools.replay import Trace, load_trace, prices_for_trace, replay
 
 # Host-time noise: an arrival lands up to one step (~18 simulated ms at batch 1) away from where the
@@ -24,7 +24,7 @@ def test_a_slice_over_http_to_served_boards_agrees_with_the_in_process_replay():
     fast = replay(t, prices_for_trace(t), boards=2)
     with served_boards(2, speed=1.0) as urls:
         assert len(urls) == 2 and all(u.startswith("http://127.0.0.1:") for u in urls)
-        h = replay_over_http(t, urls, speed=1.0)
+        h = http_replay(t, urls, speed=1.0)
     assert h["failed"] == {} and h["client"]["finished"] == fast["finished"] == 12
     a, c = fast["metrics"], h["client"]["metrics"]
     for m in ("tpot_ms", "e2e_ms"):
