@@ -13,6 +13,7 @@ from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
 from calconsole.panes.chat import PARAMS, SYNTHETIC_BANNERS, figures_line, metrics_line, param_defaults
 from calconsole.panes.maintenance import LABELS, MaintenancePane, fitted_label, fitted_tier
+from calconsole.settings import Settings
 from calconsole.widgets import render
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.planes import SamplingParams
@@ -41,6 +42,16 @@ def visible_log_text(app, sel: str = "#chat-log") -> str:
     top = round(log.scroll_y)
     shown = log.lines[top: top + log.scrollable_content_region.height]
     return re.sub(r"\s+", " ", " ".join(s.text for s in shown))
+
+
+async def show_maintenance(pilot) -> None:
+    """One pane at a time (below the layout's breakpoint, or forced): F3 shows the maintenance pane, as a person
+    does; with the columns it is on screen already."""
+    app = pilot.app
+    if app.single:
+        await pilot.press("f3")
+        pane = app.query_one("#maintenance")
+        assert await wait_for(pilot, lambda: pane.size.width > 0 and app._focused_pane() is pane)
 
 
 async def send(pilot, text: str) -> None:
@@ -244,10 +255,13 @@ async def test_guarded_key_outside_exclusive_mode_says_enter_exclusive_first(fas
         assert app.query_one("#maintenance").lease is None
 
 
-@pytest.mark.parametrize("size", [(120, 36), (80, 24)])
-async def test_maintenance_buttons_tell_memory_and_kv_apart(fast_system, size):
-    app = CalConsoleApp(fast_system, load_layout("operator"))
+# at 80x24 "auto" shows one pane at a time (F3: the maintenance pane at full width); "columns" (the palette's
+# "Panes: side by side") keeps the narrow column the labels must still fit
+@pytest.mark.parametrize(("size", "panes"), [((120, 36), "auto"), ((80, 24), "auto"), ((80, 24), "columns")])
+async def test_maintenance_buttons_tell_memory_and_kv_apart(fast_system, size, panes):
+    app = CalConsoleApp(fast_system, load_layout("operator"), settings=Settings(panes=panes))
     async with app.run_test(size=size) as pilot:
+        await show_maintenance(pilot)
 
         def shown(sel: str) -> str:
             b = app.query_one(sel)
@@ -280,12 +294,16 @@ async def test_maintenance_buttons_tell_memory_and_kv_apart(fast_system, size):
             assert labels[bid].startswith(key), labels
 
 
-@pytest.mark.parametrize("layout,size", [("chat", (80, 24)), ("operator", (80, 24)), ("operator", (160, 48))])
-async def test_no_maintenance_button_label_is_cut(fast_system, layout, size):
-    # at 80x24 in the chat layout the buttons are 3-5 cells wide: "x Excl" read "x E…", "1 CCU" read "1 …";
-    # a row whose short labels do not all fit shows the keys alone (the footer and the help say what they do)
-    app = CalConsoleApp(fast_system, load_layout(layout))
+@pytest.mark.parametrize("layout,size,panes", [("chat", (80, 24), "auto"), ("chat", (80, 24), "columns"),
+                                               ("operator", (80, 24), "auto"), ("operator", (80, 24), "columns"),
+                                               ("operator", (160, 48), "auto")])
+async def test_no_maintenance_button_label_is_cut(fast_system, layout, size, panes):
+    # at 80x24 in the chat layout's columns the buttons are 3-5 cells wide: "x Excl" read "x E…", "1 CCU" read
+    # "1 …"; a row whose short labels do not all fit shows the keys alone (the footer and the help say what they
+    # do). At 80x24 "auto" shows one pane at a time: F3 shows the maintenance pane, at full width
+    app = CalConsoleApp(fast_system, load_layout(layout), settings=Settings(panes=panes))
     async with app.run_test(size=size) as pilot:
+        await show_maintenance(pilot)
 
         def shown(b) -> str:
             return "".join(s.text for s in b.render_lines(b.region.reset_offset)).strip()
