@@ -280,7 +280,8 @@ def _find(args: argparse.Namespace, trace: Trace, variants: list[str], cfg: Repl
             client.close()
     res["trace"] = trace.stats()
     res["trace_file"] = str(args.trace)
-    res["executor"] = f"dask {args.scheduler}" if args.scheduler else f"{args.workers or os.cpu_count()} local processes"
+    res["executor"] = (f"dask {args.scheduler}" if args.scheduler
+                       else f"{args.workers or os.cpu_count()} local processes")
     if args.json:
         print_json(res)
         return 0

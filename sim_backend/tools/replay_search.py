@@ -106,8 +106,8 @@ def find_boards(trace: Trace, variants: list[str], executor: Executor, *, slo: S
     searches: dict[str, Search] = {}
     pending: dict[Future[Any], str] = {}
     done = 0
-    for v, fut in priced.items():
-        s = searches[v] = Search(v, fut.result(), start)
+    for v, priced_fut in priced.items():  # (its own name: ``fut`` below holds a probe's record, not prices)
+        s = searches[v] = Search(v, priced_fut.result(), start)
         pending[executor.submit(probe, trace, s.prices, start, cfg, slo, attainment)] = v
     while pending:
         finished, _ = wait(list(pending), return_when=FIRST_COMPLETED)
