@@ -11,7 +11,7 @@ from textual.widgets import Button
 
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
-from calconsole.panes.chat import PARAMS, SYNTHETIC_BANNERS, figures_line, metrics_line, param_defaults
+from calconsole.panes.chat import PARAMS, PLACEHOLDERS, SYNTHETIC_BANNERS, figures_line, metrics_line, param_defaults
 from calconsole.panes.maintenance import LABELS, MaintenancePane, fitted_label, fitted_tier
 from calconsole.settings import Settings
 from calconsole.widgets import render
@@ -80,6 +80,19 @@ async def test_operator_chat_transcript_has_room_and_a_one_line_banner(fast_syst
         assert "sampling parameters" in screen_text(app)  # the toggle is on screen at 80x24 too
         # the footer names the scroll keys (once the chat input has focus: bounded wait, the machine may be busy)
         assert await wait_for(pilot, lambda: "pgup/pgdn scroll" in screen_text(app)), screen_text(app)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (160, 48)])
+async def test_the_chat_input_placeholder_is_whole(fast_system, size):
+    # at 80x24 it read "... Ctrl+L new chat · Ctrl+S", at 100x30 "... Ctrl+S sampling · PgUp/PgDn", cut
+    app = CalConsoleApp(fast_system, load_layout("operator"))
+    async with app.run_test(size=size) as pilot:
+        inp = app.query_one("#chat-input")
+        assert await wait_for(pilot, lambda: 0 < len(inp.placeholder) < inp.content_size.width)
+        assert inp.placeholder in PLACEHOLDERS and inp.placeholder.startswith("Type a message, Enter to send")
+        assert inp.placeholder in screen_text(app)  # drawn whole
+        longer = PLACEHOLDERS[:PLACEHOLDERS.index(inp.placeholder)]
+        assert all(len(p) >= inp.content_size.width for p in longer)  # the longest that fits
 
 
 async def test_pageup_pagedown_scroll_the_transcript_from_the_input(fast_system):
