@@ -500,7 +500,8 @@ class CalConsoleApp(App):
         extra = getattr(pane, "HELP_EXTRA", "") if pane is not None else ""
         global_keys = keys(self.BINDINGS) + [("ctrl+p", "command palette: every action, layouts, refresh, "
                                                          "history window, compact mode, theme, export snapshot")]
-        pane_keys = list(getattr(pane, "HELP_KEYS", ())) + keys(pane.BINDINGS) if pane is not None else []
+        bindings = getattr(pane, "help_bindings", lambda: pane.BINDINGS)() if pane is not None else []
+        pane_keys = list(getattr(pane, "HELP_KEYS", ())) + keys(bindings) if pane is not None else []
         content = help_renderable(title, pane_keys, global_keys, self.settings, extra)
         self.push_screen(HelpScreen(content))
 
@@ -519,10 +520,11 @@ class CalConsoleApp(App):
             for w in HISTORY_WINDOWS_S:
                 yield SystemCommand(f"History window: {w // 60} min", "the graphs' time span (host wall time)",
                                     lambda w=w: obs.set_window(w))
-            yield SystemCommand("Per-layer view: cycle step / decode / prefill", "observation key t",
-                                obs.action_toggle_step)
-            yield SystemCommand("Per-layer heatmap: chips / op categories", "observation key h",
-                                obs.action_toggle_heat)
+            if obs.reports_layers():  # not a llama-server's: it reports no per-layer steps
+                yield SystemCommand("Per-layer view: cycle step / decode / prefill", "observation key t",
+                                    obs.action_toggle_step)
+                yield SystemCommand("Per-layer heatmap: chips / op categories", "observation key h",
+                                    obs.action_toggle_heat)
             for name in obs.listed():
                 state = "unfold" if name in obs.folded else "fold"
                 yield SystemCommand(f"Section {name}: {state}", "observation key z on the selected section "
@@ -559,6 +561,8 @@ class CalConsoleApp(App):
         if panes:
             m = panes.first()
             for title, key, action in PALETTE:
+                if not m.offers_action(action):  # a llama-server: only what it offers
+                    continue
                 yield SystemCommand(f"Maintenance: {title}", f"key {key} in the maintenance pane (F3)",
                                     lambda action=action: getattr(m, f"action_{action}")())
 

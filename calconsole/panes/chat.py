@@ -186,9 +186,7 @@ class ChatPane(Vertical):
                                 tooltip=PARAM_HELP.get(name, name), placeholder="none" if default == "" else "")
             yield Button("reset to defaults", id="p-reset", compact=True,
                          tooltip="every sampling parameter back to its default (Ctrl+L keeps them)")
-        yield ChatInput(placeholder="Type a message, Enter to send · Esc cancels · Ctrl+L new chat · Ctrl+S sampling "
-                                    "· PgUp/PgDn scroll",
-                    id="chat-input", compact=True)
+        yield ChatInput(placeholder=PLACEHOLDERS[0], id="chat-input", compact=True)
 
     def _banner(self, numerics: bool) -> tuple[tuple[str, ...], str]:
         """(banner variants, tooltip) for the device's mode: timing-only before the weights (a timing-only
@@ -494,8 +492,24 @@ class Banner(Static):
         self.update(fits[0] if fits else self.variants[-1])
 
 
+#: the chat input's placeholder, longest first: the longest that fits the input is shown, whole (at 80 and 100
+#: columns the first read "... Ctrl+S" and "... PgUp/PgDn", cut); the footer and the help name every key
+PLACEHOLDERS = ("Type a message, Enter to send · Esc cancels · Ctrl+L new chat · Ctrl+S sampling · PgUp/PgDn scroll",
+                "Type a message, Enter to send · Esc cancels · Ctrl+L new chat · Ctrl+S sampling",
+                "Type a message, Enter to send · Esc cancels · Ctrl+L new chat",
+                "Type a message, Enter to send · Esc cancels", "Type a message, Enter to send", "Type a message")
+
+
 class ChatInput(HelpKeyInput):
-    """The chat's message input: "?" on an empty input opens the help (``HelpKeyInput``), otherwise it is typed."""
+    """The chat's message input: "?" on an empty input opens the help (``HelpKeyInput``), otherwise it is typed.
+    Its placeholder is the longest of ``PLACEHOLDERS`` that fits its width."""
+
+    def on_resize(self) -> None:
+        w = self.content_size.width
+        fits = [p for p in PLACEHOLDERS if w <= 0 or cell_len(p) < w]  # a cell left for the cursor at its end
+        placeholder = fits[0] if fits else PLACEHOLDERS[-1]
+        if placeholder != self.placeholder:
+            self.placeholder = placeholder
 
 
 def figures_line(result) -> str:

@@ -80,6 +80,21 @@ BUTTON_METHOD = {"m-enter": "enter_exclusive", "m-leave": "leave_exclusive", "m-
                  "m-f-ccu": "inject_fault", "m-f-kv": "inject_fault", "m-f-link": "inject_fault",
                  "m-f-slow": "inject_fault", "m-f-clear": "clear_faults", "m-ack": "acknowledge_faults",
                  "m-reg-read": "read_register", "m-reg-write": "write_register", "m-reg-all": "dump_registers"}
+#: key action -> the plane method it calls: a leaseless server's footer, help and palette list the keys of what
+#: it offers only (the others still answer, refused by the plane with the reason: ``on_key``)
+ACTION_METHOD = {"enter": "enter_exclusive", "leave": "leave_exclusive", "leave_force": "leave_exclusive",
+                 "reset": "reset", "clear": "clear_device_memory", "reload": "reload_model", "self_test": "self_test",
+                 "health": "health_check", "probe": "probe_request", "clear_kv": "clear_kv", "dump": "dump",
+                 "fault_ccu": "inject_fault", "fault_kv": "inject_fault", "fault_link": "inject_fault",
+                 "fault_slow": "inject_fault", "clear_faults": "clear_faults", "focus_register": "read_register",
+                 "read_register": "read_register", "write_register": "write_register",
+                 "dump_registers": "dump_registers", "acknowledge": "acknowledge_faults"}
+#: a leaseless server's slot actions (the slot row's buttons; no key)
+SLOT_METHODS = ("save_slot", "restore_slot", "erase_slot")
+#: the help's note on a leaseless server (a llama-server): no exclusive mode, its own actions only
+HELP_LEASELESS = ("{kind} has no exclusive mode: its actions run without a lease, each asked first (y confirms, "
+                  "Enter, n or Esc cancels) and audited. Only the keys of what it offers are listed; another "
+                  "maintenance key is refused by it, audited, with the reason.")
 #: the hint a guarded key gives outside exclusive mode
 NEED_EXCLUSIVE = "enter exclusive mode first (x)"
 #: the yes / no question each action asks first (AskModal): plane action -> (button label, question, what it does);
@@ -122,6 +137,15 @@ ASK = {
     "dump_registers": ("All registers", "Read every register on the device?", "Reads and logs every register."),
     "acknowledge_faults": ("Acknowledge", "Acknowledge the faults that fired?",
                            "The device status goes back from 'fault'; the faults stay in the audit log."),
+}
+#: the questions of a leaseless server (a llama-server) where its action differs from the device's (``ASK``);
+#: ``{kind}``: the server's kind
+ASK_LEASELESS = {
+    "health_check": ("Health", "Ask {kind} for its health?",
+                     "GET /health: ok, loading (HTTP 503) or an error; the log shows the answer and its wall time."),
+    "clear_kv": ("Clear KV", "Clear the KV cache of every slot of {kind}?",
+                 "Erases each slot's cached prompt (POST /slots/N?action=erase): the next requests prefill their "
+                 "prompts from scratch."),
 }
 FAULTS = {"fault_ccu": ("ccu_exception", {}), "fault_kv": ("kv_exhaustion", {}),
           "fault_link": ("link_error", {}), "fault_slow": ("slow_chip", {"chip": 1, "factor": 4.0})}
@@ -175,6 +199,8 @@ class MaintenancePane(Vertical):
         # a server with no exclusive mode (a llama-server): its own actions run without a lease, the
         # others are shown as not offered (their keys still ask the plane, which says why: NotOffered)
         self.leaseless = not getattr(maintenance, "needs_lease", True)
+        if self.leaseless:
+            self.HELP_EXTRA = HELP_LEASELESS.format(kind=getattr(maintenance, "server_kind", "this server"))
         self._entering = False
         self._fired: list = []  # unacknowledged fired faults of the last snapshot
         try:
@@ -259,7 +285,8 @@ class MaintenancePane(Vertical):
         self._log(audit_line(self.maintenance.audit.path), "dim")
         if self.leaseless:
             kind = getattr(self.maintenance, "server_kind", "this server")
-            offered = [m for m in sorted(set(BUTTON_METHOD.values())) if self.maintenance.offers(m)]
+            offered = [m for m in sorted(set(BUTTON_METHOD.values()) | set(SLOT_METHODS))
+                       if self.maintenance.offers(m)]
             self._log(f"{kind}: offers {', '.join(offered)} (no lease: it has no exclusive mode); every other "
                       f"action is not offered by {kind} (its key says why)", "yellow")
 
@@ -312,19 +339,40 @@ class MaintenancePane(Vertical):
                 if tier == 2 and not b.tooltip:
                     b.tooltip = LABELS[b.id or ""][0]
 
+    def offers_action(self, action: str) -> bool:
+        """Whether key action ``action`` is one the attached plane has: always on the simulator; on a leaseless
+        server (a llama-server) only those whose plane method it offers (``ACTION_METHOD``)."""
+        method = ACTION_METHOD.get(action)
+        return not self.leaseless or method is None or bool(self.maintenance.offers(method))
+
+    def help_bindings(self) -> list:
+        """The pane's key bindings the help lists: on a leaseless server those of what it offers only."""
+        return [b for b in self.BINDINGS if not isinstance(b, Binding) or self.offers_action(b.action)]
+
     def on_key(self, event: events.Key) -> None:
         """A maintenance key outside exclusive mode says why nothing happens (the footer shows it
-        disabled: check_action), instead of silence. Typing into the register inputs never gets here."""
-        if self.lease is None and event.key in self._guarded_keys and not self.leaseless:
+        disabled: check_action), instead of silence. On a leaseless server a key of an action it does not offer
+        (not in the footer or the help: check_action) still asks the plane, which refuses it, audited, and says
+        why. Typing into the register or slot inputs never gets here."""
+        if self.leaseless:
+            action = next((b.action for b in self.BINDINGS if isinstance(b, Binding)
+                           and event.key in {k.strip() for k in b.key.split(",")}), None)
+            if action is not None and not self.offers_action(action):
+                event.stop()
+                event.prevent_default()
+                getattr(self, f"action_{action}")()
+            return
+        if self.lease is None and event.key in self._guarded_keys:
             event.stop()
             event.prevent_default()
             self.notify(NEED_EXCLUSIVE, severity="warning", timeout=4)
             self._log(f"key {event.key}: {NEED_EXCLUSIVE}", "yellow")
 
     def check_action(self, action: str, parameters: tuple) -> bool | None:
-        """Maintenance keys do nothing outside exclusive mode (shown disabled in the footer)."""
+        """Maintenance keys do nothing outside exclusive mode (shown disabled in the footer). On a leaseless
+        server (no exclusive mode to be outside of) the keys of what it offers, and no others (``on_key``)."""
         if self.leaseless:
-            return True  # no exclusive mode to be outside of: the plane answers (or says not offered)
+            return self.offers_action(action)
         if action in GUARDED_ACTIONS and self.lease is None:
             return None
         if action == "enter" and (self.lease is not None or self._entering):
@@ -410,6 +458,9 @@ class MaintenancePane(Vertical):
             self._run(action, fn)
             return
         label, default_q, detail = ASK[ask or action]
+        if self.leaseless and (ask or action) in ASK_LEASELESS:
+            kind = getattr(self.maintenance, "server_kind", "this server")
+            label, default_q, detail = (t.format(kind=kind) for t in ASK_LEASELESS[ask or action])
         self.app.push_screen(AskModal(label, detail, question or default_q),
                              lambda ok: self._asked(bool(ok), action, fn))
 

@@ -118,6 +118,22 @@ class ObservationPane(VerticalScroll):
 
     # --- keys -----------------------------------------------------------------------------------
 
+    def reports_layers(self) -> bool:
+        """Whether the attached plane reports per-layer steps: the simulator (and a calconsole server) does, a
+        llama-server does not (its per-layer section says so)."""
+        return self._last is None or server_render.kind_of(self._last) is None
+
+    def check_action(self, action: str, parameters: tuple) -> bool | None:
+        """The per-layer keys (t, h) only where the plane reports per-layer steps: not on a llama-server's
+        footer or help."""
+        if action in ("toggle_step", "toggle_heat"):
+            return self.reports_layers()
+        return True
+
+    def help_bindings(self) -> list:
+        """The pane's key bindings the help lists (those ``check_action`` allows now)."""
+        return [b for b in self.BINDINGS if not isinstance(b, Binding) or self.check_action(b.action, ()) is not False]
+
     def action_toggle_step(self) -> None:
         order = ["last_step", "last_decode", "last_prefill"]
         self.show_kind = order[(order.index(self.show_kind) + 1) % len(order)]
@@ -403,7 +419,10 @@ class ObservationPane(VerticalScroll):
         if snap is not self._last:
             self.history.record(snap)
         batched = self.applicable("batches")
+        had_layers = self.reports_layers()
         self._last = snap
+        if self.reports_layers() != had_layers:  # the first snapshot of a server: its keys in the footer
+            self.refresh_bindings()
         if self.applicable("batches") != batched:  # the first snapshot says what the bundle is
             self._apply_arrangement()
             return

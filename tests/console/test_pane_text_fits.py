@@ -11,8 +11,9 @@ from textual.widgets import Button
 
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
-from calconsole.panes.chat import PARAMS, SYNTHETIC_BANNERS, figures_line, metrics_line, param_defaults
+from calconsole.panes.chat import PARAMS, PLACEHOLDERS, SYNTHETIC_BANNERS, figures_line, metrics_line, param_defaults
 from calconsole.panes.maintenance import LABELS, MaintenancePane, fitted_label, fitted_tier
+from calconsole.settings import Settings
 from calconsole.widgets import render
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.planes import SamplingParams
@@ -43,6 +44,16 @@ def visible_log_text(app, sel: str = "#chat-log") -> str:
     return re.sub(r"\s+", " ", " ".join(s.text for s in shown))
 
 
+async def show_maintenance(pilot) -> None:
+    """One pane at a time (below the layout's breakpoint, or forced): F3 shows the maintenance pane, as a person
+    does; with the columns it is on screen already."""
+    app = pilot.app
+    if app.single:
+        await pilot.press("f3")
+        pane = app.query_one("#maintenance")
+        assert await wait_for(pilot, lambda: pane.size.width > 0 and app._focused_pane() is pane)
+
+
 async def send(pilot, text: str) -> None:
     app = pilot.app
     app.query_one("#chat-input").focus()
@@ -69,6 +80,19 @@ async def test_operator_chat_transcript_has_room_and_a_one_line_banner(fast_syst
         assert "sampling parameters" in screen_text(app)  # the toggle is on screen at 80x24 too
         # the footer names the scroll keys (once the chat input has focus: bounded wait, the machine may be busy)
         assert await wait_for(pilot, lambda: "pgup/pgdn scroll" in screen_text(app)), screen_text(app)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (160, 48)])
+async def test_the_chat_input_placeholder_is_whole(fast_system, size):
+    # at 80x24 it read "... Ctrl+L new chat · Ctrl+S", at 100x30 "... Ctrl+S sampling · PgUp/PgDn", cut
+    app = CalConsoleApp(fast_system, load_layout("operator"))
+    async with app.run_test(size=size) as pilot:
+        inp = app.query_one("#chat-input")
+        assert await wait_for(pilot, lambda: 0 < len(inp.placeholder) < inp.content_size.width)
+        assert inp.placeholder in PLACEHOLDERS and inp.placeholder.startswith("Type a message, Enter to send")
+        assert inp.placeholder in screen_text(app)  # drawn whole
+        longer = PLACEHOLDERS[:PLACEHOLDERS.index(inp.placeholder)]
+        assert all(len(p) >= inp.content_size.width for p in longer)  # the longest that fits
 
 
 async def test_pageup_pagedown_scroll_the_transcript_from_the_input(fast_system):
@@ -244,10 +268,13 @@ async def test_guarded_key_outside_exclusive_mode_says_enter_exclusive_first(fas
         assert app.query_one("#maintenance").lease is None
 
 
-@pytest.mark.parametrize("size", [(120, 36), (80, 24)])
-async def test_maintenance_buttons_tell_memory_and_kv_apart(fast_system, size):
-    app = CalConsoleApp(fast_system, load_layout("operator"))
+# at 80x24 "auto" shows one pane at a time (F3: the maintenance pane at full width); "columns" (the palette's
+# "Panes: side by side") keeps the narrow column the labels must still fit
+@pytest.mark.parametrize(("size", "panes"), [((120, 36), "auto"), ((80, 24), "auto"), ((80, 24), "columns")])
+async def test_maintenance_buttons_tell_memory_and_kv_apart(fast_system, size, panes):
+    app = CalConsoleApp(fast_system, load_layout("operator"), settings=Settings(panes=panes))
     async with app.run_test(size=size) as pilot:
+        await show_maintenance(pilot)
 
         def shown(sel: str) -> str:
             b = app.query_one(sel)
@@ -280,12 +307,16 @@ async def test_maintenance_buttons_tell_memory_and_kv_apart(fast_system, size):
             assert labels[bid].startswith(key), labels
 
 
-@pytest.mark.parametrize("layout,size", [("chat", (80, 24)), ("operator", (80, 24)), ("operator", (160, 48))])
-async def test_no_maintenance_button_label_is_cut(fast_system, layout, size):
-    # at 80x24 in the chat layout the buttons are 3-5 cells wide: "x Excl" read "x E…", "1 CCU" read "1 …";
-    # a row whose short labels do not all fit shows the keys alone (the footer and the help say what they do)
-    app = CalConsoleApp(fast_system, load_layout(layout))
+@pytest.mark.parametrize("layout,size,panes", [("chat", (80, 24), "auto"), ("chat", (80, 24), "columns"),
+                                               ("operator", (80, 24), "auto"), ("operator", (80, 24), "columns"),
+                                               ("operator", (160, 48), "auto")])
+async def test_no_maintenance_button_label_is_cut(fast_system, layout, size, panes):
+    # at 80x24 in the chat layout's columns the buttons are 3-5 cells wide: "x Excl" read "x E…", "1 CCU" read
+    # "1 …"; a row whose short labels do not all fit shows the keys alone (the footer and the help say what they
+    # do). At 80x24 "auto" shows one pane at a time: F3 shows the maintenance pane, at full width
+    app = CalConsoleApp(fast_system, load_layout(layout), settings=Settings(panes=panes))
     async with app.run_test(size=size) as pilot:
+        await show_maintenance(pilot)
 
         def shown(b) -> str:
             return "".join(s.text for s in b.render_lines(b.region.reset_offset)).strip()

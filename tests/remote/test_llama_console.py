@@ -156,6 +156,19 @@ async def test_a_maintenance_action_llama_server_lacks_is_refused_with_the_reaso
             assert not app.query_one("#m-row-faults").display and not app.query_one("#m-row-reg").display
             assert app.query_one("#m-health").display and app.query_one("#m-clearkv").display
             await pilot.press("f3")
+            assert await wait_for(pilot, lambda: app._focused_pane() is pane)
+            # the footer, the help and the palette name its keys only (80x24 read "x exclusive  l leave excl.
+            # r reset  c clear mem"); the others still answer, refused (below)
+            footer = {b.binding.description for b in app.active_bindings.values() if b.enabled and b.binding.show}
+            assert {"health", "clear KV"} <= footer and not footer & {"exclusive", "reset", "clear mem", "CCU fault"}
+            assert [b.description for b in pane.help_bindings() if b.action != "app.help"] == ["health", "clear KV"]
+            palette = [c.title for c in app.get_system_commands(app.screen)]
+            assert "Maintenance: health check" in palette and "Maintenance: clear KV cache" in palette
+            assert not [t for t in palette if t.startswith("Maintenance: ") and t not in
+                        ("Maintenance: health check", "Maintenance: clear KV cache")], palette
+            obs = app.query_one("#observation")  # no per-layer steps on a llama-server: no t / h keys
+            assert not obs.check_action("toggle_step", ()) and not obs.check_action("toggle_heat", ())
+            assert not [t for t in palette if t.startswith("Per-layer")], palette
             await pilot.press("x")
             assert await wait_for(pilot, lambda: "not offered by llama-server: it has no exclusive mode"
                                   in log_text(app, "#m-log"))

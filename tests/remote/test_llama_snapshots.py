@@ -1,0 +1,98 @@
+"""Snapshot tests (pytest-textual-snapshot) of the console attached to a REAL llama-server at 80x24 (issue 37).
+
+Deterministic by construction: a server of its own per test (xllamacpp + SmolLM2, one slot, one thread: no
+prompt cached by another test), a greedy reply (temperature 0) to the first request it serves, the console's
+home (the audit log's directory in the maintenance pane) at the test's own ``tmp_path`` shown as ``~``, and
+the reply's wall-clock figures masked (``_short_ms``: TTFT / TPOT read ``<ms>``). The observation pane is not
+pictured: its busy % history, tok/s and P95 latencies are wall-clock measurements of the server (tested for
+whole headings and figures in test_llama_console instead). A new xllamacpp (llama.cpp build, shown as
+``b0-unknown`` in the header) or SmolLM2 wheel may change the greedy reply: regenerate (``--snapshot-update``)
+after looking at the picture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.widgets import Input
+
+from calconsole.app import CalConsoleApp
+from calconsole.layout import load_layout
+from calconsole.remote import connect
+from calconsole.settings import Settings
+from tests.console.pilot_helpers import log_text, wait_for
+
+
+@pytest.fixture
+def own_llama_server() -> Iterator[Any]:
+    from tests.real.llama_server import start_llama_server
+
+    server = start_llama_server(n_parallel=1, n_ctx=1024)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def attached(own_llama_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[CalConsoleApp]:
+    import calconsole.panes.chat as chat_mod
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the audit log's directory reads "~/."
+    monkeypatch.setattr(chat_mod, "_short_ms", lambda v: "<ms>")  # wall-clock figures: masked
+    system = connect(own_llama_server.url, audit_path=tmp_path / "audit.jsonl")
+    try:
+        yield CalConsoleApp(system, load_layout("operator"), refresh_hz=4, settings=Settings())
+    finally:
+        system.close()
+
+
+async def exchange(pilot) -> None:
+    """A greedy message sent in the chat pane (F2), its reply and figures line in the transcript, the server
+    idle again in the header."""
+    app = pilot.app
+    await pilot.press("f2")
+    chat = app.query_one("#chat")
+    assert await wait_for(pilot, lambda: chat.size.height > 0 and app.last_snapshot is not None)
+    app.query_one("#p-max-tokens").value = "40"
+    app.query_one("#p-temperature").value = "0"
+    app.query_one("#chat-input").focus()
+    await pilot.press(*"Write one sentence about the sea.", "enter")
+    assert await wait_for(pilot, lambda: chat.handle is None and chat.full_figures
+                          and " tok · " in log_text(app, "#chat-log") and not app.query_one("#chat-log").pending,
+                          timeout_s=60)
+    assert await wait_for(pilot, lambda: all(s.state == "idle" for s in app.last_snapshot.slots)
+                          and "run -" in str(app.query_one("#topbar").render()), timeout_s=20)
+
+
+async def settle(pilot) -> None:
+    for inp in pilot.app.query(Input):
+        inp.cursor_blink = False
+    pilot.app.screen.refresh(layout=True)
+    await pilot.pause()
+    await pilot.pause()
+
+
+def test_chat_pane_on_llama_server_at_80x24(snap_compare, attached: CalConsoleApp) -> None:
+    async def run_before(pilot) -> None:
+        await exchange(pilot)
+        await settle(pilot)
+
+    assert snap_compare(attached, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_maintenance_pane_on_llama_server_at_80x24(snap_compare, attached: CalConsoleApp) -> None:
+    async def run_before(pilot) -> None:
+        await exchange(pilot)
+        app = pilot.app
+        await pilot.press("f3")
+        pane = app.query_one("#maintenance")
+        assert await wait_for(pilot, lambda: app._focused_pane() is pane)
+        await pilot.press("x")  # not offered: refused by the plane, with llama-server's reason
+        assert await wait_for(pilot, lambda: "it has no exclusive mode (no admission" in log_text(app, "#m-log"))
+        await settle(pilot)
+
+    assert snap_compare(attached, terminal_size=(80, 24), run_before=run_before)
