@@ -139,5 +139,19 @@ def probs_from_wire(entries: Sequence[Mapping[str, Any]], *, from_logits: bool =
     return tuple(out)
 
 
-__all__ = ["LLAMA_TIMINGS", "LOWEST_LOGPROB", "llama_timings", "probs_from_wire", "probs_json", "result_extension",
-           "result_from_extension", "timings_from_wire", "timings_to_wire", "token_text"]
+#: a finite JSON number past float32's range: llama-server (and the face) read it as a +inf bias (JSON has no inf)
+_INF_BIAS = 1e39
+
+
+def logit_bias_to_wire(pairs: Sequence[tuple[int, float]]) -> list[list[Any]]:
+    """``logit_bias`` of a request as the remote planes send it: ``[[id, bias], ...]`` pairs, a ban (-inf) as
+    ``false`` (llama-server's spelling), +inf as a number past float32's range (read back as +inf)."""
+    out: list[list[Any]] = []
+    for t, b in pairs:
+        v: Any = False if b == -math.inf else _INF_BIAS if b == math.inf else float(b)
+        out.append([int(t), v])
+    return out
+
+
+__all__ = ["LLAMA_TIMINGS", "LOWEST_LOGPROB", "llama_timings", "logit_bias_to_wire", "probs_from_wire", "probs_json",
+           "result_extension", "result_from_extension", "timings_from_wire", "timings_to_wire", "token_text"]

@@ -46,7 +46,7 @@ from sim_backend.planes import (
     validate_request,
 )
 
-from ..codec import probs_from_wire, result_from_extension, timings_from_wire
+from ..codec import logit_bias_to_wire, probs_from_wire, result_from_extension, timings_from_wire
 from .connection import Connection, RemoteError, ServerUnreachable
 from .sse_stream import SseRequestStream
 
@@ -76,6 +76,8 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
         body["ignore_eos"] = True
     if req.n_probs:  # llama-server's names, read on every generation route
         body.update(n_probs=req.n_probs, post_sampling_probs=req.post_sampling_probs)
+    if req.logit_bias:  # ids: the request's strings were tokenized by the face that read them
+        body["logit_bias"] = logit_bias_to_wire(req.logit_bias)
     if req.grammar is not None:  # llama-server's fields: GBNF text, or the schema itself
         if req.grammar.kind == "gbnf":
             body["grammar"] = req.grammar.text

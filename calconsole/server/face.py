@@ -406,6 +406,12 @@ class ServingFace:
         return self.inference.n_ctx if c is None else min(c, self.inference.n_ctx)
 
     @property
+    def n_vocab(self) -> int:
+        """The model's vocabulary rows (token ids are in ``[0, n_vocab)``): the plane's, Qwen3's 151936 for a
+        plane that does not say."""
+        return int(getattr(self.inference, "n_vocab", 151936))
+
+    @property
     def aliases(self) -> list[str]:
         """The model's names, the reported one first."""
         return [a.strip() for a in self.config.model_alias.split(",") if a.strip()]

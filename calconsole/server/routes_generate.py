@@ -46,6 +46,15 @@ def _label(chunk: dict[str, Any], probs: Any) -> None:
     chunk.setdefault("calconsole", {})["logprobs_source"] = lp.source_of(probs)
 
 
+async def logit_bias_of(face: ServingFace, body: dict[str, Any]) -> tuple[tuple[int, float], ...]:
+    """The body's ``logit_bias`` as (token id, bias) pairs (``wire.logit_bias_from``: its strings tokenized
+    by the model's tokenizer, as llama-server's ``common_tokenize`` without special tokens), in a worker
+    thread; none without one."""
+    if body.get("logit_bias") is None:
+        return ()
+    return await face.call(wire.logit_bias_from, body, lambda text: face.inference.tokenize(text), face.n_vocab)
+
+
 async def whole_probs(face: ServingFace, results: list[RequestResult]) -> list[list[dict[str, Any]]]:
     """Each whole reply's probabilities in llama-server's entries (a stop word's tokens dropped), built in a
     worker thread (a reply of many tokens with many alternatives each is a lot of JSON)."""
@@ -58,7 +67,8 @@ async def whole_probs(face: ServingFace, results: list[RequestResult]) -> list[l
 async def chat_completions(face: ServingFace, request: Request) -> Response:
     body = face.with_defaults(await face.read_json(request))
     req = wire.chat_request(body, n_ctx=face.n_ctx, n_predict=face.config.n_predict,
-                            client=client_of(request), template=await face.template_options(body))
+                            client=client_of(request), template=await face.template_options(body),
+                            logit_bias=await logit_bias_of(face, body))
     stream = wire.flag(body, "stream", False)
     include_usage = wire.stream_options(body)
     cid = f"chatcmpl-{uuid.uuid4().hex[:24]}"
@@ -117,8 +127,10 @@ async def completions_oai(face: ServingFace, request: Request) -> Response:
     body = face.with_defaults(await face.read_json(request))
     prompts = wire.prompts_from(body)
     n = wire.choices_of(body)
+    bias = await logit_bias_of(face, body)
     # choice index = prompt index * n + j (OpenAI's order)
-    reqs = [r for p in prompts for r in [await completion_req(face, {**body, "prompt": p}, request, openai=True)] * n]
+    reqs = [r for p in prompts
+            for r in [await completion_req(face, {**body, "prompt": p}, request, openai=True, logit_bias=bias)] * n]
     cid = f"cmpl-{uuid.uuid4().hex[:24]}"
     model = model_of(face, body)
     created = int(time.time())
@@ -157,17 +169,20 @@ async def completions_oai(face: ServingFace, request: Request) -> Response:
 
     return await face.stream(reqs, [], piece, last, True, progress)
 
-async def completion_req(face: ServingFace, body: dict[str, Any], request: Request, *, openai: bool) -> ChatRequest:
+async def completion_req(face: ServingFace, body: dict[str, Any], request: Request, *, openai: bool,
+                         logit_bias: tuple[tuple[int, float], ...] = ()) -> ChatRequest:
     return await face.call(lambda: wire.completion_request(
         body, lambda text: face.inference.tokenize(text, parse_special=True), n_ctx=face.n_ctx,
-        n_predict=face.config.n_predict, client=client_of(request), openai=openai))
+        n_predict=face.config.n_predict, client=client_of(request), openai=openai, logit_bias=logit_bias))
 
 async def completion(face: ServingFace, request: Request) -> Response:
     """llama.cpp native ``/completion``: no chat template; ``data:`` chunks without ``[DONE]``; a list of
     prompts gives a JSON array of results (streamed: chunks of all, each with its ``index``)."""
     body = face.with_defaults(await face.read_json(request))
     prompts = wire.prompts_from(body)
-    reqs = [await completion_req(face, {**body, "prompt": p}, request, openai=False) for p in prompts]
+    bias = await logit_bias_of(face, body)
+    reqs = [await completion_req(face, {**body, "prompt": p}, request, openai=False, logit_bias=bias)
+            for p in prompts]
     return_tokens = wire.flag(body, "return_tokens", False)
     per_token = wire.flag(body, "timings_per_token", False)
     stream = wire.flag(body, "stream", False)

@@ -149,5 +149,5 @@ async def models(face: ServingFace, request: Request) -> Response:
         "data": [{"id": alias, "aliases": face.aliases, "tags": list(face.config.model_tags), "object": "model",
                   "architecture": {"input_modalities": ["text"], "output_modalities": ["text"]},
                   "created": face.created, "owned_by": "calconsole",
-                  "meta": {"n_vocab": int(getattr(face.inference, "n_vocab", 151936)), "n_ctx": n_ctx,
+                  "meta": {"n_vocab": face.n_vocab, "n_ctx": n_ctx,
                            "n_ctx_train": face.inference.n_ctx}}]})

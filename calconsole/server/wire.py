@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import re
+import struct
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -293,13 +295,14 @@ def thinking(body: Mapping[str, Any], default: bool = False) -> bool:
 
 
 def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client: str,
-                 template: Mapping[str, Any] | None = None) -> ChatRequest:
+                 template: Mapping[str, Any] | None = None,
+                 logit_bias: tuple[tuple[int, float], ...] = ()) -> ChatRequest:
     """``/v1/chat/completions`` body -> ChatRequest (400 naming the field for anything wrong).
-    ``template``: the body's ``template_options`` (default: read here with thinking off by default)."""
+    ``template``: the body's ``template_options`` (default: read here with thinking off by default);
+    ``logit_bias``: the body's, as ``logit_bias_from`` read it (it needs the model's tokenizer)."""
     from .logprobs import probs_request
 
     choices_of(body)
-    refuse_unsupported(body)
     n_probs, post = probs_request(body, chat=True)
     if body.get("tools"):
         raise HTTPError(400, "invalid_request_error", "'tools' is not supported by this server")
@@ -311,7 +314,7 @@ def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client:
                        client=client, id_slot=-1 if slot is None else slot,
                        cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
                        n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body),
-                       return_progress=return_progress(body),
+                       logit_bias=logit_bias, return_progress=return_progress(body),
                        **(template_options(body) if template is None else template))
 
 
@@ -319,11 +322,89 @@ def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client:
 MAX_PROMPTS = 16
 
 
-def refuse_unsupported(body: Mapping[str, Any]) -> None:
-    """400 for a field llama-server honours that the simulator cannot (logit biases): ignoring it would
-    hand back output the client did not ask for."""
-    if body.get("logit_bias") not in (None, [], {}):
-        raise bad_request("'logit_bias' is not supported by this server")
+#: an object key that is a token id: what C's ``strtol(key, &end, 10)`` reads to the key's end (llama-server's
+#: test ``*end == 0``): blanks, a sign, digits; an empty key reads as id 0 there, and does here
+_ID_KEY = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]+")
+#: the largest finite float32 (llama-server keeps a bias as a C ``float``: a larger one is +-inf there)
+_FLT_MAX = 3.4028234663852886e38
+#: a bias of -inf bans the token; in JSON it is ``false`` (llama-server's spelling; JSON has no -inf)
+BAN = -math.inf
+
+
+def _bias_value(v: Any, where: str) -> float:
+    """A bias as llama-server keeps one: a number as a C ``float`` (rounded to float32; beyond its range +-inf,
+    as llama-server's ``get<float>()`` makes it), ``false`` for -inf (a ban). 400 for anything else (llama-server
+    skips the entry without a word: the client would never learn its bias did nothing)."""
+    if v is False:
+        return BAN
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad_request(f"'logit_bias' {where}: a bias must be a number, or false to ban the token; "
+                          f"got {json.dumps(v)[:40]}")
+    f = float(v)
+    if not math.isfinite(f):  # NaN / Infinity / 1e999 literals: llama-server's JSON parser refuses them (400)
+        raise bad_request(f"'logit_bias' {where}: a bias must be a finite number (false bans the token)")
+    if abs(f) > _FLT_MAX:
+        return math.copysign(math.inf, f)
+    try:
+        return float(struct.unpack("<f", struct.pack("<f", f))[0])
+    except OverflowError:  # rounds past the largest float32
+        return math.copysign(math.inf, f)
+
+
+def logit_bias_from(body: Mapping[str, Any], tokenize: Callable[[str], Sequence[int]],
+                    n_vocab: int) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` read as llama-server's ``params_from_json_cmpl`` reads it, in the order given:
+
+    - a list of ``[key, bias]`` pairs: ``key`` a token id (an integer) or a string, each of whose tokens
+      (``tokenize``: no special tokens parsed, none added) gets the bias;
+    - an object ``{key: bias}`` (OpenAI's form): a key ``strtol`` reads whole (``"15"``, ``" +15"``; ``""`` is
+      id 0, as there) is a token id, any other key a string to tokenize;
+    - ``bias``: a number (a float32, as there), or ``false`` to ban the token (-inf);
+    - a token id outside ``[0, n_vocab)`` is skipped, as llama-server skips it (ids of another model's
+      vocabulary); ``null`` / ``[]`` / ``{}``: no bias.
+
+    400 ``invalid_request_error`` for what llama-server skips without a word: ``logit_bias`` of another type, an
+    entry that is not a ``[key, bias]`` pair, a key that is neither an integer nor a string, a bias that is not a
+    number or ``false``. Returns (token id, bias) pairs; an id may repeat (its biases add up when applied)."""
+    lb = body.get("logit_bias")
+    out: list[tuple[int, float]] = []
+
+    def add_id(tok: int, bias: float) -> None:
+        if 0 <= tok < n_vocab:
+            out.append((tok, bias))
+
+    if lb is None:
+        return ()
+    if isinstance(lb, list):
+        for i, el in enumerate(lb):
+            if not isinstance(el, list) or len(el) != 2:
+                raise bad_request(f"'logit_bias[{i}]' must be a [token, bias] pair (token: an id or a string), "
+                                  f"got {json.dumps(el)[:40]}")
+            key, bias = el[0], _bias_value(el[1], f"[{i}]")
+            if isinstance(key, int) and not isinstance(key, bool):
+                add_id(key, bias)
+            elif isinstance(key, str):
+                out.extend((int(t), bias) for t in tokenize(key))
+            else:
+                raise bad_request(f"'logit_bias[{i}]': the token must be an integer id or a string, "
+                                  f"got {json.dumps(key)[:40]}")
+    elif isinstance(lb, Mapping):
+        for key, value in lb.items():
+            bias = _bias_value(value, f"[{json.dumps(key)[:40]}]")
+            if key == "" or _ID_KEY.fullmatch(key):
+                add_id(int(key) if key else 0, bias)
+            else:
+                out.extend((int(t), bias) for t in tokenize(key))
+    else:
+        raise bad_request("'logit_bias' must be a list of [token, bias] pairs or an object {token: bias} "
+                          f"(token: an id or a string; bias: a number, or false to ban it), got {type(lb).__name__}")
+    return tuple(out)
+
+
+def logit_bias_setting(pairs: Sequence[tuple[int, float]]) -> list[dict[str, Any]]:
+    """``generation_settings.logit_bias`` entries of (token id, bias) pairs, as llama-server writes them: a
+    non-finite bias (a ban) is null (nlohmann writes non-finite numbers as null)."""
+    return [{"bias": b if math.isfinite(b) else None, "token": int(t)} for t, b in pairs]
 
 
 def _schema_text(schema: Any, name: str) -> str:
@@ -444,14 +525,13 @@ def prompt_tokens_from(body: Mapping[str, Any], tokenize: Any) -> tuple[int, ...
 
 
 def completion_request(body: Mapping[str, Any], tokenize: Any, *, n_ctx: int, n_predict: int, client: str,
-                       openai: bool) -> ChatRequest:
+                       openai: bool, logit_bias: tuple[tuple[int, float], ...] = ()) -> ChatRequest:
     """``/completion`` (llama.cpp) or ``/v1/completions`` (OpenAI) body with one prompt (``body["prompt"]``,
-    as ``prompts_from`` split it) -> a raw-prompt ChatRequest."""
+    as ``prompts_from`` split it) -> a raw-prompt ChatRequest. ``logit_bias``: the body's (``logit_bias_from``)."""
     from .logprobs import probs_request
 
     if openai:
         choices_of(body)
-    refuse_unsupported(body)
     n_probs, post = probs_request(body, chat=False)
     names = ("max_tokens", "n_predict") if openai else ("n_predict", "max_tokens")
     slot = integer(body, "id_slot", -1, lo=-1)
@@ -460,7 +540,7 @@ def completion_request(body: Mapping[str, Any], tokenize: Any, *, n_ctx: int, n_
                        stop=stop_from(body), client=client, id_slot=-1 if slot is None else slot,
                        cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
                        n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body),
-                       return_progress=return_progress(body))
+                       logit_bias=logit_bias, return_progress=return_progress(body))
 
 
 def return_progress(body: Mapping[str, Any]) -> bool:
@@ -518,9 +598,9 @@ def sampling_settings(sp: SamplingParams, *, n_predict: int, stream: bool = Fals
 def generation_settings(req: ChatRequest, n_ctx: int, *, stream: bool = False,
                         per_token: bool = False, eog_ids: tuple[int, ...] = ()) -> dict[str, Any]:
     """llama-server's ``generation_settings`` of a ``/completion`` result: the sampling params plus the
-    stop words, ``logit_bias`` (always present: ``[]``, or with ``ignore_eos`` each of the model's
-    end-of-generation ids ``eog_ids`` with bias null, as llama-server lists the -inf it sets them to; a client
-    bias is refused, ``refuse_unsupported``), the grammar (``grammar_setting``; never lazy) and
+    stop words, ``logit_bias`` (always present: the request's (token, bias) pairs in its order, then with
+    ``ignore_eos`` each of the model's end-of-generation ids ``eog_ids``, as llama-server appends them; a ban's
+    -inf is null there, ``logit_bias_setting``), the grammar (``grammar_setting``; never lazy) and
     ``dry_sequence_breakers``, in llama-server's key order."""
     n_predict = req.max_tokens if req.max_tokens is not None and req.max_tokens != n_ctx else -1
     base = sampling_settings(req.sampling, n_predict=n_predict, stream=stream, per_token=per_token,
@@ -533,7 +613,8 @@ def generation_settings(req: ChatRequest, n_ctx: int, *, stream: bool = False,
         if k == "max_tokens":
             out["stop"] = list(req.stop)
         if k == "n_probs":  # -inf is null in llama-server's JSON (nlohmann writes non-finite numbers as null)
-            out["logit_bias"] = [{"bias": None, "token": t} for t in eog_ids] if req.ignore_eos else []
+            eog = [(t, BAN) for t in eog_ids] if req.ignore_eos else []
+            out["logit_bias"] = logit_bias_setting([*req.logit_bias, *eog])
         if k == "chat_format":
             out.update(grammar=grammar_setting(req.grammar), grammar_lazy=False, grammar_triggers=[],
                        preserved_tokens=[])

@@ -214,6 +214,11 @@ class ChatRequest(msgspec.Struct, frozen=True):
     post_sampling_probs: bool = False
     #: the text must match this grammar (constrained decoding), or None
     grammar: Grammar | None = None
+    #: (token id, bias) pairs added to the model's logits first in the sampler chain (llama.cpp ``logit_bias``):
+    #: ``-inf`` bans the token, ``+inf`` (a bias past float32's range, as llama-server reads one) leaves only
+    #: such tokens to draw from; the same id twice adds both, as llama.cpp's logit-bias sampler does. Needs
+    #: logits: a request with biases that would run timing-only is refused (``admission.NO_LOGITS_BIAS``)
+    logit_bias: tuple[tuple[int, float], ...] = ()
     #: render the generation prompt after the messages (llama-server's ``add_generation_prompt``)
     add_generation_prompt: bool = True
     #: continue the last message, whatever its role (llama-server's ``continue_final_message``)
@@ -301,6 +306,13 @@ def validate_request(req: ChatRequest, vocab: int = VOCAB_SIZE) -> None:
         raise InvalidRequestError(f"n_probs must be an integer in [0, {vocab}], got {req.n_probs!r}", param="n_probs")
     if not isinstance(req.post_sampling_probs, bool):
         raise InvalidRequestError("post_sampling_probs must be true or false", param="post_sampling_probs")
+    if not isinstance(req.logit_bias, (tuple, list)):
+        raise InvalidRequestError("logit_bias must be a list of (token id, bias) pairs", param="logit_bias")
+    for pair in req.logit_bias:
+        ok = isinstance(pair, (tuple, list)) and len(pair) == 2 and _is_int(pair[0]) and _is_real(pair[1])
+        if not ok or not 0 <= pair[0] < vocab or math.isnan(pair[1]):
+            raise InvalidRequestError(f"logit_bias entries must be (token id in [0, {vocab}), a bias: a number, "
+                                      f"-inf to ban the token), got {pair!r}", param="logit_bias")
     mt = req.max_tokens
     if mt is None:
         raise InvalidRequestError("max_tokens is required", param="max_tokens")

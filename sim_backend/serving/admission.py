@@ -25,6 +25,7 @@ from sim_backend.planes.types import (
     NUMERICS_NOT_READY,
     NUMERICS_OFF,
     OVER_NUMERIC_LIMIT,
+    ChatRequest,
 )
 from sim_backend.runtime import KVView, RuntimeSession
 from sim_backend.serving.api import RequestState
@@ -109,6 +110,24 @@ def choose_slot(free: Sequence[Slot], prompt: Sequence[int], *, cache_prompt: bo
 NO_LOGITS = ("token probabilities ('n_probs' / 'logprobs') need the model's logits, and this request would run "
              "timing-only: {why}. Its tokens would be seeded draws with no logits, so there are no probabilities "
              "to report; send it without 'n_probs' / 'logprobs', or where the numerics run")
+#: the refusal of a request with a ``logit_bias`` that would run timing-only (a template: ``why``)
+NO_LOGITS_BIAS = ("'logit_bias' is added to the model's logits, and this request would run timing-only: {why}. "
+                  "Its tokens would be seeded draws with no logits to bias, so the bias could not be honoured; "
+                  "send it without 'logit_bias', or where the numerics run")
+
+
+def needs_logits(req: ChatRequest) -> bool:
+    """Whether a request needs the model's logits (token probabilities, a logit bias): such a request is refused
+    rather than run timing-only (``logits_refusal``)."""
+    return bool(req.n_probs or req.logit_bias)
+
+
+def logits_refusal(req: ChatRequest, why: str) -> InvalidRequestError:
+    """The refusal of a request that needs logits and would run timing-only for reason ``why``: ``NO_LOGITS``
+    for token probabilities (said first), else ``NO_LOGITS_BIAS``, naming the field."""
+    if req.n_probs:
+        return InvalidRequestError(NO_LOGITS.format(why=why), param="n_probs")
+    return InvalidRequestError(NO_LOGITS_BIAS.format(why=why), param="logit_bias")
 
 
 def timing_only_foreseen(slots: Sequence[Slot], prompt: Sequence[int], *, cache_prompt: bool, numerics: bool,

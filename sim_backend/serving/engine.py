@@ -40,7 +40,7 @@ from sim_backend.errors import ExceedContextSizeError, InvalidRequestError, Unav
 from sim_backend.planes.metrics import MetricsRegistry
 from sim_backend.planes.types import SLO, ChatRequest, RequestResult, StageTimes
 from sim_backend.runtime import RuntimeSession
-from sim_backend.serving.admission import NO_LOGITS, Admission, numerics_now, timing_only_foreseen
+from sim_backend.serving.admission import Admission, logits_refusal, needs_logits, numerics_now, timing_only_foreseen
 from sim_backend.serving.api import EngineView, RequestHandle, SlotInfo
 from sim_backend.serving.gate import AdmissionGate
 from sim_backend.serving.hosttime import HostBooking, HostTimer
@@ -218,8 +218,8 @@ class Engine:
         None = now.
 
         Raises (nothing allocated, no counter but ``rejected`` moves):
-        InvalidRequestError (also a grammar that does not compile, and ``n_probs`` > 0 for a request that would
-        run timing-only: it has no logits, so no probabilities; ``admission.NO_LOGITS``), ExceedContextSizeError
+        InvalidRequestError (also a grammar that does not compile, and ``n_probs`` or ``logit_bias`` for a request
+        that would run timing-only: no logits to give or bias; ``admission.logits_refusal``), ExceedContextSizeError
         (prompt >= n_ctx = 40960 tokens), UnavailableError (queue full, or device in maintenance).
 
         A request's grammar is compiled in its tokenising host span (``RequestIntake.prepare``).
@@ -245,12 +245,12 @@ class Engine:
                 self._admission.check_room(sum(1 for s in self.slots if s.req is None))
             except UnavailableError as e:
                 self._refuse(e)
-            if req.n_probs:
+            if needs_logits(req):
                 numerics, why_not = numerics_now(self.rt)
                 why = timing_only_foreseen(self.slots, prompt, cache_prompt=req.cache_prompt, numerics=numerics,
                                            numerics_off_why=why_not, numerics_max_prompt=self.numerics_max_prompt)
                 if why:
-                    self._refuse(InvalidRequestError(NO_LOGITS.format(why=why), param="n_probs"))
+                    self._refuse(logits_refusal(req, why))
             rid = next(self._ids)
             handle = RequestHandle(rid, len(prompt))
             tokens = self.intake.pipeline(req, prompt, matcher)
@@ -377,10 +377,9 @@ class Engine:
             self._scheduler.slot_changed(s.idx)
             self.metrics.set_live(*self._live_locked())
             r = s.req
-            if r is not None and r.req.n_probs and not r.numeric:
+            if r is not None and needs_logits(r.req) and not r.numeric:
                 # foreseen numeric at submit, timing-only now (the cache it counted on was replaced): no logits
-                self._end_locked(r, "failed", "none", InvalidRequestError(
-                    NO_LOGITS.format(why=r.timing_only_reason), param="n_probs").to_dict())
+                self._end_locked(r, "failed", "none", logits_refusal(r.req, r.timing_only_reason).to_dict())
                 return
             if r is not None and r.req.return_progress:  # llama-server's 0 % event: the request has started
                 r.handle.emit(progress_event(r, 0.0))

@@ -6,7 +6,7 @@ integration's "full FP32 temp copy of the logits" as a latency defect. This
 module is that host path, made fast: BF16 -> FP32 by a bit shift into a
 preallocated buffer, and a sampler that never sorts the whole vocabulary.
 
-Sampler chain (llama.cpp order): penalties -> top-k -> top-p -> min-p ->
+Sampler chain (llama.cpp order): logit bias -> penalties -> top-k -> top-p -> min-p ->
 temperature -> draw. Top-p and min-p see temperature-1 probabilities, as in
 llama.cpp, because temperature is applied last.
 
@@ -76,9 +76,17 @@ class Sampler:
     until its mass covers top_p. Results equal :func:`naive_sample` exactly.
     """
 
-    def __init__(self, params: SamplingParams, vocab_size: int = VOCAB_SIZE, *, n_valid: int | None = None) -> None:
+    def __init__(self, params: SamplingParams, vocab_size: int = VOCAB_SIZE, *, n_valid: int | None = None,
+                 logit_bias: Sequence[tuple[int, float]] = ()) -> None:
+        """``logit_bias``: (token id in [0, vocab_size), bias) pairs added to the logits first in the chain
+        (llama.cpp's logit-bias sampler; ``-inf`` bans the id; a repeated id adds up). ValueError for an id out
+        of range."""
         params.validate(vocab_size)
         self.params = params
+        self._bias_ids = np.fromiter((int(t) for t, _ in logit_bias), dtype=np.intp, count=len(logit_bias))
+        self._bias = np.fromiter((float(b) for _, b in logit_bias), dtype=np.float32, count=len(logit_bias))
+        if self._bias_ids.size and not (0 <= int(self._bias_ids.min()) and int(self._bias_ids.max()) < vocab_size):
+            raise ValueError(f"logit_bias ids must be in [0, {vocab_size})")
         self.vocab_size = vocab_size
         self.n_valid = default_n_valid(vocab_size) if n_valid is None else int(n_valid)
         if not 0 < self.n_valid <= vocab_size:
@@ -150,6 +158,8 @@ class Sampler:
         p = self.params
         n, nv = self.vocab_size, self.n_valid
         x = self._x[:n]
+        if self._bias_ids.size:
+            np.add.at(x, self._bias_ids, self._bias)  # first in llama.cpp's chain, before the penalties
         apply_penalties(x, recent, p)
         x[nv:] = -np.inf
         if allowed is not None:

@@ -54,13 +54,21 @@ class TokenPipeline:
     with ``req.post_sampling_probs`` (``Sampler.post_sampling_probs``). A timing-only step has no logits and
     records none: probabilities of the seeded stand-in would be invented, not the model's (the engine refuses
     a request with ``n_probs`` that would run timing-only: ``admission.NO_LOGITS``).
+
+    ``req.logit_bias`` is added to the logits first in the sampler chain (``Sampler``), so greedy decoding
+    follows it and a banned id (-inf) is never sampled. It needs logits: a timing-only step of a biased request
+    raises ValueError (the engine refuses such a request: ``admission.NO_LOGITS_BIAS``), as dropping the bias
+    would hand back tokens the client excluded.
     """
 
     def __init__(self, req: ChatRequest, prompt: Sequence[int], *, n_ctx: int, max_tokens: int,
                  tokenizer: Tokenizer | None = None, vocab: int | None = None,
                  eos_ids: frozenset[int] = EOS_IDS, text_ids: tuple[int, int] = (0, N_BPE),
                  grammar: GrammarMatcher | None = None) -> None:
-        self.sampler = Sampler(req.sampling) if vocab is None else Sampler(req.sampling, vocab)
+        bias = tuple(req.logit_bias)
+        self.sampler = Sampler(req.sampling, logit_bias=bias) if vocab is None else \
+            Sampler(req.sampling, vocab, logit_bias=bias)
+        self._biased = bool(bias)
         # timing-only steps have no logits: a generator seeded like the sampler stands in, so a run replays
         self.fallback_rng = np.random.default_rng(self.sampler.seed)
         # the pieces' bytes of the probabilities' tokens come from the same tokenizer as the text
@@ -102,6 +110,8 @@ class TokenPipeline:
         With a grammar, only a token it allows (its mask on the logits, or its stand-in draw)."""
         allowed = self._allowed()
         if logits is None or not numeric:
+            if self._biased:  # the engine refuses such a request (admission.NO_LOGITS_BIAS): never drop the bias
+                raise ValueError("logit_bias needs the model's logits, and this step has none (timing-only)")
             if self.grammar is not None and allowed is not None:
                 return self.grammar.stand_in(self.fallback_rng, len(self.generated), self._max_tokens, allowed)
             return int(self.fallback_rng.integers(*self._text_ids))

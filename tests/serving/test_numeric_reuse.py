@@ -67,3 +67,31 @@ def test_probabilities_over_the_limit_run_when_a_numeric_prefix_is_reused(make_s
     assert system.inference.count_prompt_tokens(req) > 40  # over the limit as a whole, not in what it prefills
     res = system.inference.generate(req)
     assert res.timings.numerics is True and len(res.probs) == 3 and all(p.from_logits for p in res.probs)
+
+
+def test_a_logit_bias_needs_logits_refused_when_foreseen_timing_only(make_system):
+    """``logit_bias`` is added to the model's logits: refused at submit when the request would run timing-only
+    (numerics off; over the numeric limit), never run unbiased; with the numerics a ban holds and a bias forces."""
+    import math
+
+    import pytest
+
+    from sim_backend.errors import InvalidRequestError
+
+    off = make_system(numerics=False, n_slots=1)
+    with pytest.raises(InvalidRequestError, match=r"'logit_bias' is added to the model's logits, and this request "
+                                                  r"would run timing-only: the device runs timing-only \(numerics"):
+        off.inference.submit(ChatRequest.from_prompt("hi", max_tokens=2, logit_bias=((15, -math.inf),)))
+    assert off.observation.snapshot().requests.counters.rejected == 1
+
+    on = make_system(numerics=True, n_slots=1, numerics_max_prompt=20)
+    with pytest.raises(InvalidRequestError, match="over the numeric limit of 20"):
+        on.inference.submit(ChatRequest(messages=({"role": "user", "content": "word " * 40},), max_tokens=2,
+                                        logit_bias=((15, 1.0),)))
+    plain = on.inference.generate(ChatRequest.from_prompt("hi", max_tokens=4, sampling=GREEDY, ignore_eos=True))
+    banned = on.inference.generate(ChatRequest.from_prompt("hi", max_tokens=4, sampling=GREEDY, ignore_eos=True,
+                                                           logit_bias=tuple((t, -math.inf) for t in plain.tokens)))
+    assert banned.timings.numerics is True and not set(banned.tokens) & set(plain.tokens), (plain.tokens, banned.tokens)
+    forced = on.inference.generate(ChatRequest.from_prompt("hi", max_tokens=3, sampling=GREEDY, ignore_eos=True,
+                                                           logit_bias=((7, 50.0),)))
+    assert list(forced.tokens) == [7, 7, 7]

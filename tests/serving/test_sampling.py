@@ -233,6 +233,48 @@ def test_distribution_matches_softmax_small_vocab():
     assert np.allclose(counts, [0.5, 0.3, 0.2], atol=0.03)
 
 
+# --- logit bias (llama.cpp's logit-bias sampler: first in the chain) ----------------------------------------
+
+
+def test_logit_bias_ban_and_force_hold_greedy_and_sampled():
+    x = peaked_logits(np.random.default_rng(21))
+    top = int(np.argmax(x))
+    ban = Sampler(SamplingParams.greedy(), logit_bias=[(top, -math.inf)])
+    second = int(np.argsort(-x[:N_VALID], kind="stable")[1])
+    assert ban.sample(x) == second
+    sampled = Sampler(SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0, seed=3),
+                      logit_bias=[(top, -math.inf)])
+    assert top not in {sampled.sample(x) for _ in range(200)}
+    for params in (SamplingParams.greedy(), SamplingParams(seed=4), SamplingParams(temperature=2.0, top_k=0, seed=4)):
+        assert {Sampler(params, logit_bias=[(99, 1e3)]).sample(x) for _ in range(5)} == {99}
+        # +inf (a bias past float32's range, as llama-server reads it): only such ids are drawn
+        assert {Sampler(params, logit_bias=[(5, math.inf), (6, math.inf)]).sample(x) for _ in range(20)} <= {5, 6}
+    assert np.array_equal(x, peaked_logits(np.random.default_rng(21)))  # the caller's logits untouched
+
+
+def test_logit_bias_comes_before_the_penalties_and_repeats_add_up():
+    x = np.array([2.0, 2.5, 0.0], np.float32)
+    pen = SamplingParams(temperature=0.0, top_k=0, repeat_penalty=2.0, repeat_last_n=64)
+    g3 = SamplingParams(temperature=0.0, top_k=0)
+    # biased first: (2 + 2) / 2 = 2 < 2.5; penalised first it would be 2 / 2 + 2 = 3 > 2.5
+    assert Sampler(pen, vocab_size=3, logit_bias=[(0, 2.0)]).sample(x, recent=[0]) == 1
+    once, twice = [(0, -0.3)], [(0, -0.3), (0, -0.3)]
+    y = np.array([1.0, 0.5, 0.0], np.float32)
+    assert Sampler(g3, vocab_size=3, logit_bias=once).sample(y) == 0
+    assert Sampler(g3, vocab_size=3, logit_bias=twice).sample(y) == 1
+    with pytest.raises(ValueError, match="logit_bias ids"):
+        Sampler(g3, vocab_size=3, logit_bias=[(3, 1.0)])
+    with pytest.raises(ValueError, match="no finite logits"):  # everything banned
+        Sampler(g3, vocab_size=3, logit_bias=[(0, -math.inf), (1, -math.inf),
+                                                                   (2, -math.inf)]).sample(y)
+
+
+def test_logit_bias_never_reaches_the_padding_rows():
+    x = np.zeros(VOCAB_SIZE, np.float32)
+    s = Sampler(SamplingParams.greedy(), logit_bias=[(N_VALID + 1, math.inf), (3, 1.0)])
+    assert s.sample(x) == 3
+
+
 # --- penalties ------------------------------------------------------------------------------
 
 

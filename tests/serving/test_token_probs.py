@@ -151,3 +151,24 @@ def test_grammar_stand_in_distribution_is_its_draws():
             draws = np.array([g.stand_in(rng, n_gen, 40, allowed) for _ in range(3000)])
             freq = [float(np.mean(draws == i)) for i in ids]
             assert freq == pytest.approx(p.tolist(), abs=0.03)
+
+
+def test_a_biased_request_never_runs_a_timing_only_step():
+    """A step without logits cannot honour ``logit_bias``: the pipeline raises rather than draw unbiased (the
+    engine refuses such a request before it runs: ``admission.NO_LOGITS_BIAS``); with logits the bias holds."""
+    import math
+
+    import numpy as np
+    import pytest
+
+    from sim_backend.planes import ChatRequest, SamplingParams
+    from sim_backend.serving.tokens import TokenPipeline
+
+    req = ChatRequest(messages=(), prompt_tokens=(1, 2), max_tokens=4, sampling=SamplingParams.greedy(),
+                      logit_bias=((3, -math.inf), (8, 5.0)))
+    p = TokenPipeline(req, (1, 2), n_ctx=64, max_tokens=4)
+    with pytest.raises(ValueError, match="logit_bias needs the model's logits"):
+        p.sample(None, False)
+    x = np.zeros(p.sampler.vocab_size, np.float32)
+    x[3] = 10.0
+    assert p.sample(x, True) == 8  # 3 banned, 8 lifted above the rest

@@ -45,7 +45,7 @@ from sim_backend.planes import (
     validate_request,
 )
 
-from ...codec import probs_from_wire
+from ...codec import logit_bias_to_wire, probs_from_wire
 from ..connection import Connection
 from ..inference import template_fields
 from ..sse_stream import SseRequestStream
@@ -250,6 +250,8 @@ def request_body(req: ChatRequest) -> tuple[str, dict[str, Any]]:
         body["ignore_eos"] = True
     if req.n_probs:
         body.update(n_probs=req.n_probs, post_sampling_probs=req.post_sampling_probs)
+    if req.logit_bias:  # ids: the request's strings were tokenized by the face that read them
+        body["logit_bias"] = logit_bias_to_wire(req.logit_bias)
     if req.grammar is not None:  # llama-server reads both on every generation route
         if req.grammar.kind == "gbnf":
             body["grammar"] = req.grammar.text

@@ -37,6 +37,10 @@ ALLOW: dict[str, str] = {
                           "(cpp-httplib closes; we keep the connection for the next request)",
     "status:empty-messages": "an empty 'messages' list: 400 (OpenAI refuses it) where llama-server renders an "
                              "empty chat and generates",
+    "status:malformed-logit-bias": "a 'logit_bias' entry that is not a [token, bias] pair, a token neither an id nor "
+                                   "a string, a bias neither a number nor false, or 'logit_bias' of another type: "
+                                   "400 naming it where llama-server skips it without a word (TODO in its "
+                                   "params_from_json_cmpl) and generates unbiased",
     "status:slot-out-of-range": "POST /slots/{id} for a slot that does not exist: 400 'Invalid slot ID' where "
                                 "llama-server answers 200 and saves / erases nothing",
 }
