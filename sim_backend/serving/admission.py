@@ -147,6 +147,19 @@ def timing_only_foreseen(slots: Sequence[Slot], prompt: Sequence[int], *, cache_
                            prompt_n=len(prompt), numerics_max_prompt=numerics_max_prompt)
 
 
+def foreseen_logits_refusal(rt: RuntimeSession, slots: Sequence[Slot], prompt: Sequence[int], req: ChatRequest, *,
+                            numerics_max_prompt: int) -> InvalidRequestError | None:
+    """The refusal of a request that needs logits (``needs_logits``: ``n_probs``, ``logit_bias``) but would run
+    timing-only whichever slot it takes (``timing_only_foreseen``); None when it needs none or one slot can
+    give them. Read at submit, under the engine lock."""
+    if not needs_logits(req):
+        return None
+    numerics, why_not = numerics_now(rt)
+    why = timing_only_foreseen(slots, prompt, cache_prompt=req.cache_prompt, numerics=numerics,
+                               numerics_off_why=why_not, numerics_max_prompt=numerics_max_prompt)
+    return logits_refusal(req, why) if why else None
+
+
 class Admission:
     """The queue and the slot assignment (module docstring). State only; the engine holds the lock.
 

@@ -40,7 +40,7 @@ from sim_backend.errors import ExceedContextSizeError, InvalidRequestError, Unav
 from sim_backend.planes.metrics import MetricsRegistry
 from sim_backend.planes.types import SLO, ChatRequest, RequestResult, StageTimes
 from sim_backend.runtime import RuntimeSession
-from sim_backend.serving.admission import Admission, logits_refusal, needs_logits, numerics_now, timing_only_foreseen
+from sim_backend.serving.admission import Admission, foreseen_logits_refusal, logits_refusal, needs_logits, numerics_now
 from sim_backend.serving.api import EngineView, RequestHandle, SlotInfo
 from sim_backend.serving.gate import AdmissionGate
 from sim_backend.serving.hosttime import HostBooking, HostTimer
@@ -245,12 +245,10 @@ class Engine:
                 self._admission.check_room(sum(1 for s in self.slots if s.req is None))
             except UnavailableError as e:
                 self._refuse(e)
-            if needs_logits(req):
-                numerics, why_not = numerics_now(self.rt)
-                why = timing_only_foreseen(self.slots, prompt, cache_prompt=req.cache_prompt, numerics=numerics,
-                                           numerics_off_why=why_not, numerics_max_prompt=self.numerics_max_prompt)
-                if why:
-                    self._refuse(logits_refusal(req, why))
+            refusal = foreseen_logits_refusal(self.rt, self.slots, prompt, req,
+                                              numerics_max_prompt=self.numerics_max_prompt)
+            if refusal is not None:
+                self._refuse(refusal)
             rid = next(self._ids)
             handle = RequestHandle(rid, len(prompt))
             tokens = self.intake.pipeline(req, prompt, matcher)
@@ -270,10 +268,8 @@ class Engine:
         return handle
 
     def generate(self, req: ChatRequest, timeout: float = 600.0) -> RequestResult:
-        """Submit and wait for the final result (headless convenience).
-
-        If the wait ends abnormally (timeout, Ctrl-C) the request is cancelled.
-        """
+        """Submit and wait for the final result (headless convenience); a wait that ends abnormally (timeout,
+        Ctrl-C) cancels the request."""
         h = self.submit(req)
         try:
             return h.result(timeout)
@@ -316,22 +312,16 @@ class Engine:
                               kv_stats=dict(self.kv_stats))
 
     def buffer_pool_state(self, timeout: float = 0.0) -> tuple[int, int]:
-        """(free, size) of the device buffer pairs, after waiting up to ``timeout`` host s for all to be free.
-
-        Used by the maintenance health check: after a reset every job has ended,
-        so every pair must come back (a pair whose job never ends stays out).
-        """
+        """(free, size) of the device buffer pairs, after waiting up to ``timeout`` host s for all to be free: the
+        maintenance health check's (after a reset every job has ended, so a pair not back is one whose job hung)."""
         return self.rt.pool.wait_all_free(timeout), self.rt.pool.size
 
     def record_stages(self, res: Any, *, source: str, framework_ms: float = 0.0,
                       sampling_ms: float = 0.0) -> StageTimes:
-        """Show a step the engine did not schedule (a maintenance probe, self-test or health check)
-        as the last step of its kind in ``last_stage``.
-
-        ``res``: the device's StepResult (device stages from its cost, simulated ms);
-        ``framework_ms`` / ``sampling_ms``: measured host ms of the caller. Not added to
-        ``stage_history``: the stage percentiles stay those of served requests.
-        """
+        """Show a step the engine did not schedule (a maintenance probe, self-test or health check) as the last step
+        of its kind in ``last_stage``. ``res``: the device's StepResult (device stages from its cost, simulated ms);
+        ``framework_ms`` / ``sampling_ms``: measured host ms of the caller. Not added to ``stage_history``: the stage
+        percentiles stay those of served requests."""
         return self._steps.record_external(res, source=source, framework_ms=framework_ms, sampling_ms=sampling_ms)
 
     def stage_summary(self) -> dict[str, Any]:
@@ -397,11 +387,6 @@ class Engine:
             if r.handle.cancelled and id(r) not in busy:
                 self._end_locked(r, "cancelled", "none", None)
 
-    def _idle_wait_s(self) -> float:
-        """How long the idle scheduler sleeps: until the earliest KV retry, at most 0.25 s."""
-        retry = self.kv.retry_at(self._running_locked())
-        return 0.25 if retry is None else min(0.25, max(0.001, retry - time.monotonic()))
-
     def _loop(self) -> None:
         inflight: deque[InFlight] = deque()
         while True:
@@ -427,27 +412,16 @@ class Engine:
                 if work is None and not inflight:
                     if self.kv.break_deadlock(self._running_locked(), self.slots):
                         continue
-                    self._wake.wait(self._idle_wait_s())
+                    self._wake.wait(self.kv.idle_wait_s(self._running_locked()))
                     continue
                 riders = [] if work is None else [r for r in (self.slots[i].req for i in work.slots) if r is not None]
-            if work is not None:
-                started: InFlight | None = None
-                try:
-                    started = self._steps.start(work.kind, riders, work.n_tokens)
-                except Exception as e:  # noqa: BLE001 - a bug must fail its requests, never the scheduler
-                    for r in riders:
-                        self._steps.fail_internal(r, e)
-                if started is not None:
-                    inflight.append(started)
-                    if len(inflight) < self.max_inflight:
-                        continue  # ping/pong: submit a second job before waiting the first
+            started = None if work is None else self._steps.launch(work.kind, riders, work.n_tokens)
+            if started is not None:
+                inflight.append(started)
+                if len(inflight) < self.max_inflight:
+                    continue  # ping/pong: submit a second job before waiting the first
             if inflight:
-                step = inflight.popleft()
-                try:
-                    self._steps.finish(step, self._steps.fail_internal)
-                except Exception as e:  # noqa: BLE001 - see above
-                    for r in step.riders:
-                        self._steps.fail_internal(r, e)
+                self._steps.complete(inflight.popleft())
 
     def _end_locked(self, r: RequestRecord, status: str, stop_type: str, error: dict[str, Any] | None,
                     stopping_word: str = "", done_ms: float | None = None) -> None:

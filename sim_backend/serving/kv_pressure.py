@@ -90,6 +90,11 @@ class KVPressure:
 
     # --- ending ------------------------------------------------------------------------
 
+    def idle_wait_s(self, running: Sequence[RequestRecord]) -> float:
+        """How long the idle scheduler sleeps (host wall s): until the earliest KV retry, at most 0.25 s."""
+        retry = self.retry_at(running)
+        return 0.25 if retry is None else min(0.25, max(0.001, retry - time.monotonic()))
+
     def _end(self, r: RequestRecord, cause: str, err: KVExhausted, held: int, running: Sequence[RequestRecord]) -> None:
         cap = err.capacity
         self.stats["timeouts"] += 1

@@ -302,6 +302,23 @@ class StepRunner:
                 self._wake.notify_all()
         return t_end
 
+    def launch(self, kind: str, riders: Sequence[RequestRecord], n: int) -> InFlight | None:
+        """``start``, with a bug in it failing its riders (never the scheduler thread): None then."""
+        try:
+            return self.start(kind, riders, n)
+        except Exception as e:  # noqa: BLE001 - a bug must fail its requests, never the scheduler
+            for r in riders:
+                self.fail_internal(r, e)
+            return None
+
+    def complete(self, step: InFlight) -> None:
+        """``finish``, with a bug in it failing the step's riders (never the scheduler thread)."""
+        try:
+            self.finish(step, self.fail_internal)
+        except Exception as e:  # noqa: BLE001 - see launch
+            for r in step.riders:
+                self.fail_internal(r, e)
+
     def fail_internal(self, r: RequestRecord, e: Exception) -> None:
         """End ``r`` with a typed internal error (llama-server ``server_error``); the scheduler runs on."""
         log.exception("request %s failed inside the engine", r.id)

@@ -1,4 +1,4 @@
-"""One pane at a time below the layout's breakpoint, the columns above it (issue 37).
+"""One pane at a time below the layout's breakpoint, the columns above it.
 
 Pilot drives a timing-only simulator (FAST pacing: a 128-token reply in well under a second of wall time).
 """

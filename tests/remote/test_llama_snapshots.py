@@ -1,4 +1,4 @@
-"""Snapshot tests (pytest-textual-snapshot) of the console attached to a REAL llama-server at 80x24 (issue 37).
+"""Snapshot tests (pytest-textual-snapshot) of the console attached to a REAL llama-server at 80x24.
 
 Deterministic by construction: a server of its own per test (xllamacpp + SmolLM2, one slot, one thread: no
 prompt cached by another test), a greedy reply (temperature 0) to the first request it serves, the console's
