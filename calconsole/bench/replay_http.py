@@ -82,11 +82,13 @@ def served_boards(n: int, *, speed: float = 1.0, bundle: str | None = None, slot
 
 @dataclass(frozen=True)
 class Row:
-    """One request to send: ``arrival_s`` (trace seconds from the first), ``prompt`` token ids, ``n_predict``."""
+    """One request to send: ``arrival_s`` (trace seconds from the first), ``prompt`` token ids, ``n_predict``;
+    ``board`` the index of the URL it goes to (None: its position in the rows, round-robin)."""
 
     arrival_s: float
     prompt: tuple[int, ...]
     n_predict: int
+    board: int | None = None
 
 
 async def _send_all(rows: Sequence[Row], urls: list[str], speed: float, timeout_s: float) -> list[Record]:
@@ -100,7 +102,8 @@ async def _send_all(rows: Sequence[Row], urls: list[str], speed: float, timeout_
             await asyncio.sleep(max(0.0, t0 + row.arrival_s / speed - loop.time()))
             body = {"prompt": list(row.prompt), "n_predict": row.n_predict, "ignore_eos": True, "stream": True,
                     "cache_prompt": False, "seed": i}
-            return await stream_completion(clients[i % len(urls)], body, f"row{i}", timeout_s=timeout_s)
+            board = i if row.board is None else row.board
+            return await stream_completion(clients[board % len(urls)], body, f"row{i}", timeout_s=timeout_s)
 
         return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(rows))))
     finally:
@@ -110,11 +113,11 @@ async def _send_all(rows: Sequence[Row], urls: list[str], speed: float, timeout_
 
 def replay_over_http(rows: Sequence[Row], urls: list[str], *, speed: float = 1.0,
                      timeout_s: float = 600.0) -> list[Record]:
-    """Send ``rows`` to the boards at ``urls`` (row i to ``urls[i % n]``, round-robin) at their arrival times
-    divided by ``speed`` (host monotonic clock); returns one :class:`~calconsole.bench.serve_load.Record` per
-    row, in order (client TTFT / E2E in host wall ms; ``server`` the board's ``calconsole.timings`` in
-    simulated ms; ``ok`` False with the reason for a failed one, never raised). ``timeout_s``: host s per
-    request. Raises ValueError for no URL or a speed outside 0.1..10."""
+    """Send ``rows`` to the boards at ``urls`` (row i to ``urls[row.board % n]``, or ``urls[i % n]`` without a board:
+    round-robin) at their arrival times divided by ``speed`` (host monotonic clock); returns one
+    :class:`~calconsole.bench.serve_load.Record` per row, in order (client TTFT / E2E in host wall ms; ``server``
+    the board's ``calconsole.timings`` in simulated ms; ``ok`` False with the reason for a failed one, never
+    raised). ``timeout_s``: host s per request. Raises ValueError for no URL or a speed outside 0.1..10."""
     if not urls:
         raise ValueError("no board URL to send to")
     if not 0.1 <= speed <= 10:

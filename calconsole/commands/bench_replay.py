@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from concurrent.futures import Executor, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ DEFAULT_SLO = "ttft:2000,tpot:100"
 ENGINE_CHECK_MAX = 400
 #: the HTTP check runs one serve process per board on this machine, in real time
 HTTP_CHECK_MAX_BOARDS = 8
+#: the engine check runs one engine (a scheduler thread) per board: past this many boards it is refused
+ENGINE_CHECK_MAX_BOARDS = 16
 
 
 def register(bsub: Any) -> None:
@@ -104,6 +107,13 @@ def run(args: argparse.Namespace) -> int:
         if args.check_engine and len(trace) > ENGINE_CHECK_MAX:
             raise ValueError(f"--check-engine steps every token: cut the trace to <= {ENGINE_CHECK_MAX} requests "
                              f"(--limit), got {len(trace)}")
+        # round-robin over more boards than requests leaves the rest idle: the engines needed are the rows
+        if args.check_engine and min(args.boards, len(trace)) > ENGINE_CHECK_MAX_BOARDS:
+            raise ValueError(f"--check-engine runs one engine per board: at most {ENGINE_CHECK_MAX_BOARDS} "
+                             f"boards, got {args.boards}")
+        if args.plot and (args.json or variants):
+            print("calconsole: --plot ignored (it draws a single replay's report, not "
+                  f"{'JSON' if args.json else '--find-boards'})", file=sys.stderr)
         if (args.check_engine or args.check_http) and args.route != "round-robin":
             raise ValueError("--check-engine and --check-http compare round-robin routing only")
         if args.check_http:
@@ -112,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
                                  f"on at most {HTTP_CHECK_MAX_BOARDS} boards")
             if not 0.1 <= args.http_speed <= 10:
                 raise ValueError(f"--http-speed must be in 0.1..10, got {args.http_speed}")
-    except (TraceError, ValueError, OSError) as e:
+    except (TraceError, ValueError, OSError, CalError) as e:
         return fail(str(e))
     try:
         if variants:
@@ -120,14 +130,29 @@ def run(args: argparse.Namespace) -> int:
         return _single(args, trace, cfg, slo)
     except (CalError, ValueError) as e:
         return fail(str(e))
+    except BrokenProcessPool as e:
+        return fail(f"a search worker process died ({e or 'killed'}); nothing was reported")
 
 
 def _variants(text: str) -> list[str]:
-    out = [v.strip() for v in text.split(",") if v.strip()]
+    """The bundles named in ``--find-boards``, each checked here (a bad manifest or a dense bundle is one line
+    now, not a worker's error later); a name and a path to the same bundle count once."""
+    from sim_backend.bundle.manifest import load_bundle
+    from sim_backend.tools.replay import check_replayable
+
+    out: list[str] = []
+    seen: set[Path] = set()
+    for v in (v.strip() for v in text.split(",")):
+        if not v:
+            continue
+        d = variant_bundle_dir(v).resolve()  # ValueError naming the choices
+        if d in seen:
+            continue
+        check_replayable(load_bundle(d))  # ManifestError, ValueError
+        seen.add(d)
+        out.append(v)
     if not out:
         raise ValueError(f"--find-boards: name bundles from {', '.join(VARIANTS)} (or leave the list out)")
-    for v in out:
-        variant_bundle_dir(v)  # ValueError naming the choices
     return out
 
 
@@ -144,19 +169,20 @@ def _progress(quiet: bool, total: int, what: str) -> Any:
 def _single(args: argparse.Namespace, trace: Trace, cfg: ReplayConfig, slo: Any) -> int:
     w0 = time.perf_counter()
     bundle = variant_bundle_dir(args.bundle)
+    refused: set[int] = set()
     with _progress(args.json, len(trace), "replay") as bar:
         task = bar.add_task("pricing steps", total=len(trace))
         prices = prices_for_trace(trace, bundle, prefill_chunk=cfg.prefill_chunk)
         bar.update(task, description="")
         rep = replay(trace, prices, boards=args.boards, cfg=cfg, slo=slo, attainment=args.attainment,
                      progress=lambda done, total: bar.update(task, completed=done),
-                     timeline_points=48 if args.plot else 0)
+                     timeline_points=48 if args.plot else 0, refused_out=refused)
     rep["wall_seconds"] = time.perf_counter() - w0
     rep["trace_file"] = str(args.trace)
     if args.check_engine:
         rep["engine_check"] = _engine_check(trace, bundle, args, cfg, slo, rep)
     if args.check_http:
-        rep["http_check"] = _http_check(trace, bundle, args, cfg, slo, rep)
+        rep["http_check"] = _http_check(trace, bundle, args, cfg, slo, rep, refused)
     if args.json:
         print_json(rep)
     else:
@@ -172,42 +198,51 @@ def _engine_check(trace: Trace, bundle: Path, args: argparse.Namespace, cfg: Rep
     from sim_backend.tools.replay_engine import replay_on_engine
 
     w0 = time.perf_counter()
-    eng = replay_on_engine(trace, bundle, boards=args.boards, cfg=cfg, slo=slo, attainment=args.attainment)
+    eng = replay_on_engine(trace, bundle, boards=min(args.boards, len(trace)), cfg=cfg, slo=slo,
+                           attainment=args.attainment)
     diffs: dict[str, dict[str, float | None]] = {}
     for m in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "itl_ms"):
         diffs[m] = {}
         for q in ("p50", "p95"):
             a, b = rep["metrics"][m][q], eng["metrics"][m][q]
             diffs[m][q] = None if a is None or b is None else (abs(a - b) / b if b else float(a != b))
-    worst = max((v for d in diffs.values() for v in d.values() if v is not None), default=0.0)
-    core = max((v for m in ("ttft_ms", "tpot_ms", "e2e_ms") for v in diffs[m].values() if v is not None),
-               default=0.0)
+    worst = max((v for d in diffs.values() for v in d.values() if v is not None), default=None)
+    core_d = [v for m in ("ttft_ms", "tpot_ms", "e2e_ms") for v in diffs[m].values() if v is not None]
+    core = max(core_d, default=None)
+    # nothing compared (every request refused on one side) is no agreement: within_1pct None, not True
     return {"engine_metrics": eng["metrics"], "engine_rejected": eng["rejected"], "relative_diff": diffs,
-            "worst_ttft_tpot_e2e": core, "worst_any": worst, "within_1pct": core <= 0.01,
+            "compared": len(core_d), "worst_ttft_tpot_e2e": core, "worst_any": worst,
+            "within_1pct": None if core is None else core <= 0.01,
+            "rejected_agree": eng["rejected"] == rep["rejected"],
             "engine_wall_seconds": time.perf_counter() - w0,
             "note": "itl differs slightly by definition: the engine's gaps are between streamed pieces "
                     "(a token that completes no character streams with the next), the fast path's per token"}
 
 
 def http_replay(trace: Trace, urls: list[str], *, speed: float = 1.0, slo: Any = None, attainment: float = 0.9,
-                timeout_s: float = 600.0) -> dict[str, Any]:
+                timeout_s: float = 600.0, skip: set[int] | frozenset[int] = frozenset()) -> dict[str, Any]:
     """``trace`` sent over HTTP to served boards (:func:`calconsole.bench.replay_http.replay_over_http`, row i
     with :func:`replay_engine.prompt_ids` to ``urls[i % n]``); returns ``{"client": summary, "server":
-    summary, "failed": {row: error}, "requests", "boards", "speed"}``, each summary
+    summary, "failed": {row: error}, "skipped", "requests", "boards", "speed"}``, each summary
     :func:`replay.summarize`'s dict in simulated ms (the client's wall ms times ``speed``; the boards' own
-    ``calconsole.timings``)."""
+    ``calconsole.timings``). ``skip``: 0-based rows not sent (those the in-process replay refused at
+    arrival: sent, a board that has room would serve what the replay counts as refused)."""
     from calconsole.bench.replay_http import Row, replay_over_http
     from sim_backend.planes.types import SLO
     from sim_backend.tools.replay import Ledger, summarize
     from sim_backend.tools.replay_engine import prompt_ids
 
-    rows = [Row(float(trace.arrival_s[i]), prompt_ids(i, int(trace.prompt[i])), int(trace.output[i]))
-            for i in range(len(trace))]
-    recs = replay_over_http(rows, urls, speed=speed, timeout_s=timeout_s)
+    sent = [i for i in range(len(trace)) if i not in skip]
+    rows = [Row(float(trace.arrival_s[i]), prompt_ids(i, int(trace.prompt[i])), int(trace.output[i]), board=i)
+            for i in sent]
+    recs = replay_over_http(rows, urls, speed=speed, timeout_s=timeout_s) if rows else []
     arr = trace.arrival_s * 1e6
     views = {"client": Ledger(len(trace)), "server": Ledger(len(trace))}
+    for i in skip:
+        for led in views.values():
+            led.reason[i] = "refused"
     failed: dict[int, str] = {}
-    for i, r in enumerate(recs):
+    for i, r in zip(sent, recs, strict=True):
         if not r.ok or r.ttft_ms is None or r.e2e_ms is None:
             failed[i] = r.error or "failed"
             for led in views.values():
@@ -243,18 +278,20 @@ def _rel(a: dict[str, Any], b: dict[str, Any], metrics: tuple[str, ...]) -> dict
 
 
 def _http_check(trace: Trace, bundle: Path, args: argparse.Namespace, cfg: ReplayConfig, slo: Any,
-                rep: dict[str, Any]) -> dict[str, Any]:
-    """The same cut over HTTP to served boards (calconsole.bench.replay_http); signed relative differences."""
+                rep: dict[str, Any], refused: set[int]) -> dict[str, Any]:
+    """The same cut over HTTP to served boards (calconsole.bench.replay_http), less the rows the replay refused
+    at arrival (``refused``, 0-based); signed relative differences."""
     from calconsole.bench.replay_http import served_boards
 
     w0 = time.perf_counter()
     slots = rep["board_config"]["slots"]
     with served_boards(args.boards, speed=args.http_speed, bundle=str(bundle), slots=slots,
                        queue_limit=cfg.queue_limit) as urls:
-        h = http_replay(trace, urls, speed=args.http_speed, slo=slo, attainment=args.attainment)
+        h = http_replay(trace, urls, speed=args.http_speed, slo=slo, attainment=args.attainment, skip=refused)
     ms = ("ttft_ms", "tpot_ms", "e2e_ms")
     return {"client_metrics": h["client"]["metrics"], "server_metrics": h["server"]["metrics"],
-            "failed": h["failed"], "client_vs_replay": _rel(rep["metrics"], h["client"]["metrics"], ms),
+            "failed": h["failed"], "skipped": len(refused),
+            "client_vs_replay": _rel(rep["metrics"], h["client"]["metrics"], ms),
             "server_vs_replay": _rel(rep["metrics"], h["server"]["metrics"], ms + ("queue_ms",)),
             "speed": args.http_speed, "wall_seconds": time.perf_counter() - w0,
             "clock": h["client_clock"] + "; server: " + h["server_clock"]}
@@ -297,17 +334,21 @@ def _report(rep: dict[str, Any]) -> None:
     ec = rep.get("engine_check")
     if ec:
         d = ec["relative_diff"]
-        out.write("\nengine check (token by token, same cut): relative difference P50 / P95\n")
+        out.write("\nengine check (token by token, same cut): relative difference\n")
+        out.write(f"  {'':10}{'P50':>11}{'P95':>11}\n")
         for m in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "itl_ms"):
-            out.write(f"  {m:9}{_pct(d[m]['p50']):>10}{_pct(d[m]['p95']):>10}\n")
-        out.write(f"  TTFT/TPOT/E2E within 1 %: {'yes' if ec['within_1pct'] else 'NO'} "
-                  f"(worst {_pct(ec['worst_ttft_tpot_e2e'])}); engine wall {ec['engine_wall_seconds']:.1f} s\n")
+            out.write(f"  {m:10}{_pct(d[m]['p50']):>11}{_pct(d[m]['p95']):>11}\n")
+        verdict = {None: "nothing to compare", True: "yes", False: "NO"}[ec["within_1pct"]]
+        out.write(f"  TTFT/TPOT/E2E within 1 %: {verdict} (worst {_pct(ec['worst_ttft_tpot_e2e'])}); refusals "
+                  f"{'agree' if ec['rejected_agree'] else 'differ: ' + str(ec['engine_rejected'])}; "
+                  f"engine wall {ec['engine_wall_seconds']:.1f} s\n")
     hc = rep.get("http_check")
     if hc:
-        out.write(f"\nHTTP check ({rep['boards']} served boards at speed {hc['speed']:g}, "
-                  f"{len(hc['failed'])} failed): client (wall x speed) minus replay, P50 / P95\n")
+        out.write(f"\nHTTP check ({rep['boards']} served boards at speed {hc['speed']:g}, {len(hc['failed'])} "
+                  f"failed, {hc['skipped']} refused by the replay not sent): client (wall x speed) vs replay\n")
+        out.write(f"  {'':10}{'P50':>11}{'P95':>11}\n")
         for m, d in hc["client_vs_replay"].items():
-            out.write(f"  {m:9}{_pct(d['p50']):>10}{_pct(d['p95']):>10}\n")
+            out.write(f"  {m:10}{_pct(d['p50']):>11}{_pct(d['p95']):>11}\n")
         out.write(f"  wall {hc['wall_seconds']:.1f} s\n")
 
 
@@ -326,8 +367,8 @@ def _plot(rep: dict[str, Any]) -> None:
     plt.subplots(1, 2)
     plt.subplot(1, 1)
     plt.title("P95 latency of arrivals, simulated s")
-    plt.plot(t, [0.0 if math.isnan(v) else v / 1e3 for v in tl["ttft_p95_ms"]], label="TTFT")
-    plt.plot(t, [0.0 if math.isnan(v) else v / 1e3 for v in tl["e2e_p95_ms"]], label="E2E")
+    plt.plot(t, [0.0 if v is None else v / 1e3 for v in tl["ttft_p95_ms"]], label="TTFT")
+    plt.plot(t, [0.0 if v is None else v / 1e3 for v in tl["e2e_p95_ms"]], label="E2E")
     plt.xlabel("trace minutes")
     plt.subplot(1, 2)
     plt.title("longest queue met by an arrival (requests)")
@@ -349,7 +390,7 @@ def _executor(args: argparse.Namespace) -> tuple[Executor, Any]:
         except (OSError, TimeoutError) as e:
             raise ValueError(f"--scheduler {args.scheduler}: cannot reach the dask scheduler ({e})") from e
         return client.get_executor(), client
-    n = args.workers or os.cpu_count() or 1
+    n = (os.cpu_count() or 1) if args.workers is None else args.workers
     if not 1 <= n <= 256:
         raise ValueError(f"--workers must be in 1..256, got {n}")
     ex = ProcessPoolExecutor(max_workers=n)
@@ -369,12 +410,15 @@ def _find(args: argparse.Namespace, trace: Trace, variants: list[str], cfg: Repl
 
             res = find_boards(trace, variants, ex, slo=slo, attainment=args.attainment, cfg=cfg, progress=progress)
     finally:
-        ex.shutdown(wait=True, cancel_futures=True)
+        if isinstance(ex, ProcessPoolExecutor):
+            ex.shutdown(wait=True, cancel_futures=True)
+        else:  # dask's ClientExecutor takes no cancel_futures
+            ex.shutdown(wait=True)
         if client is not None:
             client.close()
     res["trace"] = trace.stats()
     res["trace_file"] = str(args.trace)
-    local = f"{args.workers or os.cpu_count()} local processes"
+    local = f"{os.cpu_count() if args.workers is None else args.workers} local processes"
     res["executor"] = f"dask {args.scheduler}" if args.scheduler else local
     if args.json:
         print_json(res)

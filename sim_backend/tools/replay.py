@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -77,15 +78,29 @@ def variant_bundle_dir(name: str) -> Path:
     return d
 
 
+def check_replayable(b: Bundle) -> None:
+    """Raise ValueError unless bundle ``b`` is of the MoE family the replay prices (the cost model's decode
+    batches and expert tables are Qwen3-30B-A3B's, facts.md F2); a dense pilot bundle is named as such."""
+    if not b.shape.is_moe:
+        raise ValueError(f"bundle {b.name!r} is of the {b.family} family: the replay prices the MoE model's "
+                         f"boards only (choose one of {', '.join(VARIANTS)})")
+
+
 @dataclass(frozen=True)
 class Trace:
     """A request trace: ``arrival_s`` float64 (n,) seconds since the first kept row (non-decreasing),
-    ``prompt`` / ``output`` int64 (n,) tokens per request; ``source`` names where it came from."""
+    ``prompt`` / ``output`` int64 (n,) tokens per request; ``source`` names where it came from; ``file_rows``
+    int64 (n,) each request's 1-based data row in that file (None: 1..n, the trace is its own file)."""
 
     arrival_s: np.ndarray
     prompt: np.ndarray
     output: np.ndarray
     source: str = ""
+    file_rows: np.ndarray | None = None
+
+    def file_row(self, i: int) -> int:
+        """The 1-based data row of the trace file that request ``i`` (0-based, of this trace) came from."""
+        return i + 1 if self.file_rows is None else int(self.file_rows[i])
 
     def __len__(self) -> int:
         return int(self.arrival_s.shape[0])
@@ -99,15 +114,15 @@ class Trace:
             speedup: float = 1.0) -> Trace:
         """The rows arriving in ``[start_s, start_s + span_s)`` (trace seconds), at most ``limit`` of them,
         arrivals re-based to 0 and divided by ``speedup`` (2 = twice the rate). Raises ValueError for a
-        negative start, a non-positive span, limit or speedup, or a cut that keeps no row."""
+        negative start, a non-positive span or limit, a speedup outside 0.001..1e6, or a cut that keeps no row."""
         if not (start_s >= 0 and math.isfinite(start_s)):
             raise ValueError(f"--start must be >= 0 seconds, got {start_s!r}")
         if span_s is not None and not (span_s > 0 and math.isfinite(span_s)):
             raise ValueError(f"--span must be > 0 seconds, got {span_s!r}")
         if limit is not None and limit < 1:
             raise ValueError(f"--limit must be >= 1, got {limit}")
-        if not (speedup > 0 and math.isfinite(speedup)):
-            raise ValueError(f"--speedup must be > 0, got {speedup!r}")
+        if not 1e-3 <= speedup <= 1e6:  # NaN fails too
+            raise ValueError(f"--speedup must be in 0.001..1e6, got {speedup!r}")
         keep = self.arrival_s >= start_s
         if span_s is not None:
             keep &= self.arrival_s < start_s + span_s
@@ -118,7 +133,8 @@ class Trace:
             raise ValueError(f"the cut keeps no request of {self.source or 'the trace'} "
                              f"({len(self)} rows over {self.span_s:.0f} s)")
         a = self.arrival_s[idx]
-        return Trace((a - a[0]) / speedup, self.prompt[idx], self.output[idx], self.source)
+        rows = idx + 1 if self.file_rows is None else self.file_rows[idx]
+        return Trace((a - a[0]) / speedup, self.prompt[idx], self.output[idx], self.source, rows)
 
     def stats(self) -> dict[str, Any]:
         """The workload's own figures: ``count``, ``span_s``, ``rate_per_s``, ``prompt`` / ``output``
@@ -133,9 +149,22 @@ class Trace:
                 "prompt": q(self.prompt), "output": q(self.output)}
 
 
+#: the largest token count a trace cell may hold: far above any context (a slot's is 40960, facts.md F2), so a
+#: real request is never refused here (it is refused by the replay as "context"), yet a typo of many digits
+#: is a TraceError, not an int64 overflow or an hour of pricing
+MAX_TOKENS = 10_000_000
+#: the longest span a trace may cover (simulated s, ~3.2 years): a longer one is a unit mistake (ms or µs
+#: read as s), not a workload
+MAX_SPAN_S = 1e8
+_INT = re.compile(r"[+-]?[0-9]{1,12}")
+_FRAC = re.compile(r"([0-9]+)(Z|[+-][0-9]{2}:?[0-9]{2})?")
+
+
 def _parse_time(text: str) -> float:
     """A TIMESTAMP cell -> seconds: an ISO date-time (the Azure trace's ``2023-11-16 18:15:46.6805900``,
-    more than 6 fractional digits allowed) or plain seconds. Raises ValueError."""
+    more than 6 fractional digits allowed, a ``Z`` or ``+hh:mm`` offset after them; a date-time without an
+    offset is read as UTC, so the machine's time zone and its DST changes never move an arrival) or plain
+    seconds. Raises ValueError."""
     t = text.strip()
     try:
         v = float(t)
@@ -146,58 +175,79 @@ def _parse_time(text: str) -> float:
             raise ValueError(f"not a finite number of seconds: {t!r}")
         return v
     head, dot, frac = t.partition(".")
-    if dot and not frac.isdigit():
-        raise ValueError(f"not a date-time or seconds: {t[:40]!r}")
+    frac_s, tz = 0.0, ""
+    if dot:
+        m = _FRAC.fullmatch(frac)
+        if m is None:
+            raise ValueError(f"not a date-time or seconds: {t[:40]!r}")
+        frac_s, tz = float("0." + m.group(1)), m.group(2) or ""
     try:
-        base = datetime.fromisoformat(head)
+        base = datetime.fromisoformat(head + tz)
     except ValueError:
         raise ValueError(f"not a date-time or seconds: {t[:40]!r}") from None
-    return base.timestamp() + (float("0." + frac) if dot else 0.0)
+    if base.tzinfo is None:
+        base = base.replace(tzinfo=UTC)
+    return base.timestamp() + frac_s
+
+
+def _tokens(p: str, row: int, name: str, txt: str) -> int:
+    """A token-count cell -> int in 1..MAX_TOKENS. Raises TraceError naming the row and the field."""
+    if _INT.fullmatch(txt) is None:
+        raise TraceError(p, row, name, f"not an integer: {txt[:20]!r}")
+    n = int(txt)
+    if not 1 <= n <= MAX_TOKENS:
+        raise TraceError(p, row, name, f"must be 1..{MAX_TOKENS} tokens, got {n}")
+    return n
 
 
 def load_trace(path: str | Path) -> Trace:
-    """Read a ``TIMESTAMP,ContextTokens,GeneratedTokens`` CSV (extra columns ignored).
+    """Read a ``TIMESTAMP,ContextTokens,GeneratedTokens`` CSV (UTF-8, a byte-order mark allowed; extra columns
+    ignored).
 
-    Rows must be in time order; ContextTokens >= 1 and GeneratedTokens >= 1 integers.
-    Raises TraceError (one line naming the row and the field) for a missing column, a bad timestamp,
-    a negative, zero or non-integer token count, or an unsorted row; OSError if the file cannot be read.
+    Rows must be in time order over at most ``MAX_SPAN_S``; ContextTokens and GeneratedTokens integers in
+    1..``MAX_TOKENS``. Raises TraceError (one line naming the row -- 1-based data row -- and the field) for a
+    missing column, a bad timestamp, a bad token count, an unsorted row, a span too long, text that is not
+    UTF-8 or a malformed CSV row; OSError if the file cannot be read.
     """
     p = str(path)
     times: list[float] = []
     prompts: list[int] = []
     outputs: list[int] = []
-    with open(path, newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        cols = [c.strip() for c in (reader.fieldnames or [])]
-        for name in HEADER:
-            if name not in cols:
-                raise TraceError(p, 0, name, f"missing column (the header has {', '.join(cols) or 'nothing'}; "
-                                             f"expected {','.join(HEADER)})")
-        reader.fieldnames = cols
-        prev = -math.inf
-        for i, row in enumerate(reader, start=1):
-            cells = {}
+    i = 0
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        try:
+            reader = csv.DictReader(f)
+            cols = [c.strip() for c in (reader.fieldnames or [])]
             for name in HEADER:
-                v = row.get(name)
-                if v is None or not v.strip():
-                    raise TraceError(p, i, name, "empty")
-                cells[name] = v.strip()
-            try:
-                ts = _parse_time(cells["TIMESTAMP"])
-            except ValueError as e:
-                raise TraceError(p, i, "TIMESTAMP", str(e)) from None
-            if ts < prev:
-                raise TraceError(p, i, "TIMESTAMP", "earlier than the row before (rows must be in time order)")
-            prev = ts
-            for name, out in (("ContextTokens", prompts), ("GeneratedTokens", outputs)):
-                txt = cells[name]
-                if not txt.lstrip("+-").isdigit():
-                    raise TraceError(p, i, name, f"not an integer: {txt[:20]!r}")
-                n = int(txt)
-                if n < 1:
-                    raise TraceError(p, i, name, f"must be >= 1 token, got {n}")
-                out.append(n)
-            times.append(ts)
+                if name not in cols:
+                    raise TraceError(p, 0, name, f"missing column (the header has {', '.join(cols) or 'nothing'}; "
+                                                 f"expected {','.join(HEADER)})")
+            reader.fieldnames = cols
+            prev = -math.inf
+            for i, row in enumerate(reader, start=1):
+                cells = {}
+                for name in HEADER:
+                    v = row.get(name)
+                    if v is None or not v.strip():
+                        raise TraceError(p, i, name, "empty")
+                    cells[name] = v.strip()
+                try:
+                    ts = _parse_time(cells["TIMESTAMP"])
+                except ValueError as e:
+                    raise TraceError(p, i, "TIMESTAMP", str(e)) from None
+                if ts < prev:
+                    raise TraceError(p, i, "TIMESTAMP", "earlier than the row before (rows must be in time order)")
+                if times and ts - times[0] > MAX_SPAN_S:
+                    raise TraceError(p, i, "TIMESTAMP", f"{ts - times[0]:.3g} s after the first row, over the "
+                                                        f"{MAX_SPAN_S:.0e} s a trace may span (seconds in ms?)")
+                prev = ts
+                prompts.append(_tokens(p, i, "ContextTokens", cells["ContextTokens"]))
+                outputs.append(_tokens(p, i, "GeneratedTokens", cells["GeneratedTokens"]))
+                times.append(ts)
+        except UnicodeDecodeError as e:
+            raise TraceError(p, i + 1, "text", f"not UTF-8 ({e.reason} at byte {e.start} of a block)") from None
+        except csv.Error as e:
+            raise TraceError(p, i + 1, "CSV", str(e)) from None
     if not times:
         raise TraceError(p, 1, "TIMESTAMP", "the trace has no data row")
     a = np.asarray(times, dtype=np.float64)
@@ -240,9 +290,11 @@ class StepPrices:
         """Price the tables for ``bundle_dir`` (default the production bundle) up to ``max_context`` tokens
         of past (default the calbin's context), and the given prefill chunks ``(n_tokens, past)``.
 
-        Raises ManifestError for a bad bundle, ValueError for a context beyond the calbin's.
+        Raises ManifestError for a bad bundle, ValueError for a bundle not of the MoE family or a context
+        beyond the calbin's.
         """
         b: Bundle = load_bundle(bundle_dir)
+        check_replayable(b)
         cm = cost if cost is not None else CostModel.load()
         shape = b.shape
         top = b.context if max_context is None else int(max_context)
@@ -688,12 +740,15 @@ def summarize(trace: Trace, led: Ledger, *, slo: SLO, attainment: float) -> dict
 def replay(trace: Trace, prices: StepPrices, *, boards: int, cfg: ReplayConfig | None = None,
            slo: SLO | None = None, attainment: float = 0.9,
            progress: Callable[[int, int], None] | None = None,
-           timeline_points: int = 0) -> dict[str, Any]:
+           timeline_points: int = 0, refused_out: set[int] | None = None) -> dict[str, Any]:
     """Replay ``trace`` on ``boards`` boards priced by ``prices`` (the fast path); returns the report dict.
+    ``refused_out``, when given, receives the 0-based indices of the requests refused at arrival (queue full,
+    context).
 
     Keys: ``requests``, ``trace_seconds``, ``boards``, ``bundle``, ``metrics`` {ttft_ms, tpot_ms, itl_ms,
     e2e_ms, queue_ms: {p50, p95, p99}} (simulated ms), ``goodput``, ``attainment``, ``meets_slo``,
-    ``rejected`` {reason: count}, ``rejected_rows`` (first 20 per reason, trace row indices),
+    ``rejected`` {reason: count}, ``rejected_rows`` (first 20 per reason, 1-based data rows of the trace
+    file: ``Trace.file_row``),
     ``per_board`` [{requests, busy_pct, kv_peak_pct}], ``trace`` (the workload's figures), ``steps``,
     the router: ``round-robin`` (row i to board i mod N), ``least-outstanding`` (fewest queued + running),
     ``least-kv`` (least KV demand: prompt + output of its outstanding requests), ties to the lowest index;
@@ -727,6 +782,8 @@ def replay(trace: Trace, prices: StepPrices, *, boards: int, cfg: ReplayConfig |
         quiet[b.index] = b.quiet_until()
         if why:
             led.reason[i] = why
+            if refused_out is not None:
+                refused_out.add(i)
         if progress is not None and (i % 512 == 511 or i == n - 1):
             progress(i + 1, n)
     for b in fleet:
@@ -744,7 +801,7 @@ def replay(trace: Trace, prices: StepPrices, *, boards: int, cfg: ReplayConfig |
         if why:
             rejected[why] = rejected.get(why, 0) + 1
             if len(rows.setdefault(why, [])) < 20:
-                rows[why].append(i)
+                rows[why].append(trace.file_row(i))
     out["rejected"] = rejected
     out["rejected_rows"] = rows
     span_us = max(max(b.t for b in fleet), float(arr[-1]), 1.0)
@@ -760,9 +817,10 @@ def replay(trace: Trace, prices: StepPrices, *, boards: int, cfg: ReplayConfig |
     return out
 
 
-def _timeline(trace: Trace, led: Ledger, points: int) -> dict[str, list[float]]:
+def _timeline(trace: Trace, led: Ledger, points: int) -> dict[str, list[float | None]]:
     """Per trace-time bin (``points`` bins): p95 TTFT / E2E of the requests arriving in it (simulated ms) and
-    the longest fleet queue met by an arrival in it (requests arrived, not refused, not yet in a slot)."""
+    the longest fleet queue met by an arrival in it (requests arrived, not refused, not yet in a slot). A bin
+    whose arrivals all went unserved has None for its latencies (JSON has no NaN)."""
     edges = np.linspace(0.0, max(trace.span_s, 1e-9), points + 1)
     which = np.clip(np.searchsorted(edges, trace.arrival_s, side="right") - 1, 0, points - 1)
     arr = trace.arrival_s * 1e6
@@ -772,15 +830,18 @@ def _timeline(trace: Trace, led: Ledger, points: int) -> dict[str, list[float]]:
                  - np.searchsorted(got, arr, side="right"))
     ttft = (led.first - arr) / 1e3
     e2e = (led.last - arr) / 1e3
-    t_out, ttft_out, e2e_out, q_out = [], [], [], []
+    t_out: list[float | None] = []
+    ttft_out: list[float | None] = []
+    e2e_out: list[float | None] = []
+    q_out: list[float | None] = []
     for k in range(points):
         m = which == k
         if not m.any():
             continue
         t_out.append(float(edges[k]))
         tt, ee = ttft[m], e2e[m]
-        ttft_out.append(float(np.nanpercentile(tt, 95)) if np.isfinite(tt).any() else float("nan"))
-        e2e_out.append(float(np.nanpercentile(ee, 95)) if np.isfinite(ee).any() else float("nan"))
+        ttft_out.append(float(np.nanpercentile(tt, 95)) if np.isfinite(tt).any() else None)
+        e2e_out.append(float(np.nanpercentile(ee, 95)) if np.isfinite(ee).any() else None)
         q_out.append(float(queue_len[m].max()))
     return {"t_s": t_out, "ttft_p95_ms": ttft_out, "e2e_p95_ms": e2e_out, "queue_max": q_out}
 

@@ -53,6 +53,11 @@ def test_the_shipped_trace_is_the_whole_hour_with_its_licence(azure):
     (HEAD + T0 + ",-3,10\n", 1, "ContextTokens"),
     (HEAD + T0 + ",10,2.5\n", 1, "GeneratedTokens"),
     (HEAD + T0 + ",10,0\n", 1, "GeneratedTokens"),
+    (HEAD + T0 + ",10,10\n" + T0 + ",99999999999999999999,10\n", 2, "ContextTokens"),  # int64 would overflow
+    (HEAD + T0 + ",10,20000000\n", 1, "GeneratedTokens"),  # over MAX_TOKENS
+    (HEAD + T0 + ",\u00b2,10\n", 1, "ContextTokens"),  # a digit to str.isdigit, not to int()
+    (HEAD + "0,10,10\n200000000,10,10\n", 2, "TIMESTAMP"),  # a span of 6 years: seconds were ms
+    (HEAD + T0 + ",10,10\n\"" + "9" * 200_000 + ",10,10\n", 2, "CSV"),  # a field past the csv limit
 ])
 def test_a_malformed_trace_names_the_row_and_field(tmp_path, body, row, fld):
     p = tmp_path / "t.csv"
@@ -60,6 +65,52 @@ def test_a_malformed_trace_names_the_row_and_field(tmp_path, body, row, fld):
     with pytest.raises(TraceError) as e:
         load_trace(p)
     assert e.value.row == row and e.value.field == fld and fld in str(e.value)
+
+
+def test_a_trace_that_is_not_utf8_is_a_trace_error(tmp_path):
+    p = tmp_path / "t.csv"
+    p.write_bytes(HEAD.encode() + b"0,10,10\n1,\xff\xfe,10\n")
+    with pytest.raises(TraceError) as e:
+        load_trace(p)
+    assert e.value.field == "text" and "UTF-8" in str(e.value)
+
+
+def test_timestamps_read_as_utc_with_or_without_an_offset_and_a_bom_is_allowed(tmp_path):
+    rows = {"naive": "2023-11-16 18:15:46.5", "z": "2023-11-16T18:15:46.5Z", "utc": "2023-11-16 18:15:46.500+00:00",
+            "east": "2023-11-16 20:15:46.5+02:00"}
+    out = {}
+    for name, ts in rows.items():
+        p = tmp_path / f"{name}.csv"
+        # the second row is one second later in every form; a BOM before the header (Excel's CSV) is no column
+        later = ts.replace("46.5", "47.5")
+        p.write_bytes(b"\xef\xbb\xbf" + (HEAD + f"{ts},10,10\n{later},10,10\n").encode())
+        t = load_trace(p)
+        out[name] = t.arrival_s.tolist()
+    assert all(v == [0.0, 1.0] for v in out.values()), out
+    from sim_backend.tools.replay import _parse_time
+
+    # naive = UTC whatever the machine's zone: the same instant as Z and +00:00, two hours after +02:00's clock
+    assert _parse_time(rows["naive"]) == _parse_time(rows["z"]) == _parse_time(rows["utc"]) == _parse_time(rows["east"])
+    assert _parse_time("2023-11-16 00:00:00") == 1700092800.0
+
+
+def test_refused_rows_are_named_by_their_row_in_the_trace_file():
+    # rows 1..3 before the cut; the cut's 7 requests are data rows 4..10 of the file
+    t = Trace(np.array([0.0] * 3 + [5.0] * 7), np.array([100] * 9 + [40_000]), np.array([10] * 9 + [2000]), "f")
+    cut = t.cut(start_s=1.0)
+    rep = replay(cut, prices_for_trace(cut), boards=1, cfg=ReplayConfig(queue_limit=0))
+    assert rep["rejected_rows"] == {"queue_full": [8, 9], "context": [10]}
+
+
+def test_the_cli_refuses_bad_settings_in_one_line(capsys):
+    for argv in (["--speedup", "0"], ["--speedup", "1e9"], ["--speedup", "nan"], ["--workers", "0", "--find-boards"],
+                 ["--bundle", "smollm2-135m-pilot"], ["--find-boards", "qwen3-30b-a3b,smollm2-135m-pilot"],
+                 ["--check-engine", "--boards", "40", "--limit", "30"]):
+        assert main(["bench", "replay", "--limit", "5", *argv]) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "Traceback" not in err[0], (argv, err)
+    assert main(["bench", "replay", "--limit", "5", "--speedup", "1e9"]) == 2
+    assert "0.001..1e6" in capsys.readouterr().err
 
 
 def test_the_cli_says_one_line_and_exits_2_for_a_bad_trace(tmp_path, capsys):
@@ -122,7 +173,7 @@ def test_refusals_are_counted_by_reason_and_named():
     t = Trace(np.zeros(7), np.array([100] * 6 + [40_000]), np.array([10] * 6 + [2000]), "burst")
     rep = replay(t, prices_for_trace(t), boards=1, cfg=ReplayConfig(queue_limit=0))
     assert rep["rejected"] == {"queue_full": 2, "context": 1}
-    assert rep["rejected_rows"] == {"queue_full": [4, 5], "context": [6]}
+    assert rep["rejected_rows"] == {"queue_full": [5, 6], "context": [7]}
     assert rep["finished"] + sum(rep["rejected"].values()) == rep["requests"] == 7
 
 
@@ -147,6 +198,32 @@ def test_the_cli_json_has_the_issues_keys(capsys):
     assert all(set(v) == {"p50", "p95", "p99"} for v in doc["metrics"].values())
     assert len(doc["per_board"]) == 3 and set(doc["per_board"][0]) == {"requests", "busy_pct", "kv_peak_pct"}
     assert doc["requests"] == doc["trace"]["count"] == 60
+
+
+def test_the_json_timeline_is_strict_json_and_the_ignored_plot_is_said(tmp_path, capsys):
+    # one board, no queue, a burst: most arrivals refused, bins with nobody served -> null, never NaN
+    p = tmp_path / "burst.csv"
+    p.write_text(HEAD + "".join(f"{i // 20},200,50\n" for i in range(60)))
+    assert main(["bench", "replay", str(p), "--boards", "1", "--queue-limit", "0", "--json", "--plot"]) == 0
+    cap = capsys.readouterr()
+    assert "--plot ignored" in cap.err
+
+    def no_nan(c: str) -> None:
+        raise AssertionError(f"non-JSON constant {c}")
+
+    doc = json.loads(cap.out, parse_constant=no_nan)
+    assert "timeline" in doc and doc["rejected"]["queue_full"] > 0
+
+
+def test_find_boards_from_the_cli_on_a_dask_scheduler(capsys):
+    distributed = pytest.importorskip("distributed")
+    with distributed.LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) \
+            as cluster:
+        # the executor's shutdown takes no cancel_futures on dask: the command must still end cleanly
+        assert main(["bench", "replay", "--limit", "40", "--find-boards", "qwen3-30b-a3b-b4",
+                     "--scheduler", cluster.scheduler_address, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["answers"]["qwen3-30b-a3b-b4"] >= 1 and doc["executor"].startswith("dask ")
 
 
 def _check_search(res: dict, variants: list[str]) -> None:
