@@ -353,7 +353,7 @@ class CalConsoleApp(App):
     def _show_topbar(self, snap: Snapshot) -> None:
         # not this simulator: the server's kind, build and model (widgets/server.py)
         if snap.server is not None or snap.device is None:
-            server_parts = server_render.topbar_parts(snap, getattr(self.system, "url", None), self.single)
+            server_parts = server_render.topbar_parts(snap, getattr(self.system, "url", None), self._status_in_header())
             self._topbar_bar(self._fit_topbar(server_parts, keep_first=2))
             return
         d = snap.device
@@ -375,15 +375,21 @@ class CalConsoleApp(App):
             ids = ", ".join(str(i) for i in d.timing_only_running)
             parts.append((f"timing-only: request{'s' if len(d.timing_only_running) > 1 else ''} {ids}",
                           "bold yellow", 8))
-        if self.single:  # the status header over one pane: board state, KV, queue and the running request
+        status = self._status_in_header()
+        if status:  # the status header over one pane: board state, KV, queue and the running request
             parts += [(f"KV {kv}", "", 9), (f"queue {snap.requests.counters.queued}", "", 9),
                       (running_text(snap), "", 9)]
         parts += [(f"requests done {snap.requests.counters.finished}", "", 4),
                   (f"device steps {'-' if snap.jobs is None else snap.jobs.finished}", "", 2),
-                  *([] if self.single else [(f"KV {kv}", "", 3)]),
+                  *([] if status else [(f"KV {kv}", "", 3)]),
                   (f"sim clock {(snap.sim_now_ms or 0.0) / 1e3:.2f} s", "", 1)]
         brief = status_text(d, compact=True, brief=True)
         self._topbar_bar(self._fit_topbar(parts, keep_first=3, brief=brief))
+
+    def _status_in_header(self) -> bool:
+        """KV, queue and the running request kept in the header: over one pane, or in columns without the
+        observation pane (nowhere else would show them)."""
+        return self.single or "observation" not in self.layout_spec.panes()
 
     def _fit_topbar(self, parts: list[tuple[Text | str, str, int]], keep_first: int,
                     brief: Text | str | None = None) -> Text:

@@ -36,11 +36,18 @@ class GraphSpec:
     series: tuple[Series, ...]
     y_max: float | None = None  # fixed top of the scale (percentages); None: from the data
     short_titles: tuple[str, ...] = ()
+    #: (series key, titles longest first) for when that series was never reported (a llama-server build
+    #: without KV figures): the title names only what the graph can draw
+    titles_without: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def titles(self) -> tuple[str, ...]:
         """The title, then its shorter forms (the graph shows the longest that fits)."""
         return (self.title, *self.short_titles)
+
+    def titles_for(self, missing: frozenset[str]) -> tuple[str, ...]:
+        """The titles when the series of ``missing`` (keys) have no figure at all."""
+        return next((t for key, t in self.titles_without if key in missing), self.titles)
 
     @property
     def keys(self) -> tuple[str, ...]:
@@ -50,7 +57,8 @@ class GraphSpec:
 GRAPHS: tuple[GraphSpec, ...] = (
     GraphSpec("kv-busy", "KV use and busy, % (sim)",
               (Series("kv_percent", "KV %"), Series("busy_percent", "busy %")), 100.0,
-              ("KV, busy % (sim)", "KV, busy %")),
+              ("KV, busy % (sim)", "KV, busy %"),
+              (("kv_percent", ("busy, % (sim)", "busy % (sim)", "busy %")),)),
     GraphSpec("tok-s", "output tokens/s (sim)", (Series("tok_s", "tok/s"),), None,
               ("output tok/s (sim)", "tok/s (sim)", "tok/s")),
     # plotext drops a title wider than the plot: at 120x36 this graph had none (its y labels are the widest)
@@ -163,12 +171,15 @@ class HistoryGraph(PlotextPlot):
         self.drawn_at = 0.0
         self._built: tuple[tuple[int, int], object] | None = None  # (size, renderable) of the last build
         self._window_s: float | None = None  # the window of the last draw (host wall s)
+        self._missing: frozenset[str] = frozenset()  # series never reported in the history (keys)
 
     def titles(self) -> tuple[str, ...]:
-        """The spec's titles, longest first, with the clock label in place of "(sim)" when one is set."""
+        """The spec's titles, longest first (those naming only the series reported), with the clock label in
+        place of "(sim)" when one is set."""
+        titles = self.spec.titles_for(self._missing)
         if not self.clock_label:
-            return self.spec.titles
-        return tuple(t.replace("(sim)", self.clock_label) for t in self.spec.titles)
+            return titles
+        return tuple(t.replace("(sim)", self.clock_label) for t in titles)
 
     def render(self):  # noqa: ANN201 - Textual's RenderResult
         """The plot, built once per ``draw`` and size: a repaint (a relayout, a scroll) reuses it. The title is
@@ -193,6 +204,8 @@ class HistoryGraph(PlotextPlot):
         self.drawn_at = now
         plt = self.plt
         plt.clear_figure()
+        self._missing = frozenset(s.key for s in self.spec.series
+                                  if history.samples and not any(f.get(s.key) is not None for _, f in history.samples))
         plt.title(self.titles()[0])  # render() picks the form that fits
         top = self.spec.y_max
         peak = 0.0

@@ -1,11 +1,13 @@
-"""Snapshot tests (pytest-textual-snapshot) of the console attached to a REAL llama-server at 80x24.
+"""Snapshot tests (pytest-textual-snapshot) of the console attached to a REAL llama-server, at 80x24, 100x30,
+120x36 and 160x48, one pane at a time and in columns.
 
 Deterministic by construction: a server of its own per test (xllamacpp + SmolLM2, one slot, one thread: no
 prompt cached by another test), a greedy reply (temperature 0) to the first request it serves, the console's
 home (the audit log's directory in the maintenance pane) at the test's own ``tmp_path`` shown as ``~``, and
 the reply's wall-clock figures masked (``_short_ms``: TTFT / TPOT read ``<ms>``). The observation pane is not
 pictured: its busy % history, tok/s and P95 latencies are wall-clock measurements of the server (tested for
-whole headings and figures in test_llama_console instead). A new xllamacpp (llama.cpp build, shown as
+whole headings and figures in test_llama_console instead); in columns the layout is the operator's without it
+(chat above maintenance, as ``Layout.without`` gives). A new xllamacpp (llama.cpp build, shown as
 ``b0-unknown`` in the header) or SmolLM2 wheel may change the greedy reply: regenerate (``--snapshot-update``)
 after looking at the picture.
 """
@@ -37,15 +39,46 @@ def own_llama_server() -> Iterator[Any]:
         server.stop()
 
 
+def _mask_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header's "attached to URL" with the server's ephemeral port masked (a wide header shows it)."""
+    import re
+
+    import calconsole.app as app_mod
+
+    real = app_mod.server_render.topbar_parts
+
+    def masked(snap: Any, url: str | None = None, single: bool = False) -> Any:
+        return real(snap, None if url is None else re.sub(r":\d+", ":<port>", url), single)
+
+    monkeypatch.setattr(app_mod.server_render, "topbar_parts", masked)
+
+
 @pytest.fixture
 def attached(own_llama_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[CalConsoleApp]:
     import calconsole.panes.chat as chat_mod
 
     monkeypatch.setenv("HOME", str(tmp_path))  # the audit log's directory reads "~/."
     monkeypatch.setattr(chat_mod, "_short_ms", lambda v: "<ms>")  # wall-clock figures: masked
+    _mask_port(monkeypatch)
     system = connect(own_llama_server.url, audit_path=tmp_path / "audit.jsonl")
     try:
         yield CalConsoleApp(system, load_layout("operator"), refresh_hz=4, settings=Settings())
+    finally:
+        system.close()
+
+
+@pytest.fixture
+def attached_columns(own_llama_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[CalConsoleApp]:
+    """The console in columns (the operator layout less the observation pane: its figures are wall-clock)."""
+    import calconsole.panes.chat as chat_mod
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setattr(chat_mod, "_short_ms", lambda v: "<ms>")
+    _mask_port(monkeypatch)
+    system = connect(own_llama_server.url, audit_path=tmp_path / "audit.jsonl")
+    try:
+        yield CalConsoleApp(system, load_layout("operator").without("observation"), refresh_hz=4,
+                            settings=Settings(panes="columns"))
     finally:
         system.close()
 
@@ -65,7 +98,8 @@ async def exchange(pilot) -> None:
                           and " tok · " in log_text(app, "#chat-log") and not app.query_one("#chat-log").pending,
                           timeout_s=60)
     assert await wait_for(pilot, lambda: all(s.state == "idle" for s in app.last_snapshot.slots)
-                          and "run -" in str(app.query_one("#topbar").render()), timeout_s=20)
+                          and "run -" in str(app.query_one("#topbar").render()), timeout_s=20), \
+        (str(app.query_one("#topbar").render()), [s.state for s in app.last_snapshot.slots])
 
 
 async def settle(pilot) -> None:
@@ -96,3 +130,30 @@ def test_maintenance_pane_on_llama_server_at_80x24(snap_compare, attached: CalCo
         await settle(pilot)
 
     assert snap_compare(attached, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_chat_pane_on_llama_server_at_100x30(snap_compare, attached: CalConsoleApp) -> None:
+    async def run_before(pilot) -> None:
+        await exchange(pilot)
+        await settle(pilot)
+
+    assert snap_compare(attached, terminal_size=(100, 30), run_before=run_before)
+
+
+@pytest.mark.parametrize("size", [(120, 36), (160, 48)])
+def test_chat_and_maintenance_on_llama_server_in_columns(snap_compare, attached_columns: CalConsoleApp,
+                                                         size: tuple[int, int]) -> None:
+    """Chat above maintenance: the exchange, and the maintenance pane's llama-server actions (health, clear
+    KV, slot save / restore / erase) with no simulator row."""
+    async def run_before(pilot) -> None:
+        await exchange(pilot)
+        app = pilot.app
+        assert not app.single
+        # drawn: the button and every container up to the pane shown (hidden rows keep their buttons)
+        labels = " ".join(str(b.label) for b in app.query("#maintenance Button")
+                          if all(w.display for w in b.ancestors_with_self if w is not app.screen))
+        assert {"Save", "Restore", "Erase", "Health", "KV"} <= set(labels.replace("…", "").split()), labels
+        assert "CCU" not in labels and "Write" not in labels and "Reset" not in labels, labels
+        await settle(pilot)
+
+    assert snap_compare(attached_columns, terminal_size=size, run_before=run_before)
