@@ -735,7 +735,8 @@ def audit_line(path) -> str:
     p = Path(str(path))
     directory = str(p.parent)
     try:
-        directory = "~/" + str(p.parent.relative_to(Path.home()))
+        rel = p.parent.relative_to(Path.home())
+        directory = "~" if rel == Path(".") else f"~/{rel}"  # the home directory itself reads "~", not "~/."
     except (ValueError, RuntimeError):  # not under home, or no home
         pass
     return f"audit log: {p.name}" if directory == "." else f"audit log: {p.name} in {directory}"

@@ -333,6 +333,7 @@ async def test_the_audit_log_path_wraps_at_words(fast_system, tmp_path):
         home = __import__("pathlib").Path.home()
         assert audit_line(home / ".local/state/calconsole/audit.jsonl") == \
             "audit log: audit.jsonl in ~/.local/state/calconsole"
+        assert audit_line(home / "audit.jsonl") == "audit log: audit.jsonl in ~"  # not "~/."
 
 
 # --- 4. the header's TTFT / TPOT P95 say sim ----------------------------------------------------------

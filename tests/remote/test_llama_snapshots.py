@@ -62,7 +62,8 @@ def attached(own_llama_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     _mask_port(monkeypatch)
     system = connect(own_llama_server.url, audit_path=tmp_path / "audit.jsonl")
     try:
-        yield CalConsoleApp(system, load_layout("operator"), refresh_hz=4, settings=Settings())
+        # one pane at a time at every size (auto gives it below 120x36; above, the palette's forced mode)
+        yield CalConsoleApp(system, load_layout("operator"), refresh_hz=4, settings=Settings(panes="single"))
     finally:
         system.close()
 
@@ -141,6 +142,17 @@ def test_chat_pane_on_llama_server_at_100x30(snap_compare, attached: CalConsoleA
 
 
 @pytest.mark.parametrize("size", [(120, 36), (160, 48)])
+def test_chat_pane_on_llama_server_one_pane_forced(snap_compare, attached: CalConsoleApp,
+                                                   size: tuple[int, int]) -> None:
+    async def run_before(pilot) -> None:
+        await exchange(pilot)
+        assert pilot.app.single
+        await settle(pilot)
+
+    assert snap_compare(attached, terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30), (120, 36), (160, 48)])
 def test_chat_and_maintenance_on_llama_server_in_columns(snap_compare, attached_columns: CalConsoleApp,
                                                          size: tuple[int, int]) -> None:
     """Chat above maintenance: the exchange, and the maintenance pane's llama-server actions (health, clear
