@@ -137,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
 def _variants(text: str) -> list[str]:
     """The bundles named in ``--find-boards``, each checked here (a bad manifest or a dense bundle is one line
     now, not a worker's error later); a name and a path to the same bundle count once."""
-    from sim_backend.bundle.manifest import load_bundle
-    from sim_backend.tools.replay import check_replayable
+    # through the tools, not the bundle package: the console's commands reach the simulator only so
+    from sim_backend.tools.replay import check_replayable_dir
 
     out: list[str] = []
     seen: set[Path] = set()
@@ -148,7 +148,7 @@ def _variants(text: str) -> list[str]:
         d = variant_bundle_dir(v).resolve()  # ValueError naming the choices
         if d in seen:
             continue
-        check_replayable(load_bundle(d))  # ManifestError, ValueError
+        check_replayable_dir(d)  # ManifestError, ValueError
         seen.add(d)
         out.append(v)
     if not out:

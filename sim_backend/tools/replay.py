@@ -86,6 +86,13 @@ def check_replayable(b: Bundle) -> None:
                          f"boards only (choose one of {', '.join(VARIANTS)})")
 
 
+def check_replayable_dir(bundle_dir: str | Path) -> None:
+    """Load the bundle at ``bundle_dir`` and check it as :func:`check_replayable` does, for callers that may
+    not import the bundle package themselves (the console's commands reach the simulator through its tools).
+    Raises ManifestError for a bad manifest, ValueError for a bundle the replay does not price."""
+    check_replayable(load_bundle(Path(bundle_dir)))
+
+
 @dataclass(frozen=True)
 class Trace:
     """A request trace: ``arrival_s`` float64 (n,) seconds since the first kept row (non-decreasing),
