@@ -12,6 +12,11 @@ Verdict (``settles``): the RSS growth over the last half of the samples against 
 the first half. A leak grows by about the same per request throughout; an allocator warming up
 (arenas of new worker threads, caches filling) grows early and then stays flat. The figures and
 the rule are printed, so a reader can judge them; a benchmark, not a test.
+
+Leak or warm-up (``trace_top``): with the server in this process, ``tracemalloc`` snapshots taken after the
+first sample, at half time and at the end are compared, and the source lines whose live Python allocations
+grew the most over each half are reported (KiB and block counts; Python objects only, not numpy's or the
+C libraries' own heaps). A leak shows the same lines growing in both halves.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+import tracemalloc
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,7 +84,11 @@ async def _one(client: httpx.AsyncClient, kind: str, i: int, headers: Mapping[st
 
 
 def verdict(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    """Settles or grows: the RSS growth (MiB) over the first and the last half of ``samples``."""
+    """Settles or grows: the RSS growth (MiB) over the first and the last half of ``samples``.
+
+    ``last_half_growth_pct``: the last half's growth as a percentage of the RSS at its start (the
+    share a bound such as "<= 10 % over the last 10 minutes of a 20-minute soak" is stated in).
+    """
     rss = [s["rss_mb"] for s in samples if s["rss_mb"] is not None]
     if len(rss) < 4:
         return {"settles": None, "why": f"{len(rss)} RSS samples; at least 4 are needed (run longer)"}
@@ -86,16 +96,36 @@ def verdict(samples: list[dict[str, Any]]) -> dict[str, Any]:
     first, last = rss[mid] - rss[0], rss[-1] - rss[mid]
     settles = last <= SETTLED_MB or last <= SETTLE_RATIO * max(first, 0.0)
     return {"settles": settles, "first_half_growth_mb": round(first, 1), "last_half_growth_mb": round(last, 1),
+            "last_half_growth_pct": round(100.0 * last / rss[mid], 1) if rss[mid] > 0 else None,
             "rule": f"settles when the last half of the samples grew by <= {SETTLED_MB:g} MiB or by <= "
                     f"{SETTLE_RATIO:g} x the first half's growth"}
 
 
+#: frames of the tracer itself and of the import machinery are not the server's memory
+_TRACE_SKIP = tuple(tracemalloc.Filter(False, f) for f in (
+    tracemalloc.__file__, "<frozen importlib._bootstrap>", "<frozen importlib._bootstrap_external>", "<unknown>"))
+
+
+def _growth(a: tracemalloc.Snapshot, b: tracemalloc.Snapshot, top: int) -> list[dict[str, Any]]:
+    """The ``top`` source lines whose live allocations grew most from ``a`` to ``b`` (KiB, blocks)."""
+    stats = b.filter_traces(_TRACE_SKIP).compare_to(a.filter_traces(_TRACE_SKIP), "lineno")
+    out = []
+    for st in sorted(stats, key=lambda st: st.size_diff, reverse=True)[:top]:
+        fr = st.traceback[0]
+        out.append({"where": f"{fr.filename}:{fr.lineno}", "grew_kib": round(st.size_diff / 1024, 1),
+                    "live_kib": round(st.size / 1024, 1), "blocks_grew": st.count_diff})
+    return out
+
+
 async def soak(url: str, headers: Mapping[str, str], *, clients: int, duration_s: float, seed: int = 0,
-               timeout_s: float = 60.0, progress: Any = None) -> dict[str, Any]:
+               timeout_s: float = 60.0, progress: Any = None, trace_top: int = 0) -> dict[str, Any]:
     """Run the soak (module docstring). ``progress(sample)``, if given, sees each RSS sample as it is taken.
 
     Returns {"requests", "failed", "errors" (first 20), "by_kind", "samples": [{"requests", "wall_s",
     "rss_mb"}], "rss_start_mb", "rss_end_mb", "verdict"}. RSS in MiB of the server process; wall s host time.
+    ``trace_top`` > 0 (the server in this process): also "tracemalloc": {"first_half", "last_half",
+    "traced_mb"}, the lines whose Python allocations grew most over each half (module docstring); tracing
+    slows the run, so its request rate is not comparable with an untraced one.
     """
     n = clients + 4
     counter = itertools.count()
@@ -115,7 +145,14 @@ async def soak(url: str, headers: Mapping[str, str], *, clients: int, duration_s
                 progress(s)
 
         await sample()
+        snaps: list[tracemalloc.Snapshot] = []
+        was_tracing = tracemalloc.is_tracing()
+        if trace_top > 0:
+            if not was_tracing:
+                tracemalloc.start(1)
+            snaps.append(tracemalloc.take_snapshot())
         deadline = time.perf_counter() + duration_s  # of traffic: the first RSS read is not part of it
+        half = time.perf_counter() + duration_s / 2
         next_sample = SAMPLE_EVERY
         last_sample = time.perf_counter()
 
@@ -130,6 +167,8 @@ async def soak(url: str, headers: Mapping[str, str], *, clients: int, duration_s
                 if err and len(errors) < 20:
                     errors.append(err)
                 done += 1
+                if trace_top > 0 and len(snaps) == 1 and time.perf_counter() >= half:
+                    snaps.append(tracemalloc.take_snapshot())
                 if done >= next_sample or time.perf_counter() - last_sample >= SAMPLE_EVERY_S:
                     if done >= next_sample:
                         next_sample += SAMPLE_EVERY
@@ -138,9 +177,19 @@ async def soak(url: str, headers: Mapping[str, str], *, clients: int, duration_s
 
         await asyncio.gather(*(task() for _ in range(clients)))
         await sample()
+        traced: dict[str, Any] | None = None
+        if trace_top > 0:
+            snaps.append(tracemalloc.take_snapshot())
+            if len(snaps) == 3:
+                traced = {"first_half": _growth(snaps[0], snaps[1], trace_top),
+                          "last_half": _growth(snaps[1], snaps[2], trace_top),
+                          "traced_mb": round(tracemalloc.get_traced_memory()[0] / 2**20, 1)}
+            if not was_tracing:
+                tracemalloc.stop()
     failed = sum(v["sent"] - v["ok"] for v in by_kind.values())
     rss = [s["rss_mb"] for s in samples if s["rss_mb"] is not None]
     return {"requests": done, "failed": failed, "errors": errors, "by_kind": by_kind, "clients": clients,
             "duration_s": round(time.perf_counter() - t0, 1), "samples": samples,
             "rss_start_mb": rss[0] if rss else None, "rss_end_mb": rss[-1] if rss else None,
-            "verdict": verdict(samples), "clock": "wall s host time; RSS MiB of the server process (its /snapshot)"}
+            "verdict": verdict(samples), "tracemalloc": traced,
+            "clock": "wall s host time; RSS MiB of the server process (its /snapshot)"}

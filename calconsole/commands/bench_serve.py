@@ -101,6 +101,9 @@ def register(bsub) -> None:
                    help="soak phase: host seconds of mixed traffic (streams, dropped streams, chat, tokenize, "
                         "health, metrics, snapshot); the server's RSS is printed every 1,000 requests (1800)")
     p.add_argument("--soak-clients", type=int, default=4, help="soak phase: concurrent clients (default 4)")
+    p.add_argument("--soak-tracemalloc", type=int, default=0, metavar="N",
+                   help="soak phase, in-process server only: the N source lines whose Python allocations grew "
+                        "most over each half of the soak (tracemalloc; slows the run; default 0: off)")
     p.add_argument("--overhead-clients", default="1,8", help="client counts of the overhead phase (default 1,8)")
     p.add_argument("--lag-margin", type=float, default=10.0, metavar="PCT",
                    help="a real-time stream falls behind when its client ITL exceeds the simulated ITL by more "
@@ -165,7 +168,8 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
     }
     for name, v, lo, hi in (("requests", args.requests, 1, 100_000), ("warmup", args.warmup, 0, 1000),
                             ("health-requests", args.health_requests, 1, 100_000),
-                            ("slots", args.slots, 1, 32), ("soak-clients", args.soak_clients, 1, MAX_CLIENTS)):
+                            ("slots", args.slots, 1, 32), ("soak-clients", args.soak_clients, 1, MAX_CLIENTS),
+                            ("soak-tracemalloc", args.soak_tracemalloc, 0, 100)):
         if not lo <= v <= hi:
             raise ValueError(f"--{name} must be in {lo}..{hi}, got {v}")
     for name, fv, flo, fhi in (("duration", args.duration, 0.5, 3600.0), ("timeout", args.timeout, 1.0, 3600.0),
@@ -173,6 +177,8 @@ def check_args(args: argparse.Namespace) -> dict[str, Any]:
                                ("soak-s", args.soak_s, 1.0, 86400.0)):
         if not flo <= fv <= fhi:  # also refuses nan
             raise ValueError(f"--{name} must be in {flo:g}..{fhi:g}, got {fv:g}")
+    if args.soak_tracemalloc and args.url:
+        raise ValueError("--soak-tracemalloc traces this process: it needs the in-process server (no --url)")
     if not 0 <= args.seed < 2**32:
         raise ValueError(f"--seed must be in [0, 2**32), got {args.seed}")
     o["api_key"] = _api_key(args.api_key_file)
@@ -572,7 +578,7 @@ def _run_in_process(b: Bench, rep: dict[str, Any]) -> None:
         rep["server"]["soak_note"] = ("in-process: the RSS is of this process, client and server together; "
                                       "serve in another process and pass --url for the server's alone")
         with in_process_server(args, pacing="fast", slots=args.slots, queue=queue, slo=opts["slo"]) as (url, _):
-            rep["soak"] = _soak(b, url)
+            rep["soak"] = _soak(b, url, trace_top=args.soak_tracemalloc)
 
 
 def _run_remote(b: Bench, rep: dict[str, Any]) -> None:
@@ -606,7 +612,7 @@ def _run_remote(b: Bench, rep: dict[str, Any]) -> None:
         rep["paired"] = paired(b.args, opts, url, "llama-server" if llama else "server at --url")
 
 
-def _soak(b: Bench, url: str) -> dict[str, Any]:
+def _soak(b: Bench, url: str, trace_top: int = 0) -> dict[str, Any]:
     """The soak phase (``calconsole.bench.soak``), printing each RSS sample on stderr as it is taken."""
     import sys
 
@@ -617,7 +623,8 @@ def _soak(b: Bench, url: str) -> dict[str, Any]:
               f"{'-' if s['rss_mb'] is None else format(s['rss_mb'], '.1f')} MiB", file=sys.stderr, flush=True)
 
     return asyncio.run(soak(url, b.headers, clients=b.args.soak_clients, duration_s=b.args.soak_s,
-                            seed=b.args.seed, timeout_s=min(b.args.timeout, 120.0), progress=show))
+                            seed=b.args.seed, timeout_s=min(b.args.timeout, 120.0), progress=show,
+                            trace_top=trace_top))
 
 
 # --- human output --------------------------------------------------------------------------------
@@ -713,6 +720,16 @@ def print_report(rep: dict[str, Any]) -> None:
                      else f"({v['why']})"))
         con.print("  server RSS (MiB) by requests served, every 1,000 and every minute: " + " ".join(
             f"{s['requests']}:{_f(s['rss_mb'])}" for s in so["samples"]))
+        if v.get("last_half_growth_pct") is not None:
+            con.print(f"  last half of the samples: +{_f(v['last_half_growth_pct'])} % of the RSS at its start")
+        tm = so.get("tracemalloc")
+        if tm:
+            con.print(f"  tracemalloc (Python allocations only; {_f(tm['traced_mb'])} MiB traced at the end):")
+            for half in ("first_half", "last_half"):
+                con.print(f"    grew most over the {half.replace('_', ' ')}:")
+                for g in tm[half]:
+                    con.print(f"      {g['grew_kib']:>+9.1f} KiB {g['blocks_grew']:>+7d} blocks  "
+                              f"(live {g['live_kib']:.1f} KiB)  {g['where']}")
         for e in so["errors"]:
             con.print(f"  [red]error:[/] {e}")
     su = rep["sustained"]

@@ -22,3 +22,8 @@ def test_steady_growth_is_a_leak() -> None:
 def test_too_few_samples_decide_nothing() -> None:
     v = verdict(samples([120, 200, None]))  # type: ignore[list-item]
     assert v["settles"] is None and "at least 4" in v["why"]
+
+
+def test_last_half_growth_is_also_a_share_of_the_rss_at_its_start() -> None:
+    v = verdict(samples([100, 150, 200, 200, 210, 220]))
+    assert v["last_half_growth_mb"] == 20.0 and v["last_half_growth_pct"] == 10.0

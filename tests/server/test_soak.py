@@ -34,3 +34,25 @@ def test_soak_samples_the_servers_rss_every_n_requests_and_every_request_succeed
     # the RSS is the serving process's own (psutil, MiB), read from its /snapshot: here this process
     assert all(isinstance(x["rss_mb"], float) and x["rss_mb"] > 10 for x in samples)
     assert rep["rss_start_mb"] == samples[0]["rss_mb"] and rep["rss_end_mb"] == samples[-1]["rss_mb"]
+
+
+def test_soak_with_tracemalloc_names_the_lines_that_grew(make_server: Any, monkeypatch: Any) -> None:
+    """A planted leak (a list the soak's own request path keeps filling) is among the lines reported for both
+    halves; tracing stops afterwards."""
+    import tracemalloc
+
+    kept: list[bytes] = []
+    real_one = soak_mod._one
+
+    async def leaky(*a: Any, **k: Any) -> Any:
+        kept.append(bytes(4096))  # the planted leak: 4 KiB a request, never freed
+        return await real_one(*a, **k)
+
+    monkeypatch.setattr(soak_mod, "_one", leaky)
+    s = make_server()
+    rep = asyncio.run(soak_mod.soak(s.url, {}, clients=2, duration_s=3.0, timeout_s=120.0, trace_top=40))
+    tm = rep["tracemalloc"]
+    assert tm is not None and tm["traced_mb"] > 0 and not tracemalloc.is_tracing()
+    for half in ("first_half", "last_half"):
+        here = [g for g in tm[half] if g["where"].endswith(f"test_soak.py:{leaky.__code__.co_firstlineno + 1}")]
+        assert here and here[0]["grew_kib"] > 4 and here[0]["blocks_grew"] >= 1, tm[half][:5]
