@@ -36,7 +36,7 @@ from typing import Any
 from sim_backend.planes import RequestResult, TokenProbs
 
 from ..codec import LOWEST_LOGPROB, probs_json, token_text
-from .wire import bad_request
+from .httperror import bad_request
 
 #: the most tokens one step may list (``n_probs`` / ``top_logprobs`` / ``logprobs``)
 MAX_N_PROBS = 1000

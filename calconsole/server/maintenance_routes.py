@@ -49,7 +49,7 @@ from starlette.responses import Response
 from sim_backend.planes import CalError, Lease, MaintenanceArgumentError, MaintenanceRefused, audit_origin
 
 from . import wire
-from .face import ServingFace, device_of, remote_of
+from .context import ServingFace, device_of, remote_of
 from .leases import HeldLease
 from .wire import HTTPError
 

@@ -31,18 +31,15 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from .context import BodyTooLarge
 from .wire import HTTPError, bad_request
 
 if TYPE_CHECKING:
-    from .face import ServingFace
+    from .context import ServingFace
 
 log = logging.getLogger("calconsole.serve")
 Scope = dict[str, Any]
 ASGIApp = Callable[..., Any]
-
-
-class BodyTooLarge(Exception):
-    """A request body grew past the limit while it was being received."""
 
 
 class AccessLog:

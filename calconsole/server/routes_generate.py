@@ -17,10 +17,10 @@ from sim_backend.planes import ChatRequest, ProgressEvent, RequestResult, TokenE
 from ..codec import result_extension
 from . import logprobs as lp
 from . import wire
-from .face import remote_of
+from .context import remote_of
 
 if TYPE_CHECKING:
-    from .face import RouteSpec, ServingFace
+    from .context import RouteSpec, ServingFace
 
 
 def routes(face: ServingFace) -> list[RouteSpec]:

@@ -13,11 +13,11 @@ from sim_backend.planes import SamplingParams
 
 from .. import __version__
 from . import wire
-from .face import device_of
+from .context import device_of
 from .wire import HTTPError
 
 if TYPE_CHECKING:
-    from .face import RouteSpec, ServingFace
+    from .context import RouteSpec, ServingFace
 
 
 def routes(face: ServingFace) -> list[RouteSpec]:

@@ -41,11 +41,11 @@ from starlette.responses import JSONResponse, Response
 from sim_backend.planes import CalError, SlotActions, audit_origin
 
 from . import wire
-from .face import remote_of
+from .context import remote_of
 from .wire import HTTPError
 
 if TYPE_CHECKING:
-    from .face import RouteSpec, ServingFace
+    from .context import RouteSpec, ServingFace
 
 ACTIONS = ("save", "restore", "erase")
 NOT_OFFERED = "This server does not support slots action. Start it with `--slot-save-path`"

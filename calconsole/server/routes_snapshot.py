@@ -18,7 +18,7 @@ from . import wire
 from .wire import HTTPError
 
 if TYPE_CHECKING:
-    from .face import RouteSpec, ServingFace
+    from .context import RouteSpec, ServingFace
 
 #: how often a snapshot stream looks at shutdown while it sleeps between snapshots (host s)
 POLL_S = 0.25

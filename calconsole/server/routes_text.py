@@ -17,7 +17,7 @@ from . import wire
 from .wire import HTTPError
 
 if TYPE_CHECKING:
-    from .face import Handler, RouteSpec, ServingFace
+    from .context import Handler, RouteSpec, ServingFace
 
 
 #: the rest of the 501 for embeddings / reranking: llama-server names its start option, calconsole serve has none

@@ -44,6 +44,9 @@ from sim_backend.planes import (
 
 from .. import __version__
 from ..codec import llama_timings, result_extension
+from .httperror import HTTPError as HTTPError
+from .httperror import bad_request as bad_request
+from .logprobs import probs_request
 
 #: sampling fields a body may carry (llama.cpp names; OpenAI's temperature / top_p / penalties / seed among them)
 SAMPLING_FIELDS = SamplingParams.__struct_fields__
@@ -69,28 +72,6 @@ MAX_MESSAGES = 1024
 def dumps(obj: Any) -> str:
     """Compact JSON, as llama-server writes it (``data: {...}`` lines byte for byte)."""
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
-
-
-class HTTPError(Exception):
-    """An error response: ``status`` (HTTP), llama-server ``type``, message, extra body fields."""
-
-    def __init__(self, status: int, type_: str, message: str, **extra: Any) -> None:
-        super().__init__(message)
-        self.status = status
-        self.type = type_
-        self.message = message
-        self.extra = extra
-        self.audited = False  # maintenance routes: already in the audit log (else the route audits it)
-        #: a refusal to audit (the action's name), written by the route wrapper off the event loop
-        self.audit_action: str | None = None
-        self.unauthenticated = False  # refused for a missing or wrong admin key: summarised per peer (refusals)
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"code": self.status, "message": self.message, "type": self.type, **self.extra}}
-
-
-def bad_request(message: str) -> HTTPError:
-    return HTTPError(400, "invalid_request_error", message)
 
 
 def from_cal_error(e: CalError) -> HTTPError:
@@ -300,8 +281,6 @@ def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client:
     """``/v1/chat/completions`` body -> ChatRequest (400 naming the field for anything wrong).
     ``template``: the body's ``template_options`` (default: read here with thinking off by default);
     ``logit_bias``: the body's, as ``logit_bias_from`` read it (it needs the model's tokenizer)."""
-    from .logprobs import probs_request
-
     choices_of(body)
     n_probs, post = probs_request(body, chat=True)
     if body.get("tools"):
@@ -528,8 +507,6 @@ def completion_request(body: Mapping[str, Any], tokenize: Any, *, n_ctx: int, n_
                        openai: bool, logit_bias: tuple[tuple[int, float], ...] = ()) -> ChatRequest:
     """``/completion`` (llama.cpp) or ``/v1/completions`` (OpenAI) body with one prompt (``body["prompt"]``,
     as ``prompts_from`` split it) -> a raw-prompt ChatRequest. ``logit_bias``: the body's (``logit_bias_from``)."""
-    from .logprobs import probs_request
-
     if openai:
         choices_of(body)
     n_probs, post = probs_request(body, chat=False)

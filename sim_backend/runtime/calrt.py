@@ -39,13 +39,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from sim_backend.device.board import ChipletStatus, JobCounters, SimulatedBoard
+from sim_backend.device.board import ChipletStatus, Job, JobCounters, SimulatedBoard
 from sim_backend.errors import DeviceError, SubmitError
-
-if TYPE_CHECKING:
-    from sim_backend.runtime.calbin import OutputBuf
 
 CALRT_VERSION = "0.7.6"
 DEVICE_KINDS = ("PCIE",)
@@ -55,6 +52,17 @@ TASK_TYPES = ("ping", "pong")
 def calrt_version() -> str:
     """The runtime library version (facts.md F1: CalRT 0.7.6)."""
     return CALRT_VERSION
+
+
+class _ClaimHolder(Protocol):
+    """What the device's task-type claims read and write of the output buffer holding one
+    (``calbin.OutputBuf``, which imports this module: the device names only this shape of it)."""
+
+    _claimed: bool  # reserved for a job not submitted yet: busy even with no job
+    _job: Job | None
+
+    @property
+    def job_id(self) -> int | None: ...
 
 
 # --- device --------------------------------------------------------------------
@@ -101,7 +109,7 @@ class VirtualDevice:
         self._parallel = False
         self._lock = threading.Lock()
         # task type -> OutputBuf of the job last submitted with it (busy until that job ends)
-        self._busy: dict[str, OutputBuf] = {}
+        self._busy: dict[str, _ClaimHolder] = {}
 
     def version(self) -> str:
         """CalcoreRT firmware commit, read from the fixed CALCORERT_COMMIT register (facts.md F1), 7 hex digits."""
@@ -147,13 +155,13 @@ class VirtualDevice:
         with self._lock:
             return tuple(sorted(self._busy_locked()))
 
-    def _busy_locked(self) -> dict[str, OutputBuf]:
+    def _busy_locked(self) -> dict[str, _ClaimHolder]:
         # drop task types whose job has ended (done or failed): they are free again
         for t in [t for t, ob in self._busy.items() if not ob._claimed and (ob._job is None or ob._job.done)]:
             del self._busy[t]
         return self._busy
 
-    def _claim(self, task_type: str, out: OutputBuf) -> str:
+    def _claim(self, task_type: str, out: _ClaimHolder) -> str:
         """Reserve a task type for ``out``'s next job; returns the type used. SubmitError if busy."""
         with self._lock:
             busy = self._busy_locked()
@@ -175,7 +183,7 @@ class VirtualDevice:
             out._claimed = True  # busy from now, before the job exists
             return task_type
 
-    def _unclaim(self, task_type: str, out: OutputBuf) -> None:
+    def _unclaim(self, task_type: str, out: _ClaimHolder) -> None:
         with self._lock:
             out._claimed = False
             if self._busy.get(task_type) is out:
