@@ -148,7 +148,7 @@ class RemoteRequestStream(SseRequestStream):
                 self._probs.extend(probs)
                 if text:
                     self._pieces.append(text)
-                    self._events.put(TokenEvent(self.id, text, len(self._pieces), math.nan, probs=probs))
+                    self._put(TokenEvent(self.id, text, len(self._pieces), math.nan, probs=probs))
             if isinstance(ext, dict) and "status" in ext:  # the final chunk's extension (pieces carry labels only)
                 self._finish(self._server_result(ext))
         if not self._done.is_set():

@@ -11,7 +11,6 @@ is the subclass's (``_consume``), and so is how a client-side result is built (`
 from __future__ import annotations
 
 import json
-import queue
 import socket
 import threading
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from typing import Any
 import httpx
 from httpx_sse import EventSource
 
-from sim_backend.planes import DoneEvent, EventStream, RequestResult, StreamEvent
+from sim_backend.planes import DoneEvent, EventStream, RequestResult
 
 from .connection import Connection, describe
 
@@ -34,15 +33,13 @@ class SseRequestStream(EventStream):
     """
 
     def __init__(self, conn: Connection, resp: httpx.Response, request_id: int, prompt_n: int) -> None:
+        super().__init__()
         self._conn = conn
         self._resp = resp
         self.id = request_id
         self._prompt_n = prompt_n
-        self._events: queue.Queue[StreamEvent] = queue.Queue()
         self._cancel = threading.Event()
         self._cancel_reason = ""
-        self._done = threading.Event()
-        self._result: RequestResult | None = None
         self._pieces: list[str] = []
         self._thread: threading.Thread | None = None
 
@@ -79,7 +76,7 @@ class SseRequestStream(EventStream):
         if self._done.is_set():
             return
         self._result = res
-        self._events.put(DoneEvent(res.request_id, res))
+        self._put(DoneEvent(res.request_id, res))
         self._done.set()
 
     def _chunks(self) -> Iterator[Any]:

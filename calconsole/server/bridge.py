@@ -1,19 +1,24 @@
-"""Engine thread -> event loop: request events pushed into an anyio memory stream, no polling.
+"""Engine thread -> event loop: request events pushed into an anyio memory stream, no polling, no thread.
 
-The plane's ``RequestStream`` is pull-only (``next_event(timeout)``), so each request gets one pump
-thread that blocks on it and hands every event, already formatted (``fmt``), to the event loop
-with ``loop.call_soon_threadsafe`` into a memory object stream. The loop side awaits that stream;
-nothing polls. A request's events are at most its tokens, its prompt progress (when asked for) and its end,
-so the buffer is bounded by the context (``buffer``) and a push never blocks the engine side.
+Each request's stream is ``subscribe``d: the engine thread hands every event to a callback that only
+schedules it on the event loop (``loop.call_soon_threadsafe``); on the loop it is formatted (``fmt``) and
+put into a memory object stream the response awaits. Nothing polls and no thread waits per request. A
+request's events are at most its tokens, its prompt progress (when asked for) and its end, so the buffer
+is bounded by the context (``buffer``) and a push never blocks the engine side.
 
-A streamed HTTP token crosses 7 hand-offs: engine thread -> the request's event queue -> its pump
-thread -> ``call_soon_threadsafe`` into the memory stream -> sse-starlette's send loop -> uvicorn's
-ASGI send -> the transport's buffer -> the socket. (Before: a worker thread from anyio's pool per
-event, polling every 0.25 s, and an async-generator layer between them: 9.)
+A streamed HTTP token crosses 5 hand-offs: engine thread -> ``call_soon_threadsafe`` onto the loop (formatted
+there) into the memory stream -> sse-starlette's send loop -> uvicorn's ASGI send -> the transport's
+buffer -> the socket. (Before: the request's event queue and a pump thread per request between the engine
+and the loop: 7; earlier, a worker thread from anyio's pool per event polling every 0.25 s: 9.)
+A stream that cannot be subscribed (no ``subscribe``) gets the pump thread of old.
+
+Order: events reach the loop in the order the engine made them (one producer thread; ``call_soon_threadsafe``
+callbacks run first in, first out), so what ``fmt`` decides from all requests' progress (the n choices'
+one [DONE], after the last request's end) is delivered in that order.
 
 Cancellation: ``cancel(reason)`` cancels every request (idempotent); the engine then ends each
-within one device step and its DoneEvent flows as usual. A pump that hears nothing for
-``silent_s`` host seconds (the engine's step timeout plus a margin) cancels its request and ends
+within one device step and its DoneEvent flows as usual. A request that gives no event for
+``silent_s`` host seconds (the engine's step timeout plus a margin) is cancelled and ends
 with ``on_silent``'s items.
 """
 
@@ -34,12 +39,12 @@ Formatter = Callable[[int, StreamEvent], list[Any]]
 
 
 class EventBridge:
-    """Pump threads for ``streams``; ``receive`` yields ``fmt(index, event)``'s items in arrival order and
-    ends once every request's DoneEvent (or silence) has been handed over.
+    """Subscriptions to ``streams`` (module docstring); ``receive`` yields ``fmt(index, event)``'s items in
+    arrival order and ends once every request's DoneEvent (or silence) has been handed over.
 
     Args:
         streams: submitted requests (their index in this list is passed to ``fmt``).
-        fmt: ``(index, event) -> items`` run on the pump thread (pure formatting; an exception becomes
+        fmt: ``(index, event) -> items`` run on the event loop (pure formatting; an exception becomes
             ``on_error(index, exc)``'s items and ends that request).
         silent_s: host seconds without an event after which a request is cancelled as stuck.
         on_silent / on_error: items to hand over in those cases.
@@ -61,15 +66,24 @@ class EventBridge:
         self._sends: list[MemoryObjectSendStream[Any]] = [send.clone() for _ in self.streams]
         send.close()
         self._loop = asyncio.get_running_loop()
-        # one request's formatting and hand-over at a time: the order items reach the loop is then the order
-        # ``fmt`` saw the events in, so what fmt decides from all requests' progress (the n choices' one
-        # [DONE], after the last request's end) is delivered in that order (a pump descheduled between its
-        # fmt and its hand-over let another request's [DONE] overtake its usage chunk, under load)
+        self._ended = [False] * len(self.streams)
+        self._last = [0.0] * len(self.streams)  # loop time of each request's last event
+        self._timers: list[asyncio.TimerHandle | None] = [None] * len(self.streams)
+        # a pump thread only for a stream that cannot push (none of this project's own)
         self._order = threading.Lock()
         self._threads = [threading.Thread(target=self._pump, args=(i,), name=f"calconsole-pump-req{h.id}",
-                                          daemon=True) for i, h in enumerate(self.streams)]
+                                          daemon=True) for i, h in enumerate(self.streams)
+                         if not callable(getattr(h, "subscribe", None))]
 
     def start(self) -> EventBridge:
+        """Subscribe to every request (or start its pump thread). Call on the event loop, once."""
+        now = self._loop.time()
+        for i, h in enumerate(self.streams):
+            sub = getattr(h, "subscribe", None)
+            if callable(sub):
+                self._last[i] = now
+                self._timers[i] = self._loop.call_later(self._silent_s, self._check_silent, i)
+                sub(self._from_engine(i))
         for t in self._threads:
             t.start()
         return self
@@ -89,6 +103,69 @@ class EventBridge:
         for h in self.streams:
             if not h.done:
                 h.stop_generation(reason)
+
+    # --- push: the engine thread schedules, the loop formats and hands over ------------------------------
+
+    def _from_engine(self, i: int) -> Callable[[StreamEvent], None]:
+        loop, h = self._loop, self.streams[i]
+
+        def on_event(ev: StreamEvent) -> None:  # the engine's thread: schedule only, never raise
+            try:
+                loop.call_soon_threadsafe(self._deliver, i, ev)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                h.cancel("server stopped")
+
+        return on_event
+
+    def _deliver(self, i: int, ev: StreamEvent) -> None:
+        """On the loop: format request ``i``'s event and put its items into the memory stream."""
+        if self._ended[i]:
+            return
+        self._last[i] = self._loop.time()
+        h = self.streams[i]
+        try:
+            items = self._fmt(i, ev)
+        except Exception as e:  # noqa: BLE001 - a formatting bug ends this request, not the server
+            h.cancel("internal error formatting the response")
+            self._end(i, self._on_error(i, e))
+            return
+        if isinstance(ev, DoneEvent):
+            self._end(i, items)
+        elif not self._put_all(i, items):
+            h.cancel("client stopped reading the stream")
+            self._end(i, [])
+
+    def _put_all(self, i: int, items: list[Any]) -> bool:
+        send = self._sends[i]
+        try:
+            for it in items:
+                send.send_nowait(it)
+        except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return False  # over its bound (cannot happen within ``buffer``) or the response is gone
+        return True
+
+    def _end(self, i: int, items: list[Any]) -> None:
+        self._put_all(i, items)
+        self._ended[i] = True
+        t = self._timers[i]
+        if t is not None:
+            t.cancel()
+            self._timers[i] = None
+        self._sends[i].close()
+
+    def _check_silent(self, i: int) -> None:
+        """On the loop, ``silent_s`` after the last event seen then: cancel a request still silent."""
+        self._timers[i] = None
+        if self._ended[i]:
+            return
+        quiet = self._loop.time() - self._last[i]
+        if quiet < self._silent_s:  # an event came meanwhile: look again when this one's silence would be due
+            self._timers[i] = self._loop.call_later(self._silent_s - quiet, self._check_silent, i)
+            return
+        self.streams[i].cancel("no event from the engine within its step timeout")
+        self._end(i, self._on_silent(i))
+
+    # --- pull: a pump thread per request, for a stream without ``subscribe`` --------------------------
 
     def _hand(self, send: MemoryObjectSendStream[Any], items: list[Any]) -> bool:
         try:

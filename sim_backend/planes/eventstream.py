@@ -1,5 +1,7 @@
 """The consuming side every request stream shares (the in-process handle, the HTTP client stream):
-``next_event`` / ``stream`` / ``result`` over a queue of ``StreamEvent`` (token, progress, done).
+``next_event`` / ``stream`` / ``result`` over a queue of ``StreamEvent`` (token, progress, done), or,
+once a consumer ``subscribe``s, each event handed to it on the producing thread (no queue, no thread
+of the consumer's blocked on it: what the HTTP face's event bridge uses).
 
 At the seam with the value types: it imports nothing of serving, runtime, device or model.
 """
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from sim_backend.planes.types import DoneEvent, RequestResult, StreamEvent
 
@@ -16,12 +18,43 @@ from sim_backend.planes.types import DoneEvent, RequestResult, StreamEvent
 class EventStream:
     """Base of a ``RequestStream`` implementation: ``next_event`` / ``stream`` / ``result`` over
     ``_events`` (a queue of StreamEvent) and ``_done`` (set with ``_result``).
-    Subclasses set those three and ``id``, and provide ``cancel``."""
+    Subclasses call ``super().__init__()``, set ``id``, produce events with ``_put`` and provide ``cancel``."""
 
-    _events: queue.Queue[StreamEvent]
-    _done: threading.Event
-    _result: RequestResult | None
     id: int
+
+    def __init__(self) -> None:
+        self._events: queue.Queue[StreamEvent] = queue.Queue()
+        self._done = threading.Event()
+        self._result: RequestResult | None = None
+        self._listener: Callable[[StreamEvent], None] | None = None
+        self._sub_lock = threading.Lock()
+
+    def _put(self, event: StreamEvent) -> None:
+        """Producer side: hand ``event`` to the subscriber (on this thread) or queue it for ``next_event``."""
+        fn = self._listener
+        if fn is None:
+            with self._sub_lock:  # against a subscribe draining the queue right now
+                fn = self._listener
+                if fn is None:
+                    self._events.put(event)
+                    return
+        fn(event)
+
+    def subscribe(self, fn: Callable[[StreamEvent], None]) -> None:
+        """Hand every event to ``fn`` from now on, first those already queued (in order), then each as the
+        producer makes it, on the producer's thread (the engine's): ``fn`` must be quick and must not raise
+        (it typically schedules the event on an event loop). ``next_event`` sees nothing afterwards.
+
+        Raises RuntimeError on a second subscription (one consumer per stream)."""
+        with self._sub_lock:
+            if self._listener is not None:
+                raise RuntimeError(f"request {self.id}: the stream already has a subscriber")
+            while True:
+                try:
+                    fn(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            self._listener = fn
 
     @property
     def done(self) -> bool:

@@ -9,7 +9,6 @@ The value types a client builds and receives (``ChatRequest``, ``SamplingParams`
 
 from __future__ import annotations
 
-import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from typing import Any, Generic, TypeVar
 
 from sim_backend.errors import CalError
 from sim_backend.planes.eventstream import EventStream
-from sim_backend.planes.types import DoneEvent, ProgressEvent, RequestResult, StreamEvent, TokenEvent
+from sim_backend.planes.types import DoneEvent, ProgressEvent, RequestResult, TokenEvent
 
 T = TypeVar("T")
 
@@ -38,13 +37,11 @@ class RequestHandle(EventStream):
     """Client side of a request: stream events, cancel, wait for the result. Thread-safe."""
 
     def __init__(self, req_id: int, prompt_n: int) -> None:
+        super().__init__()
         self.id = req_id
         self.prompt_n = prompt_n
-        self._events: queue.Queue[StreamEvent] = queue.Queue()
         self._cancel = threading.Event()
         self.cancel_reason = ""
-        self._result: RequestResult | None = None
-        self._done = threading.Event()
         self._engine_wake: Callable[[], None] = lambda: None
         self._limit_now: Callable[[], None] = lambda: None  # the engine's: its pipeline's limit_now
         self.stop_reason = ""
@@ -81,11 +78,11 @@ class RequestHandle(EventStream):
 
     def emit(self, event: TokenEvent | ProgressEvent) -> None:
         """Stream one visible piece, or the prompt's progress, to the client (engine thread)."""
-        self._events.put(event)
+        self._put(event)
 
     def _finish(self, result: RequestResult) -> None:
         self._result = result
-        self._events.put(DoneEvent(self.id, result))
+        self._put(DoneEvent(self.id, result))
         self._done.set()
 
 

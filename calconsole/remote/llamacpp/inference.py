@@ -182,7 +182,7 @@ class LlamaRequestStream(SseRequestStream):
             self._metrics.token_gap((now - self._piece_s[-1]) * 1e3)
         self._pieces.append(text)
         self._piece_s.append(now)
-        self._events.put(TokenEvent(self.id, text, len(self._pieces), math.nan, probs=probs))
+        self._put(TokenEvent(self.id, text, len(self._pieces), math.nan, probs=probs))
 
     # --- the reader thread -------------------------------------------------------------------
 
