@@ -727,6 +727,14 @@ def tokens_cached(res: RequestResult) -> int:
     return t.prompt_n + t.cache_n + max(0, t.predicted_n - 1) - res.n_discarded  # less what context shifts dropped
 
 
+def truncated(res: RequestResult, n_ctx: int) -> bool:
+    """llama-server's ``truncated``: the context filled, so a shift dropped tokens (``res.truncated``) or the
+    reply stopped at the context end (``limit`` with prompt + predicted = ``n_ctx``: the face's ``--ctx-size``
+    cuts the generation limit there, ``ServingFace.fit_context``)."""
+    t = res.timings
+    return res.truncated or (res.stop_type == "limit" and t.prompt_n + t.cache_n + t.predicted_n >= n_ctx)
+
+
 def native_completion(res: RequestResult, req: ChatRequest, n_ctx: int, model: str, *, id_slot: int,
                       return_tokens: bool, stream: bool, prompt: str = "", index: int = 0,
                       per_token: bool = False, eog_ids: tuple[int, ...] = ()) -> dict[str, Any]:
@@ -740,6 +748,6 @@ def native_completion(res: RequestResult, req: ChatRequest, n_ctx: int, model: s
             "generation_settings": generation_settings(req, n_ctx, stream=stream, per_token=per_token,
                                                        eog_ids=eog_ids),
             "prompt": prompt,
-            "has_new_line": "\n" in res.text, "truncated": res.truncated, "stop_type": res.stop_type,
+            "has_new_line": "\n" in res.text, "truncated": truncated(res, n_ctx), "stop_type": res.stop_type,
             "stopping_word": res.stopping_word, "tokens_cached": tokens_cached(res), "timings": timings(res),
             "calconsole": result_extension(res)}
