@@ -314,7 +314,7 @@ def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client:
                        client=client, id_slot=-1 if slot is None else slot,
                        cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
                        n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body),
-                       logit_bias=logit_bias, return_progress=return_progress(body), **shift_params(body),
+                       logit_bias=logit_bias, return_progress=return_progress(body), **_shift(body),
                        **(template_options(body) if template is None else template))
 
 
@@ -540,10 +540,10 @@ def completion_request(body: Mapping[str, Any], tokenize: Any, *, n_ctx: int, n_
                        stop=stop_from(body), client=client, id_slot=-1 if slot is None else slot,
                        cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
                        n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body),
-                       logit_bias=logit_bias, return_progress=return_progress(body), **shift_params(body))
+                       logit_bias=logit_bias, return_progress=return_progress(body), **_shift(body))
 
 
-def shift_params(body: Mapping[str, Any]) -> dict[str, int]:
+def _shift(body: Mapping[str, Any]) -> dict[str, Any]:
     """llama-server's context-shift fields of a request: ``n_keep`` (prompt tokens a shift keeps, -1 = all;
     default 0) and ``n_discard`` (tokens a shift drops, 0 = half; default 0); 400 for a non-integer or one
     below -1 / 0."""

@@ -12,8 +12,8 @@ import pytest
 
 from sim_backend.compose import build_system
 from sim_backend.model.costmodel import CostModel, kv_shift_us
-from sim_backend.planes import ChatRequest, SamplingParams
 from sim_backend.model.vocab import VOCAB_SIZE
+from sim_backend.planes import ChatRequest, SamplingParams
 from sim_backend.serving.context_shift import plan_shift
 from sim_backend.serving.tokens import TokenPipeline
 
