@@ -49,3 +49,16 @@ def test_bad_shift_fields_are_400(make_server: Any, field: str, value: Any) -> N
     srv = make_server(system_kw={"n_slots": 1})
     r = httpx.post(srv.url + "/completion", json={"prompt": PROMPT, "n_predict": 2, field: value}, timeout=60)
     assert r.status_code == 400 and field in r.json()["error"]["message"]
+
+
+def test_console_slot_table_shows_shifts_beside_the_cached_tokens() -> None:
+    from calconsole.widgets.render.serving import _cached
+    from sim_backend.planes.snapshot import SlotView
+
+    def view(**kw: Any) -> SlotView:
+        return SlotView(index=0, state="decoding", request_id=1, prompt_n=4, n_prefilled=4, predicted_n=100,
+                        cached_tokens=45, **kw)
+
+    assert _cached(view()) == "45"  # no shift (or a server that does not say): the count alone
+    assert _cached(view(n_shifts=1, n_discarded=29)) == "45 (1 shift, -29)"
+    assert _cached(view(n_shifts=2, n_discarded=58)) == "45 (2 shifts, -58)"
