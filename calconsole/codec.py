@@ -60,7 +60,9 @@ def result_extension(res: RequestResult) -> dict[str, Any]:
     """The ``calconsole`` key of a final chunk, a whole response or a stream's error event."""
     return {"request_id": res.request_id, "status": res.status, "stop_type": res.stop_type,
             "stopping_word": res.stopping_word, "tokens": list(res.tokens), "error": res.error, "seed": res.seed,
-            "timings": timings_to_wire(res.timings)}
+            "timings": timings_to_wire(res.timings),
+            # context shifts (--context-shift): how many, the tokens they dropped; truncated: the context filled
+            "truncated": res.truncated, "n_shifts": res.n_shifts, "n_discarded": res.n_discarded}
 
 
 def result_from_extension(ext: Mapping[str, Any], text: str, *, request_id: int = -1,
@@ -74,7 +76,8 @@ def result_from_extension(ext: Mapping[str, Any], text: str, *, request_id: int 
                          tokens=tuple(int(t) for t in ext.get("tokens") or ()),
                          stop_type=str(ext.get("stop_type", "none")), stopping_word=str(ext.get("stopping_word") or ""),
                          error=dict(err) if err else None, timings=timings_from_wire(ext["timings"]),
-                         seed=None if seed is None else int(seed))
+                         seed=None if seed is None else int(seed), truncated=bool(ext.get("truncated", False)),
+                         n_shifts=int(ext.get("n_shifts", 0)), n_discarded=int(ext.get("n_discarded", 0)))
 
 
 #: llama-server's log of a zero probability (``std::numeric_limits<float>::lowest()``: JSON has no -inf)

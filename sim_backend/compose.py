@@ -102,7 +102,8 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                  host_time: str = "modeled", numerics_progress: Callable[[str], None] | None = None,
                  numerics_background_start: bool = False,
                  prefill_chunk: int = 2048, chat_template: str | None = None,
-                 chat_template_name: str = "chat template") -> System:
+                 chat_template_name: str = "chat template", n_ctx: int | None = None,
+                 context_shift: bool = False) -> System:
     """Load the bundle (strict; raises ManifestError) and start device + engine threads.
 
     ``chat_template``: a Hugging Face chat template's Jinja source that replaces the bundle's
@@ -125,7 +126,8 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
     ``host_time``: ``"modeled"`` books the cost model's fitted host allowance per sampled token
     (facts.md F7) on the simulated clock, ``"measured"`` this machine's measured host work
     (``serving.hosttime.HostBooking``; ValueError for anything else). ``prefill_chunk``: most prompt
-    tokens one prefill step carries (the engine's round rule).
+    tokens one prefill step carries (the engine's round rule). ``n_ctx``: context per slot in tokens (None: the
+    calbin's); ``context_shift``: llama-server's ``--context-shift`` (``sim_backend.serving.context_shift``).
     """
     limit_given = numerics_max_prompt is not None
     if numerics_max_prompt is None:
@@ -164,7 +166,7 @@ def build_system(bundle_dir: str | Path | None = None, *, pacing: Pacing | None 
                     kv_timeout_s=kv_timeout_s, host_timer=host_timer, numerics_max_prompt=numerics_max_prompt,
                     host_time=host_time, host_token_us=cost.host_overhead_ms_per_token * 1e3,
                     slo=slo,  # slo: planes.types.SLO for goodput (simulated ms); None = no objectives
-                    chat_template=template)
+                    chat_template=template, n_ctx=n_ctx, context_shift=context_shift)
     memory_plan = MemoryPlan.for_bundle(bundle.shape, cost.hw)
     observation = InProcessObservation(DeviceMonitor(board), engine, bundle, memory_plan,
                                    numerics_limit_reason=numerics_limit_reason or default_reason)

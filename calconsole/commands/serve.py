@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..server.face import ServeConfig, ServingFace
@@ -81,6 +81,10 @@ def register(sub, common) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=None, metavar="N",
                    help="slot context in tokens, 1..40960: a longer prompt is refused (exceed_context_size_error), "
                         "generation stops at it (default: the calbin's 40960, which it stays)")
+    p.add_argument("--context-shift", action=argparse.BooleanOptionalAction, default=False,
+                   help="when a slot's context fills during generation, keep n_keep tokens, discard half of the "
+                        "rest and go on (llama-server's --context-shift / --no-context-shift; default: off, as "
+                        "there: generation stops with finish_reason length)")
     p.add_argument("--seed", type=int, default=None, metavar="N",
                    help="seed of requests that give none; -1 (as llama-server) or none: a fresh random seed each, "
                         "reported per result; another negative is read modulo 2**32, as llama-server")
@@ -205,6 +209,15 @@ def template_kwargs_of(spec: str | None) -> dict | None:
     return obj
 
 
+def _context_kw(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine's context options: with ``--context-shift`` the engine runs at ``--ctx-size`` (it shifts there;
+    the face's cut of the generation limit to the context left would stop it instead); without, nothing (the
+    face keeps enforcing ``--ctx-size``)."""
+    if not getattr(args, "context_shift", False):
+        return {}
+    return {"context_shift": True, "n_ctx": getattr(args, "ctx_size", None)}
+
+
 def serve_config(args: argparse.Namespace, model_alias: str) -> ServeConfig:
     """The checked ``ServeConfig`` of the options (no device needed: ``model_alias`` is the bundle's name
     when ``--alias`` is not given); ValueError / KeySourceError with a one-line reason."""
@@ -287,6 +300,7 @@ def run(args: argparse.Namespace) -> int:
             system = build_from_args(args, maintenance=args.admin_key_file is not None or _env_admin(),
                                      queue_limit=args.queue_limit, numerics_process=not args.timing_only, slo=slo,
                                      chat_template=template, chat_template_name=template_name,
+                                     **_context_kw(args),
                                      numerics_progress=lambda line: print(f"calconsole serve: {line}",
                                                                           file=sys.stderr, flush=True))
         except (CalError, ValueError) as e:

@@ -67,6 +67,8 @@ def board_command(args, port: int, audit_log: Path) -> list[str]:
         cmd += ["--admin-key-file", args.admin_key_file]
     if getattr(args, "jinja", False):
         cmd.append("--jinja")
+    if getattr(args, "context_shift", None) is not None:
+        cmd.append("--context-shift" if args.context_shift else "--no-context-shift")
     if getattr(args, "no_metrics", False):
         cmd.append("--no-metrics")
     if getattr(args, "no_slots_endpoint", False):

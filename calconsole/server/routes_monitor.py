@@ -120,10 +120,14 @@ async def slots(face: ServingFace, request: Request) -> Response:
                 "n_prompt_tokens": s.cached_tokens,
                 "n_prompt_tokens_processed": (s.n_prefilled or 0) - (s.reused_tokens or 0) if busy else 0,
                 "n_prompt_tokens_cache": (s.reused_tokens or 0) if busy else 0,
-                "params": wire.sampling_settings(SamplingParams(**known), n_predict=n_predict),
+                "params": wire.sampling_settings(SamplingParams(**known), n_predict=n_predict,
+                                                 n_keep=s.n_keep or 0),
                 "next_token": [{"has_next_token": busy, "has_new_line": False,
                                 "n_remain": max(0, s.max_tokens - (s.predicted_n or 0)) if busy else -1,
-                                "n_decoded": (s.predicted_n or 0) if busy else 0}]})
+                                "n_decoded": (s.predicted_n or 0) if busy else 0}],
+                # calconsole's extension: the request's context shifts (--context-shift) and tokens they dropped
+                "calconsole": {"n_shifts": s.n_shifts or 0, "n_discarded": s.n_discarded or 0,
+                               "truncated": bool(s.truncated)}})
         out.append(slot)
     if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(o["is_processing"] for o in out):
         raise HTTPError(503, "unavailable_error", "no slot available")

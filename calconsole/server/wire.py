@@ -293,7 +293,7 @@ def chat_request(body: Mapping[str, Any], *, n_ctx: int, n_predict: int, client:
                        client=client, id_slot=-1 if slot is None else slot,
                        cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
                        n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body),
-                       logit_bias=logit_bias, return_progress=return_progress(body),
+                       logit_bias=logit_bias, return_progress=return_progress(body), **_shift(body),
                        **(template_options(body) if template is None else template))
 
 
@@ -517,7 +517,16 @@ def completion_request(body: Mapping[str, Any], tokenize: Any, *, n_ctx: int, n_
                        stop=stop_from(body), client=client, id_slot=-1 if slot is None else slot,
                        cache_prompt=flag(body, "cache_prompt", True), ignore_eos=flag(body, "ignore_eos", False),
                        n_probs=n_probs, post_sampling_probs=post, grammar=grammar_from(body),
-                       logit_bias=logit_bias, return_progress=return_progress(body))
+                       logit_bias=logit_bias, return_progress=return_progress(body), **_shift(body))
+
+
+def _shift(body: Mapping[str, Any]) -> dict[str, Any]:
+    """llama-server's context-shift fields of a request: ``n_keep`` (prompt tokens a shift keeps, -1 = all;
+    default 0) and ``n_discard`` (tokens a shift drops, 0 = half; default 0); 400 for a non-integer or one
+    below -1 / 0."""
+    keep = integer(body, "n_keep", 0, lo=-1)
+    discard = integer(body, "n_discard", 0, lo=0)
+    return {"n_keep": 0 if keep is None else keep, "n_discard": 0 if discard is None else discard}
 
 
 def return_progress(body: Mapping[str, Any]) -> bool:
@@ -549,7 +558,7 @@ def usage(res: RequestResult) -> dict[str, Any]:
 
 def sampling_settings(sp: SamplingParams, *, n_predict: int, stream: bool = False,
                       per_token: bool = False, ignore_eos: bool = False, n_probs: int = 0,
-                      post_sampling_probs: bool = False) -> dict[str, Any]:
+                      post_sampling_probs: bool = False, n_keep: int = 0, n_discard: int = 0) -> dict[str, Any]:
     """llama-server's sampling ``params`` (as ``/props`` and ``/slots`` give them): ours where the simulator
     samples with them, llama.cpp's neutral values for the samplers it does not run (they are off);
     ``seed`` is the one asked for, ``DEFAULT_SEED`` for none (the drawn one is ``calconsole.seed``)."""
@@ -564,7 +573,8 @@ def sampling_settings(sp: SamplingParams, *, n_predict: int, stream: bool = Fals
             **{k: _OFF_SAMPLERS[k] for k in ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
                                              "mirostat", "mirostat_tau", "mirostat_eta", "adaptive_target",
                                              "adaptive_decay")},
-            "max_tokens": n_predict, "n_predict": n_predict, "n_keep": 0, "n_discard": 0, "ignore_eos": ignore_eos,
+            "max_tokens": n_predict, "n_predict": n_predict, "n_keep": n_keep, "n_discard": n_discard,
+            "ignore_eos": ignore_eos,
             "stream": stream, "n_probs": n_probs, "min_keep": 0, "chat_format": "Content-only",
             "reasoning_format": "none", "reasoning_in_content": False, "generation_prompt": "",
             "samplers": list(SAMPLERS),
@@ -582,7 +592,8 @@ def generation_settings(req: ChatRequest, n_ctx: int, *, stream: bool = False,
     n_predict = req.max_tokens if req.max_tokens is not None and req.max_tokens != n_ctx else -1
     base = sampling_settings(req.sampling, n_predict=n_predict, stream=stream, per_token=per_token,
                              ignore_eos=req.ignore_eos, n_probs=req.n_probs,
-                             post_sampling_probs=req.post_sampling_probs)
+                             post_sampling_probs=req.post_sampling_probs, n_keep=req.n_keep,
+                             n_discard=req.n_discard)
     out: dict[str, Any] = {}
     for k, v in base.items():
         if k == "mirostat":
@@ -690,7 +701,15 @@ def tokens_cached(res: RequestResult) -> int:
     token, which is never fed back), not the reused prefix (that is ``timings.cache_n``), as the real
     llama-server reports it (tests/server/test_parity_llama_server.py ``test_tokens_cached_is_what_the_slot_holds``)."""
     t = res.timings
-    return t.prompt_n + t.cache_n + max(0, t.predicted_n - 1)
+    return t.prompt_n + t.cache_n + max(0, t.predicted_n - 1) - res.n_discarded  # less what context shifts dropped
+
+
+def truncated(res: RequestResult, n_ctx: int) -> bool:
+    """llama-server's ``truncated``: the context filled, so a shift dropped tokens (``res.truncated``) or the
+    reply stopped at the context end (``limit`` with prompt + predicted = ``n_ctx``: the face's ``--ctx-size``
+    cuts the generation limit there, ``ServingFace.fit_context``)."""
+    t = res.timings
+    return res.truncated or (res.stop_type == "limit" and t.prompt_n + t.cache_n + t.predicted_n >= n_ctx)
 
 
 def native_completion(res: RequestResult, req: ChatRequest, n_ctx: int, model: str, *, id_slot: int,
@@ -706,6 +725,6 @@ def native_completion(res: RequestResult, req: ChatRequest, n_ctx: int, model: s
             "generation_settings": generation_settings(req, n_ctx, stream=stream, per_token=per_token,
                                                        eog_ids=eog_ids),
             "prompt": prompt,
-            "has_new_line": "\n" in res.text, "truncated": False, "stop_type": res.stop_type,
+            "has_new_line": "\n" in res.text, "truncated": truncated(res, n_ctx), "stop_type": res.stop_type,
             "stopping_word": res.stopping_word, "tokens_cached": tokens_cached(res), "timings": timings(res),
             "calconsole": result_extension(res)}

@@ -210,6 +210,23 @@ class SimulatedBoard:
             return None
         return model
 
+    def run_kv_shift(self, n_cells: int) -> tuple[float, float, float]:
+        """Run one KV shift (CalRT ``DoShift``, facts.md F5 C1) over ``n_cells`` moved cells: the device is serial,
+        so it starts when the device is free (after a step in flight) and holds it for the cost model's
+        ``kv_shift_us``. Returns ``(start_us, end_us, device_us)`` on the simulated clock, which it advances to
+        the end. Timing only: the numerics do not re-rotate K (the engine stops a shifted request's numerics).
+        Not paced in real time (a shift is ~0.3-1 ms simulated)."""
+        from sim_backend.model.costmodel import CostModel, kv_shift_us
+        cm = self.cost_model
+        us = kv_shift_us(cm.hw, self.shape, int(n_cells)) if isinstance(cm, CostModel) else 0.0
+        with self._lock:
+            start = max(self.clock.now_us, self._device_free_us)
+            end = start + us
+            self._device_free_us = end
+            self.clock.advance_to(end)
+            self._board_busy_us += us
+        return start, end, us
+
     # --- jobs -------------------------------------------------------------------
 
     def submit(self, kind: str, seq_id: int, tokens: np.ndarray, positions: np.ndarray, new_cells: np.ndarray,

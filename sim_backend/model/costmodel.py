@@ -319,6 +319,29 @@ def sram_workspace_bytes(hw: HardwareSpec) -> float:
     return max(0.0, (hw.memory["sram_reservation_mib"] - hw.memory["param_sram_window_mib"]) * 2**20)
 
 
+def kv_shift_us(hw: HardwareSpec, shape: ModelShape, n_cells: int) -> float:
+    """Simulated device µs of one KV shift (CalRT ``DoShift``, facts.md F5 C1): RoPE re-applied to the K rows
+    of ``n_cells`` moved cells (llama.cpp's K-shift graph, run before the next step).
+
+    Per chip, every layer reads and writes the K rows of its KV heads: ``n_cells x n_layers x kv_heads/chip x
+    head_dim x kv_bytes x 2`` bytes (BF16 K [F4]; 48 layers x 2 heads per chip x 128 [F2]), streamed at
+    ``dram_bw_gbps x weight_stream_eff`` (sequential KV rows, as ``flash_decode``'s KV blocks), plus one graph
+    submission (``step_submit_overhead_us``, the F1 path); the chips run their halves in parallel, and the
+    rotation's few FLOPs per element hide under the DMA. 0 for no cell (nothing is submitted). Numbers: the
+    hardware YAML (``hardware.dram_bw_gbps``, ``fitted.weight_stream_eff``, ``fitted.step_submit_overhead_us``,
+    ``quantisation.kv_bytes``). Raises ValueError for ``n_cells < 0``.
+    """
+    if n_cells < 0:
+        raise ValueError(f"n_cells must be >= 0, got {n_cells}")
+    if n_cells == 0:
+        return 0.0
+    q, f = hw.quantisation, hw.fitted
+    row = shape.head_dim * float(q["kv_bytes"])
+    nbytes = 2.0 * n_cells * shape.n_layers * shape.kv_heads_per_chip * row  # K read + K written
+    bw = float(hw.hardware["dram_bw_gbps"]) * 1e3 * float(f["weight_stream_eff"])  # bytes per µs
+    return float(f["step_submit_overhead_us"]) + nbytes / bw
+
+
 @dataclass(frozen=True)
 class FlashDecode:
     """One decode flash-attention op on one chip (:func:`flash_decode`); times are simulated µs.

@@ -300,6 +300,12 @@ class SlotView(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):
     #: the request's prompt tokens reused from the slot's cached prefix (llama-server's ``n_prompt_tokens_cache``
     #: of a busy slot), None where the source does not say (in-process ``cached_tokens`` is what the KV holds)
     reused_tokens: int | None = None
+    #: the request's context shifts and the tokens they discarded, whether its context filled (llama-server's
+    #: ``truncated``) and its ``n_keep`` (``sim_backend.serving.context_shift``); None where the source does not say
+    n_shifts: int | None = None
+    n_discarded: int | None = None
+    truncated: bool | None = None
+    n_keep: int | None = None
 
 
 class HostInfo(_Frozen, frozen=True, kw_only=True, forbid_unknown_fields=True):

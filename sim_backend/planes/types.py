@@ -228,6 +228,10 @@ class ChatRequest(msgspec.Struct, frozen=True):
     #: stream a ``ProgressEvent`` when the request takes its slot and after each prefill step (llama-server's
     #: ``return_progress``, which it honours in stream mode only)
     return_progress: bool = False
+    #: llama.cpp's ``n_keep`` / ``n_discard`` for a context shift: prompt tokens kept (-1 = all) and tokens
+    #: discarded (0 = half of those after the kept ones); see ``sim_backend.serving.context_shift``
+    n_keep: int = 0
+    n_discard: int = 0
 
     @staticmethod
     def from_prompt(prompt: str, **kw: Any) -> ChatRequest:
@@ -522,6 +526,11 @@ class RequestResult(msgspec.Struct, frozen=True):
     seed: int | None
     probs: tuple[TokenProbs, ...] = ()
     id_slot: int = -1
+    #: the context filled (llama-server's ``truncated``): shifted, or stopped at the context end
+    truncated: bool = False
+    #: context shifts and the tokens they discarded (``sim_backend.serving.context_shift``)
+    n_shifts: int = 0
+    n_discarded: int = 0
 
 
 class TokenEvent(msgspec.Struct, frozen=True):

@@ -145,5 +145,16 @@ class RuntimeSession:
         out._on_end = lambda: self.pool.release(pair)
         return out
 
+    def do_shift(self) -> tuple[int, float, float]:
+        """CalRT ``DoShift`` (facts.md F5 C1): take the cells whose positions ``seq_add`` / ``seq_div`` moved
+        (``KVCacheManager.take_shift``) and run the device's K re-rotation over them (``board.run_kv_shift``,
+        priced by ``costmodel.kv_shift_us``). Returns ``(n_cells, device_us, end_us)``: cells re-rotated, simulated
+        µs the device spent, and when it ended on the simulated clock. No moved cell: ``(0, 0.0, now)``."""
+        cells, _ = self._board.kv.take_shift()
+        if cells.size == 0:
+            return 0, 0.0, self.clock.now_us
+        _, end, us = self._board.run_kv_shift(int(cells.size))
+        return int(cells.size), us, end
+
     def job_counters(self) -> JobCounters:
         return self.device.job_counters()

@@ -95,6 +95,8 @@ class SlotInfo:
     served (None if none yet). ``cached_tokens``: the tokens its KV holds now (the prompt prefilled so far and
     the generated tokens fed back); ``reused_tokens``: the request's prompt tokens reused from the slot's cached
     prefix (llama-server's ``n_prompt_tokens_cache``), of which ``n_prefilled`` counts the reused ones too.
+    ``n_shifts`` / ``n_discarded`` / ``truncated``: the request's context shifts, the tokens they discarded, and
+    whether its context filled (``context_shift``).
     """
 
     index: int
@@ -109,6 +111,10 @@ class SlotInfo:
     params: dict[str, Any] = field(default_factory=dict)  # sampling parameters, llama.cpp names ({} if none yet)
     last_request_id: int | None = None
     reused_tokens: int = 0
+    n_shifts: int = 0  # context shifts of the request (``context_shift``)
+    n_discarded: int = 0  # tokens those shifts discarded
+    truncated: bool = False  # its context filled: shifted, or stopped at the context end (llama-server's)
+    n_keep: int = 0  # the request's n_keep (-1 = the whole prompt)
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ class Engine:
         n_ctx: context in tokens per sequence, at most the calbin's (default: the calbin's).
         chat_template: a ``model.chat_template.JinjaChatTemplate`` that replaces the bundle's chat template
             (``serve --chat-template-file``); None keeps the bundle's.
+        context_shift: llama-server's ``--context-shift`` (default off, as there): ``serving.context_shift``.
     Raises ValueError for a bad size or a parallel mode that does not match ``max_inflight``.
     """
 
@@ -95,7 +96,7 @@ class Engine:
                  numerics_max_prompt: int = 1024, host_timer: HostTimer | None = None,
                  host_time: str = "modeled", host_token_us: float | None = None,
                  metrics: MetricsRegistry | None = None, slo: SLO | None = None, n_ctx: int | None = None,
-                 chat_template: Any = None) -> None:
+                 chat_template: Any = None, context_shift: bool = False) -> None:
         if not 1 <= n_slots <= rt.serving_sequences:
             raise ValueError(f"n_slots must be in 1..{rt.serving_sequences} (the runtime's serving sequences)")
         if max_inflight not in (1, 2):
@@ -117,7 +118,7 @@ class Engine:
         self.numerics_max_prompt = numerics_max_prompt
         self.host_timer = host_timer or HostTimer()
         self.intake = RequestIntake(rt, n_ctx=self.n_ctx, n_slots=n_slots, host_timer=self.host_timer,
-                                    chat_template=chat_template)
+                                    chat_template=chat_template, context_shift=context_shift)
         #: the bundle's tokenizer (Qwen3's BPE, a GGUF's own for the dense pilot), with ``chat_template`` if given
         self.tokenizer: Tokenizer = self.intake.tokenizer
         if host_token_us is None:

@@ -30,11 +30,13 @@ class RequestIntake:
         n_ctx: context in tokens per sequence; n_slots: the engine's slots (an ``id_slot`` beyond is refused).
         host_timer: measures the tokenising span (host µs).
         chat_template: a ``model.chat_template.JinjaChatTemplate`` that replaces the bundle's, or None.
+        context_shift: llama-server's ``--context-shift`` for every request's pipeline (``TokenPipeline``).
     """
 
     def __init__(self, rt: RuntimeSession, *, n_ctx: int, n_slots: int, host_timer: HostTimer,
-                 chat_template: Any = None) -> None:
+                 chat_template: Any = None, context_shift: bool = False) -> None:
         self.rt = rt
+        self.context_shift = context_shift
         self.n_ctx = n_ctx
         self.n_slots = n_slots
         self.host_timer = host_timer
@@ -88,7 +90,7 @@ class RequestIntake:
         """The request's token pipeline (sampler, stop rules, visible text) over this engine's tokenizer."""
         return TokenPipeline(req, prompt, n_ctx=self.n_ctx, max_tokens=int(req.max_tokens or 0),
                              tokenizer=self.tokenizer, vocab=int(self.rt.vocab), eos_ids=self.eos_ids,
-                             text_ids=self.text_ids, grammar=matcher)
+                             text_ids=self.text_ids, grammar=matcher, context_shift=self.context_shift)
 
 
 __all__ = ["RequestIntake"]

@@ -83,7 +83,8 @@ class RequestLedger:
             error = {"type": "cancelled", "message": r.handle.cancel_reason or "cancelled"}
         result = RequestResult(r.id, status, "".join(r.text_parts), tuple(r.generated), stop_type, stopping_word,
                                error, timings, r.tokens.seed, tuple(r.tokens.probs),
-                               r.slot.idx if r.slot is not None else -1)
+                               r.slot.idx if r.slot is not None else -1, r.tokens.truncated, r.n_shifts,
+                               r.n_discarded)
         r.handle.state = _STATE.get(status, RequestState.CANCELLED)
         self.metrics.on_done(status, prompt_n=r.n_prefilled, cache_n=r.cache_n, predicted_n=len(r.generated),
                              prompt_ms=timings.prompt_ms, predicted_ms=timings.predicted_ms, ttft=timings.ttft_ms,

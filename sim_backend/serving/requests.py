@@ -70,6 +70,10 @@ class RequestRecord:
         self.kv_parked_once = False
         self.kv_need = 0  # cells the parked step asks for: its prefill chunk (<= prefill_chunk) or 1 (decode)
         self.kv_hold = False  # to be ended for KV once its step in flight is done: start no new step
+        # context shifts (``context_shift``): how many, tokens they discarded, simulated device ms they took
+        self.n_shifts = 0
+        self.n_discarded = 0
+        self.shift_ms = 0.0
 
     @property
     def state(self) -> RequestState:
@@ -133,7 +137,8 @@ def slot_info(s: Slot) -> SlotInfo:
             return SlotInfo(s.idx, "idle", None, 0, 0, 0, len(s.cache_tokens), None, 0, {})
         return dataclasses.replace(last, state="idle", request_id=None, cached_tokens=len(s.cache_tokens))
     return SlotInfo(s.idx, r.state.value, r.id, len(r.prompt), r.n_prefilled, len(r.generated), len(s.cache_tokens),
-                    r.numeric, r.max_tokens, msgspec.structs.asdict(r.req.sampling), r.id, r.cache_n)
+                    r.numeric, r.max_tokens, msgspec.structs.asdict(r.req.sampling), r.id, r.cache_n,
+                    r.n_shifts, r.n_discarded, r.tokens.truncated, r.req.n_keep)
 
 
 def slot_states(slots: Sequence[Slot], busy: set[int], now: float) -> list[SlotState]:

@@ -30,6 +30,7 @@ from sim_backend.planes.metrics import MetricsRegistry, percentiles
 from sim_backend.planes.types import STAGES, ProgressEvent, StageTimes, TokenEvent
 from sim_backend.runtime import OutputBuf, RuntimeSession
 from sim_backend.serving.api import RequestState, error_dict
+from sim_backend.serving.context_shift import n_past, shift_if_full
 from sim_backend.serving.hosttime import HostBooking, HostTimer
 from sim_backend.serving.kv_pressure import KVPressure
 from sim_backend.serving.requests import RequestRecord, Slot
@@ -144,7 +145,9 @@ class StepRunner:
                 toks, p0 = r.prompt[r.n_prefilled:r.n_prefilled + n], r.n_prefilled
             else:
                 assert r.pending_token is not None  # a decoding request has its sampled token to feed
-                toks, p0 = [r.pending_token], len(r.prompt) + len(r.generated) - 1
+                if r.tokens.context_shift:  # a full context is shifted before the token is fed (llama-server)
+                    shift_if_full(self._rt, r, self._kv.n_ctx)
+                toks, p0 = [r.pending_token], n_past(r)
             positions = np.arange(p0, p0 + len(toks), dtype=np.int64)
             try:
                 if not kv.can_allocate(len(toks)):

@@ -48,6 +48,8 @@ class TokenPipeline:
         the logits before sampling and to the timing-only draw (``GrammarMatcher.stand_in``), so the text
         matches the grammar whatever the weights; each sampled token advances it. With ``ignore_eos`` the
         EOS ids leave the mask unless the grammar allows nothing else (a complete sentence then ends).
+        context_shift: llama-server's ``--context-shift``: no ``limit`` stop at the context end (the engine
+        shifts the context, ``serving.context_shift``), except for a request with ``n_probs`` or ``logit_bias``.
 
     With ``req.n_probs`` > 0 each sampled token's ``TokenProbs`` is appended to ``probs`` (aligned with
     ``generated``): from the step's raw logits (``token_probs.logit_probs``), or after the sampler chain
@@ -64,7 +66,7 @@ class TokenPipeline:
     def __init__(self, req: ChatRequest, prompt: Sequence[int], *, n_ctx: int, max_tokens: int,
                  tokenizer: Tokenizer | None = None, vocab: int | None = None,
                  eos_ids: frozenset[int] = EOS_IDS, text_ids: tuple[int, int] = (0, N_BPE),
-                 grammar: GrammarMatcher | None = None) -> None:
+                 grammar: GrammarMatcher | None = None, context_shift: bool = False) -> None:
         bias = tuple(req.logit_bias)
         self.sampler = Sampler(req.sampling, logit_bias=bias) if vocab is None else \
             Sampler(req.sampling, vocab, logit_bias=bias)
@@ -91,6 +93,11 @@ class TokenPipeline:
         self.probs: list[TokenProbs] = []
         #: the last sampled token, fed to the model by the next decode step
         self.pending_token: int | None = None
+        # context shift (llama-server --context-shift): no stop at the context end, the engine shifts instead;
+        # never for a request that needs the model's logits (the numerics do not re-rotate shifted keys)
+        self.context_shift = context_shift and not (self.n_probs or self._biased)
+        #: the context filled: shifted (set by ``context_shift``) or stopped at its end (llama-server's)
+        self.truncated = False
 
     def limit_now(self) -> None:
         """The next sampled token is the last (``limit``): the generation limit becomes what is generated
@@ -174,7 +181,8 @@ class TokenPipeline:
         if len(self.generated) >= self._max_tokens:
             return visible, ("limit", "")
         # context end (llama.cpp): prompt + generated never exceeds n_ctx, so usage.total_tokens <= n_ctx
-        if len(self._prompt) + len(self.generated) >= self._n_ctx:
+        if not self.context_shift and len(self._prompt) + len(self.generated) >= self._n_ctx:
+            self.truncated = True
             return visible, ("limit", "")
         return visible, None
 

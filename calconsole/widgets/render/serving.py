@@ -47,15 +47,25 @@ def kv_panel(snap: Snapshot) -> Any:
 
 
 def slots_panel(snap: Snapshot) -> Table:
-    """One row per serving slot (llama-server's slots): state, request, token counts."""
+    """One row per serving slot (llama-server's slots): state, request, token counts (context shifts with the
+    cached tokens, ``_cached``)."""
     t = plain_table()
     for col in ("slot", "state", "req", "prompt", "prefilled", "generated", "cached"):
         t.add_column(col, justify="right" if col not in ("state",) else "left")
     for s in snap.slots:
         st = {"idle": "grey50", "prefilling": "yellow", "decoding": "cyan"}.get(s.state, "white")
         t.add_row(str(s.index), Text(s.state, style=st), str(s.request_id or "-"), _count(s.prompt_n),
-                  _count(s.n_prefilled), _count(s.predicted_n), _count(s.cached_tokens))
+                  _count(s.n_prefilled), _count(s.predicted_n), _cached(s))
     return t
+
+
+def _cached(s: Any) -> str:
+    """The slot's cached tokens; after context shifts (serve --context-shift) also how many and the tokens
+    they discarded, e.g. ``41 (2 shifts, -62)``."""
+    n = getattr(s, "n_shifts", None)
+    if not n:
+        return _count(s.cached_tokens)
+    return f"{_count(s.cached_tokens)} ({n} shift{'s' if n > 1 else ''}, -{s.n_discarded or 0})"
 
 
 def _count(v: int | None) -> str:
