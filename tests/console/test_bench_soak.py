@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from calconsole.bench.soak import verdict
+from calconsole.bench.serve import verdict
 
 
 def samples(rss: list[float]) -> list[dict[str, float | int | None]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from calconsole.bench import soak as soak_mod
+from calconsole.bench import serve as soak_mod
 
 
 def test_soak_samples_the_servers_rss_every_n_requests_and_every_request_succeeds(make_server: Any,

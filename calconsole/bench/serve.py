@@ -39,12 +39,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any
 
-from ..bench.serve_load import (
+import httpx
+
+from ..commands.common import fail, print_json
+from .serve_load import (
+    CHAT_PATH,
     MIXES,
     BenchError,
     Record,
@@ -60,7 +65,6 @@ from ..bench.serve_load import (
     summarize,
     words_for,
 )
-from .common import fail, print_json
 
 PHASES = ("keepalive", "sweep", "overhead", "sustained")
 #: phases run only when named in --phases (the soak takes half an hour by default; paired also runs by itself
@@ -152,7 +156,7 @@ def _names(name: str, spec: str, allowed: tuple[str, ...]) -> list[str]:
 
 def check_args(args: argparse.Namespace) -> dict[str, Any]:
     """The checked options; ValueError with a one-line message naming the option."""
-    from .metrics import parse_slo
+    from ..commands.metrics import parse_slo
 
     o: dict[str, Any] = {
         "clients": _int_list("clients", args.clients, 1, MAX_CLIENTS),
@@ -384,7 +388,7 @@ def _p50(v: Sequence[float | None]) -> float | None:
 
 async def sustained(b: Bench, url: str, speed: float) -> dict[str, Any]:
     """Upward search over --clients at real-time pacing (module docstring)."""
-    from ..bench.serve_load import mean_itl, mean_sim_itl
+    from .serve_load import mean_itl, mean_sim_itl
 
     margin = b.args.lag_margin / 100.0
     out: dict[str, Any] = {
@@ -606,11 +610,146 @@ def _run_remote(b: Bench, rep: dict[str, Any]) -> None:
         rep["paired"] = paired(b.args, opts, url, "llama-server" if llama else "server at --url")
 
 
-def _soak(b: Bench, url: str) -> dict[str, Any]:
-    """The soak phase (``calconsole.bench.soak``), printing each RSS sample on stderr as it is taken."""
-    import sys
+# --- the soak phase: mixed traffic, the server's RSS --------------------------------------------
+#
+# A long mixed soak against the serving face, with the server's RSS every 1,000 requests.
+#
+# ``calconsole bench serve --phases soak --duration S`` runs ``clients`` closed-loop tasks for S host
+# seconds. Each task cycles through the request kinds an operator's traffic holds (``KINDS``):
+# streamed chat run to the end, streamed chat the client drops after its first chunk (the server
+# sees a disconnect and cancels), non-streamed chat, ``/tokenize``, ``/health``, ``/metrics`` and
+# ``/snapshot``. Every 1,000 requests (and every minute) the server's resident set is read from its own ``/snapshot``
+# (``host.rss_bytes``: the serving process, measured by psutil), so the series is the server's
+# even when the bench runs in another process (``--url``).
+#
+# Verdict (``settles``): the RSS growth over the last half of the samples against the growth over
+# the first half. A leak grows by about the same per request throughout; an allocator warming up
+# (arenas of new worker threads, caches filling) grows early and then stays flat. The figures and
+# the rule are printed, so a reader can judge them; a benchmark, not a test.
 
-    from ..bench.soak import soak
+KINDS = ("stream", "drop", "chat", "tokenize", "health", "metrics", "snapshot")
+SAMPLE_EVERY = 1000
+#: and at least this often (host s), for slow runs (numerics) that take minutes per 1,000 requests
+SAMPLE_EVERY_S = 60.0
+#: the last half grew by at most this share of the first half's growth (or by at most SETTLED_MB): settled
+SETTLE_RATIO = 0.25
+SETTLED_MB = 4.0
+
+
+async def _rss(client: httpx.AsyncClient, headers: Mapping[str, str]) -> int | None:
+    try:
+        r = await client.get("/snapshot", headers=dict(headers))
+        host = r.json().get("host") if r.status_code == 200 else None
+        v = host.get("rss_bytes") if isinstance(host, dict) else None
+        return int(v) if isinstance(v, (int, float)) else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def _one(client: httpx.AsyncClient, kind: str, i: int, headers: Mapping[str, str], seed: int,
+               timeout_s: float) -> tuple[bool, str | None]:
+    """Send request ``i`` of ``kind``; (ok, error text). A dropped stream is ok when its first chunk came."""
+    h = dict(headers)
+    text = prompt_text(i, 24, seed)
+    chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0.0, "seed": i}
+    try:
+        async with asyncio.timeout(timeout_s):
+            if kind in ("stream", "drop"):
+                async with client.stream("POST", CHAT_PATH, json={**chat, "stream": True}, headers=h) as r:
+                    if r.status_code != 200:
+                        await r.aread()
+                        return False, f"{kind}: HTTP {r.status_code}"
+                    async for line in r.aiter_lines():
+                        if kind == "drop" and line.startswith("data:"):
+                            return True, None  # leaving the block closes the connection mid-stream
+                        if line.strip() == "data: [DONE]":
+                            return True, None
+                return kind == "stream", None if kind == "stream" else "drop: stream ended before a chunk"
+            if kind == "chat":
+                r = await client.post(CHAT_PATH, json=chat, headers=h)
+            elif kind == "tokenize":
+                r = await client.post("/tokenize", json={"content": text, "with_pieces": True}, headers=h)
+            else:
+                r = await client.get(f"/{kind}", headers=h)
+            return r.status_code == 200, None if r.status_code == 200 else f"{kind}: HTTP {r.status_code}"
+    except TimeoutError:
+        return False, f"{kind}: no reply within {timeout_s:g} s"
+    except httpx.HTTPError as e:
+        return False, f"{kind}: {type(e).__name__}"
+
+
+def verdict(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Settles or grows: the RSS growth (MiB) over the first and the last half of ``samples``."""
+    rss = [s["rss_mb"] for s in samples if s["rss_mb"] is not None]
+    if len(rss) < 4:
+        return {"settles": None, "why": f"{len(rss)} RSS samples; at least 4 are needed (run longer)"}
+    mid = len(rss) // 2
+    first, last = rss[mid] - rss[0], rss[-1] - rss[mid]
+    settles = last <= SETTLED_MB or last <= SETTLE_RATIO * max(first, 0.0)
+    return {"settles": settles, "first_half_growth_mb": round(first, 1), "last_half_growth_mb": round(last, 1),
+            "rule": f"settles when the last half of the samples grew by <= {SETTLED_MB:g} MiB or by <= "
+                    f"{SETTLE_RATIO:g} x the first half's growth"}
+
+
+async def soak(url: str, headers: Mapping[str, str], *, clients: int, duration_s: float, seed: int = 0,
+               timeout_s: float = 60.0, progress: Any = None) -> dict[str, Any]:
+    """Run the soak (module docstring). ``progress(sample)``, if given, sees each RSS sample as it is taken.
+
+    Returns {"requests", "failed", "errors" (first 20), "by_kind", "samples": [{"requests", "wall_s",
+    "rss_mb"}], "rss_start_mb", "rss_end_mb", "verdict"}. RSS in MiB of the server process; wall s host time.
+    """
+    n = clients + 4
+    counter = itertools.count()
+    by_kind = {k: {"sent": 0, "ok": 0} for k in KINDS}
+    errors: list[str] = []
+    samples: list[dict[str, Any]] = []
+    done = 0
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, trust_env=False, timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                 limits=httpx.Limits(max_connections=n, max_keepalive_connections=n)) as client:
+        async def sample() -> None:
+            rss = await _rss(client, headers)
+            s = {"requests": done, "wall_s": round(time.perf_counter() - t0, 1),
+                 "rss_mb": None if rss is None else round(rss / 2**20, 1)}
+            samples.append(s)
+            if progress is not None:
+                progress(s)
+
+        await sample()
+        deadline = time.perf_counter() + duration_s  # of traffic: the first RSS read is not part of it
+        next_sample = SAMPLE_EVERY
+        last_sample = time.perf_counter()
+
+        async def task() -> None:
+            nonlocal done, next_sample, last_sample
+            while time.perf_counter() < deadline:
+                i = next(counter)
+                kind = KINDS[i % len(KINDS)]
+                ok, err = await _one(client, kind, i, headers, seed, timeout_s)
+                by_kind[kind]["sent"] += 1
+                by_kind[kind]["ok"] += ok
+                if err and len(errors) < 20:
+                    errors.append(err)
+                done += 1
+                if done >= next_sample or time.perf_counter() - last_sample >= SAMPLE_EVERY_S:
+                    if done >= next_sample:
+                        next_sample += SAMPLE_EVERY
+                    last_sample = time.perf_counter()
+                    await sample()
+
+        await asyncio.gather(*(task() for _ in range(clients)))
+        await sample()
+    failed = sum(v["sent"] - v["ok"] for v in by_kind.values())
+    rss = [s["rss_mb"] for s in samples if s["rss_mb"] is not None]
+    return {"requests": done, "failed": failed, "errors": errors, "by_kind": by_kind, "clients": clients,
+            "duration_s": round(time.perf_counter() - t0, 1), "samples": samples,
+            "rss_start_mb": rss[0] if rss else None, "rss_end_mb": rss[-1] if rss else None,
+            "verdict": verdict(samples), "clock": "wall s host time; RSS MiB of the server process (its /snapshot)"}
+
+
+def _soak(b: Bench, url: str) -> dict[str, Any]:
+    """The soak phase (:func:`soak`), printing each RSS sample on stderr as it is taken."""
+    import sys
 
     def show(s: dict[str, Any]) -> None:  # on stderr, also with --json: a long run shows it is alive
         print(f"soak: {s['requests']:>7} requests  {s['wall_s']:>7.1f} s wall  server RSS "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
 
 
 def register(bsub) -> None:

@@ -25,7 +25,7 @@ from sim_backend.tools.roadmap import (
     run_roadmap,
 )
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
 
 
 def _csv(text: str, allowed: tuple, what: str, conv=str) -> list:

@@ -24,7 +24,7 @@ from typing import Any
 from sim_backend.planes import CalError
 from sim_backend.tools.step_bench import MODES, measure_prefill, measure_step  # noqa: F401 (re-exported for tests)
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
 
 
 def register(bsub) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from calconsole.bench.busy import MAX_BUSY_LOOPS, BusyLoops, ChildrenCpuMeter, CpuMeter
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
 
 KEY_EVERY_S = 0.005
 

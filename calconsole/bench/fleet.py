@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
 
 
 def register(bsub) -> None:

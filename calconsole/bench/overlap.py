@@ -28,7 +28,7 @@ import sys
 from sim_backend.planes import CalError
 from sim_backend.tools.overlap import CLOCK_NOTE, measure_overlap, run_mode  # noqa: F401 (re-exported for tests)
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
 
 
 def register(bsub) -> None:

@@ -20,7 +20,7 @@ import asyncio
 import statistics
 import time
 
-from .common import add_connect_options, connect_from_args, fail, print_json
+from ..commands.common import add_connect_options, connect_from_args, fail, print_json
 
 
 def register(bsub) -> None:

@@ -22,7 +22,7 @@ from calconsole.bench.busy import MAX_BUSY_LOOPS
 from sim_backend.planes import CalError
 from sim_backend.tools.realtime_bench import BACKENDS, DECODE_CONTEXTS, PREFILL_LENGTHS, measure
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
 
 
 def register(bsub) -> None:
@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             print("    " + unfinished_line(r["unfinished"]))
     print("  " + limit_line(rep, backends))
     if args.ui:
-        from .bench_keys import busy_text, idle_lines, key_lines
+        from .keys import busy_text, idle_lines, key_lines
 
         u = rep["ui"]
         print(f"  console (--ui, timing-only simulator): {busy_text(u['busy_loops'])}")
@@ -144,13 +144,13 @@ def run(args: argparse.Namespace) -> int:
 async def _ui(max_tokens: int, *, busy_loops: int = 0, idle_s: float = 0.0) -> dict:
     """Key latency (bench keys) while a timing-only reply streams, with every GC pause of this process,
     ``busy_loops`` busy child processes beside it and the console's idle CPU over ``idle_s`` (as
-    ``bench_keys._measure``; OSError if a busy loop cannot start).
+    ``keys._measure``; OSError if a busy loop cannot start).
 
     Pauses are split by when they happened: ``gc`` counts those from the first key typed to the
     end of the measurement (what an operator could feel), ``gc_startup`` those before it (imports,
     building the app, the console's own collect-and-freeze at mount, before anyone can type).
     """
-    from .bench_keys import _measure
+    from .keys import _measure
 
     pauses: list[tuple[int, float, float]] = []   # (generation, ms, perf_counter at start)
     started: dict[str, float] = {}

@@ -17,7 +17,7 @@ from typing import Any
 from sim_backend.planes import CalError
 from sim_backend.tools.grammar_bench import GRAMMARS, measure_pipeline, measure_serve
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
 
 
 def register(bsub: Any) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
 
 
 def register(bsub) -> None:
