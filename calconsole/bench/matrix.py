@@ -36,6 +36,7 @@ from typing import Any
 import httpx
 
 from ..commands.common import fail, print_json
+from . import BenchParsers
 from .serve_load import (
     COMPLETION_PATH,
     WORDS,
@@ -456,7 +457,7 @@ MAX_PROMPT = 1_000_000
 MAX_OUTPUT = 4096
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser(
         "matrix", help="the prompt x output length matrix over HTTP: TTFT/TPOT/ITL/E2E P50/P95/P99, raw token times",
         description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)

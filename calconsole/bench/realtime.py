@@ -23,9 +23,10 @@ from sim_backend.planes import CalError
 from sim_backend.tools.realtime_bench import BACKENDS, DECODE_CONTEXTS, PREFILL_LENGTHS, measure
 
 from ..commands.common import fail, print_json
+from . import BenchParsers
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser("realtime", help="real-time factor of decode and prefill, in-process and in the worker",
                         description=__doc__.replace("``", "").split("\n\n")[1],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _ui(max_tokens: int, *, busy_loops: int = 0, idle_s: float = 0.0) -> dict:
+async def _ui(max_tokens: int, *, busy_loops: int = 0, idle_s: float = 0.0) -> dict[str, Any]:
     """Key latency (bench keys) while a timing-only reply streams, with every GC pause of this process,
     ``busy_loops`` busy child processes beside it and the console's idle CPU over ``idle_s`` (as
     ``keys._measure``; OSError if a busy loop cannot start).
@@ -155,7 +156,7 @@ async def _ui(max_tokens: int, *, busy_loops: int = 0, idle_s: float = 0.0) -> d
     pauses: list[tuple[int, float, float]] = []   # (generation, ms, perf_counter at start)
     started: dict[str, float] = {}
 
-    def cb(phase: str, info: dict) -> None:
+    def cb(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             started["t"] = time.perf_counter()
         elif "t" in started:
@@ -169,7 +170,7 @@ async def _ui(max_tokens: int, *, busy_loops: int = 0, idle_s: float = 0.0) -> d
         gc.callbacks.remove(cb)
     first_key = r.pop("window_perf_s")[0]
 
-    def summary(ps: list[tuple[int, float, float]]) -> dict:
+    def summary(ps: list[tuple[int, float, float]]) -> dict[str, Any]:
         ms = [p for _, p, _ in ps]
         return {"n": len(ms), "gen2_n": sum(1 for g, _, _ in ps if g == 2),
                 "median_ms": statistics.median(ms) if ms else 0.0, "max_ms": max(ms, default=0.0),

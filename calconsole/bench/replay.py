@@ -46,6 +46,7 @@ from sim_backend.tools.replay import (
 
 from ..commands.common import fail, print_json
 from ..commands.metrics import parse_slo
+from . import BenchParsers
 from .serve_load import Record, stream_completion
 
 #: the shipped trace (calconsole/bench/data/azure-llm-2023, its README and LICENSE beside it)
@@ -59,7 +60,7 @@ HTTP_CHECK_MAX_BOARDS = 8
 ENGINE_CHECK_MAX_BOARDS = 16
 
 
-def register(bsub: Any) -> None:
+def register(bsub: BenchParsers) -> None:
     """Add ``replay`` to the ``bench`` subparsers."""
     p = bsub.add_parser("replay", help="replay a production trace on N simulated boards; --find-boards: how many",
                         description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -395,10 +396,10 @@ def _executor(args: argparse.Namespace) -> tuple[Executor, Any]:
         except ImportError as e:
             raise ValueError("--scheduler needs dask.distributed: pip install 'calconsole[cluster]'") from e
         try:
-            client = Client(args.scheduler, timeout=30)
+            client = Client(args.scheduler, timeout=30)  # type: ignore[no-untyped-call]
         except (OSError, TimeoutError) as e:
             raise ValueError(f"--scheduler {args.scheduler}: cannot reach the dask scheduler ({e})") from e
-        return client.get_executor(), client
+        return client.get_executor(), client  # type: ignore[no-untyped-call]
     n = (os.cpu_count() or 1) if args.workers is None else args.workers
     if not 1 <= n <= 256:
         raise ValueError(f"--workers must be in 1..256, got {n}")

@@ -48,6 +48,7 @@ from typing import Any
 import httpx
 
 from ..commands.common import fail, print_json
+from . import BenchParsers
 from .serve_load import (
     CHAT_PATH,
     MIXES,
@@ -79,7 +80,7 @@ ENV_API_KEY = "CALCONSOLE_API_KEY"
 MAX_CLIENTS = 64
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser(
         "serve", help="closed-loop streaming load over HTTP: client TTFT/TPOT/ITL/E2E beside the server's",
         description=__doc__.split("\n\n", 1)[1].replace("``", ""),
