@@ -615,7 +615,7 @@ def _run_remote(b: Bench, rep: dict[str, Any]) -> None:
 #
 # A long mixed soak against the serving face, with the server's RSS every 1,000 requests.
 #
-# ``calconsole bench serve --phases soak --duration S`` runs ``clients`` closed-loop tasks for S host
+# ``calconsole bench serve --phases soak --soak-s S`` runs ``--soak-clients`` closed-loop tasks for S host
 # seconds. Each task cycles through the request kinds an operator's traffic holds (``KINDS``):
 # streamed chat run to the end, streamed chat the client drops after its first chunk (the server
 # sees a disconnect and cancels), non-streamed chat, ``/tokenize``, ``/health``, ``/metrics`` and
