@@ -13,6 +13,7 @@ import sys
 import time
 from dataclasses import dataclass
 from types import TracebackType
+from typing import Any
 
 #: Most busy loops a bench may start: more than a few only measures the host's scheduler.
 MAX_BUSY_LOOPS = 8
@@ -72,7 +73,7 @@ class BusyLoops:
                 p.wait(2.0)
         self._procs = []
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         """``{"n", "wall_s", "cpu_percent": [per loop, % of one core over its run, or None]}``."""
         pct = [None if c is None or self.wall_s <= 0 else round(100.0 * c / self.wall_s, 1) for c in self.cpu_s]
         return {"n": self.n, "wall_s": round(self.wall_s, 2), "cpu_percent": pct}
@@ -100,7 +101,7 @@ class CpuWindow:
     def percent(self) -> float:
         return 100.0 * self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"cpu_s": round(self.cpu_s, 4), "wall_s": round(self.wall_s, 3),
                 "percent_of_a_core": round(self.percent, 2),
                 "unit": "process CPU time (all threads) / host wall time of the window, % of one core"}

@@ -48,7 +48,8 @@ import math
 from itertools import pairwise
 
 from sim_backend.bundle.shapes import ModelShape
-from sim_backend.model.costmodel import CostModel, data_moving_table, flash_decode
+from sim_backend.model.costmodel import CostModel as CostModel  # re-exported: the console's benches load it here
+from sim_backend.model.costmodel import data_moving_table, flash_decode
 
 TOLERANCE_PCT = 3.0
 

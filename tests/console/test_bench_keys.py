@@ -13,9 +13,9 @@ import math
 import psutil
 import pytest
 
+from calconsole.bench import keys as bench_keys
 from calconsole.bench.busy import MAX_BUSY_LOOPS, BusyLoops, CpuMeter
 from calconsole.cli import build_parser, main
-from calconsole.commands import bench_keys
 
 
 def _spinning_children() -> list[psutil.Process]:

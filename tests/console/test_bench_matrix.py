@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
+from calconsole.bench import matrix as bench_matrix
 from calconsole.bench.matrix import TOKENIZER_PROBE, Cell, ids_sha256, skip_reason
 from calconsole.cli import build_parser, main
-from calconsole.commands import bench_matrix
 from calconsole.server.face import ServeConfig, ServingFace
 from calconsole.server.keys import KeyRing
 from calconsole.server.run import ServerThread

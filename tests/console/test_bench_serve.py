@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from calconsole.bench import serve as bench_serve
 from calconsole.bench.serve_load import (
     Shape,
     histogram_quantile,
@@ -23,7 +24,6 @@ from calconsole.bench.serve_load import (
     prompt_text,
 )
 from calconsole.cli import build_parser, main
-from calconsole.commands import bench_serve
 from calconsole.server.face import ServeConfig, ServingFace
 from calconsole.server.keys import KeyRing
 from calconsole.server.run import ServerThread

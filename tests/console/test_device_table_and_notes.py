@@ -78,7 +78,7 @@ async def test_a_fault_that_fires_later_gets_the_rows_its_line_needs():
 
 def test_bench_realtime_says_when_no_measured_length_keeps_real_time():
     # "numeric prompt limit ...: 0 tokens" beside "prefill 128 tok: 1.00": the RTF was 0.998
-    from calconsole.commands.bench_realtime import limit_line
+    from calconsole.bench.realtime import limit_line
 
     rep = {"worker": {"prefill_rtf": {"128": 0.998, "256": 0.58}}, "numeric_limit_tokens": 0}
     line = limit_line(rep, ["worker"])

@@ -128,7 +128,7 @@ def test_ignore_eos_ends_only_where_the_grammar_allows_nothing_else(timing) -> N
 def test_bench_grammar_prints_per_token_figures(capsys) -> None:
     import argparse
 
-    from calconsole.commands.bench_grammar import run
+    from calconsole.bench.grammar import run
 
     assert run(argparse.Namespace(tokens=20, requests=0, bundle=None, json=False)) == 0
     out = capsys.readouterr().out

@@ -11,8 +11,8 @@ import math
 
 import pytest
 
+from calconsole.bench import realtime as bench_realtime
 from calconsole.cli import build_parser, main
-from calconsole.commands import bench_realtime
 from sim_backend.tools.realtime_bench import numeric_limit
 
 

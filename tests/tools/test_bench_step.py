@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 
+from calconsole.bench import step as bench_step
 from calconsole.cli import build_parser, main
-from calconsole.commands import bench_step
 
 
 def test_registered_under_bench():

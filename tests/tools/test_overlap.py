@@ -9,9 +9,9 @@ import json
 
 import pytest
 
+from calconsole.bench import overlap as bench_overlap
+from calconsole.bench.overlap import measure_overlap
 from calconsole.cli import build_parser, main
-from calconsole.commands import bench_overlap
-from calconsole.commands.bench_overlap import measure_overlap
 from sim_backend.serving.hosttime import ScriptedHostTimer
 
 

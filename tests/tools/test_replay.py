@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from calconsole.bench.replay import DEFAULT_TRACE
 from calconsole.cli import main
-from calconsole.commands.bench_replay import DEFAULT_TRACE
 from sim_backend.model.batching import price_decode_batch
 from sim_backend.planes.types import SLO
 from sim_backend.tools.replay import (

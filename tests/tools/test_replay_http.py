@@ -7,8 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calconsole.bench.replay_http import served_boards
-from calconsole.commands.bench_replay import DEFAULT_TRACE, http_replay
+from calconsole.bench.replay import DEFAULT_TRACE, http_replay, served_boards
 from sim_backend.tools.replay import Trace, load_trace, prices_for_trace, replay
 
 # Host-time noise: an arrival lands up to one step (~18 simulated ms at batch 1) away from where the

@@ -22,10 +22,11 @@ from calconsole.bench.busy import MAX_BUSY_LOOPS
 from sim_backend.planes import CalError
 from sim_backend.tools.realtime_bench import BACKENDS, DECODE_CONTEXTS, PREFILL_LENGTHS, measure
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
+from . import BenchParsers
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser("realtime", help="real-time factor of decode and prefill, in-process and in the worker",
                         description=__doc__.replace("``", "").split("\n\n")[1],
                         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             print("    " + unfinished_line(r["unfinished"]))
     print("  " + limit_line(rep, backends))
     if args.ui:
-        from .bench_keys import busy_text, idle_lines, key_lines
+        from .keys import busy_text, idle_lines, key_lines
 
         u = rep["ui"]
         print(f"  console (--ui, timing-only simulator): {busy_text(u['busy_loops'])}")
@@ -141,21 +142,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _ui(max_tokens: int, *, busy_loops: int = 0, idle_s: float = 0.0) -> dict:
+async def _ui(max_tokens: int, *, busy_loops: int = 0, idle_s: float = 0.0) -> dict[str, Any]:
     """Key latency (bench keys) while a timing-only reply streams, with every GC pause of this process,
     ``busy_loops`` busy child processes beside it and the console's idle CPU over ``idle_s`` (as
-    ``bench_keys._measure``; OSError if a busy loop cannot start).
+    ``keys._measure``; OSError if a busy loop cannot start).
 
     Pauses are split by when they happened: ``gc`` counts those from the first key typed to the
     end of the measurement (what an operator could feel), ``gc_startup`` those before it (imports,
     building the app, the console's own collect-and-freeze at mount, before anyone can type).
     """
-    from .bench_keys import _measure
+    from .keys import _measure
 
     pauses: list[tuple[int, float, float]] = []   # (generation, ms, perf_counter at start)
     started: dict[str, float] = {}
 
-    def cb(phase: str, info: dict) -> None:
+    def cb(phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             started["t"] = time.perf_counter()
         elif "t" in started:
@@ -169,7 +170,7 @@ async def _ui(max_tokens: int, *, busy_loops: int = 0, idle_s: float = 0.0) -> d
         gc.callbacks.remove(cb)
     first_key = r.pop("window_perf_s")[0]
 
-    def summary(ps: list[tuple[int, float, float]]) -> dict:
+    def summary(ps: list[tuple[int, float, float]]) -> dict[str, Any]:
         ms = [p for _, p, _ in ps]
         return {"n": len(ms), "gen2_n": sum(1 for g, _, _ in ps if g == 2),
                 "median_ms": statistics.median(ms) if ms else 0.0, "max_ms": max(ms, default=0.0),

@@ -24,15 +24,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from calconsole.bench.busy import MAX_BUSY_LOOPS, BusyLoops, ChildrenCpuMeter, CpuMeter
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
+from . import BenchParsers
 
 KEY_EVERY_S = 0.005
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser(
         "keys", help="key latency in the console while a long reply streams and ends (host wall ms)",
         description="Run the console headless on a timing-only simulator (--numerics: as it starts by default, "
@@ -89,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def busy_text(b: dict) -> str:
+def busy_text(b: dict[str, Any]) -> str:
     """``"1 busy loop beside the console (got 99 % of a core)"`` from :meth:`BusyLoops.summary`."""
     if not b["n"]:
         return "no busy loop beside the console"
@@ -97,7 +99,7 @@ def busy_text(b: dict) -> str:
     return f"{b['n']} busy loop{'s' if b['n'] > 1 else ''} beside the console (got {got} of a core)"
 
 
-def idle_lines(r: dict, label: str = "") -> list[str]:
+def idle_lines(r: dict[str, Any], label: str = "") -> list[str]:
     """The console's idle CPU windows of :func:`_measure` (before the request, after the reply)."""
     out = []
     for k, name in (("idle_before", "before the request"), ("idle_after", "after the reply")):
@@ -113,7 +115,7 @@ def idle_lines(r: dict, label: str = "") -> list[str]:
     return out
 
 
-def key_lines(r: dict, label: str = "") -> list[str]:
+def key_lines(r: dict[str, Any], label: str = "") -> list[str]:
     """One line per phase (streaming, end of reply) of :func:`_measure`'s key latencies (host wall ms)."""
     out = []
     for k in ("streaming", "end_of_reply"):
@@ -124,7 +126,7 @@ def key_lines(r: dict, label: str = "") -> list[str]:
     return out
 
 
-def _stats(xs: list[float]) -> dict:
+def _stats(xs: list[float]) -> dict[str, Any]:
     if not xs:
         return {"n": 0, "median_ms": None, "p95_ms": None, "max_ms": None}
     s = sorted(xs)
@@ -133,7 +135,7 @@ def _stats(xs: list[float]) -> dict:
 
 
 async def _measure(max_tokens: int, after_s: float, size: tuple[int, int], *, busy_loops: int = 0,
-                   idle_s: float = 0.0, numerics: bool = False) -> dict:
+                   idle_s: float = 0.0, numerics: bool = False) -> dict[str, Any]:
     """Key latency while one reply streams and ends (module docstring), with ``busy_loops`` busy child
     processes running throughout and, if ``idle_s`` > 0, the console's idle CPU over ``idle_s`` host s
     before the request and after the reply. Returns ``{"streaming", "end_of_reply": {n, median_ms, p95_ms,
@@ -148,7 +150,7 @@ async def _measure(max_tokens: int, after_s: float, size: tuple[int, int], *, bu
     return r
 
 
-async def _idle(idle_s: float, exclude: list[int] | None = None) -> tuple[dict | None, dict | None]:
+async def _idle(idle_s: float, exclude: list[int] | None = None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(this process's CPU window, its other child processes' window when ``exclude`` is given) over idle_s."""
     if idle_s <= 0:
         return None, None
@@ -159,7 +161,7 @@ async def _idle(idle_s: float, exclude: list[int] | None = None) -> tuple[dict |
 
 
 async def _measure_beside(max_tokens: int, after_s: float, size: tuple[int, int], idle_s: float, *,
-                          numerics: bool = False, exclude: list[int] | None = None) -> dict:
+                          numerics: bool = False, exclude: list[int] | None = None) -> dict[str, Any]:
     from textual import events
     from textual.widgets import Input
 

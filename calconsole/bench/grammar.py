@@ -17,10 +17,11 @@ from typing import Any
 from sim_backend.planes import CalError
 from sim_backend.tools.grammar_bench import GRAMMARS, measure_pipeline, measure_serve
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
+from . import BenchParsers
 
 
-def register(bsub: Any) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser("grammar", help="host ms per token with and without a grammar (constrained decoding)",
                         description=__doc__.replace("``", "").split("\n\n")[1],
                         formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -30,12 +30,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
+from . import BenchParsers
 
 HALF_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser("slowloris", help="/health latency while half-open connections are held or reconnected",
                         description=(__doc__ or "").split("\n\n", 1)[1])
     p.add_argument("--url", default=None, help="a running server (default: a child calconsole serve)")

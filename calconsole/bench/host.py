@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
+from . import BenchParsers
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser(
         "host", help="host path per token: fast sampler vs naive full-sort sampler (host wall ms)",
         description="Time the per-token host path over the 151936 BF16 logits of one step (303,872 B D2H "

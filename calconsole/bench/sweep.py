@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
+from . import BenchParsers
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser(
         "sweep", help="TTFT / prefill / decode rates over prompt lengths 1..40900 and contexts, with joint ranges",
         description="Price the report's prompt lengths (1, 16, 128, 512, 2048, 4096, 8192, 16384, 32768, 40900; "
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    def r(fig: dict, fmt: str, scale: float = 1.0) -> str:
+    def r(fig: dict[str, Any], fmt: str, scale: float = 1.0) -> str:
         return escape(f"{fig['value'] * scale:{fmt}}  [{fig['low'] * scale:{fmt}} .. {fig['high'] * scale:{fmt}}]")
 
     con = Console()

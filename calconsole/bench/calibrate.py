@@ -13,11 +13,16 @@ held-out RMS, the convergence), 1 when one fails.
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
+from . import BenchParsers
+
+if TYPE_CHECKING:
+    from sim_backend.tools.calibration import CostModel
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser(
         "calibrate", help="simulated vs the real device's measurements: fitted, held-out and consistency cases",
         description="Run the calibration cases (measurements of the real device, facts.md F7) in both modes "
@@ -72,7 +77,7 @@ def _fmt(v: float, unit: str) -> str:
     return f"{v:.3f}" if unit == "s" else f"{v:.2f}"
 
 
-def _cases(args: argparse.Namespace):
+def _cases(args: argparse.Namespace) -> tuple[CostModel, list[dict[str, Any]], dict[str, dict[str, Any]]]:
     from sim_backend.compose import build_system
     from sim_backend.tools.calibration import (
         CONVERGENCE_STARTS,
@@ -85,8 +90,8 @@ def _cases(args: argparse.Namespace):
 
     cm = CostModel.load(args.hardware)
     modes = ("timing-only",) if args.timing_only else ("timing-only", "numeric")
-    cases: list[dict] = []
-    conv: dict[str, dict] = {}
+    cases: list[dict[str, Any]] = []
+    conv: dict[str, dict[str, Any]] = {}
     for mode in modes:
         touched = router_touched_27() if mode == "numeric" else None
         cases += run_calibration(cm, mode=mode, touched_27=touched)
@@ -121,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     summary = summarise(cases)
     bound = linear_bound()
     if args.json:
-        doc: dict = {"time_unit": "simulated time (engine rows add the host work booked on the simulated "
+        doc: dict[str, Any] = {"time_unit": "simulated time (engine rows add the host work booked on the simulated "
                                   f"clock: {args.host_time if not args.no_engine else 'none'})",
                      "cases": cases, "summary": summary, "convergence": conv, "linear_bound": bound,
                      "checks": checks, "ok": ok}
@@ -220,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _short(v) -> str:
+def _short(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:.4f}"
     if isinstance(v, list):

@@ -44,7 +44,11 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from ..bench.serve_load import (
+import httpx
+
+from ..commands.common import fail, print_json
+from . import BenchParsers
+from .serve_load import (
     MIXES,
     BenchError,
     Record,
@@ -60,7 +64,6 @@ from ..bench.serve_load import (
     summarize,
     words_for,
 )
-from .common import fail, print_json
 
 PHASES = ("keepalive", "sweep", "overhead", "sustained")
 #: phases run only when named in --phases (the soak takes half an hour by default; paired also runs by itself
@@ -75,7 +78,7 @@ ENV_API_KEY = "CALCONSOLE_API_KEY"
 MAX_CLIENTS = 64
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser(
         "serve", help="closed-loop streaming load over HTTP: client TTFT/TPOT/ITL/E2E beside the server's",
         description=__doc__.split("\n\n", 1)[1].replace("``", ""),
@@ -155,7 +158,7 @@ def _names(name: str, spec: str, allowed: tuple[str, ...]) -> list[str]:
 
 def check_args(args: argparse.Namespace) -> dict[str, Any]:
     """The checked options; ValueError with a one-line message naming the option."""
-    from .metrics import parse_slo
+    from ..commands.metrics import parse_slo
 
     o: dict[str, Any] = {
         "clients": _int_list("clients", args.clients, 1, MAX_CLIENTS),
@@ -241,7 +244,6 @@ class Bench:
         self.next_index = 0  # every prompt of the run is a new one
 
     def client(self, url: str, clients: int) -> Any:
-        import httpx
 
         n = clients + 4
         # trust_env=False: a proxy from the environment would be measured too
@@ -390,7 +392,7 @@ def _p50(v: Sequence[float | None]) -> float | None:
 
 async def sustained(b: Bench, url: str, speed: float) -> dict[str, Any]:
     """Upward search over --clients at real-time pacing (module docstring)."""
-    from ..bench.serve_load import mean_itl, mean_sim_itl
+    from .serve_load import mean_itl, mean_sim_itl
 
     margin = b.args.lag_margin / 100.0
     out: dict[str, Any] = {
@@ -473,7 +475,6 @@ async def keepalive(b: Bench, url: str, n: int | None = None) -> dict[str, Any]:
     on a loaded host the wall figure waits for time slices, the CPU figure does not."""
     import statistics
 
-    import httpx
 
     n = b.args.health_requests if n is None else n
     out: dict[str, Any] = {"requests": n, "clock": "host wall ms", "path": "/health",
@@ -616,7 +617,7 @@ def _soak(b: Bench, url: str, trace_top: int = 0) -> dict[str, Any]:
     """The soak phase (``calconsole.bench.soak``), printing each RSS sample on stderr as it is taken."""
     import sys
 
-    from ..bench.soak import soak
+    from .soak import soak
 
     def show(s: dict[str, Any]) -> None:  # on stderr, also with --json: a long run shows it is alive
         print(f"soak: {s['requests']:>7} requests  {s['wall_s']:>7.1f} s wall  server RSS "

@@ -24,10 +24,11 @@ from typing import Any
 from sim_backend.planes import CalError
 from sim_backend.tools.step_bench import MODES, measure_prefill, measure_step  # noqa: F401 (re-exported for tests)
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
+from . import BenchParsers
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser("step", help="host wall ms per decode step: in-process numerics vs the console's worker",
                         description=__doc__.replace("``", "").split("\n\n")[1],
                         formatter_class=argparse.RawDescriptionHelpFormatter)

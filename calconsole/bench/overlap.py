@@ -28,10 +28,11 @@ import sys
 from sim_backend.planes import CalError
 from sim_backend.tools.overlap import CLOCK_NOTE, measure_overlap, run_mode  # noqa: F401 (re-exported for tests)
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
+from . import BenchParsers
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser("overlap", help="serial vs ping/pong overlapped serving: requests/s, tokens/s",
                         description=__doc__.replace("``", "").split("\n\n")[1] + " " + CLOCK_NOTE + ".",
                         formatter_class=argparse.RawDescriptionHelpFormatter)

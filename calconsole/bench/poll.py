@@ -19,11 +19,13 @@ import argparse
 import asyncio
 import statistics
 import time
+from typing import Any
 
-from .common import add_connect_options, connect_from_args, fail, print_json
+from ..commands.common import add_connect_options, connect_from_args, fail, print_json
+from . import BenchParsers
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser("poll", help="cost of observing a server: wall and CPU ms per snapshot, CPU of an idle "
                                      "attached console",
                         description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
@@ -83,7 +85,7 @@ def _p95(values: list[float]) -> float:
     return s[min(len(s) - 1, int(round(0.95 * (len(s) - 1))))]
 
 
-def idle_console(system, seconds: float) -> dict:
+def idle_console(system: Any, seconds: float) -> dict[str, Any]:
     """Run the console headless on ``system`` for ``seconds`` wall s untouched; its process CPU %."""
     from ..app import CalConsoleApp
     from ..layout import load_layout
@@ -93,7 +95,7 @@ def idle_console(system, seconds: float) -> dict:
     counting = False
     drawn = 0
 
-    def hook(message) -> None:
+    def hook(message: object) -> None:
         nonlocal drawn
         if counting and isinstance(message, SnapshotReady):
             drawn += 1

@@ -22,12 +22,20 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
+from . import BenchParsers
+
+if TYPE_CHECKING:
+    from ..fleet.config import BoardSpec
+    from ..fleet.poller import FleetMonitor
+    from ..fleet.sample import BoardSample
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser("fleet", help="fleet view CPU and poll intervals over N served boards (host wall time)",
                         description="Start N idle timing-only boards (calconsole serve --boards N), watch them "
                                     "with the fleet view (headless) for a while and print the view's CPU and "
@@ -105,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _watch(fleet_file: Path, hz: float, seconds: float, headless: bool) -> dict:
+async def _watch(fleet_file: Path, hz: float, seconds: float, headless: bool) -> dict[str, Any]:
     from ..fleet.config import load_fleet
     from ..fleet.poller import FleetMonitor
 
@@ -115,7 +123,7 @@ async def _watch(fleet_file: Path, hz: float, seconds: float, headless: bool) ->
     polls: list[float] = []  # round trips of polled samples (a streamed sample has none)
     failed = streamed = 0
 
-    def note(s) -> None:
+    def note(s: BoardSample) -> None:
         nonlocal failed, streamed
         stamps[s.name].append(time.monotonic())
         if s.poll_ms is not None:
@@ -149,7 +157,7 @@ async def _watch(fleet_file: Path, hz: float, seconds: float, headless: bool) ->
         app = FleetApp(cfg)
         inner = app.monitor._record
 
-        def record(s) -> None:
+        def record(s: BoardSample) -> None:
             inner(s)
             note(s)
 
@@ -199,7 +207,7 @@ class LoopLag:
     def __init__(self, tick_s: float = 0.05) -> None:
         self.tick_s = tick_s
         self.lags_ms: list[float] = []
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
         while True:
@@ -217,7 +225,8 @@ class LoopLag:
             await asyncio.gather(self._task, return_exceptions=True)
 
 
-async def state_change(monitor, spec, timeout_s: float, shown=None) -> dict:
+async def state_change(monitor: FleetMonitor, spec: BoardSpec, timeout_s: float,
+                       shown: Callable[[], bool] | None = None) -> dict[str, Any]:
     """Put board ``spec`` in exclusive mode (its admin key) and time, in host wall s from just before the
     request, until its sample says so (``change_sample_s``) and, with ``shown()``, until the view's row shows
     it (``change_shown_s``); then leave exclusive mode. None for a figure not reached within ``timeout_s``.

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from sim_backend.planes import CalError
 from sim_backend.tools.roadmap import (
@@ -25,10 +27,11 @@ from sim_backend.tools.roadmap import (
     run_roadmap,
 )
 
-from .common import fail, print_json
+from ..commands.common import fail, print_json
+from . import BenchParsers
 
 
-def _csv(text: str, allowed: tuple, what: str, conv=str) -> list:
+def _csv(text: str, allowed: tuple[Any, ...], what: str, conv: Callable[[str], Any] = str) -> list[Any]:
     items = [conv(x.strip()) for x in text.split(",") if x.strip()]
     bad = [x for x in items if x not in allowed]
     if bad or not items:
@@ -37,7 +40,7 @@ def _csv(text: str, allowed: tuple, what: str, conv=str) -> list:
     return items
 
 
-def register(bsub) -> None:
+def register(bsub: BenchParsers) -> None:
     p = bsub.add_parser("roadmap", help="roadmap stages (today, overlap, batch 4/8/16, S8, top-k) x F8 matrix",
                         description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="one record per (stage, mix, clients) plus the answers")
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table(rep: dict) -> None:
+def _table(rep: dict[str, Any]) -> None:
     out = sys.stdout
     out.write(f"{'stage':10}{'st':4}{'mix':7}{'cl':>3}{'req/s':>8}{'tok/s':>8}{'tok/s range':>15}"
               f"{'TTFT p50/p95':>16}{'TPOT p50/p95':>14}{'ITL p99':>8}{'good':>7}{'fail':>5}{'batch':>6}\n")
@@ -122,7 +125,7 @@ def _table(rep: dict) -> None:
     out.write(f"({rep['clock']}; C3 = a calbin the vendor would have to compile, not today's product)\n")
 
 
-def _plot(rep: dict) -> None:
+def _plot(rep: dict[str, Any]) -> None:
     import plotext as plt
 
     recs = rep["records"]
