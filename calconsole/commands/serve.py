@@ -97,7 +97,9 @@ def register(sub, common) -> None:
                         "sandbox, as transformers renders it (raise_exception, strftime_now, tojson); /props reports "
                         "it, /apply-template renders it")
     g.add_argument("--chat-template", metavar="NAME|JINJA", default=None,
-                   help="llama-server's built-in template NAME (only 'chatml' is offered) or a template's Jinja text")
+                   help="llama-server's built-in template NAME (chatml, llama3, command-r, gemma, phi3, mistral-v7, "
+                        "...: the Jinja equivalents of llama.cpp's formatters; a name not offered is refused with the "
+                        "list) or a template's Jinja text")
     g.add_argument("--jinja", action="store_true",
                    help="accepted as llama-server takes it; chat templates are always rendered as Jinja here (the "
                         "built-in Qwen3 template is the real one's equivalent, checked against it)")

@@ -133,7 +133,7 @@ def test_server_default_kwargs(make_server: Any) -> None:
     (["--chat-template-file", "{bad}"], "line 1"),
     (["--chat-template-file", "{missing}"], "No such file"),
     (["--chat-template-file", "{json}"], "no 'chat_template' string"),
-    (["--chat-template", "llama3"], "only chatml"),
+    (["--chat-template", "llama2"], "offered: chatml, llama3, command-r"),
     (["--chat-template", "chatml", "--chat-template-file", "{bad}"], "not both"),
     (["--chat-template-kwargs", "[1]"], "must be a JSON object"),
     (["--chat-template-kwargs", '{"enable_thinking": "no"}'], "enable_thinking must be true or false"),
