@@ -51,7 +51,8 @@ def board_command(args, port: int, audit_log: Path) -> list[str]:
     # the launcher's optional serve options, passed on only where given (None: the board's own default)
     for opt, key in (("--alias", "alias"), ("--tags", "tags"), ("--ctx-size", "ctx_size"), ("--seed", "seed"),
                      ("--cors-origins", "cors_origins"), ("--chat-template-file", "chat_template_file"),
-                     ("--chat-template", "chat_template"), ("--chat-template-kwargs", "chat_template_kwargs")):
+                     ("--chat-template", "chat_template"), ("--chat-template-kwargs", "chat_template_kwargs"),
+                     ("--reasoning", "reasoning")):
         v = getattr(args, key, None)
         if v not in (None, ""):
             cmd += [opt, str(v)]
