@@ -44,7 +44,7 @@ def register(sub, common) -> None:
     p = sub.add_parser(
         "serve", help="serve the simulated device over HTTP (llama-server + OpenAI routes)",
         description="Serve the simulated device behind llama-server's and OpenAI's HTTP routes: /health, "
-                    "/props, /slots, /metrics, /tokenize, /detokenize, /apply-template, /completion, "
+                    "/props, /slots, /metrics, /tokenize, /detokenize, /apply-template, /completion, /infill, "
                     "/v1/models, /v1/completions, /v1/chat/completions (SSE streaming), /snapshot and "
                     "/snapshot/stream (read-only), and with an admin key /maintenance/... (leases that expire, "
                     "audited). Timings in responses are simulated ms: device time plus the host work "
@@ -74,6 +74,11 @@ def register(sub, common) -> None:
                    help="a maintenance lease not renewed for S seconds lapses (default 30)")
     p.add_argument("-n", "--n-predict", type=int, default=-1, metavar="N",
                    help="default generation limit when a request gives none (-1: until the context is full)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
+                   help="llama-server's logical batch (default 2048): sizes /infill's cuts of its prefix (the last "
+                        "3*(N/4) tokens) and suffix, as there")
+    p.add_argument("--spm-infill", action="store_true",
+                   help="/infill puts the suffix before the prefix (suffix-prefix-middle), as llama-server's")
     p.add_argument("--alias", default=None,
                    help="model name reported by /v1/models and responses; a comma list gives aliases (the first "
                         "is reported; default: the bundle's name)")
@@ -262,7 +267,8 @@ def serve_config(args: argparse.Namespace, model_alias: str) -> ServeConfig:
                       seed=seed_or_random(getattr(args, "seed", None)),
                       cors_origins=_list(getattr(args, "cors_origins", None)) or None,
                       slot_save_path=getattr(args, "slot_save_path", None),
-                      chat_template_kwargs=server_template_kwargs(args))
+                      chat_template_kwargs=server_template_kwargs(args),
+                      n_batch=getattr(args, "batch_size", 2048), spm_infill=getattr(args, "spm_infill", False))
     cfg.check()
     return cfg
 

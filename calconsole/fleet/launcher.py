@@ -52,7 +52,7 @@ def board_command(args, port: int, audit_log: Path) -> list[str]:
     for opt, key in (("--alias", "alias"), ("--tags", "tags"), ("--ctx-size", "ctx_size"), ("--seed", "seed"),
                      ("--cors-origins", "cors_origins"), ("--chat-template-file", "chat_template_file"),
                      ("--chat-template", "chat_template"), ("--chat-template-kwargs", "chat_template_kwargs"),
-                     ("--reasoning", "reasoning")):
+                     ("--reasoning", "reasoning"), ("--batch-size", "batch_size")):
         v = getattr(args, key, None)
         if v not in (None, ""):
             cmd += [opt, str(v)]
@@ -68,6 +68,8 @@ def board_command(args, port: int, audit_log: Path) -> list[str]:
         cmd += ["--admin-key-file", args.admin_key_file]
     if getattr(args, "jinja", False):
         cmd.append("--jinja")
+    if getattr(args, "spm_infill", False):
+        cmd.append("--spm-infill")
     if getattr(args, "no_metrics", False):
         cmd.append("--no-metrics")
     if getattr(args, "no_slots_endpoint", False):
