@@ -56,3 +56,17 @@ def test_infill_answers_as_completion(make_server: Any, stream: bool) -> None:
         out = r.json()
         assert out["prompt"] == "<|repo_name|>myproject\n<|file_sep|>filename\n<|fim_prefix|>def f(<|fim_suffix|>):" \
                                 "<|fim_middle|>" and out["tokens_predicted"] == 3
+
+
+def test_a_vocabulary_without_fim_tokens_is_llama_servers_501(make_server: Any, monkeypatch: Any) -> None:
+    srv = make_server()
+    real = srv.face.inference.tokenize
+
+    def no_fim(text: str, parse_special: bool = False) -> list[int]:
+        return real(text, parse_special=parse_special and not text.startswith("<|fim_"))
+
+    monkeypatch.setattr(srv.face.inference, "tokenize", no_fim)
+    r = httpx.post(srv.url + "/infill", json={"input_prefix": "a", "input_suffix": "b"}, timeout=60)
+    assert r.status_code == 501 and r.json()["error"] == {
+        "code": 501, "type": "not_supported_error", "message": "Infill is not supported by this model: prefix token "
+        "is missing. suffix token is missing. middle token is missing. "}

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.parity.streams import unexplained
+from tests.server.parity.streams import FULL, assert_same_stream, body_of, both, unexplained
 
 N_BATCH, N_PREDICT, N_CTX = 32, 8, 256
 #: the SmolLM2 ids named as FIM tokens in the copy (its <repo_name>, <file_sep> and three unused specials)
@@ -100,3 +100,11 @@ def test_the_same_prompt_layout(real_fim: Any, ours: str, body: dict[str, Any]) 
     assert _named(m["prompt"], QWEN_FIM) == _named(t["prompt"], smol)
     assert "[fim_pre]" in _named(m["prompt"], QWEN_FIM)
     assert unexplained(m, t) == []  # the same shape as /completion's, its known differences allowed
+
+
+def test_the_same_stream(real_fim: Any, ours: str) -> None:
+    body = {"input_prefix": "def f(", "input_suffix": "):", "n_predict": 3, "stream": True, **FULL}
+    pair = (ours, real_fim.url)
+    mine, theirs = both(pair, "POST", "/infill", body)
+    assert mine.status_code == theirs.status_code == 200
+    assert_same_stream(body_of(mine), body_of(theirs), "native")
