@@ -44,7 +44,7 @@ def register(sub, common) -> None:
     p = sub.add_parser(
         "serve", help="serve the simulated device over HTTP (llama-server + OpenAI routes)",
         description="Serve the simulated device behind llama-server's and OpenAI's HTTP routes: /health, "
-                    "/props, /slots, /metrics, /tokenize, /detokenize, /apply-template, /completion, "
+                    "/props, /slots, /metrics, /tokenize, /detokenize, /apply-template, /completion, /infill, "
                     "/v1/models, /v1/completions, /v1/chat/completions (SSE streaming), /snapshot and "
                     "/snapshot/stream (read-only), and with an admin key /maintenance/... (leases that expire, "
                     "audited). Timings in responses are simulated ms: device time plus the host work "
@@ -74,6 +74,11 @@ def register(sub, common) -> None:
                    help="a maintenance lease not renewed for S seconds lapses (default 30)")
     p.add_argument("-n", "--n-predict", type=int, default=-1, metavar="N",
                    help="default generation limit when a request gives none (-1: until the context is full)")
+    p.add_argument("-b", "--batch-size", type=int, default=2048, metavar="N",
+                   help="llama-server's logical batch (default 2048): sizes /infill's cuts of its prefix (the last "
+                        "3*(N/4) tokens) and suffix, as there")
+    p.add_argument("--spm-infill", action="store_true",
+                   help="/infill puts the suffix before the prefix (suffix-prefix-middle), as llama-server's")
     p.add_argument("--alias", default=None,
                    help="model name reported by /v1/models and responses; a comma list gives aliases (the first "
                         "is reported; default: the bundle's name)")
@@ -101,10 +106,18 @@ def register(sub, common) -> None:
                         "sandbox, as transformers renders it (raise_exception, strftime_now, tojson); /props reports "
                         "it, /apply-template renders it")
     g.add_argument("--chat-template", metavar="NAME|JINJA", default=None,
-                   help="llama-server's built-in template NAME (only 'chatml' is offered) or a template's Jinja text")
+                   help="llama-server's built-in template NAME (chatml, llama3, command-r, gemma, phi3, mistral-v7, "
+                        "...: the Jinja equivalents of llama.cpp's formatters; a name not offered is refused with the "
+                        "list) or a template's Jinja text")
     g.add_argument("--jinja", action="store_true",
                    help="accepted as llama-server takes it; chat templates are always rendered as Jinja here (the "
                         "built-in Qwen3 template is the real one's equivalent, checked against it)")
+    g.add_argument("-rea", "--reasoning", metavar="on|off|auto", default=None,
+                   help="thinking by default (llama-server's): on, or off (a request gets Qwen3's empty think "
+                        "block), or auto (the template decides: on when it has a thinking mode); a request's "
+                        "chat_template_kwargs.enable_thinking still decides for itself. Also llama-server's "
+                        "spellings enabled/true/1, disabled/false/0, -1. Over --chat-template-kwargs' "
+                        "enable_thinking")
     g.add_argument("--chat-template-kwargs", metavar="JSON", default=None,
                    help="template variables every request gets under its own chat_template_kwargs, a JSON object "
                         "(e.g. '{\"enable_thinking\": false}': thinking off unless a request turns it on)")
@@ -218,6 +231,34 @@ def _context_kw(args: argparse.Namespace) -> dict[str, Any]:
     return {"context_shift": True, "n_ctx": getattr(args, "ctx_size", None)}
 
 
+#: ``--reasoning`` values as llama-server reads them (``common_arg_utils::is_truthy`` / ``is_falsey`` /
+#: ``is_autoy`` in llama.cpp's common/arg.cpp: exact, lower-case spellings)
+REASONING_VALUES: dict[str, bool | None] = {"on": True, "enabled": True, "true": True, "1": True,
+                                            "off": False, "disabled": False, "false": False, "0": False,
+                                            "auto": None, "-1": None}
+
+
+def reasoning_of(value: str | None) -> bool | None:
+    """``--reasoning`` -> the default ``enable_thinking`` (True / False), or None for auto (and no option).
+    ValueError (one line) for a value llama-server does not accept."""
+    if value is None:
+        return None
+    if value not in REASONING_VALUES:
+        raise ValueError(f"--reasoning must be on, off or auto (or llama-server's enabled/true/1, "
+                         f"disabled/false/0, -1), got {value!r}")
+    return REASONING_VALUES[value]
+
+
+def server_template_kwargs(args: argparse.Namespace) -> dict | None:
+    """The template variables every request gets: ``--chat-template-kwargs`` with ``--reasoning``'s
+    ``enable_thinking`` over its own (llama-server writes both into the same defaults). ValueError."""
+    kwargs = template_kwargs_of(getattr(args, "chat_template_kwargs", None))
+    think = reasoning_of(getattr(args, "reasoning", None))
+    if think is not None:
+        kwargs = {**(kwargs or {}), "enable_thinking": think}
+    return kwargs
+
+
 def serve_config(args: argparse.Namespace, model_alias: str) -> ServeConfig:
     """The checked ``ServeConfig`` of the options (no device needed: ``model_alias`` is the bundle's name
     when ``--alias`` is not given); ValueError / KeySourceError with a one-line reason."""
@@ -239,7 +280,8 @@ def serve_config(args: argparse.Namespace, model_alias: str) -> ServeConfig:
                       seed=seed_or_random(getattr(args, "seed", None)),
                       cors_origins=_list(getattr(args, "cors_origins", None)) or None,
                       slot_save_path=getattr(args, "slot_save_path", None),
-                      chat_template_kwargs=template_kwargs_of(getattr(args, "chat_template_kwargs", None)))
+                      chat_template_kwargs=server_template_kwargs(args),
+                      n_batch=getattr(args, "batch_size", 2048), spm_infill=getattr(args, "spm_infill", False))
     cfg.check()
     return cfg
 
@@ -278,6 +320,10 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "boards", None) is not None:
         from ..fleet.launcher import launch
 
+        try:  # refused once here, not by every board
+            reasoning_of(getattr(args, "reasoning", None))
+        except ValueError as e:
+            return fail(str(e))
         return launch(args)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     # every option, the keys and the bind before the simulator is built (a first start compiles the

@@ -51,7 +51,8 @@ def board_command(args, port: int, audit_log: Path) -> list[str]:
     # the launcher's optional serve options, passed on only where given (None: the board's own default)
     for opt, key in (("--alias", "alias"), ("--tags", "tags"), ("--ctx-size", "ctx_size"), ("--seed", "seed"),
                      ("--cors-origins", "cors_origins"), ("--chat-template-file", "chat_template_file"),
-                     ("--chat-template", "chat_template"), ("--chat-template-kwargs", "chat_template_kwargs")):
+                     ("--chat-template", "chat_template"), ("--chat-template-kwargs", "chat_template_kwargs"),
+                     ("--reasoning", "reasoning"), ("--batch-size", "batch_size")):
         v = getattr(args, key, None)
         if v not in (None, ""):
             cmd += [opt, str(v)]
@@ -69,6 +70,8 @@ def board_command(args, port: int, audit_log: Path) -> list[str]:
         cmd.append("--jinja")
     if getattr(args, "context_shift", None) is not None:
         cmd.append("--context-shift" if args.context_shift else "--no-context-shift")
+    if getattr(args, "spm_infill", False):
+        cmd.append("--spm-infill")
     if getattr(args, "no_metrics", False):
         cmd.append("--no-metrics")
     if getattr(args, "no_slots_endpoint", False):

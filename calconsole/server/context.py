@@ -154,6 +154,11 @@ class ServeConfig:
     #: chat template variables every request gets, under its own ``chat_template_kwargs`` (llama-server's
     #: ``--chat-template-kwargs``; ``enable_thinking`` there sets the server's default thinking mode)
     chat_template_kwargs: dict[str, Any] | None = None
+    #: llama-server's ``-b/--batch-size`` (logical batch, tokens; its default 2048): here it only sizes
+    #: ``/infill``'s prefix and suffix cuts, as there (the simulator batches by its own plan)
+    n_batch: int = 2048
+    #: llama-server's ``--spm-infill``: ``/infill`` puts the suffix before the prefix (suffix-prefix-middle)
+    spm_infill: bool = False
 
     def check(self) -> None:
         """ValueError (one line, naming the setting) for a value no server should run with."""
@@ -181,6 +186,8 @@ class ServeConfig:
             raise ValueError(f"--seed must be in 0..4294967295, got {self.seed}")
         if not [a for a in self.model_alias.split(",") if a.strip()]:
             raise ValueError("--alias must name the model")
+        if not 1 <= self.n_batch <= 1 << 20:
+            raise ValueError(f"--batch-size must be in 1..{1 << 20}, got {self.n_batch}")
         if self.n_predict == 0 or self.n_predict < -1:
             raise ValueError(f"n_predict must be -1 (until the context is full) or positive, got {self.n_predict}")
         if self.slot_save_path is not None and (not self.slot_save_path or (

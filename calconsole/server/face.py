@@ -6,7 +6,7 @@ The face in layers (as llama.cpp's server: http / task results that own their JS
 - ``middleware``: access log, CORS, body limit, key check (outermost first);
 - one routes module per family, each listing (path, handler, methods, key): ``routes_monitor``
   (/health /props /slots /metrics /v1/models), ``routes_text`` (/tokenize /detokenize /apply-template
-  /chat/completions/input_tokens; embeddings, rerank, infill answered 501 as llama-server does without
+  /chat/completions/input_tokens /infill; embeddings, rerank answered 501 as llama-server does without
   such a model), ``routes_generate`` (/completion /v1/completions /v1/chat/completions),
   ``routes_snapshot`` (/snapshot /snapshot/stream), ``maintenance_routes`` (/maintenance/..., only
   when an admin key is configured);

@@ -178,7 +178,12 @@ async def completion_req(face: ServingFace, body: dict[str, Any], request: Reque
 async def completion(face: ServingFace, request: Request) -> Response:
     """llama.cpp native ``/completion``: no chat template; ``data:`` chunks without ``[DONE]``; a list of
     prompts gives a JSON array of results (streamed: chunks of all, each with its ``index``)."""
-    body = face.with_defaults(await face.read_json(request))
+    return await completion_of(face, await face.read_json(request), request)
+
+async def completion_of(face: ServingFace, body: dict[str, Any], request: Request) -> Response:
+    """``/completion``'s answer to ``body`` (read from ``request`` already; ``/infill`` gives its built
+    prompt as ``body["prompt"]``, token ids)."""
+    body = face.with_defaults(body)
     prompts = wire.prompts_from(body)
     bias = await logit_bias_of(face, body)
     reqs = [await completion_req(face, {**body, "prompt": p}, request, openai=False, logit_bias=bias)

@@ -1,6 +1,6 @@
 """Text routes, llama-server's shapes: ``POST /tokenize /detokenize /apply-template
 /chat/completions/input_tokens``, and the routes llama-server has for models the calbin is not
-(embeddings, reranking, infill: its 501 ``not_supported_error``)."""
+(embeddings, reranking: its 501 ``not_supported_error``), and ``/infill`` (``infill``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from sim_backend.planes import CalError, ChatRequest
 
 from . import wire
+from .infill import infill
 from .wire import HTTPError
 
 if TYPE_CHECKING:
@@ -32,16 +33,14 @@ def routes(face: ServingFace) -> list[RouteSpec]:
                             ("/apply-template", partial(apply_template, face), ["POST"], "api"),
                             ("/chat/completions/input_tokens", partial(input_tokens, face), ["POST"], "api"),
                             ("/v1/chat/completions/input_tokens", partial(input_tokens, face), ["POST"], "api")]
-    # llama-server's answers for a model without embeddings / reranking / fill-in-the-middle tokens: its first
+    # llama-server's answers for a model without embeddings / reranking: its first
     # sentence (clients match it), then what is true here instead of its "Start it with `--embeddings`" (serve
     # has no such option: the calbin has no pooled-embedding or reranking output to turn on)
     embeddings = not_offered(f"This server does not support embeddings. {NO_OPTION.format(what='embedding')}")
     rerank = not_offered(f"This server does not support reranking. {NO_OPTION.format(what='reranking')}")
-    infill = not_offered("Infill is not supported by this model: prefix token is missing. "
-                         "suffix token is missing. middle token is missing. ")
     out += [(p, embeddings, ["POST"], "api") for p in ("/embedding", "/embeddings", "/v1/embeddings")]
     out += [(p, rerank, ["POST"], "api") for p in ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")]
-    out += [("/infill", infill, ["POST"], "api")]
+    out += [("/infill", partial(infill, face), ["POST"], "api")]
     return out
 
 
@@ -126,7 +125,7 @@ async def input_tokens(face: ServingFace, request: Request) -> Response:
     return JSONResponse({"input_tokens": n, "object": "response.input_tokens"})
 
 def not_offered(message: str) -> Handler:
-    """A route llama-server has that needs a model the calbin is not (embeddings, reranking, infill):
+    """A route llama-server has that needs a model the calbin is not (embeddings, reranking):
     its 501 ``not_supported_error`` with its words."""
     async def handler(request: Request) -> Response:
         raise HTTPError(501, "not_supported_error", message)

@@ -7,7 +7,9 @@ llama-server's rules for a conversation's last message (the assistant prefill, `
   templates call: ``raise_exception(msg)``, ``strftime_now(fmt)`` and transformers' ``tojson`` filter
   (``ensure_ascii=False``; ``indent`` / ``separators`` / ``sort_keys``). Variables: ``messages``,
   ``add_generation_prompt``, ``bos_token``, ``eos_token``, ``enable_thinking`` (always given, as
-  llama-server gives it) and every ``chat_template_kwargs`` entry.
+  llama-server gives it), ``date_string`` (today, local time, ``"%d %b %Y"``: llama-server defines it for
+  every template, so a Llama 3.x template's ``"26 Jul 2024"`` fallback is never taken) and every
+  ``chat_template_kwargs`` entry (a ``date_string`` there wins).
 - :func:`continuation_of`: which messages are rendered and which text continues them, by llama-server's
   rules (checked against its real server in ``tests/server/test_templates_llama_server.py``).
 - :class:`TemplatedTokenizer`: a tokenizer whose chat template is a given Jinja template
@@ -28,20 +30,13 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from sim_backend.errors import InvalidRequestError
+from sim_backend.model.builtin_templates import BUILTIN_TEMPLATES as BUILTIN_TEMPLATES
+from sim_backend.model.builtin_templates import CHATML as CHATML
 
 #: longest template source accepted (characters); real templates are 1-20 KB (Qwen3's: 4 KB)
 MAX_TEMPLATE_CHARS = 1 << 20
-#: llama.cpp's ChatML template (``CHATML_TEMPLATE_SRC`` in its common/chat.cpp; what llama-server's
-#: ``--chat-template chatml`` renders and reports in ``/props``, checked against the real server)
-CHATML = ("{%- for message in messages -%}\n"
-          "  {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' -}}\n"
-          "{%- endfor -%}\n"
-          "{%- if add_generation_prompt -%}\n"
-          "  {{- '<|im_start|>assistant\\n' -}}\n"
-          "{%- endif -%}")
-#: llama-server's built-in template names (``--chat-template NAME``; its ``--help`` lists them). Only
-#: ``chatml`` has a Jinja equivalent here (``BUILTIN_TEMPLATES``); the others are llama.cpp's own C++
-#: formatters, refused by name (under ``--jinja``, llama-server itself renders such a name as literal text).
+#: llama-server's built-in template names (``--chat-template NAME``; its ``--help`` lists them). The ones with
+#: a Jinja equivalent in ``builtin_templates.BUILTIN_TEMPLATES`` are offered; the others are refused by name.
 LLAMA_SERVER_BUILTIN_NAMES = (
     "bailing", "bailing-think", "bailing2", "chatglm3", "chatglm4", "chatml", "command-r", "deepseek",
     "deepseek-ocr", "deepseek2", "deepseek3", "exaone-moe", "exaone3", "exaone4", "falcon3", "gemma", "gigachat",
@@ -50,7 +45,6 @@ LLAMA_SERVER_BUILTIN_NAMES = (
     "mistral-v3", "mistral-v3-tekken", "mistral-v7", "mistral-v7-tekken", "monarch", "openchat", "orion",
     "pangu-embedded", "phi3", "phi4", "rwkv-world", "seed_oss", "smolvlm", "solar-open", "vicuna", "vicuna-orca",
     "yandex", "zephyr")
-BUILTIN_TEMPLATES: Mapping[str, str] = {"chatml": CHATML}
 #: placeholders for message contents while the template renders (Unicode private use: never in a template)
 _OPEN, _CLOSE = "\ue000", "\ue001"
 _SENTINEL = re.compile(f"{_OPEN}(\\d+){_CLOSE}")
@@ -69,8 +63,9 @@ def builtin_template(name: str) -> str:
         return BUILTIN_TEMPLATES[name]
     if name in LLAMA_SERVER_BUILTIN_NAMES:
         raise ValueError(f"--chat-template {name}: llama-server's built-in template {name!r} is llama.cpp's own "
-                         f"C++ formatter; only {', '.join(BUILTIN_TEMPLATES)} is offered here. Give the model's "
-                         "Jinja template with --chat-template-file")
+                         "C++ formatter with no faithful Jinja equivalent here; "
+                         f"offered: {', '.join(BUILTIN_TEMPLATES)}. "
+                         "Give the model's Jinja template with --chat-template-file")
     if "{{" not in name and "{%" not in name:
         raise ValueError(f"--chat-template {name[:60]!r} is neither a built-in name ({', '.join(BUILTIN_TEMPLATES)}) "
                          "nor a Jinja template")
@@ -162,13 +157,15 @@ class JinjaChatTemplate:
                enable_thinking: bool = False, kwargs: Mapping[str, Any] | None = None) -> str:
         """The template's text for ``messages`` (each ``{"role", "content"}``, strings).
 
-        ``kwargs``: more template variables (llama-server's ``chat_template_kwargs``: any JSON values);
-        ``enable_thinking`` and ``add_generation_prompt`` are always given. Raises InvalidRequestError
+        ``kwargs``: more template variables (llama-server's ``chat_template_kwargs``: any JSON values; its
+        ``date_string`` replaces today's); ``enable_thinking``, ``add_generation_prompt`` and ``date_string``
+        are always given. Raises InvalidRequestError
         (llama-server's 400 ``invalid_request_error``) when the template calls ``raise_exception`` or fails
         (an undefined call, a type error, a sandbox refusal), with the template's own words."""
         from jinja2 import TemplateError
 
-        variables: dict[str, Any] = dict(kwargs or {})
+        # llama-server defines date_string (today) for every template; measured on the real server
+        variables: dict[str, Any] = {"date_string": _strftime_now("%d %b %Y"), **(kwargs or {})}
         variables.update(messages=[{"role": m["role"], "content": m["content"]} for m in messages],
                          add_generation_prompt=bool(add_generation_prompt), enable_thinking=bool(enable_thinking),
                          bos_token=self.bos_token, eos_token=self.eos_token)

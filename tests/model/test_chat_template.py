@@ -110,8 +110,10 @@ def test_llama_server_builtin_names() -> None:
     assert builtin_template("chatml") == CHATML
     out = JinjaChatTemplate(CHATML).render([{"role": "system", "content": "S"}, {"role": "user", "content": "u"}])
     assert out == "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n"
-    with pytest.raises(ValueError, match="llama3.*only chatml"):
-        builtin_template("llama3")
+    assert "<|start_header_id|>user<|end_header_id|>" in JinjaChatTemplate(builtin_template("llama3")).render(
+        [{"role": "user", "content": "u"}])
+    with pytest.raises(ValueError, match="llama2.*offered: chatml, llama3, command-r"):
+        builtin_template("llama2")
     with pytest.raises(ValueError, match="neither a built-in name"):
         builtin_template("chatlm")
     assert builtin_template("{{ messages[0].content }}") == "{{ messages[0].content }}"

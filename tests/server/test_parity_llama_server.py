@@ -66,7 +66,7 @@ CASES = [
     ("POST", "/v1/embeddings", {"input": "hi"}),
     ("POST", "/embedding", {"content": "hi"}),
     ("POST", "/rerank", {"query": "a", "documents": ["b"]}),
-    ("POST", "/infill", {"input_prefix": "def f(", "input_suffix": "):"}),
+    # /infill: SmolLM2 has no FIM tokens (501 there), Qwen3 has: compared on a FIM copy in test_infill_llama_server
     # slot actions without --slot-save-path: 501 on both, erase included
     ("POST", "/slots/0?action=erase", None),
     ("POST", "/slots/0?action=save", {"filename": "a.bin"}),

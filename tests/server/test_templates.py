@@ -133,7 +133,7 @@ def test_server_default_kwargs(make_server: Any) -> None:
     (["--chat-template-file", "{bad}"], "line 1"),
     (["--chat-template-file", "{missing}"], "No such file"),
     (["--chat-template-file", "{json}"], "no 'chat_template' string"),
-    (["--chat-template", "llama3"], "only chatml"),
+    (["--chat-template", "llama2"], "offered: chatml, llama3, command-r"),
     (["--chat-template", "chatml", "--chat-template-file", "{bad}"], "not both"),
     (["--chat-template-kwargs", "[1]"], "must be a JSON object"),
     (["--chat-template-kwargs", '{"enable_thinking": "no"}'], "enable_thinking must be true or false"),
@@ -148,3 +148,32 @@ def test_bad_template_options_are_one_line_errors(tmp_path: Path, capsys: Any, a
     err = capsys.readouterr().err
     assert rc == 2 and message in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("argv", [["--reasoning", "maybe"], ["-rea", "ON"], ["--reasoning", "yes", "--boards", "2"]])
+def test_a_bad_reasoning_value_is_a_one_line_error(tmp_path: Path, capsys: Any, argv: list[str]) -> None:
+    rc = main(["serve", "--port", "0", "--timing-only", "--audit-log", str(tmp_path / "a.jsonl"), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--reasoning must be on, off or auto" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_reasoning_sets_the_default_thinking_and_the_boards_get_it() -> None:
+    from calconsole.cli import build_parser
+    from calconsole.commands.common import finalize
+    from calconsole.commands.serve import server_template_kwargs
+    from calconsole.fleet.launcher import board_command
+
+    def kwargs(*argv: str) -> Any:
+        return server_template_kwargs(build_parser().parse_args(["serve", *argv]))
+
+    for on in ("on", "enabled", "true", "1"):
+        assert kwargs("--reasoning", on) == {"enable_thinking": True}
+    for off in ("off", "disabled", "false", "0"):
+        assert kwargs("-rea", off) == {"enable_thinking": False}
+    assert kwargs("--reasoning", "auto") is None and kwargs("--reasoning", "-1") is None and kwargs() is None
+    assert kwargs("--chat-template-kwargs", '{"enable_thinking": true, "x": 1}', "--reasoning", "off") == {
+        "enable_thinking": False, "x": 1}
+    args = finalize(build_parser().parse_args(["serve", "--boards", "2", "--reasoning", "off"]))
+    cmd = board_command(args, 0, Path("b.jsonl"))
+    assert cmd[cmd.index("--reasoning") + 1] == "off"

@@ -6,7 +6,8 @@ bundle twice: with its built-in Qwen3 template and with the same file (``--chat-
 body ``/apply-template`` must give the same text on all three: the default thinking mode, ``enable_thinking``
 true and false, ``reasoning_effort: "none"``, prefills, ``continue_final_message``, ``add_generation_prompt``,
 history with reasoning; the refusals the same status, type and words. A second real server with a template
-that calls ``raise_exception`` checks that refusal and the template variables.
+that calls ``raise_exception`` checks that refusal and the template variables. ``--reasoning on|off|auto``
+(serve's flag, and on the real server the fields llama-server's flag sets) must render as on llama-server.
 
 Deliberately not compared: llama-server ignores a ``chat_template_kwargs`` or ``add_generation_prompt`` of
 the wrong type, calconsole refuses it (400 naming the field).
@@ -114,3 +115,38 @@ def test_template_variables_and_a_template_that_raises(make_module_server: Any) 
             assert a_r.status_code == b_r.status_code == 400 and ea["type"] == eb["type"] == "invalid_request_error"
             assert "Conversation roles must alternate" in ea["message"] and "Conversation roles must alternate" in \
                 eb["message"]
+
+
+#: what llama-server's ``--reasoning VALUE`` sets (its handler in llama.cpp's common/arg.cpp): enable_reasoning
+#: and, for on / off, the default template kwarg enable_thinking (a JSON text, as the option stores it)
+REASONING = {"on": (1, "true"), "off": (0, "false"), "auto": (-1, None)}
+
+
+@pytest.mark.parametrize("mode", sorted(REASONING))
+def test_reasoning_mode_renders_as_llama_server(make_module_server: Any, mode: str) -> None:
+    from calconsole.cli import build_parser
+    from calconsole.commands.serve import server_template_kwargs
+    from tests.real.llama_server import start_llama_server
+
+    enable, kwarg = REASONING[mode]
+
+    def configure(p: Any) -> None:
+        p.chat_template = QWEN3
+        p.enable_reasoning = enable
+        if kwarg is not None:
+            p.default_template_kwargs = {"enable_thinking": kwarg}
+
+    kwargs = server_template_kwargs(build_parser().parse_args(["serve", "--reasoning", mode]))
+    ours = [make_module_server(chat_template_kwargs=kwargs).url,
+            make_module_server(system_kw={"chat_template": QWEN3}, chat_template_kwargs=kwargs).url]
+    real = start_llama_server(n_parallel=1, n_ctx=2048, configure=configure)
+    try:
+        for body in ({"messages": U}, {"messages": U, **OFF}, {"messages": U, **ON}, {"messages": HISTORY},
+                     {"messages": U, "reasoning_effort": "none"}):
+            theirs = _post(real.url, "/apply-template", body).json()["prompt"]
+            if mode == "off" and body == {"messages": U}:
+                assert theirs.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+            for url in ours:
+                assert _post(url, "/apply-template", body).json()["prompt"] == theirs, (mode, body, url)
+    finally:
+        real.stop()
