@@ -36,7 +36,7 @@ mostly on already over the F7 run), so those misses are their documented limit
 (:data:`DOCUMENTED_BAND_MISSES`): a band miss within it and at the edge the best line leans to is
 ``explained`` (:func:`explain_band_miss`), anything else fails (:func:`protocol_checks`).
 
-KV parameters are physical (``costmodel.flash_decode``): per 64..16 KiB block max(DMA, vector
+KV parameters are physical (``attention_cost.flash_decode``): per 64..16 KiB block max(DMA, vector
 work), DMA latency unless double-buffered, partitions merged in a tree.  Two of them are fitted
 (``attn_vector_tflops``: the slope of decode time in the context; ``attn_merge_level_us``: the
 step that split-KV adds once a head has more than one block), on ~2K, ~4K and ~40K only.
@@ -48,7 +48,8 @@ import math
 from itertools import pairwise
 
 from sim_backend.bundle.shapes import ModelShape
-from sim_backend.model.costmodel import CostModel, data_moving_table, flash_decode
+from sim_backend.model.attention_cost import data_moving_table, flash_decode
+from sim_backend.model.costmodel import CostModel
 
 TOLERANCE_PCT = 3.0
 
@@ -303,11 +304,11 @@ def router_touched_27(bundle=None) -> list[float]:
 
     Runs the engine's calibration prompt through the numerics (one token) and returns the
     prefill step's router counts brought to a trained router's mean
-    (:func:`~sim_backend.model.costmodel.priced_experts_touched`): float64 list of n_layers.
+    (:func:`~sim_backend.model.families.moe_cost.priced_experts_touched`): float64 list of n_layers.
     A couple of seconds of host time (the synthetic weights are drawn once).
     """
     from sim_backend.compose import build_system
-    from sim_backend.model.costmodel import priced_experts_touched
+    from sim_backend.model.families.moe_cost import priced_experts_touched
     from sim_backend.model.trace import StepRecorder
     from sim_backend.planes.types import ChatRequest
 

@@ -87,7 +87,7 @@ def _draw(u: float, key: str, lo: float, hi: float) -> float:
         e_lo, e_hi = math.log2(lo), math.log2(hi)
         return float(2 ** round(e_lo + u * (e_hi - e_lo)))
     v = lo * (hi / lo) ** u if lo > 0 and hi / lo >= _LOG_RATIO else lo + u * (hi - lo)
-    from sim_backend.model.costmodel import _INTEGER_FITTED
+    from sim_backend.model.hwspec import _INTEGER_FITTED
 
     return float(round(v)) if key in _INTEGER_FITTED else float(v)
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from sim_backend.bundle.shapes import ModelShape
-from sim_backend.model.costmodel import CostModel, expected_experts_touched, priced_experts_touched
+from sim_backend.model.costmodel import CostModel
+from sim_backend.model.families.moe_cost import expected_experts_touched, priced_experts_touched
 from sim_backend.tools import calibration as cal
 from sim_backend.tools.calibration import run_calibration
 
