@@ -8,7 +8,7 @@ rotate-half RoPE, grouped-query attention (decode and causal prefill), SwiGLU, a
 router. A family's step (``sim_backend.model.compiled`` for Qwen3-MoE) is composed of them inside
 one compiled function, so a decode step is one call instead of thousands of numpy calls.
 
-The numpy code in ``numerics.py`` is the reference these kernels are tested against
+The numpy code in ``layer_ops.py`` and ``numerics.py`` is the reference these kernels are tested against
 (``tests/model/test_kernels.py``). Results differ from it only by summation order and by
 ``exp_f32`` (a polynomial exp within 2 ulp): each dot product of length n is summed in a
 different order than BLAS does it, which moves a float32 result by at most ~n * 2**-24 of the sum
@@ -290,7 +290,7 @@ def exp_f32(x):
 @kernel(FMA)
 def exp_in_range(row):
     """row[:] = exp(row) in place, float32, for a row known to lie in [-86.9, 88.7] (e.g. scores proven
-    within ``numerics.SCORE_BOUND``): ``exp_f32`` without its clamps and edge selects, so the same bits
+    within ``layer_ops.SCORE_BOUND``): ``exp_f32`` without its clamps and edge selects, so the same bits
     for every such input (the same code, ``_exp_core``, compiled with the same flags as ``exp_shift``),
     in 5 fewer vector operations an element (decode attention at 4K: 12.2 -> 7.9 ms CPU for its 6.3 M
     exps, load ~7). Outside the range the result is meaningless (no clamp): never call it there."""
@@ -595,7 +595,7 @@ def attend_decode(q, k_t, v_t, start, idx, T, no_max, scores, out):
     q (G, D) float32, already scaled by 1/sqrt(D); k_t, v_t (D, cells) this head's transposed K and V
     caches; the keys are cells ``start .. start+T`` if ``start >= 0`` (one contiguous run, read in
     place) else ``idx[:T]`` (int64 cells, gathered a chunk at a time). ``no_max``: the caller proved
-    |score| small enough (``numerics.SCORE_BOUND``) that exp needs no max shift. scores (G, >= T)
+    |score| small enough (``layer_ops.SCORE_BOUND``) that exp needs no max shift. scores (G, >= T)
     float32 scratch. Writes softmax(q k^T) v to out (G, D). Sums run in vector lanes (``SUM``).
 
     With ``no_max`` one pass over the keys, ``ATT_CHUNK`` at a time: the chunk's scores (all G heads

@@ -15,15 +15,8 @@ import pytest
 from sim_backend.bundle.shapes import ModelShape, NumericShape
 from sim_backend.model import golden as G
 from sim_backend.model import kernels as K
-from sim_backend.model.numerics import (
-    ShardedModel,
-    _prefill_attention,
-    apply_rope,
-    kernels_choice,
-    rms_norm,
-    rope_tables,
-    route,
-)
+from sim_backend.model.layer_ops import apply_rope, prefill_attention, rms_norm, rope_tables, route
+from sim_backend.model.numerics import ShardedModel, kernels_choice
 
 SHAPE = ModelShape()
 NUM = NumericShape()
@@ -175,7 +168,7 @@ def test_attend_prefill_matches_the_numpy_prefill(n, past, stride):
     v = RNG.standard_normal((1, past + n, D)).astype(F)
     k_pos = np.arange(past + n, dtype=np.int64) * stride
     q_pos = k_pos[past:].copy()
-    want = _prefill_attention(q, k, v, q_pos, k_pos)[0]
+    want = prefill_attention(q, k, v, q_pos, k_pos)[0]
     ends = np.searchsorted(k_pos, q_pos, side="right").astype(np.int64)
     got = np.empty((n, G_, D), F)
     qs = np.ascontiguousarray(q[0])  # unscaled: the kernel and the numpy prefill each scale it

@@ -41,7 +41,8 @@ from sim_backend.model.families.dense_kernels import (
     split_q8_0,
 )
 from sim_backend.model.families.gguf_file import GGUFFile, MappedTensors, open_gguf
-from sim_backend.model.numerics import CellKV, StepNumerics, lazy_zeros
+from sim_backend.model.kv_cells import CellKV, lazy_zeros
+from sim_backend.model.numerics import StepNumerics
 
 F32 = np.float32
 _ONE = F32(1.0)
