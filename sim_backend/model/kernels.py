@@ -57,8 +57,12 @@ __all__ = [
 
 
 
-#: The modules whose compiled kernels share the cache, as files beside this one: their text names the cache.
-KERNEL_SOURCES = ("kernels.py", "compiled.py")
+#: The modules whose compiled kernels share the cache, as paths relative to this file's folder: their text
+#: names the cache. Besides the MoE pair, the dense pilot's modules whose kernels (or code generators) are
+#: compiled into another file's kernel (``families/dense_kernels.py``'s ``dense_forward``): numba checks that
+#: one against its own file only.
+KERNEL_SOURCES = ("kernels.py", "compiled.py", "families/ggml_ops.py", "families/dense_quant.py",
+                  "families/dense_attention.py")
 
 
 def kernels_digest() -> str:

@@ -479,14 +479,20 @@ def test_kernel_cache_is_named_by_both_kernel_sources(monkeypatch, tmp_path):
     import shutil
 
     for name in K.KERNEL_SOURCES:
-        shutil.copy(Path(K.__file__).with_name(name), tmp_path / name)
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(K.__file__).parent / name, tmp_path / name)
     monkeypatch.setattr(K, "__file__", str(tmp_path / "kernels.py"))
     before = K.kernels_digest()
     assert before == K.kernels_digest()
     (tmp_path / "kernels.py").write_text((tmp_path / "kernels.py").read_text() + "\n# edited\n")
     edited = K.kernels_digest()
     (tmp_path / "compiled.py").write_text((tmp_path / "compiled.py").read_text() + "\n# edited\n")
-    assert len({before, edited, K.kernels_digest()}) == 3
+    both = K.kernels_digest()
+    assert len({before, edited, both}) == 3
+    # the dense pilot's kernels inlined into dense_kernels.dense_forward name the cache too
+    quant = tmp_path / "families" / "dense_quant.py"
+    quant.write_text(quant.read_text() + "\n# edited\n")
+    assert len({before, edited, both, K.kernels_digest()}) == 4
 
 
 def test_warm_up_announces_a_stage_only_when_numba_compiles(monkeypatch):
