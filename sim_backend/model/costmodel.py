@@ -106,7 +106,7 @@ class CostModel:
         """Fitted host-side allowance, ms per generated token (host wall time stand-in).
 
         Used ONLY by the cost-model-only E2E calibration case
-        (:func:`sim_backend.tools.calibration.e2e_cost_model_us`).  :meth:`price_step`
+        (:func:`sim_backend.tools.calibration_cases.e2e_cost_model_us`).  :meth:`price_step`
         never includes it (a step is device time: H2D + infer + D2H), and the
         engine measures its real host work instead, so host time is never
         counted twice.
