@@ -3,7 +3,7 @@ the one-query path with an F16 value accumulator (``attend_one``) and the 64 x 6
 (``attend_tiled``); see ``dense_kernels`` for the arithmetic emulated.
 
 Its kernels are inlined into ``dense_kernels.dense_forward``, so this file is one of
-``kernels.KERNEL_SOURCES`` (an edit starts a fresh kernel cache).
+``kernel_cache.KERNEL_SOURCES`` (an edit starts a fresh kernel cache).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from sim_backend.model.families.ggml_ops import expf, f16_round, fma32, v_expf
-from sim_backend.model.kernels import kernel
+from sim_backend.model.kernel_cache import kernel
 
 F32 = np.float32
 #: Queries (and keys) per tile of llama.cpp's tiled CPU flash attention (ggml-cpu common.h GGML_FA_TILE_Q /

@@ -69,7 +69,7 @@ from sim_backend.model.families.dense_quant import (
     quantise_rows,
 )
 from sim_backend.model.families.ggml_ops import cosf, f16_round, fma32, powf, sinf, v_expf
-from sim_backend.model.kernels import kernel
+from sim_backend.model.kernel_cache import kernel
 
 F32 = np.float32
 

@@ -4,7 +4,7 @@ for the products (``split_q4_1``, ``pack_q4_1``, ...), and the 8-output block do
 IR (``_group_fn``, ``quant_matmul``, ``chained_matmul``); see ``dense_kernels`` for the arithmetic emulated.
 
 Its kernels are inlined into ``dense_kernels.dense_forward``, so this file is one of
-``kernels.KERNEL_SOURCES`` (an edit starts a fresh kernel cache).
+``kernel_cache.KERNEL_SOURCES`` (an edit starts a fresh kernel cache).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from sim_backend.model.families.ggml_ops import f16_round
-from sim_backend.model.kernels import kernel
+from sim_backend.model.kernel_cache import kernel
 
 F32 = np.float32
 #: Weights per quantisation block (GGUF QK4_1 = QK8_0 = QK8_1 = 32).

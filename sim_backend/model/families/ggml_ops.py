@@ -3,7 +3,7 @@ multiply-add (``llvm.fma``), the C library's ``expf`` / ``cosf`` / ``sinf`` / ``
 CPU's conversion, and ggml's AVX2 exp polynomial (``v_expf``, ggml-cpu ``vec.h``).
 
 Every kernel that calls these compiles them into its own machine code, so this file is one of
-``kernels.KERNEL_SOURCES`` (an edit starts a fresh kernel cache).
+``kernel_cache.KERNEL_SOURCES`` (an edit starts a fresh kernel cache).
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from sim_backend.model.kernels import _bits_to_f32, kernel
+from sim_backend.model.kernel_cache import kernel
+from sim_backend.model.kernels import _bits_to_f32
 
 F32 = np.float32
 
