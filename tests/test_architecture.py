@@ -80,13 +80,6 @@ def test_no_serving_module_far_over_400_lines():
 
 # --- import circles -------------------------------------------------------------------------------------
 
-#: circles tolerated for now, each exactly as listed (a circle that grows, or any other, fails the test):
-#: the cost model's split (a branch of its own) breaks this one; delete the entry once it is gone
-KNOWN_CIRCLES = {
-    frozenset({"sim_backend.model.costmodel", "sim_backend.model.families.dense_cost"}),
-}
-
-
 def _import_graph(*packages: str) -> tuple[dict[str, set[str]], Any]:
     """module -> the modules of ``packages`` it imports, from grimp (import-linter's graph), and the grimp graph.
 
@@ -172,13 +165,12 @@ def _one_cycle(edges: dict[str, set[str]], comp: list[str], g: Any) -> str:
 
 def test_no_import_circles():
     """No import circles among calconsole's and sim_backend's modules (every import counted: module level, in
-    functions, under TYPE_CHECKING), but for ``KNOWN_CIRCLES``; the message names each circle and one cycle of
-    it with the importing lines."""
+    functions, under TYPE_CHECKING); the message names each circle and one cycle of it with the importing
+    lines."""
     edges, g = _import_graph("calconsole", "sim_backend")
     circles = _circles(edges)
-    new = [c for c in circles if frozenset(c) not in KNOWN_CIRCLES]
-    message = "\n".join(f"circle of {len(c)}: {', '.join(c)}\n    e.g. {_one_cycle(edges, c, g)}" for c in new)
-    assert new == [], ("import circles (a module that needs one of them can be moved below both, or the shape "
+    message = "\n".join(f"circle of {len(c)}: {', '.join(c)}\n    e.g. {_one_cycle(edges, c, g)}" for c in circles)
+    assert circles == [], ("import circles (a module that needs one of them can be moved below both, or the shape "
                        "it needs named by a Protocol):\n" + message)
 
 
@@ -198,3 +190,11 @@ def test_circle_check_counts_imports_in_functions_and_under_type_checking(tmp_pa
     edges, g = _import_graph("circlepkg")
     assert _circles(edges) == [["circlepkg.a", "circlepkg.b"], ["circlepkg.c", "circlepkg.d"]]
     assert _one_cycle(edges, ["circlepkg.a", "circlepkg.b"], g) == "circlepkg.a:1 -> circlepkg.b:2 -> circlepkg.a"
+
+
+def test_no_module_over_800_lines():
+    """Every module of the console and the simulator stays in parts a reader can hold: none over 800 lines
+    (a module that grows past it is split by responsibility, not by count)."""
+    long = {str(py.relative_to(ROOT)): n for pkg in ("calconsole", "sim_backend") for py in (ROOT / pkg).rglob("*.py")
+            if (n := len(py.read_text(encoding="utf-8").splitlines())) > 800}
+    assert long == {}

@@ -1,6 +1,6 @@
 """``calconsole bench calibrate``: the simulator against the measured figures of facts.md F7.
 
-Cost-model cases come from :func:`sim_backend.tools.calibration.run_calibration`
+Cost-model cases come from :func:`sim_backend.tools.calibration_cases.run_calibration`
 (simulated device time, plus the fitted host allowance in the E2E case only);
 engine cases from :func:`sim_backend.tools.calibration.run_engine_cases` (the real
 serving engine in both modes; host work on the simulated clock is the fitted
@@ -79,14 +79,9 @@ def _fmt(v: float, unit: str) -> str:
 
 def _cases(args: argparse.Namespace) -> tuple[CostModel, list[dict[str, Any]], dict[str, dict[str, Any]]]:
     from sim_backend.compose import build_system
-    from sim_backend.tools.calibration import (
-        CONVERGENCE_STARTS,
-        CostModel,
-        convergence,
-        router_touched_27,
-        run_calibration,
-        run_engine_cases,
-    )
+    from sim_backend.tools.calibration import CostModel, router_touched_27, run_engine_cases
+    from sim_backend.tools.calibration_cases import run_calibration
+    from sim_backend.tools.calibration_fit import CONVERGENCE_STARTS, convergence
 
     cm = CostModel.load(args.hardware)
     modes = ("timing-only",) if args.timing_only else ("timing-only", "numeric")
@@ -107,14 +102,9 @@ def _cases(args: argparse.Namespace) -> tuple[CostModel, list[dict[str, Any]], d
 
 def run(args: argparse.Namespace) -> int:
     from sim_backend.planes import CalError
-    from sim_backend.tools.calibration import (
-        CONVERGENCE_PCT,
-        format_bound,
-        linear_bound,
-        price_step_cost_us,
-        protocol_checks,
-        summarise,
-    )
+    from sim_backend.tools.calibration import format_bound, price_step_cost_us, protocol_checks
+    from sim_backend.tools.calibration_cases import linear_bound, summarise
+    from sim_backend.tools.calibration_fit import CONVERGENCE_PCT
 
     try:
         cm, cases, conv = _cases(args)

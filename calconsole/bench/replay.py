@@ -32,17 +32,10 @@ import httpx
 import yaml
 
 from sim_backend.planes import CalError
-from sim_backend.tools.replay import (
-    ROUTES,
-    VARIANTS,
-    ReplayConfig,
-    Trace,
-    TraceError,
-    load_trace,
-    prices_for_trace,
-    replay,
-    variant_bundle_dir,
-)
+from sim_backend.tools.replay import replay
+from sim_backend.tools.replay_board import ROUTES, ReplayConfig
+from sim_backend.tools.replay_prices import VARIANTS, prices_for_trace, variant_bundle_dir
+from sim_backend.tools.replay_trace import Trace, TraceError, load_trace
 
 from ..commands.common import fail, print_json
 from ..commands.metrics import parse_slo
@@ -150,7 +143,7 @@ def _variants(text: str) -> list[str]:
     """The bundles named in ``--find-boards``, each checked here (a bad manifest or a dense bundle is one line
     now, not a worker's error later); a name and a path to the same bundle count once."""
     # through the tools, not the bundle package: the console's commands reach the simulator only so
-    from sim_backend.tools.replay import check_replayable_dir
+    from sim_backend.tools.replay_prices import check_replayable_dir
 
     out: list[str] = []
     seen: set[Path] = set()
@@ -240,7 +233,8 @@ def http_replay(trace: Trace, urls: list[str], *, speed: float = 1.0, slo: Any =
     ``calconsole.timings``). ``skip``: 0-based rows not sent (those the in-process replay refused at
     arrival: sent, a board that has room would serve what the replay counts as refused)."""
     from sim_backend.planes.types import SLO
-    from sim_backend.tools.replay import Ledger, summarize
+    from sim_backend.tools.replay import summarize
+    from sim_backend.tools.replay_board import Ledger
     from sim_backend.tools.replay_engine import prompt_ids
 
     sent = [i for i in range(len(trace)) if i not in skip]

@@ -378,7 +378,7 @@ def _real_weights(r: _Reader, nm: Any, shape: ModelShape) -> NumericShape:
 def numeric_footprint_bytes(shape: ModelShape, num: NumericShape) -> tuple[int, int]:
     """Bytes of the CPU numerics for ``shape`` at ``num`` widths: ``(float32 weights, float32 K/V cache)``.
 
-    Weights as ``numerics.make_weights`` draws them (the chip shards copy
+    Weights as ``weights.make_weights`` draws them (the chip shards copy
     about as much again); the K/V cache over all chips at the full context
     ``shape.n_ctx`` (committed lazily, page by page, as cells are written).
     A dense model: its dequantised float32 weights (layers, embedding, norms; a tied LM head

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from sim_backend.bundle.shapes import ModelShape
-from sim_backend.model.costmodel import HardwareSpec
+from sim_backend.model.hwspec import HardwareSpec
 
 GiB = 2**30
 MiB = 2**20

@@ -31,9 +31,11 @@ import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape, NumericShape
 from sim_backend.errors import DeviceError
-from sim_backend.model.costmodel import CostModel, StepCost, priced_experts_touched
+from sim_backend.model.costmodel import CostModel
+from sim_backend.model.families.moe_cost import priced_experts_touched
 from sim_backend.model.logits import NUMPY_DTYPES
 from sim_backend.model.numerics import StepNumerics
+from sim_backend.model.stepcost import StepCost
 
 #: Bound on the worker's start (host wall s): the synthetic weights take ~1.5 s, the pilot's GGUF ~6 s of
 #: CPU; a first start after install also compiles the kernels (~15 s of CPU on a quiet 2-core host, ~70 s

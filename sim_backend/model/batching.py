@@ -13,7 +13,7 @@ the same fitted efficiencies) and re-pricing only the roles that batching change
 - expert weights are read once per DISTINCT expert the batch's tokens touch in a layer
   (``experts_touched`` = the union over the N tokens), expert compute = N·k rows;
 - flash attention reads each sequence's KV at its OWN context (``past_lens[i] + 1``) with
-  CostModel's flash decoding (``costmodel.flash_decode``); the sequences run one after the
+  CostModel's flash decoding (``attention_cost.flash_decode``); the sequences run one after the
   other on the cores (``ramp="sum"``, the default, pessimistic) or share them (``ramp="max"``,
   optimistic: all KV at the shared DRAM rate, the longest sequence's chain and merge once);
 - final norm, LM head rows, the logits gather and the D2H are per sequence
@@ -47,14 +47,11 @@ from typing import Any
 import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape
-from sim_backend.model.costmodel import (
-    CostModel,
-    StepCost,
-    assemble_step,
-    expected_experts_touched,
-    flash_decode,
-    sram_workspace_bytes,
-)
+from sim_backend.model.attention_cost import flash_decode
+from sim_backend.model.costmodel import CostModel
+from sim_backend.model.families.moe_cost import expected_experts_touched
+from sim_backend.model.hwspec import sram_workspace_bytes
+from sim_backend.model.stepcost import StepCost, assemble_step
 
 #: Decode batch sizes a variant calbin may declare (the ones the report's roadmap asks the vendor for, facts.md F10).
 BATCH_SIZES = (1, 4, 8, 16)
@@ -265,7 +262,7 @@ class BatchedCostModel:
     def _switch_attn(self, t: dict, dram: dict, shape: ModelShape, kind: str, n: int, ctxs: Sequence[int],
                      ctx_eff: Sequence[float]) -> None:
         """Flash attention over sequences at their own contexts, with CostModel's mechanism
-        (``costmodel.flash_decode``: per KV block max(DMA, vector work), DMA latency unless double
+        (``attention_cost.flash_decode``: per KV block max(DMA, vector work), DMA latency unless double
         buffered, tree merge of the partitions; an S8 V block is half as many bytes).  The
         sequences' attention runs one after the other on the chip's cores (``ramp="sum"``, the
         default, pessimistic), or, ``ramp="max"``, their partitions share the cores so the step
@@ -321,7 +318,7 @@ class BatchedCostModel:
     def _assemble(self, shape: ModelShape, kind: str, n_tokens: int, past_len: int, t: dict, dram: dict,
                   scale: Sequence[float], *, n_seqs: int, touched: np.ndarray, expected: bool) -> StepCost:
         """Chip timelines from per-role times with ``CostModel.price_step``'s own assembly
-        (``costmodel.assemble_step``: the same per-layer, embed/head and per-chip attribution)."""
+        (``stepcost.assemble_step``: the same per-layer, embed/head and per-chip attribution)."""
         p = self.base._prep(shape, kind)
         dram = dict(dram)
         sram_bytes = float(dram.pop("sram_activations", 0.0))

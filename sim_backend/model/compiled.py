@@ -35,19 +35,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from sim_backend.model.kernels import (
-    attend_decode,
-    attend_prefill_t,
-    bf16_matvec,
-    head_norm_rope,
-    kernel,
-    matvec,
-    matvec_add,
-    rms_norm,
-    silu_mul,
-    softmax_top_k,
-    wide_legal,
-)
+from sim_backend.model.attention_kernels import attend_decode, attend_prefill_t
+from sim_backend.model.kernel_cache import kernel, wide_legal
+from sim_backend.model.kernels import bf16_matvec, head_norm_rope, matvec, matvec_add, rms_norm, silu_mul, softmax_top_k
 
 F32 = np.float32
 

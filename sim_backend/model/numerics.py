@@ -20,124 +20,34 @@ the sharded result equals it within float tolerance.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape, NumericShape
-from sim_backend.model.bf16 import bf16_to_f32, f32_to_bf16
-from sim_backend.model.vocab import N_TOKENS
+from sim_backend.model.bf16 import f32_to_bf16
+from sim_backend.model.kv_cells import CellKV, cell_index, cells_of, lazy_zeros
+from sim_backend.model.layer_ops import (
+    SCORE_BOUND,
+    apply_rope,
+    apply_rope_full,
+    causal_attention,
+    head_rms_norm,
+    moe_ffn,
+    moe_prefill,
+    prefill_attention,
+    rms_norm,
+    rope_full_tables,
+    rope_tables,
+    route,
+    route_one,
+)
+from sim_backend.model.weights import ModelWeights, make_weights
 
 F32 = np.float32
-# Real vocabulary ends at 151668 (</think>); ids above are padding rows of the
-# 151936-wide LM head. Trained Qwen3 gives them very low logits; our
-# synthetic weights get an explicit bias so they are (practically) never drawn.
-FIRST_PADDING_ID = N_TOKENS
-PADDING_LOGIT_BIAS = -30.0
-
-
-@dataclass
-class LayerWeights:
-    """Full (unsharded) weights of one decoder layer, float32.
-
-    Shapes (H = hidden, D = head_dim, Hq/Hkv = head counts, E = experts,
-    F = expert intermediate): wq (H, Hq*D), wk/wv (H, Hkv*D), wo (Hq*D, H),
-    q_norm/k_norm (D,), in_norm/post_norm (H,), router (H, E),
-    gate/up (E, H, F), down (E, F, H).
-    """
-
-    in_norm: np.ndarray
-    wq: np.ndarray
-    wk: np.ndarray
-    wv: np.ndarray
-    q_norm: np.ndarray
-    k_norm: np.ndarray
-    wo: np.ndarray
-    post_norm: np.ndarray
-    router: np.ndarray
-    gate: np.ndarray
-    up: np.ndarray
-    down: np.ndarray
-
-
-@dataclass
-class ModelWeights:
-    """All synthetic weights: embed (V, H), layers, final_norm (H,), lm_head (H, V), lm_bias (V,)."""
-
-    embed: np.ndarray
-    layers: list[LayerWeights]
-    final_norm: np.ndarray
-    lm_head: np.ndarray
-    lm_bias: np.ndarray
-
-
-@functools.lru_cache(maxsize=2)
-def make_weights(shape: ModelShape, num: NumericShape) -> ModelWeights:
-    """Draw deterministic synthetic weights for ``shape`` at ``num`` widths.
-
-    Same (shape, num) -> bit-identical weights. Scales keep activations O(1)
-    through 48 layers so logits stay finite and routing is non-degenerate.
-    Cached: the arrays are shared and must be treated as read-only (chip
-    shards hold their own copies, which ClearAllDevMem zeroes).
-    """
-    rng = np.random.default_rng(np.random.PCG64(num.seed))
-    H, D, F = num.hidden, num.head_dim, num.expert_ffn
-    Hq, Hkv, E, V = shape.n_q_heads, shape.n_kv_heads, shape.n_experts, shape.vocab
-
-    def normal(*dims: int, scale: float) -> np.ndarray:
-        return (rng.standard_normal(dims, dtype=F32) * F32(scale)).astype(F32, copy=False)
-
-    def norm_weight(n: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(n, dtype=F32)).astype(F32)
-
-    layers = []
-    for _ in range(shape.n_layers):
-        layers.append(
-            LayerWeights(
-                in_norm=norm_weight(H),
-                wq=normal(H, Hq * D, scale=1 / np.sqrt(H)),
-                wk=normal(H, Hkv * D, scale=1 / np.sqrt(H)),
-                wv=normal(H, Hkv * D, scale=1 / np.sqrt(H)),
-                q_norm=norm_weight(D),
-                k_norm=norm_weight(D),
-                wo=normal(Hq * D, H, scale=0.15 / np.sqrt(Hq * D)),
-                post_norm=norm_weight(H),
-                router=normal(H, E, scale=2.0 / np.sqrt(H)),
-                gate=normal(E, H, F, scale=1 / np.sqrt(H)),
-                up=normal(E, H, F, scale=1 / np.sqrt(H)),
-                down=normal(E, F, H, scale=0.15 / np.sqrt(F)),
-            )
-        )
-    embed = normal(V, H, scale=1.0)
-    final_norm = norm_weight(H)
-    # the LM head is BF16, as the real model's weights are: float32 values that are exactly BF16, so the
-    # compiled path reads half the bytes (uint16 bits, widened exactly) and computes the same products
-    lm_head = bf16_to_f32(f32_to_bf16(normal(H, V, scale=3.0 / np.sqrt(H))))
-    lm_bias = np.zeros(V, dtype=F32)
-    lm_bias[FIRST_PADDING_ID:] = PADDING_LOGIT_BIAS
-    return ModelWeights(embed, layers, final_norm, lm_head, lm_bias)
-
-
-def lazy_zeros(shape: tuple[int, ...], dtype=F32) -> np.ndarray:
-    """Zero array whose memory is committed page by page as it is written.
-
-    The KV cache is (chips, layers, kv_heads, cells, head_dim): a short
-    sequence writes the first cells of every (chip, layer, head) row. With
-    transparent huge pages each such write commits a 2 MiB page, ~770 MiB for
-    a 5-token prompt; an anonymous mapping advised MADV_NOHUGEPAGE commits 4 KiB.
-    """
-    import mmap
-
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    if nbytes == 0:
-        return np.zeros(shape, dtype)
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        buf.madvise(mmap.MADV_NOHUGEPAGE)
-    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+_ONE = F32(1.0)
 
 
 #: Which implementation ``ShardedModel`` runs: ``compiled`` (the numba kernels, default) or ``numpy``
@@ -154,352 +64,6 @@ def kernels_choice(kernels: str | None = None) -> str:
     if k not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {k!r}")
     return k
-
-
-_ONE = F32(1.0)
-_RMS_CONSTS: dict[tuple[int, float], tuple[np.float32, np.float32]] = {}
-
-
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis; x (..., n) float32, w (n,) (or broadcastable to x)."""
-    # einsum avoids np.mean's Python-level overhead: this runs ~10^4 times a step; the float32
-    # constants are made once (same operations and bits as building them per call)
-    n = x.shape[-1]
-    c = _RMS_CONSTS.get((n, eps))
-    if c is None:
-        c = _RMS_CONSTS[(n, eps)] = (F32(1.0 / n), F32(eps))
-    ms = np.einsum("...i,...i->...", x, x)[..., None] * c[0]
-    return x * (_ONE / np.sqrt(ms + c[1])) * w
-
-
-def head_rms_norm(qk: np.ndarray, w: np.ndarray, d_n: np.float32, c_eps: np.float32) -> np.ndarray:
-    """Per-head RMSNorm over the last axis, the hot paths' form: ``qk`` (..., D) float32, ``w``
-    broadcastable to it, ``d_n`` = float32(1/D), ``c_eps`` = float32(eps). Returns a new array
-    (same operations and bits as :func:`rms_norm`'s in-line form, in place on the mean-square)."""
-    ms = np.einsum("...i,...i->...", qk, qk)
-    ms *= d_n
-    ms += c_eps
-    np.sqrt(ms, out=ms)
-    out = qk * np.divide(_ONE, ms, out=ms)[..., None]
-    out *= w
-    return out
-
-
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos/sin tables (n, head_dim/2) for NeoX-style (rotate-half) RoPE, float32."""
-    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-    ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
-
-
-def rope_full_tables(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """From ``rope_tables``' cos/sin (n, D/2): (cos|cos, -sin|sin) as (n, 1, D) and the rotate-half
-    index (D,), for :func:`apply_rope_full`."""
-    half = cos.shape[-1]
-    return (np.concatenate([cos, cos], axis=-1)[:, None, :], np.concatenate([-sin, sin], axis=-1)[:, None, :],
-            np.r_[half:2 * half, 0:half])
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate-half RoPE on x (n, heads, D) with cos/sin (n, D/2)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-
-
-def apply_rope_full(x: np.ndarray, cos_full: np.ndarray, sin_signed: np.ndarray, rot: np.ndarray) -> np.ndarray:
-    """``apply_rope`` in four numpy calls, same bits: x*[c, c] + x[..., rot]*[-s, s] (a - b*s equals
-    a + b*(-s) exactly in IEEE arithmetic). x (..., n, heads, D); tables from :func:`rope_full_tables`."""
-    out = x * cos_full
-    t = np.take(x, rot, axis=-1)  # np.take's result is C-ordered; x[..., rot]'s is not (slow products)
-    t *= sin_signed
-    out += t
-    return out
-
-
-def route(h: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Router: softmax over experts, top-k, renormalised top-k weights.
-
-    h (n, H) float32 -> (expert ids (n, k) int64, weights (n, k) float32 summing to 1).
-    Experts are ordered by probability, ties broken by lower expert id, so routing is
-    deterministic (the order of a stable descending sort).
-    """
-    logits = h @ router
-    logits -= logits.max(axis=-1, keepdims=True)
-    probs = np.exp(logits, out=logits)
-    probs /= probs.sum(axis=-1, keepdims=True)
-    E = probs.shape[-1]
-    if top_k >= E:
-        ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
-    else:
-        # top-k by partition, then the k sorted (descending, lower id first): same ids as a full stable
-        # sort unless the k-th probability ties one left out; then the stable sort decides
-        cand = np.argpartition(probs, E - top_k, axis=-1)[:, E - top_k:]
-        cand.sort(axis=-1)  # ascending ids, so the stable sort below breaks ties by lower id
-        vals = np.take_along_axis(probs, cand, axis=-1)
-        ids = np.take_along_axis(cand, np.argsort(-vals, axis=-1, kind="stable"), axis=-1)
-        kth = np.take_along_axis(probs, ids[:, -1:], axis=-1)
-        if np.count_nonzero(probs >= kth) != top_k * probs.shape[0]:
-            ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
-    w = np.take_along_axis(probs, ids, axis=-1)
-    w = w / w.sum(axis=-1, keepdims=True)
-    return ids, w.astype(F32, copy=False)
-
-
-def _route1(h: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
-    """``route`` for one token, h (H,) -> (ids (k,) int64, weights (k,) float32): same ids and bits,
-    in 1-D so each step costs fewer numpy calls (decode runs it 48 times a token)."""
-    probs = h @ router
-    probs -= probs.max()
-    np.exp(probs, out=probs)
-    probs /= probs.sum()
-    E = probs.shape[0]
-    cand = np.argpartition(probs, E - top_k)[E - top_k:]
-    cand.sort()
-    vals = probs[cand]
-    ids = cand[np.argsort(-vals, kind="stable")]
-    if np.count_nonzero(probs >= probs[ids[-1]]) != top_k:  # a tie at the k-th place: full stable sort
-        ids = np.argsort(-probs, kind="stable")[:top_k]
-    w = probs[ids]
-    w /= w.sum()
-    return ids, w
-
-
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
-                     k_pos: np.ndarray, group: int, chunk: int = 256) -> np.ndarray:
-    """Grouped-query causal attention.
-
-    q (n, Hq, D), k/v (T, Hkv, D) with Hq = Hkv * group; q_pos (n,), k_pos (T,)
-    token positions. A query attends to keys with position <= its own.
-    Returns (n, Hq, D) float32. Queries are processed in chunks so a long
-    prefill never materialises an (n, T) matrix per head all at once.
-    """
-    n, Hq, D = q.shape
-    Hkv = k.shape[1]
-    scale = F32(1.0 / np.sqrt(D))
-    if n == 1 and (k_pos.size == 0 or k_pos.max() <= q_pos[0]):
-        # decode: one query sees every cached key; no mask, no chunking
-        qg = q[0].reshape(Hkv, group, D) * scale
-        scores = np.matmul(qg, k.transpose(1, 2, 0))  # (Hkv, group, T)
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        return np.matmul(scores, v.transpose(1, 0, 2)).reshape(1, Hq, D)
-    out = np.empty_like(q)
-    kt = np.ascontiguousarray(k.transpose(1, 2, 0))  # (Hkv, D, T)
-    vh = np.ascontiguousarray(v.transpose(1, 0, 2))  # (Hkv, T, D)
-    sorted_keys = k_pos.size < 2 or bool(np.all(k_pos[1:] >= k_pos[:-1]))
-    for s in range(0, n, chunk):
-        e = min(n, s + chunk)
-        # keys are sorted by position: a chunk never needs keys past its last query (halves prefill work)
-        t_end = int(np.searchsorted(k_pos, q_pos[s:e].max(), side="right")) if sorted_keys else k_pos.size
-        qc = q[s:e].reshape(e - s, Hkv, group, D).transpose(1, 0, 2, 3).reshape(Hkv, (e - s) * group, D)
-        scores = np.matmul(qc, kt[:, :, :t_end]) * scale  # (Hkv, m*group, T')
-        if not (e - s == 1 and t_end and k_pos[:t_end].max() <= q_pos[s]):
-            bias = np.where(k_pos[None, :t_end] > q_pos[s:e, None], F32(-np.inf), F32(0))  # (m, T')
-            scores = scores.reshape(Hkv, e - s, group, -1)
-            scores += bias[None, :, None, :]
-            scores = scores.reshape(Hkv, (e - s) * group, -1)
-        scores -= scores.max(axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= scores.sum(axis=-1, keepdims=True)
-        o = np.matmul(scores, vh[:, :t_end])  # (Hkv, m*group, D)
-        out[s:e] = o.reshape(Hkv, e - s, group, D).transpose(1, 0, 2, 3).reshape(e - s, Hq, D)
-    return out
-
-
-def moe_ffn(x: np.ndarray, ids: np.ndarray, w: np.ndarray, gate: np.ndarray, up: np.ndarray,
-            down: np.ndarray) -> np.ndarray:
-    """SwiGLU experts weighted by routing: sum_k w_k * down_e(silu(gate_e x) * up_e x).
-
-    x (n, H); ids/w (n, k); gate/up (E, H, F'), down (E, F', H) where F' may be
-    one chip's half of the intermediate columns (then the result is that
-    chip's partial sum). Returns (n, H) float32.
-    """
-    n, H = x.shape
-    out = np.zeros((n, down.shape[-1]), dtype=F32)
-    if n == 1:
-        e = ids[0]
-        g = np.matmul(x[0], gate[e])  # (k, F')
-        u = np.matmul(x[0], up[e])
-        a = (g / (F32(1.0) + np.exp(-g))) * u * w[0][:, None]
-        out[0] = np.matmul(a[:, None, :], down[e]).sum(axis=0)[0]
-        return out
-    flat_e = ids.reshape(-1)
-    flat_t = np.repeat(np.arange(n), ids.shape[1])
-    flat_w = w.reshape(-1)
-    order = np.argsort(flat_e, kind="stable")
-    flat_e, flat_t, flat_w = flat_e[order], flat_t[order], flat_w[order]
-    bounds = np.flatnonzero(np.diff(flat_e)) + 1
-    for grp_t, grp_w, e in zip(np.split(flat_t, bounds), np.split(flat_w, bounds),
-                               flat_e[np.r_[0, bounds]], strict=True):
-        xe = x[grp_t]
-        g = xe @ gate[e]
-        u = xe @ up[e]
-        a = (g / (1.0 + np.exp(-g))) * u
-        out[grp_t] += (a @ down[e]) * grp_w[:, None]  # a token picks an expert at most once: no repeats
-    return out
-
-
-#: Largest proven bound on |attention score| for which the softmax skips its max: exp() of the raw
-#: scores stays within [e^-30, e^30], so a row's sum over any context (<= 40960 keys, facts.md F2) and the
-#: (sum x V) products stay normal and finite.
-SCORE_BOUND = 30.0
-
-#: Queries per block of the prefill attention (32 measured fastest of 32/64/128/256 at 512 and 1024
-#: tokens): the masked (future) keys a block computes and
-#: discards are at most half a block per query, and a block's scores stay cache-sized.
-PREFILL_BLOCK = 32
-
-
-def _prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-                       block: int = PREFILL_BLOCK, no_max: bool = False) -> np.ndarray:
-    """Causal attention of a prefill, every KV head in one call per block of queries.
-
-    q (G, n, group, D) float32 (G KV heads, ``group`` query heads each), k/v (G, T, D);
-    q_pos (n,), k_pos (T,) token positions: a query attends to keys with position <= its own.
-    Returns (G, n, group, D) float32. With keys sorted by position (the engine's order), a block
-    only computes keys up to its last query, and only the keys past its first query are masked;
-    so the masked upper triangle is skipped but for the diagonal blocks. The softmax's
-    normalisation is applied to the (m, D) output, not to the (m, T) probabilities.
-
-    ``no_max``: the caller proved every score within ``SCORE_BOUND`` (``ShardedModel._score_bounds``);
-    then see :func:`_prefill_attention_no_max` (same result to float rounding, about half the passes).
-    """
-    if no_max:
-        return _prefill_attention_no_max(q, k, v, q_pos, k_pos)
-    G, n, group, D = q.shape
-    T = k.shape[1]
-    qs = q * F32(1.0 / np.sqrt(D))  # on q, not the scores: exact when D is a power of 4 (16: scale 1/4)
-    kt = np.ascontiguousarray(k.transpose(0, 2, 1))  # (G, D, T)
-    out = np.empty((G, n, group, D), dtype=F32)
-    sorted_keys = T < 2 or bool(np.all(k_pos[1:] >= k_pos[:-1]))
-    for s in range(0, n, block):
-        e = min(n, s + block)
-        qp = q_pos[s:e]
-        if sorted_keys:
-            t_end = int(np.searchsorted(k_pos, qp.max(), side="right"))
-            t_vis = int(np.searchsorted(k_pos, qp.min(), side="right"))  # keys every query of the block sees
-        else:
-            t_end, t_vis = T, 0
-        m = e - s
-        sc = np.matmul(qs[:, s:e].reshape(G, m * group, D), kt[:, :, :t_end])  # (G, m*group, t_end)
-        if t_vis < t_end:
-            bias = np.where(k_pos[None, t_vis:t_end] > qp[:, None], F32(-np.inf), F32(0))  # (m, t_end - t_vis)
-            sc.reshape(G, m, group, t_end)[..., t_vis:] += bias[None, :, None, :]
-        sc -= sc.max(axis=-1, keepdims=True)
-        np.exp(sc, out=sc)
-        tot = sc.sum(axis=-1, keepdims=True)
-        o = np.matmul(sc, v[:, :t_end])  # (G, m*group, D)
-        o /= tot
-        out[:, s:e] = o.reshape(G, m, group, D)
-    return out
-
-
-#: Queries per block of :func:`_prefill_attention_no_max`: 8 measured fastest of 4/8/16/32 at 128-512
-#: tokens (CPU ms a layer at 256: 2.57 / 2.16 / 2.57 / 3.36); a block's scores stay within the L2 cache.
-PREFILL_BLOCK_NO_MAX = 8
-
-
-def _prefill_attention_no_max(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
-                              k_pos: np.ndarray, block: int = PREFILL_BLOCK_NO_MAX) -> np.ndarray:
-    """``_prefill_attention`` for scores proven within ``SCORE_BOUND``: softmax without its max.
-
-    Shapes as ``_prefill_attention``. Per block: scores (one matmul), exp in place, masked keys of the
-    diagonal part zeroed (exp(-inf) is exactly 0, so the same as a -inf bias), then one matmul with
-    [V | 1] gives both the weighted sum and the softmax's denominator (no separate sum pass).
-    """
-    G, n, group, D = q.shape
-    T = k.shape[1]
-    qs = q * F32(1.0 / np.sqrt(D))  # on q, not the scores: exact when D is a power of 4 (16: scale 1/4)
-    kt = np.ascontiguousarray(k.transpose(0, 2, 1))  # (G, D, T)
-    va = np.empty((G, T, D + 1), dtype=F32)  # [V | 1]
-    va[..., :D] = v
-    va[..., D] = _ONE
-    oa = np.empty((G, n * group, D + 1), dtype=F32)  # sum(p v) | sum(p), normalised once at the end
-    qf = qs.reshape(G, n * group, D)
-    if T < 2 or bool(np.all(k_pos[1:] >= k_pos[:-1])):
-        ends = np.searchsorted(k_pos, q_pos, side="right").tolist()  # keys query i sees: [0, ends[i])
-        sorted_keys = True
-    else:
-        sorted_keys = False
-    # the usual prefill: the last n keys are the queries, one position apart. Then every full block's
-    # masked keys are the same strict upper triangle of its (block, block - 1) diagonal part, zeroed
-    # through precomputed flat indices (a strided multiply per block costs twice as much)
-    P = T - n
-    tri_rows = tri_cols = None
-    if (sorted_keys and n > 1 and P >= 0 and block > 1 and int(q_pos[-1]) - int(q_pos[0]) == n - 1
-            and np.array_equal(k_pos[P:], q_pos) and (P == 0 or k_pos[P - 1] < q_pos[0])):
-        i, j = np.nonzero(np.arange(block - 1)[None, :] >= np.arange(block)[:, None])  # key j masked for query i
-        rows = (np.arange(G)[:, None, None] * (block * group) + i[None, :, None] * group
-                + np.arange(group)[None, None, :])
-        tri_rows = rows.reshape(-1)
-        tri_cols = np.broadcast_to(j[None, :, None], rows.shape).reshape(-1)
-    for s in range(0, n, block):
-        e = min(n, s + block)
-        m = e - s
-        if sorted_keys:
-            # keys up to the block's last query; only those past its first query need the mask
-            t_end, t_vis = max(ends[s:e]), min(ends[s:e])
-        else:
-            t_end, t_vis = T, 0
-        sc = np.matmul(qf[:, s * group:e * group], kt[:, :, :t_end])  # (G, m*group, t_end)
-        np.exp(sc, out=sc)
-        if t_vis < t_end:
-            if tri_rows is not None and m == block:
-                flat = tri_rows * t_end
-                flat += tri_cols
-                flat += t_vis
-                sc.reshape(-1)[flat] = 0
-            else:
-                keep = k_pos[None, t_vis:t_end] <= q_pos[s:e, None]  # (m, t_end - t_vis)
-                sc.reshape(G, m, group, t_end)[..., t_vis:] *= keep[None, :, None, :]
-        np.matmul(sc, va[:, :t_end], out=oa[:, s * group:e * group])
-    return (oa[..., :D] / oa[..., D:]).reshape(G, n, group, D)
-
-
-def _moe_prefill(h: np.ndarray, ids: np.ndarray, w: np.ndarray, used: np.ndarray, gue: np.ndarray,
-                 down: np.ndarray) -> np.ndarray:
-    """Both chips' SwiGLU expert partial sums for a prefill, every expert in one batched matmul.
-
-    h (n, H) float32; ids/w (n, k) routing; used (U,) the distinct experts in ``ids`` (sorted);
-    gue (E, H, 2*C*F') every chip's gate then every chip's up columns of each expert side by side,
-    down (C, E, F', H) (F' = one chip's intermediate columns). Returns (C, n, H) float32: chip c's
-    partial sum. Each expert's tokens are a zero-padded row group of one (U, M, H) batch: one batched
-    matmul gives gate and up of both chips, one more each chip's down-projection; the routing weight
-    scales the F'-wide activations (not the H-wide outputs), and a token's k contributions are summed
-    in one reduction.
-    """
-    n, k = ids.shape
-    H = h.shape[1]
-    C, E, F = down.shape[:3]
-    N = n * k
-    flat_e = ids.reshape(-1)
-    order = np.argsort(flat_e, kind="stable")  # assignments grouped by expert, tokens ascending
-    e_sorted = flat_e[order]
-    counts = np.bincount(flat_e, minlength=E)
-    M = int(counts.max())
-    U = used.size
-    uidx = np.zeros(E, dtype=np.int64)
-    uidx[used] = np.arange(U)
-    row = uidx[e_sorted] * M + (np.arange(N) - (np.cumsum(counts) - counts)[e_sorted])
-    X = np.zeros((U * M, H), dtype=F32)
-    X[row] = h[order // k]
-    Wt = np.zeros((U * M, 1), dtype=F32)
-    Wt[row, 0] = w.reshape(-1)[order]
-    if U < E:
-        gue, down = gue[used], np.take(down, used, axis=1)
-    r = np.matmul(X.reshape(U, M, H), gue).reshape(U * M, 2, C * F)  # gate | up, both chips
-    g, u = r[:, 0], r[:, 1]
-    a = g / (_ONE + np.exp(-g))
-    a *= u
-    a *= Wt
-    y = np.matmul(a.reshape(U, M, C, F).transpose(2, 0, 1, 3), down).reshape(C, U * M, H)  # (C, U*M, H)
-    row_of = np.empty(N, dtype=np.int64)
-    row_of[order] = row  # assignment (token, j) -> its padded row
-    # (C, k, n, H) then a sum over k: contiguous (n, H) blocks added, cheaper than reducing a middle axis
-    return np.take(y, row_of.reshape(n, k).T, axis=1).sum(axis=1)
 
 
 @dataclass
@@ -584,47 +148,6 @@ class ChipShard:
         self.v_cache = self.k_cache
         self.kv_cells = n_cells
 
-
-
-def _cell_index(cells: np.ndarray) -> slice | np.ndarray:
-    """Index for a sequence's cells: a slice (view, no copy) when they are one
-    contiguous run — the common case of one sequence allocated in order."""
-    if cells.size and cells[-1] - cells[0] == cells.size - 1 and (cells.size < 3 or np.all(np.diff(cells) == 1)):
-        return slice(int(cells[0]), int(cells[-1]) + 1)
-    return cells
-
-
-def _cells(cache: np.ndarray, index: slice | np.ndarray) -> np.ndarray:
-    """A layer's cache (C, kvh, cells, D) at a sequence's cells: a view for a slice, else a C-ordered
-    gather (``np.take``; fancy indexing on a middle axis returns a strided layout that slows the matmuls)."""
-    return cache[:, :, index] if isinstance(index, slice) else np.take(cache, index, axis=2)
-
-
-class CellKV:
-    """Read and write a model's KV cache by cell (``device.kv_state.KVValueStore``): what a slot's saved
-    state holds besides its positions. Subclasses list their arrays in ``_kv_arrays`` (array, cell axis)."""
-
-    def _kv_arrays(self) -> list[tuple[np.ndarray, int]]:
-        raise NotImplementedError
-
-    def kv_layout(self) -> list[tuple[tuple[int, ...], str, int]]:
-        """(shape, dtype string, cell axis) of each KV array (float32; the cell axis spans every KV cell)."""
-        return [(tuple(a.shape), a.dtype.str, axis) for a, axis in self._kv_arrays()]
-
-    def kv_take(self, cells: np.ndarray) -> list[np.ndarray]:
-        """Each KV array's rows at ``cells`` (copies, in ``cells`` order)."""
-        return [np.take(a, np.asarray(cells, dtype=np.int64), axis=axis) for a, axis in self._kv_arrays()]
-
-    def kv_put(self, cells: np.ndarray, rows: Sequence[np.ndarray]) -> None:
-        """Write ``rows`` (as ``kv_take`` gives them) at ``cells``; ValueError for rows of another shape."""
-        arrays = self._kv_arrays()
-        if len(rows) != len(arrays):
-            raise ValueError(f"{len(rows)} row arrays for {len(arrays)} KV arrays")
-        idx_cells = np.asarray(cells, dtype=np.int64)
-        for (a, axis), r in zip(arrays, rows, strict=True):
-            idx: list[Any] = [slice(None)] * a.ndim
-            idx[axis] = idx_cells
-            a[tuple(idx)] = r
 
 
 class ShardedModel(CellKV):
@@ -850,7 +373,7 @@ class ShardedModel(CellKV):
         sin_b = np.ascontiguousarray(np.broadcast_to(sin_s, (n, qh + kvh, D)))
         d_n, c_eps = F32(1.0 / D), F32(shape.rms_eps)
         touched: list[int] = []
-        ctx_index = _cell_index(ctx_cells)
+        ctx_index = cell_index(ctx_cells)
         kcache, vcache = self.k_cache, self.v_cache
         no_max = self._score_bounds()
         # both chips run each op in one call along the leading chip axis (as in _decode); chip c's
@@ -874,17 +397,17 @@ class ShardedModel(CellKV):
             kcache[:, li][:, :, new_cells] = k.transpose(0, 2, 1, 3)
             vcache[:, li][:, :, new_cells] = v.transpose(0, 2, 1, 3)
             T = ctx_cells.shape[0]
-            kc = _cells(kcache[:, li], ctx_index).reshape(C * kvh, T, D)  # (C*kvh, T, D): every KV head
-            vc = _cells(vcache[:, li], ctx_index).reshape(C * kvh, T, D)
+            kc = cells_of(kcache[:, li], ctx_index).reshape(C * kvh, T, D)  # (C*kvh, T, D): every KV head
+            vc = cells_of(vcache[:, li], ctx_index).reshape(C * kvh, T, D)
             qh_ = q.reshape(C, n, kvh, group, D).transpose(0, 2, 1, 3, 4).reshape(C * kvh, n, group, D)
-            o = _prefill_attention(qh_, kc, vc, positions, ctx_positions, no_max=no_max[li])  # (C*kvh, n, group, D)
+            o = prefill_attention(qh_, kc, vc, positions, ctx_positions, no_max=no_max[li])  # (C*kvh, n, group, D)
             o = o.reshape(C, kvh, n, group, D).transpose(0, 2, 1, 3, 4).reshape(C, n, qh * D)
             x = x + np.matmul(o, st["wo"]).sum(axis=0)  # all-reduce (sum) over chips
             h = rms_norm(x, lw.post_norm, shape.rms_eps)
             ids, w = route(h, lw.router, shape.n_experts_active)
             used = np.unique(ids)
             touched.append(int(used.size))
-            x = x + _moe_prefill(h, ids, w, used, st["gue"], st["down"]).sum(axis=0)  # reduce partial sums
+            x = x + moe_prefill(h, ids, w, used, st["gue"], st["down"]).sum(axis=0)  # reduce partial sums
         last = rms_norm(x[-1:], self.weights.final_norm, shape.rms_eps)[0]
         return StepNumerics(logits=self._lm_head(last), experts_touched=touched)
 
@@ -955,7 +478,7 @@ class ShardedModel(CellKV):
         x = embed[token].astype(F32)  # (H,) on chip0, broadcast
         rope = rope_full_tables(*rope_tables(np.array([position]), D, shape.rope_theta))
         cos_f, sin_s, rot = rope[0][0], rope[1][0], rope[2]  # (1, D): broadcast over (C, heads, D)
-        idx = _cell_index(ctx_cells)
+        idx = cell_index(ctx_cells)
         kcache, vcache = self.k_cache, self.v_cache
         c_n, c_eps = F32(1.0 / H), F32(shape.rms_eps)
         d_n = F32(1.0 / D)
@@ -970,8 +493,8 @@ class ShardedModel(CellKV):
             qk = apply_rope_full(qk, cos_f, sin_s, rot)
             kcache[:, li, :, cell] = qk[:, qh:]
             vcache[:, li, :, cell] = qkv[:, qk_cols:].reshape(C, kvh, D)
-            K = _cells(kcache[:, li], idx)  # (C, kvh, T, D); a view when cells are contiguous
-            V = _cells(vcache[:, li], idx)
+            K = cells_of(kcache[:, li], idx)  # (C, kvh, T, D); a view when cells are contiguous
+            V = cells_of(vcache[:, li], idx)
             qg = qk[:, :qh].reshape(C, kvh, group, D)
             qg *= scale
             sc = np.matmul(qg, K.transpose(0, 1, 3, 2))  # (C, kvh, group, T)
@@ -982,7 +505,7 @@ class ShardedModel(CellKV):
             o /= np.add.reduce(sc, axis=-1, keepdims=True)
             x = x + np.matmul(o.reshape(C, 1, qh * D), st["wo"]).sum(axis=(0, 1))  # all-reduce over chips
             h = x * (_ONE / np.sqrt(np.dot(x, x) * c_n + c_eps)) * lw.post_norm
-            e, w = _route1(h, lw.router, k_act)
+            e, w = route_one(h, lw.router, k_act)
             r = np.matmul(h, st["gue"][e]).reshape(k_act, 2, C, F)  # gate and up of both chips in one matmul
             g = r[:, 0]
             a = g / (_ONE + np.exp(-g))

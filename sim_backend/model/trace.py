@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from sim_backend.model.costmodel import StepCost
+from sim_backend.model.stepcost import StepCost
 
 DEVICE_PID = 0
 

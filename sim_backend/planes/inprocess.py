@@ -25,7 +25,7 @@ import psutil
 
 from sim_backend.bundle.manifest import Bundle
 from sim_backend.errors import InvalidRequestError
-from sim_backend.model.costmodel import OUTSIDE_PARTS
+from sim_backend.model.stepcost import OUTSIDE_PARTS
 from sim_backend.model.tokenizer import CHAT_TEMPLATE
 from sim_backend.model.vocab import VOCAB_SIZE
 from sim_backend.planes.snapshot import Health, Snapshot, convert

@@ -8,7 +8,7 @@ from typing import Any
 
 from sim_backend.bundle.manifest import load_bundle
 from sim_backend.device.memory import MemoryPlan
-from sim_backend.model.costmodel import HardwareSpec
+from sim_backend.model.hwspec import HardwareSpec
 from sim_backend.model.opgraph import build_graph
 
 

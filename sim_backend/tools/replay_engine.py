@@ -25,7 +25,9 @@ from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.errors import CalError, UnavailableError
 from sim_backend.planes.types import SLO, ChatRequest, SamplingParams
-from sim_backend.tools.replay import Ledger, ReplayConfig, Trace, summarize
+from sim_backend.tools.replay import summarize
+from sim_backend.tools.replay_board import Ledger, ReplayConfig
+from sim_backend.tools.replay_trace import Trace
 
 __all__ = ["prompt_ids", "replay_on_engine"]
 

@@ -22,7 +22,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sim_backend.planes.types import SLO
-from sim_backend.tools.replay import ReplayConfig, StepPrices, Trace, prices_for_trace, replay, variant_bundle_dir
+from sim_backend.tools.replay import replay
+from sim_backend.tools.replay_board import ReplayConfig
+from sim_backend.tools.replay_prices import StepPrices, prices_for_trace, variant_bundle_dir
+from sim_backend.tools.replay_trace import Trace
 
 __all__ = ["MAX_BOARDS", "Search", "find_boards", "price_variant", "probe"]
 

@@ -12,7 +12,7 @@ every assumed parameter of the hardware YAML's ``fitted`` section that the fit d
 PCIe bandwidth, INT8/FP16 peaks) are drawn together from a scrambled Sobol sequence (fixed
 seed; log-uniform where a range spans a factor of 8 or more, integers rounded, KV blocks a
 power of two); for each draw the fitted parameters are refitted on the FITTED cases only
-(:func:`~sim_backend.tools.calibration.fit_parameters`), and the draw is kept when its refit
+(:func:`~sim_backend.tools.calibration_fit.fit_parameters`), and the draw is kept when its refit
 reproduces the three F7 points within the tolerance (±3 %) and places every fitted band at
 least as well as the shipped fit does (inside it, or no further outside than the shipped
 model plus the tolerance: the shipped mechanisms cannot place ~2K and ~40K both inside).
@@ -74,7 +74,7 @@ def figures(cm: CostModel, prompts=SWEEP_PROMPTS, contexts=SWEEP_CONTEXTS,
 def sampled_parameters(cm: CostModel) -> list[tuple[str, str, float, float]]:
     """What the joint sample moves: ``(section, key, lo, hi)`` for every assumed ``fitted``-section
     parameter (not refitted) and every hardware peak with a range."""
-    from sim_backend.tools.calibration import FIT_FREE
+    from sim_backend.tools.calibration_fit import FIT_FREE
 
     out = [("fitted", k, float(lo), float(hi)) for k, (lo, hi) in cm.hw.ranges.items()
            if k not in FIT_FREE and k != "host_overhead_ms_per_token" and lo < hi]
@@ -87,7 +87,7 @@ def _draw(u: float, key: str, lo: float, hi: float) -> float:
         e_lo, e_hi = math.log2(lo), math.log2(hi)
         return float(2 ** round(e_lo + u * (e_hi - e_lo)))
     v = lo * (hi / lo) ** u if lo > 0 and hi / lo >= _LOG_RATIO else lo + u * (hi - lo)
-    from sim_backend.model.costmodel import _INTEGER_FITTED
+    from sim_backend.model.hwspec import _INTEGER_FITTED
 
     return float(round(v)) if key in _INTEGER_FITTED else float(v)
 
@@ -101,15 +101,15 @@ def joint_models(cm: CostModel, samples: int = DEFAULT_SAMPLES, *, seed: int = 0
     """
     from scipy.stats import qmc
 
-    from sim_backend.tools.calibration import (
+    from sim_backend.tools.calibration_cases import (
         FIT_CASES,
         POINT_CASES,
         TOLERANCE_PCT,
         band_miss_pct,
         case_error_pct,
         evaluate_cases,
-        fit_parameters,
     )
+    from sim_backend.tools.calibration_fit import fit_parameters
 
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")

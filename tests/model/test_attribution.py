@@ -10,8 +10,9 @@ import pytest
 
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.model.batching import BatchedCostModel, Variant, price_decode_batch
-from sim_backend.model.costmodel import OUTSIDE_PARTS, StepCost, default_cost_model
+from sim_backend.model.costmodel import default_cost_model
 from sim_backend.model.opgraph import CATEGORIES
+from sim_backend.model.stepcost import OUTSIDE_PARTS, StepCost
 
 SHAPE = ModelShape()
 STEPS = [("decode", 1, 27, None), ("decode", 1, 30000, None), ("prefill", 27, 0, None), ("prefill", 2048, 100, None),

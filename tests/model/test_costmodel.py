@@ -13,7 +13,8 @@ import yaml
 
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.errors import ManifestError
-from sim_backend.model.costmodel import DEFAULT_HW_PATH, CostModel, HardwareSpec
+from sim_backend.model.costmodel import CostModel
+from sim_backend.model.hwspec import DEFAULT_HW_PATH, HardwareSpec
 from sim_backend.model.opgraph import CATEGORIES
 
 SHAPE = ModelShape()
@@ -286,9 +287,10 @@ def test_bad_ranges_section_is_refused(edit, field):
 
 
 def test_flash_decode_mechanism(cm):
-    """Flash decoding by mechanism (costmodel.flash_decode): blocks of kv_block_kib, partitions over the
+    """Flash decoding by mechanism (attention_cost.flash_decode): blocks of kv_block_kib, partitions over the
     cores, max(DMA at the shared DRAM rate, vector work) per block, a tree merge of the partitions."""
-    from sim_backend.model.costmodel import flash_decode, sram_workspace_bytes
+    from sim_backend.model.attention_cost import flash_decode
+    from sim_backend.model.hwspec import sram_workspace_bytes
 
     f, hw = cm.hw.fitted, cm.hw
     rows = f["kv_block_kib"] * 1024 // (128 * 2)
@@ -321,7 +323,7 @@ def test_flash_decode_mechanism(cm):
 
 
 def test_decode_attention_is_the_flash_decode_op(cm):
-    from sim_backend.model.costmodel import flash_decode
+    from sim_backend.model.attention_cost import flash_decode
 
     fa = CATEGORIES.index("flash_attention")
     for past in (10, 5000, 40_000):
@@ -341,7 +343,7 @@ def test_data_moving_table_of_the_40960_prefill(cm):
     """The derived data-moving entries of the upper-bound prefill (facts.md F3): 245,760 x 64 KiB is the
     dynamic D2D volume (2 per layer x 48 x 40960 tokens x 2048 x 2 B), 122,880 x 32 KiB the KV written
     once and read once (2 x 1.875 GiB, facts.md F4), chip0's 2 extra entries the embedding."""
-    from sim_backend.model.costmodel import data_moving_table
+    from sim_backend.model.attention_cost import data_moving_table
 
     t = data_moving_table(cm.hw, SHAPE)
     assert [d["blocks"] for d in t] == [{64 * 1024: 245_760, 32 * 1024: 122_880}] * 2

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from sim_backend.model import golden as G
-from sim_backend.model.numerics import ShardedModel, make_weights
+from sim_backend.model.numerics import ShardedModel
+from sim_backend.model.weights import make_weights
 
 
 @pytest.fixture(scope="module")

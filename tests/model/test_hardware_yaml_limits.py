@@ -10,7 +10,7 @@ import pytest
 
 from calconsole.cli import main
 from sim_backend.errors import ManifestError
-from sim_backend.model.costmodel import DEFAULT_HW_PATH, HardwareSpec
+from sim_backend.model.hwspec import DEFAULT_HW_PATH, HardwareSpec
 
 
 def _laughs(levels: int = 5) -> str:

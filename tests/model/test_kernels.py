@@ -13,17 +13,12 @@ import numpy as np
 import pytest
 
 from sim_backend.bundle.shapes import ModelShape, NumericShape
+from sim_backend.model import attention_kernels as KA
 from sim_backend.model import golden as G
+from sim_backend.model import kernel_cache as KC
 from sim_backend.model import kernels as K
-from sim_backend.model.numerics import (
-    ShardedModel,
-    _prefill_attention,
-    apply_rope,
-    kernels_choice,
-    rms_norm,
-    rope_tables,
-    route,
-)
+from sim_backend.model.layer_ops import apply_rope, prefill_attention, rms_norm, rope_tables, route
+from sim_backend.model.numerics import ShardedModel, kernels_choice
 
 SHAPE = ModelShape()
 NUM = NumericShape()
@@ -57,7 +52,7 @@ def test_exp_in_range_gives_exp_f32s_bits_on_its_range():
 
 def _exp_rows(x, out):
     out[:] = x
-    K.exp_shift(out, F(0.0))
+    KA.exp_shift(out, F(0.0))
 
 
 def test_rms_norm_matvec_and_bf16_matvec_match_numpy():
@@ -150,7 +145,7 @@ def test_attend_decode_matches_softmax_attention(T, contiguous, no_max, G_, D):
     v_t = RNG.standard_normal((D, cells)).astype(F)
     idx = np.arange(T, dtype=np.int64) + 50 if contiguous else RNG.permutation(cells)[:T].astype(np.int64)
     out = np.empty((G_, D), F)
-    K.attend_decode(q, k_t, v_t, int(idx[0]) if contiguous else -1, idx, T, no_max, np.empty((G_, T), F), out)
+    KA.attend_decode(q, k_t, v_t, int(idx[0]) if contiguous else -1, idx, T, no_max, np.empty((G_, T), F), out)
     s = q.astype(np.float64) @ k_t[:, idx]
     p = np.exp(s - s.max(-1, keepdims=True))
     want = (p / p.sum(-1, keepdims=True)) @ v_t[:, idx].T
@@ -158,12 +153,12 @@ def test_attend_decode_matches_softmax_attention(T, contiguous, no_max, G_, D):
 
 
 def _attend_prefill(q, ks, vs, ends, k_pos, q_pos, masked, no_max, out) -> None:
-    """``K.attend_prefill_t`` on queries given as (n, G, D) rows, unscaled (the kernel scales them by
+    """``KA.attend_prefill_t`` on queries given as (n, G, D) rows, unscaled (the kernel scales them by
     1/sqrt(D) as it reads them, as the chip's prefill passes them): the output written to out (n, G, D)."""
     n, G_, D = q.shape
     qt = np.ascontiguousarray(q.reshape(n, G_ * D).T)  # feature rows, as the chip's transposed projection
     o = np.empty((n, G_ * D), F)
-    K.attend_prefill_t(qt, 0, G_, F(1 / np.sqrt(D)), ks, vs, ends, k_pos, q_pos, masked, no_max, o, 0)
+    KA.attend_prefill_t(qt, 0, G_, F(1 / np.sqrt(D)), ks, vs, ends, k_pos, q_pos, masked, no_max, o, 0)
     out[...] = o.reshape(n, G_, D)
 
 
@@ -175,7 +170,7 @@ def test_attend_prefill_matches_the_numpy_prefill(n, past, stride):
     v = RNG.standard_normal((1, past + n, D)).astype(F)
     k_pos = np.arange(past + n, dtype=np.int64) * stride
     q_pos = k_pos[past:].copy()
-    want = _prefill_attention(q, k, v, q_pos, k_pos)[0]
+    want = prefill_attention(q, k, v, q_pos, k_pos)[0]
     ends = np.searchsorted(k_pos, q_pos, side="right").astype(np.int64)
     got = np.empty((n, G_, D), F)
     qs = np.ascontiguousarray(q[0])  # unscaled: the kernel and the numpy prefill each scale it
@@ -464,20 +459,20 @@ def test_cache_dir_falls_back_to_the_user_cache_when_the_package_is_read_only(mo
 
     monkeypatch.setattr(cfg, "CACHE_DIR", cfg.CACHE_DIR)  # restored after the test
     monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
-    real_touch = K.Path.touch
+    real_touch = KC.Path.touch
 
     def read_only(self, *a, **kw):
         if "__pycache__" in str(self):
             raise PermissionError(13, "Read-only file system")
         return real_touch(self, *a, **kw)
 
-    monkeypatch.setattr(K.Path, "touch", read_only)
+    monkeypatch.setattr(KC.Path, "touch", read_only)
     monkeypatch.setattr(platformdirs, "user_cache_dir", lambda app: str(tmp_path / app))
-    sub = f"kernels-{K.kernels_digest()}"
-    d = K.cache_dir()
+    sub = f"kernels-{KC.kernels_digest()}"
+    d = KC.cache_dir()
     assert d == tmp_path / "calconsole" / "numba" / sub and d.is_dir() and cfg.CACHE_DIR == str(d)
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "given"))
-    assert K.cache_dir() == tmp_path / "given" / sub and cfg.CACHE_DIR == str(tmp_path / "given" / sub)
+    assert KC.cache_dir() == tmp_path / "given" / sub and cfg.CACHE_DIR == str(tmp_path / "given" / sub)
 
 
 def test_kernel_cache_is_named_by_both_kernel_sources(monkeypatch, tmp_path):
@@ -485,15 +480,21 @@ def test_kernel_cache_is_named_by_both_kernel_sources(monkeypatch, tmp_path):
     give compiled.py's step (which inlines the kernels) a fresh cache, so the digest reads both files."""
     import shutil
 
-    for name in K.KERNEL_SOURCES:
-        shutil.copy(Path(K.__file__).with_name(name), tmp_path / name)
-    monkeypatch.setattr(K, "__file__", str(tmp_path / "kernels.py"))
-    before = K.kernels_digest()
-    assert before == K.kernels_digest()
+    for name in KC.KERNEL_SOURCES:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(KC.__file__).parent / name, tmp_path / name)
+    monkeypatch.setattr(KC, "__file__", str(tmp_path / "kernel_cache.py"))
+    before = KC.kernels_digest()
+    assert before == KC.kernels_digest()
     (tmp_path / "kernels.py").write_text((tmp_path / "kernels.py").read_text() + "\n# edited\n")
-    edited = K.kernels_digest()
+    edited = KC.kernels_digest()
     (tmp_path / "compiled.py").write_text((tmp_path / "compiled.py").read_text() + "\n# edited\n")
-    assert len({before, edited, K.kernels_digest()}) == 3
+    both = KC.kernels_digest()
+    assert len({before, edited, both}) == 3
+    # the dense pilot's kernels inlined into dense_kernels.dense_forward name the cache too
+    quant = tmp_path / "families" / "dense_quant.py"
+    quant.write_text(quant.read_text() + "\n# edited\n")
+    assert len({before, edited, both, KC.kernels_digest()}) == 4
 
 
 def test_warm_up_announces_a_stage_only_when_numba_compiles(monkeypatch):
@@ -534,11 +535,11 @@ def test_stale_kernel_caches_are_pruned_and_the_current_one_kept(tmp_path):
     for d in (current, stale, other):
         os.utime(d / "f.nbi", (old, old))
         os.utime(d, (old, old))
-    now = old + K.STALE_CACHE_AGE_S + 1
+    now = old + KC.STALE_CACHE_AGE_S + 1
     os.utime(fresh / "f.nbi", (now - 10, now - 10))
-    assert K.prune_stale_caches(current, now=now) == [stale]
+    assert KC.prune_stale_caches(current, now=now) == [stale]
     assert current.is_dir() and fresh.is_dir() and other.is_dir() and not stale.exists()
-    assert K.prune_stale_caches(current, now=now) == []
+    assert KC.prune_stale_caches(current, now=now) == []
 
 
 
@@ -561,7 +562,7 @@ def test_wide_vectors_makes_a_kernel_use_512_bit_registers_with_the_same_bits():
             row[t] = K._exp_core(row[t])
 
     def wide(row):
-        K.wide_vectors()
+        KC.wide_vectors()
         body_inline(row)
 
     body_inline = njit(inline="always", fastmath={"contract"})(body)
@@ -569,7 +570,7 @@ def test_wide_vectors_makes_a_kernel_use_512_bit_registers_with_the_same_bits():
     wide_f = njit(fastmath={"contract"}, error_model="numpy")(wide)
 
     def legal(row):
-        K.wide_legal()
+        KC.wide_legal()
         body_inline(row)
 
     legal_f = njit(fastmath={"contract"}, error_model="numpy")(legal)

@@ -7,16 +7,9 @@ import pytest
 
 from sim_backend.bundle.shapes import ModelShape, NumericShape
 from sim_backend.model.bf16 import f32_to_bf16
-from sim_backend.model.numerics import (
-    FIRST_PADDING_ID,
-    ReferenceModel,
-    ShardedModel,
-    StepNumerics,
-    apply_rope,
-    make_weights,
-    rope_tables,
-    route,
-)
+from sim_backend.model.layer_ops import apply_rope, rope_tables, route
+from sim_backend.model.numerics import ReferenceModel, ShardedModel, StepNumerics
+from sim_backend.model.weights import FIRST_PADDING_ID, make_weights
 
 SHAPE = ModelShape()  # all 48 layers, 32:4 GQA, 128 experts top-8, vocab 151936
 NUM = NumericShape()
@@ -124,7 +117,7 @@ def test_softmax_without_max_only_where_scores_are_bounded_and_the_fallback_matc
     import copy
     import dataclasses
 
-    from sim_backend.model.numerics import SCORE_BOUND
+    from sim_backend.model.layer_ops import SCORE_BOUND
 
     shape = SHAPE.with_layers(4)
     w = copy.deepcopy(make_weights(shape, NUM))
@@ -148,10 +141,10 @@ def test_softmax_without_max_only_where_scores_are_bounded_and_the_fallback_matc
 
 
 @pytest.mark.parametrize("n,past,stride", [(37, 0, 1), (16, 11, 1), (9, 4, 3), (1, 7, 1)])
-def test_prefill_attention_without_max_equals_the_max_path(n, past, stride):
+def testprefill_attention_without_max_equals_the_max_path(n, past, stride):
     """Blocked causal attention: the no-max path (precomputed diagonal masks for contiguous positions,
     the general mask otherwise) equals the max-subtracting path; partial blocks and a chunk after past keys."""
-    from sim_backend.model.numerics import _prefill_attention
+    from sim_backend.model.layer_ops import prefill_attention
 
     rng = np.random.default_rng(n + past)
 
@@ -164,8 +157,8 @@ def test_prefill_attention_without_max_equals_the_max_path(n, past, stride):
     v = rng.standard_normal((G, past + n, D), dtype=np.float32)
     k_pos = np.arange(past + n) * stride
     q_pos = k_pos[past:]
-    fast = _prefill_attention(q, k, v, q_pos, k_pos, no_max=True)
-    slow = _prefill_attention(q, k, v, q_pos, k_pos, no_max=False)
+    fast = prefill_attention(q, k, v, q_pos, k_pos, no_max=True)
+    slow = prefill_attention(q, k, v, q_pos, k_pos, no_max=False)
     np.testing.assert_allclose(fast, slow, atol=1e-5, rtol=1e-5)
     # the last query sees every key: its output is the plain softmax average
     s = np.einsum("gnd,gtd->gnt", q[:, -1] / np.sqrt(D), k)

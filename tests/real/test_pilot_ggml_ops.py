@@ -14,7 +14,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sim_backend.model.families import dense_attention as da
 from sim_backend.model.families import dense_kernels as dk
+from sim_backend.model.families import dense_quant as dq
 
 from .ggml_lib import T_F16, T_F32, T_I32, T_Q4_1, T_Q8_0, Ggml, load
 
@@ -28,7 +30,7 @@ def lib():
 
 
 def _scratch():
-    return dk.product_scratch()
+    return dq.product_scratch()
 
 
 def _q4_1_blocks(rng, N, K):
@@ -47,7 +49,7 @@ def _q4_1_blocks(rng, N, K):
 def _quantised(x):
     n, K = x.shape
     xq, xd, xs = np.empty((n, K), np.int8), np.empty((n, K // 32), F32), np.empty((n, K // 32), F32)
-    dk.quantise_rows(x, xq, xd, xs)
+    dq.quantise_rows(x, xq, xd, xs)
     return xq, xd, xs
 
 
@@ -77,7 +79,7 @@ def test_q4_1_product_is_ggml_mul_mat(lib, n, K, N):
     x = (rng.standard_normal((n, K)) * 2.5).astype(F32)
     ref = _ggml_matmul(lib, T_Q4_1, raw, N, K, x)
     out = np.empty((n, N), F32)
-    dk.quant_matmul(*dk.pack_q4_1(*dk.split_q4_1(raw, N, K)), True, *_quantised(x), _scratch(), out)
+    dq.quant_matmul(*dq.pack_q4_1(*dq.split_q4_1(raw, N, K)), True, *_quantised(x), _scratch(), out)
     assert np.array_equal(out, ref), np.abs(out - ref).max()
 
 
@@ -93,7 +95,7 @@ def test_q8_0_lm_head_product_is_ggml_mul_mat(lib):
     x = (rng.standard_normal((1, K)) * 3).astype(F32)
     ref = _ggml_matmul(lib, T_Q8_0, raw, N, K, x)
     out = np.empty((1, N), F32)
-    dk.quant_matmul(*dk.pack_q8_0(*dk.split_q8_0(raw, N, K)), False, *_quantised(x), _scratch(), out)
+    dq.quant_matmul(*dq.pack_q8_0(*dq.split_q8_0(raw, N, K)), False, *_quantised(x), _scratch(), out)
     assert np.array_equal(out, ref), np.abs(out - ref).max()
 
 
@@ -104,15 +106,15 @@ def test_a_product_split_over_two_chips_rows_is_one_ggml_product(lib):
     raw = _q4_1_blocks(rng, N, K)
     x = (rng.standard_normal((n, K)) * 0.7).astype(F32)
     ref = _ggml_matmul(lib, T_Q4_1, raw, N, K, x)
-    codes, d, m = dk.split_q4_1(raw, N, K)
+    codes, d, m = dq.split_q4_1(raw, N, K)
     parts = [slice(0, split), slice(split, K)]
-    packed = [dk.pack_q4_1(np.ascontiguousarray(codes[:, s]), np.ascontiguousarray(d[:, s.start // 32:s.stop // 32]),
+    packed = [dq.pack_q4_1(np.ascontiguousarray(codes[:, s]), np.ascontiguousarray(d[:, s.start // 32:s.stop // 32]),
                            np.ascontiguousarray(m[:, s.start // 32:s.stop // 32])) for s in parts]
     cw, dw, mw = (tuple(p[i][None] for p in packed) for i in range(3))
     q = [_quantised(np.ascontiguousarray(x[:, s])) for s in parts]
     xq, xd, xs = (np.stack([qi[j] for qi in q]) for j in range(3))
     out = np.zeros((n, N), F32)
-    dk.chained_matmul(cw, dw, mw, 0, xq, xd, xs, _scratch(), out, False)
+    dq.chained_matmul(cw, dw, mw, 0, xq, xd, xs, _scratch(), out, False)
     assert np.array_equal(out, ref), np.abs(out - ref).max()
 
 
@@ -191,17 +193,17 @@ def test_flash_attention_is_ggml_flash_attn_ext(lib, nq, used, nkv, scattered):
         kt2[:, cells], vc2[cells] = kt[:, :used], vc[:used]
         kt, vc = kt2, vc2
     out = np.empty((nq, nh, D), F32)
-    T = dk.FA_TILE
+    T = da.FA_TILE
     for h in range(nh):
         if nq >= T:
             oh = np.empty((nq, D), F32)
             for q0 in range(0, nq, T):
-                dk.attend_tiled(np.ascontiguousarray(q[0, h]), q0, min(T, nq - q0), kt, vc, cells, ends, D, F32(0.125),
+                da.attend_tiled(np.ascontiguousarray(q[0, h]), q0, min(T, nq - q0), kt, vc, cells, ends, D, F32(0.125),
                                 np.empty(T, F32), np.empty(T, F32), np.empty(T, F32), np.empty((T, D), F32),
                                 np.empty((D, T), F32), oh)
             out[:, h] = oh
         else:
             for i in range(nq):
-                dk.attend_one(q[0, h, i], kt, vc, cells, ends[i], D, F32(0.125), np.empty(D, F32), np.empty(D, F32),
+                da.attend_one(q[0, h, i], kt, vc, cells, ends[i], D, F32(0.125), np.empty(D, F32), np.empty(D, F32),
                               np.empty(used, F32), np.empty(used, F32), np.empty((D, used), F32), out[i, h])
     assert np.array_equal(out, ref), np.abs(out - ref).max()

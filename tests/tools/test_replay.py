@@ -14,18 +14,12 @@ from calconsole.bench.replay import DEFAULT_TRACE
 from calconsole.cli import main
 from sim_backend.model.batching import price_decode_batch
 from sim_backend.planes.types import SLO
-from sim_backend.tools.replay import (
-    ReplayConfig,
-    StepPrices,
-    Trace,
-    TraceError,
-    load_trace,
-    prices_for_trace,
-    replay,
-    variant_bundle_dir,
-)
+from sim_backend.tools.replay import replay
+from sim_backend.tools.replay_board import ReplayConfig
 from sim_backend.tools.replay_engine import replay_on_engine
+from sim_backend.tools.replay_prices import StepPrices, prices_for_trace, variant_bundle_dir
 from sim_backend.tools.replay_search import find_boards
+from sim_backend.tools.replay_trace import Trace, TraceError, load_trace
 
 HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 T0 = "2023-11-16 18:15:46.6805900"
@@ -87,7 +81,7 @@ def test_timestamps_read_as_utc_with_or_without_an_offset_and_a_bom_is_allowed(t
         t = load_trace(p)
         out[name] = t.arrival_s.tolist()
     assert all(v == [0.0, 1.0] for v in out.values()), out
-    from sim_backend.tools.replay import _parse_time
+    from sim_backend.tools.replay_trace import _parse_time
 
     # naive = UTC whatever the machine's zone: the same instant as Z and +00:00, two hours after +02:00's clock
     assert _parse_time(rows["naive"]) == _parse_time(rows["z"]) == _parse_time(rows["utc"]) == _parse_time(rows["east"])

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 from calconsole.bench.replay import DEFAULT_TRACE, http_replay, served_boards
-from sim_backend.tools.replay import Trace, load_trace, prices_for_trace, replay
+from sim_backend.tools.replay import replay
+from sim_backend.tools.replay_prices import prices_for_trace
+from sim_backend.tools.replay_trace import Trace, load_trace
 
 # Host-time noise: an arrival lands up to one step (~18 simulated ms at batch 1) away from where the
 # replay puts it, and each streamed token crosses HTTP and two event loops. Measured here (idle and beside

@@ -52,7 +52,13 @@ def test_every_figure_has_a_range_around_its_value(small):
 
 
 def test_draws_move_assumed_parameters_and_hardware_peaks_jointly_inside_their_ranges(cm, small):
-    from sim_backend.tools.calibration import FIT_CASES, POINT_CASES, TOLERANCE_PCT, case_error_pct, evaluate_cases
+    from sim_backend.tools.calibration_cases import (
+        FIT_CASES,
+        POINT_CASES,
+        TOLERANCE_PCT,
+        case_error_pct,
+        evaluate_cases,
+    )
 
     hw_r, f_r = cm.hw.hardware_ranges, cm.hw.ranges
     assert {"dram_bw_gbps", "peak_fp16_tflops", "sram_bw_gbps", "d2d_link_gbps", "pcie_gbps"} <= set(hw_r)

@@ -1,6 +1,6 @@
 """Roofline prices of a dense Llama-family step (the pilot), per op role, in SIMULATED µs.
 
-The same roofline terms as :meth:`sim_backend.model.costmodel.CostModel._role_costs` (GenZ
+The same roofline terms as :func:`sim_backend.model.families.moe_cost.moe_role_costs` (GenZ
 ``get_roofline``: ``max(flops / (peak * eff), bytes / (bw * eff)) + per_op_overhead_us``; chiplet
 exchanges ``d2d_latency_us + bytes / (link * d2d_eff)``) and the same hardware and fitted
 parameters (``hardware/calculet_npu.yaml``); what differs is derived from the model family and
@@ -26,6 +26,7 @@ import math
 from typing import Any
 
 from sim_backend.bundle.shapes import ModelShape
+from sim_backend.model.attention_cost import flash_decode
 
 
 def dense_role_costs(hw_spec: Any, shape: ModelShape, kind: str, n: int, past: int
@@ -33,7 +34,7 @@ def dense_role_costs(hw_spec: Any, shape: ModelShape, kind: str, n: int, past: i
     """Per-role simulated µs of one step of the dense family, and DRAM bytes per chip by stream.
 
     Args:
-        hw_spec: a :class:`~sim_backend.model.costmodel.HardwareSpec`.
+        hw_spec: a :class:`~sim_backend.model.hwspec.HardwareSpec`.
         shape: a ``llama_dense`` :class:`ModelShape` (``ffn`` > 0, bytes per weight set).
         kind: "prefill" or "decode"; n: tokens in the step; past: tokens already in the KV cache.
     Returns:
@@ -111,9 +112,7 @@ def dense_role_costs(hw_spec: Any, shape: ModelShape, kind: str, n: int, past: i
     attn_t = act(2 * n * hq * d * a, L)
     if prefill:  # query tiles on the array, each KV block read once at the weights' sequential rate
         t["attn"] = max(attn_flops / attn_c, kv_read / w_bw + attn_t) + ov
-    else:  # flash decoding by mechanism, as the MoE family's (costmodel.flash_decode, shapes only)
-        from sim_backend.model.costmodel import flash_decode
-
+    else:  # flash decoding by mechanism, as the MoE family's (attention_cost.flash_decode, shapes only)
         t["attn"] = flash_decode(hw_spec, shape, ctx).us + attn_t + ov
     b["kv"] += kv_read * L
     # --- chiplet exchanges at the same kinds of sync points: a data-less barrier, then the gather

@@ -31,17 +31,11 @@ from typing import Any
 import numpy as np
 
 from sim_backend.bundle.shapes import ModelShape, NumericShape, split_over_chips
-from sim_backend.model.families.dense_kernels import (
-    QK,
-    dense_forward,
-    pack_q4_1,
-    pack_q8_0,
-    rope_tables,
-    split_q4_1,
-    split_q8_0,
-)
+from sim_backend.model.families.dense_kernels import dense_forward, rope_tables
+from sim_backend.model.families.dense_quant import QK, pack_q4_1, pack_q8_0, split_q4_1, split_q8_0
 from sim_backend.model.families.gguf_file import GGUFFile, MappedTensors, open_gguf
-from sim_backend.model.numerics import CellKV, StepNumerics, lazy_zeros
+from sim_backend.model.kv_cells import CellKV, lazy_zeros
+from sim_backend.model.numerics import StepNumerics
 
 F32 = np.float32
 _ONE = F32(1.0)
@@ -197,7 +191,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_
 
 def _stack(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per-layer Q4_1 (codes, d, m) in llama layout (outputs x inputs) -> packed for the products
-    (``dense_kernels.pack_q4_1``) and stacked over layers: (L, G, K/32, 128) uint8, (L, G, K/32, 8) uint16
+    (``dense_quant.pack_q4_1``) and stacked over layers: (L, G, K/32, 128) uint8, (L, G, K/32, 8) uint16
     F16 bits twice, C-contiguous."""
     packed = [pack_q4_1(*p) for p in parts]
     return tuple(np.ascontiguousarray(np.stack([p[i] for p in packed])) for i in range(3))  # type: ignore[return-value]
@@ -206,7 +200,7 @@ def _stack(parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> tuple[np.n
 class DenseChip:
     """One chiplet's shard of a dense model and its KV cache, in the kernels' layout.
 
-    Stacked over layers (L), packed for the products (``dense_kernels.pack_q4_1``: groups of 8 outputs,
+    Stacked over layers (L), packed for the products (``dense_quant.pack_q4_1``: groups of 8 outputs,
     codes (L, G, K/32, 128) uint8, scales and minimums (L, G, K/32, 8) uint16 F16 bits), for a matrix of K inputs
     and N outputs: ``qkv`` (codes, d, m) of its Q then K then V outputs (K = H, N = (hq + 2 hkv) D); ``wo``
     its input rows of the output projection (K = hq D, N = H); ``gu`` its gate then up outputs (K = H,
