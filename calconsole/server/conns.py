@@ -47,8 +47,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .replies import PIECE_BYTES
 from .wire import HTTPError
 
 log = logging.getLogger("calconsole.serve")
@@ -58,8 +60,19 @@ try:  # unread bytes of a socket (GuardedH11Protocol.unread_bytes); POSIX only
     import termios
 
     _FIONREAD: int | None = termios.FIONREAD
+    #: the socket's send queue (Linux SIOCOUTQ is TIOCOUTQ); GuardedH11Protocol.unsent_bytes
+    _OUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
 except ImportError:  # pragma: no cover - not POSIX
-    _FIONREAD = None
+    _FIONREAD = _OUTQ = None
+
+#: the scope entry that holds a request's connection (``GuardedH11Protocol``), for ``conn_of``
+SCOPE_KEY = "calconsole.conn"
+
+
+def conn_of(scope: dict[str, Any]) -> GuardedH11Protocol | None:
+    """The guarded connection a request came on (None when served by another protocol: no deadlines then)."""
+    c = scope.get(SCOPE_KEY)
+    return c if isinstance(c, GuardedH11Protocol) else None
 
 
 def error_bytes(status: int, type_: str, message: str, reason: str) -> bytes:
@@ -125,6 +138,10 @@ class ConnStats:
     paced: int = 0
     #: answer-and-close on a connection whose peer was already gone (ENOTCONN / EPIPE / reset): closed quietly
     peer_gone: int = 0
+    #: connections cut because a piece of their reply was not taken within the send deadline (``ReplyGuard``)
+    send_deadline: int = 0
+    #: requests for a heavy reply answered 503: every heavy-reply place (or this address's share) was taken
+    heavy_refused: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -298,6 +315,33 @@ class GuardedH11Protocol(H11Protocol):
         super().handle_events()
         if self.cycle is not None and not self.cycle.response_complete:
             self.idle_since = None  # a request head arrived: in progress until on_response_complete
+            # the app's task has not run yet: it finds its connection in its scope (``conn_of``)
+            self.cycle.scope[SCOPE_KEY] = self  # type: ignore[literal-required]
+
+    def unsent_bytes(self) -> int:
+        """Bytes of replies the peer has not taken yet: the transport's write buffer plus the socket's
+        send queue (``SIOCOUTQ``: not yet acknowledged by the peer's kernel; 0 where the platform does not
+        say). A reader that reads keeps it near 0; one that stopped reading keeps it from shrinking."""
+        t = getattr(self, "transport", None)
+        if t is None or t.is_closing():
+            return 0
+        n = int(t.get_write_buffer_size())
+        sock = t.get_extra_info("socket")
+        if _OUTQ is not None and sock is not None:
+            try:
+                n += int(struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"))[0])
+            except (OSError, ValueError):
+                pass
+        return n
+
+    def cut(self, reason: str) -> None:
+        """Close at once (a reset, no answer: the peer is not reading), for ``reason``: counted in
+        ``ConnStats.by_reason``."""
+        self.closing = True
+        if self.guard is not None:
+            self.guard.stats.by_reason[reason] = self.guard.stats.by_reason.get(reason, 0) + 1
+        if not self.transport.is_closing():
+            self.transport.abort()
 
     def on_response_complete(self) -> None:
         self.idle_since = time.monotonic()
@@ -361,11 +405,7 @@ class RequestBound:
         self.refused = 0
 
     async def _answer(self, send: Any, status: int, type_: str, message: str) -> None:
-        body = json.dumps(HTTPError(status, type_, message).body(), separators=(",", ":")).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json; charset=utf-8"),
-                                (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await _answer(send, status, type_, message)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -387,3 +427,116 @@ class RequestBound:
             await self.app(scope, receive, send)
         finally:
             self.active -= 1
+
+
+#: routes whose reply grows with the request body (a token's piece per id): heavy when the body is large
+HEAVY_REPLY_PATHS = ("/tokenize", "/detokenize")
+#: reply bytes the heavy replies being produced or sent may hold at once; with ``reply_limit`` (16 x the body
+#: limit: 16 MiB at the default 1 MiB) it gives the places (4 by default). A reply's own objects (the parsed
+#: ids, its text) hold about as much again: measured, 20 non-reading clients of 12 MB replies grew RSS by
+#: ~100-150 MB with 4 places (``calconsole bench`` slow readers, DESIGN notes in the report)
+HEAVY_REPLY_BUDGET = 64 << 20
+
+
+class ReplyGuard:
+    """ASGI wrapper bounding what a slow reader can hold, for every reply:
+
+    - a reply body is handed to the connection in pieces of at most ``replies.PIECE_BYTES``; uvicorn
+      writes a piece only once the transport's buffer is below its low-water mark, so a connection
+      never holds more than ~2 pieces in user space (its output cap), whatever the reply's size;
+    - each piece must be taken within ``send_timeout_s`` (host s), else the connection is cut (a reset;
+      ``ConnStats.send_deadline``) and the rest of the reply dropped: a client that stops reading frees
+      its reply within that deadline. Streams also have sse-starlette's own send timeout;
+    - a request on ``HEAVY_REPLY_PATHS`` whose body is over ``heavy_body_bytes`` (or of unknown size:
+      chunked) takes one of ``places`` heavy-reply places from its start to its last piece sent, at most
+      ``per_peer`` of them for one address; beyond, it is answered 503 ``unavailable_error`` at once,
+      before its body is read (``ConnStats.heavy_refused``).
+    """
+
+    def __init__(self, app: Any, guard: ConnectionGuard | None, *, send_timeout_s: float, heavy_body_bytes: int,
+                 places: int, per_peer: int | None = None) -> None:
+        self.app = app
+        self.guard = guard
+        self.send_timeout_s = send_timeout_s
+        self.heavy_body_bytes = heavy_body_bytes
+        self.places = max(1, places)
+        #: one address never holds every place while there are two or more
+        self.per_peer = per_peer if per_peer is not None else max(1, self.places // 2)
+        self.active = 0
+        self._by_peer: dict[str, int] = {}
+
+    def _heavy(self, scope: dict[str, Any]) -> bool:
+        if scope.get("method") != "POST" or scope.get("path") not in HEAVY_REPLY_PATHS:
+            return False
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                return not v.isdigit() or int(v) > self.heavy_body_bytes
+        return True  # chunked: its size is not known before it is read
+
+    def _count(self, attr: str) -> None:
+        if self.guard is not None:
+            setattr(self.guard.stats, attr, getattr(self.guard.stats, attr) + 1)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        conn = conn_of(scope)
+        peer = str((scope.get("client") or ("?",))[0])
+        heavy = self._heavy(scope)
+        if heavy:
+            mine = self._by_peer.get(peer, 0)
+            if self.active >= self.places or mine >= self.per_peer:
+                self._count("heavy_refused")
+                which = (f"{self.active} large /tokenize or /detokenize replies in progress (limit {self.places})"
+                         if self.active >= self.places else
+                         f"{mine} large /tokenize or /detokenize replies in progress for {peer} "
+                         f"(limit {self.per_peer} an address)")
+                await _answer(send, 503, "unavailable_error", f"server busy: {which}")
+                return
+            self.active += 1
+            self._by_peer[peer] = mine + 1
+        cut = False
+
+        async def one(message: dict[str, Any]) -> None:
+            nonlocal cut
+            if cut:
+                return  # the connection is gone: the rest of the reply is dropped
+            with anyio.move_on_after(self.send_timeout_s) as deadline:
+                await send(message)
+            if deadline.cancelled_caught:
+                cut = True
+                self._count("send_deadline")
+                if conn is not None:
+                    conn.cut(f"reply not taken within {self.send_timeout_s:g} s")
+
+        async def pieces(message: dict[str, Any]) -> None:
+            body = message.get("body", b"")
+            if message["type"] != "http.response.body" or len(body) <= PIECE_BYTES:
+                await one(message)
+                return
+            more = message.get("more_body", False)
+            for i in range(0, len(body), PIECE_BYTES):
+                last = i + PIECE_BYTES >= len(body)
+                await one({"type": "http.response.body", "body": body[i:i + PIECE_BYTES],
+                           "more_body": more if last else True})
+
+        try:
+            await self.app(scope, receive, pieces)
+        finally:
+            if heavy:
+                self.active -= 1
+                left = self._by_peer.get(peer, 1) - 1
+                if left > 0:
+                    self._by_peer[peer] = left
+                else:
+                    self._by_peer.pop(peer, None)
+
+
+async def _answer(send: Any, status: int, type_: str, message: str) -> None:
+    """A whole JSON error reply (llama-server's body) with ``Connection: close``, through ASGI ``send``."""
+    body = json.dumps(HTTPError(status, type_, message).body(), separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json; charset=utf-8"),
+                            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

@@ -20,9 +20,10 @@ from typing import Any
 import anyio
 import uvicorn
 
-from .conns import ConnectionGuard, GuardedH11Protocol, RequestBound
-from .face import ServingFace, build_app
+from .conns import HEAVY_REPLY_BUDGET, ConnectionGuard, GuardedH11Protocol, ReplyGuard, RequestBound
+from .face import HEAVY_BODY_BYTES, ServingFace, build_app
 from .middleware import HeaderCase
+from .replies import reply_limit
 
 log = logging.getLogger("calconsole.serve")
 #: how long in-flight responses get to finish after a stop is asked (host s); then they are cancelled
@@ -83,7 +84,11 @@ def _app_with_lifespan(face: ServingFace, on_started: Callable[[], None] | None 
     c = face.config
     # requests in progress, not connections: idle ones cannot take this capacity (conns module)
     face.request_bound = RequestBound(app, max_active=c.max_streams + c.max_snapshot_streams + 64)
-    return HeaderCase(face.request_bound)  # outermost: the bound's own refusals are cased too
+    # every reply in pieces with a send deadline; heavy replies bounded in number (conns.ReplyGuard)
+    guarded = ReplyGuard(face.request_bound, face.conn_guard, send_timeout_s=c.send_timeout_s,
+                         heavy_body_bytes=HEAVY_BODY_BYTES,
+                         places=max(1, HEAVY_REPLY_BUDGET // reply_limit(c.max_body_bytes)))
+    return HeaderCase(guarded)  # outermost: the bounds' own refusals are cased too
 
 
 class _Server(uvicorn.Server):
