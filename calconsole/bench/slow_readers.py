@@ -1,14 +1,17 @@
 """Slow readers of big replies: what they make a ``calconsole serve`` process hold.
 
-``python -m calconsole.bench.slow_readers [--clients 20] [--hold 40] [--ids 500000]`` starts
-``calconsole serve --timing-only`` on an ephemeral 127.0.0.1 port, then opens ``clients`` connections
-from ``addresses`` loopback source addresses that each POST ``/detokenize`` with ``ids`` token ids (single digits: ~2 bytes of body an id, a 1 MB
-body for 500,000) and ``with_pieces`` (~24 bytes of reply an id) and never read. The server's
-resident set (psutil, of the server process) is sampled every 0.5 s wall while they hang for
-``hold`` s and for 5 s after they close. Prints one JSON object: RSS before (MiB), the peak, the
-growth (peak - before), the RSS after the clients closed, and what each client found in its socket
-when it finally read (the status line, or nothing: cut). A benchmark, not a test: loopback, figures
-depend on the host.
+``python -m calconsole.bench.slow_readers [--clients 20] [--hold 40] [--ids 500000] [--addresses 20]``
+starts ``calconsole serve --timing-only`` on an ephemeral 127.0.0.1 port, then opens ``clients``
+connections from ``addresses`` loopback source addresses that each POST ``/detokenize`` with ``ids``
+token ids (single digits: ~2 bytes of body an id, a 1 MB body for 500,000) and ``with_pieces``
+(~24 bytes of reply an id) and never read. The server's resident set (psutil, of the server
+process) is sampled every 0.5 s wall while they hang for ``hold`` s and for 5 s after they close.
+Prints one JSON object: RSS before (MiB), the peak, the growth (peak - before), the RSS after the
+clients closed, and what each client found in its socket when it finally read (the status line, or
+nothing: cut). A benchmark, not a test: loopback, figures depend on the host.
+
+``--streams`` measures snapshot streams instead (``streams``): 8 that never read, each from its own
+address, and the wall s until a new stream gets 200.
 """
 
 from __future__ import annotations
@@ -109,6 +112,41 @@ def run(clients: int, hold_s: float, n_ids: int, addresses: int = 1) -> dict[str
             p.kill()
 
 
+def streams(non_readers: int = 8, hz: float = 2.0, wait_s: float = 60.0) -> dict[str, Any]:
+    """``non_readers`` snapshot streams (each from its own address, 127.0.0.10, ...) that never read, then a
+    new stream from 127.0.0.1 tried every 1 s: the wall s until it gets 200 (None: not within ``wait_s``)."""
+    import httpx
+
+    p, port = start_server()
+    socks = []
+    try:
+        for i in range(non_readers):
+            sk = socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{10 + i}", 0))
+            sk.sendall(f"GET /snapshot/stream?hz={hz:g} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            socks.append(sk)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        tries: list[tuple[float, int]] = []
+        while time.monotonic() - t0 < wait_s:
+            with httpx.stream("GET", f"http://127.0.0.1:{port}/snapshot/stream?hz=1", timeout=10) as r:
+                tries.append((round(time.monotonic() - t0, 1), r.status_code))
+            if r.status_code == 200:
+                break
+            time.sleep(1.0)
+        ok = [t for t, st in tries if st == 200]
+        return {"non_readers": non_readers, "hz": hz, "first_200_after_s": ok[0] if ok else None,
+                "tries": len(tries), "refused": sum(st == 503 for _, st in tries),
+                "clock": "wall s host time, from 1 s after the non-readers opened their streams"}
+    finally:
+        for sk in socks:
+            sk.close()
+        p.terminate()
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m calconsole.bench.slow_readers", description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=20)
@@ -116,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ids", type=int, default=500_000)
     ap.add_argument("--addresses", type=int, default=20,
                     help="source addresses the clients come from (127.0.0.10, ...; 1: 127.0.0.1 only)")
+    ap.add_argument("--streams", action="store_true",
+                    help="measure snapshot streams instead: 8 that never read, and how long a new one waits for 200")
     a = ap.parse_args(argv)
-    print(json.dumps(run(a.clients, a.hold, a.ids, a.addresses)))
+    print(json.dumps(streams() if a.streams else run(a.clients, a.hold, a.ids, a.addresses)))
     return 0
 
 
