@@ -297,3 +297,40 @@ def test_answer_and_close_to_a_gone_peer_is_quiet_and_counted() -> None:
     assert guard.stats.peer_gone == 1
     GuardedH11Protocol.close_with(conn, b"again")  # type: ignore[arg-type]
     assert guard.stats.peer_gone == 1  # already closing: nothing more is written or counted
+
+
+def _kept_alive(s: Any) -> socket.socket:
+    """A connection that was served one /health and is kept alive (a client's pool)."""
+    c = socket.create_connection((s.thread.host, s.thread.port), timeout=10)
+    c.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    data = b""
+    while not data.endswith(b'{"status":"ok"}'):
+        chunk = c.recv(65536)
+        assert chunk, data
+        data += chunk
+    assert data.startswith(b"HTTP/1.1 200")
+    return c
+
+
+def test_kept_alive_connections_are_not_closed_for_an_idle_budget(make_server: Any) -> None:
+    """A pooled client's idle connection is not closed to make room for a new one: its next request is
+    answered; the never-served connections past the budget are the ones closed."""
+    s = make_server(conn_limits=ConnLimits(max_idle_per_peer=2, min_idle_s=0.0))
+    guard = s.face.conn_guard
+    pool = [_kept_alive(s) for _ in range(3)]  # over the budget of 2 by themselves
+    try:
+        assert wait_until(lambda: guard.count("127.0.0.1") == 3)
+        with half_open(s.url, 1) as fresh, contextlib.ExitStack() as more:
+            assert wait_until(lambda: guard.count("127.0.0.1") == 4
+                              and all(c.unread_bytes() == 0 for c in guard._all()))  # its head start read
+            more.enter_context(half_open(s.url, 1))
+            assert wait_until(lambda: guard.stats.evicted_idle == 1)  # the never-served one, for the newer
+            assert guard.count("127.0.0.1") == 4
+            status, _, body = read_answer(fresh[0])
+            assert status == 503 and "sent no request" in body["error"]["message"]
+            for c in pool:
+                c.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                assert read_answer(c)[:1] == (200,)
+    finally:
+        for c in pool:
+            c.close()
