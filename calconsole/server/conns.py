@@ -25,6 +25,11 @@ shut everyone out, the admin included. Here connections are told apart by what t
 - **open**: a hard bound on all connections of one peer (``max_conns_per_peer``) and in total
   (``max_conns``, below the process's file limit). A connection past it, when no idle one can make
   room, is answered 503 in llama-server's JSON shape and closed at once (its descriptor freed).
+- **reserve**: past ``max_conns``, ``reserve_conns`` more connections are admitted for ``/health`` and
+  ``/maintenance/*`` only (any other request on one is answered 503); when the reserve is full, a new
+  connection takes the place of its connection idle the longest, except one that showed an admin key.
+  Over the cap (220 addresses x 20 reconnecting past 4,096), the admin's status requests got no answer
+  within 1 s without it.
 - **requests in progress** (``RequestBound``, an ASGI wrapper): at most ``max_active``; one more
   is answered 503 JSON. Idle connections never count here, so they cannot take this capacity;
   ``/health`` and ``/maintenance/*`` have ``reserve`` places of their own beyond it, so the
@@ -45,7 +50,7 @@ import logging
 import resource
 import struct
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +110,8 @@ class ConnLimits:
     #: closes for an idle budget, per address and for the total: a rate (per host s) and a bucket depth
     budget_closes_per_s: float = 8.0
     budget_close_burst: int = 8
+    #: connections beyond ``max_conns`` for ``/health`` and ``/maintenance/*`` only (the operator's share)
+    reserve_conns: int = 32
 
     def check(self) -> None:
         """ValueError naming the bound that no server should run with."""
@@ -118,13 +125,17 @@ class ConnLimits:
             raise ValueError(f"min_idle_s must be in [0, 60], got {self.min_idle_s}")
         if not 0.0 < self.budget_closes_per_s <= 1e6:
             raise ValueError(f"budget_closes_per_s must be in (0, 1e6], got {self.budget_closes_per_s}")
+        r = self.reserve_conns
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= 4096:
+            raise ValueError(f"reserve_conns must be an integer in [0, 4096], got {r!r}")
         b = self.budget_close_burst
         if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 1 << 20:
             raise ValueError(f"budget_close_burst must be an integer in [1, {1 << 20}], got {b!r}")
 
     def effective_max_conns(self) -> int:
-        """``max_conns``, lowered to leave 64 descriptors of the process's file limit for files and threads."""
-        return max(16, min(self.max_conns, _file_limit() - 64))
+        """``max_conns``, lowered to leave 64 descriptors of the process's file limit for files and threads,
+        and the reserve's."""
+        return max(16, min(self.max_conns, _file_limit() - 64 - self.reserve_conns))
 
 
 @dataclass
@@ -140,6 +151,9 @@ class ConnStats:
     paced: int = 0
     #: answer-and-close on a connection whose peer was already gone (ENOTCONN / EPIPE / reset): closed quietly
     peer_gone: int = 0
+    #: connections admitted into the reserve beyond ``max_conns``, and reserve ones closed for a newer one
+    reserved: int = 0
+    reserve_evicted: int = 0
     #: connections cut because a piece of their reply was not taken within the send deadline (``ReplyGuard``)
     send_deadline: int = 0
     #: requests for a heavy reply answered 503: every heavy-reply place (or this address's share) was taken
@@ -159,6 +173,8 @@ class ConnectionGuard:
         self.stats = ConnStats()
         #: token buckets of budget closes: address (None: the total) -> (tokens, host monotonic s of the fill)
         self._buckets: dict[str | None, tuple[float, float]] = {}
+        #: connections admitted past ``max_conns`` (``_into_reserve``)
+        self._reserve: dict[GuardedH11Protocol, None] = {}
 
     # --- what protocols call -----------------------------------------------------------------
 
@@ -169,9 +185,11 @@ class ConnectionGuard:
         if len(peers) >= lim.max_conns_per_peer and not self._evict_one(peers, now, "open connections of this address"):
             self._refuse(conn, f"too many open connections from {conn.peer} (limit {lim.max_conns_per_peer})")
             return False
-        if self._total >= self.max_conns and not self._evict_one(self._all(), now, "open connections"):
-            self._refuse(conn, f"too many open connections (limit {self.max_conns})")
-            return False
+        if self._total - len(self._reserve) >= self.max_conns and not self._evict_one(
+                (c for c in self._all() if not c.reserved), now, "open connections"):
+            if not self._into_reserve(conn):
+                self._refuse(conn, f"too many open connections (limit {self.max_conns})")
+                return False
         peers[conn] = None
         self._by_peer[conn.peer] = peers
         self._total += 1
@@ -181,7 +199,27 @@ class ConnectionGuard:
             self._trim(self._all(), lim.max_idle, now, "idle connections", exclude=conn, key=None)
         return True
 
+    def _into_reserve(self, conn: GuardedH11Protocol) -> bool:
+        """Past ``max_conns``: a place in the reserve (``/health`` and ``/maintenance/*`` only, checked by
+        ``RequestBound`` when the head arrives), freed if need be by closing the reserve connection idle the
+        longest that showed no admin key (never one whose bytes wait unread). False: none to be had."""
+        if len(self._reserve) >= self.limits.reserve_conns:
+            idle = sorted((c for c in self._reserve if c.idle_since is not None and not c.closing
+                           and not c.admin), key=lambda c: c.idle_since or 0.0)
+            victim = next((c for c in idle if self._evictable(c)), None)
+            if victim is None:
+                return False
+            self.stats.reserve_evicted += 1
+            victim.close_with(error_bytes(503, "unavailable_error", "connection closed: the server is at its "
+                                          "connection cap and its reserve is full", "Service Unavailable"))
+            self.forget(victim)
+        conn.reserved = True
+        self._reserve[conn] = None
+        self.stats.reserved += 1
+        return True
+
     def forget(self, conn: GuardedH11Protocol) -> None:
+        self._reserve.pop(conn, None)
         peers = self._by_peer.get(conn.peer)
         if peers is not None and conn in peers:
             del peers[conn]
@@ -292,6 +330,9 @@ class GuardedH11Protocol(H11Protocol):
     peer = "?"
     #: responses completed on this connection (> 0: kept alive by a client's pool)
     served = 0
+    #: admitted into the reserve past ``max_conns``; ``admin``: one of its requests showed an admin key
+    reserved = False
+    admin = False
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -410,10 +451,14 @@ class RequestBound:
     ``active`` counts requests from their head to the end of their response (streams included).
     """
 
-    def __init__(self, app: Any, max_active: int, reserve: int = 8) -> None:
+    def __init__(self, app: Any, max_active: int, reserve: int = 8,
+                 is_admin: Callable[[dict[str, Any]], bool] | None = None) -> None:
+        """``is_admin(scope)``: whether a request shows an admin key (a connection of the reserve that does
+        is never closed to make room there)."""
         self.app = app
         self.max_active = max_active
         self.reserve = reserve
+        self.is_admin = is_admin
         self.active = 0
         self.refused = 0
 
@@ -429,7 +474,17 @@ class RequestBound:
             await self._answer(send, 400, "invalid_request_error",
                                "request has both Content-Length and Transfer-Encoding; send one of them")
             return
-        limit = self.max_active + (self.reserve if scope["path"].startswith(RESERVED_PREFIXES) else 0)
+        reserved_path = scope["path"].startswith(RESERVED_PREFIXES)
+        conn = conn_of(scope)
+        if conn is not None and conn.reserved:
+            if not reserved_path:
+                await self._answer(send, 503, "unavailable_error",
+                                   "server busy: at its connection cap; past it only /health and /maintenance/* "
+                                   "are served")
+                return
+            if self.is_admin is not None and self.is_admin(scope):
+                conn.admin = True
+        limit = self.max_active + (self.reserve if reserved_path else 0)
         if self.active >= limit:
             self.refused += 1
             await self._answer(send, 503, "unavailable_error",

@@ -334,3 +334,47 @@ def test_kept_alive_connections_are_not_closed_for_an_idle_budget(make_server: A
     finally:
         for c in pool:
             c.close()
+
+
+def _read_one(c: socket.socket) -> tuple[int, bytes]:
+    """Status and body of one Content-Length response on a connection kept open."""
+    c.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = c.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    n = int(next(ln.split(b":", 1)[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:")))
+    while len(body) < n:
+        body += c.recv(65536)
+    return int(head.split()[1]), body
+
+
+def test_past_the_connection_cap_a_reserve_serves_health_and_the_admin_first(make_server: Any) -> None:
+    s = make_server(admin_key=ADMIN_KEY, conn_limits=ConnLimits(
+        max_conns=16, max_idle=16, max_idle_per_peer=16, min_idle_s=60.0, reserve_conns=2))
+    guard = s.face.conn_guard
+    admin_head = (b"GET /maintenance/status HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Authorization: Bearer " + ADMIN_KEY.encode() + b"\r\n\r\n")
+    with half_open(s.url, 16):
+        assert wait_until(lambda: guard.count() == 16)
+        status, _, body = raw_request(s.url, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert status == 503 and "connection cap" in body["error"]["message"]
+        assert raw_request(s.url, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")[0] == 200
+        assert wait_until(lambda: guard.count() == 16)
+        with half_open(s.url, 2) as reserve:
+            assert wait_until(lambda: guard.count() == 18 and all(c.unread_bytes() == 0 for c in guard._all()))
+            admin = socket.create_connection((s.thread.host, s.thread.port), timeout=10)
+            try:
+                admin.sendall(admin_head)  # the reserve is full: its oldest half-open makes room
+                assert _read_one(admin)[0] == 200 and guard.stats.reserve_evicted == 1
+                assert read_answer(reserve[0])[0] == 503
+                assert wait_until(lambda: all(c.unread_bytes() == 0 for c in guard._all()))
+                with half_open(s.url, 1):  # the admin's kept-alive connection is not the one closed for it
+                    assert wait_until(lambda: guard.stats.reserve_evicted == 2)
+                    assert read_answer(reserve[1])[0] == 503
+                    admin.sendall(admin_head)
+                    assert _read_one(admin)[0] == 200
+            finally:
+                admin.close()
