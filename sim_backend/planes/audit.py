@@ -229,7 +229,8 @@ class AuditLog:
         self.check_writable()  # refuses FIFOs, devices and pseudo-filesystems before anything is created
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666)  # as the first append makes it (umask applies)
+            # mode as the first append makes it (umask applies)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666)
         except OSError as e:
             raise AuditLogError(self.path, f"not writable: cannot create it: {e.strerror or e}") from None
         os.close(fd)
