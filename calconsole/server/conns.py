@@ -45,7 +45,6 @@ All of this runs on the event loop thread only (protocol callbacks): no locks.
 
 from __future__ import annotations
 
-import heapq
 import json
 import logging
 import resource
@@ -176,6 +175,10 @@ class ConnectionGuard:
         self._buckets: dict[str | None, tuple[float, float]] = {}
         #: connections admitted past ``max_conns`` (``_into_reserve``)
         self._reserve: dict[GuardedH11Protocol, None] = {}
+        #: the idle connections (not closing), in the order they became idle (oldest first), all and by
+        #: address: an admit finds its candidates without looking at every connection (4,096 at the cap)
+        self._idle_all: dict[GuardedH11Protocol, None] = {}
+        self._idle_by_peer: dict[str, dict[GuardedH11Protocol, None]] = {}
 
     # --- what protocols call -----------------------------------------------------------------
 
@@ -183,11 +186,12 @@ class ConnectionGuard:
         """Register a new connection, making room or refusing it (then it is answered and closed: False)."""
         lim, now = self.limits, time.monotonic()
         peers = self._by_peer.get(conn.peer) or {}
-        if len(peers) >= lim.max_conns_per_peer and not self._evict_one(peers, now, "open connections of this address"):
+        if len(peers) >= lim.max_conns_per_peer and not self._evict_one(
+                self._idle_by_peer.get(conn.peer, {}), now, "open connections of this address"):
             self._refuse(conn, f"too many open connections from {conn.peer} (limit {lim.max_conns_per_peer})")
             return False
         if self._total - len(self._reserve) >= self.max_conns and not self._evict_one(
-                (c for c in self._all() if not c.reserved), now, "open connections"):
+                self._idle_all, now, "open connections", ordinary=True):
             if not self._into_reserve(conn):
                 self._refuse(conn, f"too many open connections (limit {self.max_conns})")
                 return False
@@ -195,10 +199,24 @@ class ConnectionGuard:
         self._by_peer[conn.peer] = peers
         self._total += 1
         self.stats.open = self._total
-        self._trim(peers, lim.max_idle_per_peer, now, "idle connections of this address", exclude=conn, key=conn.peer)
+        self._trim(self._idle_by_peer.get(conn.peer, {}), lim.max_idle_per_peer, now,
+                   "idle connections of this address", key=conn.peer)
         if self._total > lim.max_idle:
-            self._trim(self._all(), lim.max_idle, now, "idle connections", exclude=conn, key=None)
+            self._trim(self._idle_all, lim.max_idle, now, "idle connections", key=None)
+        self.set_idle(conn, True)  # after the trims: a newcomer is never closed for its own admit
         return True
+
+    def set_idle(self, conn: GuardedH11Protocol, idle: bool) -> None:
+        """``conn`` became idle (at its start, after each response) or not (a head arrived, it is closing)."""
+        self._idle_all.pop(conn, None)
+        mine = self._idle_by_peer.get(conn.peer)
+        if mine is not None:
+            mine.pop(conn, None)
+        if idle and not conn.closing and conn in self._by_peer.get(conn.peer, ()):
+            self._idle_all[conn] = None
+            self._idle_by_peer.setdefault(conn.peer, {})[conn] = None
+        elif mine is not None and not mine:
+            del self._idle_by_peer[conn.peer]
 
     def _into_reserve(self, conn: GuardedH11Protocol) -> bool:
         """Past ``max_conns``: a place in the reserve (``/health`` and ``/maintenance/*`` only, checked by
@@ -221,6 +239,12 @@ class ConnectionGuard:
 
     def forget(self, conn: GuardedH11Protocol) -> None:
         self._reserve.pop(conn, None)
+        self._idle_all.pop(conn, None)
+        mine = self._idle_by_peer.get(conn.peer)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self._idle_by_peer[conn.peer]
         peers = self._by_peer.get(conn.peer)
         if peers is not None and conn in peers:
             del peers[conn]
@@ -240,19 +264,21 @@ class ConnectionGuard:
         for peers in self._by_peer.values():
             yield from peers
 
-    def _idle(self, conns: Iterable[GuardedH11Protocol], exclude: GuardedH11Protocol | None = None,
-              *, kept_alive: bool = True) -> list[GuardedH11Protocol]:
-        """Idle connections (no request head in progress); ``kept_alive=False`` leaves out those that were
-        served a request before (a client's pool: closed by the keep-alive timeout, not for a budget)."""
-        return [c for c in conns if c is not exclude and c.idle_since is not None and not c.closing
-                and (kept_alive or not c.served)]
-
-    def _ready(self, idle: list[GuardedH11Protocol], now: float, limit: int) -> list[GuardedH11Protocol]:
-        """The first ``limit`` of ``idle`` idle for at least ``min_idle_s``: never served first, then kept
-        alive, oldest first in each (candidates; see ``_evictable``). A partial selection, not a sort of
-        them all: at the cap every reconnect's admit looks at ~4,000 connections."""
-        ready = [c for c in idle if now - c.idle_since >= self.limits.min_idle_s]  # type: ignore[operator]
-        return heapq.nsmallest(limit, ready, key=lambda c: (c.served > 0, c.idle_since))
+    def _ready(self, idle: dict[GuardedH11Protocol, None], now: float, limit: int, *, kept_alive: bool = True,
+               ordinary: bool = False) -> list[GuardedH11Protocol]:
+        """The first ``limit`` of ``idle`` (an ordered idle registry) idle for at least ``min_idle_s``: never
+        served first, then (``kept_alive``) those kept alive, oldest first in each; ``ordinary``: none of the
+        reserve. Candidates (see ``_evictable``), taken in order without looking past the first too young."""
+        out: list[GuardedH11Protocol] = []
+        for served in ((False, True) if kept_alive else (False,)):
+            for c in idle:
+                if len(out) >= limit:
+                    return out
+                if now - (c.idle_since or now) < self.limits.min_idle_s:
+                    break  # the rest became idle later still
+                if bool(c.served) == served and not c.closing and not (ordinary and c.reserved):
+                    out.append(c)
+        return out
 
     def _evictable(self, c: GuardedH11Protocol) -> bool:
         """Not when bytes the peer sent wait unread in the socket: the loop is late, not the peer.
@@ -273,18 +299,17 @@ class ConnectionGuard:
         tokens, at = self._buckets.get(key, (float(lim.budget_close_burst), now))
         return min(float(lim.budget_close_burst), tokens + (now - at) * lim.budget_closes_per_s)
 
-    def _trim(self, conns: Iterable[GuardedH11Protocol], budget: int, now: float, what: str,
-              exclude: GuardedH11Protocol, key: str | None) -> None:
+    def _trim(self, idle: dict[GuardedH11Protocol, None], budget: int, now: float, what: str,
+              key: str | None) -> None:
         # a kept-alive connection is a client's pool: closing it for a budget made its next request (sent as
         # the close crossed it) read the 503 (2 of 1,301 of 64 pooled pollers beside one reconnecting). It
         # counts toward the budget but is closed only by uvicorn's keep-alive timeout or at a hard bound.
-        every = self._idle(conns, exclude)
-        idle = [c for c in every if not c.served]
-        over = len(every) + 1 - budget  # + the newcomer, idle until its head arrives
+        over = len(idle) + 1 - budget  # + the newcomer (not registered as idle yet), idle until its head arrives
         if over <= 0:
             return
         tokens = self._tokens(key, now)
-        for c in self._ready(idle, now, int(min(over, tokens)) + 8):  # + room for ones spared (unread bytes)
+        # + room for ones spared (unread bytes)
+        for c in self._ready(idle, now, int(min(over, tokens)) + 8, kept_alive=False):
             if over <= 0:
                 break
             if tokens < 1.0:
@@ -296,8 +321,9 @@ class ConnectionGuard:
                 tokens -= 1.0
         self._buckets[key] = (tokens, now)
 
-    def _evict_one(self, conns: Iterable[GuardedH11Protocol], now: float, what: str) -> bool:
-        for c in self._ready(self._idle(conns), now, 8):
+    def _evict_one(self, idle: dict[GuardedH11Protocol, None], now: float, what: str, *,
+                   ordinary: bool = False) -> bool:
+        for c in self._ready(idle, now, 8, ordinary=ordinary):
             if self._evictable(c):
                 self._evict(c, what, None)
                 return True
@@ -369,6 +395,8 @@ class GuardedH11Protocol(H11Protocol):
     def handle_events(self) -> None:
         super().handle_events()
         if self.cycle is not None and not self.cycle.response_complete:
+            if self.idle_since is not None and self.guard is not None:
+                self.guard.set_idle(self, False)
             self.idle_since = None  # a request head arrived: in progress until on_response_complete
             # the app's task has not run yet: it finds its connection in its scope (``conn_of``)
             self.cycle.scope[SCOPE_KEY] = self  # type: ignore[literal-required]
@@ -401,6 +429,8 @@ class GuardedH11Protocol(H11Protocol):
     def on_response_complete(self) -> None:
         self.idle_since = time.monotonic()
         self.served += 1
+        if self.guard is not None:
+            self.guard.set_idle(self, True)
         super().on_response_complete()
 
     #: after an answer-and-close, how long the peer may take to close its side (host s)
@@ -418,6 +448,8 @@ class GuardedH11Protocol(H11Protocol):
         is aborted and the guard counts it in ``ConnStats.peer_gone``; nothing is logged.
         """
         self.closing = True
+        if self.guard is not None and self.idle_since is not None:
+            self.guard.set_idle(self, False)
         t = self.transport
         if t.is_closing():
             return

@@ -290,7 +290,7 @@ def test_answer_and_close_to_a_gone_peer_is_quiet_and_counted() -> None:
 
     guard = ConnectionGuard(ConnLimits())
     t = _GoneTransport()
-    conn = SimpleNamespace(closing=False, transport=t, guard=guard, loop=None, linger_s=2.0)
+    conn = SimpleNamespace(closing=False, transport=t, guard=guard, loop=None, linger_s=2.0, idle_since=None, peer="?")
     GuardedH11Protocol.close_with(conn, b"HTTP/1.1 503 Service Unavailable\r\n\r\n")  # type: ignore[arg-type]
     assert conn.closing and t.aborted
     assert t.written.startswith(b"HTTP/1.1 503")
