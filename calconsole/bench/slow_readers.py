@@ -24,6 +24,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -41,6 +42,8 @@ def start_server() -> tuple[subprocess.Popen[str], int]:
         line = p.stderr.readline()
         m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
         if m:
+            # drained from here on: a full pipe (~700 access-log lines) would block the server's writes
+            threading.Thread(target=lambda: [None for _ in p.stderr or ()], daemon=True).start()
             return p, int(m.group(1))
         if not line and p.poll() is not None:
             break
