@@ -62,8 +62,9 @@ def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_l
                    help=f"concurrent request slots, {SLOTS_RANGE[0]} to {SLOTS_RANGE[1]} (default 4)")
     g.add_argument("--audit-log", metavar="PATH", default=d("audit_log"),
                    help="maintenance audit log (default: $CALCONSOLE_AUDIT_LOG or the user state dir); "
-                        "checked writable at start-up; the file (and missing directories) is created by its first "
-                        "record, so a refused or failed command leaves nothing on disk")
+                        "checked writable at start-up; 'serve' creates the file (and missing directories) once its "
+                        "start-up checks pass, other commands with their first record, so a refused command leaves "
+                        "nothing on disk")
     p.set_defaults(preferred_pacing=default_pacing)
 
 

@@ -354,7 +354,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             try:
                 cfg, face = build_face(args, system)
-            except (KeySourceError, ValueError) as e:
+                if face.audit is not None:  # there from the start (``--audit-log`` help), proved by its probe
+                    face.audit.create()
+            except (KeySourceError, ValueError, CalError) as e:
                 return fail(str(e))
             where = ", ".join("http://" + (f"[{h}]:{p}" if ":" in h else f"{h}:{p}")
                               for h, p in (s.getsockname()[:2] for s in socks))

@@ -11,7 +11,9 @@ shut everyone out, the admin included. Here connections are told apart by what t
   only among those idle for at least ``min_idle_s``: a client that sends its head at once (all
   real ones) is never closed for being new, however fast an attacker reconnects. Nor is one whose
   peer's bytes wait unread in the kernel (``FIONREAD``): when the loop is late, a head can sit there
-  past ``min_idle_s`` after the accept, and that client asked in time. Closing for a budget is paced:
+  past ``min_idle_s`` after the accept, and that client asked in time. Nor one kept alive after a
+  response (a client's pool: it counts toward the budget, and is closed by uvicorn's keep-alive
+  timeout, or at a hard bound after every never-served one). Closing for a budget is paced:
   at most ``budget_closes_per_s`` a second for one address and as many for the total (a token bucket
   each, ``budget_close_burst`` deep). Every close of a reconnecting attacker's connection costs an
   accept, a protocol and a 503 for its next one (~0.5 ms of CPU); unpaced, each admit closed every
@@ -23,6 +25,11 @@ shut everyone out, the admin included. Here connections are told apart by what t
 - **open**: a hard bound on all connections of one peer (``max_conns_per_peer``) and in total
   (``max_conns``, below the process's file limit). A connection past it, when no idle one can make
   room, is answered 503 in llama-server's JSON shape and closed at once (its descriptor freed).
+- **reserve**: past ``max_conns``, ``reserve_conns`` more connections are admitted for ``/health`` and
+  ``/maintenance/*`` only (any other request on one is answered 503); when the reserve is full, a new
+  connection takes the place of its connection idle the longest, except one that showed an admin key.
+  Over the cap (220 addresses x 20 reconnecting past 4,096), the admin's status requests got no answer
+  within 1 s without it.
 - **requests in progress** (``RequestBound``, an ASGI wrapper): at most ``max_active``; one more
   is answered 503 JSON. Idle connections never count here, so they cannot take this capacity;
   ``/health`` and ``/maintenance/*`` have ``reserve`` places of their own beyond it, so the
@@ -43,12 +50,14 @@ import logging
 import resource
 import struct
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .replies import PIECE_BYTES
 from .wire import HTTPError
 
 log = logging.getLogger("calconsole.serve")
@@ -58,8 +67,19 @@ try:  # unread bytes of a socket (GuardedH11Protocol.unread_bytes); POSIX only
     import termios
 
     _FIONREAD: int | None = termios.FIONREAD
+    #: the socket's send queue (Linux SIOCOUTQ is TIOCOUTQ); GuardedH11Protocol.unsent_bytes
+    _OUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
 except ImportError:  # pragma: no cover - not POSIX
-    _FIONREAD = None
+    _FIONREAD = _OUTQ = None
+
+#: the scope entry that holds a request's connection (``GuardedH11Protocol``), for ``conn_of``
+SCOPE_KEY = "calconsole.conn"
+
+
+def conn_of(scope: Mapping[str, Any]) -> GuardedH11Protocol | None:
+    """The guarded connection a request came on (None when served by another protocol: no deadlines then)."""
+    c = scope.get(SCOPE_KEY)
+    return c if isinstance(c, GuardedH11Protocol) else None
 
 
 def error_bytes(status: int, type_: str, message: str, reason: str) -> bytes:
@@ -90,6 +110,8 @@ class ConnLimits:
     #: closes for an idle budget, per address and for the total: a rate (per host s) and a bucket depth
     budget_closes_per_s: float = 8.0
     budget_close_burst: int = 8
+    #: connections beyond ``max_conns`` for ``/health`` and ``/maintenance/*`` only (the operator's share)
+    reserve_conns: int = 32
 
     def check(self) -> None:
         """ValueError naming the bound that no server should run with."""
@@ -103,13 +125,17 @@ class ConnLimits:
             raise ValueError(f"min_idle_s must be in [0, 60], got {self.min_idle_s}")
         if not 0.0 < self.budget_closes_per_s <= 1e6:
             raise ValueError(f"budget_closes_per_s must be in (0, 1e6], got {self.budget_closes_per_s}")
+        r = self.reserve_conns
+        if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= 4096:
+            raise ValueError(f"reserve_conns must be an integer in [0, 4096], got {r!r}")
         b = self.budget_close_burst
         if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 1 << 20:
             raise ValueError(f"budget_close_burst must be an integer in [1, {1 << 20}], got {b!r}")
 
     def effective_max_conns(self) -> int:
-        """``max_conns``, lowered to leave 64 descriptors of the process's file limit for files and threads."""
-        return max(16, min(self.max_conns, _file_limit() - 64))
+        """``max_conns``, lowered to leave 64 descriptors of the process's file limit for files and threads,
+        and the reserve's."""
+        return max(16, min(self.max_conns, _file_limit() - 64 - self.reserve_conns))
 
 
 @dataclass
@@ -125,6 +151,13 @@ class ConnStats:
     paced: int = 0
     #: answer-and-close on a connection whose peer was already gone (ENOTCONN / EPIPE / reset): closed quietly
     peer_gone: int = 0
+    #: connections admitted into the reserve beyond ``max_conns``, and reserve ones closed for a newer one
+    reserved: int = 0
+    reserve_evicted: int = 0
+    #: connections cut because a piece of their reply was not taken within the send deadline (``ReplyGuard``)
+    send_deadline: int = 0
+    #: requests for a heavy reply answered 503: every heavy-reply place (or this address's share) was taken
+    heavy_refused: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
@@ -140,6 +173,12 @@ class ConnectionGuard:
         self.stats = ConnStats()
         #: token buckets of budget closes: address (None: the total) -> (tokens, host monotonic s of the fill)
         self._buckets: dict[str | None, tuple[float, float]] = {}
+        #: connections admitted past ``max_conns`` (``_into_reserve``)
+        self._reserve: dict[GuardedH11Protocol, None] = {}
+        #: the idle connections (not closing), in the order they became idle (oldest first), all and by
+        #: address: an admit finds its candidates without looking at every connection (4,096 at the cap)
+        self._idle_all: dict[GuardedH11Protocol, None] = {}
+        self._idle_by_peer: dict[str, dict[GuardedH11Protocol, None]] = {}
 
     # --- what protocols call -----------------------------------------------------------------
 
@@ -147,22 +186,65 @@ class ConnectionGuard:
         """Register a new connection, making room or refusing it (then it is answered and closed: False)."""
         lim, now = self.limits, time.monotonic()
         peers = self._by_peer.get(conn.peer) or {}
-        if len(peers) >= lim.max_conns_per_peer and not self._evict_one(peers, now, "open connections of this address"):
+        if len(peers) >= lim.max_conns_per_peer and not self._evict_one(
+                self._idle_by_peer.get(conn.peer, {}), now, "open connections of this address"):
             self._refuse(conn, f"too many open connections from {conn.peer} (limit {lim.max_conns_per_peer})")
             return False
-        if self._total >= self.max_conns and not self._evict_one(self._all(), now, "open connections"):
-            self._refuse(conn, f"too many open connections (limit {self.max_conns})")
-            return False
+        if self._total - len(self._reserve) >= self.max_conns and not self._evict_one(
+                self._idle_all, now, "open connections", ordinary=True):
+            if not self._into_reserve(conn):
+                self._refuse(conn, f"too many open connections (limit {self.max_conns})")
+                return False
         peers[conn] = None
         self._by_peer[conn.peer] = peers
         self._total += 1
         self.stats.open = self._total
-        self._trim(peers, lim.max_idle_per_peer, now, "idle connections of this address", exclude=conn, key=conn.peer)
+        self._trim(self._idle_by_peer.get(conn.peer, {}), lim.max_idle_per_peer, now,
+                   "idle connections of this address", key=conn.peer)
         if self._total > lim.max_idle:
-            self._trim(self._all(), lim.max_idle, now, "idle connections", exclude=conn, key=None)
+            self._trim(self._idle_all, lim.max_idle, now, "idle connections", key=None)
+        self.set_idle(conn, True)  # after the trims: a newcomer is never closed for its own admit
+        return True
+
+    def set_idle(self, conn: GuardedH11Protocol, idle: bool) -> None:
+        """``conn`` became idle (at its start, after each response) or not (a head arrived, it is closing)."""
+        self._idle_all.pop(conn, None)
+        mine = self._idle_by_peer.get(conn.peer)
+        if mine is not None:
+            mine.pop(conn, None)
+        if idle and not conn.closing and conn in self._by_peer.get(conn.peer, ()):
+            self._idle_all[conn] = None
+            self._idle_by_peer.setdefault(conn.peer, {})[conn] = None
+        elif mine is not None and not mine:
+            del self._idle_by_peer[conn.peer]
+
+    def _into_reserve(self, conn: GuardedH11Protocol) -> bool:
+        """Past ``max_conns``: a place in the reserve (``/health`` and ``/maintenance/*`` only, checked by
+        ``RequestBound`` when the head arrives), freed if need be by closing the reserve connection idle the
+        longest that showed no admin key (never one whose bytes wait unread). False: none to be had."""
+        if len(self._reserve) >= self.limits.reserve_conns:
+            idle = sorted((c for c in self._reserve if c.idle_since is not None and not c.closing
+                           and not c.admin), key=lambda c: c.idle_since or 0.0)
+            victim = next((c for c in idle if self._evictable(c)), None)
+            if victim is None:
+                return False
+            self.stats.reserve_evicted += 1
+            victim.close_with(error_bytes(503, "unavailable_error", "connection closed: the server is at its "
+                                          "connection cap and its reserve is full", "Service Unavailable"))
+            self.forget(victim)
+        conn.reserved = True
+        self._reserve[conn] = None
+        self.stats.reserved += 1
         return True
 
     def forget(self, conn: GuardedH11Protocol) -> None:
+        self._reserve.pop(conn, None)
+        self._idle_all.pop(conn, None)
+        mine = self._idle_by_peer.get(conn.peer)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self._idle_by_peer[conn.peer]
         peers = self._by_peer.get(conn.peer)
         if peers is not None and conn in peers:
             del peers[conn]
@@ -182,14 +264,21 @@ class ConnectionGuard:
         for peers in self._by_peer.values():
             yield from peers
 
-    def _idle(self, conns: Iterable[GuardedH11Protocol], exclude: GuardedH11Protocol | None = None
-              ) -> list[GuardedH11Protocol]:
-        return [c for c in conns if c is not exclude and c.idle_since is not None and not c.closing]
-
-    def _ready(self, idle: list[GuardedH11Protocol], now: float) -> list[GuardedH11Protocol]:
-        """Those of ``idle`` idle for at least ``min_idle_s``, oldest first (candidates; see ``_evictable``)."""
-        return sorted((c for c in idle if now - c.idle_since >= self.limits.min_idle_s),  # type: ignore[operator]
-                      key=lambda c: c.idle_since)  # type: ignore[arg-type,return-value]
+    def _ready(self, idle: dict[GuardedH11Protocol, None], now: float, limit: int, *, kept_alive: bool = True,
+               ordinary: bool = False) -> list[GuardedH11Protocol]:
+        """The first ``limit`` of ``idle`` (an ordered idle registry) idle for at least ``min_idle_s``: never
+        served first, then (``kept_alive``) those kept alive, oldest first in each; ``ordinary``: none of the
+        reserve. Candidates (see ``_evictable``), taken in order without looking past the first too young."""
+        out: list[GuardedH11Protocol] = []
+        for served in ((False, True) if kept_alive else (False,)):
+            for c in idle:
+                if len(out) >= limit:
+                    return out
+                if now - (c.idle_since or now) < self.limits.min_idle_s:
+                    break  # the rest became idle later still
+                if bool(c.served) == served and not c.closing and not (ordinary and c.reserved):
+                    out.append(c)
+        return out
 
     def _evictable(self, c: GuardedH11Protocol) -> bool:
         """Not when bytes the peer sent wait unread in the socket: the loop is late, not the peer.
@@ -210,14 +299,17 @@ class ConnectionGuard:
         tokens, at = self._buckets.get(key, (float(lim.budget_close_burst), now))
         return min(float(lim.budget_close_burst), tokens + (now - at) * lim.budget_closes_per_s)
 
-    def _trim(self, conns: Iterable[GuardedH11Protocol], budget: int, now: float, what: str,
-              exclude: GuardedH11Protocol, key: str | None) -> None:
-        idle = self._idle(conns, exclude)
-        over = len(idle) + 1 - budget  # + the newcomer, idle until its head arrives
+    def _trim(self, idle: dict[GuardedH11Protocol, None], budget: int, now: float, what: str,
+              key: str | None) -> None:
+        # a kept-alive connection is a client's pool: closing it for a budget made its next request (sent as
+        # the close crossed it) read the 503 (2 of 1,301 of 64 pooled pollers beside one reconnecting). It
+        # counts toward the budget but is closed only by uvicorn's keep-alive timeout or at a hard bound.
+        over = len(idle) + 1 - budget  # + the newcomer (not registered as idle yet), idle until its head arrives
         if over <= 0:
             return
         tokens = self._tokens(key, now)
-        for c in self._ready(idle, now):
+        # + room for ones spared (unread bytes)
+        for c in self._ready(idle, now, int(min(over, tokens)) + 8, kept_alive=False):
             if over <= 0:
                 break
             if tokens < 1.0:
@@ -229,8 +321,9 @@ class ConnectionGuard:
                 tokens -= 1.0
         self._buckets[key] = (tokens, now)
 
-    def _evict_one(self, conns: Iterable[GuardedH11Protocol], now: float, what: str) -> bool:
-        for c in self._ready(self._idle(conns), now):
+    def _evict_one(self, idle: dict[GuardedH11Protocol, None], now: float, what: str, *,
+                   ordinary: bool = False) -> bool:
+        for c in self._ready(idle, now, 8, ordinary=ordinary):
             if self._evictable(c):
                 self._evict(c, what, None)
                 return True
@@ -263,6 +356,11 @@ class GuardedH11Protocol(H11Protocol):
     idle_since: float | None = None
     closing = False
     peer = "?"
+    #: responses completed on this connection (> 0: kept alive by a client's pool)
+    served = 0
+    #: admitted into the reserve past ``max_conns``; ``admin``: one of its requests showed an admin key
+    reserved = False
+    admin = False
 
     def connection_made(self, transport: Any) -> None:
         super().connection_made(transport)
@@ -297,10 +395,42 @@ class GuardedH11Protocol(H11Protocol):
     def handle_events(self) -> None:
         super().handle_events()
         if self.cycle is not None and not self.cycle.response_complete:
+            if self.idle_since is not None and self.guard is not None:
+                self.guard.set_idle(self, False)
             self.idle_since = None  # a request head arrived: in progress until on_response_complete
+            # the app's task has not run yet: it finds its connection in its scope (``conn_of``)
+            self.cycle.scope[SCOPE_KEY] = self  # type: ignore[literal-required]
+
+    def unsent_bytes(self) -> int:
+        """Bytes of replies the peer has not taken yet: the transport's write buffer plus the socket's
+        send queue (``SIOCOUTQ``: not yet acknowledged by the peer's kernel; 0 where the platform does not
+        say). A reader that reads keeps it near 0; one that stopped reading keeps it from shrinking."""
+        t = getattr(self, "transport", None)
+        if t is None or t.is_closing():
+            return 0
+        n = int(t.get_write_buffer_size())
+        sock = t.get_extra_info("socket")
+        if _OUTQ is not None and sock is not None:
+            try:
+                n += int(struct.unpack("i", fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0"))[0])
+            except (OSError, ValueError):
+                pass
+        return n
+
+    def cut(self, reason: str) -> None:
+        """Close at once (a reset, no answer: the peer is not reading), for ``reason``: counted in
+        ``ConnStats.by_reason``."""
+        self.closing = True
+        if self.guard is not None:
+            self.guard.stats.by_reason[reason] = self.guard.stats.by_reason.get(reason, 0) + 1
+        if not self.transport.is_closing():
+            self.transport.abort()
 
     def on_response_complete(self) -> None:
         self.idle_since = time.monotonic()
+        self.served += 1
+        if self.guard is not None:
+            self.guard.set_idle(self, True)
         super().on_response_complete()
 
     #: after an answer-and-close, how long the peer may take to close its side (host s)
@@ -318,6 +448,8 @@ class GuardedH11Protocol(H11Protocol):
         is aborted and the guard counts it in ``ConnStats.peer_gone``; nothing is logged.
         """
         self.closing = True
+        if self.guard is not None and self.idle_since is not None:
+            self.guard.set_idle(self, False)
         t = self.transport
         if t.is_closing():
             return
@@ -353,19 +485,19 @@ class RequestBound:
     ``active`` counts requests from their head to the end of their response (streams included).
     """
 
-    def __init__(self, app: Any, max_active: int, reserve: int = 8) -> None:
+    def __init__(self, app: Any, max_active: int, reserve: int = 8,
+                 is_admin: Callable[[dict[str, Any]], bool] | None = None) -> None:
+        """``is_admin(scope)``: whether a request shows an admin key (a connection of the reserve that does
+        is never closed to make room there)."""
         self.app = app
         self.max_active = max_active
         self.reserve = reserve
+        self.is_admin = is_admin
         self.active = 0
         self.refused = 0
 
     async def _answer(self, send: Any, status: int, type_: str, message: str) -> None:
-        body = json.dumps(HTTPError(status, type_, message).body(), separators=(",", ":")).encode()
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json; charset=utf-8"),
-                                (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await _answer(send, status, type_, message)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -376,7 +508,17 @@ class RequestBound:
             await self._answer(send, 400, "invalid_request_error",
                                "request has both Content-Length and Transfer-Encoding; send one of them")
             return
-        limit = self.max_active + (self.reserve if scope["path"].startswith(RESERVED_PREFIXES) else 0)
+        reserved_path = scope["path"].startswith(RESERVED_PREFIXES)
+        conn = conn_of(scope)
+        if conn is not None and conn.reserved:
+            if not reserved_path:
+                await self._answer(send, 503, "unavailable_error",
+                                   "server busy: at its connection cap; past it only /health and /maintenance/* "
+                                   "are served")
+                return
+            if self.is_admin is not None and self.is_admin(scope):
+                conn.admin = True
+        limit = self.max_active + (self.reserve if reserved_path else 0)
         if self.active >= limit:
             self.refused += 1
             await self._answer(send, 503, "unavailable_error",
@@ -387,3 +529,166 @@ class RequestBound:
             await self.app(scope, receive, send)
         finally:
             self.active -= 1
+
+
+
+class PeerPlaces:
+    """Places of one kind held by peer address, at most ``per_peer`` for one address (event loop thread only)."""
+
+    def __init__(self, per_peer: int) -> None:
+        self.per_peer = max(1, per_peer)
+        self.held: dict[str, int] = {}
+
+    def take(self, peer: str) -> bool:
+        """Take one for ``peer``; False when it holds ``per_peer`` already."""
+        n = self.held.get(peer, 0)
+        if n >= self.per_peer:
+            return False
+        self.held[peer] = n + 1
+        return True
+
+    def give(self, peer: str) -> None:
+        n = self.held.get(peer, 0) - 1
+        if n > 0:
+            self.held[peer] = n
+        else:
+            self.held.pop(peer, None)
+
+
+class Progress:
+    """Whether a connection's reader takes what it is sent: ``stalled()`` is True once its unsent bytes
+    (``GuardedH11Protocol.unsent_bytes``) have not shrunk for ``stall_s`` host s while some are waiting.
+
+    A reader that reads keeps them near 0 or shrinking; one that stopped keeps them growing once the
+    kernel buffers between (its receive window, our send queue) are full. A send timeout alone never
+    fires while the kernel still takes bytes: 8 snapshot streams that never read held every place for
+    over 50 s (measured on this release)."""
+
+    def __init__(self, conn: GuardedH11Protocol | None, stall_s: float) -> None:
+        self.conn = conn
+        self.stall_s = stall_s
+        self._last = 0
+        self._since: float | None = None
+
+    def stalled(self) -> bool:
+        if self.conn is None:
+            return False
+        n, now = self.conn.unsent_bytes(), time.monotonic()
+        if n == 0 or n < self._last:
+            self._since = None
+        elif self._since is None:
+            self._since = now
+        self._last = n
+        return self._since is not None and now - self._since >= self.stall_s
+
+#: routes whose reply grows with the request body (a token's piece per id): heavy when the body is large
+HEAVY_REPLY_PATHS = ("/tokenize", "/detokenize")
+#: reply bytes the heavy replies being produced or sent may hold at once; with ``reply_limit`` (16 x the body
+#: limit: 16 MiB at the default 1 MiB) it gives the places (4 by default). A reply's own objects (the parsed
+#: ids, its text) hold about as much again: measured, 20 non-reading clients of 12 MB replies from 20 addresses
+#: grew the server's RSS by 88 MB with 4 places, 1,431 MB without them (``python -m calconsole.bench.slow_readers``)
+HEAVY_REPLY_BUDGET = 64 << 20
+
+
+class ReplyGuard:
+    """ASGI wrapper bounding what a slow reader can hold, for every reply:
+
+    - a reply body is handed to the connection in pieces of at most ``replies.PIECE_BYTES``; uvicorn
+      writes a piece only once the transport's buffer is below its low-water mark, so a connection
+      never holds more than ~2 pieces in user space (its output cap), whatever the reply's size;
+    - each piece must be taken within ``send_timeout_s`` (host s), else the connection is cut (a reset;
+      ``ConnStats.send_deadline``) and the rest of the reply dropped: a client that stops reading frees
+      its reply within that deadline. Streams also have sse-starlette's own send timeout;
+    - a request on ``HEAVY_REPLY_PATHS`` whose body is over ``heavy_body_bytes`` (or of unknown size:
+      chunked) takes one of ``places`` heavy-reply places from its start to its last piece sent, at most
+      ``per_peer`` of them for one address; beyond, it is answered 503 ``unavailable_error`` at once,
+      before its body is read (``ConnStats.heavy_refused``).
+    """
+
+    def __init__(self, app: Any, guard: ConnectionGuard | None, *, send_timeout_s: float, heavy_body_bytes: int,
+                 places: int, per_peer: int | None = None) -> None:
+        self.app = app
+        self.guard = guard
+        self.send_timeout_s = send_timeout_s
+        self.heavy_body_bytes = heavy_body_bytes
+        self.places = max(1, places)
+        #: one address never holds every place while there are two or more
+        self.per_peer = per_peer if per_peer is not None else max(1, self.places // 2)
+        self.active = 0
+        self._by_peer: dict[str, int] = {}
+
+    def _heavy(self, scope: dict[str, Any]) -> bool:
+        if scope.get("method") != "POST" or scope.get("path") not in HEAVY_REPLY_PATHS:
+            return False
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length":
+                return not v.isdigit() or int(v) > self.heavy_body_bytes
+        return True  # chunked: its size is not known before it is read
+
+    def _count(self, attr: str) -> None:
+        if self.guard is not None:
+            setattr(self.guard.stats, attr, getattr(self.guard.stats, attr) + 1)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        conn = conn_of(scope)
+        peer = str((scope.get("client") or ("?",))[0])
+        heavy = self._heavy(scope)
+        if heavy:
+            mine = self._by_peer.get(peer, 0)
+            if self.active >= self.places or mine >= self.per_peer:
+                self._count("heavy_refused")
+                which = (f"{self.active} large /tokenize or /detokenize replies in progress (limit {self.places})"
+                         if self.active >= self.places else
+                         f"{mine} large /tokenize or /detokenize replies in progress for {peer} "
+                         f"(limit {self.per_peer} an address)")
+                await _answer(send, 503, "unavailable_error", f"server busy: {which}")
+                return
+            self.active += 1
+            self._by_peer[peer] = mine + 1
+        cut = False
+
+        async def one(message: dict[str, Any]) -> None:
+            nonlocal cut
+            if cut:
+                return  # the connection is gone: the rest of the reply is dropped
+            with anyio.move_on_after(self.send_timeout_s) as deadline:
+                await send(message)
+            if deadline.cancelled_caught:
+                cut = True
+                self._count("send_deadline")
+                if conn is not None:
+                    conn.cut(f"reply not taken within {self.send_timeout_s:g} s")
+
+        async def pieces(message: dict[str, Any]) -> None:
+            body = message.get("body", b"")
+            if message["type"] != "http.response.body" or len(body) <= PIECE_BYTES:
+                await one(message)
+                return
+            more = message.get("more_body", False)
+            for i in range(0, len(body), PIECE_BYTES):
+                last = i + PIECE_BYTES >= len(body)
+                await one({"type": "http.response.body", "body": body[i:i + PIECE_BYTES],
+                           "more_body": more if last else True})
+
+        try:
+            await self.app(scope, receive, pieces)
+        finally:
+            if heavy:
+                self.active -= 1
+                left = self._by_peer.get(peer, 1) - 1
+                if left > 0:
+                    self._by_peer[peer] = left
+                else:
+                    self._by_peer.pop(peer, None)
+
+
+async def _answer(send: Any, status: int, type_: str, message: str) -> None:
+    """A whole JSON error reply (llama-server's body) with ``Connection: close``, through ASGI ``send``."""
+    body = json.dumps(HTTPError(status, type_, message).body(), separators=(",", ":")).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json; charset=utf-8"),
+                            (b"content-length", str(len(body)).encode()), (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})

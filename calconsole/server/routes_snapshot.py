@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import AsyncIterator
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -15,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from . import wire
+from .conns import PeerPlaces, Progress, conn_of
 from .wire import HTTPError
 
 if TYPE_CHECKING:
@@ -22,6 +24,10 @@ if TYPE_CHECKING:
 
 #: how often a snapshot stream looks at shutdown while it sleeps between snapshots (host s)
 POLL_S = 0.25
+#: a stream whose reader took nothing of what waits for it for this long is cut (host s; conns.Progress)
+STALL_S = 10.0
+#: snapshot-stream places by address, per face: one address holds at most half of them
+_PLACES: weakref.WeakKeyDictionary[ServingFace, PeerPlaces] = weakref.WeakKeyDictionary()
 
 
 def routes(face: ServingFace) -> list[RouteSpec]:
@@ -44,11 +50,24 @@ async def snapshot_stream(face: ServingFace, request: Request) -> Response:
     top = face.config.snapshot_max_hz
     if not (math.isfinite(hz) and 0.1 <= hz <= top):
         raise wire.bad_request(f"'hz' must be in [0.1, {top:g}], got {raw}")
-    face.enter_snapshot_stream()
+    peer = request.client.host if request.client else "?"
+    places = _peer_places(face)
+    if not places.take(peer):
+        raise HTTPError(503, "unavailable_error", f"too many snapshot streams from {peer} "
+                        f"(limit {places.per_peer} an address, of {face.config.max_snapshot_streams})")
+    try:
+        face.enter_snapshot_stream()
+    except HTTPError:
+        places.give(peer)
+        raise
+    progress = Progress(conn_of(request.scope), STALL_S)
 
     async def gen() -> AsyncIterator[dict[str, Any]]:
         try:
             while not face.closing.is_set():
+                if progress.stalled() and progress.conn is not None:
+                    progress.conn.cut(f"stream not read for {STALL_S:g} s")
+                    return
                 t0 = time.monotonic()
                 snap = await face.call(face.observation.snapshot)
                 yield {"data": msgspec.json.encode(snap).decode()}
@@ -59,4 +78,12 @@ async def snapshot_stream(face: ServingFace, request: Request) -> Response:
         finally:
             face.leave_snapshot_stream()
 
-    return face.sse(gen())
+    return face.sse(gen(), on_end=lambda: places.give(peer))
+
+
+def _peer_places(face: ServingFace) -> PeerPlaces:
+    """The face's snapshot-stream places by address (made on first use)."""
+    p = _PLACES.get(face)
+    if p is None:
+        p = _PLACES[face] = PeerPlaces(max(1, face.config.max_snapshot_streams // 2))
+    return p

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +15,7 @@ from sim_backend.planes import CalError, ChatRequest
 
 from . import wire
 from .infill import infill
+from .replies import PiecedResponse, json_pieces, reply_limit
 from .wire import HTTPError
 
 if TYPE_CHECKING:
@@ -44,21 +45,14 @@ def routes(face: ServingFace) -> list[RouteSpec]:
     return out
 
 
-def _json_bytes(obj: Any) -> bytes:
-    """JSON as Starlette's JSONResponse renders it (UTF-8, compact), for bodies built off the event loop."""
-    return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
-
-
-def _pieces(face: ServingFace, ids: list[Any]) -> list[dict[str, Any]]:
-    out = []
-    for t in ids:
+def _pieces(face: ServingFace, ids: list[Any]) -> Iterator[dict[str, Any]]:
+    for t in ids:  # one at a time: written into the reply's pieces, never held as a list (replies module)
         b = face.inference.token_bytes(t)
         try:
             piece: Any = b.decode("utf-8")
         except UnicodeDecodeError:
             piece = list(b)  # llama-server: a piece that is not valid UTF-8 is given as its bytes
-        out.append({"id": t, "piece": piece})
-    return out
+        yield {"id": t, "piece": piece}
 
 
 async def tokenize(face: ServingFace, request: Request) -> Response:
@@ -72,11 +66,13 @@ async def tokenize(face: ServingFace, request: Request) -> Response:
     wire.flag(body, "add_special", False)  # Qwen3 adds no BOS: accepted, nothing to add
     with_pieces = wire.flag(body, "with_pieces", False)
 
-    def run() -> bytes:
-        ids = face.inference.tokenize(content, parse_special=parse_special)
-        return _json_bytes({"tokens": _pieces(face, ids) if with_pieces else ids})
+    limit = reply_limit(face.config.max_body_bytes)
 
-    return Response(await face.heavy(request, run), media_type="application/json")
+    def run() -> list[bytes]:
+        ids = face.inference.tokenize(content, parse_special=parse_special)
+        return json_pieces({}, "tokens", _pieces(face, ids) if with_pieces else ids, limit)
+
+    return PiecedResponse(await face.heavy(request, run))
 
 
 async def detokenize(face: ServingFace, request: Request) -> Response:
@@ -87,18 +83,20 @@ async def detokenize(face: ServingFace, request: Request) -> Response:
         raise wire.bad_request("'tokens' must be a list of token ids")
     with_pieces = wire.flag(body, "with_pieces", False)
 
-    def run() -> bytes:
+    limit = reply_limit(face.config.max_body_bytes)
+
+    def run() -> list[bytes]:
         text = face.inference.detokenize(tokens)
         if not with_pieces:
-            return _json_bytes({"content": text})
+            return json_pieces({"content": text}, None, (), limit)
         # our addition: each token's raw piece (str, or its bytes when not valid UTF-8, as /tokenize gives them)
-        return _json_bytes({"content": text, "pieces": _pieces(face, tokens)})
+        return json_pieces({"content": text}, "pieces", _pieces(face, tokens), limit)
 
     try:
         data = await face.heavy(request, run)
     except CalError as e:
         raise wire.bad_request(str(e)) from None
-    return Response(data, media_type="application/json")
+    return PiecedResponse(data)
 
 
 async def apply_template(face: ServingFace, request: Request) -> Response:

@@ -20,9 +20,10 @@ from typing import Any
 import anyio
 import uvicorn
 
-from .conns import ConnectionGuard, GuardedH11Protocol, RequestBound
-from .face import ServingFace, build_app
+from .conns import HEAVY_REPLY_BUDGET, ConnectionGuard, GuardedH11Protocol, ReplyGuard, RequestBound
+from .face import HEAVY_BODY_BYTES, ServingFace, build_app
 from .middleware import HeaderCase
+from .replies import reply_limit
 
 log = logging.getLogger("calconsole.serve")
 #: how long in-flight responses get to finish after a stop is asked (host s); then they are cancelled
@@ -51,7 +52,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(128)
+        # uvicorn's own default: with 128, reconnects past the connection cap filled the queue and an admin's
+        # SYN was dropped (retried after 1 s)
+        sock.listen(2048)
         sock.set_inheritable(True)
     except OSError:
         sock.close()
@@ -82,8 +85,25 @@ def _app_with_lifespan(face: ServingFace, on_started: Callable[[], None] | None 
     app.router.lifespan_context = lifespan
     c = face.config
     # requests in progress, not connections: idle ones cannot take this capacity (conns module)
-    face.request_bound = RequestBound(app, max_active=c.max_streams + c.max_snapshot_streams + 64)
-    return HeaderCase(face.request_bound)  # outermost: the bound's own refusals are cased too
+    face.request_bound = RequestBound(app, max_active=c.max_streams + c.max_snapshot_streams + 64,
+                                      is_admin=lambda scope: _shows_admin_key(face, scope))
+    # every reply in pieces with a send deadline; heavy replies bounded in number (conns.ReplyGuard)
+    guarded = ReplyGuard(face.request_bound, face.conn_guard, send_timeout_s=c.send_timeout_s,
+                         heavy_body_bytes=HEAVY_BODY_BYTES,
+                         places=max(1, HEAVY_REPLY_BUDGET // reply_limit(c.max_body_bytes)))
+    return HeaderCase(guarded)  # outermost: the bounds' own refusals are cased too
+
+
+def _shows_admin_key(face: ServingFace, scope: dict[str, Any]) -> bool:
+    """Whether a request's ``Authorization: Bearer`` (or ``X-Api-Key``) is one of the admin keys."""
+    ring = face.config.admin_keys
+    if ring is None:
+        return False
+    headers = dict(scope.get("headers", ()))
+    auth = headers.get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = auth.partition(" ")
+    key = token.strip() if auth and scheme.lower() == "bearer" else headers.get(b"x-api-key", b"").decode("latin-1")
+    return bool(key) and ring.match(key) is not None
 
 
 class _Server(uvicorn.Server):

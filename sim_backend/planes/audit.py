@@ -221,6 +221,21 @@ class AuditLog:
         if not stat.S_ISREG(mode):
             raise AuditLogError(self.path, f"is {_kind(mode)}, not a regular file")
 
+    def create(self) -> None:
+        """Create the log (an empty regular file, and its missing directories) if it is missing, then
+        ``check_writable``: a server that keeps the log for hours shows it from its start, and the
+        probe write then proves the very file its records will go to. An existing log is left as is.
+        Raises AuditLogError with the reason (as ``check_writable``)."""
+        self.check_writable()  # refuses FIFOs, devices and pseudo-filesystems before anything is created
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # mode as the first append makes it (umask applies)
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o666)
+        except OSError as e:
+            raise AuditLogError(self.path, f"not writable: cannot create it: {e.strerror or e}") from None
+        os.close(fd)
+        self.check_writable()
+
     async def _append_async(self, data: bytes) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._refuse_special()

@@ -299,7 +299,11 @@ class StepRunner:
                                      tuple(r.tokens.probs[r.n_streamed:]), r.slot.idx))
             r.n_streamed = len(r.generated)
         with self._lock:
-            if stop is not None:
+            if stop is not None and r.handle.cancelled:
+                # cancelled while this token was sampled (the check above was before the lock): the
+                # client left before its end was written down, so it is not counted finished
+                self._end(r, "cancelled", "none", None, done_ms=t_end / 1e3)
+            elif stop is not None:
                 self._end(r, "finished", stop[0], None, stopping_word=stop[1], done_ms=t_end / 1e3)
             else:
                 self._wake.notify_all()

@@ -290,10 +290,91 @@ def test_answer_and_close_to_a_gone_peer_is_quiet_and_counted() -> None:
 
     guard = ConnectionGuard(ConnLimits())
     t = _GoneTransport()
-    conn = SimpleNamespace(closing=False, transport=t, guard=guard, loop=None, linger_s=2.0)
+    conn = SimpleNamespace(closing=False, transport=t, guard=guard, loop=None, linger_s=2.0, idle_since=None, peer="?")
     GuardedH11Protocol.close_with(conn, b"HTTP/1.1 503 Service Unavailable\r\n\r\n")  # type: ignore[arg-type]
     assert conn.closing and t.aborted
     assert t.written.startswith(b"HTTP/1.1 503")
     assert guard.stats.peer_gone == 1
     GuardedH11Protocol.close_with(conn, b"again")  # type: ignore[arg-type]
     assert guard.stats.peer_gone == 1  # already closing: nothing more is written or counted
+
+
+def _kept_alive(s: Any) -> socket.socket:
+    """A connection that was served one /health and is kept alive (a client's pool)."""
+    c = socket.create_connection((s.thread.host, s.thread.port), timeout=10)
+    c.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    data = b""
+    while not data.endswith(b'{"status":"ok"}'):
+        chunk = c.recv(65536)
+        assert chunk, data
+        data += chunk
+    assert data.startswith(b"HTTP/1.1 200")
+    return c
+
+
+def test_kept_alive_connections_are_not_closed_for_an_idle_budget(make_server: Any) -> None:
+    """A pooled client's idle connection is not closed to make room for a new one: its next request is
+    answered; the never-served connections past the budget are the ones closed."""
+    s = make_server(conn_limits=ConnLimits(max_idle_per_peer=2, min_idle_s=0.0))
+    guard = s.face.conn_guard
+    pool = [_kept_alive(s) for _ in range(3)]  # over the budget of 2 by themselves
+    try:
+        assert wait_until(lambda: guard.count("127.0.0.1") == 3)
+        with half_open(s.url, 1) as fresh, contextlib.ExitStack() as more:
+            assert wait_until(lambda: guard.count("127.0.0.1") == 4
+                              and all(c.unread_bytes() == 0 for c in guard._all()))  # its head start read
+            more.enter_context(half_open(s.url, 1))
+            assert wait_until(lambda: guard.stats.evicted_idle == 1)  # the never-served one, for the newer
+            assert guard.count("127.0.0.1") == 4
+            status, _, body = read_answer(fresh[0])
+            assert status == 503 and "sent no request" in body["error"]["message"]
+            for c in pool:
+                c.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                assert read_answer(c)[:1] == (200,)
+    finally:
+        for c in pool:
+            c.close()
+
+
+def _read_one(c: socket.socket) -> tuple[int, bytes]:
+    """Status and body of one Content-Length response on a connection kept open."""
+    c.settimeout(10)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = c.recv(65536)
+        assert chunk, data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    n = int(next(ln.split(b":", 1)[1] for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length:")))
+    while len(body) < n:
+        body += c.recv(65536)
+    return int(head.split()[1]), body
+
+
+def test_past_the_connection_cap_a_reserve_serves_health_and_the_admin_first(make_server: Any) -> None:
+    s = make_server(admin_key=ADMIN_KEY, conn_limits=ConnLimits(
+        max_conns=16, max_idle=16, max_idle_per_peer=16, min_idle_s=60.0, reserve_conns=2))
+    guard = s.face.conn_guard
+    admin_head = (b"GET /maintenance/status HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Authorization: Bearer " + ADMIN_KEY.encode() + b"\r\n\r\n")
+    with half_open(s.url, 16):
+        assert wait_until(lambda: guard.count() == 16)
+        status, _, body = raw_request(s.url, b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert status == 503 and "connection cap" in body["error"]["message"]
+        assert raw_request(s.url, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")[0] == 200
+        assert wait_until(lambda: guard.count() == 16)
+        with half_open(s.url, 2) as reserve:
+            assert wait_until(lambda: guard.count() == 18 and all(c.unread_bytes() == 0 for c in guard._all()))
+            admin = socket.create_connection((s.thread.host, s.thread.port), timeout=10)
+            try:
+                admin.sendall(admin_head)  # the reserve is full: its oldest half-open makes room
+                assert _read_one(admin)[0] == 200 and guard.stats.reserve_evicted == 1
+                assert read_answer(reserve[0])[0] == 503
+                assert wait_until(lambda: all(c.unread_bytes() == 0 for c in guard._all()))
+                with half_open(s.url, 1):  # the admin's kept-alive connection is not the one closed for it
+                    assert wait_until(lambda: guard.stats.reserve_evicted == 2)
+                    assert read_answer(reserve[1])[0] == 503
+                    admin.sendall(admin_head)
+                    assert _read_one(admin)[0] == 200
+            finally:
+                admin.close()

@@ -86,3 +86,19 @@ def test_a_bad_slo_stops_serve_with_code_2_before_the_device_is_built(tmp_path, 
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and word in r.stderr and "Traceback" not in r.stderr
     assert "listening" not in r.stderr
+
+
+def test_audit_log_is_created_at_start_up(tmp_path):
+    """``--audit-log`` names a file in a directory that does not exist yet: ``serve`` with maintenance routes
+    creates it (empty) before its listening line, not with the first record hours later."""
+    key = tmp_path / "admin.key"
+    key.write_text("k" * 32 + "\n")
+    key.chmod(0o600)
+    log = tmp_path / "new" / "dir" / "serve-audit.jsonl"
+    p, url = start(tmp_path, "--admin-key-file", str(key), "--audit-log", str(log))
+    try:
+        assert log.is_file() and log.stat().st_size == 0
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0

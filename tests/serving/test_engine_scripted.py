@@ -731,3 +731,30 @@ def test_closed_engine_refuses(make):
     h.engine.close()
     with pytest.raises(UnavailableError, match="shut down"):
         h.engine.submit(ChatRequest.from_prompt("late", max_tokens=2, sampling=GREEDY))
+
+
+def test_cancel_while_the_last_token_is_sampled_is_counted_cancelled(make, monkeypatch):
+    """A cancel that lands after a step's cancel check but before its end is written (the client left while
+    the stopping token was sampled) ends the request cancelled: it is not counted finished."""
+    from sim_backend.serving.tokens import TokenPipeline
+
+    h = make()
+    req = ChatRequest.from_prompt("hi", max_tokens=2, sampling=GREEDY)
+    h.script(req, words("A", " b"))
+    handles = []
+    push = TokenPipeline.push
+
+    def push_then_cancel(self, tok):
+        out = push(self, tok)
+        if out[1] is not None:  # the stopping token: the client leaves now
+            handles[0].cancel("client left")
+        return out
+
+    monkeypatch.setattr(TokenPipeline, "push", push_then_cancel)
+    h.gate.block()
+    handles.append(h.engine.submit(req))
+    h.gate.open()
+    res = handles[0].result(10)
+    assert (res.status, res.stop_type) == ("cancelled", "none")
+    counters = h.engine.metrics.summary()["counters"]
+    assert counters["cancelled"] == 1 and counters.get("finished", 0) == 0
