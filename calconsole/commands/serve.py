@@ -252,7 +252,7 @@ def reasoning_of(value: str | None) -> bool | None:
     return REASONING_VALUES[value]
 
 
-def server_template_kwargs(args: argparse.Namespace) -> dict | None:
+def server_template_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
     """The template variables every request gets: ``--chat-template-kwargs`` with ``--reasoning``'s
     ``enable_thinking`` over its own (llama-server writes both into the same defaults). ValueError."""
     kwargs = template_kwargs_of(getattr(args, "chat_template_kwargs", None))
