@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
+from typing import TYPE_CHECKING
 
 from . import __version__
 from .commands import load_commands
 from .commands.common import add_common_options, check_common, fail, finalize
 from .layout import MAX_REFRESH_HZ, MIN_REFRESH_HZ
+
+if TYPE_CHECKING:
+    import rich.console
+
+    from .commands.common import AnySystem, LocalSystem
+    from .layout import Layout
+    from .server.run import ServerThread
+    from .settings import Settings
 
 SETTINGS_HELP = """settings: {path} (YAML; optional). Keys: layout, refresh_hz, history_window_s (60|300|900),
 theme, compact (auto|on|off), panes (auto|single|columns: one pane at a time below the layout's
@@ -66,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _raise_broken_pipe(self) -> None:
+def _raise_broken_pipe(self: rich.console.Console) -> None:
     # rich turns a closed stdout into SystemExit(1); let main() treat it like any broken pipe
     raise BrokenPipeError
 
@@ -98,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(err)
     try:
         if getattr(args, "func", None) is not None:
-            return args.func(args)
+            rc: int = args.func(args)  # a command's run(args): its exit code
+            return rc
         return run_console(args, settings)
     except BrokenPipeError:
         # output piped into e.g. `head` that closed early: not an error of ours
@@ -122,7 +133,7 @@ def _start_up_error(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run_console(args: argparse.Namespace, settings=None) -> int:
+def run_console(args: argparse.Namespace, settings: Settings | None = None) -> int:
     from .layout import LayoutError, load_layout
 
     try:
@@ -153,7 +164,8 @@ def run_console(args: argparse.Namespace, settings=None) -> int:
             sock.close()  # the server's own socket: closing it again after the server stopped is harmless
 
 
-def _run_console(args: argparse.Namespace, settings, layout, sock) -> int:
+def _run_console(args: argparse.Namespace, settings: Settings | None, layout: Layout,
+                 sock: socket.socket | None) -> int:
     """The console once its options are checked (``sock``: the ``--listen`` socket, bound already)."""
     from sim_backend.planes import CalError
 
@@ -169,6 +181,8 @@ def _run_console(args: argparse.Namespace, settings, layout, sock) -> int:
 
     server = None
     progress = StartProgress()
+    system: AnySystem
+    local: LocalSystem | None = None  # the in-process device, the one --listen serves (never with --connect)
     try:
         if args.connect:
             # without an admin key (or with --observe-only) there is no maintenance plane, so no pane
@@ -185,14 +199,14 @@ def _run_console(args: argparse.Namespace, settings, layout, sock) -> int:
             # numerics in a worker process: the UI and the simulation would otherwise share one GIL. The console
             # does not wait for the worker's start (a first start compiles its kernels: ~30 s of CPU, minutes of
             # wall on a busy host): it serves at once, timing-only until the numerics are ready, and says so
-            system = build_from_args(args, maintenance=not args.observe_only, numerics_process=True, slo=slo,
-                                     numerics_progress=progress, numerics_background_start=True)
+            system = local = build_from_args(args, maintenance=not args.observe_only, numerics_process=True, slo=slo,
+                                             numerics_progress=progress, numerics_background_start=True)
     except (CalError, ValueError) as e:
         return fail(str(e))
     try:
-        if args.listen is not None:
+        if args.listen is not None and local is not None:
             try:
-                server = start_listening(args, system, sock)
+                server = start_listening(args, local, sock)
             except (CalError, ValueError, OSError) as e:
                 return fail(f"--listen {args.listen}: {e}")
         notes: tuple[str, ...] = ()
@@ -213,7 +227,7 @@ def _run_console(args: argparse.Namespace, settings, layout, sock) -> int:
     return 0
 
 
-def run_fleet(args: argparse.Namespace, settings, layout) -> int:
+def run_fleet(args: argparse.Namespace, settings: Settings | None, layout: Layout) -> int:
     """The fleet view (``--fleet FILE`` or ``--connect URL`` twice or more): one row per board, worst first."""
     from .commands.fleet import fleet_config
     from .fleet.config import FleetConfigError
@@ -293,7 +307,7 @@ def parse_listen(spec: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def start_listening(args: argparse.Namespace, system, sock=None):
+def start_listening(args: argparse.Namespace, system: LocalSystem, sock: socket.socket | None = None) -> ServerThread:
     """Serve ``system``'s planes over HTTP from a thread of this process (``--listen``); ``sock``: the
     listening socket bound before the device was built (None: bind ``--listen``'s address now)."""
     from .commands.serve import build_face

@@ -62,7 +62,7 @@ class SnapshotFeed:
         """Take one sample and hand it on; None when it failed (the link is down, or logged)."""
         conn = getattr(self.system, "connection", None)  # remote planes only
         try:
-            snap = self.system.observation.snapshot()
+            snap: Snapshot = self.system.observation.snapshot()
         except Exception:  # noqa: BLE001 - a failed sample is skipped, the next one retries
             if conn is not None and not conn.connected:
                 # the planes retry with back-off; the console says since when

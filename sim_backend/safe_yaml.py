@@ -70,7 +70,7 @@ class _BoundedLoader(yaml.SafeLoader):
         self._weight: dict[int, int] = {}  # id(node) -> its expanded size
 
     def compose_node(self, parent: Any, index: Any) -> Any:
-        ev = self.peek_event()
+        ev = self.peek_event()  # type: ignore[no-untyped-call]  # types-PyYAML leaves Parser.peek_event bare
         if not self.aliases and (isinstance(ev, yaml.AliasEvent) or getattr(ev, "anchor", None) is not None):
             raise YAMLRefused(ev.start_mark, f"YAML anchors and aliases (&name, *name) are not allowed in {self.what}")
         self._depth += 1

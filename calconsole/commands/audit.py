@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
-from .common import add_connect_options, connect_from_args, fail, print_json
+from .common import Subparsers, add_connect_options, connect_from_args, fail, print_json
 
 DEFAULT_TAIL = 1000
 #: the table's width limit when the output is not a terminal: wide enough that no cell is ever folded
 PIPED_WIDTH = 1 << 16
 
 
-def register(sub, common) -> None:
+def register(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("audit", help="print the maintenance audit log",
                        description="Print the maintenance audit log: one row per maintenance call, granted or "
                                    "refused, with OS user, arguments, result and duration (wall ms; sim ms is "
@@ -147,13 +148,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kv(d) -> str:
+def _kv(d: object) -> str:
     if not isinstance(d, dict):
         return "" if d is None else str(d)
     return " ".join(f"{k}={v}" for k, v in d.items() if not isinstance(v, (dict, list)))
 
 
-def brief(result, limit: int = 120) -> str:
+def brief(result: object, limit: int = 120) -> str:
     """A one-line summary of an action's result for the table (the JSON has all of it)."""
     if result is None:
         return ""
@@ -175,7 +176,7 @@ def brief(result, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _who(ent: dict) -> str:
+def _who(ent: dict[str, Any]) -> str:
     """Who made the call: the OS user of an in-process call; over HTTP the key's label (never the key) and the
     peer address ("ops-admin from 127.0.0.1:50412"; "no valid key from ..." for a refused authentication)."""
     origin = ent.get("origin") if isinstance(ent.get("origin"), dict) else None

@@ -7,10 +7,19 @@ import sys
 
 import msgspec
 
-from sim_backend.planes import CalError, RequestError, SamplingParams
+from sim_backend.planes import CalError, ChatRequest, RequestError, SamplingParams
 
 from ..widgets.render import numeric_limit, timing_only_reason
-from .common import add_common_options, add_connect_options, build_or_connect, fail, print_json, read_prompt
+from .common import (
+    AnySystem,
+    Subparsers,
+    add_common_options,
+    add_connect_options,
+    build_or_connect,
+    fail,
+    print_json,
+    read_prompt,
+)
 
 
 def _number(text: str) -> int | float | str:
@@ -59,8 +68,8 @@ def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--think", action="store_true", help="leave thinking on (default: empty <think></think>)")
 
 
-def request_from_args(args: argparse.Namespace, prompt: str):
-    from sim_backend.planes import ChatRequest, SamplingParams, seed_or_random
+def request_from_args(args: argparse.Namespace, prompt: str) -> ChatRequest:
+    from sim_backend.planes import seed_or_random
 
     sp = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                         repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n,
@@ -74,7 +83,7 @@ def request_from_args(args: argparse.Namespace, prompt: str):
                        enable_thinking=args.think, client="cli")
 
 
-def register(sub, common) -> None:
+def register(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "chat", help="generate one reply headless and print it",
         description="Generate one reply through the serving engine. The weights are synthetic, so the text "
@@ -97,7 +106,7 @@ def register(sub, common) -> None:
     p.set_defaults(func=run)
 
 
-def _numeric_limit(system) -> int | None:
+def _numeric_limit(system: AnySystem) -> int | None:
     """The device's numeric limit (new prompt tokens; 0 when it runs timing-only), None when it says none
     (a server without a device) or the snapshot cannot be read."""
     try:
@@ -143,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         except RequestError as e:
             return fail(f"{e.error_type}: {e}")
         room = n_ctx - handle.prompt_n  # the engine stops once prompt + generated reach n_ctx (llama.cpp)
-        if req.max_tokens > room and not unbounded:
+        if req.max_tokens is not None and req.max_tokens > room and not unbounded:
             print(f"calconsole: note: --max-tokens {req.max_tokens} is more than the context leaves: the "
                   f"reply stops at the context end ({n_ctx} tokens, {handle.prompt_n} of them prompt) after "
                   f"at most {room} tokens", file=sys.stderr)
@@ -173,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         ttft = f"{t.ttft_ms:.1f}" if t.ttft_ms is not None else "-"
         tpot = f"{t.tpot_ms:.2f}" if t.tpot_ms is not None else "-"
-        where = f" | live device at {system.url}" if getattr(system, "url", None) else " | fresh in-process device"
+        url = getattr(system, "url", None)
+        where = f" | live device at {url}" if url else " | fresh in-process device"
         clock = ("wall ms measured here as client; the server's own timings: prompt "
                  f"{t.prompt_ms:.1f} ms, predicted {t.predicted_ms:.1f} ms (its wall clock)"
                  if t.time_base == "wall" else "simulated device time")

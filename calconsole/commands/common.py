@@ -8,9 +8,22 @@ import os
 import stat
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from sim_backend.compose import NUMERIC_PROMPT_LIMIT, Pacing, PacingMode
+
+if TYPE_CHECKING:
+    from sim_backend.compose import System
+
+    from ..remote import RemoteSystem
+    from ..remote.llamacpp import LlamaServerSystem
+
+#: what ``ArgumentParser.add_subparsers`` returns; each command's ``register(sub, common)`` adds its parser to it
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+#: what ``build_or_connect`` gives: a fresh in-process System, or the planes of a calconsole server or a llama-server
+AnySystem: TypeAlias = "System | RemoteSystem | LlamaServerSystem"
+#: the in-process System, named here for the console (which imports no part of the simulator itself)
+LocalSystem: TypeAlias = "System"
 
 # Defaults of the shared options. Sub-command parsers register the options with
 # SUPPRESS so a value given before the sub-command (``calconsole --bundle D
@@ -31,7 +44,7 @@ NUMERIC_LIMIT_RANGE = (1, 40960)
 
 
 def add_common_options(p: argparse.ArgumentParser, *, default_pacing: str, top_level: bool = False) -> None:
-    def d(name: str):
+    def d(name: str) -> str:
         # SUPPRESS at the top level too: finalize fills the defaults and so knows what was given
         # (with --connect a given simulator option is named as not applied)
         return argparse.SUPPRESS
@@ -98,7 +111,7 @@ def ignored_simulator_options(args: argparse.Namespace, kind: str = "calconsole"
     return out
 
 
-def connect_from_args(args: argparse.Namespace, *, admin: bool = False):
+def connect_from_args(args: argparse.Namespace, *, admin: bool = False) -> RemoteSystem | LlamaServerSystem:
     """The attached system of ``--connect`` (keys from the files or the environment): a ``RemoteSystem``
     (calconsole serve) or a ``LlamaServerSystem`` (a stock llama-server; ``system.kind`` says which).
 
@@ -124,7 +137,9 @@ def connect_from_args(args: argparse.Namespace, *, admin: bool = False):
     adm = key("admin", getattr(args, "admin_key_file", None), ENV_ADMIN_KEY) if admin else None
     url = args.connect
     try:
-        system = connect(url, api_key=api, admin_key=adm, audit_path=getattr(args, "audit_log", None))
+        # connect's own return is untyped (it imports the llama-server planes lazily): its two kinds
+        system: RemoteSystem | LlamaServerSystem = connect(url, api_key=api, admin_key=adm,
+                                                           audit_path=getattr(args, "audit_log", None))
         if system.kind == "llama-server":
             if admin or getattr(args, "audit_log", None) is not None:
                 from sim_backend.planes import AuditLog
@@ -151,7 +166,8 @@ def connect_from_args(args: argparse.Namespace, *, admin: bool = False):
         raise ValueError(f"cannot attach to {url}: {e}") from None
 
 
-def build_or_connect(args: argparse.Namespace, *, maintenance: bool = False, **kw: Any):
+def build_or_connect(args: argparse.Namespace, *, maintenance: bool = False,
+                     **kw: Any) -> AnySystem:
     """``connect_from_args`` with ``--connect``, else ``build_from_args`` (a fresh in-process device)."""
     if getattr(args, "connect", None):
         return connect_from_args(args, admin=maintenance)
@@ -216,7 +232,7 @@ def check_bundle_option(args: argparse.Namespace) -> None:
     check_bundle(getattr(args, "bundle", None))
 
 
-def build_from_args(args: argparse.Namespace, *, maintenance: bool = True, **kw: Any):
+def build_from_args(args: argparse.Namespace, *, maintenance: bool = True, **kw: Any) -> System:
     """Build the System from common options (after ``check_common``).
     Raises ManifestError / ValueError / AuditLogError on bad input."""
     from sim_backend.compose import build_system

@@ -35,14 +35,38 @@ import argparse
 import getpass
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
-from sim_backend.planes import CalError
+from sim_backend.planes import CalError, Lease, Report
 
-from .common import add_common_options, add_connect_options, build_from_args, connect_from_args, fail, print_json
+from .common import (
+    AnySystem,
+    Subparsers,
+    add_common_options,
+    add_connect_options,
+    build_from_args,
+    connect_from_args,
+    fail,
+    print_json,
+)
+
+#: one step's outcome: (granted: True / False refused / None not a plane call, ok: behaved as described, detail)
+Outcome = tuple[bool | None, bool, str]
 
 
-def register(sub, common) -> None:
+class DrillStep(TypedDict):
+    """One step of the drill as it is printed and returned (``--json``)."""
+
+    step: int  #: 1-based
+    action: str  #: the maintenance plane method (or "submit_request")
+    granted: bool | None  #: None: the step raised before the plane answered
+    ok: bool  #: behaved as described (a refusal that should happen is ok)
+    detail: str
+    sim_ms: float  #: simulated device ms the step took
+    wall_ms: float  #: host wall ms the step took
+
+
+def register(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("drill", help="run a scripted maintenance window and check every step",
                        description=__doc__.replace("``", "").split("\n\n")[0]
                        + " Prints each step; exit code 1 if any step did "
@@ -58,6 +82,7 @@ def register(sub, common) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0 <= args.drain_timeout <= 60:
         return fail(f"--drain-timeout must be in [0, 60] s, got {args.drain_timeout}")
+    system: AnySystem
     if args.connect:
         try:
             system = connect_from_args(args, admin=True)
@@ -85,7 +110,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(steps)
     else:
-        where = f"{system.url} · " if getattr(system, "url", None) else "fresh in-process device · "
+        url = getattr(system, "url", None)
+        where = f"{url} · " if url else "fresh in-process device · "
+        assert system.maintenance is not None  # run_drill refused a system without one
         _print_table(steps, where + str(system.maintenance.audit.path), ok)
     return 0 if ok else 1
 
@@ -97,7 +124,7 @@ def _holder() -> str:
         return "operator@drill"
 
 
-def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: int = 4000) -> list[dict]:
+def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: int = 4000) -> list[DrillStep]:
     """Run the scripted window on ``system`` (needs a maintenance plane); returns the steps.
 
     Each step: {"step", "action", "granted", "ok", "detail", "sim_ms", "wall_ms"} where ``ok``
@@ -115,10 +142,10 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
     m = system.maintenance
     if m is None:
         raise ValueError("the drill needs the maintenance plane (built without --observe-only)")
-    steps: list[dict] = []
+    steps: list[DrillStep] = []
     state: dict[str, Any] = {"lease": None, "stream": None}
 
-    def step(action: str, fn: Callable[[], tuple[bool | None, bool, str]]) -> None:
+    def step(action: str, fn: Callable[[], Outcome]) -> None:
         t0, s0 = time.perf_counter(), _sim_now_us(system)
         try:
             granted, ok, detail = fn()
@@ -126,9 +153,9 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
             granted, ok, detail = None, False, f"unexpected {type(e).__name__}: {e}"
         except Exception as e:  # noqa: BLE001 - a drill reports, it does not crash
             granted, ok, detail = None, False, f"internal error {type(e).__name__}: {e}"
-        rec = {"step": len(steps) + 1, "action": action, "granted": granted, "ok": bool(ok), "detail": detail,
-               "sim_ms": round((_sim_now_us(system) - s0) / 1e3, 3),
-               "wall_ms": round((time.perf_counter() - t0) * 1e3, 3)}
+        rec: DrillStep = {"step": len(steps) + 1, "action": action, "granted": granted, "ok": bool(ok),
+                          "detail": detail, "sim_ms": round((_sim_now_us(system) - s0) / 1e3, 3),
+                          "wall_ms": round((time.perf_counter() - t0) * 1e3, 3)}
         steps.append(rec)
         if not hasattr(m.audit, "event"):
             return  # over HTTP the server audits each maintenance call; drill steps are not sent
@@ -138,14 +165,14 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
         except OSError:
             pass  # the plane's own records already failed loudly if the log is unwritable
 
-    def reset_without_lease():
+    def reset_without_lease() -> Outcome:
         try:
             m.reset(None)
         except MaintenanceRefused as e:
             return False, True, f"refused as expected: {e.reason}"
         return True, False, "reset was granted without a lease"
 
-    def start_stream():
+    def start_stream() -> Outcome:
         h = system.inference.submit(ChatRequest.from_prompt("Tell me a long story about the sea.",
                                                             max_tokens=stream_max_tokens))
         state["stream"] = h
@@ -159,7 +186,7 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
                 return True, False, f"request {h.id} ended before exclusive mode: {ev.result.status}"
         return True, False, f"request {h.id}: no token within 60 s"
 
-    def enter():
+    def enter() -> Outcome:
         lease = m.enter_exclusive(_holder(), drain_timeout_s=drain_timeout_s)
         state["lease"] = lease
         h = state["stream"]
@@ -176,7 +203,7 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
                           f"{drain.get('sim_ms', 0):.1f} sim ms; request {h.id} {res.status} after "
                           f"{res.timings.predicted_n} tokens: {reason}")
 
-    def submit_refused():
+    def submit_refused() -> Outcome:
         try:
             h = system.inference.submit(ChatRequest.from_prompt("hi", max_tokens=4))
         except RequestError as e:
@@ -185,8 +212,9 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
         h.cancel("drill: should have been refused")
         return True, False, "request admitted during exclusive mode"
 
-    def lease_call(fn: Callable[[Any], dict], check: Callable[[dict], tuple[bool, str]]):
-        def go():
+    def lease_call(fn: Callable[[Lease | None], Report], check: Callable[[Report], tuple[bool, str]]
+                   ) -> Callable[[], Outcome]:
+        def go() -> Outcome:
             try:
                 r = fn(state["lease"])
             except MaintenanceRefused as e:
@@ -195,12 +223,13 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
             return True, ok, detail
         return go
 
-    def health_detail(r: dict) -> tuple[bool, str]:
+    def health_detail(r: Report) -> tuple[bool, str]:
         h = r.get("health", {})
         return bool(r.get("ok")), f"health {h.get('detail')} ({h.get('sim_us', 0) / 1e3:.1f} sim ms probe job)"
 
-    def probe_expect(error_type: str | None):
-        def check(r: dict) -> tuple[bool, str]:
+    def probe_expect(error_type: str | None
+                     ) -> tuple[Callable[[Lease | None], Report], Callable[[Report], tuple[bool, str]]]:
+        def check(r: Report) -> tuple[bool, str]:
             if error_type is None:
                 return r["status"] == "finished", (f"finished: {r['n_tokens']} tokens in {r['sim_ms']:.1f} sim ms"
                                                    if r["status"] == "finished" else f"failed: {r['error']}")
@@ -210,7 +239,7 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
                     else "finished (expected a failure)")
         return lambda L: m.probe_request(L, "hi", max_tokens=4), check
 
-    def final_request():
+    def final_request() -> Outcome:
         try:
             res = system.inference.generate(ChatRequest.from_prompt("hi again", max_tokens=8), timeout=120.0)
         except RequestError as e:
@@ -249,7 +278,7 @@ def run_drill(system: Any, *, drain_timeout_s: float = 0.3, stream_max_tokens: i
     return steps
 
 
-def _print_table(steps: list[dict], audit_path: str, ok: bool) -> None:
+def _print_table(steps: list[DrillStep], audit_path: str, ok: bool) -> None:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text

@@ -15,9 +15,14 @@ import asyncio
 import json
 import sys
 import time
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-from .common import fail
+from .common import Subparsers, fail
+
+if TYPE_CHECKING:
+    from ..fleet.config import FleetConfig
+    from ..fleet.sample import BoardSample
 
 MAX_COUNT = 1_000_000
 
@@ -26,7 +31,8 @@ class ConnectAction(argparse.Action):
     """``--connect URL``, repeatable: ``connect`` holds the first URL (what single-board commands read),
     ``connect_urls`` every one given (two or more open the fleet view)."""
 
-    def __call__(self, parser, namespace, values, option_string=None) -> None:  # noqa: ANN001
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: str | Sequence[Any] | None, option_string: str | None = None) -> None:
         urls = list(getattr(namespace, "connect_urls", None) or [])
         urls.append(values)
         namespace.connect_urls = urls
@@ -40,7 +46,7 @@ def add_fleet_source(p: argparse.ArgumentParser, *, top_level: bool = False) -> 
                         "admin_key_file}]); opens the fleet view (one row per board, worst first)")
 
 
-def register(sub, common) -> None:
+def register(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("fleet", help="the boards of a fleet: one row per board, worst first (headless)",
                        description="Poll every board of a fleet (one calconsole serve or llama-server per board; "
                                    "each on its own task with its own back-off) and print one row per board, "
@@ -63,7 +69,7 @@ def register(sub, common) -> None:
     p.set_defaults(func=run)
 
 
-def fleet_config(args: argparse.Namespace):
+def fleet_config(args: argparse.Namespace) -> FleetConfig:
     """The ``FleetConfig`` of ``--fleet FILE`` or of the ``--connect`` URLs; FleetConfigError otherwise."""
     from ..fleet.config import FleetConfigError, from_urls, load_fleet
 
@@ -108,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
 
-async def _show(config, *, json_lines: bool, watch: bool, count: int | None) -> int:
+async def _show(config: FleetConfig, *, json_lines: bool, watch: bool, count: int | None) -> int:
     from ..fleet.poller import FleetMonitor
     from ..fleet.sample import rank
 
@@ -126,7 +132,7 @@ async def _show(config, *, json_lines: bool, watch: bool, count: int | None) -> 
         seen: dict[str, int] = {b.name: 0 for b in config.boards}
         done = asyncio.Event()
 
-        def emit(sample) -> None:
+        def emit(sample: BoardSample) -> None:
             if count is not None and seen[sample.name] >= count:
                 return
             seen[sample.name] += 1
@@ -165,7 +171,7 @@ def _print_table(samples: list[Any]) -> None:
             print(f"{s.name}: {s.state}: {s.error}", file=sys.stderr)
 
 
-def prometheus_config(config) -> str:
+def prometheus_config(config: FleetConfig) -> str:
     """A Prometheus ``scrape_configs`` document: one job per board, ``/metrics`` at the board's URL, its API
     key file as the bearer ``credentials_file``. Raises ValueError for a key file Prometheus cannot use
     as it is (Prometheus sends the whole file, trimmed, as the token: labels, comments or several keys

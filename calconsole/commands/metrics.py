@@ -16,13 +16,23 @@ import argparse
 
 import msgspec
 
-from .common import add_common_options, add_connect_options, build_from_args, connect_from_args, fail, print_json
+from sim_backend.planes import SLO
+
+from .common import (
+    Subparsers,
+    add_common_options,
+    add_connect_options,
+    build_from_args,
+    connect_from_args,
+    fail,
+    print_json,
+)
 
 WARMUP_PROMPTS = ("Hello!", "Summarise the history of lighthouses in three sentences.",
                   "Write a haiku about chiplets.", "What is 17 times 23?")
 
 
-def register(sub, common) -> None:
+def register(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "metrics", help="print Prometheus metrics (llamacpp: names); --warmup N runs N requests first",
         description="Print the serving metrics in Prometheus text exposition format, with llama.cpp's "
@@ -46,12 +56,10 @@ def register(sub, common) -> None:
     p.set_defaults(func=run)
 
 
-def parse_slo(spec: str):
+def parse_slo(spec: str) -> SLO:
     """``--slo ttft:MS,tpot:MS,e2el:MS`` -> ``SLO`` (simulated ms). Raises ValueError with a
     one-line message naming the offending field (``SLO.parse`` itself reports a bad number
     with Python's float() message, which does not say which field)."""
-    from sim_backend.planes import SLO
-
     parts = [p.strip() for p in spec.split(",") if p.strip()]
     if not parts:
         raise ValueError(f"--slo names no objective (got {spec[:40]!r}); expected ttft:MS,tpot:MS,e2el:MS "
@@ -105,7 +113,9 @@ def run(args: argparse.Namespace) -> int:
     except (CalError, ValueError) as e:
         return fail(str(e))
     with system:
-        n_slots = system.observation.snapshot().device.n_slots
+        device = system.observation.snapshot().device
+        assert device is not None  # the in-process simulator always reports its device
+        n_slots = device.n_slots
         # batches of n_slots concurrent requests: the queue limit is never hit
         for start in range(0, args.warmup, n_slots):
             batch = [system.inference.submit(ChatRequest.from_prompt(WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)],

@@ -13,13 +13,13 @@ import argparse
 
 from sim_backend.tools.model_report import model_info
 
-from .common import fail, print_json
+from .common import Subparsers, fail, print_json
 
 GiB = 2**30
 MiB = 2**20
 
 
-def register(sub, common) -> None:
+def register(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "model", help="print the bundle: sub-models, op counts, memory plan, manifest findings",
         description="Print the calbin bundle: sub-models (declared and effective type, I/O), op counts by "

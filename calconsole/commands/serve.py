@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from sim_backend.compose import System
+
     from ..server.face import ServeConfig, ServingFace
     from ..server.keys import KeyRing
 
-from .common import add_common_options, build_from_args, fail
+from .common import Subparsers, add_common_options, build_from_args, fail
 from .metrics import parse_slo
 
 
@@ -40,7 +43,7 @@ def add_key_options(p: argparse.ArgumentParser) -> None:
                         "no maintenance route exists)")
 
 
-def register(sub, common) -> None:
+def register(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "serve", help="serve the simulated device over HTTP (llama-server + OpenAI routes)",
         description="Serve the simulated device behind llama-server's and OpenAI's HTTP routes: /health, "
@@ -205,7 +208,7 @@ def chat_template_of(args: argparse.Namespace) -> tuple[str | None, str]:
     return text, path
 
 
-def template_kwargs_of(spec: str | None) -> dict | None:
+def template_kwargs_of(spec: str | None) -> dict[str, Any] | None:
     """``--chat-template-kwargs`` JSON -> dict (ValueError, one line, for anything but a JSON object)."""
     if spec is None:
         return None
@@ -249,7 +252,7 @@ def reasoning_of(value: str | None) -> bool | None:
     return REASONING_VALUES[value]
 
 
-def server_template_kwargs(args: argparse.Namespace) -> dict | None:
+def server_template_kwargs(args: argparse.Namespace) -> dict[str, Any] | None:
     """The template variables every request gets: ``--chat-template-kwargs`` with ``--reasoning``'s
     ``enable_thinking`` over its own (llama-server writes both into the same defaults). ValueError."""
     kwargs = template_kwargs_of(getattr(args, "chat_template_kwargs", None))
@@ -286,7 +289,7 @@ def serve_config(args: argparse.Namespace, model_alias: str) -> ServeConfig:
     return cfg
 
 
-def build_face(args: argparse.Namespace, system) -> tuple[ServeConfig, ServingFace]:
+def build_face(args: argparse.Namespace, system: System) -> tuple[ServeConfig, ServingFace]:
     """(ServeConfig, ServingFace) from the options; ValueError / KeySourceError with a one-line reason."""
     from ..server.face import ServingFace
 
@@ -296,7 +299,7 @@ def build_face(args: argparse.Namespace, system) -> tuple[ServeConfig, ServingFa
     return cfg, face
 
 
-def bind_all(args: argparse.Namespace) -> list:
+def bind_all(args: argparse.Namespace) -> list[socket.socket]:
     """A listening socket per ``--host`` address on ``--port``; OSError (the others closed) if one cannot bind."""
     from ..server.run import bind_socket
 

@@ -19,12 +19,21 @@ import time
 
 from sim_backend.planes import CalError
 
-from .common import add_common_options, add_connect_options, build_or_connect, device_origin, fail, print_json
+from .common import (
+    AnySystem,
+    Subparsers,
+    add_common_options,
+    add_connect_options,
+    build_or_connect,
+    device_origin,
+    fail,
+    print_json,
+)
 
 MIN_INTERVAL_S = 0.25
 
 
-def register(sub, common) -> None:
+def register(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("snapshot", help="print one observation snapshot (read-only) and exit; --watch to stream",
                        description="Print one read-only observation snapshot, of a fresh in-process simulator or "
                                    "(--connect URL) of a running server's live device. Times under last_step are "
@@ -85,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def watch(system, interval_s: float, count: int | None) -> int:
+def watch(system: AnySystem, interval_s: float, count: int | None) -> int:
     """One JSON line per sample on a fixed schedule (no drift); bounded sleeps; Ctrl-C ends it (0)."""
     out = sys.stdout
     start = time.monotonic()

@@ -16,14 +16,14 @@ from pathlib import Path
 
 from sim_backend.planes import CalError, RequestError
 
-from .common import add_common_options, build_from_args, fail, prepare_output_file, print_json, read_prompt
+from .common import Subparsers, add_common_options, build_from_args, fail, prepare_output_file, print_json, read_prompt
 
 DEFAULT_PROMPT = "Explain in two sentences how an NPU serves a large language model."
 
 
 MAX_TRACE_TOKENS = 64
 
-def register(sub, common) -> None:
+def register(sub: Subparsers, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "trace", help="run one request and write a Chrome trace JSON of every step",
         description="Run one request (fast pacing by default) and write a Chrome trace (Trace Event Format "

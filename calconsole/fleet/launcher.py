@@ -10,6 +10,7 @@ serving: that is what the fleet view is for.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -19,7 +20,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import Any, TextIO
 
 import yaml
 
@@ -39,7 +41,7 @@ class Board:
     url: str | None = None
 
 
-def board_command(args, port: int, audit_log: Path) -> list[str]:
+def board_command(args: argparse.Namespace, port: int, audit_log: Path) -> list[str]:
     """The ``calconsole serve`` command line of one board: the launcher's own options, its port and log.
 
     Keys are passed as the same key files (or the environment), never on the command line."""
@@ -90,7 +92,7 @@ def _say(text: str, *, out: Any) -> None:
         out.flush()
 
 
-def _reader(board: Board, ready: threading.Event, out) -> None:
+def _reader(board: Board, ready: threading.Event, out: TextIO) -> None:
     """Forward a board's stderr, prefixed with its name, and note its URL when it starts listening."""
     assert board.proc.stderr is not None
     for raw in board.proc.stderr:
@@ -103,7 +105,7 @@ def _reader(board: Board, ready: threading.Event, out) -> None:
     ready.set()  # exited: nothing more to wait for
 
 
-def launch(args, *, out=sys.stderr) -> int:
+def launch(args: argparse.Namespace, *, out: TextIO = sys.stderr) -> int:
     """Run ``args.boards`` boards until a signal; returns the exit code (0 after a clean stop)."""
     n = args.boards
     if not 1 <= n <= MAX_BOARDS:
@@ -126,7 +128,7 @@ def launch(args, *, out=sys.stderr) -> int:
     readies: list[threading.Event] = []
     stop = threading.Event()
 
-    def on_signal(signum, frame) -> None:  # noqa: ANN001
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         stop.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -189,7 +191,7 @@ def stop_all(boards: list[Board]) -> None:
             b.proc.wait(timeout=5)
 
 
-def write_fleet_file(path: Path, boards: list[Board], args) -> None:
+def write_fleet_file(path: Path, boards: list[Board], args: argparse.Namespace) -> None:
     """A fleet file (see ``fleet.config``) naming every board, its URL and the launcher's key files."""
     entries = []
     for b in boards:

@@ -267,7 +267,7 @@ class FleetTable(Widget, can_focus=True):
         return out
 
 
-class FleetApp(App):
+class FleetApp(App[None]):
     """One row per board, worst first (see the module docstring). ``transports``: per-board httpx async
     transports for tests (None: real sockets)."""
 
@@ -429,7 +429,7 @@ class FleetApp(App):
                     "with that board's admin key and lease; no fleet-wide action is offered.", timeout=15)
 
 
-class BoardScreen(Screen):
+class BoardScreen(Screen[None]):
     """One board's console over its remote planes: the layout's panes, fed by a sampler thread.
 
     Closing (Esc / F10) stops the sampler and closes the board's connection on a thread (a held lease is

@@ -29,7 +29,9 @@ from textual.widgets.input import Selection
 from sim_backend.planes import (
     ChatRequest,
     DoneEvent,
+    InferencePlane,
     RequestError,
+    RequestResult,
     RequestStream,
     SamplingParams,
     Snapshot,
@@ -129,10 +131,10 @@ class ChatPane(Vertical):
         Binding("pagedown", "scroll_log(1)", "scroll", show=False, priority=True),
     ]
 
-    def __init__(self, inference, **kw) -> None:
+    def __init__(self, inference: InferencePlane, **kw: Any) -> None:
         super().__init__(**kw)
         self.inference = inference
-        self.history: list[dict] = []
+        self.history: list[dict[str, Any]] = []  # the conversation: ChatRequest.messages
         self.handle: RequestStream | None = None
         self._stream_text = ""
         self._submitting = False
@@ -343,7 +345,7 @@ class ChatPane(Vertical):
         prefix = "model …" if len(self._stream_text) > STREAM_TAIL_CHARS else "model "
         self._set_stream(Text.assemble((prefix, "bold green"), tail))
 
-    def _on_done(self, req: ChatRequest, result, prompt: str) -> None:
+    def _on_done(self, req: ChatRequest, result: RequestResult, prompt: str) -> None:
         self.handle = None
         self._submitting = False
         log = self.query_one("#chat-log", RichLog)
@@ -375,7 +377,7 @@ class ChatPane(Vertical):
         inp.selection = Selection(0, len(prompt))
         self._restored = prompt
 
-    def _set_status(self, content) -> None:
+    def _set_status(self, content: str | Text) -> None:
         """The line by the input; hidden while empty (the transcript gets the row)."""
         status = self.query_one("#chat-status", Static)
         status.update(content)
@@ -472,7 +474,7 @@ class Banner(Static):
     """One line showing the longest of its ``variants`` (longest first) that fits its width, never cut to "…";
     the last variant when none fits."""
 
-    def __init__(self, variants: tuple[str, ...], tooltip: str | None = None, **kw) -> None:
+    def __init__(self, variants: tuple[str, ...], tooltip: str | None = None, **kw: Any) -> None:
         super().__init__(variants[0], **kw)
         self.variants = tuple(variants)
         if tooltip is not None:
@@ -512,7 +514,7 @@ class ChatInput(HelpKeyInput):
             self.placeholder = placeholder
 
 
-def figures_line(result) -> str:
+def figures_line(result: RequestResult) -> str:
     """The one dim line under a reply: ``TTFT 127 ms · TPOT 17.1 ms · 128 tok · limit`` (the stop type);
     a cancelled or failed reply says so and what is defined so far; ``timing-only`` when the tokens did not
     come from the model. Milliseconds are sim or wall as the pane's legend says (``ChatPane.legend``); the
@@ -536,7 +538,7 @@ def _short_ms(v: float | None) -> str:
     return f"{v:.0f} ms" if abs(v) >= 100 else f"{v:.1f} ms"
 
 
-def metrics_line(result, wall_s: float, limit: int | None = None) -> str:
+def metrics_line(result: RequestResult, wall_s: float, limit: int | None = None) -> str:
     """The dim line under a reply: token counts, TTFT / TPOT / E2E (sim ms), stop, seed; for a timing-only
     reply, why (``render.timing_only_reason``; ``limit``: the device's numeric limit in new prompt tokens, 0
     when it runs timing-only, None when not known).

@@ -28,16 +28,20 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypedDict
 
 from rich.text import Text
 from textual import events, on, work
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, Input, RichLog, Static
 
-from sim_backend.planes import CalError, Snapshot
+from sim_backend.planes import CalError, Lease, MaintenancePlane, Report, Snapshot
+from sim_backend.planes.snapshot import FaultEvent
 
 from ..widgets.confirm import AskModal, ConfirmModal
 from ..widgets.inputs import HelpKeyInput
@@ -147,8 +151,39 @@ ASK_LEASELESS = {
                  "Erases each slot's cached prompt (POST /slots/N?action=erase): the next requests prefill their "
                  "prompts from scratch."),
 }
-FAULTS = {"fault_ccu": ("ccu_exception", {}), "fault_kv": ("kv_exhaustion", {}),
-          "fault_link": ("link_error", {}), "fault_slow": ("slow_chip", {"chip": 1, "factor": 4.0})}
+class FaultArgs(TypedDict, total=False):
+    """``inject_fault``'s keyword arguments a fault key passes (slow_chip only)."""
+
+    chip: int
+    factor: float
+
+
+FAULTS: dict[str, tuple[str, FaultArgs]] = {
+    "fault_ccu": ("ccu_exception", {}), "fault_kv": ("kv_exhaustion", {}),
+    "fault_link": ("link_error", {}), "fault_slow": ("slow_chip", {"chip": 1, "factor": 4.0})}
+
+#: a maintenance action as the pane runs it: the plane call, returning a Lease, a Report or nothing
+Action = Callable[[], object]
+
+
+class PaneMaintenancePlane(MaintenancePlane, Protocol):
+    """What the pane reads of a maintenance plane beyond the contract: the device's plane (in-process or
+    remote) has ``drain_timeout_s`` (host s) and ``last_drain``; a leaseless server (``needs_lease`` False,
+    a llama-server) has ``offers`` and the slot actions. The pane reads each on its own side only
+    (``leaseless``)."""
+
+    drain_timeout_s: float
+    last_drain: Mapping[str, Any] | None
+
+    def offers(self, action: str) -> bool:
+        """Whether a leaseless server offers the plane method ``action``."""
+        ...
+
+    def erase_slot(self, lease: Lease | None, slot: int) -> Report: ...
+
+    def save_slot(self, lease: Lease | None, slot: int, filename: str) -> Report: ...
+
+    def restore_slot(self, lease: Lease | None, slot: int, filename: str) -> Report: ...
 
 
 class MaintenancePane(Vertical):
@@ -190,7 +225,7 @@ class MaintenancePane(Vertical):
         app samples a snapshot at once, so the header says "exclusive" when the lease is granted, not at
         the next refresh."""
 
-    def __init__(self, maintenance, device_name: str, **kw) -> None:
+    def __init__(self, maintenance: PaneMaintenancePlane, device_name: str, **kw: Any) -> None:
         super().__init__(**kw)
         self._mode_line = ""
         self.maintenance = maintenance
@@ -202,7 +237,7 @@ class MaintenancePane(Vertical):
         if self.leaseless:
             self.HELP_EXTRA = HELP_LEASELESS.format(kind=getattr(maintenance, "server_kind", "this server"))
         self._entering = False
-        self._fired: list = []  # unacknowledged fired faults of the last snapshot
+        self._fired: list[FaultEvent] = []  # unacknowledged fired faults of the last snapshot
         try:
             self.holder = f"{getpass.getuser()}@console"
         except Exception:  # noqa: BLE001 - no passwd entry in some containers
@@ -345,7 +380,7 @@ class MaintenancePane(Vertical):
         method = ACTION_METHOD.get(action)
         return not self.leaseless or method is None or bool(self.maintenance.offers(method))
 
-    def help_bindings(self) -> list:
+    def help_bindings(self) -> list[BindingType]:
         """The pane's key bindings the help lists: on a leaseless server those of what it offers only."""
         return [b for b in self.BINDINGS if not isinstance(b, Binding) or self.offers_action(b.action)]
 
@@ -368,7 +403,7 @@ class MaintenancePane(Vertical):
             self.notify(NEED_EXCLUSIVE, severity="warning", timeout=4)
             self._log(f"key {event.key}: {NEED_EXCLUSIVE}", "yellow")
 
-    def check_action(self, action: str, parameters: tuple) -> bool | None:
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Maintenance keys do nothing outside exclusive mode (shown disabled in the footer). On a leaseless
         server (no exclusive mode to be outside of) the keys of what it offers, and no others (``on_key``)."""
         if self.leaseless:
@@ -446,7 +481,7 @@ class MaintenancePane(Vertical):
         self._sync_buttons()
         self._run("enter_exclusive", lambda: self.maintenance.enter_exclusive(self.holder))
 
-    def _ask(self, action: str, fn, question: str | None = None, ask: str | None = None) -> None:
+    def _ask(self, action: str, fn: Action, question: str | None = None, ask: str | None = None) -> None:
         """Every maintenance action but reset and clear memory (typed name) and entering exclusive mode / leaving
         with force (their own questions) asks first: ``AskModal`` with ``ASK[action]`` (button label, question,
         what it does), Cancel focused; ``fn`` runs (through the audited plane) only once confirmed and while the
@@ -464,7 +499,7 @@ class MaintenancePane(Vertical):
         self.app.push_screen(AskModal(label, detail, question or default_q),
                              lambda ok: self._asked(bool(ok), action, fn))
 
-    def _asked(self, ok: bool, action: str, fn) -> None:
+    def _asked(self, ok: bool, action: str, fn: Action) -> None:
         if not ok:
             self._log(f"{action}: cancelled at the confirmation", "dim")  # the pane's log only: nothing ran
             return
@@ -527,7 +562,7 @@ class MaintenancePane(Vertical):
     def action_fault_ccu(self) -> None:
         self._inject("fault_ccu")
 
-    def _confirmed(self, ok: bool | None, action: str, fn) -> None:
+    def _confirmed(self, ok: bool | None, action: str, fn: Action) -> None:
         if ok is None:
             self._log(f"{action}: cancelled at the confirmation: the typed name does not match the device "
                       f"name {self.device_name!r}", "yellow")
@@ -628,12 +663,12 @@ class MaintenancePane(Vertical):
 
     # --- worker ------------------------------------------------------------------------
 
-    def _run(self, action: str, fn) -> None:
+    def _run(self, action: str, fn: Action) -> None:
         self._worker(action, fn)
         self.post_message(self.StateChanged())  # entering: the snapshots show "draining" from now on
 
     @work(thread=True, group="maintenance", exclusive=False, exit_on_error=False)
-    def _worker(self, action: str, fn) -> None:
+    def _worker(self, action: str, fn: Action) -> None:
         try:
             result = fn()
         except CalError as e:  # the log line names the action once (a remote plane's error starts with it too)
@@ -646,7 +681,7 @@ class MaintenancePane(Vertical):
             return
         self.app.call_from_thread(self._done, action, True, result)
 
-    def _done(self, action: str, ok: bool, result) -> None:
+    def _done(self, action: str, ok: bool, result: Any) -> None:
         if action == "enter_exclusive":
             self._entering = False
             if ok:
@@ -727,7 +762,7 @@ def fitted_label(button_id: str, tier: int) -> str:
     return (long, short, long.split(" ", 1)[0])[tier]
 
 
-def audit_line(path) -> str:
+def audit_line(path: str | os.PathLike[str]) -> str:
     """The pane's first log line: the audit file's name, then its directory (``~`` for the home directory), so
     a narrow pane wraps between them, not inside a word (at 80x24 it read ``…/aud`` / ``it.jsonl``)."""
     from pathlib import Path
@@ -742,7 +777,7 @@ def audit_line(path) -> str:
     return f"audit log: {p.name}" if directory == "." else f"audit log: {p.name} in {directory}"
 
 
-def summarize_result(action: str, r) -> str:
+def summarize_result(action: str, r: object) -> str:
     """One log line for an action's result dict (units: sim = simulated device, wall = host)."""
     if not isinstance(r, dict):
         return str(r)

@@ -17,13 +17,16 @@ at each change and restored at start.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
-from rich.console import Group
+from rich.console import Group, RenderableType
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.containers import Grid, Vertical, VerticalScroll
+from textual.visual import VisualType
 from textual.widgets import Static
 
 from sim_backend.planes.snapshot import Snapshot, StepView
@@ -77,7 +80,7 @@ class ObservationPane(VerticalScroll):
                   "Compact mode keeps the device table, the thresholds line and one graph whatever is folded.")
     can_focus = True
 
-    def __init__(self, settings: Settings | None = None, **kw) -> None:
+    def __init__(self, settings: Settings | None = None, **kw: Any) -> None:
         super().__init__(**kw)
         self.settings = settings or Settings()
         self.show_kind = "last_step"
@@ -123,14 +126,14 @@ class ObservationPane(VerticalScroll):
         llama-server does not (its per-layer section says so)."""
         return self._last is None or server_render.kind_of(self._last) is None
 
-    def check_action(self, action: str, parameters: tuple) -> bool | None:
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """The per-layer keys (t, h) only where the plane reports per-layer steps: not on a llama-server's
         footer or help."""
         if action in ("toggle_step", "toggle_heat"):
             return self.reports_layers()
         return True
 
-    def help_bindings(self) -> list:
+    def help_bindings(self) -> list[BindingType]:
         """The pane's key bindings the help lists (those ``check_action`` allows now)."""
         return [b for b in self.BINDINGS if not isinstance(b, Binding) or self.check_action(b.action, ()) is not False]
 
@@ -349,7 +352,7 @@ class ObservationPane(VerticalScroll):
         step: StepView | None = getattr(snap, self.show_kind)
         return step
 
-    def _layers_key(self, snap: Snapshot) -> tuple:
+    def _layers_key(self, snap: Snapshot) -> tuple[object, ...]:
         return (self.show_kind, self.heat_by, self._shown_step(snap))
 
     def _render_layers(self, snap: Snapshot) -> None:
@@ -395,7 +398,7 @@ class ObservationPane(VerticalScroll):
     SLOW_SECTIONS = {"#obs-memory": 2.0, "#obs-layers": 1.0, "#obs-host": 2.0}
     FULL_LAYOUT_EVERY_S = 5.0
 
-    def _update(self, wid: str, renderable, key) -> None:
+    def _update(self, wid: str, renderable: VisualType, key: object) -> None:
         """Update a section; a (costly) relayout of the scroll area only when its shape changed.
 
         ``key`` describes the section's height (rows, wrapping text length bucket);
@@ -496,7 +499,7 @@ class ObservationPane(VerticalScroll):
 
     WIDGET_SECTION = {w: n for n, w in SECTION_WIDGET.items()}
 
-    def _section(self, fn, snap: Snapshot):
+    def _section(self, fn: Callable[..., RenderableType], snap: Snapshot) -> RenderableType:
         """A detail renderer; the requests panel also names the console's SLO (the header's colours)."""
         return fn(snap, self.settings) if fn is render.requests_panel else fn(snap)
 
@@ -539,7 +542,7 @@ class ObservationPane(VerticalScroll):
             min(due, key=lambda x: x[0])[1].draw(self.history, self.window_s, now)
 
 
-def _shape_key(snap: Snapshot, keys: tuple[str, ...]) -> tuple:
+def _shape_key(snap: Snapshot, keys: tuple[str, ...]) -> tuple[int | tuple[int, int] | None, ...]:
     """What decides a section's height: row counts, and text length in 20-char buckets."""
     out: list[int | tuple[int, int] | None] = []
     for k in keys:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rich.console import Group
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -73,7 +73,7 @@ def _keys_table(title: str, bindings: list[tuple[str, str]]) -> Group:
 def help_renderable(pane_title: str, pane_keys: list[tuple[str, str]], global_keys: list[tuple[str, str]],
                     settings: Settings, extra: str = "") -> Group:
     """The help screen's content (pure: tests read it as text)."""
-    parts: list = [_keys_table(f"{pane_title}: keys", pane_keys or [("-", "no keys of its own")])]
+    parts: list[RenderableType] = [_keys_table(f"{pane_title}: keys", pane_keys or [("-", "no keys of its own")])]
     if extra:
         parts.append(Text(extra, style="yellow"))
     parts += [Text(""), _keys_table("global keys", global_keys), Text("")]

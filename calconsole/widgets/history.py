@@ -12,7 +12,9 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
+from textual.app import RenderResult
 from textual_plotext import PlotextPlot
 
 from sim_backend.planes.snapshot import Snapshot
@@ -163,13 +165,13 @@ def y_ticks(peak: float, n: int = 4) -> list[float]:
 class HistoryGraph(PlotextPlot):
     """A braille line graph of one ``GraphSpec`` with its y scale, a time axis and a legend."""
 
-    def __init__(self, spec: GraphSpec, **kw) -> None:
+    def __init__(self, spec: GraphSpec, **kw: Any) -> None:
         super().__init__(**kw)
         self.spec = spec
         #: replaces "(sim)" in the title when the figures are not simulated (a llama-server: wall clocks)
         self.clock_label: str | None = None
         self.drawn_at = 0.0
-        self._built: tuple[tuple[int, int], object] | None = None  # (size, renderable) of the last build
+        self._built: tuple[tuple[int, int], RenderResult] | None = None  # (size, renderable) of the last build
         self._window_s: float | None = None  # the window of the last draw (host wall s)
         self._missing: frozenset[str] = frozenset()  # series never reported in the history (keys)
 
@@ -181,7 +183,7 @@ class HistoryGraph(PlotextPlot):
             return titles
         return tuple(t.replace("(sim)", self.clock_label) for t in titles)
 
-    def render(self):  # noqa: ANN201 - Textual's RenderResult
+    def render(self) -> RenderResult:
         """The plot, built once per ``draw`` and size: a repaint (a relayout, a scroll) reuses it. The title is
         the longest of ``titles()`` that plotext draws at this size (it drops a title wider than the plot)."""
         size = (self.size.width, self.size.height)
@@ -189,13 +191,15 @@ class HistoryGraph(PlotextPlot):
             if self._window_s is not None:  # the time labels that fit the new width
                 ticks = x_ticks(self._window_s, self.size.width)
                 self.plt.xticks(ticks, [_tick_label(t) for t in ticks])
-            built = None
+            built: RenderResult | None = None
             for title in self.titles():
                 self.plt.title(title)
                 built = super().render()
                 # a rich Text (textual-plotext: Text.from_ansi); the title is its top line
                 if title in getattr(built, "plain", title).split("\n", 1)[0]:
                     break
+            if built is None:  # a spec with no title: the plot untitled
+                built = super().render()
             self._built = (size, built)
         return self._built[1]
 

@@ -21,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from typing import Any, Self
 
+from rich.console import RenderableType
 from rich.text import Text
 from textual.events import Resize
 from textual.widgets import RichLog
@@ -43,9 +45,9 @@ class WrapLog(RichLog):
     ``pending`` is True while some of it is still being rendered.
     """
 
-    def __init__(self, *, max_lines: int, min_width: int = 20, **kw) -> None:
+    def __init__(self, *, max_lines: int, min_width: int = 20, **kw: Any) -> None:
         super().__init__(max_lines=max_lines, min_width=min_width, wrap=True, markup=False, **kw)
-        self._entries: deque = deque()  # what was written (str or Text), newest last, for re-wrapping
+        self._entries: deque[str | Text] = deque()  # what was written (str or Text), newest last, for re-wrapping
         self._entries_chars = 0
         self._todo: deque[tuple[Text, bool]] = deque()  # (text, continued) still to render, in order
         self._wrap_width: int | None = None  # the width the lines on screen were wrapped at
@@ -56,7 +58,8 @@ class WrapLog(RichLog):
     def pending(self) -> bool:
         return bool(self._todo)
 
-    def write(self, content, width=None, expand=False, shrink=True, scroll_end=None, animate=False):
+    def write(self, content: RenderableType | object, width: int | None = None, expand: bool = False,
+              shrink: bool = True, scroll_end: bool | None = None, animate: bool = False) -> Self:
         """Append ``content``; ``str`` and ``Text`` are rendered in slices (a ``Text`` must not be
         changed after it is written). Other renderables are written at once, as by ``RichLog``."""
         if not isinstance(content, (str, Text)):
@@ -73,7 +76,7 @@ class WrapLog(RichLog):
         self._schedule()
         return self
 
-    def clear(self):
+    def clear(self) -> Self:
         self._entries.clear()
         self._entries_chars = 0
         self._todo.clear()
@@ -112,7 +115,7 @@ class WrapLog(RichLog):
         while len(self._entries) > limit or self._entries_chars - len(self._entries[0]) >= cap:
             self._entries_chars -= len(self._entries.popleft())
 
-    def _visible_tail(self, entries: list) -> list[Text]:
+    def _visible_tail(self, entries: list[str | Text]) -> list[Text]:
         """The newest entries (the oldest of them possibly cut at a word) whose lines fill ``max_lines``
         at the current width; what comes before would be trimmed anyway."""
         width, need = self._width(), self.max_lines

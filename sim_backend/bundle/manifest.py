@@ -232,7 +232,7 @@ class _Reader:
 
     def pos_int(self, node: Any, key: str, fld: str, hi: int | None = None) -> int:
         """A required int in ``1..hi`` (``hi`` None: any positive int; only for fields checked for equality)."""
-        v = self.get(node, key, fld, int)
+        v: int = self.get(node, key, fld, int)
         if v <= 0:
             raise self.fail(fld, f"must be > 0, got {_short(v)}")
         if hi is not None and v > hi:
@@ -241,7 +241,7 @@ class _Reader:
 
     def file_name(self, node: Any, key: str, fld: str, bdir: Path) -> Path:
         """A companion file named relative to the bundle directory; must stay inside it."""
-        name = self.get(node, key, fld, str)
+        name: str = self.get(node, key, fld, str)
         if not name or "\0" in name:
             raise self.fail(fld, "must be a non-empty file name without NUL characters")
         try:

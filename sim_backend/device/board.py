@@ -21,15 +21,21 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from sim_backend.bundle.manifest import Bundle
 from sim_backend.device.clock import Pacing, PacingMode, SimClock
-from sim_backend.device.faults import FIRED_NAMES, FaultInjectingKV, Faults  # noqa: F401
-from sim_backend.device.jobs import BatchJobRow, BatchRow, Job, JobCounters, JobState, StepResult  # noqa: F401
+from sim_backend.device.faults import FIRED_NAMES as FIRED_NAMES  # re-exported, as the job types below
+from sim_backend.device.faults import FaultInjectingKV, Faults
+from sim_backend.device.jobs import BatchJobRow as BatchJobRow
+from sim_backend.device.jobs import BatchRow as BatchRow
+from sim_backend.device.jobs import Job as Job
+from sim_backend.device.jobs import JobCounters as JobCounters
+from sim_backend.device.jobs import JobState as JobState
+from sim_backend.device.jobs import StepResult as StepResult
 from sim_backend.device.numerics_worker import NumericsProcess, price_numeric_step
 from sim_backend.device.registers import RegisterFile
 from sim_backend.errors import CCUException, DeviceError, DeviceNotReady, DeviceReset, LinkError, SubmitError
@@ -39,6 +45,15 @@ from sim_backend.model.families import build_numerics, weights_stage
 from sim_backend.model.numerics import ShardedModel
 
 _DEFAULT_PACING = Pacing()  # frozen: one shared default is safe
+
+
+class ResetReport(TypedDict):
+    """What ``SimulatedBoard.reset`` did."""
+
+    failed_jobs: int  #: jobs that ended with DeviceReset
+    calbin: str  #: "reconfigured", or why not (device memory cleared)
+    resets: int  #: resets since the board was made, this one included
+    wall_ms: float  #: host wall ms the reset took (no simulated device time passes)
 
 
 @dataclass(frozen=True)
@@ -658,7 +673,7 @@ class SimulatedBoard:
 
     # --- reset ------------------------------------------------------------------
 
-    def reset(self, timeout: float = 5.0) -> dict:
+    def reset(self, timeout: float = 5.0) -> ResetReport:
         """Reset the board: fail every pending/running job with DeviceReset at once,
         return chiplets to power-on state, clear KV, count the reset, reconfigure.
 
@@ -683,7 +698,7 @@ class SimulatedBoard:
         finally:
             self._reset_lock.release()
 
-    def _reset(self, t0: float, timeout: float) -> dict:
+    def _reset(self, t0: float, timeout: float) -> ResetReport:
         with self._lock:
             # one step under the lock: every job submitted so far (queued, taken off the queue but not
             # yet started, running, or being paced) ends with DeviceReset; later submits are new work

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
 from sim_backend.device.kv import KVCacheManager
 from sim_backend.errors import KVExhausted
+
+
+class FiredFault(TypedDict):
+    """A fault that fired and is not acknowledged yet."""
+
+    fault: str  #: the operator's name for it (``FIRED_NAMES``), e.g. "ccu_exception"
+    detail: str  #: where it hit, e.g. "job 12"; "" when the caller gave none
 
 
 @dataclass
@@ -31,7 +38,7 @@ class Faults:
     kv_exhaust_next: int = 0
     slow_chip: dict[int, float] = field(default_factory=dict)  # chip -> time multiplier
     fired: dict[str, int] = field(default_factory=dict)
-    _unacked: list = field(default_factory=list, repr=False)
+    _unacked: list[FiredFault] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     #: fired faults kept for the operator at most (older ones are counted, not listed)
@@ -49,7 +56,7 @@ class Faults:
             setattr(self, name, n - 1)
             key = name.removesuffix("_next")
             self.fired[key] = self.fired.get(key, 0) + 1
-            self._unacked.append({"fault": FIRED_NAMES.get(key, key), "detail": detail})
+            self._unacked.append(FiredFault(fault=FIRED_NAMES.get(key, key), detail=detail))
             del self._unacked[:-self.MAX_UNACKED]
             return True
 
@@ -76,12 +83,12 @@ class Faults:
         """Everything injected and not yet spent: ``armed() + in_effect()``."""
         return self.armed() + self.in_effect()
 
-    def unacknowledged(self) -> list[dict]:
+    def unacknowledged(self) -> list[FiredFault]:
         """Faults that fired and are not acknowledged: [{"fault", "detail"}], oldest first."""
         with self._lock:
-            return [dict(e) for e in self._unacked]
+            return [FiredFault(fault=e["fault"], detail=e["detail"]) for e in self._unacked]
 
-    def acknowledge(self) -> list[dict]:
+    def acknowledge(self) -> list[FiredFault]:
         """Mark every fired fault as seen; returns the ones acknowledged."""
         with self._lock:
             out, self._unacked = self._unacked, []

@@ -251,7 +251,8 @@ class KVCacheManager(KVStateFiles):
         return np.array(vals, dtype=np.int64).reshape(-1)
 
     def _has(self, seq_id: int) -> np.ndarray:
-        return (self._seqs & _bit(seq_id)) != _ZERO
+        has: np.ndarray = (self._seqs & _bit(seq_id)) != _ZERO
+        return has
 
     def _n_used(self) -> int:
         return int(np.count_nonzero(self._seqs))
@@ -378,7 +379,8 @@ class KVCacheManager(KVStateFiles):
         with self._cond:
             return self._apply_locked(*args)
 
-    def _check_apply_args(self, seq_id, n_tokens, timeout, cancel, positions):
+    def _check_apply_args(self, seq_id: Any, n_tokens: Any, timeout: Any, cancel: Any, positions: Any
+                          ) -> tuple[int, int, float, threading.Event | None, np.ndarray | None]:
         """Validated ``(seq_id, n, timeout, cancel, positions int64[n] | None)``; raises KVArgumentError."""
         s = self._check_seq(seq_id)
         n = _as_int(n_tokens, "n_tokens")
@@ -755,7 +757,7 @@ class KVCacheManager(KVStateFiles):
         with self._cond:
             return self._n_used()
 
-    def state_snapshot(self) -> dict:
+    def state_snapshot(self) -> dict[str, Any]:
         """Everything the manager holds, copied (tests compare it before/after a refused call).
 
         Keys: ``pos`` int64[n_cells], ``seqs`` uint64[n_cells], ``shift``

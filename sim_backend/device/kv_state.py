@@ -74,8 +74,8 @@ class KVStateFiles:
         def _allocate(self, s: int, n: int, pos_req: np.ndarray | None) -> np.ndarray: ...
         def _seq_cells_locked(self, s: int) -> tuple[np.ndarray, np.ndarray]: ...
 
-    def save_seq_state(self, seq_id: int, path, arrays: Sequence[tuple[np.ndarray, int]] = (), *,
-                       values: KVValueStore | None = None) -> int:
+    def save_seq_state(self, seq_id: int, path: str | os.PathLike[str],
+                       arrays: Sequence[tuple[np.ndarray, int]] = (), *, values: KVValueStore | None = None) -> int:
         """Save one sequence's state to ``path`` (``np.savez``; llama_state_seq_save_file).
 
         Saved: format id and version, ``n_cells`` and
@@ -137,7 +137,7 @@ class KVStateFiles:
     def load_seq_state(
         self,
         seq_id: int,
-        path,
+        path: str | os.PathLike[str],
         arrays: Sequence[tuple[np.ndarray, int]] = (),
         *,
         timeout: float,
@@ -256,7 +256,8 @@ class KVStateFiles:
         def field(key: str) -> np.ndarray:
             if key not in npz.files:
                 raise bad(f"missing field {key!r}")
-            return npz[key]
+            value: np.ndarray = npz[key]
+            return value
 
         def scalar(key: str) -> int:
             v = field(key)
@@ -305,11 +306,10 @@ class KVStateFiles:
             p = os.fspath(path)
         except TypeError:
             raise KVArgumentError(f"path must be a str or os.PathLike, got {type(path).__name__}") from None
-        if isinstance(p, bytes):
-            p = os.fsdecode(p)
-        if not p or "\0" in p:
-            raise KVStateFileError(p, "empty path or NUL character in path")
-        return p
+        text = os.fsdecode(p) if isinstance(p, bytes) else p
+        if not text or "\0" in text:
+            raise KVStateFileError(text, "empty path or NUL character in path")
+        return text
 
     def _check_arrays(self, arrays: Any, *, for_load: bool) -> list[tuple[np.ndarray, int]]:
         if not isinstance(arrays, (list, tuple)):

@@ -25,7 +25,7 @@ from the report:
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.model.hwspec import HardwareSpec
@@ -124,7 +124,7 @@ class MemoryPlan:
     kv_bytes_per_token: int
     param_file_bytes: tuple[int, ...]
     param_estimate_bytes: tuple[int, ...]
-    address_union_bytes: dict
+    address_union_bytes: dict[str, int]
     logits_bytes_per_token: int
 
     @classmethod
@@ -229,7 +229,7 @@ class MemoryPlan:
     def used_bytes(self, chip: int, kind: str) -> int:
         return sum(r.used_bytes for r in self.chips[chip] if r.kind == kind)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict; every size in bytes."""
         return {
             "unit": "bytes",

@@ -80,7 +80,7 @@ def lower_priority(steps: int = WORKER_NICE) -> int | None:
     return os.nice(0)
 
 
-def price_numeric_step(cost_model: Any, shape: ModelShape, kind: str, n_tokens: int, past_len: int,
+def price_numeric_step(cost_model: CostModel, shape: ModelShape, kind: str, n_tokens: int, past_len: int,
                        router_touched: Sequence[int] | None, chip_scale: list[float] | None) -> StepCost:
     """How the board prices a batch-1 step, here or in the worker (one definition for both).
 
@@ -358,7 +358,8 @@ class NumericsProcess:
                 self._proc.terminate()  # a late reply must never be read as the answer to a later call
             raise DeviceError(f"numerics process {self._broken} (waited {timeout:g} s)")
         try:
-            return self._conn.recv()
+            reply: tuple[bool | None, Any] = self._conn.recv()  # (ok, payload); ok None: a progress line
+            return reply
         except (EOFError, OSError) as e:
             self._broken = f"connection lost during {op}"
             self._proc.join(1.0)  # the worker ended (EOF): its exit code says how
@@ -370,7 +371,7 @@ class NumericsProcess:
                 how += " before it had started (see its lines on stderr, if any)"
             raise DeviceError(f"numerics process connection lost during {op}: {how}") from None
 
-    def _call(self, op: str, args: tuple, timeout: float, lock_wait: float = -1) -> Any:
+    def _call(self, op: str, args: tuple[Any, ...], timeout: float, lock_wait: float = -1) -> Any:
         """Send ``op`` and wait up to ``timeout`` host s for its answer. ``lock_wait``: host s to wait for a
         call in flight to end (-1: as long as it takes, which its own timeout bounds); DeviceError past it."""
         if not self._lock.acquire(timeout=lock_wait):

@@ -8,7 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from sim_backend.device.board import SimulatedBoard
+from sim_backend.device.board import ResetReport, SimulatedBoard
+from sim_backend.device.faults import FiredFault
 from sim_backend.errors import MaintenanceRefused
 from sim_backend.runtime.calbin import OutputBuf
 from sim_backend.runtime.calrt import CALRT_VERSION
@@ -70,7 +71,7 @@ class MaintenanceRuntime:
         self._lease_check("dump_registers", lease)
         return self._board.registers.dump()
 
-    def config_metadata(self, lease: Any) -> dict:
+    def config_metadata(self, lease: Any) -> dict[str, Any]:
         """Config metadata: bundle identity, sub-models with I/O specs and CSRs, findings, registers."""
         self._lease_check("config_metadata", lease)
         b = self._board.bundle
@@ -96,7 +97,7 @@ class MaintenanceRuntime:
 
     # --- device state ---------------------------------------------------------------
 
-    def reset(self, lease: Any, timeout: float) -> dict[str, Any]:
+    def reset(self, lease: Any, timeout: float) -> ResetReport:
         """Reset the device: every pending/running job ends with DeviceReset, registers, KV and faults
         back to power-on, the calbin reconfigured. {"failed_jobs", "calbin", "resets", "wall_ms"}.
         Raises DeviceError if the device thread does not come back within ``timeout`` host s."""
@@ -146,7 +147,7 @@ class MaintenanceRuntime:
             f.slow_chip.clear()
         return before
 
-    def acknowledge_faults(self) -> list[dict[str, Any]]:
+    def acknowledge_faults(self) -> list[FiredFault]:
         """Mark the faults that fired as seen (no lease: the device is not changed); returns them."""
         return self._board.faults.acknowledge()
 

@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from sim_backend.planes import CalError, Health, Snapshot
@@ -147,7 +148,7 @@ class LlamaObservationPlane:
             with self._lock:
                 self._samples.clear()  # counters restart with the server: no delta across a gap
 
-    def _get(self, path: str) -> Any:
+    def _get(self, path: str) -> httpx.Response:
         resp = self._conn.call("GET", path, read_timeout_s=READ_S, gate=True)
         return resp
 

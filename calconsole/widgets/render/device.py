@@ -70,7 +70,7 @@ def numerics_text(device: DeviceInfo) -> str:
             else "numerics on")
 
 
-def numeric_limit(d) -> int:
+def numeric_limit(d: DeviceInfo) -> int:
     """The device's numeric limit as ``timing_only_reason`` takes it: new prompt tokens a request may prefill
     with numerics (``DeviceInfo.numerics_max_prompt``), 0 when the device runs timing-only."""
     return int(d.numerics_max_prompt) if d.numerics else 0
