@@ -552,8 +552,9 @@ def _host_has_avx512() -> bool:
 @pytest.mark.skipif(not _host_has_avx512(), reason="the host CPU has no AVX-512: wide_vectors changes nothing")
 def test_wide_vectors_makes_a_kernel_use_512_bit_registers_with_the_same_bits():
     """``wide_vectors`` (called first in the long-loop kernels) makes LLVM vectorise with 512-bit registers on an
-    AVX-512 host (zmm in the machine code; the default tuning of the reference host picks 256-bit), and an
-    element-wise loop keeps its bits; ``wide_legal`` alone keeps the default width for the caller's own loops.
+    AVX-512 host (zmm in the machine code; the default tuning of the reference host picks 256-bit, a Zen 4
+    host's 512-bit already), and an element-wise loop keeps its bits; ``wide_legal`` alone keeps the default
+    width for the caller's own loops.
     Cached kernels cannot be disassembled, so the same intrinsics are compiled here into fresh functions."""
     from numba import njit
 
@@ -583,4 +584,6 @@ def test_wide_vectors_makes_a_kernel_use_512_bit_registers_with_the_same_bits():
     assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
     asm = {f: f.inspect_asm(f.signatures[0]) for f in (narrow_f, wide_f, legal_f)}
     assert "zmm" in asm[wide_f]
-    assert "zmm" not in asm[legal_f] and "zmm" not in asm[narrow_f]
+    # the default width is the host tuning's: 256-bit on the reference host (Intel), 512-bit already where
+    # LLVM's tuning prefers it (AMD Zen 4): wide_legal keeps whichever it is
+    assert ("zmm" in asm[legal_f]) == ("zmm" in asm[narrow_f])
