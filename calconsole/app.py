@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rich.text import Text
 from textual import events
@@ -53,10 +53,25 @@ if TYPE_CHECKING:  # imported where used: an --observe-only console never loads 
     from textual.binding import BindingType
     from textual.geometry import Size
 
-    from sim_backend.planes import Lease
+    from sim_backend.planes import InferencePlane, Lease, ObservationPlane
 
-    from .commands.common import AnySystem
-    from .panes.maintenance import MaintenancePane
+    from .panes.maintenance import MaintenancePane, PaneMaintenancePlane
+
+
+class ConsoleSystem(Protocol):
+    """What the app reads of the system it is handed: the in-process ``System``, a ``RemoteSystem`` or a
+    ``LlamaServerSystem`` (``calconsole.commands.common.AnySystem``); ``maintenance`` is None without a
+    maintenance plane (--observe-only, or no admin key)."""
+
+    @property
+    def inference(self) -> InferencePlane: ...
+
+    @property
+    def observation(self) -> ObservationPlane: ...
+
+    @property
+    def maintenance(self) -> PaneMaintenancePlane | None: ...
+
 
 class LeaseLost(Message):
     """Remote planes: the maintenance lease this console held lapsed (``reason`` says why)."""
@@ -94,7 +109,7 @@ class CalConsoleApp(App[None]):
     #: themes the palette offers by name (Textual's own "Change theme" lists them all)
     THEMES = ("textual-dark", "textual-light", "nord", "gruvbox", "monokai", "solarized-light")
 
-    def __init__(self, system: AnySystem, layout: Layout, refresh_hz: float | None = None,
+    def __init__(self, system: ConsoleSystem, layout: Layout, refresh_hz: float | None = None,
                  listen_url: str | None = None, settings: Settings | None = None,
                  start_notes: tuple[str, ...] = (), start_progress: StartProgress | None = None) -> None:
         super().__init__()
