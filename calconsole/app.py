@@ -55,7 +55,8 @@ if TYPE_CHECKING:  # imported where used: an --observe-only console never loads 
 
     from sim_backend.planes import InferencePlane, Lease, ObservationPlane
 
-    from .panes.maintenance import MaintenancePane, PaneMaintenancePlane
+    from .panes.maintenance import MaintenancePane
+    from .panes.maintenance_planes import PaneMaintenancePlane
 
 
 class ConsoleSystem(Protocol):

@@ -29,8 +29,8 @@ from __future__ import annotations
 import getpass
 import json
 import os
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict
+from collections.abc import Callable
+from typing import Any, TypedDict
 
 from rich.text import Text
 from textual import events, on, work
@@ -40,7 +40,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, Input, RichLog, Static
 
-from sim_backend.planes import CalError, Lease, MaintenancePlane, Report, Snapshot
+from sim_backend.planes import CalError, Snapshot
 from sim_backend.planes.snapshot import FaultEvent
 
 from ..widgets.confirm import AskModal, ConfirmModal
@@ -48,9 +48,12 @@ from ..widgets.inputs import HelpKeyInput
 from ..widgets.render import set_subtitle, status_text
 from ..widgets.wraplog import WrapLog
 from .focus import HELP_BINDING
-
-if TYPE_CHECKING:  # annotations only: no runtime dependency on typing_extensions
-    from typing_extensions import TypeIs
+from .maintenance_planes import (
+    DrainingMaintenancePlane,
+    LeaselessMaintenancePlane,
+    PaneMaintenancePlane,
+    is_leaseless,
+)
 
 #: buttons enabled only while this pane holds the lease
 GUARDED = ("#m-leave", "#m-reset", "#m-clear", "#m-reload", "#m-selftest", "#m-health", "#m-probe", "#m-clearkv",
@@ -167,45 +170,6 @@ FAULTS: dict[str, tuple[str, FaultArgs]] = {
 
 #: a maintenance action as the pane runs it: the plane call, returning a Lease, a Report or nothing
 Action = Callable[[], object]
-
-
-class DrainingMaintenancePlane(MaintenancePlane, Protocol):
-    """What the pane reads of the device's maintenance plane (in-process or remote) beyond the contract: the
-    default bounded drain of ``enter_exclusive`` (``drain_timeout_s``, host wall s) and the last drain's
-    report (``last_drain``: {"drained", "cancelled", "wall_ms", "sim_ms"}, None before the first)."""
-
-    @property
-    def drain_timeout_s(self) -> float: ...
-
-    @property
-    def last_drain(self) -> Mapping[str, Any] | None: ...
-
-
-class LeaselessMaintenancePlane(MaintenancePlane, Protocol):
-    """What the pane reads of a leaseless server's maintenance plane (``needs_lease`` False, a llama-server)
-    beyond the contract: which plane methods it offers, and its slot actions."""
-
-    @property
-    def needs_lease(self) -> bool: ...
-
-    def offers(self, action: str) -> bool:
-        """Whether a leaseless server offers the plane method ``action``."""
-        ...
-
-    def erase_slot(self, lease: Lease | None, slot: int) -> Report: ...
-
-    def save_slot(self, lease: Lease | None, slot: int, filename: str) -> Report: ...
-
-    def restore_slot(self, lease: Lease | None, slot: int, filename: str) -> Report: ...
-
-
-#: the maintenance planes the pane is handed: the device's (which drains) or a leaseless server's
-PaneMaintenancePlane = DrainingMaintenancePlane | LeaselessMaintenancePlane
-
-
-def is_leaseless(plane: PaneMaintenancePlane) -> TypeIs[LeaselessMaintenancePlane]:
-    """Whether ``plane`` is a leaseless server's (it says ``needs_lease`` False); else it is the device's."""
-    return not getattr(plane, "needs_lease", True)
 
 
 class MaintenancePane(Vertical):
