@@ -13,7 +13,7 @@ import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from rich.text import Text
 from textual import events
@@ -50,12 +50,34 @@ PANE_MODE_TEXT = {"auto": "by terminal size (one at a time below the layout's br
 
 
 if TYPE_CHECKING:  # imported where used: an --observe-only console never loads the maintenance pane
+    from textual.binding import BindingType
+    from textual.geometry import Size
+
+    from sim_backend.planes import InferencePlane, Lease, ObservationPlane
+
     from .panes.maintenance import MaintenancePane
+    from .panes.maintenance_planes import PaneMaintenancePlane
+
+
+class ConsoleSystem(Protocol):
+    """What the app reads of the system it is handed: the in-process ``System``, a ``RemoteSystem`` or a
+    ``LlamaServerSystem`` (``calconsole.commands.common.AnySystem``); ``maintenance`` is None without a
+    maintenance plane (--observe-only, or no admin key)."""
+
+    @property
+    def inference(self) -> InferencePlane: ...
+
+    @property
+    def observation(self) -> ObservationPlane: ...
+
+    @property
+    def maintenance(self) -> PaneMaintenancePlane | None: ...
+
 
 class LeaseLost(Message):
     """Remote planes: the maintenance lease this console held lapsed (``reason`` says why)."""
 
-    def __init__(self, lease, reason: str) -> None:
+    def __init__(self, lease: Lease, reason: str) -> None:
         super().__init__()
         self.lease = lease
         self.reason = reason
@@ -69,7 +91,7 @@ class LinkState(Message):
         self.since = since
 
 
-class CalConsoleApp(App):
+class CalConsoleApp(App[None]):
     """calconsole: observation, chat and maintenance panes over one simulated device."""
 
     CSS_PATH = "styles.tcss"
@@ -88,7 +110,7 @@ class CalConsoleApp(App):
     #: themes the palette offers by name (Textual's own "Change theme" lists them all)
     THEMES = ("textual-dark", "textual-light", "nord", "gruvbox", "monokai", "solarized-light")
 
-    def __init__(self, system, layout: Layout, refresh_hz: float | None = None,
+    def __init__(self, system: ConsoleSystem, layout: Layout, refresh_hz: float | None = None,
                  listen_url: str | None = None, settings: Settings | None = None,
                  start_notes: tuple[str, ...] = (), start_progress: StartProgress | None = None) -> None:
         super().__init__()
@@ -119,7 +141,9 @@ class CalConsoleApp(App):
         # widget references: App.query_one searches the *active* screen, which is a modal at times
         self._topbar = Static(id="topbar")
         self._topbar_text = ""
-        self._panes: list = []
+        # the panes (ObservationPane, ChatPane, MaintenancePane), each given pane_name and base_title by compose:
+        # attributes no Widget declares, so read as Any
+        self._panes: list[Any] = []
         self.gc_policy = GCPolicy()
         self._last_input = self._steps_changed = time.monotonic()
         self._idle_steps: tuple[int | None, int, int] | None = None
@@ -152,7 +176,9 @@ class CalConsoleApp(App):
             device = self.system.observation.snapshot().device
             # a server without a device (llama-server) names itself for the confirmations
             device_name = device.name if device is not None else str(getattr(self.system, "device_name", "?"))
-            w = MaintenancePane(self.system.maintenance, device_name, id="maintenance", classes="pane")
+            plane = self.system.maintenance
+            assert plane is not None  # without a plane the layout has no maintenance pane (__init__)
+            w = MaintenancePane(plane, device_name, id="maintenance", classes="pane")
             w.border_title = "Maintenance (guarded)"
         return w
 
@@ -235,7 +261,7 @@ class CalConsoleApp(App):
         if self.last_snapshot is not None:
             self._show_topbar(self.last_snapshot)
 
-    def _check_size(self, size=None) -> None:
+    def _check_size(self, size: Size | None = None) -> None:
         size = size or self.size  # in on_resize, self.size can still be the previous size
         base = self.screen_stack[0]
         small = size.width < MIN_WIDTH or size.height < MIN_HEIGHT
@@ -445,6 +471,7 @@ class CalConsoleApp(App):
 
     def _focused_pane(self) -> Widget | None:
         focused = self.screen_stack[0].focused
+        pane: Widget
         for pane in self._panes:
             if focused is not None and pane in focused.ancestors_with_self:
                 return pane
@@ -490,7 +517,7 @@ class CalConsoleApp(App):
             raise SkipAction()
         pane = self._focused_pane()
 
-        def keys(bindings) -> list[tuple[str, str]]:
+        def keys(bindings: Iterable[BindingType]) -> list[tuple[str, str]]:
             out: list[tuple[str, str]] = []
             for b in bindings:
                 if not isinstance(b, Binding) or not b.description or b is HELP_BINDING:  # listed as global
@@ -511,7 +538,7 @@ class CalConsoleApp(App):
         content = help_renderable(title, pane_keys, global_keys, self.settings, extra)
         self.push_screen(HelpScreen(content))
 
-    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+    def get_system_commands(self, screen: Screen[object]) -> Iterable[SystemCommand]:
         """The palette (Ctrl+P): Textual's commands, then the console's own."""
         yield from super().get_system_commands(screen)
         yield SystemCommand("Help: keys, figures and thresholds", "the ? screen", self.action_help)
@@ -583,7 +610,7 @@ class CalConsoleApp(App):
     def current_settings(self) -> Settings:
         """The settings as the console now runs (what 'save settings' writes)."""
         obs = self._observation()
-        kw: dict = {"theme": self.theme, "refresh_hz": self.refresh_hz, "panes": self.pane_mode}
+        kw: dict[str, Any] = {"theme": self.theme, "refresh_hz": self.refresh_hz, "panes": self.pane_mode}
         if obs is not None:
             kw["history_window_s"] = int(obs.window_s)
             kw.update(section_order=obs.settings.section_order, sections_folded=obs.settings.sections_folded,
@@ -615,10 +642,10 @@ class CalConsoleApp(App):
         self.notify(f"snapshot written to {path}", timeout=4)
         return path
 
-    def check_action(self, action: str, parameters: tuple) -> bool | None:
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         # hide focus keys for panes this layout (or --observe-only) does not have
         if action == "focus_pane" and parameters:
-            return bool(self.screen_stack[0].query(self.FOCUS_TARGET[parameters[0]]))
+            return bool(self.screen_stack[0].query(self.FOCUS_TARGET[str(parameters[0])]))
         return True
 
 

@@ -29,8 +29,8 @@ from __future__ import annotations
 import getpass
 import json
 import os
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol, TypedDict
+from collections.abc import Callable
+from typing import Any, TypedDict
 
 from rich.text import Text
 from textual import events, on, work
@@ -40,7 +40,7 @@ from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.widgets import Button, Input, RichLog, Static
 
-from sim_backend.planes import CalError, Lease, MaintenancePlane, Report, Snapshot
+from sim_backend.planes import CalError, Snapshot
 from sim_backend.planes.snapshot import FaultEvent
 
 from ..widgets.confirm import AskModal, ConfirmModal
@@ -48,6 +48,12 @@ from ..widgets.inputs import HelpKeyInput
 from ..widgets.render import set_subtitle, status_text
 from ..widgets.wraplog import WrapLog
 from .focus import HELP_BINDING
+from .maintenance_planes import (
+    DrainingMaintenancePlane,
+    LeaselessMaintenancePlane,
+    PaneMaintenancePlane,
+    is_leaseless,
+)
 
 #: buttons enabled only while this pane holds the lease
 GUARDED = ("#m-leave", "#m-reset", "#m-clear", "#m-reload", "#m-selftest", "#m-health", "#m-probe", "#m-clearkv",
@@ -166,26 +172,6 @@ FAULTS: dict[str, tuple[str, FaultArgs]] = {
 Action = Callable[[], object]
 
 
-class PaneMaintenancePlane(MaintenancePlane, Protocol):
-    """What the pane reads of a maintenance plane beyond the contract: the device's plane (in-process or
-    remote) has ``drain_timeout_s`` (host s) and ``last_drain``; a leaseless server (``needs_lease`` False,
-    a llama-server) has ``offers`` and the slot actions. The pane reads each on its own side only
-    (``leaseless``)."""
-
-    drain_timeout_s: float
-    last_drain: Mapping[str, Any] | None
-
-    def offers(self, action: str) -> bool:
-        """Whether a leaseless server offers the plane method ``action``."""
-        ...
-
-    def erase_slot(self, lease: Lease | None, slot: int) -> Report: ...
-
-    def save_slot(self, lease: Lease | None, slot: int, filename: str) -> Report: ...
-
-    def restore_slot(self, lease: Lease | None, slot: int, filename: str) -> Report: ...
-
-
 class MaintenancePane(Vertical):
     """Buttons for the maintenance plane; a log of every outcome."""
 
@@ -233,7 +219,14 @@ class MaintenancePane(Vertical):
         self.lease = None
         # a server with no exclusive mode (a llama-server): its own actions run without a lease, the
         # others are shown as not offered (their keys still ask the plane, which says why: NotOffered)
-        self.leaseless = not getattr(maintenance, "needs_lease", True)
+        #: the plane as each side reads it beyond the contract: exactly one of the two is set
+        self._leaseless_plane: LeaselessMaintenancePlane | None = None
+        self._draining_plane: DrainingMaintenancePlane | None = None
+        if is_leaseless(maintenance):
+            self._leaseless_plane = maintenance
+        else:
+            self._draining_plane = maintenance
+        self.leaseless = self._leaseless_plane is not None
         if self.leaseless:
             self.HELP_EXTRA = HELP_LEASELESS.format(kind=getattr(maintenance, "server_kind", "this server"))
         self._entering = False
@@ -278,7 +271,7 @@ class MaintenancePane(Vertical):
             yield Button(LABELS["m-reg-read"][0], id="m-reg-read", disabled=True, compact=True)
             yield Button(LABELS["m-reg-write"][0], id="m-reg-write", disabled=True, compact=True)
             yield Button(LABELS["m-reg-all"][0], id="m-reg-all", disabled=True, compact=True)
-        if self.leaseless and self.maintenance.offers("save_slot"):  # a llama-server's slot actions
+        if self._offers("save_slot"):  # a llama-server's slot actions
             with Horizontal(classes="m-row", id="m-row-slots"):
                 yield HelpKeyInput(placeholder="slot id", id="m-slot", compact=True, tooltip="the slot's id (0, 1 ...)")
                 yield HelpKeyInput(placeholder="file name", id="m-slot-file", compact=True,
@@ -300,7 +293,9 @@ class MaintenancePane(Vertical):
         except ValueError:
             self._log(f"{action}: the slot id must be an integer (0, 1 ...), got {raw[:40]!r}", "bold red")
             return
-        m = self.maintenance
+        m = self._leaseless_plane
+        if m is None:  # the slot row is drawn for a leaseless server only
+            return
         if action == "erase_slot":
             self._ask(action, lambda: m.erase_slot(None, slot), question=f"Erase slot {slot}'s KV cache?")
             return
@@ -320,8 +315,7 @@ class MaintenancePane(Vertical):
         self._log(audit_line(self.maintenance.audit.path), "dim")
         if self.leaseless:
             kind = getattr(self.maintenance, "server_kind", "this server")
-            offered = [m for m in sorted(set(BUTTON_METHOD.values()) | set(SLOT_METHODS))
-                       if self.maintenance.offers(m)]
+            offered = [m for m in sorted(set(BUTTON_METHOD.values()) | set(SLOT_METHODS)) if self._offers(m)]
             self._log(f"{kind}: offers {', '.join(offered)} (no lease: it has no exclusive mode); every other "
                       f"action is not offered by {kind} (its key says why)", "yellow")
 
@@ -331,7 +325,7 @@ class MaintenancePane(Vertical):
         the reason."""
         for bid, method in BUTTON_METHOD.items():
             b = self.query_one(f"#{bid}", Button)
-            b.disabled = not self.maintenance.offers(method)
+            b.disabled = not self._offers(method)
             b.display = not b.disabled
         for row in self.query(".m-row"):
             row.display = any(b.display for b in row.query(Button))
@@ -378,7 +372,11 @@ class MaintenancePane(Vertical):
         """Whether key action ``action`` is one the attached plane has: always on the simulator; on a leaseless
         server (a llama-server) only those whose plane method it offers (``ACTION_METHOD``)."""
         method = ACTION_METHOD.get(action)
-        return not self.leaseless or method is None or bool(self.maintenance.offers(method))
+        return not self.leaseless or method is None or self._offers(method)
+
+    def _offers(self, method: str) -> bool:
+        """Whether the attached plane is a leaseless server's that offers the plane method ``method``."""
+        return self._leaseless_plane is not None and self._leaseless_plane.offers(method)
 
     def help_bindings(self) -> list[BindingType]:
         """The pane's key bindings the help lists: on a leaseless server those of what it offers only."""
@@ -456,12 +454,12 @@ class MaintenancePane(Vertical):
     def action_enter(self) -> None:
         """x, the Exclusive button and the palette: asks first (``AskModal``, Cancel the default), then enters.
         A Tab onto the button and an Enter had entered exclusive mode, draining the device, unconfirmed."""
-        if self.leaseless:  # the plane says why there is no exclusive mode (NotOffered), audited
+        if self._draining_plane is None:  # leaseless: the plane says why there is no exclusive mode (NotOffered)
             self._run("enter_exclusive", lambda: self.maintenance.enter_exclusive(self.holder))
             return
         if self.lease is not None or self._entering:
             return
-        timeout = self.maintenance.drain_timeout_s
+        timeout = self._draining_plane.drain_timeout_s
         self.app.push_screen(
             AskModal("Enter exclusive mode", f"Stops admitting requests and drains the device: requests still "
                      f"running after {timeout:g} s are cancelled. Maintenance actions need it; l leaves it."),
@@ -471,10 +469,10 @@ class MaintenancePane(Vertical):
         if not ok:
             self._log("enter_exclusive: cancelled at the confirmation", "dim")
             return
-        if self.lease is not None or self._entering:
+        if self.lease is not None or self._entering or self._draining_plane is None:
             return
         self._entering = True
-        timeout = self.maintenance.drain_timeout_s
+        timeout = self._draining_plane.drain_timeout_s
         self._log(f"entering exclusive mode: admission stopped, draining in-flight requests (up to {timeout:g} s)…",
                   "yellow")
         self.border_subtitle = f"draining (lease: {self.holder})"
@@ -489,7 +487,7 @@ class MaintenancePane(Vertical):
         register); ``ask`` is the ``ASK`` key when it is not ``action`` (the four fault keys). A
         leaseless server's action it does not offer runs at once: the plane refuses it, audited, and says why
         (NotOffered), as before; nothing to confirm."""
-        if self.leaseless and not self.maintenance.offers(action):
+        if self.leaseless and not self._offers(action):
             self._run(action, fn)
             return
         label, default_q, detail = ASK[ask or action]
@@ -686,7 +684,7 @@ class MaintenancePane(Vertical):
             self._entering = False
             if ok:
                 self.lease = result
-                d = self.maintenance.last_drain or {}
+                d = (self._draining_plane.last_drain if self._draining_plane is not None else None) or {}
                 self._log(f"exclusive mode granted to {result.holder}; drain: {d.get('drained', 0)} finished, "
                           f"{d.get('cancelled', 0)} cancelled in {d.get('wall_ms', 0):.0f} wall ms "
                           f"({d.get('sim_ms', 0):.1f} sim ms)", "bold red")

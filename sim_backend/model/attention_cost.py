@@ -137,7 +137,8 @@ def data_moving_table(hw: HardwareSpec, shape: ModelShape, n_tokens: int | None 
     kv_block = int(f["kv_block_kib"]) * 1024
     per_tensor = n * shape.head_dim * q["kv_bytes"]            # one head's K (or V) for n positions
 
-    def move(what: str, tensors: int, nbytes_each: float, block: int, entries_each: int | None = None) -> dict:
+    def move(what: str, tensors: int, nbytes_each: float, block: int,
+             entries_each: int | None = None) -> dict[str, Any]:
         e = tensors * (math.ceil(nbytes_each / block) if entries_each is None else entries_each)
         return {"what": what, "tensors": tensors, "bytes": float(tensors * nbytes_each), "block": block,
                 "entries": int(e)}

@@ -127,7 +127,8 @@ def expected_union_touched(n_seqs: int, shape: ModelShape, per_seq: Sequence[Seq
     c = np.asarray(per_seq, dtype=np.float64)
     if c.shape != (n_seqs, shape.n_layers):
         raise ValueError(f"per_seq must be ({n_seqs}, {shape.n_layers}), got {c.shape}")
-    return np.clip(exp, c.max(axis=0), np.minimum(float(E), c.sum(axis=0)))
+    touched: np.ndarray = np.clip(exp, c.max(axis=0), np.minimum(float(E), c.sum(axis=0)))
+    return touched
 
 
 class BatchedCostModel:
@@ -259,8 +260,8 @@ class BatchedCostModel:
         kvb = float(self.hw.quantisation["kv_bytes"])
         return kvb, (1.0 if self.variant.s8_v_cache else kvb)
 
-    def _switch_attn(self, t: dict, dram: dict, shape: ModelShape, kind: str, n: int, ctxs: Sequence[int],
-                     ctx_eff: Sequence[float]) -> None:
+    def _switch_attn(self, t: dict[str, float], dram: dict[str, float], shape: ModelShape, kind: str, n: int,
+                     ctxs: Sequence[int], ctx_eff: Sequence[float]) -> None:
         """Flash attention over sequences at their own contexts, with CostModel's mechanism
         (``attention_cost.flash_decode``: per KV block max(DMA, vector work), DMA latency unless double
         buffered, tree merge of the partitions; an S8 V block is half as many bytes).  The
@@ -288,12 +289,12 @@ class BatchedCostModel:
             t["attn"] = body + act_us + c["ov"]
         dram["kv"] = sum(cx * hkv * d * (kb + vb) for cx in ctxs) * shape.n_layers
 
-    def _switch_v_scatter(self, t: dict, shape: ModelShape, n: int) -> None:
+    def _switch_v_scatter(self, t: dict[str, float], shape: ModelShape, n: int) -> None:
         if self.variant.s8_v_cache:
             c = self._consts()
             t["v_scatter"] = self._act_us(c, n * (shape.n_kv_heads // shape.n_chips) * shape.head_dim * 1.0) + c["ov"]
 
-    def _per_sequence_head(self, t: dict, dram: dict, shape: ModelShape, N: int) -> None:
+    def _per_sequence_head(self, t: dict[str, float], dram: dict[str, float], shape: ModelShape, N: int) -> None:
         """Final norm, LM head rows and logits gather for every sequence (CostModel: 1 row)."""
         c = self._consts()
         q = self.hw.quantisation
@@ -305,7 +306,7 @@ class BatchedCostModel:
         t["logits_gather"] = c["lat"] + N * Vc * a / c["link"] + c["ov"]
         dram["activations"] += (N - 1) * (2 * H * a + (H + Vc) * a)
 
-    def _switch_logits(self, t: dict, dram: dict, shape: ModelShape, N: int) -> None:
+    def _switch_logits(self, t: dict[str, float], dram: dict[str, float], shape: ModelShape, N: int) -> None:
         """On-device top-k: each chip scans its shard's logits, the gather moves k candidates."""
         if not self.variant.on_device_topk:
             return
@@ -315,7 +316,8 @@ class BatchedCostModel:
         t["logits_gather"] = scan + c["lat"] + N * kk * TOPK_CANDIDATE_BYTES / c["link"] + c["ov"]
         dram["activations"] += N * Vc * a
 
-    def _assemble(self, shape: ModelShape, kind: str, n_tokens: int, past_len: int, t: dict, dram: dict,
+    def _assemble(self, shape: ModelShape, kind: str, n_tokens: int, past_len: int, t: dict[str, float],
+                  dram: dict[str, float],
                   scale: Sequence[float], *, n_seqs: int, touched: np.ndarray, expected: bool) -> StepCost:
         """Chip timelines from per-role times with ``CostModel.price_step``'s own assembly
         (``stepcost.assemble_step``: the same per-layer, embed/head and per-chip attribution)."""

@@ -271,4 +271,6 @@ class HardwareSpec:
 def sram_workspace_bytes(hw: HardwareSpec) -> float:
     """Bytes of SRAM the memory plan leaves for activations, per chip: the reservation minus the
     parameters' window (facts.md F4: 16.844 - 14.381 MiB = 2.463 MiB)."""
-    return max(0.0, (hw.memory["sram_reservation_mib"] - hw.memory["param_sram_window_mib"]) * 2**20)
+    reservation_mib: float = hw.memory["sram_reservation_mib"]
+    window_mib: float = hw.memory["param_sram_window_mib"]
+    return max(0.0, (reservation_mib - window_mib) * 2**20)

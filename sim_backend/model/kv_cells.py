@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 F32 = np.float32
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype=F32) -> np.ndarray:
+def lazy_zeros(shape: tuple[int, ...], dtype: DTypeLike = F32) -> np.ndarray:
     """Zero array whose memory is committed page by page as it is written.
 
     The KV cache is (chips, layers, kv_heads, cells, head_dim): a short

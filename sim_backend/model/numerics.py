@@ -437,7 +437,7 @@ class ShardedModel(CellKV):
         gathered (one matvec over the side-by-side halves, bias added in place; no concatenate).
 
         A 1-D vector times a chip-stacked (C, H, V/C) array would be numpy's non-BLAS loop, 2x slower."""
-        out = last @ self.lm_head
+        out: np.ndarray = last @ self.lm_head
         out += self.lm_bias
         return out
 
@@ -455,7 +455,8 @@ class ShardedModel(CellKV):
         qh = self.shape.q_heads_per_chip
         bound = a[:, :, :qh].max(axis=(1, 2, 3)) * a[:, :, qh:].max(axis=(1, 2, 3))
         bound *= F32(np.sqrt(self.num.head_dim))
-        return (bound <= F32(SCORE_BOUND)).tolist()
+        skip: list[bool] = (bound <= F32(SCORE_BOUND)).tolist()
+        return skip
 
     def _decode(self, token: int, position: int, cell: int, ctx_cells: np.ndarray) -> StepNumerics:
         """Decode step (one token) with both chips in one call per op along the chip axis.

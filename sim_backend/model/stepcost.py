@@ -140,7 +140,7 @@ class StepCost:
         kw["dram_bytes"] = MappingProxyType(dict(kw["dram_bytes"]))
         return cls(**kw, graph=graph)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-friendly dict (lists of floats, µs simulated)."""
         return {
             "simulated": True,

@@ -24,8 +24,8 @@ from sim_backend.model.stepcost import StepCost
 DEVICE_PID = 0
 
 
-def _meta(name: str, tid: int | None, value: str, sort: int | None = None) -> list[dict]:
-    ev: dict = {"ph": "M", "pid": DEVICE_PID, "name": name, "args": {"name": value}}
+def _meta(name: str, tid: int | None, value: str, sort: int | None = None) -> list[dict[str, Any]]:
+    ev: dict[str, Any] = {"ph": "M", "pid": DEVICE_PID, "name": name, "args": {"name": value}}
     if tid is not None:
         ev["tid"] = tid
     out = [ev]
@@ -35,7 +35,7 @@ def _meta(name: str, tid: int | None, value: str, sort: int | None = None) -> li
     return out
 
 
-def chrome_trace(steps: Sequence[tuple[str, StepCost, float]]) -> dict:
+def chrome_trace(steps: Sequence[tuple[str, StepCost, float]]) -> dict[str, Any]:
     """Build a Chrome trace from ``(label, cost, start_us)`` tuples.
 
     ``start_us`` is the step's start on the simulated clock (µs).  Returns
@@ -48,7 +48,7 @@ def chrome_trace(steps: Sequence[tuple[str, StepCost, float]]) -> dict:
     else:
         n_chips = steps[0][1].op_start_us.shape[0]
     tid_ccu, tid_pcie, tid_steps = n_chips, n_chips + 1, n_chips + 2
-    events: list[dict] = []
+    events: list[dict[str, Any]] = []
     events += _meta("process_name", None, "calculet0 (simulated NPU)")
     for c in range(n_chips):
         events += _meta("thread_name", c, f"chip{c}", c)

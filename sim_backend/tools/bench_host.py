@@ -4,6 +4,8 @@ timed on this machine, fast sampler vs the naive reference. Host wall ms."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +22,7 @@ def _bench_logits(rng: np.random.Generator, n: int) -> np.ndarray:
     return x
 
 
-def bench_host(iterations: int = 200, seed: int = 0) -> dict:
+def bench_host(iterations: int = 200, seed: int = 0) -> dict[str, Any]:
     """Time the per-token host path: D2H landing copy -> BF16->FP32 -> sample.
 
     Fast path: copy of the 303,872 B BF16 logits into a preallocated landing
@@ -52,10 +54,10 @@ def bench_host(iterations: int = 200, seed: int = 0) -> dict:
         np.copyto(landing, src)
         naive_sample(bf16_to_f32(landing), params, naive_rng, recent)
 
-    def run(fn) -> list[float]:
+    def run(fn: Callable[[np.ndarray], None]) -> list[float]:
         for i in range(3):  # warm-up
             fn(sources[i % len(sources)])
-        out = []
+        out: list[float] = []
         for i in range(iterations):
             t0 = time.perf_counter()
             fn(sources[i % len(sources)])

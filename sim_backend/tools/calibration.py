@@ -49,6 +49,8 @@ prints the report (``python -m sim_backend.tools.calibration``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.model.costmodel import CostModel as CostModel  # re-exported: the console's benches load it here
 from sim_backend.tools.calibration_cases import (
@@ -72,8 +74,11 @@ from sim_backend.tools.calibration_fit import (
     mechanism_reach,
 )
 
+if TYPE_CHECKING:
+    from sim_backend.compose import System
 
-def router_touched_27(bundle=None) -> list[float]:
+
+def router_touched_27(bundle: object = None) -> list[float]:
     """Experts per layer the numeric device PRICES the F7 27-token prefill with (numeric mode).
 
     Runs the engine's calibration prompt through the numerics (one token) and returns the
@@ -102,8 +107,8 @@ def router_touched_27(bundle=None) -> list[float]:
 ENGINE_PROMPT = "Explain in two sentences how an NPU serves a large language model."
 
 
-def run_engine_cases(system=None, *, prompt: str = ENGINE_PROMPT, max_tokens: int = DECODE_TOKENS,
-                     expect_prompt_tokens: int = PROMPT_TOKENS) -> list[dict]:
+def run_engine_cases(system: System | None = None, *, prompt: str = ENGINE_PROMPT, max_tokens: int = DECODE_TOKENS,
+                     expect_prompt_tokens: int = PROMPT_TOKENS) -> list[dict[str, Any]]:
     """F7 request through the real serving engine; three point cases (role ``consistency``: the
     FITTED F7 points through the engine, so they check that the engine prices as the cost model
     does, and predict nothing).
@@ -134,7 +139,7 @@ def run_engine_cases(system=None, *, prompt: str = ENGINE_PROMPT, max_tokens: in
     from sim_backend.planes.types import ChatRequest
 
     own = system is None
-    if own:
+    if system is None:
         system = build_system(numerics=False, maintenance=False, n_slots=1)
     try:
         req = ChatRequest.from_prompt(prompt, max_tokens=max_tokens)
@@ -171,7 +176,7 @@ def run_engine_cases(system=None, *, prompt: str = ENGINE_PROMPT, max_tokens: in
     return cases
 
 
-def explain_measured_host_misses(cases: list[dict], extra_host_ms: float, e2e_ms: float) -> None:
+def explain_measured_host_misses(cases: list[dict[str, Any]], extra_host_ms: float, e2e_ms: float) -> None:
     """With ``--host-time measured``: explain an engine case's miss that this machine's host work accounts for.
 
     ``extra_host_ms`` is the host work booked beyond the real host's fitted allowance (measured booked
@@ -215,7 +220,7 @@ HELD_OUT_RMS_MAX_PCT = 8.0
 CONVERGENCE_MIN_STARTS = 5
 
 
-def protocol_checks(cases: list[dict], conv: dict[str, dict] | None = None) -> list[dict]:
+def protocol_checks(cases: list[dict[str, Any]], conv: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The checks that must hold for the calibration to pass (exit code 0): ``[{"what", "ok", "detail"}]``.
 
     * every case ok, or its miss explained (:func:`case_passes`: a band at the mechanisms' documented
@@ -245,7 +250,7 @@ def protocol_checks(cases: list[dict], conv: dict[str, dict] | None = None) -> l
     return out
 
 
-def format_table(cases: list[dict]) -> str:
+def format_table(cases: list[dict[str, Any]]) -> str:
     """Plain-text table of :func:`run_calibration` results (role, simulated, reference, error)."""
     lines = []
     for c in cases:
@@ -309,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = protocol_checks(cases, {"timing-only": conv} if conv is not None else None)
     bound = linear_bound()
     if args.json:
-        doc: dict = {"cases": cases, "summary": summarise(cases), "linear_bound": bound, "checks": checks}
+        doc: dict[str, Any] = {"cases": cases, "summary": summarise(cases), "linear_bound": bound, "checks": checks}
         if fit is not None:
             doc["fit"] = fit
         if conv is not None:
@@ -335,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(chk["ok"] for chk in checks) else 1
 
 
-def format_bound(bound: dict) -> str:
+def format_bound(bound: dict[str, Any]) -> str:
     """One paragraph on :func:`linear_bound` (what the report's bands need)."""
     pred = ", ".join(f"{n} {v:+.2f}%" for n, v in bound["miss_pct"].items() if v)
     return (f"data-only bound (facts.md F7, no cost model): the best decode step time linear in the context through "

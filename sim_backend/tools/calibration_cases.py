@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from itertools import pairwise
+from typing import Any
 
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.model.attention_cost import data_moving_table, flash_decode
@@ -135,7 +136,7 @@ def e2e_cost_model_us(cm: CostModel, shape: ModelShape | None = None) -> float:
     return prefill_us + decode_us + cm.host_overhead_ms_per_token * 1e3 * DECODE_TOKENS
 
 
-def point_case(name: str, measured: float, simulated: float, unit: str) -> dict:
+def point_case(name: str, measured: float, simulated: float, unit: str) -> dict[str, Any]:
     """A point case's row: ``simulated`` against ``measured`` (in ``unit``), its error in % and ``ok`` within
     :data:`TOLERANCE_PCT`."""
     err = (simulated - measured) / measured * 100.0
@@ -156,7 +157,7 @@ HELD_OUT_NOTES: dict[str, str] = {
 MODES = ("timing-only", "numeric")
 
 
-def data_moving_case(cm: CostModel, shape: ModelShape | None = None) -> dict:
+def data_moving_case(cm: CostModel, shape: ModelShape | None = None) -> dict[str, Any]:
     """Held-out check of the derived data-moving table of the 40,960-token prefill (facts.md F3).
 
     ``simulated``/``measured``: per chip ``{"entries", "gib", "blocks"}``; ``error_pct``: the worst
@@ -195,7 +196,7 @@ def data_moving_case(cm: CostModel, shape: ModelShape | None = None) -> dict:
             "moves": [d["moves"] for d in derived]}
 
 
-def case_passes(c: dict) -> bool:
+def case_passes(c: dict[str, Any]) -> bool:
     """A case is fine when it is ok, or when its miss is explained (a band at the mechanisms' documented
     limit, :func:`explain_band_miss`; an engine row whose miss ``--host-time measured`` host work accounts for)."""
     return bool(c["ok"] or c.get("explained"))
@@ -271,7 +272,7 @@ def band_miss_pct(name: str, sim: float) -> float:
 
 def linear_bound(bands: tuple[str, ...] | None = None,
                  band_table: dict[str, tuple[tuple[int, ...], tuple[float, float]]] | None = None,
-                 decode_tok_s: float = DECODE_246_TOK_S) -> dict:
+                 decode_tok_s: float = DECODE_246_TOK_S) -> dict[str, Any]:
     """Data only (facts.md F7, no cost model): the best ANY decode step time linear in the context does.
 
     The curve is ``t(c) = t0 + s (c - c0)`` ms through the F7 decode run (its mean step ``t0`` =
@@ -343,7 +344,7 @@ DOCUMENTED_BAND_MISSES: dict[str, float] = {
 }
 
 
-def explain_band_miss(case: dict, bound: dict) -> str | None:
+def explain_band_miss(case: dict[str, Any], bound: dict[str, Any]) -> str | None:
     """Why a band case's miss is the documented limit of the mechanisms, or None (a real failure).
 
     ``case``: a band case of :func:`run_calibration` (``name``, ``band_miss_pct``); ``bound``:
@@ -381,7 +382,7 @@ def rms(values: list[float]) -> float:
 
 
 def run_calibration(cost_model: CostModel | None = None, *, mode: str = "timing-only",
-                    touched_27: list[float] | None = None) -> list[dict]:
+                    touched_27: list[float] | None = None) -> list[dict[str, Any]]:
     """Run every cost-model case; one dict per case (module docstring: the roles).
 
     Keys: ``name``, ``mode`` (``timing-only``: experts priced by the expectation; ``numeric``:
@@ -403,11 +404,11 @@ def run_calibration(cost_model: CostModel | None = None, *, mode: str = "timing-
     shape = ModelShape()
     sims = evaluate_cases(cm, touched_27, shape, names=ALL_CASES)
     bound = linear_bound()
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     for name in ALL_CASES:
         sim = sims[name]
         err = case_error_pct(name, sim)
-        c: dict = {"name": name, "mode": mode, "role": CASE_ROLES[name], "simulated": sim, "error_pct": err,
+        c: dict[str, Any] = {"name": name, "mode": mode, "role": CASE_ROLES[name], "simulated": sim, "error_pct": err,
                    "explained": None}
         if name in POINT_CASES:
             c.update(measured=POINT_CASES[name], unit="s" if name.startswith("e2e") else "tok/s",
@@ -441,14 +442,14 @@ def run_calibration(cost_model: CostModel | None = None, *, mode: str = "timing-
     return out
 
 
-def summarise(cases: list[dict]) -> dict[str, dict]:
+def summarise(cases: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per mode: RMS error (%) by role.
 
     ``fitted_rms_pct`` (the fitted cases, in sample), ``held_out_decode_rms_pct`` (the held-out
     decode cases: ~8K-16K, ~33K, short; the issue's criterion), ``held_out_decode_in_band`` ("k/3"),
     ``held_out_decode`` ({name: error %}) and ``data_moving_ok``.
     """
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, Any]] = {}
     for mode in MODES:
         mine = [c for c in cases if c.get("mode") == mode and not c.get("engine")]
         if not mine:

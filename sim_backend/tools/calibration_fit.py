@@ -9,6 +9,7 @@ Residuals and roles: :mod:`sim_backend.tools.calibration`.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 from sim_backend.model.costmodel import CostModel
 from sim_backend.tools.calibration_cases import (
@@ -20,6 +21,9 @@ from sim_backend.tools.calibration_cases import (
     run_calibration,
     summarise,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # ----------------------------------------------------------------- fit and convergence
 #: continuous parameters the fit moves (each within its YAML range)
@@ -56,9 +60,9 @@ def _residual(name: str, sim: float) -> float:
 
 
 def fit_parameters(cost_model: CostModel | None = None, *, free: tuple[str, ...] = FIT_FREE,
-                   fixed: dict[str, float] | None = None, ranges: dict | None = None,
+                   fixed: dict[str, float] | None = None, ranges: dict[str, Any] | None = None,
                    touched_27: list[float] | None = None, start: dict[str, float] | None = None,
-                   cases: tuple[str, ...] = FIT_CASES, full: bool = False, globalise: bool = True) -> dict:
+                   cases: tuple[str, ...] = FIT_CASES, full: bool = False, globalise: bool = True) -> dict[str, Any]:
     """Bounded least-squares fit of ``free`` on ``cases`` (default :data:`FIT_CASES`: the fitted
     role only; module docstring).  A second or two of host time.
 
@@ -90,10 +94,10 @@ def fit_parameters(cost_model: CostModel | None = None, *, free: tuple[str, ...]
         u = math.log(v / lo_) / math.log(hi_ / lo_) if is_log else (v - lo_) / (hi_ - lo_)
         return min(1.0, max(0.0, u))
 
-    def params(x) -> dict[str, float]:
+    def params(x: np.ndarray) -> dict[str, float]:
         return {k: value(k, float(v), g) for k, v, g in zip(free, x, logs, strict=True)}
 
-    def res(x):
+    def res(x: np.ndarray) -> np.ndarray:
         sims = evaluate_cases(cm.with_fitted(**params(x)), touched_27, names=cases)
         r = [_residual(c, sims[c]) for c in cases]
         return np.array(r + list(_PRIOR_WEIGHT * 2.0 * (x - 0.5)))
@@ -107,7 +111,8 @@ def fit_parameters(cost_model: CostModel | None = None, *, free: tuple[str, ...]
         others = [j for j in range(len(free)) if j != i]
         best: tuple[float, np.ndarray] | None = None
         for gx in np.linspace(0.0, 1.0, GRID_POINTS):
-            def res_i(y, gx=gx, base=x0, i=i, others=others):
+            def res_i(y: np.ndarray, gx: float = gx, base: np.ndarray = x0, i: int = i,
+                      others: list[int] = others) -> np.ndarray:
                 x = base.copy()
                 x[others] = y
                 x[i] = gx
@@ -134,7 +139,7 @@ def fit_parameters(cost_model: CostModel | None = None, *, free: tuple[str, ...]
 REACH_CORES: tuple[int, ...] = (4, 6, 8, 12, 16, 24, 32)
 
 
-def mechanism_reach(cost_model: CostModel | None = None, cores: tuple[int, ...] = REACH_CORES) -> list[dict]:
+def mechanism_reach(cost_model: CostModel | None = None, cores: tuple[int, ...] = REACH_CORES) -> list[dict[str, Any]]:
     """How close the stated mechanisms get to the bands as the ASSUMED ``attn_cores`` moves (its range).
 
     ``attn_cores // kv_heads_per_chip`` is the most partitions split-KV uses; a block-granular split
@@ -165,7 +170,7 @@ def mechanism_reach(cost_model: CostModel | None = None, cores: tuple[int, ...] 
 
 
 def convergence(cost_model: CostModel | None = None, *, starts: int = CONVERGENCE_STARTS,
-                touched_27: list[float] | None = None, **fit_kw) -> dict:
+                touched_27: list[float] | None = None, **fit_kw: Any) -> dict[str, Any]:
     """Run :func:`fit_parameters` from ``starts`` spread starting points (a scrambled Halton sequence
     over the ranges, seed 0) and compare the solutions.
 

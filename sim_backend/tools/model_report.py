@@ -12,7 +12,7 @@ from sim_backend.model.hwspec import HardwareSpec
 from sim_backend.model.opgraph import build_graph
 
 
-def model_info(bundle_dir: str | Path | None = None, hardware: str | Path | None = None) -> dict:
+def model_info(bundle_dir: str | Path | None = None, hardware: str | Path | None = None) -> dict[str, Any]:
     """The JSON document of ``calconsole model --json`` (sizes in bytes).
 
     Keys: ``bundle``, ``shape``, ``submodels.<name>`` (``smodel_type``,

@@ -14,7 +14,7 @@ from typing import Any
 from sim_backend.compose import build_system
 from sim_backend.device.clock import Pacing, PacingMode
 from sim_backend.errors import CalError
-from sim_backend.planes.types import ChatRequest, SamplingParams
+from sim_backend.planes.types import ChatRequest, SamplingParams, StageTimes
 
 CLOCK_NOTE = ("requests_per_s / tokens_per_s: SIMULATED device clock (device steps from the cost model at full "
               "Qwen3-30B-A3B size, plus measured host work booked on that clock); wall_*: measured host wall time "
@@ -30,7 +30,7 @@ def _prompt(i: int, words: int) -> str:
 
 
 def run_mode(max_inflight: int, *, n_requests: int, max_tokens: int, numerics: bool, bundle: Any = None,
-             prompt_words: int = 24, host_timer: Any = None, timeout_s: float = 600.0) -> dict:
+             prompt_words: int = 24, host_timer: Any = None, timeout_s: float = 600.0) -> dict[str, Any]:
     """Serve ``n_requests`` concurrent greedy requests on a fresh system; return the figures.
 
     Times: ``sim_s`` simulated device seconds, ``wall_s`` host wall seconds,
@@ -63,10 +63,10 @@ def run_mode(max_inflight: int, *, n_requests: int, max_tokens: int, numerics: b
     def mean(xs: list[float]) -> float | None:
         return sum(xs) / len(xs) if xs else None
 
-    def dev(st) -> float:
+    def dev(st: StageTimes) -> float:
         return st.h2d_ms + st.infer_ms + st.d2h_ms
 
-    def host(st) -> float:
+    def host(st: StageTimes) -> float:
         return st.kv_wait_ms + st.sampling_ms + st.detokenize_ms + st.framework_ms
 
     dev_ms = mean([dev(st) for st in dec])
@@ -88,7 +88,7 @@ def run_mode(max_inflight: int, *, n_requests: int, max_tokens: int, numerics: b
 
 
 def measure_overlap(*, n_requests: int = 4, max_tokens: int = 64, numerics: bool = True, bundle: Any = None,
-                    prompt_words: int = 24, host_timer_factory: Callable[[], Any] | None = None) -> dict:
+                    prompt_words: int = 24, host_timer_factory: Callable[[], Any] | None = None) -> dict[str, Any]:
     """Serial then overlapped, same requests; returns ``{"serial", "overlapped", "gain", "bound", ...}``.
 
     ``gain`` values are overlapped / serial ratios (> 1 = overlap is faster).

@@ -161,7 +161,7 @@ def _decode_work_calls(board: SimulatedBoard, context: int) -> int:
 def measure_backend(worker: bool, *, runs: int = 3, decode_steps: int = 16,
                     contexts: Sequence[int] = DECODE_CONTEXTS, prompt_lengths: Sequence[int] = PREFILL_LENGTHS,
                     bundle: Bundle | str | None = None, progress: Callable[[str], None] | None = None,
-                    kernels: str = "compiled", step_timeout_s: float | None = None) -> dict:
+                    kernels: str = "compiled", step_timeout_s: float | None = None) -> dict[str, Any]:
     """Measure one backend on a fresh board.
 
     Prefill: each length in ``prompt_lengths`` as one chunk from position 0, ``runs`` times
@@ -301,7 +301,7 @@ def numeric_limit(prefill_rtf: dict[str, float]) -> int:
 def measure(*, backends: Sequence[str] = tuple(BACKENDS), runs: int = 3, decode_steps: int = 16,
             contexts: Sequence[int] = DECODE_CONTEXTS, prompt_lengths: Sequence[int] = PREFILL_LENGTHS,
             bundle: Bundle | str | None = None, progress: Callable[[str], None] | None = None,
-            kernels: Sequence[str] = ("compiled",), step_timeout_s: float | None = None) -> dict:
+            kernels: Sequence[str] = ("compiled",), step_timeout_s: float | None = None) -> dict[str, Any]:
     """Both backends side by side in one run, plus the numeric prefill limit they give.
 
     ``kernels``: which implementations to measure, each under every backend: ``compiled`` (what runs)

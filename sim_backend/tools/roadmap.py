@@ -99,7 +99,7 @@ def _prompt_tokens(i: int, n: int) -> tuple[int, ...]:
 
 def run_cell(stage: Stage, mix: str, clients: int, *, requests_per_client: int = 2, max_tokens: int = OUTPUT_TOKENS,
              short_prompt: int = SHORT_PROMPT, long_prompt: int = LONG_PROMPT, slo: SLO = DEFAULT_SLO,
-             timeout_s: float = 600.0) -> dict:
+             timeout_s: float = 600.0) -> dict[str, Any]:
     """One (stage, mix, clients) run on a fresh timing-only system; returns its raw figures.
 
     Returns ``{"results": [RequestResult...], "span_ms", "batch_occupancy"}`` (simulated ms).
@@ -140,12 +140,13 @@ def run_cell(stage: Stage, mix: str, clients: int, *, requests_per_client: int =
             "batch_occupancy": (sum(occ) / len(occ)) if occ else 1.0, "batch_steps": batch_steps}
 
 
-def _pct(xs: Sequence[float]) -> dict:
+def _pct(xs: Sequence[float]) -> dict[str, Any]:
     p = percentiles(xs)
     return {"p50": p.get("p50"), "p95": p.get("p95"), "p99": p.get("p99")}
 
 
-def summarise(stage: Stage, mix: str, clients: int, raw: dict, slo: SLO, factors: tuple[float, float]) -> dict:
+def summarise(stage: Stage, mix: str, clients: int, raw: dict[str, Any], slo: SLO,
+              factors: tuple[float, float]) -> dict[str, Any]:
     """The JSON record of one cell (simulated ms / per simulated second)."""
     res = raw["results"]
     ok = [r for r in res if r.status == "finished"]
@@ -220,7 +221,7 @@ class RangeModel:
         self.eff_lo = _fit_weight_eff(self.base, self.shape, 58.0)   # F7 short band 58-64 tok/s
         self.eff_hi = _fit_weight_eff(self.base, self.shape, 64.0)
         self.joint = list(joint or ())
-        self._cache: dict[tuple, tuple[float, float]] = {}
+        self._cache: dict[tuple[str, int, int], tuple[float, float]] = {}
 
     def factors(self, stage: Stage, occupancy: float, context: int) -> tuple[float, float]:
         """(pessimistic, optimistic) throughput multipliers of the representative decode step."""
@@ -257,7 +258,7 @@ def _mean_context(mix: str, short_prompt: int, long_prompt: int, max_tokens: int
 def run_roadmap(*, stages: Sequence[str] = STAGE_NAMES, mixes: Sequence[str] = MIXES,
                 clients: Sequence[int] = CLIENTS, requests_per_client: int = 2, max_tokens: int = OUTPUT_TOKENS,
                 short_prompt: int = SHORT_PROMPT, long_prompt: int = LONG_PROMPT, slo: SLO = DEFAULT_SLO,
-                progress: Callable[[str], None] | None = None, range_samples: int = RANGE_SAMPLES) -> dict:
+                progress: Callable[[str], None] | None = None, range_samples: int = RANGE_SAMPLES) -> dict[str, Any]:
     """Run the matrix; returns ``{"records": [...], "answers": {...}, "slo": ..., "clock": ...}``.
 
     ``best+s8`` / ``best+topk`` use the batch stage with the highest tokens/s at the largest
@@ -283,7 +284,7 @@ def run_roadmap(*, stages: Sequence[str] = STAGE_NAMES, mixes: Sequence[str] = M
         joint = [m for name, m in joint_models(CostModel.load(), range_samples, progress=note)["models"]
                  if name != "shipped"]
     ranges = RangeModel(joint=joint)
-    records: list[dict] = []
+    records: list[dict[str, Any]] = []
     kw: dict[str, Any] = dict(requests_per_client=requests_per_client, max_tokens=max_tokens,
                               short_prompt=short_prompt, long_prompt=long_prompt, slo=slo)
 
@@ -320,10 +321,10 @@ def run_roadmap(*, stages: Sequence[str] = STAGE_NAMES, mixes: Sequence[str] = M
             "clock": CLOCK_NOTE}
 
 
-def answers(records: Sequence[dict], slo: SLO) -> dict:
+def answers(records: Sequence[dict[str, Any]], slo: SLO) -> dict[str, Any]:
     """Per stage: tokens/s at the most clients run (all mixes), and the TPOT-SLO knee per mix:
     the lowest client count whose P95 TPOT exceeds the SLO (None = met at every count run)."""
-    out: dict[str, dict] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name in dict.fromkeys(r["stage"] for r in records):
         rs = [r for r in records if r["stage"] == name]
         top = max(r["clients"] for r in rs)

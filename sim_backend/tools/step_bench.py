@@ -33,7 +33,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def measure_step(worker: bool, *, steps: int = 200, context: int = 100, tokens_per_request: int = 50,
-                 bundle: Any = None, timeout_s: float = 600.0) -> dict:
+                 bundle: Any = None, timeout_s: float = 600.0) -> dict[str, Any]:
     """Wall ms per decode step on a fresh system (``worker``: numerics in the spawned process).
 
     Returns ``{"mode", "steps", "median_ms", "p95_ms", "mean_ms", "device_compute_median_ms",
@@ -91,7 +91,7 @@ def measure_step(worker: bool, *, steps: int = 200, context: int = 100, tokens_p
 
 
 def measure_prefill(worker: bool, sizes: list[int], *, bundle: Any = None, repeats: int = 3,
-                    timeout_s: float = 600.0) -> list[dict]:
+                    timeout_s: float = 600.0) -> list[dict[str, Any]]:
     """Host wall ms of one prefill of exactly ``n`` prompt tokens (raw token ids, no cache), per ``n``.
 
     Returns per size ``{"tokens", "wall_median_ms", "sim_ms", "wall_tok_s", "sim_tok_s"}``: ``wall``

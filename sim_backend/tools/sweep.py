@@ -23,7 +23,8 @@ at a context the report gives a band for also carries that band.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.model.costmodel import CostModel
@@ -61,7 +62,7 @@ def ttft_us(cm: CostModel, n_prompt: int, chunk: int = PREFILL_CHUNK, shape: Mod
     return total
 
 
-def figures(cm: CostModel, prompts=SWEEP_PROMPTS, contexts=SWEEP_CONTEXTS,
+def figures(cm: CostModel, prompts: Sequence[int] = SWEEP_PROMPTS, contexts: Sequence[int] = SWEEP_CONTEXTS,
             chunk: int = PREFILL_CHUNK) -> dict[str, dict[int, float]]:
     """``{"ttft_ms": {n: ms}, "prefill_tok_s": {n: tok/s}, "decode_tok_s": {ctx: tok/s}}`` (simulated)."""
     shape = ModelShape()
@@ -93,7 +94,7 @@ def _draw(u: float, key: str, lo: float, hi: float) -> float:
 
 
 def joint_models(cm: CostModel, samples: int = DEFAULT_SAMPLES, *, seed: int = 0,
-                 progress: Callable[[str], None] | None = None) -> dict:
+                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The joint sample (module docstring): ``{"models": [(name, CostModel)], "kept", "drawn",
     "rejected": {name: reason}, "draws": [{"name", "values", "fit", "kept", "why"}], "parameters"}``.
 
@@ -154,9 +155,10 @@ def joint_models(cm: CostModel, samples: int = DEFAULT_SAMPLES, *, seed: int = 0
             "parameters": [f"{sec}.{k} [{lo:g}, {hi:g}]" for sec, k, lo, hi in params]}
 
 
-def sweep(cm: CostModel | None = None, *, prompts=SWEEP_PROMPTS, contexts=SWEEP_CONTEXTS,
+def sweep(cm: CostModel | None = None, *, prompts: Sequence[int] = SWEEP_PROMPTS,
+          contexts: Sequence[int] = SWEEP_CONTEXTS,
           chunk: int = PREFILL_CHUNK, samples: int = DEFAULT_SAMPLES, seed: int = 0,
-          progress: Callable[[str], None] | None = None) -> dict:
+          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Run the sweep; JSON-friendly dict.
 
     ``prompts``: list of ``{"prompt_tokens", "ttft_ms": R, "prefill_tok_s": R}`` and
@@ -170,7 +172,7 @@ def sweep(cm: CostModel | None = None, *, prompts=SWEEP_PROMPTS, contexts=SWEEP_
     joint = joint_models(cm, samples, seed=seed, progress=progress)
     figs = [(name, figures(m, prompts, contexts, chunk)) for name, m in joint["models"]]
 
-    def rng(key: str, x: int) -> dict:
+    def rng(key: str, x: int) -> dict[str, Any]:
         vals = [(f[key][x], name) for name, f in figs]
         lo, hi = min(vals), max(vals)
         return {"value": figs[0][1][key][x], "low": lo[0], "high": hi[0], "low_by": lo[1], "high_by": hi[1]}
@@ -190,7 +192,7 @@ def sweep(cm: CostModel | None = None, *, prompts=SWEEP_PROMPTS, contexts=SWEEP_
     }
 
 
-def plot(result: dict, width: int = 100, height: int = 22) -> str:
+def plot(result: dict[str, Any], width: int = 100, height: int = 22) -> str:
     """Two terminal plots (plotext): TTFT vs prompt length and decode tok/s vs context, with ranges."""
     import plotext as plt
 

@@ -78,9 +78,11 @@ def dense_role_costs(hw_spec: Any, shape: ModelShape, kind: str, n: int, past: i
     def act(nbytes: float, mult: float) -> float:
         if nbytes <= sram_ws:
             b["sram_activations"] += nbytes * mult
-            return nbytes / sram_bw
+            t_sram: float = nbytes / sram_bw
+            return t_sram
         b["activations"] += nbytes * mult
-        return nbytes / act_bw
+        t_dram: float = nbytes / act_bw
+        return t_dram
 
     def mm(role: str, kdim: int, ndim: int, bpw: float, key: str = "weights", layers: bool = True) -> None:
         m = 1 if role == "lm_head" else n
