@@ -327,7 +327,7 @@ async def test_the_audit_log_path_wraps_at_words(fast_system, tmp_path):
         name = pane.maintenance.audit.path.name
         assert any(name in ln.split() for ln in lines), lines  # the file name whole on its line
         assert f"audit log: {name} in " in log_text(app, "#m-log")
-        from calconsole.panes.maintenance import audit_line
+        from calconsole.panes.maintenance_text import audit_line
 
         assert audit_line("audit.jsonl") == "audit log: audit.jsonl"  # a relative name: as given
         home = __import__("pathlib").Path.home()

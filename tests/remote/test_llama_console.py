@@ -496,7 +496,7 @@ async def test_without_a_slot_save_path_the_pane_shows_llama_servers_refusal(lla
 
 
 def test_slot_file_names_are_checked_as_llama_server_checks_them() -> None:
-    from calconsole.panes.maintenance import slot_filename_problem
+    from calconsole.panes.maintenance_text import slot_filename_problem
 
     assert slot_filename_problem("slot0.bin") is None and slot_filename_problem("ünï code.bin") is None
     for bad in ("", "a/b", "a\\b", "a:b", "a*b", "a?b", 'a"b', "a<b", "a>b", "a|b", "a\x01b", "a\x7fb", " a", "a ",
