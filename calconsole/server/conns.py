@@ -58,6 +58,7 @@ import anyio
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 try:  # the C parser (llhttp) of uvicorn's fast path; optional: h11 serves without it
+    import httptools
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     HAVE_HTTPTOOLS = True
 except ImportError:  # pragma: no cover - httptools is a dependency
@@ -509,12 +510,23 @@ class GuardedHttpToolsProtocol(GuardedConn, HttpToolsProtocol):  # type: ignore[
     _head_bytes = 0
 
     def data_received(self, data: bytes) -> None:
+        # uvicorn's own, but a 400 says llhttp's reason (e.g. both Content-Length and Transfer-Encoding)
         if self.closing:
             return
         waiting = self.idle_since is not None  # no head complete yet: these bytes are (part of) one
         if waiting:
             self._head_bytes += len(data)
-        super().data_received(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self.send_400_response(str(e) or "invalid HTTP request")
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()  # type: ignore[call-arg]
+            else:
+                self._unsupported_upgrade_warning()
         if self.idle_since is not None and waiting and self._head_bytes > self.max_head_bytes \
                 and not self.closing:
             self.send_400_response(f"request head larger than {self.max_head_bytes} bytes")
