@@ -160,8 +160,9 @@ class ServeConfig:
     #: llama-server's ``--spm-infill``: ``/infill`` puts the suffix before the prefix (suffix-prefix-middle)
     spm_infill: bool = False
     #: the HTTP/1.1 implementation (``--http``): "httptools" (llhttp, C, on uvloop), "h11" (pure Python, on
-    #: asyncio's loop) or "auto" (httptools when installed); the guards are the same on both (server/run.py)
-    http: str = "auto"
+    #: asyncio's loop) or "auto" (httptools when installed); the guards are the same on both (server/run.py).
+    #: h11 stays the default: under uvloop one guard test (a head unread by a late loop is spared) fails
+    http: str = "h11"
 
     def check(self) -> None:
         """ValueError (one line, naming the setting) for a value no server should run with."""
