@@ -101,6 +101,9 @@ def register(sub: Subparsers, common: argparse.ArgumentParser) -> None:
                         "positive finite number, each key at most once); /metrics and /snapshot report goodput "
                         "against them and an attached console names them (default: none, every finished request "
                         "counts)")
+    p.add_argument("--http", choices=("auto", "h11", "httptools"), default="h11",
+                   help="HTTP/1.1 implementation: httptools (C parser on uvloop), h11 (pure Python), "
+                        "auto: httptools when installed (default h11)")
     p.add_argument("--cors-origins", default=None, metavar="LIST",
                    help="browser origins allowed (CORS), a comma list or '*' (default: pages on localhost)")
     g = p.add_argument_group("chat template (llama-server's options)")
@@ -284,7 +287,8 @@ def serve_config(args: argparse.Namespace, model_alias: str) -> ServeConfig:
                       cors_origins=_list(getattr(args, "cors_origins", None)) or None,
                       slot_save_path=getattr(args, "slot_save_path", None),
                       chat_template_kwargs=server_template_kwargs(args),
-                      n_batch=getattr(args, "batch_size", 2048), spm_infill=getattr(args, "spm_infill", False))
+                      n_batch=getattr(args, "batch_size", 2048), spm_infill=getattr(args, "spm_infill", False),
+                      http=getattr(args, "http", "h11"))
     cfg.check()
     return cfg
 

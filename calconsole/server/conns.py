@@ -52,34 +52,47 @@ import struct
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:  # the C parser (llhttp) of uvicorn's fast path; optional: h11 serves without it
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    HAVE_HTTPTOOLS = True
+except ImportError:  # pragma: no cover - httptools is a dependency
+    HttpToolsProtocol = H11Protocol  # type: ignore[misc,assignment]
+    HAVE_HTTPTOOLS = False
 
 from .replies import PIECE_BYTES
 from .wire import HTTPError
 
 log = logging.getLogger("calconsole.serve")
 
-try:  # unread bytes of a socket (GuardedH11Protocol.unread_bytes); POSIX only
+try:  # unread bytes of a socket (GuardedConn.unread_bytes); POSIX only
     import fcntl
     import termios
 
     _FIONREAD: int | None = termios.FIONREAD
-    #: the socket's send queue (Linux SIOCOUTQ is TIOCOUTQ); GuardedH11Protocol.unsent_bytes
+    #: the socket's send queue (Linux SIOCOUTQ is TIOCOUTQ); GuardedConn.unsent_bytes
     _OUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
 except ImportError:  # pragma: no cover - not POSIX
     _FIONREAD = _OUTQ = None
 
-#: the scope entry that holds a request's connection (``GuardedH11Protocol``), for ``conn_of``
+if TYPE_CHECKING:  # the mixin calls the protocol's methods through super()
+    _ProtocolBase = H11Protocol
+else:
+    _ProtocolBase = object
+
+#: the scope entry that holds a request's connection (``GuardedConn``), for ``conn_of``
 SCOPE_KEY = "calconsole.conn"
 
 
-def conn_of(scope: Mapping[str, Any]) -> GuardedH11Protocol | None:
+def conn_of(scope: Mapping[str, Any]) -> GuardedConn | None:
     """The guarded connection a request came on (None when served by another protocol: no deadlines then)."""
     c = scope.get(SCOPE_KEY)
-    return c if isinstance(c, GuardedH11Protocol) else None
+    return c if isinstance(c, GuardedConn) else None
 
 
 def error_bytes(status: int, type_: str, message: str, reason: str) -> bytes:
@@ -168,21 +181,21 @@ class ConnectionGuard:
         self.limits = limits or ConnLimits()
         self.limits.check()
         self.max_conns = self.limits.effective_max_conns()
-        self._by_peer: dict[str, dict[GuardedH11Protocol, None]] = {}
+        self._by_peer: dict[str, dict[GuardedConn, None]] = {}
         self._total = 0
         self.stats = ConnStats()
         #: token buckets of budget closes: address (None: the total) -> (tokens, host monotonic s of the fill)
         self._buckets: dict[str | None, tuple[float, float]] = {}
         #: connections admitted past ``max_conns`` (``_into_reserve``)
-        self._reserve: dict[GuardedH11Protocol, None] = {}
+        self._reserve: dict[GuardedConn, None] = {}
         #: the idle connections (not closing), in the order they became idle (oldest first), all and by
         #: address: an admit finds its candidates without looking at every connection (4,096 at the cap)
-        self._idle_all: dict[GuardedH11Protocol, None] = {}
-        self._idle_by_peer: dict[str, dict[GuardedH11Protocol, None]] = {}
+        self._idle_all: dict[GuardedConn, None] = {}
+        self._idle_by_peer: dict[str, dict[GuardedConn, None]] = {}
 
     # --- what protocols call -----------------------------------------------------------------
 
-    def admit(self, conn: GuardedH11Protocol) -> bool:
+    def admit(self, conn: GuardedConn) -> bool:
         """Register a new connection, making room or refusing it (then it is answered and closed: False)."""
         lim, now = self.limits, time.monotonic()
         peers = self._by_peer.get(conn.peer) or {}
@@ -206,7 +219,7 @@ class ConnectionGuard:
         self.set_idle(conn, True)  # after the trims: a newcomer is never closed for its own admit
         return True
 
-    def set_idle(self, conn: GuardedH11Protocol, idle: bool) -> None:
+    def set_idle(self, conn: GuardedConn, idle: bool) -> None:
         """``conn`` became idle (at its start, after each response) or not (a head arrived, it is closing)."""
         self._idle_all.pop(conn, None)
         mine = self._idle_by_peer.get(conn.peer)
@@ -218,7 +231,7 @@ class ConnectionGuard:
         elif mine is not None and not mine:
             del self._idle_by_peer[conn.peer]
 
-    def _into_reserve(self, conn: GuardedH11Protocol) -> bool:
+    def _into_reserve(self, conn: GuardedConn) -> bool:
         """Past ``max_conns``: a place in the reserve (``/health`` and ``/maintenance/*`` only, checked by
         ``RequestBound`` when the head arrives), freed if need be by closing the reserve connection idle the
         longest that showed no admin key (never one whose bytes wait unread). False: none to be had."""
@@ -237,7 +250,7 @@ class ConnectionGuard:
         self.stats.reserved += 1
         return True
 
-    def forget(self, conn: GuardedH11Protocol) -> None:
+    def forget(self, conn: GuardedConn) -> None:
         self._reserve.pop(conn, None)
         self._idle_all.pop(conn, None)
         mine = self._idle_by_peer.get(conn.peer)
@@ -260,16 +273,16 @@ class ConnectionGuard:
 
     # --- internals ---------------------------------------------------------------------------
 
-    def _all(self) -> Iterable[GuardedH11Protocol]:
+    def _all(self) -> Iterable[GuardedConn]:
         for peers in self._by_peer.values():
             yield from peers
 
-    def _ready(self, idle: dict[GuardedH11Protocol, None], now: float, limit: int, *, kept_alive: bool = True,
-               ordinary: bool = False) -> list[GuardedH11Protocol]:
+    def _ready(self, idle: dict[GuardedConn, None], now: float, limit: int, *, kept_alive: bool = True,
+               ordinary: bool = False) -> list[GuardedConn]:
         """The first ``limit`` of ``idle`` (an ordered idle registry) idle for at least ``min_idle_s``: never
         served first, then (``kept_alive``) those kept alive, oldest first in each; ``ordinary``: none of the
         reserve. Candidates (see ``_evictable``), taken in order without looking past the first too young."""
-        out: list[GuardedH11Protocol] = []
+        out: list[GuardedConn] = []
         for served in ((False, True) if kept_alive else (False,)):
             for c in idle:
                 if len(out) >= limit:
@@ -280,7 +293,7 @@ class ConnectionGuard:
                     out.append(c)
         return out
 
-    def _evictable(self, c: GuardedH11Protocol) -> bool:
+    def _evictable(self, c: GuardedConn) -> bool:
         """Not when bytes the peer sent wait unread in the socket: the loop is late, not the peer.
 
         Under load (a starved event loop, an iteration that accepts a hundred reconnects) a client's
@@ -299,7 +312,7 @@ class ConnectionGuard:
         tokens, at = self._buckets.get(key, (float(lim.budget_close_burst), now))
         return min(float(lim.budget_close_burst), tokens + (now - at) * lim.budget_closes_per_s)
 
-    def _trim(self, idle: dict[GuardedH11Protocol, None], budget: int, now: float, what: str,
+    def _trim(self, idle: dict[GuardedConn, None], budget: int, now: float, what: str,
               key: str | None) -> None:
         # a kept-alive connection is a client's pool: closing it for a budget made its next request (sent as
         # the close crossed it) read the 503 (2 of 1,301 of 64 pooled pollers beside one reconnecting). It
@@ -321,7 +334,7 @@ class ConnectionGuard:
                 tokens -= 1.0
         self._buckets[key] = (tokens, now)
 
-    def _evict_one(self, idle: dict[GuardedH11Protocol, None], now: float, what: str, *,
+    def _evict_one(self, idle: dict[GuardedConn, None], now: float, what: str, *,
                    ordinary: bool = False) -> bool:
         for c in self._ready(idle, now, 8, ordinary=ordinary):
             if self._evictable(c):
@@ -329,7 +342,7 @@ class ConnectionGuard:
                 return True
         return False
 
-    def _evict(self, c: GuardedH11Protocol, what: str, budget: int | None) -> None:
+    def _evict(self, c: GuardedConn, what: str, budget: int | None) -> None:
         self.stats.evicted_idle += 1
         self.stats.by_reason[what] = self.stats.by_reason.get(what, 0) + 1
         lim = f" (budget {budget})" if budget is not None else ""
@@ -338,14 +351,15 @@ class ConnectionGuard:
                                  f"limit{lim}", "Service Unavailable"))
         self.forget(c)
 
-    def _refuse(self, conn: GuardedH11Protocol, message: str) -> None:
+    def _refuse(self, conn: GuardedConn, message: str) -> None:
         self.stats.refused += 1
         self.stats.by_reason[message.split(" from ")[0]] = self.stats.by_reason.get(message.split(" from ")[0], 0) + 1
         conn.close_with(error_bytes(503, "unavailable_error", message, "Service Unavailable"))
 
 
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol registered with a ``ConnectionGuard`` (class attribute ``guard``).
+class GuardedConn(_ProtocolBase):
+    """The guard's side of a uvicorn HTTP protocol (mixed in before ``H11Protocol`` or ``HttpToolsProtocol``),
+    registered with a ``ConnectionGuard`` (class attribute ``guard``).
 
     ``idle_since`` (host monotonic s) is set while no request is in progress: from the connection's
     start and from the end of each response until the next request head arrives. Malformed heads get
@@ -392,8 +406,8 @@ class GuardedH11Protocol(H11Protocol):
             self.guard.forget(self)
         super().connection_lost(exc)
 
-    def handle_events(self) -> None:
-        super().handle_events()
+    def _head_arrived(self) -> None:
+        """Called by the protocol after parsing: a request head arrived when its cycle is not answered yet."""
         if self.cycle is not None and not self.cycle.response_complete:
             if self.idle_since is not None and self.guard is not None:
                 self.guard.set_idle(self, False)
@@ -432,6 +446,7 @@ class GuardedH11Protocol(H11Protocol):
         if self.guard is not None:
             self.guard.set_idle(self, True)
         super().on_response_complete()
+        self._head_arrived()  # a pipelined request may have started from the response's end
 
     #: after an answer-and-close, how long the peer may take to close its side (host s)
     linger_s = 2.0
@@ -472,6 +487,54 @@ class GuardedH11Protocol(H11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         self.close_with(error_bytes(400, "invalid_request_error", f"invalid HTTP request: {msg}", "Bad Request"))
+
+
+class GuardedH11Protocol(GuardedConn, H11Protocol):
+    """uvicorn's h11 protocol with the guard (``GuardedConn``); its head size bound is h11's own
+    (``h11_max_incomplete_event_size``)."""
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._head_arrived()
+
+
+class GuardedHttpToolsProtocol(GuardedConn, HttpToolsProtocol):  # type: ignore[misc]
+    """uvicorn's httptools (llhttp, C) protocol with the guard (``GuardedConn``).
+
+    llhttp puts no bound on a request head, so one is kept here as h11 keeps it: more than
+    ``max_head_bytes`` received while no head is complete is answered 400 (as h11's
+    ``h11_max_incomplete_event_size``) and the connection closed.
+    """
+
+    max_head_bytes = 64 * 1024
+    _head_bytes = 0
+
+    def data_received(self, data: bytes) -> None:
+        # uvicorn's own, but a 400 says llhttp's reason (e.g. both Content-Length and Transfer-Encoding)
+        if self.closing:
+            return
+        waiting = self.idle_since is not None  # no head complete yet: these bytes are (part of) one
+        if waiting:
+            self._head_bytes += len(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self.send_400_response(str(e) or "invalid HTTP request")
+            return
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()  # type: ignore[call-arg]
+            else:
+                self._unsupported_upgrade_warning()
+        if self.idle_since is not None and waiting and self._head_bytes > self.max_head_bytes \
+                and not self.closing:
+            self.send_400_response(f"request head larger than {self.max_head_bytes} bytes")
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        self._head_bytes = 0
+        self._head_arrived()
 
 
 #: paths that keep ``reserve`` places beyond ``max_active``: the operator can look and act when traffic is full
@@ -557,14 +620,14 @@ class PeerPlaces:
 
 class Progress:
     """Whether a connection's reader takes what it is sent: ``stalled()`` is True once its unsent bytes
-    (``GuardedH11Protocol.unsent_bytes``) have not shrunk for ``stall_s`` host s while some are waiting.
+    (``GuardedConn.unsent_bytes``) have not shrunk for ``stall_s`` host s while some are waiting.
 
     A reader that reads keeps them near 0 or shrinking; one that stopped keeps them growing once the
     kernel buffers between (its receive window, our send queue) are full. A send timeout alone never
     fires while the kernel still takes bytes: 8 snapshot streams that never read held every place for
     over 50 s (measured on this release)."""
 
-    def __init__(self, conn: GuardedH11Protocol | None, stall_s: float) -> None:
+    def __init__(self, conn: GuardedConn | None, stall_s: float) -> None:
         self.conn = conn
         self.stall_s = stall_s
         self._last = 0

@@ -159,6 +159,10 @@ class ServeConfig:
     n_batch: int = 2048
     #: llama-server's ``--spm-infill``: ``/infill`` puts the suffix before the prefix (suffix-prefix-middle)
     spm_infill: bool = False
+    #: the HTTP/1.1 implementation (``--http``): "httptools" (llhttp, C, on uvloop), "h11" (pure Python, on
+    #: asyncio's loop) or "auto" (httptools when installed); the guards are the same on both (server/run.py).
+    #: h11 stays the default: under uvloop one guard test (a head unread by a late loop is spared) fails
+    http: str = "h11"
 
     def check(self) -> None:
         """ValueError (one line, naming the setting) for a value no server should run with."""
@@ -190,6 +194,8 @@ class ServeConfig:
             raise ValueError(f"--batch-size must be in 1..{1 << 20}, got {self.n_batch}")
         if self.n_predict == 0 or self.n_predict < -1:
             raise ValueError(f"n_predict must be -1 (until the context is full) or positive, got {self.n_predict}")
+        if self.http not in ("auto", "h11", "httptools"):
+            raise ValueError(f"--http must be auto, h11 or httptools, got {self.http!r}")
         if self.slot_save_path is not None and (not self.slot_save_path or (
                 os.path.lexists(self.slot_save_path) and not os.path.isdir(self.slot_save_path))):
             raise ValueError(f"--slot-save-path must be a directory, got {self.slot_save_path!r}")

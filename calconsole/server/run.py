@@ -20,7 +20,16 @@ from typing import Any
 import anyio
 import uvicorn
 
-from .conns import HEAVY_REPLY_BUDGET, ConnectionGuard, GuardedH11Protocol, ReplyGuard, RequestBound
+from .conns import (
+    HAVE_HTTPTOOLS,
+    HEAVY_REPLY_BUDGET,
+    ConnectionGuard,
+    GuardedConn,
+    GuardedH11Protocol,
+    GuardedHttpToolsProtocol,
+    ReplyGuard,
+    RequestBound,
+)
 from .face import HEAVY_BODY_BYTES, ServingFace, build_app
 from .middleware import HeaderCase
 from .replies import reply_limit
@@ -121,8 +130,8 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
-class _H11Protocol(GuardedH11Protocol):
-    """uvicorn's h11 protocol with a deadline on each request head (``head_timeout_s`` host s).
+class _HeadDeadline(GuardedConn):
+    """A deadline on each request head (``head_timeout_s`` host s), mixed in before a guarded protocol.
 
     uvicorn times out only a keep-alive connection between requests, and any byte cancels that:
     a connection that sends nothing, or headers that never end (slowloris), kept its place under
@@ -146,22 +155,49 @@ class _H11Protocol(GuardedH11Protocol):
         self._arm_head_deadline()
 
     def _arm_head_deadline(self) -> None:
-        self.loop.call_later(self.head_timeout_s, self._head_deadline, self.cycle)
+        self.loop.call_later(self.head_timeout_s, self._head_deadline, self.served)
 
-    def _head_deadline(self, cycle: Any) -> None:
-        # still the same cycle: no new request head arrived since the deadline was armed
-        if self.cycle is cycle and not self.transport.is_closing():
+    def _head_deadline(self, served: int) -> None:
+        # still idle since the deadline was armed: no response ended and no new request head arrived
+        if self.served == served and self.idle_since is not None and not self.transport.is_closing():
             self.transport.close()
+
+
+class _H11Protocol(_HeadDeadline, GuardedH11Protocol):
+    """uvicorn's h11 protocol (pure Python) with the guard and the head deadline."""
+
+
+class _HttpToolsProtocol(_HeadDeadline, GuardedHttpToolsProtocol):  # type: ignore[misc]
+    """uvicorn's httptools protocol (llhttp, C) with the guard and the head deadline."""
+
+
+#: ``ServeConfig.http`` -> (protocol, uvicorn's event loop): the C parser runs on uvloop (both C; with
+#: asyncio's loop the h11 path stays what it was)
+PROTOCOLS: dict[str, tuple[type[GuardedConn], str]] = {"h11": (_H11Protocol, "asyncio"),
+                                                       "httptools": (_HttpToolsProtocol, "auto")}
+
+
+def http_impl(name: str) -> str:
+    """The HTTP implementation ``name`` ("auto", "h11", "httptools") stands for: "auto" is httptools when
+    it is importable, else h11. ValueError for another name."""
+    if name == "auto":
+        return "httptools" if HAVE_HTTPTOOLS else "h11"
+    if name not in PROTOCOLS:
+        raise ValueError(f"--http must be auto, h11 or httptools, got {name!r}")
+    if name == "httptools" and not HAVE_HTTPTOOLS:
+        raise ValueError("--http httptools: the httptools package is not installed")
+    return name
 
 
 def _config(face: ServingFace, *, signals: bool, on_started: Callable[[], None] | None = None) -> uvicorn.Config:
     c = face.config
     # the head gets the body's time bound (ServeConfig.body_timeout_s); one guard per server (conns module)
     face.conn_guard = ConnectionGuard(c.conn_limits)
-    proto = type("_H11", (_H11Protocol,), {"head_timeout_s": c.body_timeout_s, "guard": face.conn_guard})
+    base, loop = PROTOCOLS[http_impl(c.http)]
+    proto = type("_Guarded", (base,), {"head_timeout_s": c.body_timeout_s, "guard": face.conn_guard})
     # no limit_concurrency: uvicorn counts idle connections too and answers plain text (RequestBound instead)
     return uvicorn.Config(_app_with_lifespan(face, on_started), log_config=None, access_log=False, lifespan="on",
-                          http=proto,
+                          http=proto, loop=loop,
                           timeout_graceful_shutdown=int(GRACEFUL_S), timeout_keep_alive=5,
                           h11_max_incomplete_event_size=64 * 1024, server_header=False,
                           date_header=False)  # HeaderCase writes Date (uvicorn's is lower-case)
