@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from textual import events
+from textual.geometry import Size
 from textual.reactive import reactive
+from textual.widget import Widget
 from textual.widgets import Input
 
 
@@ -19,9 +21,19 @@ class HelpKeyInput(Input):
 
     The cursor does not blink (shown steadily): a blinking cursor repaints the focused input's column twice
     a second, the largest part of an idle console's CPU (``calconsole bench keys`` prints the idle CPU).
+
+    A key typed repaints the input only: ``Input`` sets its virtual size (the text's width, for its horizontal
+    scroll) as a layout change, a reflow of the whole screen per key (every pane's widgets arranged again,
+    ~5 ms of UI time at 120x36). The input's own size never depends on its text unless its width is auto,
+    so the virtual size is set first without a layout (Input's watcher then finds it unchanged).
     """
 
     cursor_blink = reactive(False, init=False)
+
+    def _watch_value(self, value: str) -> None:
+        if not self.styles.auto_dimensions:
+            self.set_reactive(Widget.virtual_size, Size(self.content_width, 1))
+        super()._watch_value(value)
 
     def check_consume_key(self, key: str, character: str | None) -> bool:
         if character == "?":

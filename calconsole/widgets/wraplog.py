@@ -26,6 +26,7 @@ from typing import Any, Self
 from rich.console import RenderableType
 from rich.text import Text
 from textual.events import Resize
+from textual.geometry import Size
 from textual.widgets import RichLog
 
 #: a write longer than this is rendered in slices
@@ -53,6 +54,7 @@ class WrapLog(RichLog):
         self._wrap_width: int | None = None  # the width the lines on screen were wrapped at
         self._scheduled = False
         self._at_end = True  # scrolled to the end as of the last scroll (a resize does not change it)
+        self._size_key: tuple[Size, Size, Size] | None = None  # (size, own virtual size, container) last laid out
 
     @property
     def pending(self) -> bool:
@@ -85,6 +87,17 @@ class WrapLog(RichLog):
     def watch_scroll_y(self, old_value: float, new_value: float) -> None:
         super().watch_scroll_y(old_value, new_value)
         self._at_end = new_value >= self.max_scroll_y
+
+    def _size_updated(self, size: Size, virtual_size: Size, container_size: Size, layout: bool = True) -> bool:
+        # ScrollView compares the compositor's virtual size (the widget's area) with its own (its lines): never
+        # equal, so every layout pass of the screen (one per key typed in an Input, one per streamed piece)
+        # refreshed this log's scrollbar, and that dirty strip widened the frame's repaint to every widget
+        # between it and the other dirty regions. Skip the pass when nothing the scrollbar shows has changed.
+        key = (size, self.virtual_size, container_size)
+        if key == self._size_key:
+            return False
+        self._size_key = key
+        return super()._size_updated(size, virtual_size, container_size, layout)
 
     def on_resize(self, event: Resize) -> None:
         if event.size.width:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 from textual.app import App
 from textual.widgets import Static
 
@@ -137,3 +138,20 @@ def test_the_console_passes_the_ignored_options_note(monkeypatch):
     monkeypatch.setattr("sys.stdin.isatty", lambda: True, raising=False)
     assert cli.main(["--connect", "http://127.0.0.1:9", "--host-time", "measured"]) == 0
     assert seen["closed"] and any("--host-time measured" in n for n in seen["start_notes"])
+
+
+def test_the_device_tables_counted_width_is_richs_measure_at_every_level():
+    # the width is counted from the cells (Rich's measure cost ~2 ms a level, up to seven levels twice a
+    # second on the UI thread): the count must be what Rich measures, or a level that does not fit is drawn
+    from calconsole.widgets.render import device as dev
+
+    faulty = copy.deepcopy(SCRIPTED)
+    faulty["device"]["chiplets"][1].update(slow_factor=2.5, ccu_exceptions=3, state="fault")
+    exclusive = _quiet(SCRIPTED)
+    exclusive["device"].update(mode="exclusive", lease_holder="root@console")
+    for snap in (SCRIPTED, _quiet(SCRIPTED), faulty, exclusive):
+        for level in range(len(dev.DEVICE_LEVELS)):
+            table = dev._device_rows(typed(snap), level)
+            # the counted path, not its fallback to Rich's measure
+            assert all(isinstance(cell, (str, Text)) for col in table.columns for cell in col._cells)
+            assert dev._table_width(table) == dev._rich_width(table), level

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rich.cells import cell_len
 from rich.console import Group
 from rich.measure import Measurement
 from rich.table import Table
@@ -248,9 +249,30 @@ def device_table(snap: Snapshot, compact: bool = False, settings: object = None,
 
 
 def _table_width(table: Table) -> int:
+    """Cells the one-line, unwrapped ``table`` of :func:`_device_rows` takes (box none, right padding 1, no
+    edge padding): the widest cell of each column plus one between columns. Counted from the cells' text,
+    as Rich's measure would give (a test holds the two equal), in ~1/50 of its time: the table is tried at
+    up to seven levels twice a second on the UI thread, and Rich's measure cost ~2 ms a level."""
+    if not all(c.no_wrap for c in table.columns) or any(
+            not isinstance(cell, (str, Text)) for c in table.columns for cell in c._cells):
+        return _rich_width(table)
+    widths = [max([_cell_width(c.header)] + [_cell_width(cell) for cell in c._cells]) for c in table.columns]
+    return sum(widths) + max(0, len(widths) - 1)
+
+
+def _cell_width(cell: Any) -> int:
+    text = cell if isinstance(cell, Text) else Text.from_markup(cell) if isinstance(cell, str) else None
+    if text is None:
+        return 0
+    return max(cell_len(line) for line in text.plain.split("\n"))
+
+
+def _rich_width(table: Table) -> int:
+    """Rich's own measure of ``table`` (cells): the reference :func:`_table_width` counts without."""
     from rich.console import Console
 
-    return Measurement.get(Console(width=1000), Console(width=1000).options, table).maximum
+    console = Console(width=1000)
+    return Measurement.get(console, console.options, table).maximum
 
 
 def _device_rows(snap: Snapshot, level: int) -> Table:
