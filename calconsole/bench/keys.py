@@ -29,6 +29,7 @@ from typing import Any
 from calconsole.bench.busy import MAX_BUSY_LOOPS, BusyLoops, ChildrenCpuMeter, CpuMeter
 
 from ..commands.common import fail, print_json
+from ..settings import PANE_MODES
 from . import BenchParsers
 
 KEY_EVERY_S = 0.005
@@ -55,6 +56,9 @@ def register(bsub: BenchParsers) -> None:
                    help="run the console as it starts by default instead: the numerics in their worker process "
                         "(compiled kernels, both cores), realtime pacing; use a --max-tokens the device streams "
                         "in reasonable time (3000: about a minute)")
+    p.add_argument("--panes", choices=PANE_MODES, default="auto",
+                   help="pane mode: auto (one pane at a time below the layout's size, the columns above it), "
+                        "single or columns (forced, as the palette does); default auto")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
     p.set_defaults(func=run)
 
@@ -76,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         return fail(f"--size must be within 80x24..400x200, got {args.size}")
     try:
         r = asyncio.run(_measure(args.max_tokens, args.after_s, (cols, rows), busy_loops=args.busy_loops,
-                                 idle_s=args.idle_s, numerics=args.numerics))
+                                 idle_s=args.idle_s, numerics=args.numerics, panes=args.panes))
     except OSError as e:
         return fail(f"could not start a busy loop: {e}")
     r.pop("window_perf_s", None)  # perf_counter bounds, for bench realtime's GC split only
@@ -84,8 +88,9 @@ def run(args: argparse.Namespace) -> int:
         print_json(r)
         return 0
     sim = ("numerics worker, realtime pacing" if args.numerics else "timing-only simulator, fast pacing")
+    mode = "one pane at a time (chat)" if r["single_pane"] else "the layout's columns"
     print(f"key latency, host wall ms ({r['reply_chars']} characters, {r['reply_tokens']} tokens; "
-          f"terminal {cols}x{rows}; {sim}; {busy_text(r['busy_loops'])})")
+          f"terminal {cols}x{rows}, {mode}; {sim}; {busy_text(r['busy_loops'])})")
     for line in key_lines(r) + idle_lines(r):
         print("  " + line)
     return 0
@@ -135,17 +140,19 @@ def _stats(xs: list[float]) -> dict[str, Any]:
 
 
 async def _measure(max_tokens: int, after_s: float, size: tuple[int, int], *, busy_loops: int = 0,
-                   idle_s: float = 0.0, numerics: bool = False) -> dict[str, Any]:
+                   idle_s: float = 0.0, numerics: bool = False, panes: str = "auto") -> dict[str, Any]:
     """Key latency while one reply streams and ends (module docstring), with ``busy_loops`` busy child
     processes running throughout and, if ``idle_s`` > 0, the console's idle CPU over ``idle_s`` host s
     before the request and after the reply. Returns ``{"streaming", "end_of_reply": {n, median_ms, p95_ms,
     max_ms}, "idle_before", "idle_after": CpuWindow.to_dict() or None, "busy_loops": BusyLoops.summary(),
-    "reply_chars", "reply_tokens", "window_perf_s", "unit"}``. OSError if a busy loop cannot start.
+    "reply_chars", "reply_tokens", "window_perf_s", "unit", "single_pane"}``. OSError if a busy loop cannot
+    start. ``panes``: the pane mode (``PANE_MODES``; "auto" follows the layout's size, as the console does).
     ``numerics``: the console as it starts by default (numerics in their worker process, realtime pacing),
     not the timing-only simulator at fast pacing; the idle windows then also give the worker's CPU
     (``idle_before_worker`` / ``idle_after_worker``)."""
     with BusyLoops(busy_loops) as loops:
-        r = await _measure_beside(max_tokens, after_s, size, idle_s, numerics=numerics, exclude=loops.pids)
+        r = await _measure_beside(max_tokens, after_s, size, idle_s, numerics=numerics, exclude=loops.pids,
+                                  panes=panes)
     r["busy_loops"] = loops.summary()
     return r
 
@@ -161,7 +168,8 @@ async def _idle(idle_s: float, exclude: list[int] | None = None) -> tuple[dict[s
 
 
 async def _measure_beside(max_tokens: int, after_s: float, size: tuple[int, int], idle_s: float, *,
-                          numerics: bool = False, exclude: list[int] | None = None) -> dict[str, Any]:
+                          numerics: bool = False, exclude: list[int] | None = None,
+                          panes: str = "auto") -> dict[str, Any]:
     from textual import events
     from textual.widgets import Input
 
@@ -178,6 +186,9 @@ async def _measure_beside(max_tokens: int, after_s: float, size: tuple[int, int]
         try:
             app = CalConsoleApp(system, load_layout("operator"))
             async with app.run_test(size=size) as pilot:
+                if panes != "auto":
+                    app.set_pane_mode(panes)
+                    await pilot.pause()
                 chat = app.query_one("#chat", ChatPane)
                 inp = app.query_one("#chat-input", Input)
                 app.query_one("#p-max-tokens", Input).value = str(max_tokens)
@@ -236,6 +247,7 @@ async def _measure_beside(max_tokens: int, after_s: float, size: tuple[int, int]
                 samples = [(a, (a - p) * 1e3) for p, a in zip(posted, arrived, strict=False)]
                 result = chat.history[-1]["content"] if chat.history else ""
                 stats = system.observation.snapshot().requests.tokens
+                single = app.single
         finally:
             system.close()
     # the reply's end is seen (handle cleared) only once the UI thread is free again: a key held up
@@ -246,4 +258,4 @@ async def _measure_beside(max_tokens: int, after_s: float, size: tuple[int, int]
             "window_perf_s": (posted[0] if posted else None, time.perf_counter()),
             "reply_tokens": stats.predicted, "streaming": _stats(streaming), "end_of_reply": _stats(end),
             "idle_before": idle_before, "idle_after": idle_after, "idle_before_worker": worker_before,
-            "idle_after_worker": worker_after, "numerics": numerics}
+            "idle_after_worker": worker_after, "numerics": numerics, "single_pane": single}

@@ -141,3 +141,15 @@ def test_children_cpu_meter_counts_child_processes_but_the_excluded():
         # until the loop has run a while (windows count from construction, so reading one changes nothing)
         assert wait_until(lambda: counted.window().cpu_s >= 0.05, timeout=30.0)
         assert excluded.window().cpu_s == 0.0
+
+
+@pytest.mark.parametrize("panes, single", [("single", True), ("columns", False), ("auto", False)])
+def test_the_pane_mode_is_forced_as_the_palette_does_and_reported(capsys, panes, single):
+    # 120x36 is the operator layout's threshold: auto shows the columns there, "single" one pane at a time
+    assert main(["bench", "keys", "--json", "--max-tokens", "10", "--after-s", "0", "--idle-s", "0",
+                 "--busy-loops", "0", "--panes", panes]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["single_pane"] is single
+    assert main(["bench", "keys", "--max-tokens", "5", "--after-s", "0", "--idle-s", "0", "--busy-loops", "0",
+                 "--panes", panes]) == 0
+    assert ("one pane at a time (chat)" if single else "the layout's columns") in capsys.readouterr().out
