@@ -24,19 +24,31 @@ from __future__ import annotations
 import ctypes
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.base import BaseContext as TargetContext
+from numba.core.typing.context import BaseContext as TypingContext
+from numba.core.typing.templates import Signature
 from numba.extending import intrinsic
 
 from sim_backend.model.attention_kernels import attend_decode, attend_prefill_t
-from sim_backend.model.kernel_cache import kernel, wide_legal
+from sim_backend.model.kernel_cache import (
+    BoolArray,
+    F32Array,
+    I64Array,
+    IntLike,
+    Lowering,
+    U16Array,
+    kernel,
+    wide_legal,
+)
 from sim_backend.model.kernels import bf16_matvec, head_norm_rope, matvec, matvec_add, rms_norm, silu_mul, softmax_top_k
 
 F32 = np.float32
@@ -89,46 +101,55 @@ SPLIT_WAIT_S = 120
 SPLIT_LOCK_WAIT_S = 300
 
 
-def _libc_call(name: str, arg_types: tuple[Any, ...]) -> Any:
+def _libc_call(name: str, arg_types: tuple[str, ...]) -> object:
     """A numba intrinsic calling the C library's ``int name(...)`` with int64 arguments passed as pointers
     where ``arg_types`` says ``"ptr"`` (addresses from ``array.ctypes.data``) and as int32 where ``"i32"``.
-    Declared by name: the JIT links it against the process's libc (as ``dense_kernels`` does libm)."""
+    Declared by name: the JIT links it against the process's libc (as ``dense_kernels`` does libm). Returns
+    numba's intrinsic object; each use below casts it to the call a kernel makes (see ``kernel_cache``)."""
     i8p = ir.IntType(8).as_pointer()
 
-    def lower(builder: Any, args: Any) -> Any:
+    def lower(builder: ir.IRBuilder, args: Sequence[ir.Value]) -> ir.Value:
         fnty = ir.FunctionType(ir.IntType(32), [i8p if t == "ptr" else ir.IntType(32) for t in arg_types])
         cargs = [builder.inttoptr(a, i8p) if t == "ptr" else builder.trunc(a, ir.IntType(32))
                  for a, t in zip(args, arg_types, strict=True)]
         return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), cargs)
 
+    def codegen(context: TargetContext, builder: ir.IRBuilder, signature: Signature,
+                args: Sequence[ir.Value]) -> ir.Value:
+        return lower(builder, args)
+
     if len(arg_types) == 1:
-        def one(typingctx, a):  # noqa: ANN001, ANN202
-            return types.int32(types.int64), lambda ctx, b, sig, args: lower(b, args)
+        def one(typingctx: TypingContext, a: types.Type) -> Lowering:
+            return types.int32(types.int64), codegen
         return intrinsic(one)
 
-    def two(typingctx, a, b):  # noqa: ANN001, ANN202
-        return types.int32(types.int64, types.int64), lambda ctx, bl, sig, args: lower(bl, args)
+    def two(typingctx: TypingContext, a: types.Type, b: types.Type) -> Lowering:
+        return types.int32(types.int64, types.int64), codegen
     return intrinsic(two)
 
 
-_sem_post = _libc_call("sem_post", ("ptr",))
-_sem_trywait = _libc_call("sem_trywait", ("ptr",))
-_sem_timedwait = _libc_call("sem_timedwait", ("ptr", "ptr"))
-_clock_gettime = _libc_call("clock_gettime", ("i32", "ptr"))
+#: libc's calls as kernels make them (int64 arguments: addresses, or a clock id), each returning its int32 status.
+_sem_post = cast("Callable[[IntLike], np.int32]", _libc_call("sem_post", ("ptr",)))
+_sem_trywait = cast("Callable[[IntLike], np.int32]", _libc_call("sem_trywait", ("ptr",)))
+_sem_timedwait = cast("Callable[[IntLike, IntLike], np.int32]", _libc_call("sem_timedwait", ("ptr", "ptr")))
+_clock_gettime = cast("Callable[[IntLike, IntLike], np.int32]", _libc_call("clock_gettime", ("i32", "ptr")))
 
 
-@intrinsic
-def _pause(typingctx):  # noqa: ANN001, ANN202
+def _pause_typing(typingctx: TypingContext) -> Lowering:
     """The CPU's spin-wait hint (x86 ``pause``; nothing elsewhere) between two tries of a semaphore."""
     import platform
 
-    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+    def codegen(context: TargetContext, builder: ir.IRBuilder, signature: Signature,
+                args: Sequence[ir.Value]) -> ir.Value:
         if platform.machine() in ("x86_64", "AMD64", "i686"):
             fn = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
             builder.call(fn, [])
         return context.get_dummy_value()
 
     return types.none(), codegen
+
+
+_pause = cast("Callable[[], None]", intrinsic(_pause_typing))  # see kernel_cache
 
 
 #: One sleep of ``_sem_wait_s`` on the semaphore (ns): ``sem_timedwait`` takes a CLOCK_REALTIME deadline, so a
@@ -139,7 +160,7 @@ SPLIT_SLICE_NS = 200_000_000
 
 
 @kernel()
-def _sem_wait_s(sem, ts, timeout_s):
+def _sem_wait_s(sem: IntLike, ts: I64Array, timeout_s: float) -> bool:
     """Wait on the POSIX semaphore at address ``sem`` (int64) for at most ``timeout_s`` host wall seconds,
     measured on CLOCK_MONOTONIC (``ts`` an int64 (2,) scratch timespec). It first tries the semaphore up to
     ``SPLIT_SPIN_TRIES`` times (a ``pause`` between: a bounded spin, ~0.1-0.4 ms), then sleeps in the kernel
@@ -192,8 +213,11 @@ class MoeWeights:
 
 
 @kernel()
-def _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max_l, eps, scale, qh, kvh, wqkv, qk_norm, wo,
-                      k_t, v_t, qkv, qk, q, og, o, scores, y):
+def _decode_attn_chip(li: IntLike, c: IntLike, h: F32Array, cos: F32Array, sin: F32Array, cell: IntLike, start: IntLike,
+                      idx: I64Array, T: IntLike, no_max_l: bool, eps: np.float32, scale: np.float32, qh: IntLike,
+                      kvh: IntLike, wqkv: F32Array, qk_norm: F32Array, wo: F32Array, k_t: F32Array, v_t: F32Array,
+                      qkv: F32Array, qk: F32Array, q: F32Array, og: F32Array, o: F32Array, scores: F32Array,
+                      y: F32Array) -> None:
     """Chip ``c``'s attention of one decode token in layer ``li``: its q|k|v columns, per-head RMSNorm + RoPE,
     the K/V write at ``cell``, attention of each of its KV heads over the context, and its share of the
     output projection, written to y[c] (H,) (the partial sum before the all-reduce).
@@ -227,8 +251,10 @@ def _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max_l, eps, sc
 
 
 @kernel()
-def _decode_between(li, x, h, y, eps, k_act, in_norm, post_norm, router, gue, down, final_norm, lm_bits, lm_bias,
-                    probs, ids, wt, gu, act, logits):
+def _decode_between(li: IntLike, x: F32Array, h: F32Array, y: F32Array, eps: np.float32, k_act: IntLike,
+                    in_norm: F32Array, post_norm: F32Array, router: F32Array, gue: F32Array, down: F32Array,
+                    final_norm: F32Array, lm_bits: U16Array, lm_bias: F32Array, probs: F32Array, ids: I64Array,
+                    wt: F32Array, gu: F32Array, act: F32Array, logits: F32Array) -> None:
     """The serial part of a decode step between two layers' attention: for li > 0 the all-reduce of layer
     li - 1's attention partial sums y (C, H) into the residual x (H,), its post-attention norm, router, top-k and
     the experts of every chip (partial sums reduced into x in chip order); then, for li < L, layer li's input
@@ -270,9 +296,13 @@ def _decode_between(li, x, h, y, eps, k_act, in_norm, post_norm, router, gue, do
 
 
 @kernel()
-def _decode_layers(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, k_act,
-                   in_norm, post_norm, wqkv, qk_norm, wo, router, gue, down, final_norm, lm_bits, lm_bias,
-                   k_t, v_t, logits, h, qkv, o, y, qk, q, og, scores, split, go, done, ts, state):
+def _decode_layers(x: F32Array, cos: F32Array, sin: F32Array, cell: IntLike, start: IntLike, idx: I64Array, T: IntLike,
+                   no_max: BoolArray, eps: np.float32, scale: np.float32, qh: IntLike, kvh: IntLike, k_act: IntLike,
+                   in_norm: F32Array, post_norm: F32Array, wqkv: F32Array, qk_norm: F32Array, wo: F32Array,
+                   router: F32Array, gue: F32Array, down: F32Array, final_norm: F32Array, lm_bits: U16Array,
+                   lm_bias: F32Array, k_t: F32Array, v_t: F32Array, logits: F32Array, h: F32Array, qkv: F32Array,
+                   o: F32Array, y: F32Array, qk: F32Array, q: F32Array, og: F32Array, scores: F32Array, split: bool,
+                   go: IntLike, done: IntLike, ts: I64Array, state: I64Array) -> bool:
     """One decode token through every layer and the LM head; writes ``logits`` (V,).
 
     x (H,) the token's embedding (float32, overwritten: the residual stream); cos/sin (D/2,); cell: the KV
@@ -316,8 +346,11 @@ def _decode_layers(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh
 
 
 @kernel()
-def _decode_split_other(cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, wqkv, qk_norm, wo, k_t, v_t,
-                        h, qkv, o, y, qk, q, og, scores, go, done, ts, state):
+def _decode_split_other(cos: F32Array, sin: F32Array, cell: IntLike, start: IntLike, idx: I64Array, T: IntLike,
+                        no_max: BoolArray, eps: np.float32, scale: np.float32, qh: IntLike, kvh: IntLike,
+                        wqkv: F32Array, qk_norm: F32Array, wo: F32Array, k_t: F32Array, v_t: F32Array, h: F32Array,
+                        qkv: F32Array, o: F32Array, y: F32Array, qk: F32Array, q: F32Array, og: F32Array,
+                        scores: F32Array, go: IntLike, done: IntLike, ts: I64Array, state: I64Array) -> bool:
     """The other thread's share of a split decode step: per layer, a wait on ``go``, the attention of chips
     1..C-1 (``_decode_attn_chip``), a post of ``done``. Arguments as ``_decode_layers``'s (qk, q, og,
     scores: this thread's own scratch). Returns False when a wait ran past ``SPLIT_WAIT_S`` or the calling
@@ -337,8 +370,10 @@ def _decode_split_other(cos, sin, cell, start, idx, T, no_max, eps, scale, qh, k
 
 
 @kernel()
-def _prefill_attention_chip(h, wqkv, wo, qk_norm, cos_t, sin_t, eps, scale, qh, kvh, new_cells, ctx_cells, ends,
-                            k_pos, q_pos, masked, no_max, k_t, v_t, out):
+def _prefill_attention_chip(h: F32Array, wqkv: F32Array, wo: F32Array, qk_norm: F32Array, cos_t: F32Array,
+                            sin_t: F32Array, eps: np.float32, scale: np.float32, qh: IntLike, kvh: IntLike,
+                            new_cells: I64Array, ctx_cells: I64Array, ends: I64Array, k_pos: I64Array, q_pos: I64Array,
+                            masked: bool, no_max: bool, k_t: F32Array, v_t: F32Array, out: F32Array) -> None:
     """One chip's attention of a prefill for one layer: its q|k|v projection (one BLAS product), per-head
     RMSNorm + RoPE of q and k, the K/V writes at ``new_cells``, causal attention of every KV head over the
     sequence's cells, and its share of the output projection (one BLAS product): the chip's partial sum
@@ -409,7 +444,8 @@ def _prefill_attention_chip(h, wqkv, wo, qk_norm, cos_t, sin_t, eps, scale, qh, 
 
 
 @kernel()
-def _prefill_experts_chip(h, ids, w, gue, down, chip, out):
+def _prefill_experts_chip(h: F32Array, ids: I64Array, w: F32Array, gue: F32Array, down: F32Array, chip: IntLike,
+                          out: F32Array) -> None:
     """One chip's SwiGLU expert partial sums for a prefill, one layer.
 
     h (n, H) the post-attention normed rows; ids/w (n, k) routing; gue (E, H, 2 C F) every chip's gate
@@ -463,7 +499,7 @@ def _prefill_experts_chip(h, ids, w, gue, down, chip, out):
 
 
 @kernel()
-def _rows_rms_norm(x, w, eps, out):
+def _rows_rms_norm(x: F32Array, w: F32Array, eps: np.float32, out: F32Array) -> None:
     """out[i] = rms_norm(x[i]) * w for every row: x, out (n, H) float32 (out may be x), w (H,), eps float32."""
     wide_legal()
     for i in range(x.shape[0]):
@@ -471,7 +507,7 @@ def _rows_rms_norm(x, w, eps, out):
 
 
 @kernel()
-def _add_chips(x, y):
+def _add_chips(x: F32Array, y: F32Array) -> None:
     """The all-reduce into the residual: x (n, H) += sum over chips of y (C, n, H), the chips' partial sums
     added in chip order first (as numpy's ``x + y.sum(axis=0)``), float32."""
     wide_legal()
@@ -485,7 +521,7 @@ def _add_chips(x, y):
 
 
 @kernel()
-def _meet(part, go, done, ts, state):
+def _meet(part: IntLike, go: IntLike, done: IntLike, ts: I64Array, state: I64Array) -> bool:
     """A rendezvous of a split prefill's two threads (``_prefill_layers``): part 0 posts ``go`` and waits on
     ``done``, part 1 the other way round, so neither passes until both arrived. Each wait is bounded
     (``_sem_wait_s``, ``SPLIT_WAIT_S``). False (and state[0] = 1) when a wait ran past the bound or the
@@ -504,9 +540,13 @@ def _meet(part, go, done, ts, state):
 
 
 @kernel()
-def _prefill_layers(part, parts, x, h, ya, ye, ids, wt, touched, cos_t, sin_t, new_cells, ctx_cells, ends, k_pos, q_pos,
-                    masked, no_max, eps, scale, qh, kvh, k_act, in_norm, post_norm, wqkv, qk_norm, wo, router, gue,
-                    down, k_t, v_t, go, done, ts, state):
+def _prefill_layers(part: IntLike, parts: IntLike, x: F32Array, h: F32Array, ya: F32Array, ye: F32Array, ids: I64Array,
+                    wt: F32Array, touched: I64Array, cos_t: F32Array, sin_t: F32Array, new_cells: I64Array,
+                    ctx_cells: I64Array, ends: I64Array, k_pos: I64Array, q_pos: I64Array, masked: bool,
+                    no_max: BoolArray, eps: np.float32, scale: np.float32, qh: IntLike, kvh: IntLike, k_act: IntLike,
+                    in_norm: F32Array, post_norm: F32Array, wqkv: F32Array, qk_norm: F32Array, wo: F32Array,
+                    router: F32Array, gue: F32Array, down: F32Array, k_t: F32Array, v_t: F32Array, go: IntLike,
+                    done: IntLike, ts: I64Array, state: I64Array) -> bool:
     """A prefill of n tokens through every layer: one thread's share (``part`` of ``parts``, 1 or 2).
 
     x (n, H) float32 the embeddings, overwritten with the residual stream (each thread its own copy: both
@@ -760,7 +800,7 @@ class CompiledMoe:
 
 
 @kernel()
-def _route_rows(h, router, k, ids, w):
+def _route_rows(h: F32Array, router: F32Array, k: IntLike, ids: I64Array, w: F32Array) -> None:
     """The router of every row: logits = h @ router (one BLAS product), then ``softmax_top_k`` per row.
     h (n, H), router (H, E) float32; ids (n, k) int64 and w (n, k) float32 written. n may be 0."""
     wide_legal()

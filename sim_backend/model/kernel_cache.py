@@ -32,6 +32,7 @@ I64Array = NDArray[np.int64]
 I32Array = NDArray[np.int32]
 I8Array = NDArray[np.int8]
 U8Array = NDArray[np.uint8]
+BoolArray = NDArray[np.bool_]
 #: An integer argument of a kernel: a Python int or a numpy one (``np.int64(0)`` keeps numba from compiling a
 #: literal-specialised copy of a callee).
 IntLike = int | np.integer[Any]

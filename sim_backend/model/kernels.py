@@ -55,7 +55,15 @@ from numba.core.typing.templates import Signature
 from numba.extending import intrinsic
 
 from sim_backend.model.kernel_cache import (
-    FMA, F32Array, I64Array, Lowering, U16Array, kernel, wide_legal, wide_vectors,
+    FMA,
+    F32Array,
+    I64Array,
+    IntLike,
+    Lowering,
+    U16Array,
+    kernel,
+    wide_legal,
+    wide_vectors,
 )
 
 __all__ = [
@@ -255,7 +263,7 @@ def silu_mul(g: F32Array, u: F32Array, scale: np.float32, out: F32Array) -> None
 
 
 @kernel()
-def softmax_top_k(logits: F32Array, k: int, ids: I64Array, w: F32Array) -> None:
+def softmax_top_k(logits: F32Array, k: IntLike, ids: I64Array, w: F32Array) -> None:
     """Router: softmax over E logits, the k most probable (descending, ties to the lower id), their
     probabilities renormalised to sum 1. logits (E,) float32 (overwritten with the probabilities);
     ids (k,) int64 and w (k,) float32 outputs."""

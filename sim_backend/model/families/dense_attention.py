@@ -94,8 +94,9 @@ def context_keys(kt: F32Array, ctx_cells: I64Array, e: IntLike, kg: F32Array) ->
 
 
 @kernel()
-def attend_one(qrow: F32Array, kt: F32Array, vc: F32Array, ctx_cells: I64Array, e: IntLike, D: IntLike, scale: np.float32,
-               q16: F32Array, acc: F32Array, sc: F32Array, msa: F32Array, kg: F32Array, out: F32Array) -> None:
+def attend_one(qrow: F32Array, kt: F32Array, vc: F32Array, ctx_cells: I64Array, e: IntLike, D: IntLike,
+               scale: np.float32, q16: F32Array, acc: F32Array, sc: F32Array, msa: F32Array, kg: F32Array,
+               out: F32Array) -> None:
     """One query of one head as ggml_compute_forward_flash_attn_ext_f16_one_chunk (F16 K/V): q rounded to F16,
     for each of the first e keys in ctx order a ggml_vec_dot_f16 score times ``scale`` (``_scores_f16``), an
     online softmax (on a new maximum M: ``ms = expf(Mold - M)``, the F16 accumulator scaled by ms and
