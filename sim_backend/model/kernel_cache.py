@@ -53,11 +53,12 @@ _F = TypeVar("_F", bound=Callable[..., object])
 
 #: The modules whose compiled kernels share the cache, as paths relative to this file's folder: their text
 #: names the cache. This module (the decorator and the vector-width intrinsics), the family-neutral kernels
-#: and the MoE step that inlines them; and the dense pilot's modules whose kernels (or code generators) are
-#: compiled into another file's kernel (``families/dense_kernels.py``'s ``dense_forward``): numba checks a
-#: cached function against its own file only.
-KERNEL_SOURCES = ("kernel_cache.py", "kernels.py", "attention_kernels.py", "compiled.py", "families/ggml_ops.py",
-                  "families/dense_quant.py", "families/dense_attention.py")
+#: and the MoE step that inlines them (with its threads' hand-over, ``kernel_sync.py``); and the dense
+#: pilot's modules whose kernels (or code generators) are compiled into another file's kernel
+#: (``families/dense_kernels.py``'s ``dense_forward``): numba checks a cached function against its own file
+#: only.
+KERNEL_SOURCES = ("kernel_cache.py", "kernels.py", "attention_kernels.py", "compiled.py", "kernel_sync.py",
+                  "families/ggml_ops.py", "families/dense_quant.py", "families/dense_attention.py")
 
 
 def kernels_digest() -> str:
