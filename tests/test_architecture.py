@@ -1,5 +1,5 @@
 """sim_backend never imports Textual: statically (no import statement) and at run time; BF16 has one home; no
-import circles among the modules of calconsole and sim_backend."""
+import circles among the modules of calconsole and sim_backend; the mypy configuration is strict on the whole tree."""
 
 from __future__ import annotations
 
@@ -198,3 +198,51 @@ def test_no_module_over_800_lines():
     long = {str(py.relative_to(ROOT)): n for pkg in ("calconsole", "sim_backend") for py in (ROOT / pkg).rglob("*.py")
             if (n := len(py.read_text(encoding="utf-8").splitlines())) > 800}
     assert long == {}
+
+
+#: The per-module flags `mypy --strict` turns on: an override setting any of them to false relaxes strictness.
+_STRICT_FLAGS = ("warn_unused_configs", "disallow_any_generics", "disallow_subclassing_any", "disallow_untyped_calls",
+                 "disallow_untyped_defs", "disallow_incomplete_defs", "check_untyped_defs",
+                 "disallow_untyped_decorators", "warn_redundant_casts", "warn_unused_ignores", "warn_return_any",
+                 "no_implicit_reexport", "strict_equality", "extra_checks")
+#: Packages without type information whose imports mypy may take as Any (pyproject says why).
+_UNTYPED_PACKAGES = {"aiofiles", "aiofiles.*", "llvmlite", "llvmlite.*", "plotext", "plotext.*", "scipy", "scipy.*",
+                     "threadpoolctl"}
+#: numba's unannotated code-generation helpers that the kernels' intrinsics may call.
+_UNTYPED_CALLS_ALLOWED = ["numba.core.cgutils", "numba.core.base"]
+
+
+def _mypy_config() -> dict[str, Any]:
+    import tomllib
+
+    return dict(tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["mypy"])
+
+
+def test_mypy_config_is_strict_on_the_whole_tree():
+    """What CI's ``mypy`` checks is ``mypy --strict`` on both packages, no module excepted: ``strict = true``,
+    no strict flag turned off, nothing excluded or silenced; the overrides only let the imports of the named
+    untyped packages be Any, and untyped calls are allowed only into numba's code-generation helpers. So a
+    relaxed module or package cannot be added without this test failing."""
+    cfg = _mypy_config()
+    assert cfg["strict"] is True
+    assert sorted(cfg["files"]) == ["calconsole", "sim_backend"]
+    for key in ("exclude", "ignore_errors", "disable_error_code", "follow_imports", "ignore_missing_imports",
+                "allow_untyped_globals", "allow_redefinition", "implicit_reexport", "always_true"):
+        assert key not in cfg, key
+    assert [f for f in _STRICT_FLAGS if cfg.get(f, True) is not True] == []
+    assert cfg.get("untyped_calls_exclude", []) == _UNTYPED_CALLS_ALLOWED
+    overrides = cfg.get("overrides", [])
+    for o in overrides:
+        modules = {o["module"]} if isinstance(o["module"], str) else set(o["module"])
+        assert set(o) == {"module", "ignore_missing_imports"} and o["ignore_missing_imports"] is True, o
+        assert modules <= _UNTYPED_PACKAGES, modules - _UNTYPED_PACKAGES
+    assert not any(m.split(".")[0] in ("calconsole", "sim_backend") for m in _UNTYPED_PACKAGES)
+
+
+def test_every_type_ignore_names_its_error_code():
+    """No blanket ``# type: ignore`` in the packages: each names the one error it accepts (and
+    ``warn_unused_ignores`` fails the check when that error is gone)."""
+    bare = re.compile(r"#\s*type:\s*ignore(?!\[)")
+    found = [f"{py.relative_to(ROOT)}:{i}" for pkg in ("calconsole", "sim_backend") for py in (ROOT / pkg).rglob("*.py")
+             for i, line in enumerate(py.read_text(encoding="utf-8").splitlines(), 1) if bare.search(line)]
+    assert found == []

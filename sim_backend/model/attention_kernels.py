@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim_backend.model.kernel_cache import FMA, SUM, kernel, wide_vectors
+from sim_backend.model.kernel_cache import FMA, SUM, F32Array, I64Array, IntLike, kernel, wide_vectors
 from sim_backend.model.kernels import exp_f32, exp_in_range
 
 #: Keys per chunk of the decode attention kernel: the G heads' scores of a chunk (8 x 512 float32, 16 KiB)
@@ -19,7 +19,7 @@ ATT_CHUNK = 512
 
 
 @kernel(FMA)
-def exp_shift(row, m):
+def exp_shift(row: F32Array, m: np.float32) -> None:
     """row[:] = exp(row - m) in place, float32 (``exp_f32``; m float32). The two halves of the row go
     through one loop as two independent chains: ``exp_f32`` is one long dependent chain of operations,
     and one chain per vector loop kept the core waiting on it (1.5-2.1 ns an element measured, 0.65-0.77
@@ -46,7 +46,7 @@ SCORE_HEADS = 8
 
 
 @kernel(SUM)
-def _scores(q, src, off, m, s, s0):
+def _scores(q: F32Array, src: F32Array, off: IntLike, m: IntLike, s: F32Array, s0: IntLike) -> None:
     """s[g, s0:s0+m] = q[g] . src[:, off:off+m] for one chunk of m keys, every query head g.
 
     q (G, D) float32; src (D, >= off+m) the keys transposed (this head's K cache, or a gathered chunk with
@@ -127,7 +127,8 @@ def _scores(q, src, off, m, s, s0):
 
 
 @kernel(SUM)
-def _weighted_values(p, p0, m, src, off, acc, den):
+def _weighted_values(p: F32Array, p0: IntLike, m: IntLike, src: F32Array, off: IntLike, acc: F32Array,
+                     den: F32Array) -> None:
     """acc[g, d] += p[g, p0:p0+m] . src[d, off:off+m] and den[g] += sum(p[g, p0:p0+m]) for one chunk of m
     keys: p (G, >= p0+m) the unnormalised probabilities; src (D, >= off+m) the values transposed (this
     head's V cache, or a gathered chunk with off = 0); acc (G, D), den (G,) float32.
@@ -200,7 +201,8 @@ def _weighted_values(p, p0, m, src, off, acc, den):
 
 
 @kernel()
-def attend_decode(q, k_t, v_t, start, idx, T, no_max, scores, out):
+def attend_decode(q: F32Array, k_t: F32Array, v_t: F32Array, start: IntLike, idx: I64Array, T: IntLike, no_max: bool,
+                  scores: F32Array, out: F32Array) -> None:
     """One query's grouped attention over T cached keys of one KV head.
 
     q (G, D) float32, already scaled by 1/sqrt(D); k_t, v_t (D, cells) this head's transposed K and V
@@ -226,7 +228,7 @@ def attend_decode(q, k_t, v_t, start, idx, T, no_max, scores, out):
     # (measured on a first start: _scores, _weighted_values and _gather twice, ~5 s of CPU)
     zero = np.int64(0)
     if no_max:
-        t0 = zero
+        t0: IntLike = zero
         while t0 < T:
             # a short tail joins the last chunk (<= 1.5 chunks): a chunk costs ~70 loop starts of its own
             m = T - t0 if T - t0 <= ATT_CHUNK + ATT_CHUNK // 2 else ATT_CHUNK
@@ -271,7 +273,7 @@ def attend_decode(q, k_t, v_t, start, idx, T, no_max, scores, out):
 
 
 @kernel()
-def _gather(x_t, idx, t0, m, out):
+def _gather(x_t: F32Array, idx: I64Array, t0: IntLike, m: IntLike, out: F32Array) -> None:
     """out[:, :m] = x_t[:, idx[t0:t0+m]]: a chunk of keys (or values) of scattered cells, (D, cells) -> (D, m)."""
     wide_vectors()
     for d in range(x_t.shape[0]):
@@ -287,7 +289,9 @@ PREFILL_QUERY_BLOCK = 16
 
 
 @kernel()
-def attend_prefill_t(qt, q0, G, scale, ks, vs, ends, k_pos, q_pos, masked, no_max, out, o0):
+def attend_prefill_t(qt: F32Array, q0: IntLike, G: IntLike, scale: np.float32, ks: F32Array, vs: F32Array,
+                     ends: I64Array, k_pos: I64Array, q_pos: I64Array, masked: bool, no_max: bool, out: F32Array,
+                     o0: IntLike) -> None:
     """Causal grouped attention of n queries of one KV head over T keys, the queries given as feature rows.
 
     qt (>= q0 + G D, n) float32: query head g's dimension d of every query is row q0 + g D + d (a chip's

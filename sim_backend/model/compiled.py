@@ -3,7 +3,8 @@
 A decode step is ONE compiled call (all 48 layers, both chiplets, the LM head): the numpy path
 spends about two thirds of its 15 ms in ~4,900 calls' dispatch. From ``DECODE_SPLIT_MIN_CONTEXT`` keys
 it is two compiled calls on two threads instead, one per chiplet's attention, handing over each layer
-through two POSIX semaphores inside the compiled code (``_decode_layers`` / ``_decode_split_other``):
+through two POSIX semaphores inside the compiled code (``_decode_layers`` / ``_decode_split_other``;
+the semaphores' kernels in :mod:`sim_backend.model.kernel_sync`):
 the attention over a long context is most of the step and the two chips' shares are independent until
 the all-reduce. Both forms run the same per-chip kernels in the same order: the same bits.
 A prefill is likewise one compiled call per thread (``_prefill_layers``): chip 0's work on the calling
@@ -22,7 +23,6 @@ kernels read; the KV cache (K transposed) is the model's own, shared with the nu
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,13 +30,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
 from sim_backend.model.attention_kernels import attend_decode, attend_prefill_t
-from sim_backend.model.kernel_cache import kernel, wide_legal
+from sim_backend.model.kernel_cache import (
+    BoolArray,
+    F32Array,
+    I64Array,
+    IntLike,
+    U16Array,
+    kernel,
+    wide_legal,
+)
+from sim_backend.model.kernel_sync import SPLIT_WAIT_S, c_library, sem_post, sem_wait_s, split_possible
 from sim_backend.model.kernels import bf16_matvec, head_norm_rope, matvec, matvec_add, rms_norm, silu_mul, softmax_top_k
 
 F32 = np.float32
@@ -47,124 +52,9 @@ F32 = np.float32
 #: (it spins at each hand-off), which a console sharing 2 cores with its UI does not want.
 DECODE_SPLIT_MIN_CONTEXT = 512
 
-
-@functools.cache
-def _libc() -> Any:
-    """The C library of this process (ctypes, loaded once), errno kept."""
-    return ctypes.CDLL(None, use_errno=True)
-
-
-@functools.cache
-def split_possible() -> bool:
-    """True when this process may run on at least two CPUs (its affinity mask; ``os.cpu_count`` where the
-    platform has no affinity call) and has process-private POSIX semaphores (``sem_init``: Linux, not macOS),
-    which the split decode step hands over with. Read once per process (a decode step asks it)."""
-    import os
-
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cpus = os.cpu_count() or 1
-    if cpus < 2:
-        return False
-    try:
-        buf = np.zeros(64, dtype=np.uint8)
-        return bool(_libc().sem_init(ctypes.c_void_p(int(buf.ctypes.data)), 0, 0) == 0)
-    except (OSError, AttributeError):
-        return False
-
-
-#: Tries of a semaphore before a split decode step's thread sleeps on it (each try one ``pause``, ~40-140
-#: cycles): a futex wake-up across CPUs took ~50 us on the reference 2-core VM, longer than a layer's serial
-#: part, so a short bounded spin hands over faster; past it the thread sleeps (a busy host loses at most this).
-SPLIT_SPIN_TRIES = 3000
-
-#: Bound on one wait of a split decode step's threads for the other (host wall s): far above any layer's
-#: attention (about 1 ms at 4K keys on an idle host); a wait past it ends the step with an error, not a hang.
-SPLIT_WAIT_S = 120
-
-
 #: Bound on waiting for another split step of the same model to end (host wall s): a step takes well under
 #: a second on an idle host; the engine's step bound (300 s) is the most a caller would wait anyway.
 SPLIT_LOCK_WAIT_S = 300
-
-
-def _libc_call(name: str, arg_types: tuple[Any, ...]) -> Any:
-    """A numba intrinsic calling the C library's ``int name(...)`` with int64 arguments passed as pointers
-    where ``arg_types`` says ``"ptr"`` (addresses from ``array.ctypes.data``) and as int32 where ``"i32"``.
-    Declared by name: the JIT links it against the process's libc (as ``dense_kernels`` does libm)."""
-    i8p = ir.IntType(8).as_pointer()
-
-    def lower(builder: Any, args: Any) -> Any:
-        fnty = ir.FunctionType(ir.IntType(32), [i8p if t == "ptr" else ir.IntType(32) for t in arg_types])
-        cargs = [builder.inttoptr(a, i8p) if t == "ptr" else builder.trunc(a, ir.IntType(32))
-                 for a, t in zip(args, arg_types, strict=True)]
-        return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), cargs)
-
-    if len(arg_types) == 1:
-        def one(typingctx, a):  # noqa: ANN001, ANN202
-            return types.int32(types.int64), lambda ctx, b, sig, args: lower(b, args)
-        return intrinsic(one)
-
-    def two(typingctx, a, b):  # noqa: ANN001, ANN202
-        return types.int32(types.int64, types.int64), lambda ctx, bl, sig, args: lower(bl, args)
-    return intrinsic(two)
-
-
-_sem_post = _libc_call("sem_post", ("ptr",))
-_sem_trywait = _libc_call("sem_trywait", ("ptr",))
-_sem_timedwait = _libc_call("sem_timedwait", ("ptr", "ptr"))
-_clock_gettime = _libc_call("clock_gettime", ("i32", "ptr"))
-
-
-@intrinsic
-def _pause(typingctx):  # noqa: ANN001, ANN202
-    """The CPU's spin-wait hint (x86 ``pause``; nothing elsewhere) between two tries of a semaphore."""
-    import platform
-
-    def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
-        if platform.machine() in ("x86_64", "AMD64", "i686"):
-            fn = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
-            builder.call(fn, [])
-        return context.get_dummy_value()
-
-    return types.none(), codegen
-
-
-#: One sleep of ``_sem_wait_s`` on the semaphore (ns): ``sem_timedwait`` takes a CLOCK_REALTIME deadline, so a
-#: wait sleeps in slices this long and keeps its bound on CLOCK_MONOTONIC: a system clock step forward ends a
-#: slice early instead of failing the step with a false timeout (a step back lengthens one slice by the step).
-#: A post wakes the sleeper at once; a slower other thread costs one wake-up per slice (5 a second).
-SPLIT_SLICE_NS = 200_000_000
-
-
-@kernel()
-def _sem_wait_s(sem, ts, timeout_s):
-    """Wait on the POSIX semaphore at address ``sem`` (int64) for at most ``timeout_s`` host wall seconds,
-    measured on CLOCK_MONOTONIC (``ts`` an int64 (2,) scratch timespec). It first tries the semaphore up to
-    ``SPLIT_SPIN_TRIES`` times (a ``pause`` between: a bounded spin, ~0.1-0.4 ms), then sleeps in the kernel
-    (futex) in ``SPLIT_SLICE_NS`` slices until the bound. True when the semaphore was taken, False at the
-    bound (up to one slice late); an interrupted wait is resumed."""
-    wide_legal()
-    for _ in range(SPLIT_SPIN_TRIES):
-        if _sem_trywait(sem) == 0:
-            return True
-        _pause()
-    tp = ts.ctypes.data
-    _clock_gettime(1, tp)  # CLOCK_MONOTONIC
-    end = ts[0] + timeout_s
-    ns = ts[1]
-    while True:
-        _clock_gettime(0, tp)  # CLOCK_REALTIME, which sem_timedwait's deadline is on
-        ts[1] += SPLIT_SLICE_NS
-        if ts[1] >= 1_000_000_000:
-            ts[0] += 1
-            ts[1] -= 1_000_000_000
-        if _sem_timedwait(sem, tp) == 0:
-            return True
-        _clock_gettime(1, tp)
-        if ts[0] > end or (ts[0] == end and ts[1] >= ns):
-            return False
 
 
 @dataclass
@@ -192,8 +82,11 @@ class MoeWeights:
 
 
 @kernel()
-def _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max_l, eps, scale, qh, kvh, wqkv, qk_norm, wo,
-                      k_t, v_t, qkv, qk, q, og, o, scores, y):
+def _decode_attn_chip(li: IntLike, c: IntLike, h: F32Array, cos: F32Array, sin: F32Array, cell: IntLike, start: IntLike,
+                      idx: I64Array, T: IntLike, no_max_l: bool, eps: np.float32, scale: np.float32, qh: IntLike,
+                      kvh: IntLike, wqkv: F32Array, qk_norm: F32Array, wo: F32Array, k_t: F32Array, v_t: F32Array,
+                      qkv: F32Array, qk: F32Array, q: F32Array, og: F32Array, o: F32Array, scores: F32Array,
+                      y: F32Array) -> None:
     """Chip ``c``'s attention of one decode token in layer ``li``: its q|k|v columns, per-head RMSNorm + RoPE,
     the K/V write at ``cell``, attention of each of its KV heads over the context, and its share of the
     output projection, written to y[c] (H,) (the partial sum before the all-reduce).
@@ -227,8 +120,10 @@ def _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max_l, eps, sc
 
 
 @kernel()
-def _decode_between(li, x, h, y, eps, k_act, in_norm, post_norm, router, gue, down, final_norm, lm_bits, lm_bias,
-                    probs, ids, wt, gu, act, logits):
+def _decode_between(li: IntLike, x: F32Array, h: F32Array, y: F32Array, eps: np.float32, k_act: IntLike,
+                    in_norm: F32Array, post_norm: F32Array, router: F32Array, gue: F32Array, down: F32Array,
+                    final_norm: F32Array, lm_bits: U16Array, lm_bias: F32Array, probs: F32Array, ids: I64Array,
+                    wt: F32Array, gu: F32Array, act: F32Array, logits: F32Array) -> None:
     """The serial part of a decode step between two layers' attention: for li > 0 the all-reduce of layer
     li - 1's attention partial sums y (C, H) into the residual x (H,), its post-attention norm, router, top-k and
     the experts of every chip (partial sums reduced into x in chip order); then, for li < L, layer li's input
@@ -270,9 +165,13 @@ def _decode_between(li, x, h, y, eps, k_act, in_norm, post_norm, router, gue, do
 
 
 @kernel()
-def _decode_layers(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, k_act,
-                   in_norm, post_norm, wqkv, qk_norm, wo, router, gue, down, final_norm, lm_bits, lm_bias,
-                   k_t, v_t, logits, h, qkv, o, y, qk, q, og, scores, split, go, done, ts, state):
+def _decode_layers(x: F32Array, cos: F32Array, sin: F32Array, cell: IntLike, start: IntLike, idx: I64Array, T: IntLike,
+                   no_max: BoolArray, eps: np.float32, scale: np.float32, qh: IntLike, kvh: IntLike, k_act: IntLike,
+                   in_norm: F32Array, post_norm: F32Array, wqkv: F32Array, qk_norm: F32Array, wo: F32Array,
+                   router: F32Array, gue: F32Array, down: F32Array, final_norm: F32Array, lm_bits: U16Array,
+                   lm_bias: F32Array, k_t: F32Array, v_t: F32Array, logits: F32Array, h: F32Array, qkv: F32Array,
+                   o: F32Array, y: F32Array, qk: F32Array, q: F32Array, og: F32Array, scores: F32Array, split: bool,
+                   go: IntLike, done: IntLike, ts: I64Array, state: I64Array) -> bool:
     """One decode token through every layer and the LM head; writes ``logits`` (V,).
 
     x (H,) the token's embedding (float32, overwritten: the residual stream); cos/sin (D/2,); cell: the KV
@@ -305,19 +204,22 @@ def _decode_layers(x, cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh
         if li == L:
             break
         if split:
-            _sem_post(go)
+            sem_post(go)
         for c in range(here):
             _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max[li], eps, scale, qh, kvh, wqkv,
                               qk_norm, wo, k_t, v_t, qkv, qk, q, og, o, scores, y)
-        if split and (not _sem_wait_s(done, ts, SPLIT_WAIT_S) or state[0] != 0):  # timed out, or the other failed
+        if split and (not sem_wait_s(done, ts, SPLIT_WAIT_S) or state[0] != 0):  # timed out, or the other failed
             state[0] = 1
             return False
     return True
 
 
 @kernel()
-def _decode_split_other(cos, sin, cell, start, idx, T, no_max, eps, scale, qh, kvh, wqkv, qk_norm, wo, k_t, v_t,
-                        h, qkv, o, y, qk, q, og, scores, go, done, ts, state):
+def _decode_split_other(cos: F32Array, sin: F32Array, cell: IntLike, start: IntLike, idx: I64Array, T: IntLike,
+                        no_max: BoolArray, eps: np.float32, scale: np.float32, qh: IntLike, kvh: IntLike,
+                        wqkv: F32Array, qk_norm: F32Array, wo: F32Array, k_t: F32Array, v_t: F32Array, h: F32Array,
+                        qkv: F32Array, o: F32Array, y: F32Array, qk: F32Array, q: F32Array, og: F32Array,
+                        scores: F32Array, go: IntLike, done: IntLike, ts: I64Array, state: I64Array) -> bool:
     """The other thread's share of a split decode step: per layer, a wait on ``go``, the attention of chips
     1..C-1 (``_decode_attn_chip``), a post of ``done``. Arguments as ``_decode_layers``'s (qk, q, og,
     scores: this thread's own scratch). Returns False when a wait ran past ``SPLIT_WAIT_S`` or the calling
@@ -326,19 +228,21 @@ def _decode_split_other(cos, sin, cell, start, idx, T, no_max, eps, scale, qh, k
     L = wqkv.shape[0]
     C = wqkv.shape[1]
     for li in range(L):
-        if not _sem_wait_s(go, ts, SPLIT_WAIT_S) or state[0] != 0:
+        if not sem_wait_s(go, ts, SPLIT_WAIT_S) or state[0] != 0:
             state[0] = 1
             return False
         for c in range(1, C):
             _decode_attn_chip(li, c, h, cos, sin, cell, start, idx, T, no_max[li], eps, scale, qh, kvh, wqkv,
                               qk_norm, wo, k_t, v_t, qkv, qk, q, og, o, scores, y)
-        _sem_post(done)
+        sem_post(done)
     return True
 
 
 @kernel()
-def _prefill_attention_chip(h, wqkv, wo, qk_norm, cos_t, sin_t, eps, scale, qh, kvh, new_cells, ctx_cells, ends,
-                            k_pos, q_pos, masked, no_max, k_t, v_t, out):
+def _prefill_attention_chip(h: F32Array, wqkv: F32Array, wo: F32Array, qk_norm: F32Array, cos_t: F32Array,
+                            sin_t: F32Array, eps: np.float32, scale: np.float32, qh: IntLike, kvh: IntLike,
+                            new_cells: I64Array, ctx_cells: I64Array, ends: I64Array, k_pos: I64Array, q_pos: I64Array,
+                            masked: bool, no_max: bool, k_t: F32Array, v_t: F32Array, out: F32Array) -> None:
     """One chip's attention of a prefill for one layer: its q|k|v projection (one BLAS product), per-head
     RMSNorm + RoPE of q and k, the K/V writes at ``new_cells``, causal attention of every KV head over the
     sequence's cells, and its share of the output projection (one BLAS product): the chip's partial sum
@@ -409,7 +313,8 @@ def _prefill_attention_chip(h, wqkv, wo, qk_norm, cos_t, sin_t, eps, scale, qh, 
 
 
 @kernel()
-def _prefill_experts_chip(h, ids, w, gue, down, chip, out):
+def _prefill_experts_chip(h: F32Array, ids: I64Array, w: F32Array, gue: F32Array, down: F32Array, chip: IntLike,
+                          out: F32Array) -> None:
     """One chip's SwiGLU expert partial sums for a prefill, one layer.
 
     h (n, H) the post-attention normed rows; ids/w (n, k) routing; gue (E, H, 2 C F) every chip's gate
@@ -463,7 +368,7 @@ def _prefill_experts_chip(h, ids, w, gue, down, chip, out):
 
 
 @kernel()
-def _rows_rms_norm(x, w, eps, out):
+def _rows_rms_norm(x: F32Array, w: F32Array, eps: np.float32, out: F32Array) -> None:
     """out[i] = rms_norm(x[i]) * w for every row: x, out (n, H) float32 (out may be x), w (H,), eps float32."""
     wide_legal()
     for i in range(x.shape[0]):
@@ -471,7 +376,7 @@ def _rows_rms_norm(x, w, eps, out):
 
 
 @kernel()
-def _add_chips(x, y):
+def _add_chips(x: F32Array, y: F32Array) -> None:
     """The all-reduce into the residual: x (n, H) += sum over chips of y (C, n, H), the chips' partial sums
     added in chip order first (as numpy's ``x + y.sum(axis=0)``), float32."""
     wide_legal()
@@ -485,18 +390,18 @@ def _add_chips(x, y):
 
 
 @kernel()
-def _meet(part, go, done, ts, state):
+def _meet(part: IntLike, go: IntLike, done: IntLike, ts: I64Array, state: I64Array) -> bool:
     """A rendezvous of a split prefill's two threads (``_prefill_layers``): part 0 posts ``go`` and waits on
     ``done``, part 1 the other way round, so neither passes until both arrived. Each wait is bounded
-    (``_sem_wait_s``, ``SPLIT_WAIT_S``). False (and state[0] = 1) when a wait ran past the bound or the
+    (``sem_wait_s``, ``SPLIT_WAIT_S``). False (and state[0] = 1) when a wait ran past the bound or the
     other thread failed (it set ``state`` and posted), else True."""
     wide_legal()
     if part == 0:
-        _sem_post(go)
-        ok = _sem_wait_s(done, ts, SPLIT_WAIT_S)
+        sem_post(go)
+        ok = sem_wait_s(done, ts, SPLIT_WAIT_S)
     else:
-        _sem_post(done)
-        ok = _sem_wait_s(go, ts, SPLIT_WAIT_S)
+        sem_post(done)
+        ok = sem_wait_s(go, ts, SPLIT_WAIT_S)
     if not ok or state[0] != 0:
         state[0] = 1
         return False
@@ -504,9 +409,13 @@ def _meet(part, go, done, ts, state):
 
 
 @kernel()
-def _prefill_layers(part, parts, x, h, ya, ye, ids, wt, touched, cos_t, sin_t, new_cells, ctx_cells, ends, k_pos, q_pos,
-                    masked, no_max, eps, scale, qh, kvh, k_act, in_norm, post_norm, wqkv, qk_norm, wo, router, gue,
-                    down, k_t, v_t, go, done, ts, state):
+def _prefill_layers(part: IntLike, parts: IntLike, x: F32Array, h: F32Array, ya: F32Array, ye: F32Array, ids: I64Array,
+                    wt: F32Array, touched: I64Array, cos_t: F32Array, sin_t: F32Array, new_cells: I64Array,
+                    ctx_cells: I64Array, ends: I64Array, k_pos: I64Array, q_pos: I64Array, masked: bool,
+                    no_max: BoolArray, eps: np.float32, scale: np.float32, qh: IntLike, kvh: IntLike, k_act: IntLike,
+                    in_norm: F32Array, post_norm: F32Array, wqkv: F32Array, qk_norm: F32Array, wo: F32Array,
+                    router: F32Array, gue: F32Array, down: F32Array, k_t: F32Array, v_t: F32Array, go: IntLike,
+                    done: IntLike, ts: I64Array, state: I64Array) -> bool:
     """A prefill of n tokens through every layer: one thread's share (``part`` of ``parts``, 1 or 2).
 
     x (n, H) float32 the embeddings, overwritten with the residual stream (each thread its own copy: both
@@ -655,7 +564,7 @@ class CompiledMoe:
         gave up; never waits without bound (every wait of either half is bounded). Split steps of one model run
         one at a time (``_split_lock``, waited for at most ``SPLIT_LOCK_WAIT_S``; RuntimeError past it), so
         callers on several threads are safe."""
-        libc = _libc()
+        libc = c_library()
         # one split step at a time: they share the semaphores and the pool's one thread (two at once paired
         # each caller's chip 0 with the wrong chip 1: a hang, then a crash)
         if not self._split_lock.acquire(timeout=SPLIT_LOCK_WAIT_S):
@@ -760,7 +669,7 @@ class CompiledMoe:
 
 
 @kernel()
-def _route_rows(h, router, k, ids, w):
+def _route_rows(h: F32Array, router: F32Array, k: IntLike, ids: I64Array, w: F32Array) -> None:
     """The router of every row: logits = h @ router (one BLAS product), then ``softmax_top_k`` per row.
     h (n, H), router (H, E) float32; ids (n, k) int64 and w (n, k) float32 written. n may be 0."""
     wide_legal()

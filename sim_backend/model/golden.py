@@ -55,12 +55,16 @@ import zipfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from sim_backend.errors import ManifestError
 from sim_backend.model.bf16 import bf16_to_f32, f32_to_bf16
 from sim_backend.model.logits import NUMPY_DTYPES, dtype_of, to_d2h, to_f32
+
+if TYPE_CHECKING:
+    from sim_backend.bundle.manifest import Bundle
 
 GOLDEN_FORMAT = "calconsole-golden/1"
 GOLDEN_TEXT = "<|im_start|>user\nhi<|im_end|>\n"
@@ -87,7 +91,7 @@ class Golden:
     ref_topk_ids: np.ndarray
     ref_topk_logits: np.ndarray
     ref_sha256: str
-    meta: dict
+    meta: dict[str, Any]
 
     @property
     def dtype(self) -> str:
@@ -109,7 +113,7 @@ def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     return f32_to_bf16(x)
 
 
-def golden_ids(bundle) -> tuple[int, ...]:
+def golden_ids(bundle: Bundle) -> tuple[int, ...]:
     """The golden input's ids in the bundle's tokenizer (Qwen3: ``GOLDEN_IDS``, checked)."""
     from sim_backend.model.families import tokenizer_for
 
@@ -119,7 +123,7 @@ def golden_ids(bundle) -> tuple[int, ...]:
     return ids
 
 
-def reference_logits(bundle, kernels: str = "numpy") -> np.ndarray:
+def reference_logits(bundle: Bundle, kernels: str = "numpy") -> np.ndarray:
     """Float32 last-token logits of the golden input from the bundle's freshly built sharded numerics
     (host wall ~0.1 s for Qwen3's synthetic weights, a few s for the pilot's GGUF).
 
@@ -139,7 +143,7 @@ def sha256_f32(x: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(x, dtype="<f4").tobytes()).hexdigest()
 
 
-def compute_golden(bundle) -> dict[str, np.ndarray]:
+def compute_golden(bundle: Bundle) -> dict[str, np.ndarray]:
     """The arrays written to golden.npz (see module docstring)."""
     ids = list(golden_ids(bundle))
     ref = reference_logits(bundle)
@@ -211,19 +215,21 @@ def load_golden(path: str | Path, dtype: str = "bf16") -> Golden:
     if st.st_size > GOLDEN_MAX_BYTES:
         raise GoldenFileError(str(p), "golden.file", f"{st.st_size} bytes, more than {GOLDEN_MAX_BYTES}")
 
-    def arr(z, key: str, required: bool = True):
-        if key not in z.files:
-            if required:
-                raise GoldenFileError(str(p), key, "array missing")
-            return None
-        return np.asarray(z[key])
+    def arr(z: np.lib.npyio.NpzFile, key: str) -> np.ndarray | None:
+        return np.asarray(z[key]) if key in z.files else None
+
+    def need(z: np.lib.npyio.NpzFile, key: str) -> np.ndarray:
+        got = arr(z, key)
+        if got is None:
+            raise GoldenFileError(str(p), key, "array missing")
+        return got
 
     try:
         with np.load(p, allow_pickle=False) as z:
-            ids = arr(z, "input_ids").reshape(-1)
-            logits = arr(z, "logits").reshape(-1)
-            topk_ids, topk_logits = arr(z, "ref_topk_ids", False), arr(z, "ref_topk_logits", False)
-            sha, meta = arr(z, "ref_sha256", False), arr(z, "meta", False)
+            ids = need(z, "input_ids").reshape(-1)
+            logits = need(z, "logits").reshape(-1)
+            topk_ids, topk_logits = arr(z, "ref_topk_ids"), arr(z, "ref_topk_logits")
+            sha, meta = arr(z, "ref_sha256"), arr(z, "meta")
     except GoldenFileError:
         raise
     except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, zlib.error) as e:
@@ -279,7 +285,7 @@ def error_bound(want: np.ndarray, got: np.ndarray, margin: float) -> np.ndarray:
     return bf16_step(np.maximum(np.abs(want), np.abs(got))) + float(margin)
 
 
-def compare(golden: Golden, device_logits: np.ndarray, tolerance: float) -> dict:
+def compare(golden: Golden, device_logits: np.ndarray, tolerance: float) -> dict[str, Any]:
     """Compare the device's D2H logits (shape (vocab,): uint16 BF16 bits, or float32 from an F32 calbin)
     with the golden output, which must be of the same dtype.
 
@@ -329,7 +335,7 @@ def compare(golden: Golden, device_logits: np.ndarray, tolerance: float) -> dict
             "top1_match": top1, "topk_overlap": f"{len(top_dev & top_ref)}/{k}", "n_mismatched": n_bad}
 
 
-def check_golden(bundle_dir: str | Path | None = None) -> dict:
+def check_golden(bundle_dir: str | Path | None = None) -> dict[str, Any]:
     """Recompute the reference on this machine and compare it with the stored golden file.
 
     Passes iff (1) the recomputed logits, in the bundle's D2H dtype (rounded to BF16, or float32),
@@ -357,7 +363,7 @@ def check_golden(bundle_dir: str | Path | None = None) -> dict:
     # the compiled kernels (what the device runs) against the reference: another summation order and exp,
     # so a drift of the same kind as another BLAS build's, held to the same F32_DRIFT_ATOL, and its BF16
     # logits meet the self-test's rule against the stored file
-    compiled: dict | None = None
+    compiled: dict[str, Any] | None = None
     comp_ok = True
     if bundle.shape.is_moe:  # the family with compiled kernels
         comp = reference_logits(bundle, kernels="compiled")

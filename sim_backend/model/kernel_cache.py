@@ -10,20 +10,55 @@ every kernel module takes ``kernel`` from here.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar, cast
 
 import numba.core.config
+import numpy as np
+from llvmlite import ir
 from numba import njit, types
+from numba.core.base import BaseContext as TargetContext
+from numba.core.dispatcher import Dispatcher
+from numba.core.typing.context import BaseContext as TypingContext
+from numba.core.typing.templates import Signature
 from numba.extending import intrinsic
+from numpy.typing import NDArray
+
+#: The arrays kernels take, by dtype (C-contiguous unless a docstring says otherwise; shapes in each docstring).
+F32Array = NDArray[np.float32]
+U16Array = NDArray[np.uint16]
+I64Array = NDArray[np.int64]
+I32Array = NDArray[np.int32]
+I8Array = NDArray[np.int8]
+U8Array = NDArray[np.uint8]
+BoolArray = NDArray[np.bool_]
+#: An integer argument of a kernel: a Python int or a numpy one (``np.int64(0)`` keeps numba from compiling a
+#: literal-specialised copy of a callee).
+IntLike = int | np.integer[Any]
+
+#: An intrinsic's LLVM code generator: (target context, IR builder, the compiled signature, the argument
+#: values) -> the result value (a dummy value for ``void``).
+Codegen = Callable[[TargetContext, ir.IRBuilder, Signature, Sequence[ir.Value]], ir.Value]
+#: What an intrinsic's typing function returns (numba's ``@intrinsic`` protocol): its signature and codegen.
+Lowering = tuple[Signature, Codegen]
+
+_F = TypeVar("_F", bound=Callable[..., object])
+
+# How an intrinsic is typed (every kernel module): numba's stubs type ``intrinsic(f)`` as a Python-level
+# call of ``f`` (typing context first, numba types as arguments, returning ``Never``: outside a kernel it
+# always raises), but a kernel calls it without the typing context, on values, and gets what its codegen
+# builds. So each intrinsic is ``cast`` to the ``Callable`` a kernel calls (for mypy only; the object is
+# numba's): ``name = cast("Callable[[arguments], result]", intrinsic(typing_function))``.
 
 #: The modules whose compiled kernels share the cache, as paths relative to this file's folder: their text
 #: names the cache. This module (the decorator and the vector-width intrinsics), the family-neutral kernels
-#: and the MoE step that inlines them; and the dense pilot's modules whose kernels (or code generators) are
-#: compiled into another file's kernel (``families/dense_kernels.py``'s ``dense_forward``): numba checks a
-#: cached function against its own file only.
-KERNEL_SOURCES = ("kernel_cache.py", "kernels.py", "attention_kernels.py", "compiled.py", "families/ggml_ops.py",
-                  "families/dense_quant.py", "families/dense_attention.py")
+#: and the MoE step that inlines them (with its threads' hand-over, ``kernel_sync.py``); and the dense
+#: pilot's modules whose kernels (or code generators) are compiled into another file's kernel
+#: (``families/dense_kernels.py``'s ``dense_forward``): numba checks a cached function against its own file
+#: only.
+KERNEL_SOURCES = ("kernel_cache.py", "kernels.py", "attention_kernels.py", "compiled.py", "kernel_sync.py",
+                  "families/ggml_ops.py", "families/dense_quant.py", "families/dense_attention.py")
 
 
 def kernels_digest() -> str:
@@ -123,10 +158,18 @@ def prune_stale_caches(current: Path, *, min_age_s: float = STALE_CACHE_AGE_S, n
 CACHE_DIR = cache_dir()
 
 
-def kernel(fastmath: set[str] | None = None) -> Any:
+class KernelDecorator(Protocol):
+    """What :func:`kernel` returns: a decorator compiling a function into a numba dispatcher of the same
+    signature (called from Python or from another kernel)."""
+
+    def __call__(self, fn: _F, /) -> Dispatcher[_F]: ...
+
+
+def kernel(fastmath: set[str] | None = None) -> KernelDecorator:
     """The decorator every kernel is compiled with: on-disk cache, GIL released, numpy's float error
     semantics (a division by zero gives inf, no exception), no bounds checks; ``fastmath`` names the LLVM
-    flags allowed (see ``FMA`` and ``SUM``; none by default)."""
+    flags allowed (see ``FMA`` and ``SUM``; none by default). numba ignores the annotations: a kernel is
+    compiled for the types it is called with; they say what the callers pass."""
     return njit(cache=True, nogil=True, error_model="numpy", boundscheck=False, fastmath=fastmath or False)
 
 
@@ -138,9 +181,10 @@ WIDE_ATTRIBUTES = ('"prefer-vector-width"="512"', '"min-legal-vector-width"="512
 LEGAL_ATTRIBUTES = ('"min-legal-vector-width"="512"',)
 
 
-def _attributes_intrinsic(attributes: tuple[str, ...]) -> Any:
-    def fn(typingctx):  # noqa: ANN001, ANN202
-        def codegen(context, builder, signature, args):  # noqa: ANN001, ANN202
+def _attributes_intrinsic(attributes: tuple[str, ...]) -> Callable[[], None]:
+    def fn(typingctx: TypingContext) -> Lowering:
+        def codegen(context: TargetContext, builder: ir.IRBuilder, signature: Signature,
+                    args: Sequence[ir.Value]) -> ir.Value:
             try:
                 attrs = builder.function.attributes
                 for a in attributes:
@@ -151,7 +195,7 @@ def _attributes_intrinsic(attributes: tuple[str, ...]) -> Any:
 
         return types.none(), codegen
 
-    return intrinsic(fn)
+    return cast("Callable[[], None]", intrinsic(fn))  # as kernels call it (see above)
 
 
 wide_vectors = _attributes_intrinsic(WIDE_ATTRIBUTES)

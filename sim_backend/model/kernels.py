@@ -43,12 +43,28 @@ Where the parts live: the decorator, the on-disk cache and the vector-width intr
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import cast
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core.base import BaseContext as TargetContext
+from numba.core.typing.context import BaseContext as TypingContext
+from numba.core.typing.templates import Signature
 from numba.extending import intrinsic
 
-from sim_backend.model.kernel_cache import FMA, kernel, wide_legal, wide_vectors
+from sim_backend.model.kernel_cache import (
+    FMA,
+    F32Array,
+    I64Array,
+    IntLike,
+    Lowering,
+    U16Array,
+    kernel,
+    wide_legal,
+    wide_vectors,
+)
 
 __all__ = [
     "bf16_blocks", "bf16_matvec", "bf16_value", "exp_f32", "exp_in_range", "head_norm_rope", "matvec", "matvec_add",
@@ -56,29 +72,35 @@ __all__ = [
 ]
 
 
-@intrinsic
-def _bits_to_f32(typingctx, bits):
+def _bits_to_f32_typing(typingctx: TypingContext, bits: types.Type) -> Lowering:
     """Reinterpret an int32's bits as a float32 (no conversion): inlines to one bitcast."""
     sig = types.float32(types.int32)
 
-    def codegen(context, builder, signature, args):
+    def codegen(context: TargetContext, builder: ir.IRBuilder, signature: Signature,
+                args: Sequence[ir.Value]) -> ir.Value:
         return builder.bitcast(args[0], ir.FloatType())
 
     return sig, codegen
 
 
-@intrinsic
-def bf16_value(typingctx, b):
+_bits_to_f32 = cast("Callable[[np.int32], np.float32]", intrinsic(_bits_to_f32_typing))  # see kernel_cache
+
+
+def _bf16_value_typing(typingctx: TypingContext, b: types.Type) -> Lowering:
     """BF16 bit pattern (uint16 scalar) -> its float32 value, exactly (as ``bf16.bf16_to_f32``): zero-extend,
     shift left 16, reinterpret; three LLVM instructions in 32-bit lanes, so a loop over it vectorises (a
     numba-level ``np.int32(b) << 16`` widens to int64 first and halves the lanes)."""
     sig = types.float32(types.uint16)
 
-    def codegen(context, builder, signature, args):
+    def codegen(context: TargetContext, builder: ir.IRBuilder, signature: Signature,
+                args: Sequence[ir.Value]) -> ir.Value:
         wide = builder.zext(args[0], ir.IntType(32))
         return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)), ir.FloatType())
 
     return sig, codegen
+
+
+bf16_value = cast("Callable[[np.uint16], np.float32]", intrinsic(_bf16_value_typing))  # see kernel_cache
 
 
 _LOG2E = np.float32(1.4426950408889634)
@@ -89,9 +111,9 @@ _EXP_LO = np.float32(-86.9)  # n >= -125 above it, so 2**(n-1) is a normal float
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def _exp_core(x):
+def _exp_core(x: np.float32) -> np.float32:
     """exp of a float32 scalar x in [_EXP_LO, _EXP_HI], without the clamps: the body of ``exp_f32``."""
-    n = np.floor(x * _LOG2E + np.float32(0.5))
+    n: np.float32 = np.floor(x * _LOG2E + np.float32(0.5))
     r = x - n * _LN2_HI
     r = r - n * _LN2_LO
     p = np.float32(1.9875691500e-4)
@@ -106,7 +128,7 @@ def _exp_core(x):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", inline="always")
-def exp_f32(x):
+def exp_f32(x: np.float32) -> np.float32:
     """exp of a float32 scalar, float32, within 2 ulp of the true value on [-87.3, 88.4] (Cephes'
     expf: Cody-Waite reduction to |r| <= ln2/2, degree-6 polynomial, 2**n from its exponent bits);
     +inf above, 0.0 below (where the true value is subnormal or 0), NaN for NaN. Branch-free
@@ -122,7 +144,7 @@ def exp_f32(x):
 
 
 @kernel(FMA)
-def exp_in_range(row):
+def exp_in_range(row: F32Array) -> None:
     """row[:] = exp(row) in place, float32, for a row known to lie in [-86.9, 88.7] (e.g. scores proven
     within ``layer_ops.SCORE_BOUND``): ``exp_f32`` without its clamps and edge selects, so the same bits
     for every such input (the same code, ``_exp_core``, compiled with the same flags as ``exp_shift``),
@@ -134,7 +156,7 @@ def exp_in_range(row):
 
 
 @kernel()
-def rms_norm(x, w, eps, out):
+def rms_norm(x: F32Array, w: F32Array, eps: np.float32, out: F32Array) -> None:
     """out = x / sqrt(mean(x^2) + eps) * w; x, w, out (H,) float32 (out may be x). eps float32."""
     wide_legal()
     n = x.shape[0]
@@ -147,7 +169,7 @@ def rms_norm(x, w, eps, out):
 
 
 @kernel()
-def matvec(x, w, out):
+def matvec(x: F32Array, w: F32Array, out: F32Array) -> None:
     """out = x @ w; x (K,), w (K, N) C-contiguous, out (N,) float32 (overwritten)."""
     wide_legal()
     out[:] = 0.0
@@ -155,7 +177,7 @@ def matvec(x, w, out):
 
 
 @kernel(FMA)
-def matvec_add(x, w, out):
+def matvec_add(x: F32Array, w: F32Array, out: F32Array) -> None:
     """out += x @ w; x (K,), w (K, N) C-contiguous, out (N,) float32. Row by row (axpy), so the
     inner loop runs over N contiguous weights and vectorises without reordering any sum."""
     wide_legal()
@@ -172,7 +194,7 @@ def matvec_add(x, w, out):
 BF16_BLOCK = 1024
 
 
-def bf16_blocks(w_bits: np.ndarray, block: int = BF16_BLOCK) -> np.ndarray:
+def bf16_blocks(w_bits: U16Array, block: int = BF16_BLOCK) -> U16Array:
     """(K, N) uint16 BF16 weights -> (ceil(N / block), K, block) uint16, zero-padded past N: each
     block of output columns is one contiguous run, so :func:`bf16_matvec` reads the weights as one
     sequential stream (K strided row streams defeat the prefetcher). Same bytes, one copy."""
@@ -187,7 +209,7 @@ def bf16_blocks(w_bits: np.ndarray, block: int = BF16_BLOCK) -> np.ndarray:
 
 
 @kernel(FMA)
-def bf16_matvec(x, w_blocks, bias, out):
+def bf16_matvec(x: F32Array, w_blocks: U16Array, bias: F32Array, out: F32Array) -> None:
     """out = x @ w + bias with BF16 weights: x (K,) float32; w_blocks (nb, K, B) uint16 BF16 bit
     patterns in :func:`bf16_blocks`' layout; bias, out (N,) float32 (N <= nb * B). Half the bytes of
     float32 weights; each weight is widened exactly (a 16-bit shift); a column's K products are
@@ -213,7 +235,7 @@ def bf16_matvec(x, w_blocks, bias, out):
 
 
 @kernel()
-def head_norm_rope(qk, w, cos, sin, eps):
+def head_norm_rope(qk: F32Array, w: F32Array, cos: F32Array, sin: F32Array, eps: np.float32) -> None:
     """Per-head RMSNorm then rotate-half (NeoX) RoPE, in place. qk (heads, D) float32; w (heads, D)
     norm weights; cos/sin (D/2,) float32 for this token's position; eps float32."""
     wide_legal()
@@ -233,7 +255,7 @@ def head_norm_rope(qk, w, cos, sin, eps):
 
 
 @kernel()
-def silu_mul(g, u, scale, out):
+def silu_mul(g: F32Array, u: F32Array, scale: np.float32, out: F32Array) -> None:
     """out = silu(g) * u * scale (SwiGLU's activation), elementwise over (F,) float32; scale float32."""
     wide_legal()
     for j in range(g.shape[0]):
@@ -241,7 +263,7 @@ def silu_mul(g, u, scale, out):
 
 
 @kernel()
-def softmax_top_k(logits, k, ids, w):
+def softmax_top_k(logits: F32Array, k: IntLike, ids: I64Array, w: F32Array) -> None:
     """Router: softmax over E logits, the k most probable (descending, ties to the lower id), their
     probabilities renormalised to sum 1. logits (E,) float32 (overwritten with the probabilities);
     ids (k,) int64 and w (k,) float32 outputs."""

@@ -8,15 +8,21 @@ These are the reference the compiled kernels (:mod:`sim_backend.model.kernels`) 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
+from numpy.typing import NDArray
 
 F32 = np.float32
+#: float32 arrays (shapes in each docstring) and index arrays (expert ids, positions, gathers: any integer dtype).
+F32Array = NDArray[np.float32]
+IntArray = NDArray[np.integer[Any]]
 
 _ONE = F32(1.0)
 _RMS_CONSTS: dict[tuple[int, float], tuple[np.float32, np.float32]] = {}
 
 
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+def rms_norm(x: F32Array, w: F32Array, eps: float) -> F32Array:
     """RMSNorm over the last axis; x (..., n) float32, w (n,) (or broadcastable to x)."""
     # einsum avoids np.mean's Python-level overhead: this runs ~10^4 times a step; the float32
     # constants are made once (same operations and bits as building them per call)
@@ -24,15 +30,16 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     c = _RMS_CONSTS.get((n, eps))
     if c is None:
         c = _RMS_CONSTS[(n, eps)] = (F32(1.0 / n), F32(eps))
-    ms = np.einsum("...i,...i->...", x, x)[..., None] * c[0]
-    return x * (_ONE / np.sqrt(ms + c[1])) * w
+    ms: F32Array = np.einsum("...i,...i->...", x, x)[..., None] * c[0]
+    out: F32Array = x * (_ONE / np.sqrt(ms + c[1])) * w
+    return out
 
 
-def head_rms_norm(qk: np.ndarray, w: np.ndarray, d_n: np.float32, c_eps: np.float32) -> np.ndarray:
+def head_rms_norm(qk: F32Array, w: F32Array, d_n: np.float32, c_eps: np.float32) -> F32Array:
     """Per-head RMSNorm over the last axis, the hot paths' form: ``qk`` (..., D) float32, ``w``
     broadcastable to it, ``d_n`` = float32(1/D), ``c_eps`` = float32(eps). Returns a new array
     (same operations and bits as :func:`rms_norm`'s in-line form, in place on the mean-square)."""
-    ms = np.einsum("...i,...i->...", qk, qk)
+    ms: F32Array = np.einsum("...i,...i->...", qk, qk)
     ms *= d_n
     ms += c_eps
     np.sqrt(ms, out=ms)
@@ -41,14 +48,14 @@ def head_rms_norm(qk: np.ndarray, w: np.ndarray, d_n: np.float32, c_eps: np.floa
     return out
 
 
-def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(positions: IntArray, head_dim: int, theta: float) -> tuple[F32Array, F32Array]:
     """cos/sin tables (n, head_dim/2) for NeoX-style (rotate-half) RoPE, float32."""
     inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
     ang = positions.astype(np.float64)[:, None] * inv_freq[None, :]
     return np.cos(ang).astype(F32), np.sin(ang).astype(F32)
 
 
-def rope_full_tables(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def rope_full_tables(cos: F32Array, sin: F32Array) -> tuple[F32Array, F32Array, IntArray]:
     """From ``rope_tables``' cos/sin (n, D/2): (cos|cos, -sin|sin) as (n, 1, D) and the rotate-half
     index (D,), for :func:`apply_rope_full`."""
     half = cos.shape[-1]
@@ -56,7 +63,7 @@ def rope_full_tables(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.n
             np.r_[half:2 * half, 0:half])
 
 
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+def apply_rope(x: F32Array, cos: F32Array, sin: F32Array) -> F32Array:
     """Rotate-half RoPE on x (n, heads, D) with cos/sin (n, D/2)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -64,7 +71,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-def apply_rope_full(x: np.ndarray, cos_full: np.ndarray, sin_signed: np.ndarray, rot: np.ndarray) -> np.ndarray:
+def apply_rope_full(x: F32Array, cos_full: F32Array, sin_signed: F32Array, rot: IntArray) -> F32Array:
     """``apply_rope`` in four numpy calls, same bits: x*[c, c] + x[..., rot]*[-s, s] (a - b*s equals
     a + b*(-s) exactly in IEEE arithmetic). x (..., n, heads, D); tables from :func:`rope_full_tables`."""
     out = x * cos_full
@@ -74,7 +81,7 @@ def apply_rope_full(x: np.ndarray, cos_full: np.ndarray, sin_signed: np.ndarray,
     return out
 
 
-def route(h: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+def route(h: F32Array, router: F32Array, top_k: int) -> tuple[IntArray, F32Array]:
     """Router: softmax over experts, top-k, renormalised top-k weights.
 
     h (n, H) float32 -> (expert ids (n, k) int64, weights (n, k) float32 summing to 1).
@@ -98,12 +105,12 @@ def route(h: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray, np
         kth = np.take_along_axis(probs, ids[:, -1:], axis=-1)
         if np.count_nonzero(probs >= kth) != top_k * probs.shape[0]:
             ids = np.argsort(-probs, axis=-1, kind="stable")[:, :top_k]
-    w = np.take_along_axis(probs, ids, axis=-1)
+    w: F32Array = np.take_along_axis(probs, ids, axis=-1)
     w = w / w.sum(axis=-1, keepdims=True)
     return ids, w.astype(F32, copy=False)
 
 
-def route_one(h: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+def route_one(h: F32Array, router: F32Array, top_k: int) -> tuple[IntArray, F32Array]:
     """``route`` for one token, h (H,) -> (ids (k,) int64, weights (k,) float32): same ids and bits,
     in 1-D so each step costs fewer numpy calls (decode runs it 48 times a token)."""
     probs = h @ router
@@ -122,8 +129,8 @@ def route_one(h: np.ndarray, router: np.ndarray, top_k: int) -> tuple[np.ndarray
     return ids, w
 
 
-def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
-                     k_pos: np.ndarray, group: int, chunk: int = 256) -> np.ndarray:
+def causal_attention(q: F32Array, k: F32Array, v: F32Array, q_pos: IntArray,
+                     k_pos: IntArray, group: int, chunk: int = 256) -> F32Array:
     """Grouped-query causal attention.
 
     q (n, Hq, D), k/v (T, Hkv, D) with Hq = Hkv * group; q_pos (n,), k_pos (T,)
@@ -137,11 +144,12 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndar
     if n == 1 and (k_pos.size == 0 or k_pos.max() <= q_pos[0]):
         # decode: one query sees every cached key; no mask, no chunking
         qg = q[0].reshape(Hkv, group, D) * scale
-        scores = np.matmul(qg, k.transpose(1, 2, 0))  # (Hkv, group, T)
+        scores: F32Array = np.matmul(qg, k.transpose(1, 2, 0))  # (Hkv, group, T)
         scores -= scores.max(axis=-1, keepdims=True)
         np.exp(scores, out=scores)
         scores /= scores.sum(axis=-1, keepdims=True)
-        return np.matmul(scores, v.transpose(1, 0, 2)).reshape(1, Hq, D)
+        one: F32Array = np.matmul(scores, v.transpose(1, 0, 2))
+        return one.reshape(1, Hq, D)
     out = np.empty_like(q)
     kt = np.ascontiguousarray(k.transpose(1, 2, 0))  # (Hkv, D, T)
     vh = np.ascontiguousarray(v.transpose(1, 0, 2))  # (Hkv, T, D)
@@ -165,8 +173,8 @@ def causal_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndar
     return out
 
 
-def moe_ffn(x: np.ndarray, ids: np.ndarray, w: np.ndarray, gate: np.ndarray, up: np.ndarray,
-            down: np.ndarray) -> np.ndarray:
+def moe_ffn(x: F32Array, ids: IntArray, w: F32Array, gate: F32Array, up: F32Array,
+            down: F32Array) -> F32Array:
     """SwiGLU experts weighted by routing: sum_k w_k * down_e(silu(gate_e x) * up_e x).
 
     x (n, H); ids/w (n, k); gate/up (E, H, F'), down (E, F', H) where F' may be
@@ -209,8 +217,8 @@ SCORE_BOUND = 30.0
 PREFILL_BLOCK = 32
 
 
-def prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-                       block: int = PREFILL_BLOCK, no_max: bool = False) -> np.ndarray:
+def prefill_attention(q: F32Array, k: F32Array, v: F32Array, q_pos: IntArray, k_pos: IntArray,
+                       block: int = PREFILL_BLOCK, no_max: bool = False) -> F32Array:
     """Causal attention of a prefill, every KV head in one call per block of queries.
 
     q (G, n, group, D) float32 (G KV heads, ``group`` query heads each), k/v (G, T, D);
@@ -258,8 +266,8 @@ def prefill_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.nda
 PREFILL_BLOCK_NO_MAX = 8
 
 
-def prefill_attention_no_max(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray,
-                              k_pos: np.ndarray, block: int = PREFILL_BLOCK_NO_MAX) -> np.ndarray:
+def prefill_attention_no_max(q: F32Array, k: F32Array, v: F32Array, q_pos: IntArray,
+                              k_pos: IntArray, block: int = PREFILL_BLOCK_NO_MAX) -> F32Array:
     """``prefill_attention`` for scores proven within ``SCORE_BOUND``: softmax without its max.
 
     Shapes as ``prefill_attention``. Per block: scores (one matmul), exp in place, masked keys of the
@@ -273,7 +281,7 @@ def prefill_attention_no_max(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos:
     va = np.empty((G, T, D + 1), dtype=F32)  # [V | 1]
     va[..., :D] = v
     va[..., D] = _ONE
-    oa = np.empty((G, n * group, D + 1), dtype=F32)  # sum(p v) | sum(p), normalised once at the end
+    oa: F32Array = np.empty((G, n * group, D + 1), dtype=F32)  # sum(p v) | sum(p), normalised once at the end
     qf = qs.reshape(G, n * group, D)
     if T < 2 or bool(np.all(k_pos[1:] >= k_pos[:-1])):
         ends = np.searchsorted(k_pos, q_pos, side="right").tolist()  # keys query i sees: [0, ends[i])
@@ -315,8 +323,8 @@ def prefill_attention_no_max(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos:
     return (oa[..., :D] / oa[..., D:]).reshape(G, n, group, D)
 
 
-def moe_prefill(h: np.ndarray, ids: np.ndarray, w: np.ndarray, used: np.ndarray, gue: np.ndarray,
-                 down: np.ndarray) -> np.ndarray:
+def moe_prefill(h: F32Array, ids: IntArray, w: F32Array, used: IntArray, gue: F32Array,
+                 down: F32Array) -> F32Array:
     """Both chips' SwiGLU expert partial sums for a prefill, every expert in one batched matmul.
 
     h (n, H) float32; ids/w (n, k) routing; used (U,) the distinct experts in ``ids`` (sorted);
@@ -351,8 +359,9 @@ def moe_prefill(h: np.ndarray, ids: np.ndarray, w: np.ndarray, used: np.ndarray,
     a = g / (_ONE + np.exp(-g))
     a *= u
     a *= Wt
-    y = np.matmul(a.reshape(U, M, C, F).transpose(2, 0, 1, 3), down).reshape(C, U * M, H)  # (C, U*M, H)
+    y: F32Array = np.matmul(a.reshape(U, M, C, F).transpose(2, 0, 1, 3), down).reshape(C, U * M, H)  # (C, U*M, H)
     row_of = np.empty(N, dtype=np.int64)
     row_of[order] = row  # assignment (token, j) -> its padded row
     # (C, k, n, H) then a sum over k: contiguous (n, H) blocks added, cheaper than reducing a middle axis
-    return np.take(y, row_of.reshape(n, k).T, axis=1).sum(axis=1)
+    out: F32Array = np.take(y, row_of.reshape(n, k).T, axis=1).sum(axis=1)
+    return out

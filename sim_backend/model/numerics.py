@@ -328,7 +328,7 @@ class ShardedModel(CellKV):
             self.forward(one, one, one, ctx, ctx.copy())
             current[0] = 2
             self.forward(two, two, two.copy(), two.copy(), two.copy())
-            from sim_backend.model.compiled import split_possible
+            from sim_backend.model.kernel_sync import split_possible
 
             if split_possible():  # the split kernels, used from DECODE_SPLIT_MIN_CONTEXT keys on
                 current[0] = 3

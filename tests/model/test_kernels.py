@@ -437,17 +437,17 @@ def test_split_decode_waits_are_bounded():
     import ctypes
     import time
 
-    from sim_backend.model.compiled import _libc, _sem_wait_s
+    from sim_backend.model.kernel_sync import c_library, sem_wait_s
 
     buf = np.zeros(64, dtype=np.uint8)
     addr = int(buf.ctypes.data)
-    assert _libc().sem_init(ctypes.c_void_p(addr), 0, 0) == 0
+    assert c_library().sem_init(ctypes.c_void_p(addr), 0, 0) == 0
     ts = np.zeros(2, dtype=np.int64)
     t0 = time.monotonic()
-    assert _sem_wait_s(addr, ts, 1) is False
+    assert sem_wait_s(addr, ts, 1) is False
     assert time.monotonic() - t0 >= 0.999  # the whole bound, across the slices (Python's clock is monotonic too)
-    assert _libc().sem_post(ctypes.c_void_p(addr)) == 0
-    assert _sem_wait_s(addr, ts, 1) is True
+    assert c_library().sem_post(ctypes.c_void_p(addr)) == 0
+    assert sem_wait_s(addr, ts, 1) is True
 
 
 def test_cache_dir_falls_back_to_the_user_cache_when_the_package_is_read_only(monkeypatch, tmp_path):

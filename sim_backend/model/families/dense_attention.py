@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from sim_backend.model.families.ggml_ops import expf, f16_round, fma32, v_expf
-from sim_backend.model.kernel_cache import kernel
+from sim_backend.model.kernel_cache import F32Array, I64Array, IntLike, kernel
 
 F32 = np.float32
 #: Queries (and keys) per tile of llama.cpp's tiled CPU flash attention (ggml-cpu common.h GGML_FA_TILE_Q /
@@ -21,7 +21,7 @@ FA_TILE = 64
 
 
 @njit(cache=True, nogil=True, error_model="numpy", boundscheck=False, inline="always")
-def _lane64(kt, t, q16, a):
+def _lane64(kt: F32Array, t: IntLike, q16: F32Array, a: int) -> np.float32:
     """Lane a of ggml_vec_dot_f16's 4 x 8 accumulators over a 64-element key (column t of kt (64, > t)), the 4
     vectors already added as its reduce does: (v0 + v2) + (v1 + v3), v_j = fma(k[32 + 8j + a], q[32 + 8j + a],
     k[8j + a] q[8j + a])."""
@@ -33,7 +33,8 @@ def _lane64(kt, t, q16, a):
 
 
 @kernel()
-def _scores_f16(kt, c0, q16, e, D, scale, sc):
+def _scores_f16(kt: F32Array, c0: IntLike, q16: F32Array, e: IntLike, D: IntLike, scale: np.float32,
+                sc: F32Array) -> None:
     """sc[t] = ggml_vec_dot_f16(K[:, c0 + t], q16) * scale for the first e keys, columns c0.. of kt (D, cells)
     (C-contiguous; c0 >= 0) (AVX2 + F16C
     + FMA): per key 4 x 8 float32 lanes of fused multiply-adds over steps of 32 elements (lane a of vector j
@@ -75,7 +76,7 @@ def _scores_f16(kt, c0, q16, e, D, scale, sc):
 
 
 @kernel()
-def context_keys(kt, ctx_cells, e, kg):
+def context_keys(kt: F32Array, ctx_cells: I64Array, e: IntLike, kg: F32Array) -> tuple[F32Array, IntLike]:
     """Where the first e context keys' columns are, as (array, first column): (kt (D, cells), their first cell)
     when their cells are one run (a sequence's cells usually are), else gathered into kg (D, >= e): (kg, 0)."""
     c0 = ctx_cells[0] if e > 0 else 0
@@ -93,7 +94,9 @@ def context_keys(kt, ctx_cells, e, kg):
 
 
 @kernel()
-def attend_one(qrow, kt, vc, ctx_cells, e, D, scale, q16, acc, sc, msa, kg, out):
+def attend_one(qrow: F32Array, kt: F32Array, vc: F32Array, ctx_cells: I64Array, e: IntLike, D: IntLike,
+               scale: np.float32, q16: F32Array, acc: F32Array, sc: F32Array, msa: F32Array, kg: F32Array,
+               out: F32Array) -> None:
     """One query of one head as ggml_compute_forward_flash_attn_ext_f16_one_chunk (F16 K/V): q rounded to F16,
     for each of the first e keys in ctx order a ggml_vec_dot_f16 score times ``scale`` (``_scores_f16``), an
     online softmax (on a new maximum M: ``ms = expf(Mold - M)``, the F16 accumulator scaled by ms and
@@ -138,7 +141,9 @@ def attend_one(qrow, kt, vc, ctx_cells, e, D, scale, q16, acc, sc, msa, kg, out)
 
 
 @kernel()
-def attend_tiled(q, q0, R, kt, vc, ctx_cells, ends, D, scale, kq, Ms, Ss, vkq, ktile, out):
+def attend_tiled(q: F32Array, q0: int, R: int, kt: F32Array, vc: F32Array, ctx_cells: I64Array, ends: I64Array,
+                 D: IntLike, scale: np.float32, kq: F32Array, Ms: F32Array, Ss: F32Array, vkq: F32Array,
+                 ktile: F32Array, out: F32Array) -> None:
     """R (<= 64) queries q[q0:q0+R] (rows (D,) float32) of one head as ggml's tiled CPU flash attention: for
     each tile of 64 keys (sequence positions kt0..kt0+63; skipped when no query of the tile sees any), the
     scores as float32 chains of fused multiply-adds over D (q float32, K F16) times ``scale``, masked keys

@@ -69,13 +69,13 @@ from sim_backend.model.families.dense_quant import (
     quantise_rows,
 )
 from sim_backend.model.families.ggml_ops import cosf, f16_round, fma32, powf, sinf, v_expf
-from sim_backend.model.kernel_cache import kernel
+from sim_backend.model.kernel_cache import F32Array, I8Array, I64Array, IntLike, U8Array, U16Array, kernel
 
 F32 = np.float32
 
 
 @kernel()
-def swiglu(gu, f, act):
+def swiglu(gu: F32Array, f: IntLike, act: F32Array) -> None:
     """act[:, :f] = silu(gate) * up as ggml_vec_swiglu_f32 (AVX2): ``gate / (1 + v_expf(0 - gate)) * up``;
     gu (n, >=2f) float32 its gate (columns :f) then up (f:2f) outputs."""
     for i in range(gu.shape[0]):
@@ -85,7 +85,7 @@ def swiglu(gu, f, act):
 
 
 @kernel()
-def rms_norm_row(x, w, eps, out):
+def rms_norm_row(x: F32Array, w: F32Array, eps: np.float32, out: F32Array) -> None:
     """out = (x * (1 / sqrt(mean(x^2) + eps))) * w as ggml computes it: the sum of float32 squares in float64,
     the mean and the scale in float32. x, w, out (H,) float32."""
     n = x.shape[0]
@@ -99,7 +99,7 @@ def rms_norm_row(x, w, eps, out):
 
 
 @kernel()
-def rope_rotate(v, nh, D, cos, sin):
+def rope_rotate(v: F32Array, nh: IntLike, D: IntLike, cos: F32Array, sin: F32Array) -> None:
     """Adjacent-pair RoPE in place (llama.cpp's "normal" mode) on the first nh heads of v (>= nh D,) float32,
     head-major: pair i of a head (a, b) = (v[2i], v[2i+1]) -> (fma(a, cos, -(b sin)), fma(a, sin, b cos)),
     as ggml's rotate_pairs is compiled (FMA contraction); cos/sin (D/2,) of the pair's angle."""
@@ -113,11 +113,16 @@ def rope_rotate(v, nh, D, cos, sin):
 
 
 @kernel()
-def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
-                  hq, hkv, fc, vocab0,
-                  norms, final_norm,
-                  qkv_c, qkv_d, qkv_m, wo_c, wo_d, wo_m, gu_c, gu_d, gu_m, dn_c, dn_d, dn_m,
-                  lm_c, lm_d, lm_m, k_cache, v_cache, logits):
+def dense_forward(x: F32Array, cos: F32Array, sin: F32Array, new_cells: I64Array, ctx_cells: I64Array,
+                  ends: I64Array, eps: np.float32, D: int,
+                  hq: I64Array, hkv: I64Array, fc: I64Array, vocab0: I64Array,
+                  norms: F32Array, final_norm: F32Array,
+                  qkv_c: tuple[U8Array, ...], qkv_d: tuple[U16Array, ...], qkv_m: tuple[U16Array, ...],
+                  wo_c: tuple[U8Array, ...], wo_d: tuple[U16Array, ...], wo_m: tuple[U16Array, ...],
+                  gu_c: tuple[U8Array, ...], gu_d: tuple[U16Array, ...], gu_m: tuple[U16Array, ...],
+                  dn_c: tuple[U8Array, ...], dn_d: tuple[U16Array, ...], dn_m: tuple[U16Array, ...],
+                  lm_c: tuple[I8Array, ...], lm_d: tuple[U16Array, ...], lm_m: tuple[U16Array, ...],
+                  k_cache: tuple[F32Array, ...], v_cache: tuple[F32Array, ...], logits: F32Array) -> None:
     """One step (prefill or decode) of n tokens of one sequence through every layer, both chips, the LM head.
 
     x (n, H) float32: the tokens' embeddings (overwritten: the residual stream); cos/sin (n, D/2) float32 of
@@ -238,7 +243,7 @@ def dense_forward(x, cos, sin, new_cells, ctx_cells, ends, eps, D,
 
 
 @kernel()
-def _rope_angles(positions, half, ts, cos, sin):
+def _rope_angles(positions: I64Array, half: IntLike, ts: np.float32, cos: F32Array, sin: F32Array) -> None:
     for i in range(positions.shape[0]):
         a = np.float32(positions[i])
         for k in range(half):
@@ -248,7 +253,7 @@ def _rope_angles(positions, half, ts, cos, sin):
 
 
 @kernel()
-def _powf(x, y):
+def _powf(x: np.float32, y: np.float32) -> np.float32:
     return powf(x, y)
 
 

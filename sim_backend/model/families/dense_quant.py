@@ -9,16 +9,20 @@ Its kernels are inlined into ``dense_kernels.dense_forward``, so this file is on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.base import BaseContext as TargetContext
+from numba.core.typing.context import BaseContext as TypingContext
+from numba.core.typing.templates import Signature
 from numba.extending import intrinsic
 
 from sim_backend.model.families.ggml_ops import f16_round
-from sim_backend.model.kernel_cache import kernel
+from sim_backend.model.kernel_cache import F32Array, I8Array, IntLike, Lowering, U8Array, U16Array, kernel
 
 F32 = np.float32
 #: Weights per quantisation block (GGUF QK4_1 = QK8_0 = QK8_1 = 32).
@@ -28,7 +32,7 @@ LANES = 8
 
 
 @kernel()
-def quantise_rows(x, q, d, s):
+def quantise_rows(x: F32Array, q: I8Array, d: F32Array, s: F32Array) -> None:
     """Quantise every row of x (n, K) float32 to 8-bit blocks of 32 as llama.cpp's quantize_row_q8_1 / q8_0
     (AVX2) do: per block amax = max |x|, codes rint(x * (127 / amax)) (round half to even; 0 when amax is
     0), written to q (n, K) int8; d (n, nb) float32 the F16-rounded ``amax / 127``; s (n, nb) float32 the
@@ -206,19 +210,29 @@ def _group_fn(module: ir.Module, q4: bool) -> ir.Function:
     return fn
 
 
-def _dot8(q4: bool):  # noqa: ANN202 (a numba intrinsic)
+#: Packed codes of a product (``pack_q4_1``: uint8 nibble pairs; ``pack_q8_0``: int8).
+CodeArray = U8Array | I8Array
+#: How a kernel calls a ``_dot8`` intrinsic (see ``kernel_cache`` on typing intrinsics).
+_Dot8 = Callable[[CodeArray, IntLike, U16Array, IntLike, U16Array, I8Array, IntLike, F32Array, F32Array, IntLike,
+                  IntLike, F32Array, bool], None]
+
+
+def _dot8(q4: bool) -> _Dot8:
     """The numba intrinsic calling ``_group_fn``: (codes, c_off, dw, d_off, mw, xw, x_off, xd, xs, xb_off, nb,
     state, init), offsets in elements of each array's data (C-contiguous runs from there)."""
 
-    def typer(typingctx, codes, c_off, dw, d_off, mw, xw, x_off, xd, xs, xb_off, nb, state, init):
+    def typer(typingctx: TypingContext, codes: types.Type, c_off: types.Type, dw: types.Type, d_off: types.Type,
+              mw: types.Type, xw: types.Type, x_off: types.Type, xd: types.Type, xs: types.Type,
+              xb_off: types.Type, nb: types.Type, state: types.Type, init: types.Type) -> Lowering:
         i64 = types.int64
         sig = types.void(codes, i64, dw, i64, mw, xw, i64, xd, xs, i64, i64, state, types.boolean)
 
-        def codegen(context, builder, signature, args):
+        def codegen(context: TargetContext, builder: ir.IRBuilder, signature: Signature,
+                    args: Sequence[ir.Value]) -> ir.Value:
             fn = _group_fn(builder.module, q4)
             at = signature.args
 
-            def ptr(i, off, ty):
+            def ptr(i: int, off: int | None, ty: ir.Type) -> ir.Value:
                 data = context.make_array(at[i])(context, builder, args[i]).data
                 if off is not None:
                     data = builder.gep(data, [args[off]])
@@ -231,7 +245,7 @@ def _dot8(q4: bool):  # noqa: ANN202 (a numba intrinsic)
 
         return sig, codegen
 
-    return intrinsic(typer)
+    return cast("_Dot8", intrinsic(typer))  # see kernel_cache
 
 
 _dot8_q4_1 = _dot8(True)
@@ -289,7 +303,7 @@ def product_scratch() -> np.ndarray:
 
 
 @kernel()
-def _finish8(state, has_min, out, t, r0, add):
+def _finish8(state: F32Array, has_min: bool, out: F32Array, t: IntLike, r0: IntLike, add: bool) -> None:
     """out[t, r0 + r] (``add``: +=) for the group's outputs: its 8 lanes summed as ggml's hsum_float_8 (lanes
     4-7 + 0-3, then (0 + 2) + (1 + 3)), plus the Q4_1 minimums' sum last (``has_min``)."""
     for r in range(min(GROUP, out.shape[1] - r0)):
@@ -307,7 +321,8 @@ def _finish8(state, has_min, out, t, r0, add):
 
 
 @kernel()
-def quant_matmul(codes, dw, mw, has_min, xq, xd, xs, state, out):
+def quant_matmul(codes: CodeArray, dw: U16Array, mw: U16Array, has_min: bool, xq: I8Array, xd: F32Array,
+                 xs: F32Array, state: F32Array, out: F32Array) -> None:
     """out (n, N) = x @ W for a quantised W as llama.cpp's vec_dot kernels compute each output: per group of
     8 outputs and token, the blocks' lanes in vector registers (``_group_fn``), then ``_finish8``.
 
@@ -328,7 +343,8 @@ def quant_matmul(codes, dw, mw, has_min, xq, xd, xs, state, out):
 
 
 @kernel()
-def chained_matmul(codes, dw, mw, li, xq, xd, xs, state, out, add):
+def chained_matmul(codes: tuple[U8Array, ...], dw: tuple[U16Array, ...], mw: tuple[U16Array, ...], li: IntLike,
+                   xq: I8Array, xd: F32Array, xs: F32Array, state: F32Array, out: F32Array, add: bool) -> None:
     """out (n, N) (``add``: +=) = x @ W for a Q4_1 W whose input rows are split over the chips (the output and
     down projections), as ONE llama.cpp product over the whole row: the chips' blocks accumulated into the
     same lanes in chip order, then summed (``_finish8``) once.

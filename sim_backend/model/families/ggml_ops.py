@@ -8,35 +8,44 @@ Every kernel that calls these compiles them into its own machine code, so this f
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import cast
+
 import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.base import BaseContext as TargetContext
+from numba.core.typing.context import BaseContext as TypingContext
+from numba.core.typing.templates import Signature
 from numba.extending import intrinsic
 
-from sim_backend.model.kernel_cache import kernel
+from sim_backend.model.kernel_cache import Lowering, kernel
 from sim_backend.model.kernels import _bits_to_f32
 
 F32 = np.float32
 
 
-@intrinsic
-def _f32_bits(typingctx, x):
+def _f32_bits_typing(typingctx: TypingContext, x: types.Type) -> Lowering:
     """Reinterpret a float32's bits as an int32 (no conversion)."""
     sig = types.int32(types.float32)
 
-    def codegen(context, builder, signature, args):
+    def codegen(context: TargetContext, builder: ir.IRBuilder, signature: Signature,
+                args: Sequence[ir.Value]) -> ir.Value:
         return builder.bitcast(args[0], ir.IntType(32))
 
     return sig, codegen
 
 
-@intrinsic
-def fma32(typingctx, a, b, c):
+_f32_bits = cast("Callable[[np.float32], np.int32]", intrinsic(_f32_bits_typing))  # see kernel_cache
+
+
+def _fma32_typing(typingctx: TypingContext, a: types.Type, b: types.Type, c: types.Type) -> Lowering:
     """``a * b + c`` with one rounding (float32; ``llvm.fma``, one instruction on FMA hardware)."""
     sig = types.float32(types.float32, types.float32, types.float32)
 
-    def codegen(context, builder, signature, args):
+    def codegen(context: TargetContext, builder: ir.IRBuilder, signature: Signature,
+                args: Sequence[ir.Value]) -> ir.Value:
         f32 = ir.FloatType()
         fn = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
         return builder.call(fn, args)
@@ -44,45 +53,60 @@ def fma32(typingctx, a, b, c):
     return sig, codegen
 
 
-def _libm(name: str, nargs: int):  # noqa: ANN202 (a numba intrinsic)
-    """A call of the C library's float32 function ``name`` (``expf``, ...), as ggml calls it."""
+fma32 = cast("Callable[[np.float32, np.float32, np.float32], np.float32]", intrinsic(_fma32_typing))
 
-    def typer(typingctx, *args):
-        sig = types.float32(*([types.float32] * nargs))
 
-        def codegen(context, builder, signature, cargs):
-            fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()] * nargs)
-            return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), cargs)
+def _libm_lowering(name: str, nargs: int) -> Lowering:
+    """The signature and codegen of a call of the C library's float32 function ``name`` of ``nargs``
+    float32 arguments."""
+    sig = types.float32(*([types.float32] * nargs))
 
-        return sig, codegen
+    def codegen(context: TargetContext, builder: ir.IRBuilder, signature: Signature,
+                args: Sequence[ir.Value]) -> ir.Value:
+        fnty = ir.FunctionType(ir.FloatType(), [ir.FloatType()] * nargs)
+        return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
 
-    if nargs == 1:
-        def one(typingctx, x):
-            return typer(typingctx, x)
-        return intrinsic(one)
+    return sig, codegen
 
-    def two(typingctx, x, y):
-        return typer(typingctx, x, y)
-    return intrinsic(two)
+
+def _libm1(name: str) -> Callable[[np.float32], np.float32]:
+    """A call of the C library's one-argument float32 function ``name`` (``expf``, ...), as ggml calls it."""
+
+    def one(typingctx: TypingContext, x: types.Type) -> Lowering:
+        return _libm_lowering(name, 1)
+
+    return cast("Callable[[np.float32], np.float32]", intrinsic(one))  # see kernel_cache
+
+
+def _libm2(name: str) -> Callable[[np.float32, np.float32], np.float32]:
+    """``_libm1`` for a two-argument function (``powf``)."""
+
+    def two(typingctx: TypingContext, x: types.Type, y: types.Type) -> Lowering:
+        return _libm_lowering(name, 2)
+
+    return cast("Callable[[np.float32, np.float32], np.float32]", intrinsic(two))
 
 
 #: libm's float32 exp, cos, sin and pow (ggml's expf in its flash attention, cosf / sinf / powf in RoPE).
-expf = _libm("expf", 1)
-cosf = _libm("cosf", 1)
-sinf = _libm("sinf", 1)
-powf = _libm("powf", 2)
+expf = _libm1("expf")
+cosf = _libm1("cosf")
+sinf = _libm1("sinf")
+powf = _libm2("powf")
 
 
-@intrinsic
-def f16_round(typingctx, x):
+def _f16_round_typing(typingctx: TypingContext, x: types.Type) -> Lowering:
     """float32 -> the nearest IEEE half value (round half to even, +-inf past 65504), as float32: the CPU's
     own conversion (``fptrunc`` to half and back; F16C on x86-64), as ggml's ``GGML_CPU_FP32_TO_FP16``."""
     sig = types.float32(types.float32)
 
-    def codegen(context, builder, signature, args):
+    def codegen(context: TargetContext, builder: ir.IRBuilder, signature: Signature,
+                args: Sequence[ir.Value]) -> ir.Value:
         return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
 
     return sig, codegen
+
+
+f16_round = cast("Callable[[np.float32], np.float32]", intrinsic(_f16_round_typing))  # see kernel_cache
 
 
 def _hexf(s: str) -> np.float32:
@@ -102,7 +126,7 @@ _VX_C0 = _hexf("0x1.ffffecp-1")
 
 
 @kernel()
-def v_expf(x):
+def v_expf(x: np.float32) -> np.float32:
     """exp of a float32 as ggml's AVX2 + FMA ``ggml_v_expf`` computes one lane (ARM's optimized-routines
     polynomial: max error 1.45 + 0.5 ulp; beyond |n| > 126 its slow path, lane by lane as its blend does;
     0 for -inf). Integer steps wrap at 32 bits as the vector instructions do."""

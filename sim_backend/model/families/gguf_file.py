@@ -12,12 +12,16 @@ from __future__ import annotations
 import functools
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.errors import ManifestError
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 _EXTRA = "pip install 'calconsole[pilot]'"
 #: GGUF ``tokenizer.ggml.token_type`` of a control (special) token (llama.cpp LLAMA_TOKEN_TYPE_CONTROL).
@@ -57,7 +61,7 @@ class GGUFFile:
         except ImportError:
             raise ManifestError(path, "numerics.weights", f"the gguf package is not installed: {_EXTRA}") from None
         try:
-            self._reader = _reader_class(gguf)(path, "r")
+            self._reader = _reader_class()(path, "r")
         except (OSError, ValueError) as e:
             raise ManifestError(path, "<gguf>", f"cannot read GGUF: {str(e)[:200]}") from None
         self._gguf = gguf
@@ -205,19 +209,23 @@ class MappedTensors:
         return a if rows == 1 else a.reshape(rows, cols)
 
 
-def _reader_class(gguf: Any) -> Any:
+def _reader_class() -> type[GGUFReader]:
     """``gguf.GGUFReader`` over a plain ndarray view of its memory map: the reader slices the map
     ~250,000 times while parsing a 49k-token vocabulary, and ``np.memmap``'s per-slice hooks made
-    that 3.1 s of CPU; on the plain view it is 0.9 s (same bytes, same fields, same tensors)."""
+    that 3.1 s of CPU; on the plain view it is 0.9 s (same bytes, same fields, same tensors). Raises
+    ImportError without the ``gguf`` package (the pilot extra)."""
+    import gguf
 
     class _Reader(gguf.GGUFReader):
-        @property
-        def data(self) -> np.ndarray:
+        # the reader's np.memmap becomes a plain view of it: no longer a memmap, on purpose (the reader only
+        # slices and views it), so the override narrows nothing the reader uses
+        @property  # type: ignore[override]
+        def data(self) -> NDArray[np.uint8]:
             return self._plain
 
         @data.setter
-        def data(self, value: np.ndarray) -> None:
-            self._plain = value.view(np.ndarray)  # keeps the mapping alive through .base
+        def data(self, value: NDArray[np.uint8]) -> None:
+            self._plain: NDArray[np.uint8] = value.view(np.ndarray)  # keeps the mapping alive through .base
 
     return _Reader
 

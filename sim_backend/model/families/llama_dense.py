@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from sim_backend.bundle.shapes import ModelShape, NumericShape, split_over_chips
 from sim_backend.model.families.dense_kernels import dense_forward, rope_tables
@@ -66,10 +67,10 @@ class QuantMatrix:
             return cls(kind, codes, d, None)
         raise ValueError(f"{name} is {kind}; the dense kernels take Q4_1 projections and a Q8_0 embedding")
 
-    def dequantised(self) -> np.ndarray:
+    def dequantised(self) -> NDArray[np.float32]:
         """The float32 matrix (rows, cols): ``d q + m`` per block, as llama.cpp's dequantisation gives it."""
         r, c = self.codes.shape
-        w = self.codes.reshape(r, c // QK, QK).astype(F32) * self.d[..., None]
+        w: NDArray[np.float32] = self.codes.reshape(r, c // QK, QK).astype(F32) * self.d[..., None]
         if self.m is not None:
             w += self.m[..., None]
         return w.reshape(r, c)
@@ -153,10 +154,11 @@ def rope_pairs(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray
     return out
 
 
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+def rms_norm(x: NDArray[np.float32], w: NDArray[np.float32], eps: float) -> NDArray[np.float32]:
     """RMSNorm over the last axis, float32: ``x / sqrt(mean(x^2) + eps) * w``."""
     ms = np.einsum("...i,...i->...", x, x)[..., None] * F32(1.0 / x.shape[-1])
-    return x * (_ONE / np.sqrt(ms + F32(eps))) * w
+    out: NDArray[np.float32] = x * (_ONE / np.sqrt(ms + F32(eps))) * w
+    return out
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
@@ -371,7 +373,7 @@ class DenseReference:
         self.v = [np.zeros((0, Hkv, D), F32) for _ in range(shape.n_layers)]
         self.pos = np.zeros(0, dtype=np.int64)
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, positions: np.ndarray) -> NDArray[np.float32]:
         """Append ``tokens`` at ``positions``; return the last token's logits (vocab,) float32."""
         s = self.shape
         D, n = s.head_dim, tokens.shape[0]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from sim_backend.bundle.shapes import ModelShape
 from sim_backend.model.attention_cost import flash_decode
@@ -27,7 +28,7 @@ def expected_experts_touched(n_tokens: int, n_experts: int = 128, k: int = 8) ->
 
 
 def priced_experts_touched(router_touched: Sequence[int], n_tokens: int, n_experts: int = 128,
-                           k: int = 8) -> np.ndarray:
+                           k: int = 8) -> NDArray[np.float64]:
     """Per-layer distinct experts to PRICE a step with, from the synthetic router's own choices.
 
     The synthetic router (random reduced-width weights) routes the tokens of a prompt to
@@ -52,11 +53,12 @@ def priced_experts_touched(router_touched: Sequence[int], n_tokens: int, n_exper
         raise ValueError("router_touched must be a non-empty list of counts >= 1")
     hi = float(min(n_experts, n_tokens * k))
     scaled = t * (expected_experts_touched(n_tokens, n_experts, k) / t.mean())
-    return np.clip(scaled, min(float(k), hi), hi)
+    out: NDArray[np.float64] = np.clip(scaled, min(float(k), hi), hi)
+    return out
 
 
 def moe_role_costs(hw_spec: HardwareSpec, shape: ModelShape, kind: str, n: int, past: int,
-                   touched: np.ndarray) -> tuple[dict[str, Any], dict[str, float]]:
+                   touched: NDArray[np.float64]) -> tuple[dict[str, Any], dict[str, float]]:
     """Per-role simulated µs of one step of the MoE family, and DRAM bytes per chip by stream.
 
     Args:
@@ -88,15 +90,18 @@ def moe_role_costs(hw_spec: HardwareSpec, shape: ModelShape, kind: str, n: int, 
     # whole go through DRAM; smaller ones, and what stays inside a tile (the expert
     # intermediate between gate/up and down, attention scores), stay at SRAM bandwidth.
     sram_ws = sram_workspace_bytes(hw_spec)
-    sram_bw = hw["sram_bw_gbps"] * 1e3
+    sram_bw: float = hw["sram_bw_gbps"] * 1e3
     link = hw["d2d_link_gbps"] * 1e3 * f["d2d_eff"]
     lat = hw["d2d_latency_us"]
     int8 = hw["peak_int8_tops"] * 1e6 * f["int8_compute_eff"]      # ops per µs
     fp16 = hw["peak_fp16_tflops"] * 1e6 * f["fp16_compute_eff"]
     attn_c = hw["peak_fp16_tflops"] * 1e6 * f["attn_compute_eff"]
     ov = f["per_op_overhead_us"]
-    tile = f["prefill_m_tile"]
-    rows = (lambda r: np.maximum(r, tile)) if prefill else (lambda r: r)
+    tile: float = f["prefill_m_tile"]  # an integer (hwspec checks it)
+
+    def rows(m: float) -> float:
+        """Rows an op of m tokens computes: a prefill's are padded to its m tile."""
+        return max(m, tile) if prefill else m
 
     t: dict[str, Any] = {}
     wbytes = {"weights": 0.0, "lm_head": 0.0, "kv": 0.0, "activations": 0.0, "sram_activations": 0.0}
@@ -116,7 +121,7 @@ def moe_role_costs(hw_spec: HardwareSpec, shape: ModelShape, kind: str, n: int, 
                 us += nb_ / act_bw
         return us
 
-    def mm(role: str, m: int, kdim: int, ndim: int, bpw: float, peak: float, key="weights") -> None:
+    def mm(role: str, m: int, kdim: int, ndim: int, bpw: float, peak: float, key: str = "weights") -> None:
         wb = kdim * ndim * bpw
         mult = shape.n_layers if role not in ("lm_head",) else 1
         t[role] = max(2.0 * rows(m) * kdim * ndim / peak, wb / w_bw + act([m * kdim * a, m * ndim * a], mult)) + ov
@@ -184,7 +189,7 @@ def moe_role_costs(hw_spec: HardwareSpec, shape: ModelShape, kind: str, n: int, 
     # per grouped GEMM: gate and up read the gathered rows (n x k x hidden), down writes its outputs
     # (n x k x hidden); the expert intermediate is tile-resident
     e_act_t = act([n * k * H * a], 3 * shape.n_layers, resident=n * k * Fc * a)
-    e_flops = 2.0 * touched * rows(r) * H * Fc
+    e_flops = 2.0 * touched * (np.maximum(r, tile) if prefill else r) * H * Fc
     e_t = np.maximum(e_flops / fp16, e_w / w_bw + e_act_t) + ov
     for role in ("expert_gate", "expert_up", "expert_down"):
         t[role] = e_t
