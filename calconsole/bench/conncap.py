@@ -49,6 +49,10 @@ def register(bsub: BenchParsers) -> None:
     p.add_argument("--addresses", type=int, default=220, help="cap: source addresses, 1..250 (default 220)")
     p.add_argument("--per-address", type=int, default=20, help="cap: connections per address, 1..500 (default 20)")
     p.add_argument("--cap", type=int, default=4096, help="cap: the server's connection cap, 16..4096 (default 4096)")
+    p.add_argument("--files", type=int, default=None, metavar="N",
+                   help="cap: the server's file limit, 112..1048576 (default: --cap + 96, the least that gives that "
+                        "cap; a larger one leaves room for its closing connections, and the cap is the smaller of "
+                        "4096 and N - 96)")
     p.add_argument("--probes", type=int, default=15, help="cap: admin probes, 1..1000 (default 15)")
     p.add_argument("--interval", type=float, default=0.3, metavar="S",
                    help="cap: host s between probes, 0..10 (default 0.3)")
@@ -63,6 +67,7 @@ def register(bsub: BenchParsers) -> None:
                    help="pooled: host s between the neighbour's connections, 0.01..10 (default 0.1)")
     p.add_argument("--duration", type=float, default=30.0, metavar="S",
                    help="pooled: host s the clients poll, 1..3600 (default 30)")
+    p.add_argument("--server-log", default=None, metavar="FILE", help="copy the server's stderr to FILE at the end")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
 
@@ -70,14 +75,16 @@ def register(bsub: BenchParsers) -> None:
 BOUNDS: dict[str, tuple[float, float]] = {
     "addresses": (1, 250), "per_address": (1, 500), "cap": (16, 4096), "probes": (1, 1000), "interval": (0, 10),
     "settle": (0, 600), "timeout": (0.5, 120), "clients": (1, 500), "poll": (0.05, 60), "reconnect": (0.01, 10),
-    "duration": (1, 3600)}
-_INTS = ("addresses", "per_address", "cap", "probes", "clients")
+    "duration": (1, 3600), "files": (112, 1 << 20)}
+_INTS = ("addresses", "per_address", "cap", "probes", "clients", "files")
 
 
 def check_args(args: argparse.Namespace) -> str | None:
     """The first argument out of its bounds (``BOUNDS``), said as an error message; None when all are in."""
     for name, (lo, hi) in BOUNDS.items():
         v = getattr(args, name)
+        if v is None and name == "files":
+            continue
         if name in _INTS and (isinstance(v, bool) or not isinstance(v, int)):
             return f"--{name.replace('_', '-')} must be an integer, got {v!r}"
         if not isinstance(v, (int, float)) or not lo <= v <= hi:  # NaN fails both comparisons
@@ -244,7 +251,7 @@ def measure_cap(child: ServeChild, args: argparse.Namespace) -> dict[str, Any]:
             whys[f"{p['status']}: {p['why']}"] = whys.get(f"{p['status']}: {p['why']}", 0) + 1
     hms = handler_ms(child.log_text(), [p["port"] for p in probes if p["port"]])
     return {
-        "mode": "cap", "cap": args.cap,
+        "mode": "cap", "cap": args.cap, "server_file_limit": args.files,
         "attack": {"addresses": args.addresses, "per_address": args.per_address, "connections": total,
                    "held_when_probing": held, "held_after_probing": held_after, **atk},
         "admin": {"probes": len(probes),
@@ -359,6 +366,13 @@ def measure_pooled(child: ServeChild, args: argparse.Namespace) -> dict[str, Any
     return {"mode": "pooled", "duration_s": args.duration, **rep, "tracebacks": child.tracebacks()}
 
 
+def _keep_log(child: ServeChild, path: str | None) -> None:
+    if path is not None:
+        import shutil
+
+        shutil.copyfile(child.log_path, path)
+
+
 def run(args: argparse.Namespace) -> int:
     why = check_args(args)
     if why is not None:
@@ -367,11 +381,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.mode == "cap":
             _raise_file_limit(args.addresses * args.per_address + 64)
-            with serve_child(nofile=args.cap + _FILES_BESIDE_CAP) as child:
+            if args.files is None:
+                args.files = args.cap + _FILES_BESIDE_CAP
+            args.cap = min(args.cap, args.files - _FILES_BESIDE_CAP)  # the server's own rule
+            with serve_child(nofile=args.files) as child:
                 rep = measure_cap(child, args)
+                _keep_log(child, args.server_log)
         else:
             with serve_child() as child:
                 rep = measure_pooled(child, args)
+                _keep_log(child, args.server_log)
     except (OSError, RuntimeError, ValueError) as e:
         return fail(f"{type(e).__name__}: {e}")
     rep["load_average"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
