@@ -45,6 +45,7 @@ All of this runs on the event loop thread only (protocol callbacks): no locks.
 
 from __future__ import annotations
 
+import collections
 import errno
 import json
 import logging
@@ -136,7 +137,7 @@ class ConnLimits:
     #: at the cap, newcomers admitted by closing an idle connection (per host s, and the bucket's depth); the
     #: others are refused at accept (``ListenGate``) unless their first bytes show an admin key
     cap_admits_per_s: float = 64.0
-    cap_admit_burst: int = 64
+    cap_admit_burst: int = 16
 
     def check(self) -> None:
         """ValueError naming the bound that no server should run with."""
@@ -231,6 +232,12 @@ class ConnectionGuard:
         self.admin_match = admin_match
         #: the cap's admit bucket (``gate``): tokens and the host monotonic s of its fill
         self._cap_bucket: tuple[float, float] | None = None
+        #: host monotonic s of the connections ``gate`` let through that ``admit`` has not seen yet (asyncio
+        #: makes their protocol a pass or two later): they hold descriptors the registry does not count yet
+        self._pending: collections.deque[float] = collections.deque()
+        #: connections closing with a linger (``GuardedConn.close_with``): descriptors the registry no longer
+        #: counts, held up to ``linger_s``; at most ``max_lingering`` at once, the next ones close at once
+        self.lingering = 0
         self.limits = limits or ConnLimits()
         self.limits.check()
         self.max_conns = self.limits.effective_max_conns()
@@ -251,6 +258,8 @@ class ConnectionGuard:
     def admit(self, conn: GuardedConn) -> bool:
         """Register a new connection, making room or refusing it (then it is answered and closed: False)."""
         lim, now = self.limits, time.monotonic()
+        if self._pending:
+            self._pending.popleft()
         peers = self._by_peer.get(conn.peer) or {}
         if len(peers) >= lim.max_conns_per_peer and not self._evict_one(
                 self._idle_by_peer.get(conn.peer, {}), now, "open connections of this address"):
@@ -319,9 +328,18 @@ class ConnectionGuard:
                 del self._by_peer[conn.peer]
                 self._buckets.pop(conn.peer, None)  # a full bucket is the same as none
 
+    #: host s after which a connection ``gate`` let through is no longer counted as pending (one whose
+    #: protocol was never made, its transport failing, must not lower the cap for good)
+    pending_s = 1.0
+    max_lingering = 32
+
     def at_cap(self) -> bool:
-        """Whether a newcomer can be admitted only by closing a connection (or into the reserve)."""
-        return self._total - len(self._reserve) >= self.max_conns
+        """Whether a newcomer can be admitted only by closing a connection (or into the reserve): the registry
+        and the connections accepted but not registered yet (``gate``)."""
+        p, old = self._pending, time.monotonic() - self.pending_s
+        while p and p[0] < old:
+            p.popleft()
+        return self._total - len(self._reserve) + len(p) + self.lingering >= self.max_conns
 
     def gate(self, sock: socket.socket) -> bool:
         """At accept, before asyncio makes a transport and a protocol for ``sock`` (``ListenGate``): True to
@@ -334,13 +352,16 @@ class ConnectionGuard:
         every evicted reconnect came back at once, and the admin's connection waited 0.1-0.8 s in the
         accept queue behind them and as long again in the loop's passes.
         """
+        now = time.monotonic()
         if not self.at_cap():
+            self._pending.append(now)
             return True
-        lim, now = self.limits, time.monotonic()
+        lim = self.limits
         tokens, at = self._cap_bucket or (float(lim.cap_admit_burst), now)
         tokens = min(float(lim.cap_admit_burst), tokens + (now - at) * lim.cap_admits_per_s)
         if tokens >= 1.0:
             self._cap_bucket = (tokens - 1.0, now)
+            self._pending.append(now)
             return True
         self._cap_bucket = (tokens, now)
         try:
@@ -351,11 +372,11 @@ class ConnectionGuard:
             key = admin_key_of(first)
             if key is not None and self.admin_match(key) is not None:
                 self.stats.admin_at_accept += 1
+                self._pending.append(now)
                 return True
         self.stats.refused_at_accept += 1
-        try:
-            if first:  # read: closing with unread input would reset, destroying the answer before it is read
-                sock.recv(len(first), socket.MSG_DONTWAIT)
+        try:  # read first: closing with unread input would reset, destroying the answer before it is read
+            sock.recv(len(first), socket.MSG_DONTWAIT)
             sock.send(_AT_CAP, socket.MSG_DONTWAIT)
         except OSError:
             pass  # gone already, or its buffer full: closed all the same
@@ -500,8 +521,13 @@ class GuardedConn(_ProtocolBase):
             return 0
         return int(struct.unpack("i", buf)[0])
 
+    _lingers = False
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self.guard is not None:
+            if self._lingers:
+                self._lingers = False
+                self.guard.lingering -= 1
             self.guard.forget(self)
         super().connection_lost(exc)
 
@@ -570,11 +596,17 @@ class GuardedConn(_ProtocolBase):
         t = self.transport
         if t.is_closing():
             return
+        g = self.guard
+        if linger and g is not None and g.lingering >= g.max_lingering:
+            linger = False  # descriptors first: a burst of lingering closes ran the process out of them
         try:
             t.write(data)
             if linger and t.can_write_eof():
                 t.write_eof()
                 self.loop.call_later(self.linger_s, t.close)
+                if g is not None:
+                    g.lingering += 1
+                    self._lingers = True
             else:
                 t.close()
         except OSError:  # the peer left before our answer: nothing to tell it
@@ -650,6 +682,18 @@ class ListenGate(socket.socket):
 
     guard: ConnectionGuard | None = None
     refusals_per_accept = 64
+
+    def listen(self, backlog: int = 128, /) -> None:
+        """``listen``, with Linux's ``TCP_DEFER_ACCEPT`` (1 s): a connection is handed to ``accept`` once its
+        first bytes came (or that long after, if none come), so the gate sees what it sent: an admin's head
+        a moment behind its connect was refused as empty."""
+        opt = getattr(socket, "TCP_DEFER_ACCEPT", None)
+        if opt is not None:
+            try:
+                self.setsockopt(socket.IPPROTO_TCP, opt, 1)
+            except OSError:
+                pass  # not supported here: the gate sees fewer first bytes
+        super().listen(backlog)
 
     def accept(self) -> tuple[socket.socket, Any]:
         for _ in range(self.refusals_per_accept):
