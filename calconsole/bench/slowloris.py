@@ -22,16 +22,13 @@ import argparse
 import asyncio
 import contextlib
 import os
-import socket
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from ..commands.common import fail, print_json
 from . import BenchParsers
+from .child import serve_child
 
 HALF_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
 
@@ -52,53 +49,12 @@ def register(bsub: BenchParsers) -> None:
     p.set_defaults(func=run)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def child_server() -> Iterator[tuple[str, str]]:
-    """(url, admin key) of a ``calconsole serve --timing-only`` child on 127.0.0.1, stopped on exit."""
-    import secrets
-
-    import httpx
-
-    key = secrets.token_urlsafe(24)
-    with tempfile.TemporaryDirectory() as d:
-        kf = os.path.join(d, "admin.keys")
-        fd = os.open(kf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(f"bench {key}\n")
-        port = _free_port()
-        env = {**os.environ, "CALCONSOLE_AUDIT_LOG": os.path.join(d, "audit.jsonl")}
-        proc = subprocess.Popen([sys.executable, "-m", "calconsole", "serve", "--port", str(port), "--timing-only",
-                                 "--pacing", "fast", "--admin-key-file", kf],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 120
-            while True:
-                if proc.poll() is not None:
-                    err = (proc.stderr.read() if proc.stderr else b"").decode(errors="replace")[-400:]
-                    raise RuntimeError(f"the server exited with {proc.returncode}: {err}")
-                try:
-                    if httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the server did not answer /health within 120 s")
-                time.sleep(0.2)
-            yield url, key
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+    """(url, admin key) of a ``calconsole serve --timing-only`` child on 127.0.0.1, stopped on exit (its stderr
+    drained into a file: ``child.serve_child``)."""
+    with serve_child() as c:
+        yield c.url, c.admin_key
 
 
 class Attack:

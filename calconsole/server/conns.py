@@ -45,9 +45,12 @@ All of this runs on the event loop thread only (protocol callbacks): no locks.
 
 from __future__ import annotations
 
+import collections
+import errno
 import json
 import logging
 import resource
+import socket
 import struct
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -84,6 +87,12 @@ if TYPE_CHECKING:  # the mixin calls the protocol's methods through super()
     _ProtocolBase = H11Protocol
 else:
     _ProtocolBase = object
+
+#: the listening socket's queue of connections not accepted yet (uvicorn's default; with 128, reconnects past
+#: the connection cap filled it and an admin's SYN was dropped, retried after 1 s)
+LISTEN_BACKLOG = 2048
+#: connections asyncio accepts in one pass of the event loop (it takes uvicorn's backlog, 2048, for this too)
+ACCEPTS_PER_PASS = 32
 
 #: the scope entry that holds a request's connection (``GuardedConn``), for ``conn_of``
 SCOPE_KEY = "calconsole.conn"
@@ -125,6 +134,10 @@ class ConnLimits:
     budget_close_burst: int = 8
     #: connections beyond ``max_conns`` for ``/health`` and ``/maintenance/*`` only (the operator's share)
     reserve_conns: int = 32
+    #: at the cap, newcomers admitted by closing an idle connection (per host s, and the bucket's depth); the
+    #: others are refused at accept (``ListenGate``) unless their first bytes show an admin key
+    cap_admits_per_s: float = 64.0
+    cap_admit_burst: int = 16
 
     def check(self) -> None:
         """ValueError naming the bound that no server should run with."""
@@ -141,9 +154,12 @@ class ConnLimits:
         r = self.reserve_conns
         if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r <= 4096:
             raise ValueError(f"reserve_conns must be an integer in [0, 4096], got {r!r}")
-        b = self.budget_close_burst
-        if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 1 << 20:
-            raise ValueError(f"budget_close_burst must be an integer in [1, {1 << 20}], got {b!r}")
+        for bname in ("budget_close_burst", "cap_admit_burst"):
+            b = getattr(self, bname)
+            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 1 << 20:
+                raise ValueError(f"{bname} must be an integer in [1, {1 << 20}], got {b!r}")
+        if not 0.0 < self.cap_admits_per_s <= 1e6:
+            raise ValueError(f"cap_admits_per_s must be in (0, 1e6], got {self.cap_admits_per_s}")
 
     def effective_max_conns(self) -> int:
         """``max_conns``, lowered to leave 64 descriptors of the process's file limit for files and threads,
@@ -171,13 +187,57 @@ class ConnStats:
     send_deadline: int = 0
     #: requests for a heavy reply answered 503: every heavy-reply place (or this address's share) was taken
     heavy_refused: int = 0
+    #: connections refused at accept past the cap (``ListenGate``: no protocol made), and admitted there for
+    #: an admin key in their first bytes
+    refused_at_accept: int = 0
+    admin_at_accept: int = 0
     by_reason: dict[str, int] = field(default_factory=dict)
 
 
-class ConnectionGuard:
-    """The registry of open connections by peer address, and the limits above. Event loop thread only."""
+_RESERVE_FULL = error_bytes(503, "unavailable_error", "connection closed: the server is at its connection cap and "
+                           "its reserve is full", "Service Unavailable")
 
-    def __init__(self, limits: ConnLimits | None = None) -> None:
+
+_AT_CAP = error_bytes(503, "unavailable_error", "server busy: at its connection cap", "Service Unavailable")
+#: bytes of a new connection's first data looked at by ``ConnectionGuard.gate`` (an admin's head fits)
+PEEK_BYTES = 4096
+
+
+def admin_key_of(head: bytes) -> str | None:
+    """The key a raw request head shows: its ``Authorization: Bearer`` token, else its ``X-Api-Key`` (as
+    ``KeyCheck`` reads them), or None. Only the lines before the head's end (or the bytes so far) are read."""
+    bearer = api_key = None
+    for line in head.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            continue
+        n = name.strip().lower()
+        if n == b"authorization" and bearer is None:
+            scheme, _, tok = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer":
+                bearer = tok.strip().decode("latin-1")
+        elif n == b"x-api-key" and api_key is None:
+            api_key = value.strip().decode("latin-1")
+    return bearer or api_key or None
+
+
+class ConnectionGuard:
+    """The registry of open connections by peer address, and the limits above. Event loop thread only.
+
+    ``admin_match(key)``: the admin key ring's ``match`` (a label or None), for ``gate``; None: no admin keys.
+    """
+
+    def __init__(self, limits: ConnLimits | None = None,
+                 admin_match: Callable[[str], str | None] | None = None) -> None:
+        self.admin_match = admin_match
+        #: the cap's admit bucket (``gate``): tokens and the host monotonic s of its fill
+        self._cap_bucket: tuple[float, float] | None = None
+        #: host monotonic s of the connections ``gate`` let through that ``admit`` has not seen yet (asyncio
+        #: makes their protocol a pass or two later): they hold descriptors the registry does not count yet
+        self._pending: collections.deque[float] = collections.deque()
+        #: connections closing with a linger (``GuardedConn.close_with``): descriptors the registry no longer
+        #: counts, held up to ``linger_s``; at most ``max_lingering`` at once, the next ones close at once
+        self.lingering = 0
         self.limits = limits or ConnLimits()
         self.limits.check()
         self.max_conns = self.limits.effective_max_conns()
@@ -198,6 +258,8 @@ class ConnectionGuard:
     def admit(self, conn: GuardedConn) -> bool:
         """Register a new connection, making room or refusing it (then it is answered and closed: False)."""
         lim, now = self.limits, time.monotonic()
+        if self._pending:
+            self._pending.popleft()
         peers = self._by_peer.get(conn.peer) or {}
         if len(peers) >= lim.max_conns_per_peer and not self._evict_one(
                 self._idle_by_peer.get(conn.peer, {}), now, "open connections of this address"):
@@ -242,8 +304,7 @@ class ConnectionGuard:
             if victim is None:
                 return False
             self.stats.reserve_evicted += 1
-            victim.close_with(error_bytes(503, "unavailable_error", "connection closed: the server is at its "
-                                          "connection cap and its reserve is full", "Service Unavailable"))
+            victim.close_with(_RESERVE_FULL, linger=False)  # _evictable: nothing unread
             self.forget(victim)
         conn.reserved = True
         self._reserve[conn] = None
@@ -266,6 +327,61 @@ class ConnectionGuard:
             if not peers:
                 del self._by_peer[conn.peer]
                 self._buckets.pop(conn.peer, None)  # a full bucket is the same as none
+
+    #: host s after which a connection ``gate`` let through is no longer counted as pending (one whose
+    #: protocol was never made, its transport failing, must not lower the cap for good)
+    pending_s = 1.0
+    max_lingering = 32
+
+    def at_cap(self) -> bool:
+        """Whether a newcomer can be admitted only by closing a connection (or into the reserve): the registry
+        and the connections accepted but not registered yet (``gate``)."""
+        p, old = self._pending, time.monotonic() - self.pending_s
+        while p and p[0] < old:
+            p.popleft()
+        return self._total - len(self._reserve) + len(p) + self.lingering >= self.max_conns
+
+    def gate(self, sock: socket.socket) -> bool:
+        """At accept, before asyncio makes a transport and a protocol for ``sock`` (``ListenGate``): True to
+        serve it; False when it was refused (503 written, closed).
+
+        Below the cap every connection is served. At it, a newcomer is served only while the cap's admit
+        bucket (``cap_admits_per_s``, ``cap_admit_burst`` deep) has a token, or when the bytes it already
+        sent show an admin key (peeked, not read). Every other one is refused here for a few syscalls: made
+        into a protocol it cost ~0.5 ms of the loop (transport, h11 state, admit, a close for its place),
+        every evicted reconnect came back at once, and the admin's connection waited 0.1-0.8 s in the
+        accept queue behind them and as long again in the loop's passes.
+        """
+        now = time.monotonic()
+        if not self.at_cap():
+            self._pending.append(now)
+            return True
+        lim = self.limits
+        tokens, at = self._cap_bucket or (float(lim.cap_admit_burst), now)
+        tokens = min(float(lim.cap_admit_burst), tokens + (now - at) * lim.cap_admits_per_s)
+        if tokens >= 1.0:
+            self._cap_bucket = (tokens - 1.0, now)
+            self._pending.append(now)
+            return True
+        self._cap_bucket = (tokens, now)
+        try:
+            first = sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            first = b""
+        if first and self.admin_match is not None:
+            key = admin_key_of(first)
+            if key is not None and self.admin_match(key) is not None:
+                self.stats.admin_at_accept += 1
+                self._pending.append(now)
+                return True
+        self.stats.refused_at_accept += 1
+        try:  # read first: closing with unread input would reset, destroying the answer before it is read
+            sock.recv(len(first), socket.MSG_DONTWAIT)
+            sock.send(_AT_CAP, socket.MSG_DONTWAIT)
+        except OSError:
+            pass  # gone already, or its buffer full: closed all the same
+        sock.close()
+        return False
 
     def count(self, peer: str | None = None) -> int:
         """Open connections (of ``peer``, or all)."""
@@ -343,18 +459,22 @@ class ConnectionGuard:
         return False
 
     def _evict(self, c: GuardedConn, what: str, budget: int | None) -> None:
+        """Close ``c`` (checked ``_evictable``: nothing unread) for ``what``; ``budget`` None: a hard bound,
+        closed at once (``close_with(linger=False)``), else a paced budget close that lingers."""
         self.stats.evicted_idle += 1
         self.stats.by_reason[what] = self.stats.by_reason.get(what, 0) + 1
         lim = f" (budget {budget})" if budget is not None else ""
         c.close_with(error_bytes(503, "unavailable_error", f"connection closed: it sent no request for "
                                  f"{time.monotonic() - (c.idle_since or 0):.1f} s while {what} are over their "
-                                 f"limit{lim}", "Service Unavailable"))
+                                 f"limit{lim}", "Service Unavailable"), linger=budget is not None)
         self.forget(c)
 
     def _refuse(self, conn: GuardedConn, message: str) -> None:
         self.stats.refused += 1
         self.stats.by_reason[message.split(" from ")[0]] = self.stats.by_reason.get(message.split(" from ")[0], 0) + 1
-        conn.close_with(error_bytes(503, "unavailable_error", message, "Service Unavailable"))
+        # lingers only when the peer's bytes already wait: a reset would destroy the answer before it is read
+        conn.close_with(error_bytes(503, "unavailable_error", message, "Service Unavailable"),
+                        linger=conn.unread_bytes() > 0)
 
 
 class GuardedConn(_ProtocolBase):
@@ -401,8 +521,13 @@ class GuardedConn(_ProtocolBase):
             return 0
         return int(struct.unpack("i", buf)[0])
 
+    _lingers = False
+
     def connection_lost(self, exc: Exception | None) -> None:
         if self.guard is not None:
+            if self._lingers:
+                self._lingers = False
+                self.guard.lingering -= 1
             self.guard.forget(self)
         super().connection_lost(exc)
 
@@ -451,12 +576,15 @@ class GuardedConn(_ProtocolBase):
     #: after an answer-and-close, how long the peer may take to close its side (host s)
     linger_s = 2.0
 
-    def close_with(self, data: bytes) -> None:
+    def close_with(self, data: bytes, *, linger: bool = True) -> None:
         """Answer ``data`` (a whole response) and close, whatever h11's state is (no request may have come).
 
-        A lingering close: our side ends with FIN and what the peer still sends is read and dropped
-        until it closes (at most ``linger_s``). Closing a socket with unread input sends a reset,
-        which destroys the answer in the peer's buffer before it reads it.
+        ``linger``: a lingering close: our side ends with FIN and what the peer still sends is read and
+        dropped until it closes (at most ``linger_s``). Closing a socket with unread input sends a reset,
+        which destroys the answer in the peer's buffer before it reads it. Without it (the guard's closes
+        at a hard bound, of a socket with nothing unread) the socket is closed at once after the answer:
+        its descriptor is free now, not up to ``linger_s`` later, and no timer is armed. Past the cap every
+        reconnect costs such a close, and lingering ones held descriptors the cap does not count.
 
         A peer that is already gone (the socket reset or never connected: ``write_eof`` raises ENOTCONN,
         EPIPE or ECONNRESET, as seen over the connection cap) is not an error of the server: the transport
@@ -468,11 +596,17 @@ class GuardedConn(_ProtocolBase):
         t = self.transport
         if t.is_closing():
             return
+        g = self.guard
+        if linger and g is not None and g.lingering >= g.max_lingering:
+            linger = False  # descriptors first: a burst of lingering closes ran the process out of them
         try:
             t.write(data)
-            if t.can_write_eof():
+            if linger and t.can_write_eof():
                 t.write_eof()
                 self.loop.call_later(self.linger_s, t.close)
+                if g is not None:
+                    g.lingering += 1
+                    self._lingers = True
             else:
                 t.close()
         except OSError:  # the peer left before our answer: nothing to tell it
@@ -535,6 +669,39 @@ class GuardedHttpToolsProtocol(GuardedConn, HttpToolsProtocol):  # type: ignore[
         super().on_headers_complete()
         self._head_bytes = 0
         self._head_arrived()
+
+
+class ListenGate(socket.socket):
+    """A listening socket whose ``accept`` lets its ``guard`` (``ConnectionGuard.gate``) refuse a connection
+    before asyncio makes anything of it. Pure-Python event loops only: uvloop accepts in C and never calls it.
+
+    At most ``refusals_per_accept`` are refused in one call; then it raises ``BlockingIOError``, which ends
+    the loop's accepting for this pass (the listening socket stays readable: the rest waits a pass), so a
+    reconnecting crowd cannot keep the loop in ``accept``.
+    """
+
+    guard: ConnectionGuard | None = None
+    refusals_per_accept = 64
+
+    def listen(self, backlog: int = 128, /) -> None:
+        """``listen``, with Linux's ``TCP_DEFER_ACCEPT`` (1 s): a connection is handed to ``accept`` once its
+        first bytes came (or that long after, if none come), so the gate sees what it sent: an admin's head
+        a moment behind its connect was refused as empty."""
+        opt = getattr(socket, "TCP_DEFER_ACCEPT", None)
+        if opt is not None:
+            try:
+                self.setsockopt(socket.IPPROTO_TCP, opt, 1)
+            except OSError:
+                pass  # not supported here: the gate sees fewer first bytes
+        super().listen(backlog)
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        for _ in range(self.refusals_per_accept):
+            conn, addr = super().accept()
+            g = self.guard
+            if g is None or g.gate(conn):
+                return conn, addr
+        raise BlockingIOError(errno.EAGAIN, "connections refused at the cap: the rest waits a pass")
 
 
 #: paths that keep ``reserve`` places beyond ``max_active``: the operator can look and act when traffic is full

@@ -21,12 +21,15 @@ import anyio
 import uvicorn
 
 from .conns import (
+    ACCEPTS_PER_PASS,
     HAVE_HTTPTOOLS,
     HEAVY_REPLY_BUDGET,
+    LISTEN_BACKLOG,
     ConnectionGuard,
     GuardedConn,
     GuardedH11Protocol,
     GuardedHttpToolsProtocol,
+    ListenGate,
     ReplyGuard,
     RequestBound,
 )
@@ -57,13 +60,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     response until the client's delayed ACK (~40 ms a request; 0.1 ms with it).
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock = ListenGate(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # the guard refuses at accept past the cap
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        # uvicorn's own default: with 128, reconnects past the connection cap filled the queue and an admin's
-        # SYN was dropped (retried after 1 s)
-        sock.listen(2048)
+        sock.listen(LISTEN_BACKLOG)  # conns.LISTEN_BACKLOG says why that deep
         sock.set_inheritable(True)
     except OSError:
         sock.close()
@@ -129,6 +130,13 @@ class _Server(uvicorn.Server):
         # caller closes the simulator and returns 0
         self._captured_signals.clear()
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        # uvicorn's backlog is asyncio's accepts per loop pass (ACCEPTS_PER_PASS), and its listen(): the queue
+        # gets its own depth back
+        for sk in sockets or ():
+            sk.listen(LISTEN_BACKLOG)
+
 
 class _HeadDeadline(GuardedConn):
     """A deadline on each request head (``head_timeout_s`` host s), mixed in before a guarded protocol.
@@ -192,12 +200,12 @@ def http_impl(name: str) -> str:
 def _config(face: ServingFace, *, signals: bool, on_started: Callable[[], None] | None = None) -> uvicorn.Config:
     c = face.config
     # the head gets the body's time bound (ServeConfig.body_timeout_s); one guard per server (conns module)
-    face.conn_guard = ConnectionGuard(c.conn_limits)
+    face.conn_guard = ConnectionGuard(c.conn_limits, admin_match=c.admin_keys.match if c.admin_keys else None)
     base, loop = PROTOCOLS[http_impl(c.http)]
     proto = type("_Guarded", (base,), {"head_timeout_s": c.body_timeout_s, "guard": face.conn_guard})
     # no limit_concurrency: uvicorn counts idle connections too and answers plain text (RequestBound instead)
     return uvicorn.Config(_app_with_lifespan(face, on_started), log_config=None, access_log=False, lifespan="on",
-                          http=proto, loop=loop,
+                          http=proto, loop=loop, backlog=ACCEPTS_PER_PASS,
                           timeout_graceful_shutdown=int(GRACEFUL_S), timeout_keep_alive=5,
                           h11_max_incomplete_event_size=64 * 1024, server_header=False,
                           date_header=False)  # HeaderCase writes Date (uvicorn's is lower-case)
@@ -209,7 +217,15 @@ def serve_foreground(face: ServingFace, socks: socket.socket | list[socket.socke
     installs the handlers). ``on_started`` runs once the server is up and the handlers are installed
     (``calconsole serve`` prints its "listening" line then)."""
     server = _Server(_config(face, signals=True, on_started=on_started), face)
-    server.run(sockets=socks if isinstance(socks, list) else [socks])
+    socks = socks if isinstance(socks, list) else [socks]
+    _gate(socks, face)
+    server.run(sockets=socks)
+
+
+def _gate(socks: list[socket.socket], face: ServingFace) -> None:
+    for sk in socks:  # a socket bound elsewhere (not a ListenGate) is served ungated
+        if isinstance(sk, ListenGate):
+            sk.guard = face.conn_guard
 
 
 class ServerThread:
@@ -229,6 +245,7 @@ class ServerThread:
         self.host, self.port = h, p
         self.url = f"http://[{h}]:{p}" if ":" in h else f"http://{h}:{p}"
         self._server = _Server(_config(face, signals=False), face)
+        _gate([self.sock], face)
         # uvicorn captures signals only on the main thread: a thread's server is stopped by stop()
         self._thread = threading.Thread(target=self._run, name="calconsole-serve", daemon=True)
         self.error: BaseException | None = None
