@@ -419,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  pooled requests evicted (503 as their reply): {p['evicted']}/{p['requests']}; status {p['status']}; "
               f"{p['retried']} resent after a kept connection closed; {p['new_connections']} connections")
         print(f"  neighbour: {nb['opened']} opened, {nb['closed_by_server']} closed by the server")
-        for e in p["errors"]:
-            print(f"  client failed: {e}")
+        for failure in p["errors"]:
+            print(f"  client failed: {failure}")
     print(f"  tracebacks in the server's log: {rep['tracebacks']}")
     return 0

@@ -15,7 +15,7 @@ GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("capacity and performance of the device",
      ("matrix", "serve", "replay", "sweep", "roadmap", "calibrate", "realtime")),
     ("diagnostics of this program",
-     ("step", "overlap", "poll", "host", "keys", "grammar", "slowloris", "conncap", "fleet")),
+     ("step", "overlap", "poll", "host", "keys", "grammar", "slowloris", "conncap", "http", "fleet")),
 )
 BENCH_MODULES = tuple(name for _, names in GROUPS for name in names)
 

@@ -12,6 +12,7 @@ import argparse
 import logging
 import socket
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -237,6 +238,33 @@ def _context_kw(args: argparse.Namespace) -> dict[str, Any]:
     return {"context_shift": True, "n_ctx": getattr(args, "ctx_size", None)}
 
 
+class _StampFormatter(logging.Formatter):
+    """``%(asctime)s`` as logging writes it (``2026-01-02 03:04:05,678``), its date and time formatted once per
+    second: the access log writes a line for every request."""
+
+    _second = -1
+    _stamp = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 - logging's
+        if datefmt is not None:
+            return super().formatTime(record, datefmt)
+        s = int(record.created)
+        if s != self._second:
+            self._second, self._stamp = s, time.strftime("%Y-%m-%d %H:%M:%S", self.converter(s))
+        return f"{self._stamp},{int(record.msecs):03d}"
+
+
+def log_to_stderr() -> None:
+    """The serve process's log: INFO and up on stderr, ``time name message``. Records skip the process and
+    thread fields (logging's own advice for speed: this format shows neither)."""
+    logging.logProcesses = logging.logThreads = logging.logMultiprocessing = False
+    if hasattr(logging, "logAsyncioTasks"):  # 3.12+: the task's name, looked up for every record
+        logging.logAsyncioTasks = False
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_StampFormatter("%(asctime)s %(name)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+
+
 #: ``--reasoning`` values as llama-server reads them (``common_arg_utils::is_truthy`` / ``is_falsey`` /
 #: ``is_autoy`` in llama.cpp's common/arg.cpp: exact, lower-case spellings)
 REASONING_VALUES: dict[str, bool | None] = {"on": True, "enabled": True, "true": True, "1": True,
@@ -332,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             return fail(str(e))
         return launch(args)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    log_to_stderr()
     # every option, the keys and the bind before the simulator is built (a first start compiles the
     # kernels for minutes): a refused start costs nothing. Bound here, the sockets take connections
     # into their backlog while the device starts; uvicorn answers them once it is up.

@@ -884,6 +884,9 @@ class ReplyGuard:
             nonlocal cut
             if cut:
                 return  # the connection is gone: the rest of the reply is dropped
+            if conn is not None and not conn.flow.write_paused:
+                await send(message)  # uvicorn's send waits only while writing is paused: no deadline to keep
+                return
             with anyio.move_on_after(self.send_timeout_s) as deadline:
                 await send(message)
             if deadline.cancelled_caught:

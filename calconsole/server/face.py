@@ -3,7 +3,7 @@
 The face in layers (as llama.cpp's server: http / task results that own their JSON / queue / slots; its
 ``server-http`` over ``server-context``):
 
-- ``middleware``: access log, CORS, body limit, key check (outermost first);
+- ``middleware``: access log, CORS, body limit, key check (``Front``, one ASGI layer), header casing;
 - one routes module per family, each listing (path, handler, methods, key): ``routes_monitor``
   (/health /props /slots /metrics /v1/models), ``routes_text`` (/tokenize /detokenize /apply-template
   /chat/completions/input_tokens /infill; embeddings, rerank answered 501 as llama-server does without
@@ -28,7 +28,6 @@ from collections.abc import Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -48,7 +47,7 @@ from .context import (
     device_of,
     remote_of,
 )
-from .middleware import AccessLog, BodyLimit, KeyCheck
+from .middleware import Front
 from .wire import HTTPError
 
 log = logging.getLogger("calconsole.serve")
@@ -78,9 +77,10 @@ def _wrap(face: ServingFace, handler: Handler) -> Handler:
     return endpoint
 
 
-def build_app(face: ServingFace) -> Starlette:
-    """The Starlette app: one routes module per family, llama-server error bodies for 404, and the
-    middleware stack (``middleware``: access log, CORS, body limit, key check; outermost first)."""
+def build_app(face: ServingFace) -> Front:
+    """The face as one ASGI app: ``middleware.Front`` (access log, CORS, body limit, key check; the routes
+    without path parameters looked up by path) over the Starlette app (``Front.app``: every route, llama-server
+    error bodies for 404, the lifespan)."""
     from . import routes_generate, routes_monitor, routes_slots, routes_snapshot, routes_text
 
     specs: list[RouteSpec] = []
@@ -90,7 +90,8 @@ def build_app(face: ServingFace) -> Starlette:
         from .maintenance_routes import maintenance_routes
 
         specs += [(p, h, m, "admin") for p, h, m in maintenance_routes(face)]
-    table = [Route(p, _wrap(face, h), methods=m) for p, h, m, _ in specs]
+    endpoints = [(p, _wrap(face, h), m) for p, h, m, _ in specs]
+    table = [Route(p, e, methods=m) for p, e, m in endpoints]
 
     async def not_found(request: Request, exc: Exception) -> Response:
         # llama-server routes by method and path together: a known path with another method is a 404 too
@@ -100,16 +101,14 @@ def build_app(face: ServingFace) -> Starlette:
     # Starlette answers '/props/' with a redirect to an absolute URL built from the Host header, before any
     # key check (an open redirect); llama-server has no such routes: a trailing slash is a 404 here
     app.router.redirect_slashes = False
-    # added innermost first: the key check runs last, right before the route
-    app.add_middleware(KeyCheck, face=face, auth_of=auth_of(specs))
-    app.add_middleware(BodyLimit, max_bytes=face.config.max_body_bytes)
     origins = face.config.cors_origins
     # llama-server's CORS: the origin echoed, credentials allowed, its four methods, any header
-    app.add_middleware(CORSMiddleware, allow_origins=list(origins or ()),
-                       allow_origin_regex=None if origins else LOCAL_ORIGINS, allow_credentials=True,
-                       allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"])
-    app.add_middleware(AccessLog, face=face)
-    return app
+    cors = {"allow_origins": list(origins or ()), "allow_origin_regex": None if origins else LOCAL_ORIGINS,
+            "allow_credentials": True, "allow_methods": ["GET", "POST", "DELETE", "OPTIONS"],
+            "allow_headers": ["*"]}
+    # HEAD (Starlette adds it to GET routes) and the other methods stay with the router
+    fast = {p: (frozenset(m), e) for p, e, m in endpoints if "{" not in p}
+    return Front(app, face, auth_of=auth_of(specs), fast=fast, cors_kw=cors)
 
 
 def auth_of(specs: list[RouteSpec]) -> Callable[[str], str | None]:

@@ -34,7 +34,7 @@ from .conns import (
     RequestBound,
 )
 from .face import HEAVY_BODY_BYTES, ServingFace, build_app
-from .middleware import HeaderCase
+from .heads import OneWrite
 from .replies import reply_limit
 
 log = logging.getLogger("calconsole.serve")
@@ -92,7 +92,7 @@ def _app_with_lifespan(face: ServingFace, on_started: Callable[[], None] | None 
             except Exception as e:  # noqa: BLE001 - stopping goes on; say what was not written
                 log.error("audit log: refusal summaries not written at stop: %s", e)
 
-    app.router.lifespan_context = lifespan
+    app.app.router.lifespan_context = lifespan  # type: ignore[attr-defined]
     c = face.config
     # requests in progress, not connections: idle ones cannot take this capacity (conns module)
     face.request_bound = RequestBound(app, max_active=c.max_streams + c.max_snapshot_streams + 64,
@@ -101,7 +101,7 @@ def _app_with_lifespan(face: ServingFace, on_started: Callable[[], None] | None 
     guarded = ReplyGuard(face.request_bound, face.conn_guard, send_timeout_s=c.send_timeout_s,
                          heavy_body_bytes=HEAVY_BODY_BYTES,
                          places=max(1, HEAVY_REPLY_BUDGET // reply_limit(c.max_body_bytes)))
-    return HeaderCase(guarded)  # outermost: the bounds' own refusals are cased too
+    return guarded  # heads: names cased and Date added on the wire (heads.OneWrite), the bounds' refusals too
 
 
 def _shows_admin_key(face: ServingFace, scope: dict[str, Any]) -> bool:
@@ -162,6 +162,13 @@ class _HeadDeadline(GuardedConn):
         super().on_response_complete()
         self._arm_head_deadline()
 
+    def _head_arrived(self) -> None:
+        super()._head_arrived()
+        # the request's cycle writes its head through OneWrite: llama-server's spelling, one write with the body
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not isinstance(cycle.transport, OneWrite):
+            cycle.transport = OneWrite(cycle.transport, self.loop)  # type: ignore[assignment]
+
     def _arm_head_deadline(self) -> None:
         self.loop.call_later(self.head_timeout_s, self._head_deadline, self.served)
 
@@ -204,11 +211,13 @@ def _config(face: ServingFace, *, signals: bool, on_started: Callable[[], None] 
     base, loop = PROTOCOLS[http_impl(c.http)]
     proto = type("_Guarded", (base,), {"head_timeout_s": c.body_timeout_s, "guard": face.conn_guard})
     # no limit_concurrency: uvicorn counts idle connections too and answers plain text (RequestBound instead)
+    # no proxy headers: llama-server reads no X-Forwarded-For, and with them any local client named its own address
+    # (the access log, the audit log, the per-address bounds of heavy replies and snapshot streams)
     return uvicorn.Config(_app_with_lifespan(face, on_started), log_config=None, access_log=False, lifespan="on",
-                          http=proto, loop=loop, backlog=ACCEPTS_PER_PASS,
+                          http=proto, loop=loop, backlog=ACCEPTS_PER_PASS, proxy_headers=False,
                           timeout_graceful_shutdown=int(GRACEFUL_S), timeout_keep_alive=5,
                           h11_max_incomplete_event_size=64 * 1024, server_header=False,
-                          date_header=False)  # HeaderCase writes Date (uvicorn's is lower-case)
+                          date_header=False)  # heads.OneWrite writes Date (uvicorn's is lower-case)
 
 
 def serve_foreground(face: ServingFace, socks: socket.socket | list[socket.socket],
