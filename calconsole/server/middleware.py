@@ -27,9 +27,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from starlette.requests import Request
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp as StarletteApp
 from starlette.types import Send
-from starlette.responses import JSONResponse
 
 from .context import BodyTooLarge
 from .wire import HTTPError, bad_request
