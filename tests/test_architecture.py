@@ -207,7 +207,7 @@ _STRICT_FLAGS = ("warn_unused_configs", "disallow_any_generics", "disallow_subcl
                  "no_implicit_reexport", "strict_equality", "extra_checks")
 #: Packages without type information whose imports mypy may take as Any (pyproject says why).
 _UNTYPED_PACKAGES = {"aiofiles", "aiofiles.*", "llvmlite", "llvmlite.*", "plotext", "plotext.*", "scipy", "scipy.*",
-                     "threadpoolctl"}
+                     "threadpoolctl", "xllamacpp", "xllamacpp.*"}
 #: numba's unannotated code-generation helpers that the kernels' intrinsics may call.
 _UNTYPED_CALLS_ALLOWED = ["numba.core.cgutils", "numba.core.base"]
 

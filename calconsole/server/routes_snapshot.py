@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from . import wire
-from .conns import PeerPlaces, Progress, conn_of
+from .bounds import PeerPlaces, Progress
+from .conns import conn_of
 from .wire import HTTPError
 
 if TYPE_CHECKING:

@@ -20,18 +20,16 @@ from typing import Any
 import anyio
 import uvicorn
 
+from .bounds import HEAVY_REPLY_BUDGET, ReplyGuard, RequestBound
 from .conns import (
     ACCEPTS_PER_PASS,
     HAVE_HTTPTOOLS,
-    HEAVY_REPLY_BUDGET,
     LISTEN_BACKLOG,
     ConnectionGuard,
     GuardedConn,
     GuardedH11Protocol,
     GuardedHttpToolsProtocol,
     ListenGate,
-    ReplyGuard,
-    RequestBound,
 )
 from .face import HEAVY_BODY_BYTES, ServingFace, build_app
 from .heads import OneWrite

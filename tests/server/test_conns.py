@@ -13,7 +13,8 @@ import anyio
 import httpx
 import pytest
 
-from calconsole.server.conns import ConnLimits, RequestBound
+from calconsole.server.bounds import RequestBound
+from calconsole.server.conns import ConnLimits
 
 from .conftest import ADMIN_KEY, wait_until
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from calconsole.server import replies
-from calconsole.server.conns import ReplyGuard
+from calconsole.server.bounds import ReplyGuard
 from calconsole.server.replies import PIECE_BYTES, json_pieces
 
 from .conftest import wait_until
