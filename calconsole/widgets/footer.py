@@ -7,8 +7,13 @@ it (the focused pane's keys come first, so the app's own go first); the ``?`` he
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from textual.widgets import Footer
 from textual.widgets._footer import FooterKey
+
+if TYPE_CHECKING:
+    from textual.screen import Screen
 
 
 class FittedFooter(Footer):
@@ -17,7 +22,28 @@ class FittedFooter(Footer):
     #: layout passes to wait for new entries to get their widths before giving up (a later resize fits again)
     FIT_TRIES = 20
 
+    #: what the entries were last composed from (see ``_entries``): a change of bindings that leaves them all
+    #: the same (focus moving between two inputs, a pane re-checking its actions) composes nothing
+    _composed: tuple[object, ...] | None = None
+
+    def _entries(self, screen: Screen[object]) -> tuple[object, ...]:
+        """What ``compose`` draws from ``screen``'s active bindings: key, shown label, action, enabled, tooltip,
+        group (in order), and whether the palette's entry is shown."""
+        return (self.show_command_palette, self.compact, tuple(
+            (b.key, b.key_display, b.description, b.action, b.show, enabled, tooltip, id(b.group))
+            for (_node, b, enabled, tooltip) in screen.active_bindings.values()))
+
+    def bindings_changed(self, screen: Screen[object]) -> None:
+        """Textual's footer composes its entries again on every change of bindings, each time a layout pass
+        of the whole screen; here only when an entry would differ."""
+        if self._bindings_ready and self.is_attached and screen is self.screen and screen.app.app_focus:
+            if self._entries(screen) == self._composed:
+                return
+        super().bindings_changed(screen)
+
     async def recompose(self) -> None:
+        if self.is_attached:
+            self._composed = self._entries(self.screen)
         await super().recompose()
         self.call_after_refresh(self._fit)  # the new entries have their widths after layout
 

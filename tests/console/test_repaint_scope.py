@@ -116,3 +116,40 @@ async def test_a_streaming_reply_redraws_the_chat_pane_and_not_the_maintenance_p
         assert await wait_for(pilot, lambda: chat.handle is None, timeout_s=60)
         log = app.query_one("#chat-log", WrapLog)
         assert await wait_for(pilot, lambda: not log.pending and 0 < log.max_scroll_y == log.scroll_y)
+
+
+async def test_the_footer_composes_again_only_when_an_entry_changes(system, quiet, monkeypatch):
+    # Textual's footer composed all its entries (and laid out the screen) on every change of bindings: three
+    # times for each confirmation opened and closed, ~250 ms an action at 160x48. Now only when an entry differs
+    from calconsole.panes.maintenance import MaintenancePane
+    from calconsole.widgets.confirm import AskModal
+    from calconsole.widgets.footer import FittedFooter
+
+    composed: list[int] = []
+    recompose = FittedFooter.recompose
+
+    async def counted(self):
+        composed.append(1)
+        await recompose(self)
+
+    monkeypatch.setattr(FittedFooter, "recompose", counted)
+    app = CalConsoleApp(system, load_layout("operator"))
+    async with app.run_test(size=(160, 48)) as pilot:
+        assert await wait_for(pilot, lambda: app.last_snapshot is not None)
+        quiet(app)
+        pane = app.query_one(MaintenancePane)
+        footer = app.screen_stack[0].query_one(FittedFooter)
+        pane.query_one("#m-log").focus()
+        await pilot.pause()
+        entries = [k.key for k in footer.query("FooterKey")]
+        composed.clear()
+        for _ in range(3):  # a question opened and cancelled: the same entries before and after
+            await pilot.press("x")
+            assert await wait_for(pilot, lambda: isinstance(app.screen, AskModal))
+            await pilot.press("escape")
+            assert await wait_for(pilot, lambda: not isinstance(app.screen, AskModal))
+            await pilot.pause()
+        assert composed == [] and [k.key for k in footer.query("FooterKey")] == entries
+        app.query_one("#chat-input").focus()  # another pane's keys: composed again, and they are shown
+        assert await wait_for(pilot, lambda: composed != [])
+        assert await wait_for(pilot, lambda: [k.key for k in footer.query("FooterKey")] != entries)
