@@ -19,6 +19,14 @@ if TYPE_CHECKING:
 class FittedFooter(Footer):
     """``Footer`` showing a leading run of whole key entries: those that fit beside the palette's entry."""
 
+    # what does not fit is hidden, so nothing is there to scroll to: no scrollbar shown and hidden again (each
+    # time a layout pass) between a composition and the fit that follows it
+    DEFAULT_CSS = """
+    FittedFooter {
+        overflow-x: hidden;
+    }
+    """
+
     #: layout passes to wait for new entries to get their widths before giving up (a later resize fits again)
     FIT_TRIES = 20
 

@@ -7,7 +7,7 @@ import re
 from textual.widgets import RichLog
 
 
-async def wait_for(pilot, cond, timeout_s: float = 20.0, step: float = 0.05) -> bool:
+async def wait_for(pilot, cond, timeout_s: float = 20.0, step: float = 0.02) -> bool:
     """Poll ``cond`` between UI pauses, bounded by ``timeout_s`` (host wall s)."""
     waited = 0.0
     while waited < timeout_s:

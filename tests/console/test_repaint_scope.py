@@ -17,6 +17,7 @@ from textual.widgets import Input, Static
 from calconsole.app import CalConsoleApp
 from calconsole.layout import load_layout
 from calconsole.panes.chat import STREAM_TAIL_CHARS, ChatPane
+from calconsole.widgets.footer import FittedFooter
 from calconsole.widgets.wraplog import WrapLog
 from sim_backend.device.clock import Pacing, PacingMode
 from tests.console.pilot_helpers import wait_for
@@ -64,6 +65,27 @@ class Frames:
         self.reflows, self.dirty = 0, []
 
 
+def pending(app) -> bool:
+    """Whether a widget of the screen (or one of its scrollbars, which are not in the DOM) has a layout pass to
+    ask for: asked before a count starts, it would be counted."""
+    for w in app.screen.walk_children(with_self=True):
+        for x in (w, w._horizontal_scrollbar, w._vertical_scrollbar, w._scrollbar_corner):
+            if x is not None and x._layout_required:
+                return True
+    return False
+
+
+async def settle(pilot, tries: int = 50) -> None:
+    """Pause until a pause starts and ends with no layout pass pending (a pass can ask for another: the footer's
+    fit changes its virtual size, which asks for one more)."""
+    for _ in range(tries):
+        before = pending(pilot.app)
+        await pilot.pause()
+        if not before and not pending(pilot.app):
+            return
+    raise AssertionError("the console kept asking for layout passes")
+
+
 async def test_typing_into_the_chat_input_lays_out_nothing_and_repaints_only_the_input(system, monkeypatch, quiet):
     app = CalConsoleApp(system, load_layout("operator"))
     async with app.run_test(size=(120, 36)) as pilot:
@@ -71,7 +93,11 @@ async def test_typing_into_the_chat_input_lays_out_nothing_and_repaints_only_the
         inp.focus()
         assert await wait_for(pilot, lambda: app.last_snapshot is not None)
         quiet(app)
-        await pilot.pause()
+        # settled first: the footer shows the input's keys (focusing it composes the footer again) and no widget
+        # has a layout pass pending (one asked for before the count would be counted)
+        footer = app.query_one(FittedFooter)
+        assert await wait_for(pilot, lambda: footer._composed == footer._entries(app.screen) and not pending(app))
+        await settle(pilot)
         frames = Frames(monkeypatch)
         await pilot.press(*"hello world, how are you")
         assert await wait_for(pilot, lambda: inp.value == "hello world, how are you")
@@ -123,7 +149,6 @@ async def test_the_footer_composes_again_only_when_an_entry_changes(system, quie
     # times for each confirmation opened and closed, ~250 ms an action at 160x48. Now only when an entry differs
     from calconsole.panes.maintenance import MaintenancePane
     from calconsole.widgets.confirm import AskModal
-    from calconsole.widgets.footer import FittedFooter
 
     composed: list[int] = []
     recompose = FittedFooter.recompose
