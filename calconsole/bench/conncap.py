@@ -33,6 +33,7 @@ from typing import Any
 
 from ..commands.common import fail, print_json
 from . import BenchParsers
+from .argcheck import out_of_bounds
 from .child import ServeChild, serve_child
 
 HALF_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: "
@@ -81,15 +82,7 @@ _INTS = ("addresses", "per_address", "cap", "probes", "clients", "files")
 
 def check_args(args: argparse.Namespace) -> str | None:
     """The first argument out of its bounds (``BOUNDS``), said as an error message; None when all are in."""
-    for name, (lo, hi) in BOUNDS.items():
-        v = getattr(args, name)
-        if v is None and name == "files":
-            continue
-        if name in _INTS and (isinstance(v, bool) or not isinstance(v, int)):
-            return f"--{name.replace('_', '-')} must be an integer, got {v!r}"
-        if not isinstance(v, (int, float)) or not lo <= v <= hi:  # NaN fails both comparisons
-            return f"--{name.replace('_', '-')} must be in {lo:g}..{hi:g}, got {v!r}"
-    return None
+    return out_of_bounds(args, BOUNDS, ints=_INTS, optional=("files",))
 
 
 def _connect_from(src: str) -> socket.socket:

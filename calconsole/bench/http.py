@@ -36,6 +36,7 @@ from typing import IO, Any
 
 from ..commands.common import fail, print_json
 from . import BenchParsers
+from .argcheck import out_of_bounds
 
 REQUEST = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 #: ``--http`` implementations of ``calconsole serve`` this bench knows
@@ -303,10 +304,8 @@ def summarise(name: str, windows: list[Window]) -> dict[str, Any]:
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    for name, (lo, hi) in LIMITS.items():
-        v = getattr(args, name)
-        if not lo <= v <= hi:
-            return f"--{name} must be in {lo}..{hi}, got {v}"
+    if (msg := out_of_bounds(args, LIMITS, ints=("clients", "rounds"))) is not None:
+        return msg
     impls = [x.strip() for x in args.http.split(",") if x.strip()]
     bad = [x for x in impls if x not in IMPLS]
     if bad or len(set(impls)) != len(impls):

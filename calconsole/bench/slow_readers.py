@@ -1,10 +1,10 @@
 """Slow readers of big replies: what they make a ``calconsole serve`` process hold.
 
 ``python -m calconsole.bench.slow_readers [--clients 20] [--hold 40] [--ids 500000] [--addresses 20]``
-starts ``calconsole serve --timing-only`` on an ephemeral 127.0.0.1 port, then opens ``clients``
-connections from ``addresses`` loopback source addresses that each POST ``/detokenize`` with ``ids``
-token ids (single digits: ~2 bytes of body an id, a 1 MB body for 500,000) and ``with_pieces``
-(~24 bytes of reply an id) and never read. The server's resident set (psutil, of the server
+starts ``calconsole serve --timing-only`` on an ephemeral 127.0.0.1 port (``bench.child.serve_child``),
+then opens ``clients`` connections from ``addresses`` loopback source addresses that each POST
+``/detokenize`` with ``ids`` token ids (single digits: ~2 bytes of body an id, a 1 MB body for 500,000) and
+``with_pieces`` (~24 bytes of reply an id) and never read. The server's resident set (psutil, of the server
 process) is sampled every 0.5 s wall while they hang for ``hold`` s and for 5 s after they close.
 Prints one JSON object: RSS before (MiB), the peak, the growth (peak - before), the RSS after the
 clients closed, and what each client found in its socket when it finally read (the status line, or
@@ -19,36 +19,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import re
 import socket
-import subprocess
-import sys
-import threading
 import time
 from typing import Any
 
 import psutil
 
-
-def start_server() -> tuple[subprocess.Popen[str], int]:
-    """``calconsole serve --timing-only --port 0`` in a child process; (process, port)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CALCONSOLE_")}
-    p = subprocess.Popen([sys.executable, "-m", "calconsole", "serve", "--port", "0", "--timing-only"],
-                         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    assert p.stderr is not None
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        line = p.stderr.readline()
-        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-        if m:
-            # drained from here on: a full pipe (~700 access-log lines) would block the server's writes
-            threading.Thread(target=lambda: [None for _ in p.stderr or ()], daemon=True).start()
-            return p, int(m.group(1))
-        if not line and p.poll() is not None:
-            break
-    p.kill()
-    raise RuntimeError("server did not start")
+from .child import serve_child
 
 
 def request_bytes(n_ids: int) -> bytes:
@@ -61,8 +38,12 @@ def request_bytes(n_ids: int) -> bytes:
 
 def run(clients: int, hold_s: float, n_ids: int, addresses: int = 1) -> dict[str, Any]:
     """The measurement (module docstring); RSS in MiB, times in wall s."""
-    p, port = start_server()
-    proc = psutil.Process(p.pid)
+    with serve_child() as child:
+        return _hang(child.port, psutil.Process(child.proc.pid), clients, hold_s, n_ids, addresses)
+
+
+def _hang(port: int, proc: psutil.Process, clients: int, hold_s: float, n_ids: int,
+          addresses: int) -> dict[str, Any]:
     samples: list[tuple[float, float]] = []
     t0 = time.monotonic()
 
@@ -71,48 +52,47 @@ def run(clients: int, hold_s: float, n_ids: int, addresses: int = 1) -> dict[str
         samples.append((round(time.monotonic() - t0, 1), round(mb, 1)))
         return mb
 
-    try:
-        time.sleep(1.0)
-        before = sample()
-        data = request_bytes(n_ids)
-        socks = []
-        for i in range(clients):
-            src = ("127.0.0.1" if addresses <= 1 else f"127.0.0.{10 + i % addresses}", 0)
-            s = socket.create_connection(("127.0.0.1", port), source_address=src)
-            s.sendall(data)  # the body is sent whole; the reply is never read
-            socks.append(s)
-        end = time.monotonic() + hold_s
-        while time.monotonic() < end:
-            sample()
-            time.sleep(0.5)
-        found = []
-        for s in socks:
-            s.setblocking(False)
-            try:
-                first = s.recv(64)
-                found.append(first.split(b"\r\n", 1)[0].decode("latin-1") or "closed")
-            except BlockingIOError:
-                found.append("nothing yet")
-            except OSError as e:
-                found.append(f"cut ({e.strerror})")
-            with contextlib.suppress(OSError):
-                s.close()
-        end = time.monotonic() + 5.0
-        while time.monotonic() < end:
-            sample()
-            time.sleep(0.5)
-        peak = max(mb for _, mb in samples)
-        return {"clients": clients, "ids": n_ids, "body_bytes": len(data), "hold_s": hold_s,
-                "rss_before_mb": round(before, 1), "rss_peak_mb": peak, "growth_mb": round(peak - before, 1),
-                "rss_after_close_mb": samples[-1][1],
-                "replies": {k: found.count(k) for k in sorted(set(found))}, "samples": samples,
-                "clock": "wall s host time; RSS MiB of the server process"}
-    finally:
-        p.terminate()
+    time.sleep(1.0)
+    before = sample()
+    data = request_bytes(n_ids)
+    socks = []
+    for i in range(clients):
+        src = ("127.0.0.1" if addresses <= 1 else f"127.0.0.{10 + i % addresses}", 0)
+        s = socket.create_connection(("127.0.0.1", port), source_address=src)
+        s.sendall(data)  # the body is sent whole; the reply is never read
+        socks.append(s)
+    end = time.monotonic() + hold_s
+    while time.monotonic() < end:
+        sample()
+        time.sleep(0.5)
+    found = []
+    for s in socks:
+        s.setblocking(False)
         try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
+            first = s.recv(64)
+            found.append(first.split(b"\r\n", 1)[0].decode("latin-1") or "closed")
+        except BlockingIOError:
+            found.append("nothing yet")
+        except OSError as e:
+            found.append(f"cut ({e.strerror})")
+        with contextlib.suppress(OSError):
+            s.close()
+    end = time.monotonic() + 5.0
+    while time.monotonic() < end:
+        sample()
+        time.sleep(0.5)
+    peak = max(mb for _, mb in samples)
+    return {"clients": clients, "ids": n_ids, "body_bytes": len(data), "hold_s": hold_s,
+            "rss_before_mb": round(before, 1), "rss_peak_mb": peak, "growth_mb": round(peak - before, 1),
+            "rss_after_close_mb": samples[-1][1],
+            "replies": {k: found.count(k) for k in sorted(set(found))}, "samples": samples,
+            "clock": "wall s host time; RSS MiB of the server process"}
+
+
+def _close_all(socks: list[socket.socket]) -> None:
+    for sk in socks:
+        with contextlib.suppress(OSError):
+            sk.close()
 
 
 def streams(non_readers: int = 8, hz: float = 2.0, wait_s: float = 60.0) -> dict[str, Any]:
@@ -120,9 +100,10 @@ def streams(non_readers: int = 8, hz: float = 2.0, wait_s: float = 60.0) -> dict
     new stream from 127.0.0.1 tried every 1 s: the wall s until it gets 200 (None: not within ``wait_s``)."""
     import httpx
 
-    p, port = start_server()
-    socks = []
-    try:
+    socks: list[socket.socket] = []
+    with serve_child() as child, contextlib.ExitStack() as closing:
+        port = child.port
+        closing.callback(_close_all, socks)
         for i in range(non_readers):
             sk = socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{10 + i}", 0))
             sk.sendall(f"GET /snapshot/stream?hz={hz:g} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
@@ -140,14 +121,6 @@ def streams(non_readers: int = 8, hz: float = 2.0, wait_s: float = 60.0) -> dict
         return {"non_readers": non_readers, "hz": hz, "first_200_after_s": ok[0] if ok else None,
                 "tries": len(tries), "refused": sum(st == 503 for _, st in tries),
                 "clock": "wall s host time, from 1 s after the non-readers opened their streams"}
-    finally:
-        for sk in socks:
-            sk.close()
-        p.terminate()
-        try:
-            p.wait(30)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def main(argv: list[str] | None = None) -> int:
