@@ -112,21 +112,35 @@ def run_cell(stage: Stage, mix: str, clients: int, *, requests_per_client: int =
     with build_system(stage.bundle_dir, pacing=Pacing(PacingMode.FAST), numerics=False, n_slots=clients,
                       queue_limit=clients, max_inflight=2 if stage.overlap else 1, maintenance=False,
                       variant=None if stage.variant.is_default else stage.variant, slo=slo) as s:
-        counter = iter(range(clients * requests_per_client))
+        def request(i: int) -> ChatRequest:
+            long_ = mix == "long" or (mix == "mixed" and i % 10 == 9)
+            return ChatRequest(messages=(), prompt_tokens=_prompt_tokens(i, long_prompt if long_ else short_prompt),
+                               max_tokens=max_tokens, cache_prompt=False,
+                               sampling=SamplingParams(temperature=0.0, seed=i))
 
-        def client() -> None:
-            for _ in range(requests_per_client):
+        counter = iter(range(clients, clients * requests_per_client))
+
+        def client(first: Any) -> None:
+            try:
+                r = first.result(timeout_s)
+            except BaseException:
+                first.cancel("roadmap client interrupted")
+                raise
+            with lock:
+                results.append(r)
+            for _ in range(requests_per_client - 1):
                 with lock:
                     i = next(counter)
-                long_ = mix == "long" or (mix == "mixed" and i % 10 == 9)
-                req = ChatRequest(messages=(), prompt_tokens=_prompt_tokens(i, long_prompt if long_ else short_prompt),
-                                  max_tokens=max_tokens, cache_prompt=False,
-                                  sampling=SamplingParams(temperature=0.0, seed=i))
-                r = s.inference.generate(req, timeout_s)
+                r = s.inference.generate(request(i), timeout_s)
                 with lock:
                     results.append(r)
 
-        threads = [threading.Thread(target=client, name=f"roadmap-client-{c}", daemon=True) for c in range(clients)]
+        # every client's first request submitted here, back to back, before any client waits: the clients start
+        # together on the simulated clock whatever the host's thread scheduling (threads started one by one
+        # sometimes found the first 4-token reply already done, and a batch stage measured occupancy 1)
+        firsts = [s.inference.submit(request(c)) for c in range(clients)]
+        threads = [threading.Thread(target=client, args=(h,), name=f"roadmap-client-{c}", daemon=True)
+                   for c, h in enumerate(firsts)]
         for t in threads:
             t.start()
         for t in threads:
