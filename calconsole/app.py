@@ -35,7 +35,7 @@ from .gcpolicy import GCPolicy
 from .layout import Layout
 from .messages import SnapshotReady
 from .panes.chat import ChatPane
-from .panes.focus import FOCUS_TARGET, HELP_BINDING, PANE_BINDINGS, focus_pane
+from .panes.focus import HELP_BINDING, PANE_BINDINGS, focus_pane
 from .panes.observation import ObservationPane
 from .settings import COMPACT_BELOW, HISTORY_WINDOWS_S, PANE_MODES, Settings, save_settings
 from .widgets import server as server_render
@@ -452,10 +452,6 @@ class CalConsoleApp(App[None]):
         if bar.plain != self._topbar_text:  # an idle console redraws nothing
             self._topbar_text = bar.plain
             self._topbar.update(bar, layout=False)
-
-
-    # the widget each pane's focus key lands on
-    FOCUS_TARGET = FOCUS_TARGET
 
     def action_focus_pane(self, name: str) -> None:
         """Focus a pane: its main input, or its first enabled focusable widget. One pane at a time: show it

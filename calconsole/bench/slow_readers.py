@@ -89,25 +89,17 @@ def _hang(port: int, proc: psutil.Process, clients: int, hold_s: float, n_ids: i
             "clock": "wall s host time; RSS MiB of the server process"}
 
 
-def _close_all(socks: list[socket.socket]) -> None:
-    for sk in socks:
-        with contextlib.suppress(OSError):
-            sk.close()
-
-
 def streams(non_readers: int = 8, hz: float = 2.0, wait_s: float = 60.0) -> dict[str, Any]:
     """``non_readers`` snapshot streams (each from its own address, 127.0.0.10, ...) that never read, then a
     new stream from 127.0.0.1 tried every 1 s: the wall s until it gets 200 (None: not within ``wait_s``)."""
     import httpx
 
-    socks: list[socket.socket] = []
-    with serve_child() as child, contextlib.ExitStack() as closing:
+    with serve_child() as child, contextlib.ExitStack() as closing:  # the sockets close before the server stops
         port = child.port
-        closing.callback(_close_all, socks)
         for i in range(non_readers):
-            sk = socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{10 + i}", 0))
+            sk = closing.enter_context(
+                socket.create_connection(("127.0.0.1", port), source_address=(f"127.0.0.{10 + i}", 0)))
             sk.sendall(f"GET /snapshot/stream?hz={hz:g} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
-            socks.append(sk)
         time.sleep(1.0)
         t0 = time.monotonic()
         tries: list[tuple[float, int]] = []
