@@ -294,3 +294,35 @@ def test_closing_the_system_with_a_step_hung_in_the_worker_is_bounded(tmp_path):
     assert not closer.is_alive()
     res = h.result(10)
     assert res.status in ("cancelled", "failed")
+
+
+def test_worker_cpu_is_read_finer_than_clock_ticks():
+    # psutil's user + system of another process counts 10 ms ticks: a 2-step bench run read 0.0 ms of worker
+    # CPU. schedstat counts ns: a little work shows, and a process that is not there reads as unknown
+    import subprocess
+    import sys
+
+    from sim_backend.device.numerics_worker import _schedstat_ns
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("schedstat is Linux's")
+    # a child that works a little on each line it reads and answers: read while it waits, as the bench reads
+    # the worker's between steps
+    child = subprocess.Popen([sys.executable, "-c", "import sys\nfor line in sys.stdin:\n"
+                              "    sum(i * i for i in range(20_000)); print('done', flush=True)"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdin is not None and child.stdout is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "done\n"  # started and waiting again
+        a = _schedstat_ns(child.pid)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "done\n"
+        b = _schedstat_ns(child.pid)
+        assert a is not None and b is not None and b > a, (a, b)
+    finally:
+        child.kill()
+        child.wait(10)
+    assert _schedstat_ns(None) is None and _schedstat_ns(2**22 + 12345) is None
